@@ -1,0 +1,255 @@
+"""The one config mechanism: a typed schema, YAML files, dotted overrides and validation.
+
+Every error a user can fix is raised as `ConfigError` with one line that names the key;
+the CLI turns it into exit code 2 before any worker exists.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+_RECOMPUTE = re.compile(r"^(none|full|selective|every:[1-9][0-9]*)$")
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's config: one line, names the key, says how to fix it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: str = "gpt"
+    """Built-in model to train (see `meshrun.models.BUILTIN`); ignored when `factory` is set."""
+    factory: str | None = None
+    """`package.module:function` that builds your own model from this section (see models/__init__.py)."""
+    num_layers: int = Field(4, ge=1)
+    """Number of Transformer blocks."""
+    dim: int = Field(128, ge=1)
+    """Hidden width."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads; must divide `dim`."""
+    seq_len: int = Field(128, ge=2)
+    """Tokens per sample (context length)."""
+    vocab_size: int = Field(256, ge=2)
+    """Vocabulary size; 256 for the byte-level datasets made by `meshrun prepare-data`."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability (0 keeps runs deterministic across layouts)."""
+    options: dict[str, Any] = {}
+    """Free-form extra arguments for a custom `factory`."""
+
+    @model_validator(mode="after")
+    def _heads_divide_dim(self) -> "ModelConfig":
+        if self.dim % self.num_heads:
+            raise ValueError(f"model.num_heads ({self.num_heads}) must divide model.dim ({self.dim})")
+        return self
+
+
+class DataConfig(_Section):
+    dir: str | None = None
+    """Folder with train.bin/val.bin from `meshrun prepare-data`; None = a cache folder for the embedded corpus."""
+    sources: list[str] = []
+    """Files or globs to prepare when `dir` is empty; empty = the Python standard library's .py files."""
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    """Share of the prepared bytes held out for validation."""
+
+
+class ParallelConfig(_Section):
+    dp: int = Field(1, ge=1)
+    """Data-parallel degree (DDP replicas)."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel degree (stages over Transformer blocks)."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule from torch.distributed.pipelining (used when pp > 1)."""
+    virtual_stages: int | None = Field(None, ge=1)
+    """Stages per rank: 1 for gpipe/1f1b; default 2 for interleaved-1f1b and zero-bubble."""
+    stage_layers: list[list[int]] | None = None
+    """Explicit blocks per stage, e.g. [[0, 1, 2], [3]]; overrides `balance`."""
+    balance: Literal["even", "time", "size"] = "even"
+    """How to split blocks: even (embedding and head weigh one block each), or measured time / size (fairscale)."""
+
+
+class TrainConfig(_Section):
+    global_batch: int = Field(8, ge=1)
+    """Samples per optimizer step, summed over all data-parallel ranks and micro-steps."""
+    micro_batch: int = Field(2, ge=1)
+    """Samples per forward/backward on one rank; accumulation = global_batch / (micro_batch * dp)."""
+    steps: int = Field(50, ge=1)
+    """Optimizer steps to run."""
+    lr: float = Field(1e-3, gt=0.0)
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Cosine decay floor as a fraction of `lr`."""
+    warmup_steps: int = Field(5, ge=0)
+    """Linear warmup steps before cosine decay."""
+    weight_decay: float = Field(0.1, ge=0.0)
+    """AdamW weight decay (not applied to norms and biases)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    eval_interval: int = Field(25, ge=0)
+    """Run validation every N steps and at the end; 0 disables validation."""
+    eval_batches: int = Field(2, ge=1)
+    """Global batches of validation data per evaluation."""
+    log_interval: int = Field(5, ge=1)
+    """Log metrics every N steps."""
+    seed: int = 1337
+    """Seed for weights (per layer, so any layout starts identical) and data order."""
+
+
+class AmpConfig(_Section):
+    init_scale: float = Field(2.0**16, gt=0.0)
+    """fp16 GradScaler initial loss scale."""
+    growth_interval: int = Field(2000, ge=1)
+    """fp16 GradScaler: steps without overflow before the scale grows."""
+
+
+class TrackerConfig(_Section):
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    """wandb mode; `online` without an API key falls back to offline. WANDB_MODE overrides it."""
+    project: str = "meshrun"
+    """wandb project."""
+    name: str | None = None
+    """wandb run name; None = the run directory's name."""
+    entity: str | None = None
+    """wandb entity (team or user)."""
+
+
+class MetricsConfig(_Section):
+    peak_tflops: float | None = Field(None, gt=0.0)
+    """Peak TFLOP/s of one device for MFU; None = look the GPU up in a table (unknown on CPU)."""
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    train: TrainConfig = TrainConfig()
+    precision: Precision = "fp32"
+    """Autocast dtype for forward/backward: fp32 (off), bf16, or fp16 with a GradScaler."""
+    amp: AmpConfig = AmpConfig()
+    recompute: str = "none"
+    """Activation recompute: none | full | every:N (every Nth block) | selective (keep matmul outputs)."""
+    tracker: TrackerConfig = TrackerConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    run_dir: str = "runs/default"
+    """Where config.json, metrics.jsonl, plots (and later checkpoints) go."""
+
+    @field_validator("recompute")
+    @classmethod
+    def _recompute_policy(cls, value: str) -> str:
+        if not _RECOMPUTE.match(value):
+            raise ValueError("recompute must be one of none, full, selective, every:N (N >= 1)")
+        return value
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.dp * self.parallel.pp
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step on one rank (= pipeline microbatches when pp > 1)."""
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch * self.model.seq_len
+
+    def check_batch_maths(self) -> None:
+        """Refuse batch sizes that do not split evenly over data-parallel ranks and micro-steps."""
+        t, dp = self.train, self.parallel.dp
+        if t.global_batch % (t.micro_batch * dp):
+            raise ConfigError(
+                f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch x parallel.dp "
+                f"({t.micro_batch} x {dp} = {t.micro_batch * dp}); change one of these keys"
+            )
+
+
+def default_config_text() -> str:
+    return resources.files("meshrun").joinpath("configs/default.yaml").read_text()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """YAML file (or the packaged default) + `key.path=value` overrides -> validated Config."""
+    if path is None:
+        raw, where = default_config_text(), "default config"
+    else:
+        try:
+            raw, where = Path(path).read_text(), str(path)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(raw) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{where} is not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a YAML mapping of sections (model:, train:, ...)")
+    for item in overrides:
+        _apply_override(data, item)
+    cfg = validate(data)
+    cfg.check_batch_maths()
+    return cfg
+
+
+def validate(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc.errors()[0])) from None
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r} must look like key.path=value (for example train.lr=3e-4)")
+    node = data
+    *parents, leaf = key.strip().split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part} is not a section")
+        node = child
+    try:
+        node[leaf] = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        node[leaf] = text
+
+
+def _explain(error: dict[str, Any]) -> str:
+    loc = [str(p) for p in error["loc"]]
+    key = ".".join(loc) or "config"
+    if error["type"] == "extra_forbidden":
+        section = _section_at(loc[:-1])
+        known = list(section.model_fields) if section else []
+        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.5)
+        hint = f"did you mean {'.'.join(loc[:-1] + close)}?" if close else f"known keys: {', '.join(known)}"
+        return f"unknown config key {key}: {hint}"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"].startswith("value_error") or error["type"] == "assertion_error":
+        return f"invalid {key}: {message}"
+    return f"invalid {key}: {message} (got {json.dumps(error.get('input'), default=str)})"
+
+
+def _section_at(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model

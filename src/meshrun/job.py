@@ -1,0 +1,99 @@
+"""What `meshrun train` does: check everything, then launch workers or be one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+import yaml
+
+from meshrun.config import Config, ConfigError
+from meshrun.data.dataset import check_data_dir
+from meshrun.data.prepare import default_sources, is_prepared, prepare
+from meshrun.distributed import in_launched_worker, init_mesh, shutdown
+from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
+from meshrun.metrics.report import say
+from meshrun.models import build_model
+from meshrun.parallel.plan import validate_layout
+
+
+def data_dir(cfg: Config) -> Path:
+    if cfg.data.dir is not None:
+        return Path(cfg.data.dir)
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "meshrun" / "stdlib-bytes"
+
+
+def ensure_data(cfg: Config) -> Path:
+    """Prepare the embedded corpus (or `data.sources`) on first use; never touch existing data."""
+    path = data_dir(cfg)
+    if not is_prepared(path):
+        if cfg.data.dir is not None and not cfg.data.sources:
+            raise ConfigError(f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data --out {path}` or set data.sources")
+        say(f"preparing byte-level data in {path} (first use)")
+        prepare(cfg.data.sources or default_sources(), path, val_fraction=cfg.data.val_fraction)
+    check_data_dir(path, cfg.model.seq_len)
+    return path
+
+
+def preflight(cfg: Config) -> None:
+    """Every check that needs no worker: layout, model protocol, run directory."""
+    validate_layout(cfg)
+    with torch.device("meta"):
+        build_model(cfg.model)
+    if (Path(cfg.run_dir) / "config.json").exists():
+        raise ConfigError(f"run_dir {cfg.run_dir} already holds a run; set run_dir to a new folder or delete it")
+    if in_launched_worker() and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
+        raise ConfigError(
+            f"world size {os.environ['WORLD_SIZE']} does not match parallel.dp x parallel.pp = "
+            f"{cfg.parallel.dp} x {cfg.parallel.pp}; launch {cfg.world_size} processes or change parallel.dp / parallel.pp"
+        )
+
+
+def describe(cfg: Config) -> str:
+    """The resolved config, the process layout and the batch maths (for --dry-run)."""
+    par, train = cfg.parallel, cfg.train
+    lines = [yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip(), "", "layout:"]
+    lines.append(f"  world size {cfg.world_size} = dp {par.dp} x pp {par.pp} (rank = pp_rank * dp + dp_rank)")
+    for stage in range(par.pp):
+        ranks = list(range(stage * par.dp, (stage + 1) * par.dp))
+        lines.append(f"  pipeline rank {stage}: ranks {ranks}")
+    lines += [
+        "batch:",
+        f"  global batch {train.global_batch} samples = micro batch {train.micro_batch} x dp {par.dp} "
+        f"x accumulation {cfg.accumulation_steps}",
+        f"  tokens per step {cfg.tokens_per_step} (seq_len {cfg.model.seq_len})",
+    ]
+    return "\n".join(lines)
+
+
+def train(cfg: Config, worker_args: list[str]) -> int:
+    preflight(cfg)
+    if in_launched_worker():
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            ensure_data(cfg)
+        return run_worker(cfg)
+    ensure_data(cfg)
+    if cfg.world_size == 1:
+        return run_worker(cfg)
+    argv = torchrun_argv(cfg, worker_args)
+    say(f"starting {cfg.world_size} workers: {' '.join(argv[1:])}")
+    return subprocess.call(argv, env={**os.environ, **WORKER_ENV})
+
+
+def run_worker(cfg: Config) -> int:
+    from meshrun.training.trainer import Trainer  # heavy imports only in workers
+
+    mesh = init_mesh(dp=cfg.parallel.dp, pp=cfg.parallel.pp)
+    trainer = None
+    try:
+        torch.distributed.barrier()  # data prepared by every node's local rank 0
+        trainer = Trainer(cfg, mesh, data_dir(cfg))
+        trainer.train()
+        return 0
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown()

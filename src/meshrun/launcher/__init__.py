@@ -1,0 +1,1 @@
+"""Pure functions from a config to the command lines that start its workers."""

@@ -1,0 +1,1 @@
+"""Measuring a run (throughput, MFU, memory) and sending the numbers somewhere (trackers, plots)."""

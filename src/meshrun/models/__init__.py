@@ -1,0 +1,59 @@
+"""Models and the small protocol every model follows so meshrun can split it into pipeline stages.
+
+A model is an `nn.Module` with:
+
+- `embed`: module or None. Maps the model input (token ids) to hidden states.
+- `blocks`: `nn.ModuleDict` keyed "0", "1", ... in execution order. Keys are global layer
+  indices, so parameter names (and checkpoints) survive pruning to a stage.
+- `norm`, `head`: modules or None. Final norm and output projection (hidden -> logits).
+- `forward(x)`: runs whatever of embed -> blocks -> norm -> head is present, skipping the
+  parts a stage does not own (None, or removed from `blocks`).
+- `init_weights(seed)`: initialises the parts present; each parameter's values depend only on
+  the seed and its name, never on which other parts exist.
+- `flops_per_token()`: training FLOPs per token of the whole model (for MFU).
+
+Built-in models are listed in `BUILTIN`; `model.factory: "pkg.module:function"` builds your
+own: the function receives the `ModelConfig` and returns such a module. Build happens on the
+meta device, so constructors must not initialise values themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from torch import nn
+
+from meshrun.config import ConfigError, ModelConfig
+from meshrun.models.gpt import GPT
+
+BUILTIN: dict[str, Callable[[ModelConfig], nn.Module]] = {"gpt": GPT}
+PROTOCOL = ("embed", "blocks", "norm", "head", "init_weights", "flops_per_token")
+
+
+def resolve_factory(cfg: ModelConfig) -> Callable[[ModelConfig], nn.Module]:
+    """Find the constructor named by the config; errors name model.name / model.factory."""
+    if cfg.factory is None:
+        if cfg.name not in BUILTIN:
+            raise ConfigError(f"invalid model.name {cfg.name!r}: choose one of {', '.join(BUILTIN)} or set model.factory")
+        return BUILTIN[cfg.name]
+    module_name, sep, attr = cfg.factory.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"invalid model.factory {cfg.factory!r}: expected 'package.module:function'")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"invalid model.factory {cfg.factory!r}: {exc}") from None
+    if not callable(factory):
+        raise ConfigError(f"invalid model.factory {cfg.factory!r}: {attr} is not callable")
+    return factory
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Construct the model (call under `torch.device("meta")`) and check it follows the protocol."""
+    model = resolve_factory(cfg)(cfg)
+    missing = [name for name in PROTOCOL if not hasattr(model, name)]
+    if missing or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
+        what = ", ".join(missing) or "blocks as nn.ModuleDict"
+        raise ConfigError(f"model from {cfg.factory or cfg.name} does not follow the model protocol (missing {what})")
+    return model

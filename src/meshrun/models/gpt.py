@@ -1,0 +1,108 @@
+"""A GPT-style decoder-only Transformer. No distributed code lives here.
+
+Follows the model protocol in `meshrun.models`: `embed`, `blocks` (ModuleDict keyed str(i)),
+`norm`, `head`; each may be pruned away (set to None / deleted) for a pipeline stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshrun.config import ModelConfig
+from meshrun.models.init import seeded_normal_
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(positions))  # (B, T, C)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.dropout = cfg.num_heads, cfg.dropout
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)  # (B, H, T, D) each
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.proj = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm residual block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.dim), Attention(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.dim), MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed: nn.Module | None = Embedding(cfg)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.norm: nn.Module | None = nn.LayerNorm(cfg.dim)
+        # Not tied to the embedding: the two usually live on different pipeline stages.
+        self.head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V); a pruned stage maps hidden (B, T, C) -> hidden."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise the parts present, each from its own seed, so any pipeline split starts identical."""
+        std, depth_std = 0.02, 0.02 / (2 * self.cfg.num_layers) ** 0.5
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                # Residual output projections get the GPT-2 depth-scaled std.
+                seeded_normal_(module.weight, seed, name, std=depth_std if name.endswith(".proj") else std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 x matmul params + causal attention (PaLM appendix B)."""
+        matmul_params = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("embed."))
+        c = self.cfg
+        return 6.0 * matmul_params + 12.0 * c.num_layers * c.dim * c.seq_len

@@ -1,0 +1,92 @@
+"""Turn a model config into this rank's trainable part of the dp x pp mesh.
+
+`parallelize` applies the steps in one fixed order:
+  1. build the whole model on the meta device (no memory, no init cost);
+  2. keep only this rank's pipeline stage(s) (embedding first, norm + head last);
+  3. materialise on the device and initialise (per-parameter seeds: layout independent);
+  4. wrap blocks for activation recompute;
+  5. wrap each stage in DDP over the dp group (when dp > 1);
+  6. pp > 1: PipelineStage + a torch.distributed.pipelining schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from meshrun.config import Config
+from meshrun.distributed import Mesh
+from meshrun.models import build_model
+from meshrun.parallel.pipeline import PipelineModel, plan_for
+from meshrun.parallel.recompute import apply_recompute
+from meshrun.training.loss import MicrobatchLoss
+
+AmpContext = Callable[[], contextlib.AbstractContextManager]
+
+
+class LocalModel:
+    """pp = 1: gradient accumulation over microbatches, DDP all-reduce only on the last one."""
+
+    def __init__(self, part: nn.Module, wrapped: nn.Module, *, loss: MicrobatchLoss, amp: AmpContext) -> None:
+        self.parts, self.wrapped, self.loss, self.amp = [part], wrapped, loss, amp
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Accumulate gradients of the whole local batch; returns its (unscaled) loss."""
+        n, losses = self.loss.num_microbatches, []
+        ddp = isinstance(self.wrapped, DistributedDataParallel)
+        for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
+            with self.wrapped.no_sync() if ddp and i < n - 1 else contextlib.nullcontext():
+                with self.amp():
+                    logits = self.wrapped(xm)
+                loss = self.loss(logits, ym)
+                loss.backward()
+            losses.append(loss)
+        return self.loss.unscaled(losses)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        n = self.loss.num_microbatches
+        with self.amp():
+            return self.loss.unscaled([self.loss(self.wrapped(xm), ym) for xm, ym in zip(x.chunk(n), y.chunk(n))])
+
+    def train(self, mode: bool = True) -> None:
+        self.wrapped.train(mode)
+
+
+def materialise_part(cfg: Config, device: torch.device, *, layers: list[int] | None, first: bool, last: bool) -> nn.Module:
+    """Steps 1-4 for one stage (layers=None: the whole model)."""
+    with torch.device("meta"):
+        part = build_model(cfg.model)
+    if layers is not None:
+        keep = {str(i) for i in layers}
+        for key in [k for k in part.blocks if k not in keep]:
+            del part.blocks[key]
+        part.embed = part.embed if first else None
+        part.norm, part.head = (part.norm, part.head) if last else (None, None)
+    part.to_empty(device=device)
+    part.init_weights(cfg.train.seed)
+    apply_recompute(part.blocks, cfg.recompute)
+    return part
+
+
+def wrap_ddp(part: nn.Module, mesh: Mesh) -> nn.Module:
+    if mesh.dp == 1:
+        return part
+    device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
+    return DistributedDataParallel(part, process_group=mesh.dp_group, device_ids=device_ids)
+
+
+def parallelize(cfg: Config, mesh: Mesh, *, loss: MicrobatchLoss, amp: AmpContext) -> LocalModel | PipelineModel:
+    if mesh.pp == 1:
+        part = materialise_part(cfg, mesh.device, layers=None, first=True, last=True)
+        return LocalModel(part, wrap_ddp(part, mesh), loss=loss, amp=amp)
+    plan = plan_for(cfg, mesh)
+    parts = [
+        materialise_part(cfg, mesh.device, layers=plan.split[i], first=i == 0, last=i == plan.num_stages - 1)
+        for i in plan.local_stages
+    ]
+    return PipelineModel(cfg, mesh, plan, parts, [wrap_ddp(p, mesh) for p in parts], loss=loss, amp=amp)

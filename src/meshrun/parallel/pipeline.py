@@ -1,0 +1,121 @@
+"""Pipeline parallelism over Transformer blocks with torch.distributed.pipelining.
+
+Stages are this rank's model parts (each possibly DDP-wrapped; PipelineStage runs DDP's
+no_sync on all but the last microbatch). The schedule receives the whole local batch and
+splits it into `accumulation_steps` microbatches: accumulation *is* microbatching here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from meshrun.config import Config
+from meshrun.distributed import Mesh
+from meshrun.parallel.plan import check_split, even_split, stage_ids, stages_per_rank
+from meshrun.training.loss import MicrobatchLoss
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+}
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    split: list[list[int]]  # blocks of every stage, in pipeline order
+    local_stages: list[int]  # stage indices this rank runs
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.split)
+
+
+def plan_for(cfg: Config, mesh: Mesh) -> StagePlan:
+    """The same split on every rank: explicit, even, or measured on rank 0 and broadcast."""
+    par = cfg.parallel
+    per_rank = stages_per_rank(par.schedule, par.virtual_stages)
+    num_stages = par.pp * per_rank
+    if par.stage_layers is not None:
+        split = check_split(par.stage_layers, cfg.model.num_layers, num_stages)
+    elif par.balance == "even":
+        split = even_split(cfg.model.num_layers, num_stages)
+    else:
+        from meshrun.parallel.balance import measured_split  # fairscale: only when asked for
+
+        box = [measured_split(cfg, num_stages, by=par.balance) if mesh.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        split = box[0]
+    return StagePlan(split=split, local_stages=stage_ids(mesh.pp_rank, par.pp, per_rank))
+
+
+class PipelineModel:
+    """pp > 1: one schedule step runs all microbatches' forward and backward on every stage."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        plan: StagePlan,
+        parts: list[nn.Module],
+        wrapped: list[nn.Module],
+        *,
+        loss: MicrobatchLoss,
+        amp: Callable[[], contextlib.AbstractContextManager],
+    ) -> None:
+        self.parts, self.wrapped, self.loss, self.amp, self.plan = parts, wrapped, loss, amp, plan
+        self.device = mesh.device
+        self.stages = [
+            PipelineStage(module, index, plan.num_stages, mesh.device, group=mesh.pp_group)
+            for module, index in zip(wrapped, plan.local_stages)
+        ]
+        schedule_cls = SCHEDULES[cfg.parallel.schedule]
+        single = cfg.parallel.schedule in ("gpipe", "1f1b")
+        self.schedule = schedule_cls(
+            self.stages[0] if single else self.stages,
+            n_microbatches=loss.num_microbatches,
+            loss_fn=loss,
+            scale_grads=False,  # MicrobatchLoss already divides by the microbatch count
+        )
+        self.has_first = 0 in plan.local_stages
+        self.has_last = plan.num_stages - 1 in plan.local_stages
+
+    def _inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
+        return ((x,) if self.has_first else ()), (y if self.has_last else None)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Run the schedule; returns the local batch's (unscaled) loss on the last stage, else 0."""
+        args, target = self._inputs(x, y)
+        losses: list[torch.Tensor] = []
+        with self.amp():
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        return self._total(losses)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        args, target = self._inputs(x, y)
+        losses: list[torch.Tensor] = []
+        with self.amp():
+            self.schedule.eval(*args, target=target, losses=losses)
+        return self._total(losses)
+
+    def _total(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        return self.loss.unscaled(losses) if self.has_last else torch.zeros((), device=self.device)
+
+    def train(self, mode: bool = True) -> None:
+        for module in self.wrapped:
+            module.train(mode)

@@ -1,0 +1,99 @@
+"""Pure stage planning: which Transformer blocks each pipeline stage owns.
+
+Stages hold contiguous blocks in order, every block exactly once, at least one block each.
+When splitting evenly the embedding (first stage) and head (last stage) each weigh one block:
+8 blocks over 4 stages gives [0], [1, 2, 3], [4, 5, 6], [7].
+"""
+
+from __future__ import annotations
+
+from meshrun.config import Config, ConfigError
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def stages_per_rank(schedule: str, requested: int | None) -> int:
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        if requested not in (None, 1):
+            raise ConfigError(f"parallel.virtual_stages must be 1 for schedule {schedule}; use interleaved-1f1b for more")
+        return 1
+    return requested or 2
+
+
+def even_split(num_layers: int, num_stages: int) -> list[list[int]]:
+    """Contiguous blocks per stage, balancing blocks + embedding (stage 0) + head (last stage)."""
+    if num_stages > num_layers:
+        raise ConfigError(
+            f"{num_stages} pipeline stages need at least as many blocks, but model.num_layers is {num_layers}; "
+            "lower parallel.pp / parallel.virtual_stages or add layers"
+        )
+    units = num_layers + 2  # embedding and head weigh one block each
+    bounds, start = [], 0
+    for stage in range(num_stages):
+        end_unit = round(units * (stage + 1) / num_stages)
+        end = min(end_unit - 1, num_layers - (num_stages - stage - 1))  # unit 0 is the embedding
+        end = max(end, start + 1)  # at least one block per stage
+        bounds.append(list(range(start, end)))
+        start = end
+    bounds[-1].extend(range(start, num_layers))
+    return bounds
+
+
+def check_split(split: list[list[int]], num_layers: int, num_stages: int) -> list[list[int]]:
+    """An explicit `parallel.stage_layers`: contiguous, in order, covering every block once."""
+    if len(split) != num_stages:
+        raise ConfigError(f"parallel.stage_layers has {len(split)} stages but the pipeline has {num_stages}")
+    flat = [layer for stage in split for layer in stage]
+    if any(not stage for stage in split):
+        raise ConfigError("parallel.stage_layers: every stage needs at least one block")
+    if flat != list(range(num_layers)):
+        raise ConfigError(
+            f"parallel.stage_layers must list blocks 0..{num_layers - 1} each exactly once, in order; got {split}"
+        )
+    return split
+
+
+def sizes_to_split(sizes: list[int]) -> list[list[int]]:
+    split, start = [], 0
+    for size in sizes:
+        split.append(list(range(start, start + size)))
+        start += size
+    return split
+
+
+def stage_ids(pp_rank: int, pp: int, per_rank: int) -> list[int]:
+    """Stages held by a rank: loop style (rank r holds r, r + pp, ...) for interleaved schedules."""
+    return [pp_rank + v * pp for v in range(per_rank)]
+
+
+def check_microbatches(schedule: str, num_microbatches: int, pp: int) -> None:
+    """Refuse microbatch counts a schedule cannot run, stating its rule."""
+    if schedule == "1f1b" and num_microbatches < pp:
+        raise ConfigError(
+            f"schedule 1f1b needs at least parallel.pp = {pp} microbatches, got {num_microbatches} "
+            "(microbatches = train.global_batch / (train.micro_batch x parallel.dp))"
+        )
+    if schedule in ("interleaved-1f1b", "zero-bubble") and num_microbatches % pp:
+        raise ConfigError(
+            f"schedule {schedule} needs microbatches to be a multiple of parallel.pp = {pp}, got {num_microbatches} "
+            "(microbatches = train.global_batch / (train.micro_batch x parallel.dp))"
+        )
+
+
+def validate_layout(cfg: Config) -> None:
+    """Every layout check that needs no process: run before spawning workers."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return
+    per_rank = stages_per_rank(par.schedule, par.virtual_stages)
+    num_stages = par.pp * per_rank
+    if par.stage_layers is not None:
+        check_split(par.stage_layers, cfg.model.num_layers, num_stages)
+    else:
+        even_split(cfg.model.num_layers, num_stages)
+    check_microbatches(par.schedule, cfg.accumulation_steps, par.pp)
+    if par.schedule == "zero-bubble" and par.dp > 1:
+        raise ConfigError(
+            "schedule zero-bubble with parallel.dp > 1 is refused: its split weight-gradient backward bypasses "
+            "DDP's all-reduce hooks (pytorch #144530); use interleaved-1f1b or set parallel.dp=1"
+        )

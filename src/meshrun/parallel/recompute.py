@@ -1,0 +1,47 @@
+"""Activation recompute policies applied per Transformer block.
+
+Blocks are chosen by their global layer index (the ModuleDict key), so `every:2` recomputes
+the same blocks whatever the pipeline split. Wrapping uses torch's checkpoint wrapper, whose
+state-dict hooks keep parameter names unchanged (checkpoints do not see the wrapper).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Selective: keep the outputs of the expensive ops (matmuls, attention) and recompute the
+# cheap elementwise ones (GELU, LayerNorm, dropout, residual adds) in backward.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def wants_recompute(policy: str, layer: int) -> bool:
+    if policy in ("full", "selective"):
+        return True
+    if policy.startswith("every:"):
+        return layer % int(policy.split(":")[1]) == 0
+    return False
+
+
+def apply_recompute(blocks: nn.ModuleDict, policy: str) -> None:
+    """Wrap the blocks the policy selects with non-reentrant torch.utils.checkpoint."""
+    extra = {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls)} if policy == "selective" else {}
+    for key in list(blocks.keys()):
+        if wants_recompute(policy, int(key)):
+            blocks[key] = checkpoint_wrapper(blocks[key], preserve_rng_state=True, **extra)

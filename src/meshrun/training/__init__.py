@@ -1,0 +1,1 @@
+"""The training loop and the pieces it is made of (precision, optimizer)."""

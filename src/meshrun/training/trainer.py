@@ -1,0 +1,189 @@
+"""The training loop: one optimizer step = all microbatches, unscale, clip, step, log."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshrun.config import Config
+from meshrun.data.dataset import TokenDataset
+from meshrun.distributed import Mesh
+from meshrun.metrics.meters import peak_memory_gb, peak_tflops, throughput
+from meshrun.metrics.report import RunReport
+from meshrun.metrics.trackers import open_trackers
+from meshrun.models import build_model
+from meshrun.parallel import parallelize
+from meshrun.training.amp import autocast, make_scaler
+from meshrun.training.loss import MicrobatchLoss
+from meshrun.training.optim import build_optimizer, build_scheduler
+
+
+class NonFiniteLossError(RuntimeError):
+    """Loss or gradients became inf/NaN outside an fp16 scaler skip."""
+
+
+@dataclass
+class Window:
+    """Sums over the steps since the last log line (kept on device: no per-step sync)."""
+
+    steps: int = 0
+    loss: torch.Tensor | float = 0.0
+    start: float = 0.0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
+        self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
+        self.loss = MicrobatchLoss(cfg.accumulation_steps)
+        self.model = parallelize(cfg, mesh, loss=self.loss, amp=partial(autocast, cfg, mesh.device))
+        self.params = [p for part in self.model.parts for p in part.parameters()]
+        self.optimizer = build_optimizer(self.model.parts, cfg.train)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.scaler = make_scaler(cfg, self.device, mesh.pp_group)
+        seq_len, seed = cfg.model.seq_len, cfg.train.seed
+        self.train_data = TokenDataset(data_dir, "train", seq_len=seq_len, seed=seed)
+        self.val_data = TokenDataset(data_dir, "val", seq_len=seq_len, seed=seed)
+        with torch.device("meta"):
+            self.flops_per_token = build_model(cfg.model).flops_per_token()
+        self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops)
+        self.run_dir = Path(cfg.run_dir)
+        self.report = RunReport(self.run_dir, steps=cfg.train.steps, tracker=self._open_tracker())
+        self.skipped_steps = 0
+
+    def _open_tracker(self):
+        if self.mesh.rank != 0:
+            return None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = self.cfg.model_dump(mode="json")
+        (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+        return open_trackers(self.cfg.tracker, run_dir=self.run_dir, config=resolved)
+
+    def local_batch(self, data: TokenDataset, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This dp rank's share of global batch `index`: samples are addressed globally."""
+        per_rank = self.cfg.train.global_batch // self.mesh.dp
+        first = index * self.cfg.train.global_batch + self.mesh.dp_rank * per_rank
+        x, y = data.batch(first, per_rank)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def train(self) -> dict:
+        cfg = self.cfg.train
+        window, timed = Window(start=time.perf_counter()), []
+        row: dict = {}
+        for step in range(cfg.steps):
+            window.loss = window.loss + self.train_step(step)
+            window.steps += 1
+            done = step + 1
+            if done % cfg.log_interval == 0 or done == cfg.steps:
+                row = self._log_window(window, done)
+                timed.append((window.steps * self.cfg.tokens_per_step, row["step_time_s"] * window.steps))
+                window = Window(start=time.perf_counter())
+            if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps):
+                row["val_loss"] = self.evaluate()
+                self.report.log(done, {"val_loss": row["val_loss"]})
+                window.start = time.perf_counter()  # validation time is not training time
+        # The first window pays for warm-up (allocations, pipeline shape inference): leave it out.
+        tokens, seconds = map(sum, zip(*(timed[1:] or timed)))
+        return self._summary(row, tokens, seconds)
+
+    def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step; returns this rank's loss (0 off the last stage), unsynchronised."""
+        x, y = self.local_batch(self.train_data, step)
+        self.model.train()
+        self.loss.scaler = self.scaler
+        loss = self.model.forward_backward(x, y)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # all-reduces found_inf over the pipeline stages
+        self.grad_norm = self.clip_gradients()
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.skipped_steps += self.scaler.get_scale() < scale
+        elif not torch.isfinite(self.grad_norm):
+            raise NonFiniteLossError(
+                f"non-finite loss/gradients at step {step + 1}; lower train.lr, set train.grad_clip, or use bf16"
+            )
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Global norm over all stages (dp replicas already agree after DDP's all-reduce)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
+        if self.mesh.pp > 1:
+            squared = norm.to(torch.float32) ** 2
+            dist.all_reduce(squared, group=self.mesh.pp_group)
+            norm = squared.sqrt()
+        if self.cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, norm, foreach=True)
+        return norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.train(False)
+        total = torch.zeros((), device=self.device)
+        self.loss.scaler = None
+        for batch in range(self.cfg.train.eval_batches):
+            total += self.model.evaluate(*self.local_batch(self.val_data, batch))
+        return self._mean_over_replicas(total / self.cfg.train.eval_batches)[0]
+
+    def _mean_over_replicas(self, loss: torch.Tensor) -> tuple[float, list[float]]:
+        """Loss averaged over dp (it lives on the last stage) and every rank's peak memory."""
+        mine = torch.stack([loss.float(), torch.tensor(peak_memory_gb(self.device), device=self.device)])
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        return sum(g[0].item() for g in gathered) / self.mesh.dp, [g[1].item() for g in gathered]
+
+    def _log_window(self, window: Window, done: int) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - window.start
+        loss, memory = self._mean_over_replicas(window.loss / window.steps)
+        row = {
+            "loss": loss,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": self.grad_norm.item(),
+            **throughput(
+                tokens=window.steps * self.cfg.tokens_per_step,
+                seconds=seconds,
+                flops_per_token=self.flops_per_token,
+                world_size=self.cfg.world_size,
+                peak=self.peak,
+            ),
+            "step_time_s": seconds / window.steps,
+            "memory_gb": max(memory),
+            **{f"memory_gb/stage{s}": max(memory[s * self.mesh.dp : (s + 1) * self.mesh.dp]) for s in range(self.mesh.pp)},
+        }
+        if self.scaler is not None:
+            row.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped_steps)
+        self.report.log(done, row)
+        return row
+
+    def _summary(self, row: dict, tokens: int, seconds: float) -> dict:
+        summary = {
+            "steps": self.cfg.train.steps,
+            "final_loss": row.get("loss"),
+            "final_val_loss": row.get("val_loss"),
+            **throughput(
+                tokens=tokens, seconds=seconds, flops_per_token=self.flops_per_token,
+                world_size=self.cfg.world_size, peak=self.peak,
+            ),
+            "peak_memory_gb": row["memory_gb"],
+            "run_dir": str(self.run_dir.resolve()),
+        }
+        if self.scaler is not None:
+            summary["skipped_steps"] = self.skipped_steps
+        self.report.finish(summary)
+        return summary
+
+    def close(self) -> None:
+        self.report.close()
