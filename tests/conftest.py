@@ -1,0 +1,73 @@
+"""Shared fixtures: run the real `meshrun` CLI in subprocesses, with timeouts and cleanup.
+
+Every multi-process test goes through `run_meshrun`, which starts the same entry point users
+run (torchrun with a free rendezvous port via --standalone), kills the whole process group on
+timeout, and returns the completed process for assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshrun.data.prepare import prepare
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "src" / "meshrun"  # a small, always-present text corpus for tests
+
+
+def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """Environment for a test run: offline wandb, private cache, no inherited launcher variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update(WANDB_MODE="offline", XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_meshrun(args: list[str], *, tmp_path: Path, timeout: float = 240, env: dict[str, str] | None = None,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """Run `python -m meshrun ARGS` in its own process group; kill the group on timeout."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshrun", *args], cwd=tmp_path, env=env or meshrun_env(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"meshrun {' '.join(args)} timed out after {timeout}s\n{err[-4000:]}")
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check and result.returncode != 0:
+        pytest.fail(f"meshrun {' '.join(args)} exited {result.returncode}\n{err[-6000:]}")
+    return result
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small byte-level dataset prepared once per test session from meshrun's own sources."""
+    out = tmp_path_factory.mktemp("data") / "bytes"
+    prepare([str(CORPUS / "**" / "*.py")], out, val_fraction=0.2)
+    return out
+
+
+def tiny(data_dir: Path, run_dir: Path | str, **overrides: object) -> list[str]:
+    """`--set` arguments for a tiny fp32 job on the test dataset (overrides win)."""
+    settings: dict[str, object] = {
+        "data.dir": data_dir, "run_dir": run_dir, "model.num_layers": 4, "model.dim": 32, "model.num_heads": 2,
+        "model.seq_len": 16, "train.global_batch": 8, "train.micro_batch": 2, "train.steps": 4,
+        "train.warmup_steps": 1, "train.eval_interval": 0, "train.log_interval": 1, "precision": "fp32",
+        "recompute": "none", "tracker.mode": "disabled",
+    }
+    settings.update(overrides)
+    return [f"--set={key}={value}" for key, value in settings.items()]
