@@ -71,3 +71,27 @@ def tiny(data_dir: Path, run_dir: Path | str, **overrides: object) -> list[str]:
     }
     settings.update(overrides)
     return [f"--set={key}={value}" for key, value in settings.items()]
+
+
+def final_weights(run_dir: Path) -> dict:
+    """The whole model's weights from a run's newest checkpoint, loaded on this one process."""
+    import torch
+
+    from meshrun.checkpoint import complete_checkpoints, full_model_state
+    from meshrun.config import Config
+    from meshrun.models import build_model
+
+    cfg = Config.model_validate(json.loads((run_dir / "config.json").read_text()))
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    model.to_empty(device="cpu")
+    return full_model_state(model, complete_checkpoints(run_dir)[-1])
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [row["loss"] for row in read_metrics(run_dir) if "loss" in row]

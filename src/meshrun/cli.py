@@ -30,12 +30,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare-data":
             from meshrun.data.prepare import default_sources, prepare
 
-            meta = prepare(args.sources or default_sources(), args.out, val_fraction=args.val_fraction)
+            if not 0 < args.val_fraction < 0.5:
+                raise ConfigError(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
+            try:
+                meta = prepare(args.sources or default_sources(), args.out, val_fraction=args.val_fraction)
+            except OSError as exc:
+                raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
             print(f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {meta['num_files']} files to {args.out}")
             return 0
-        from meshrun import job
-
         cfg = load_config(args.config, args.overrides)
+        from meshrun import job  # imports torch: after the config checks, so typos fail fast
+
         if args.dry_run:
             job.preflight(cfg)
             print(job.describe(cfg))
@@ -43,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in args.overrides)]
         return job.train(cfg, worker_args)
     except ConfigError as exc:
-        print(f"meshrun: error: {exc}", file=sys.stderr)
+        print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
         return 2
     except KeyboardInterrupt:
         return 130

@@ -26,7 +26,10 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # coerce_numbers_to_str: `--set run_dir=2024` or `tracker.name=42` are names, not numbers
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, coerce_numbers_to_str=True
+    )
 
 
 class ModelConfig(_Section):
@@ -52,7 +55,9 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _heads_divide_dim(self) -> "ModelConfig":
         if self.dim % self.num_heads:
-            raise ValueError(f"model.num_heads ({self.num_heads}) must divide model.dim ({self.dim})")
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) must divide model.dim ({self.dim}); change one of these keys"
+            )
         return self
 
 
@@ -109,6 +114,15 @@ class TrainConfig(_Section):
     """Seed for weights (per layer, so any layout starts identical) and data order."""
 
 
+class CheckpointConfig(_Section):
+    interval: int = Field(0, ge=0)
+    """Save a checkpoint every N steps (0: only at the end); saves are atomic."""
+    keep: int = Field(3, ge=1)
+    """Keep the newest K complete checkpoints."""
+    at_end: bool = True
+    """Save a checkpoint when training finishes."""
+
+
 class AmpConfig(_Section):
     init_scale: float = Field(2.0**16, gt=0.0)
     """fp16 GradScaler initial loss scale."""
@@ -144,6 +158,7 @@ class Config(_Section):
     """Activation recompute: none | full | every:N (every Nth block) | selective (keep matmul outputs)."""
     tracker: TrackerConfig = TrackerConfig()
     metrics: MetricsConfig = MetricsConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     run_dir: str = "runs/default"
     """Where config.json, metrics.jsonl, plots (and later checkpoints) go."""
 
@@ -151,7 +166,7 @@ class Config(_Section):
     @classmethod
     def _recompute_policy(cls, value: str) -> str:
         if not _RECOMPUTE.match(value):
-            raise ValueError("recompute must be one of none, full, selective, every:N (N >= 1)")
+            raise ValueError(f"use one of none, full, selective, every:N with N >= 1 (got {value!r})")
         return value
 
     @property

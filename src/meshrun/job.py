@@ -43,6 +43,8 @@ def preflight(cfg: Config) -> None:
     validate_layout(cfg)
     with torch.device("meta"):
         build_model(cfg.model)
+    if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
+        raise ConfigError(f"run_dir {cfg.run_dir} is a file, not a folder; set run_dir to a new folder")
     if (Path(cfg.run_dir) / "config.json").exists():
         raise ConfigError(f"run_dir {cfg.run_dir} already holds a run; set run_dir to a new folder or delete it")
     if in_launched_worker() and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
@@ -63,7 +65,7 @@ def describe(cfg: Config) -> str:
     lines += [
         "batch:",
         f"  global batch {train.global_batch} samples = micro batch {train.micro_batch} x dp {par.dp} "
-        f"x accumulation {cfg.accumulation_steps}",
+        f"x accumulation steps {cfg.accumulation_steps}",
         f"  tokens per step {cfg.tokens_per_step} (seq_len {cfg.model.seq_len})",
     ]
     return "\n".join(lines)

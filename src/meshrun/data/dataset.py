@@ -33,14 +33,15 @@ class TokenDataset:
         path = Path(data_dir) / f"{split}.bin"
         if not path.is_file():
             raise ConfigError(f"data.dir {data_dir} has no {path.name}; run `meshrun prepare-data --out {data_dir}`")
-        self.tokens = np.memmap(path, dtype=np.uint8, mode="r")
-        self.seq_len = seq_len
-        self.num_starts = len(self.tokens) - seq_len
-        if self.num_starts < 1:
+        num_tokens = path.stat().st_size  # uint8 tokens; checked first because an empty file cannot be mapped
+        if num_tokens < seq_len + 1:
             raise ConfigError(
-                f"{path} holds {len(self.tokens)} tokens, fewer than model.seq_len + 1 = {seq_len + 1}; "
+                f"{path} holds {num_tokens} tokens, fewer than model.seq_len + 1 = {seq_len + 1}; "
                 "prepare more text or lower model.seq_len"
             )
+        self.tokens = np.memmap(path, dtype=np.uint8, mode="r")  # read-only: the dataset is never written
+        self.seq_len = seq_len
+        self.num_starts = len(self.tokens) - seq_len
         self.salt = np.uint64((seed * 2 + SPLITS.index(split)) & 0xFFFFFFFF) << np.uint64(32)
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

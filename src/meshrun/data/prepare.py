@@ -15,6 +15,7 @@ import numpy as np
 from meshrun.config import ConfigError
 
 SPLITS = ("train", "val")
+OUTPUTS = ("train.bin", "val.bin", "meta.json")
 
 
 def default_sources() -> list[str]:
@@ -53,6 +54,9 @@ def prepare(sources: list[str], out: str | Path, *, val_fraction: float = 0.05) 
     out = Path(out)
     if is_prepared(out):
         raise ConfigError(f"{out} already holds a prepared dataset; choose another --out or delete it")
+    existing = [name for name in OUTPUTS if (out / name).exists()]
+    if existing:  # a user's own file with one of our names: never overwrite it
+        raise ConfigError(f"{out} already has {', '.join(existing)}; prepare into an empty folder or move those files")
     files = expand_sources(sources)
     if not files:
         raise ConfigError(f"no files match --source {' '.join(sources)}")
@@ -60,8 +64,7 @@ def prepare(sources: list[str], out: str | Path, *, val_fraction: float = 0.05) 
     for path in files:
         split = "val" if zlib.crc32(str(path).encode()) % 10_000 < val_fraction * 10_000 else "train"
         chunks[split].append(path.read_bytes() + b"\n\n")
-    if not chunks["val"]:  # tiny corpora: hold out the last file
-        chunks["val"].append(chunks["train"].pop())
+    _ensure_both_splits(chunks, val_fraction)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"vocab_size": 256, "num_files": len(files), "sources": sources}
     for split in SPLITS:
@@ -70,6 +73,19 @@ def prepare(sources: list[str], out: str | Path, *, val_fraction: float = 0.05) 
         _write_atomic(out / f"{split}.bin", data.tobytes())
     _write_atomic(out / "meta.json", json.dumps(meta, indent=2).encode())
     return meta
+
+
+def _ensure_both_splits(chunks: dict[str, list[bytes]], val_fraction: float) -> None:
+    """Tiny corpora can hash every file to one split: move one file over, or cut a lone file in two."""
+    for empty, full in (("val", "train"), ("train", "val")):
+        if chunks[empty]:
+            continue
+        if len(chunks[full]) > 1:
+            chunks[empty].append(chunks[full].pop())
+        else:
+            blob = chunks[full].pop()
+            cut = min(max(1, round(len(blob) * (1 - val_fraction))), len(blob) - 1)
+            chunks["train"], chunks["val"] = [blob[:cut]], [blob[cut:]]
 
 
 def _write_atomic(path: Path, payload: bytes) -> None:

@@ -47,6 +47,10 @@ class RunReport:
         else:
             say(f"step {step}/{self.steps} | {_fmt(row)}")
 
+    def note(self, message: str) -> None:
+        if self.active:
+            say(message)
+
     def finish(self, summary: dict[str, Any]) -> None:
         if not self.active:
             return

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import netrc
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from meshrun.config import TrackerConfig
 
@@ -51,14 +53,17 @@ class JsonlTracker:
 
 
 def has_wandb_key() -> bool:
-    """An API key in the environment or in ~/.netrc (where `wandb login` stores it)."""
+    """An API key in the environment or in the netrc file (where `wandb login` stores it)."""
     if os.environ.get("WANDB_API_KEY"):
         return True
+    # wandb reads $NETRC first, then ~/.netrc. An explicit path also skips Python's
+    # permission check, which would otherwise report "no key" for a key wandb itself accepts.
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
     try:
-        hosts = netrc.netrc().hosts
+        hosts = netrc.netrc(path).hosts
     except (OSError, netrc.NetrcParseError):
         return False
-    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1]
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     return host in hosts
 
 
@@ -73,7 +78,12 @@ def wandb_mode(cfg: TrackerConfig) -> tuple[str, str | None]:
 
 
 class WandbTracker:
-    """One wandb run for the whole job, holding the resolved config."""
+    """One wandb run for the whole job, holding the resolved config.
+
+    Arguments given to `wandb.init` win over WANDB_* variables in wandb itself, so each one we
+    pass defers to its variable; the rest (WANDB_RUN_GROUP, WANDB_TAGS, WANDB_NOTES, ...) wandb
+    reads on its own.
+    """
 
     def __init__(self, cfg: TrackerConfig, *, mode: str, run_dir: Path, config: dict[str, Any]) -> None:
         import wandb  # lazy: importing wandb costs about a second
@@ -82,16 +92,21 @@ class WandbTracker:
             project=os.environ.get("WANDB_PROJECT") or cfg.project,
             entity=os.environ.get("WANDB_ENTITY") or cfg.entity,
             name=os.environ.get("WANDB_NAME") or cfg.name or run_dir.name,
+            dir=os.environ.get("WANDB_DIR") or str(run_dir),
             mode=mode,
-            dir=str(run_dir),
             config=config,
-            settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True),
+            # `quiet` still prints the offline banner (3 lines); `silent` prints nothing.
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
         )
 
     def log(self, row: dict[str, Any], step: int) -> None:
+        # Not committed here: validation rows arrive later for the same step and join its row.
         self.run.log(row, step=step)
 
     def summarize(self, summary: dict[str, Any]) -> None:
+        # Commit the last step first: its row would otherwise land at finish() and overwrite
+        # the job-wide tokens_per_s / tflops in the summary with the last window's values.
+        self.run.log({}, commit=True)
         self.run.summary.update(summary)
 
     def close(self) -> None:
@@ -115,7 +130,10 @@ class MultiTracker:
             tracker.close()
 
 
-def open_trackers(cfg: TrackerConfig, *, run_dir: Path, config: dict[str, Any], say=print) -> MultiTracker:
+def open_trackers(cfg: TrackerConfig, *, run_dir: Path, config: dict[str, Any],
+                  say: Callable[[str], None] | None = None) -> MultiTracker:
+    if say is None:
+        from meshrun.metrics.report import say  # here, not at the top: report imports this module
     trackers: list[Tracker] = [JsonlTracker(run_dir / "metrics.jsonl")]
     mode, note = wandb_mode(cfg)
     if note:

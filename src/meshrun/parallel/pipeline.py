@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -101,9 +102,23 @@ class PipelineModel:
         """Run the schedule; returns the local batch's (unscaled) loss on the last stage, else 0."""
         args, target = self._inputs(x, y)
         losses: list[torch.Tensor] = []
-        with self.amp():
+        with self._ddp_no_sync(), self.amp():
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         return self._total(losses)
+
+    def _ddp_no_sync(self) -> contextlib.ExitStack:
+        """Keep DDP from arming its reducer on any forward the stage runs directly.
+
+        PipelineStage already runs microbatch forwards under no_sync and arms the reducer
+        itself before the last backward; but its first-step shape inference calls the DDP
+        module plainly, which leaves the reducer expecting hooks that never come (it then
+        fails an internal assert on the next step). The gradient all-reduce is unaffected.
+        """
+        stack = contextlib.ExitStack()
+        for module in self.wrapped:
+            if isinstance(module, DistributedDataParallel):
+                stack.enter_context(module.no_sync())
+        return stack
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

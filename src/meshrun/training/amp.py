@@ -24,6 +24,8 @@ def make_scaler(cfg: Config, device: torch.device, group: dist.ProcessGroup) -> 
     one stage overflows every stage skips the same step and backs off the same scale."""
     if cfg.precision != "fp16":
         return None
-    return ShardedGradScaler(
+    scaler = ShardedGradScaler(
         device.type, init_scale=cfg.amp.init_scale, growth_interval=cfg.amp.growth_interval, process_group=group
     )
+    scaler.scale(torch.zeros((), device=device))  # creates the scale now: non-last stages never scale a loss
+    return scaler

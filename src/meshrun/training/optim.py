@@ -1,36 +1,63 @@
-"""AdamW with decoupled weight decay on matrices only, linear warmup and cosine decay."""
+"""AdamW with weight decay on matrices only, linear warmup and cosine decay.
+
+One optimizer per model part (a rank holds several parts under interleaved schedules), so the
+checkpoint utilities can name every parameter by its model-wide name. The learning rate is a
+pure function of the step: nothing to save, nothing to drift on resume.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.amp import GradScaler
 
 from meshrun.config import TrainConfig
 
 
-def build_optimizer(modules: Iterable[nn.Module], cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     decay, no_decay = [], []
-    for module in modules:
-        for param in module.parameters():
-            if param.requires_grad:
-                (decay if param.ndim >= 2 else no_decay).append(param)
+    for param in part.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = all(p.is_cuda for p in decay + no_decay) and len(decay + no_decay) > 0
+    fused = bool(decay) and all(p.is_cuda for p in decay + no_decay)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
 
 
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier on cfg.lr for optimizer step `step` (0-based)."""
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based)."""
     if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+        return cfg.lr * (step + 1) / cfg.warmup_steps
     decay_steps = max(1, cfg.steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+class Optimizers:
+    """The optimizers of this rank's parts, stepped together (through the fp16 scaler if any)."""
+
+    def __init__(self, parts: list[nn.Module], cfg: TrainConfig) -> None:
+        self.parts, self.cfg = parts, cfg
+        self.optimizers = [build_optimizer(part, cfg) for part in parts]
+
+    def set_lr(self, step: int) -> float:
+        lr = lr_at(step, self.cfg)
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        return lr
+
+    def unscale_(self, scaler: GradScaler) -> None:
+        for optimizer in self.optimizers:
+            scaler.unscale_(optimizer)
+
+    def step(self, scaler: GradScaler | None) -> None:
+        for optimizer in self.optimizers:
+            scaler.step(optimizer) if scaler is not None else optimizer.step()
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)

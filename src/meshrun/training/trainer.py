@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshrun import checkpoint
 from meshrun.config import Config
 from meshrun.data.dataset import TokenDataset
 from meshrun.distributed import Mesh
@@ -21,7 +22,7 @@ from meshrun.models import build_model
 from meshrun.parallel import parallelize
 from meshrun.training.amp import autocast, make_scaler
 from meshrun.training.loss import MicrobatchLoss
-from meshrun.training.optim import build_optimizer, build_scheduler
+from meshrun.training.optim import Optimizers
 
 
 class NonFiniteLossError(RuntimeError):
@@ -43,8 +44,7 @@ class Trainer:
         self.loss = MicrobatchLoss(cfg.accumulation_steps)
         self.model = parallelize(cfg, mesh, loss=self.loss, amp=partial(autocast, cfg, mesh.device))
         self.params = [p for part in self.model.parts for p in part.parameters()]
-        self.optimizer = build_optimizer(self.model.parts, cfg.train)
-        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.optimizers = Optimizers(self.model.parts, cfg.train)
         self.scaler = make_scaler(cfg, self.device, mesh.pp_group)
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
         self.train_data = TokenDataset(data_dir, "train", seq_len=seq_len, seed=seed)
@@ -55,6 +55,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.report = RunReport(self.run_dir, steps=cfg.train.steps, tracker=self._open_tracker())
         self.skipped_steps = 0
+        self.samples_seen = 0  # data position in global samples: survives a change of dp
 
     def _open_tracker(self):
         if self.mesh.rank != 0:
@@ -64,11 +65,10 @@ class Trainer:
         (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
         return open_trackers(self.cfg.tracker, run_dir=self.run_dir, config=resolved)
 
-    def local_batch(self, data: TokenDataset, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This dp rank's share of global batch `index`: samples are addressed globally."""
+    def local_batch(self, data: TokenDataset, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This dp rank's share of the global batch starting at global sample `position`."""
         per_rank = self.cfg.train.global_batch // self.mesh.dp
-        first = index * self.cfg.train.global_batch + self.mesh.dp_rank * per_rank
-        x, y = data.batch(first, per_rank)
+        x, y = data.batch(position + self.mesh.dp_rank * per_rank, per_rank)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def train(self) -> dict:
@@ -87,22 +87,49 @@ class Trainer:
                 row["val_loss"] = self.evaluate()
                 self.report.log(done, {"val_loss": row["val_loss"]})
                 window.start = time.perf_counter()  # validation time is not training time
+            if self._checkpoint_due(done):
+                self.save(done)
+                window.start = time.perf_counter()
         # The first window pays for warm-up (allocations, pipeline shape inference): leave it out.
         tokens, seconds = map(sum, zip(*(timed[1:] or timed)))
         return self._summary(row, tokens, seconds)
 
+    def _checkpoint_due(self, done: int) -> bool:
+        ckpt = self.cfg.checkpoint
+        return (ckpt.interval > 0 and done % ckpt.interval == 0) or (ckpt.at_end and done == self.cfg.train.steps)
+
+    def state_dict(self, step: int) -> dict[str, torch.Tensor]:
+        """Everything needed to continue exactly, as named tensors (see checkpoint.py)."""
+        state = {
+            **checkpoint.model_state(self.model.parts),
+            **checkpoint.optimizer_state(self.model.parts, self.optimizers.optimizers),
+            "progress.step": torch.tensor(step),
+            "progress.samples_seen": torch.tensor(self.samples_seen),
+        }
+        if self.scaler is not None:
+            state["scaler.scale"] = torch.tensor(self.scaler.get_scale(), dtype=torch.float64)
+            state["scaler.growth_tracker"] = torch.tensor(self.scaler.state_dict()["_growth_tracker"])
+        return state
+
+    def save(self, step: int) -> None:
+        path = checkpoint.save(self.state_dict(step), self.run_dir, step, keep=self.cfg.checkpoint.keep)
+        if self.mesh.rank == 0:
+            self.report.note(f"saved checkpoint {path}")
+
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step; returns this rank's loss (0 off the last stage), unsynchronised."""
-        x, y = self.local_batch(self.train_data, step)
+        x, y = self.local_batch(self.train_data, self.samples_seen)
+        self.samples_seen += self.cfg.train.global_batch
+        self.lr = self.optimizers.set_lr(step)
         self.model.train()
         self.loss.scaler = self.scaler
         loss = self.model.forward_backward(x, y)
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # all-reduces found_inf over the pipeline stages
+            self.optimizers.unscale_(self.scaler)  # all-reduces found_inf over the pipeline stages
         self.grad_norm = self.clip_gradients()
         if self.scaler is not None:
             scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
+            self.optimizers.step(self.scaler)
             self.scaler.update()
             self.skipped_steps += self.scaler.get_scale() < scale
         elif not torch.isfinite(self.grad_norm):
@@ -110,9 +137,8 @@ class Trainer:
                 f"non-finite loss/gradients at step {step + 1}; lower train.lr, set train.grad_clip, or use bf16"
             )
         else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+            self.optimizers.step(None)
+        self.optimizers.zero_grad()
         return loss
 
     def clip_gradients(self) -> torch.Tensor:
@@ -133,7 +159,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         self.loss.scaler = None
         for batch in range(self.cfg.train.eval_batches):
-            total += self.model.evaluate(*self.local_batch(self.val_data, batch))
+            total += self.model.evaluate(*self.local_batch(self.val_data, batch * self.cfg.train.global_batch))
         return self._mean_over_replicas(total / self.cfg.train.eval_batches)[0]
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> tuple[float, list[float]]:
@@ -150,7 +176,7 @@ class Trainer:
         loss, memory = self._mean_over_replicas(window.loss / window.steps)
         row = {
             "loss": loss,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.lr,
             "grad_norm": self.grad_norm.item(),
             **throughput(
                 tokens=window.steps * self.cfg.tokens_per_step,
