@@ -1,0 +1,226 @@
+"""`meshrun prepare-data` and `TokenDataset`: exact bytes, no overwrites, read-only, deterministic batches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import stat
+import sysconfig
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_meshrun
+from meshrun.config import ConfigError
+from meshrun.data.dataset import TokenDataset
+from meshrun.data.prepare import default_sources, expand_sources
+
+SEPARATOR = b"\n\n"  # prepare appends this after every file
+
+
+def _corpus(root: Path, num_files: int = 12) -> list[Path]:
+    """Small text files with distinct contents (and one non-ASCII one: bytes, not characters)."""
+    files = []
+    for i in range(num_files):
+        path = root / f"sub{i % 3}" / f"file{i}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f"# file {i}\n".encode() + bytes(range(32, 127)) * (i + 1) + "é ✓\n".encode())
+        files.append(path)
+    return files
+
+
+def _prepare(tmp_path: Path, *args: str, check: bool = True):
+    return run_meshrun(["prepare-data", *args], tmp_path=tmp_path, timeout=120, check=check)
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[str, int]]:
+    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _assert_one_line_error(result, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshrun: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def _assert_same_bytes(out: Path, files: list[Path]) -> None:
+    """train.bin + val.bin hold exactly each source file (plus its separator), each file whole in one split."""
+    train, val = ((out / f"{split}.bin").read_bytes() for split in ("train", "val"))
+    assert train and val
+    pieces = [f.read_bytes() + SEPARATOR for f in files]
+    assert len(train) + len(val) == sum(map(len, pieces))
+    assert Counter(train + val) == Counter(b"".join(pieces))
+    for piece in pieces:
+        assert (piece in train) != (piece in val), "a file must land wholly in exactly one split"
+
+
+def test_prepare_writes_exact_byte_memmaps(tmp_path: Path) -> None:
+    files = _corpus(tmp_path / "corpus")
+    out = tmp_path / "ds"
+    result = _prepare(tmp_path, "--source", str(tmp_path / "corpus" / "sub0"),
+                      "--source", str(tmp_path / "corpus" / "sub[12]" / "*.txt"), "--out", str(out))
+    assert {p.name for p in out.iterdir()} == {"train.bin", "val.bin", "meta.json"}  # no temp files left behind
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["num_files"] == len(files) and meta["vocab_size"] == 256
+    for split in ("train", "val"):
+        tokens = np.memmap(out / f"{split}.bin", dtype=np.uint8, mode="r")
+        assert tokens.size == meta[f"{split}_tokens"]
+    _assert_same_bytes(out, files)
+    assert f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {len(files)} files" in result.stdout
+
+
+def test_prepare_is_deterministic(tmp_path: Path) -> None:
+    _corpus(tmp_path / "corpus")
+    for out in ("a", "b"):
+        _prepare(tmp_path, "--source", str(tmp_path / "corpus"), "--out", str(tmp_path / out))
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_single_file_is_split_into_train_and_val(tmp_path: Path) -> None:
+    """One source file still yields two non-empty splits (a byte cut), so training can validate."""
+    source = tmp_path / "one.txt"
+    source.write_bytes(b"just one file of text\n" * 50)
+    out = tmp_path / "ds"
+    _prepare(tmp_path, "--source", str(source), "--out", str(out), "--val-fraction", "0.1")
+    train, val = ((out / f"{split}.bin").read_bytes() for split in ("train", "val"))
+    assert train + val == source.read_bytes() + SEPARATOR
+    assert 0 < len(val) < len(train)
+
+
+def test_refuses_to_overwrite_a_prepared_dataset(tmp_path: Path) -> None:
+    _corpus(tmp_path / "corpus")
+    out = tmp_path / "ds"
+    _prepare(tmp_path, "--source", str(tmp_path / "corpus"), "--out", str(out))
+    before = _snapshot(out)
+    (tmp_path / "other.txt").write_text("different text\n" * 100)
+    result = _prepare(tmp_path, "--source", str(tmp_path / "other.txt"), "--out", str(out), check=False)
+    _assert_one_line_error(result, str(out), "already holds a prepared dataset", "another --out")
+    assert _snapshot(out) == before
+
+
+def test_refuses_to_overwrite_a_users_own_file(tmp_path: Path) -> None:
+    """A folder with only some of our file names (say, the user's own train.bin) is left alone."""
+    _corpus(tmp_path / "corpus")
+    out = tmp_path / "ds"
+    out.mkdir()
+    (out / "train.bin").write_bytes(b"the user's own bytes")
+    (out / "notes.txt").write_text("keep me")
+    before = _snapshot(out)
+    result = _prepare(tmp_path, "--source", str(tmp_path / "corpus"), "--out", str(out), check=False)
+    _assert_one_line_error(result, "already has train.bin", "empty folder")
+    assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["--source", "{tmp}/nothing-here/*.txt"], ("no files match --source", "nothing-here")),
+    (["--source", "{tmp}/corpus", "--val-fraction", "0.7"], ("--val-fraction must be in (0, 0.5)", "0.7")),
+    (["--source", "{tmp}/corpus", "--val-fraction", "0"], ("--val-fraction must be in (0, 0.5)",)),
+], ids=["no-match", "val-fraction-too-big", "val-fraction-zero"])
+def test_bad_prepare_arguments(tmp_path: Path, args: list[str], fragments: tuple[str, ...]) -> None:
+    _corpus(tmp_path / "corpus")
+    out = tmp_path / "ds"
+    result = _prepare(tmp_path, *(a.format(tmp=tmp_path) for a in args), "--out", str(out), check=False)
+    _assert_one_line_error(result, *fragments)
+    assert not out.exists()
+
+
+def test_out_is_a_file(tmp_path: Path) -> None:
+    _corpus(tmp_path / "corpus")
+    out = tmp_path / "ds"
+    out.write_text("a file, not a folder")
+    result = _prepare(tmp_path, "--source", str(tmp_path / "corpus"), "--out", str(out), check=False)
+    _assert_one_line_error(result, f"cannot prepare data in {out}")
+    assert out.read_text() == "a file, not a folder"
+
+
+def test_default_sources_are_the_standard_library() -> None:
+    files = expand_sources(default_sources())
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    assert len(files) > 100
+    assert all(f.suffix == ".py" for f in files)
+    assert all(stdlib in f.resolve().parents for f in files)
+    assert not any(part in {"site-packages", "dist-packages"} for f in files for part in f.parts)
+    names = {f.relative_to(stdlib).as_posix() for f in files}
+    assert {"os.py", "json/__init__.py"} <= names
+
+
+def test_prepare_without_source_uses_the_standard_library(tmp_path: Path) -> None:
+    out = tmp_path / "stdlib"
+    _prepare(tmp_path, "--out", str(out))
+    meta = json.loads((out / "meta.json").read_text())
+    files = expand_sources(default_sources())
+    assert meta["num_files"] == len(files)
+    assert meta["train_tokens"] + meta["val_tokens"] == sum(f.stat().st_size + len(SEPARATOR) for f in files)
+    assert meta["val_tokens"] > 0 and meta["train_tokens"] > 10 * meta["val_tokens"]
+
+
+# --- TokenDataset --------------------------------------------------------------------------------
+
+
+def test_dataset_is_read_only(data_dir: Path, tmp_path: Path) -> None:
+    ds = TokenDataset(data_dir, "train", seq_len=16, seed=0)
+    assert isinstance(ds.tokens, np.memmap) and ds.tokens.mode == "r"
+    with pytest.raises(ValueError, match="read-only"):
+        ds.tokens[0] = 1
+    # opening needs no write permission on the files
+    copy = tmp_path / "ro"
+    copy.mkdir()
+    for name in ("train.bin", "val.bin"):
+        (copy / name).write_bytes((data_dir / name).read_bytes())
+        (copy / name).chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    x, _ = TokenDataset(copy, "val", seq_len=16, seed=0).batch(0, 2)
+    assert x.shape == (2, 16)
+
+
+def test_batch_targets_are_inputs_shifted_by_one(data_dir: Path) -> None:
+    seq_len = 16
+    ds = TokenDataset(data_dir, "train", seq_len=seq_len, seed=3)
+    x, y = ds.batch(5, 8)
+    assert x.shape == y.shape == (8, seq_len) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    tokens = torch.from_numpy(np.fromfile(data_dir / "train.bin", dtype=np.uint8).astype(np.int64))
+    for row_x, row_y in zip(x, y):
+        starts = [s for s in range(len(tokens) - seq_len) if torch.equal(tokens[s : s + seq_len], row_x)]
+        assert any(torch.equal(tokens[s + 1 : s + seq_len + 1], row_y) for s in starts), "window not in the data"
+
+
+def test_batch_is_deterministic_and_independent_of_the_split(data_dir: Path) -> None:
+    ds = TokenDataset(data_dir, "train", seq_len=16, seed=7)
+    again = TokenDataset(data_dir, "train", seq_len=16, seed=7)
+    x, y = ds.batch(0, 8)
+    assert torch.equal(x, again.batch(0, 8)[0]) and torch.equal(y, again.batch(0, 8)[1])
+    for first_count in (4, 3, 1):
+        x1, y1 = ds.batch(0, first_count)
+        x2, y2 = ds.batch(first_count, 8 - first_count)
+        assert torch.equal(torch.cat([x1, x2]), x) and torch.equal(torch.cat([y1, y2]), y)
+    # a rank reading global samples 4..7 sees exactly those rows of the global batch
+    assert torch.equal(ds.batch(4, 4)[0], x[4:])
+    # other seeds and the other split give other data
+    assert not torch.equal(TokenDataset(data_dir, "train", seq_len=16, seed=8).batch(0, 8)[0], x)
+    assert not torch.equal(TokenDataset(data_dir, "val", seq_len=16, seed=7).batch(0, 8)[0], x)
+
+
+@pytest.mark.parametrize(("train_bytes", "fragment"), [
+    (None, "has no train.bin; run `meshrun prepare-data"),
+    (b"", "holds 0 tokens, fewer than model.seq_len + 1 = 17"),
+    (b"x" * 16, "holds 16 tokens, fewer than model.seq_len + 1 = 17"),
+], ids=["missing", "empty", "one-token-short"])
+def test_dataset_refuses_missing_or_small_data(tmp_path: Path, train_bytes: bytes | None, fragment: str) -> None:
+    if train_bytes is not None:
+        (tmp_path / "train.bin").write_bytes(train_bytes)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        TokenDataset(tmp_path, "train", seq_len=16, seed=0)
+
+
+def test_dataset_of_exactly_seq_len_plus_one_tokens(tmp_path: Path) -> None:
+    (tmp_path / "train.bin").write_bytes(bytes(range(17)))
+    x, y = TokenDataset(tmp_path, "train", seq_len=16, seed=0).batch(0, 3)
+    assert torch.equal(x, torch.arange(16).expand(3, 16)) and torch.equal(y, torch.arange(1, 17).expand(3, 16))

@@ -1,0 +1,81 @@
+"""`meshrun train --dry-run`: resolved config, process layout and batch maths; starts nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from conftest import REPO, run_meshrun, tiny
+
+
+def _split(stdout: str) -> tuple[dict, str]:
+    """Dry-run output = the resolved config as YAML, then the layout and batch sections."""
+    config_text, sep, plan = stdout.partition("\nlayout:\n")
+    assert sep, f"no layout section in:\n{stdout}"
+    return yaml.safe_load(config_text), plan
+
+
+def test_dry_run_prints_config_layout_and_batch_maths(data_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = tiny(data_dir, run_dir, **{
+        "parallel.dp": 2, "parallel.pp": 2, "train.global_batch": 16, "train.micro_batch": 2, "model.seq_len": 32,
+        "train.lr": 4.2e-4, "recompute": "every:2", "tracker.name": 2024,
+    })
+    result = run_meshrun(["train", *args, "--dry-run"], tmp_path=tmp_path, timeout=60)
+    resolved, plan = _split(result.stdout)
+
+    # the resolved config carries every section, with the --set overrides applied
+    assert {"model", "data", "parallel", "train", "precision", "recompute", "tracker", "run_dir"} <= set(resolved)
+    assert resolved["train"]["lr"] == 4.2e-4
+    assert resolved["recompute"] == "every:2"
+    assert (resolved["parallel"]["dp"], resolved["parallel"]["pp"]) == (2, 2)
+    assert resolved["model"]["seq_len"] == 32
+    assert resolved["tracker"]["name"] == "2024"  # a number given to a name field stays a name
+    assert resolved["run_dir"] == str(run_dir)
+    assert resolved["train"]["warmup_steps"] == 1 and resolved["train"]["weight_decay"] == 0.1  # defaults filled in
+
+    # layout: rank = pp_rank * dp + dp_rank
+    assert "world size 4 = dp 2 x pp 2" in plan
+    assert "pipeline rank 0: ranks [0, 1]" in plan
+    assert "pipeline rank 1: ranks [2, 3]" in plan
+
+    # batch maths: 16 = 2 x 2 x 4, and 16 samples x 32 tokens per step
+    assert "global batch 16 samples = micro batch 2 x dp 2 x accumulation steps 4" in plan
+    assert "tokens per step 512" in plan
+
+    assert not run_dir.exists(), "--dry-run created the run dir"
+    assert "starting" not in result.stderr
+
+
+def test_dry_run_default_config_from_any_directory(tmp_path: Path) -> None:
+    """No CONFIG: the packaged default (same as configs/default.yaml); no data is prepared."""
+    result = run_meshrun(["train", "--dry-run", "--set", "train.steps=7"], tmp_path=tmp_path, timeout=60)
+    resolved, plan = _split(result.stdout)
+    default = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    for section in ("model", "parallel"):
+        assert default[section].items() <= resolved[section].items()
+    assert resolved["precision"] == default["precision"]
+    assert resolved["train"]["steps"] == 7
+    assert "world size 1 = dp 1 x pp 1" in plan
+    b = default["train"]
+    accumulation = b["global_batch"] // b["micro_batch"]
+    assert f"micro batch {b['micro_batch']} x dp 1 x accumulation steps {accumulation}" in plan
+    assert f"tokens per step {b['global_batch'] * default['model']['seq_len']}" in plan
+    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "cache" / "meshrun").exists(), "--dry-run prepared data"
+
+
+def test_dry_run_accepts_both_set_spellings_and_the_last_one_wins(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("train:\n  lr: 0.01\n  steps: 3\nrun_dir: from-yaml\n")
+    result = run_meshrun(
+        ["train", str(config), "--set", "train.lr=0.02", "--set=train.lr=0.03", "--set", "run_dir=from-set", "--dry-run"],
+        tmp_path=tmp_path, timeout=60,
+    )
+    resolved, _ = _split(result.stdout)
+    assert resolved["train"]["lr"] == 0.03
+    assert resolved["train"]["steps"] == 3  # from the file
+    assert resolved["run_dir"] == "from-set"
+    assert not (tmp_path / "from-set").exists() and not (tmp_path / "from-yaml").exists()
+
