@@ -130,6 +130,11 @@ class AmpConfig(_Section):
     """fp16 GradScaler: steps without overflow before the scale grows."""
 
 
+class LaunchConfig(_Section):
+    max_restarts: int = Field(0, ge=0)
+    """torchrun restarts of the whole worker group after a failure; each restart resumes from the newest checkpoint."""
+
+
 class TrackerConfig(_Section):
     mode: Literal["online", "offline", "disabled"] = "offline"
     """wandb mode; `online` without an API key falls back to offline. WANDB_MODE overrides it."""
@@ -159,6 +164,7 @@ class Config(_Section):
     tracker: TrackerConfig = TrackerConfig()
     metrics: MetricsConfig = MetricsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    launch: LaunchConfig = LaunchConfig()
     run_dir: str = "runs/default"
     """Where config.json, metrics.jsonl, plots (and later checkpoints) go."""
 
