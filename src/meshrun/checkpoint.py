@@ -1,19 +1,23 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): atomic, retained, reshardable.
 
-Layout: `<run_dir>/checkpoints/step-00000010/` (DCP files) and `latest` (a text file naming it).
+Layout: `<run_dir>/checkpoints/step-00000010/` (DCP files, config.json, manifest.json) and
+`latest` (a text file naming the newest).
 Every saved value is a tensor keyed by its model-wide name, so any dp x pp layout can load any
 other's checkpoint (DCP reshards; replicated dp copies are written once). A save goes to a
 `.tmp` folder that rank 0 renames only after every rank finished writing, then `latest` moves.
 
 Loading never unpickles arbitrary objects: tensors are read with `weights_only=True` by DCP, and
 DCP's pickled `.metadata` index is read with an unpickler that admits only DCP's own classes.
+A manifest of sizes and crc32s turns truncated or corrupt files into errors that name the file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"  # file sizes and crc32s, written last: its presence marks a complete save
+CONFIG = "config.json"  # the resolved config, so a checkpoint folder is self-describing
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -125,23 +131,28 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and (p / ".metadata").is_file()]
+    found = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and (p / MANIFEST).is_file()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep: int) -> Path:
+def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep: int, config: dict) -> Path:
     """Collective: every rank calls it with its own tensors. Returns the final folder."""
     root = checkpoint_root(run_dir)
     final = root / f"step-{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = _rank() == 0
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a save that was killed
         tmp.mkdir(parents=True)
     _barrier()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    _barrier()  # every rank's shards are on disk before the folder becomes visible
+    _barrier()  # every rank's shards are on disk before anyone hashes them
+    sums = _gather({p.name: _crc32(p) for p in tmp.glob(f"__{_rank()}_*")})
     if rank0:
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+        files = {name: {"bytes": (tmp / name).stat().st_size, "crc32": crc} for part in sums for name, crc in part.items()}
+        files.update({name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)} for name in (".metadata", CONFIG)})
+        _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -152,9 +163,41 @@ def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep
     return final
 
 
+def verify(path: Path) -> None:
+    """Check every file against the manifest written at save time; the error names the file."""
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} has no readable {MANIFEST} ({exc}); it is incomplete") from None
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"checkpoint file {file} is truncated or changed ({size} of {expected['bytes']} bytes)")
+        if _crc32(file) != expected["crc32"]:
+            raise CheckpointError(f"checkpoint file {file} is corrupt (checksum mismatch)")
+
+
 def load(state: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
-    """Fill `state` (tensors this rank needs, any layout) from the checkpoint at `path`."""
+    """Fill `state` (tensors this rank needs, any layout) from the checkpoint at `path`.
+
+    Rank 0 verifies the files first and every rank gets its verdict, so all ranks fail
+    (or fall back) together.
+    """
     path = Path(path)
+    problem = [None]
+    if _rank() == 0:
+        try:
+            verify(path)
+        except CheckpointError as exc:
+            problem[0] = str(exc)
+    if dist.is_initialized():
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise CheckpointError(problem[0])
     try:
         dcp.load(state, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
     except CheckpointError:
@@ -168,6 +211,46 @@ def full_model_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tens
     """One process, no process group: the whole model's weights from a checkpoint of any layout."""
     state = {k: v for k, v in model.state_dict().items()}
     return load(state, path)
+
+
+def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
+    """Checkpoints to try, newest first: an explicit path, or the run's complete ones (`auto`)."""
+    if resume == "none":
+        return []
+    if resume != "auto":
+        return [Path(resume)]
+    return complete_checkpoints(run_dir)[::-1]
+
+
+def checkpoint_dir(run_or_checkpoint: str | Path) -> Path:
+    """A checkpoint folder given itself or a run directory (its newest complete checkpoint)."""
+    path = Path(run_or_checkpoint)
+    if (path / MANIFEST).is_file():
+        return path
+    found = complete_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path} is neither a checkpoint folder nor a run directory with checkpoints")
+    return found[-1]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def _barrier() -> None:

@@ -112,6 +112,8 @@ class TrainConfig(_Section):
     """Log metrics every N steps."""
     seed: int = 1337
     """Seed for weights (per layer, so any layout starts identical) and data order."""
+    resume: str = "auto"
+    """auto: continue from the run directory's newest complete checkpoint; none: refuse an existing run; or a checkpoint path."""
 
 
 class CheckpointConfig(_Section):
@@ -133,6 +135,27 @@ class AmpConfig(_Section):
 class LaunchConfig(_Section):
     max_restarts: int = Field(0, ge=0)
     """torchrun restarts of the whole worker group after a failure; each restart resumes from the newest checkpoint."""
+    nnodes: int = Field(1, ge=1)
+    """Nodes in the job, one torchrun agent (one `meshrun train`) each; > 1 needs `rdzv_endpoint`."""
+    nproc_per_node: int | None = Field(None, ge=1)
+    """Workers on each node; None = parallel.dp x parallel.pp / nnodes."""
+    rdzv_endpoint: str | None = None
+    """HOST[:PORT] of the c10d rendezvous on the host node (port default 29400); None on one node = a free local port."""
+    rdzv_id: str = "meshrun"
+    """Id shared by all nodes of one job (e.g. $SLURM_JOB_ID); jobs sharing an endpoint need different ids."""
+    local_addr: str | None = None
+    """This node's address as the other nodes reach it (torchrun --local-addr); None = its host name."""
+    host_node: bool | None = None
+    """Whether this node hosts the rendezvous store (c10d is_host); None = torchrun guesses from rdzv_endpoint."""
+
+    @model_validator(mode="after")
+    def _multi_node_needs_endpoint(self) -> "LaunchConfig":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f"launch.nnodes is {self.nnodes}, so launch.rdzv_endpoint (HOST:PORT on the host node) is needed; "
+                "pass --rdzv-endpoint"
+            )
+        return self
 
 
 class TrackerConfig(_Section):
@@ -188,6 +211,25 @@ class Config(_Section):
     def tokens_per_step(self) -> int:
         return self.train.global_batch * self.model.seq_len
 
+    @property
+    def nproc_per_node(self) -> int:
+        """Workers each torchrun agent starts."""
+        return self.launch.nproc_per_node or self.world_size // self.launch.nnodes
+
+    def check_launch(self) -> None:
+        """Refuse node counts that do not split dp x pp workers evenly."""
+        launch, world, par = self.launch, self.world_size, self.parallel
+        if launch.nproc_per_node is None and world % launch.nnodes:
+            raise ConfigError(
+                f"launch.nnodes ({launch.nnodes}) must divide parallel.dp x parallel.pp ({par.dp} x {par.pp} = {world}); "
+                "change --nnodes or the parallel degrees"
+            )
+        if launch.nnodes * self.nproc_per_node != world:
+            raise ConfigError(
+                f"launch.nnodes x launch.nproc_per_node ({launch.nnodes} x {self.nproc_per_node}) must equal "
+                f"parallel.dp x parallel.pp ({par.dp} x {par.pp} = {world}); change one of these keys"
+            )
+
     def check_batch_maths(self) -> None:
         """Refuse batch sizes that do not split evenly over data-parallel ranks and micro-steps."""
         t, dp = self.train, self.parallel.dp
@@ -223,6 +265,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         _apply_override(data, item)
     cfg = validate(data)
     cfg.check_batch_maths()
+    cfg.check_launch()
     return cfg
 
 

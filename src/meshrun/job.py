@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -17,6 +18,7 @@ from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model
 from meshrun.parallel.plan import validate_layout
+from meshrun.training.preemption import PREEMPTED_EXIT_CODE
 
 
 def data_dir(cfg: Config) -> Path:
@@ -45,13 +47,33 @@ def preflight(cfg: Config) -> None:
         build_model(cfg.model)
     if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
         raise ConfigError(f"run_dir {cfg.run_dir} is a file, not a folder; set run_dir to a new folder")
-    if (Path(cfg.run_dir) / "config.json").exists():
-        raise ConfigError(f"run_dir {cfg.run_dir} already holds a run; set run_dir to a new folder or delete it")
+    existing = Path(cfg.run_dir) / "config.json"
+    if existing.exists():
+        if cfg.train.resume == "none":
+            raise ConfigError(f"run_dir {cfg.run_dir} already holds a run; set train.resume=auto to continue it, or a new run_dir")
+        check_same_model(existing, cfg)
+    if cfg.train.resume not in ("auto", "none") and not (Path(cfg.train.resume) / "manifest.json").is_file():
+        raise ConfigError(f"train.resume {cfg.train.resume} is not a complete checkpoint folder (no manifest.json)")
     if in_launched_worker() and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
         raise ConfigError(
             f"world size {os.environ['WORLD_SIZE']} does not match parallel.dp x parallel.pp = "
             f"{cfg.parallel.dp} x {cfg.parallel.pp}; launch {cfg.world_size} processes or change parallel.dp / parallel.pp"
         )
+
+
+def check_same_model(existing: Path, cfg: Config) -> None:
+    """A run directory continues only the same model (any dp x pp layout may resume it)."""
+    try:
+        before = json.loads(existing.read_text()).get("model", {})
+    except ValueError:
+        raise ConfigError(f"{existing} is not valid JSON; set run_dir to a new folder") from None
+    now = cfg.model.model_dump(mode="json")
+    for key in now:
+        if key in before and before[key] != now[key]:
+            raise ConfigError(
+                f"run_dir {cfg.run_dir} holds a run of a different model (model.{key} is {before[key]!r} there, "
+                f"{now[key]!r} here); use the same model settings or a new run_dir"
+            )
 
 
 def describe(cfg: Config) -> str:
@@ -79,10 +101,18 @@ def train(cfg: Config, worker_args: list[str]) -> int:
         return run_worker(cfg)
     ensure_data(cfg)
     if cfg.world_size == 1:
-        return run_worker(cfg)
+        return outcome(cfg, run_worker(cfg))
     argv = torchrun_argv(cfg, worker_args)
     say(f"starting {cfg.world_size} workers: {' '.join(argv[1:])}")
-    return subprocess.call(argv, env={**os.environ, **WORKER_ENV})
+    return outcome(cfg, subprocess.call(argv, env={**os.environ, **WORKER_ENV}))
+
+
+def outcome(cfg: Config, code: int) -> int:
+    """Workers that stopped early on request exit 0 (so torchrun does not restart them); tell
+    the caller with PREEMPTED_EXIT_CODE, since only a finished run writes summary.json."""
+    if code == 0 and not (Path(cfg.run_dir) / "summary.json").exists():
+        return PREEMPTED_EXIT_CODE
+    return code
 
 
 def run_worker(cfg: Config) -> int:

@@ -16,13 +16,14 @@ from meshrun.config import Config
 from meshrun.data.dataset import TokenDataset
 from meshrun.distributed import Mesh
 from meshrun.metrics.meters import peak_memory_gb, peak_tflops, throughput
-from meshrun.metrics.report import RunReport
-from meshrun.metrics.trackers import open_trackers
+from meshrun.metrics.report import RunReport, say
+from meshrun.metrics.trackers import Tracker, open_trackers
 from meshrun.models import build_model
 from meshrun.parallel import parallelize
 from meshrun.training.amp import autocast, make_scaler
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import Optimizers
+from meshrun.training.preemption import Requests
 
 
 class NonFiniteLossError(RuntimeError):
@@ -53,17 +54,42 @@ class Trainer:
             self.flops_per_token = build_model(cfg.model).flops_per_token()
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops)
         self.run_dir = Path(cfg.run_dir)
-        self.report = RunReport(self.run_dir, steps=cfg.train.steps, tracker=self._open_tracker())
         self.skipped_steps = 0
         self.samples_seen = 0  # data position in global samples: survives a change of dp
+        self.start_step = self.resume()
+        self.report = RunReport(self.run_dir, steps=cfg.train.steps, tracker=self._open_tracker())
+        self.requests = Requests(self.run_dir, self.device, is_rank0=mesh.rank == 0)
+        self.preempted = False
 
-    def _open_tracker(self):
+    def _open_tracker(self) -> Tracker | None:
+        """Rank 0 only: the run directory, its resolved config, and trackers continuing the run."""
         if self.mesh.rank != 0:
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resolved = self.cfg.model_dump(mode="json")
         (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+        if self.start_step < self.cfg.train.steps:
+            (self.run_dir / "summary.json").unlink(missing_ok=True)  # written again when this run completes
+        truncate_metrics(self.run_dir / "metrics.jsonl", after_step=self.start_step)
         return open_trackers(self.cfg.tracker, run_dir=self.run_dir, config=resolved)
+
+    def resume(self) -> int:
+        """Load the newest loadable checkpoint (falling back past corrupt ones); returns its step."""
+        candidates = checkpoint.resume_candidates(self.run_dir, self.cfg.train.resume)
+        for path in candidates:
+            try:
+                state = checkpoint.load(self.state_dict(0), path)
+            except checkpoint.CheckpointError as exc:
+                if self.cfg.train.resume != "auto":
+                    raise
+                if self.mesh.rank == 0:
+                    say(f"warning: {exc}; trying an older checkpoint")
+                continue
+            self.load_state_dict(state)
+            if self.mesh.rank == 0:
+                say(f"resumed from {path} at step {int(state['progress.step'])}")
+            return int(state["progress.step"])
+        return 0
 
     def local_batch(self, data: TokenDataset, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's share of the global batch starting at global sample `position`."""
@@ -71,11 +97,15 @@ class Trainer:
         x, y = data.batch(position + self.mesh.dp_rank * per_rank, per_rank)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def train(self) -> dict:
+    def train(self) -> dict | None:
+        """Run to train.steps; returns the summary, or None when stopped early (preempted)."""
         cfg = self.cfg.train
         window, timed = Window(start=time.perf_counter()), []
         row: dict = {}
-        for step in range(cfg.steps):
+        if self.start_step >= cfg.steps:
+            self.report.note(f"run already complete at step {self.start_step}; nothing to do")
+            return {}
+        for step in range(self.start_step, cfg.steps):
             window.loss = window.loss + self.train_step(step)
             window.steps += 1
             done = step + 1
@@ -87,9 +117,14 @@ class Trainer:
                 row["val_loss"] = self.evaluate()
                 self.report.log(done, {"val_loss": row["val_loss"]})
                 window.start = time.perf_counter()  # validation time is not training time
-            if self._checkpoint_due(done):
+            requested, stop = self.requests.poll()
+            if requested or self._checkpoint_due(done):
                 self.save(done)
                 window.start = time.perf_counter()
+            if stop and done < cfg.steps:
+                self.report.note(f"stop requested: checkpoint at step {done} written; rerun the same command to resume")
+                self.preempted = True
+                return None
         # The first window pays for warm-up (allocations, pipeline shape inference): leave it out.
         tokens, seconds = map(sum, zip(*(timed[1:] or timed)))
         return self._summary(row, tokens, seconds)
@@ -105,16 +140,28 @@ class Trainer:
             **checkpoint.optimizer_state(self.model.parts, self.optimizers.optimizers),
             "progress.step": torch.tensor(step),
             "progress.samples_seen": torch.tensor(self.samples_seen),
+            "progress.skipped_steps": torch.tensor(self.skipped_steps),
         }
         if self.scaler is not None:
             state["scaler.scale"] = torch.tensor(self.scaler.get_scale(), dtype=torch.float64)
             state["scaler.growth_tracker"] = torch.tensor(self.scaler.state_dict()["_growth_tracker"])
         return state
 
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        checkpoint.load_model_state(self.model.parts, state)
+        checkpoint.load_optimizer_state(self.model.parts, self.optimizers.optimizers, state)
+        self.samples_seen = int(state["progress.samples_seen"])
+        self.skipped_steps = int(state["progress.skipped_steps"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(
+                {**self.scaler.state_dict(), "scale": float(state["scaler.scale"]),
+                 "_growth_tracker": int(state["scaler.growth_tracker"])}
+            )
+
     def save(self, step: int) -> None:
-        path = checkpoint.save(self.state_dict(step), self.run_dir, step, keep=self.cfg.checkpoint.keep)
-        if self.mesh.rank == 0:
-            self.report.note(f"saved checkpoint {path}")
+        config = self.cfg.model_dump(mode="json")
+        path = checkpoint.save(self.state_dict(step), self.run_dir, step, keep=self.cfg.checkpoint.keep, config=config)
+        self.report.note(f"saved checkpoint {path}")
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step; returns this rank's loss (0 off the last stage), unsynchronised."""
@@ -212,4 +259,15 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        self.requests.close()
         self.report.close()
+
+
+def truncate_metrics(path: Path, *, after_step: int) -> None:
+    """Drop rows past the resumed step: that stretch is trained again, and logged again."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= after_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in rows))
+    tmp.replace(path)
