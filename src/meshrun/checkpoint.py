@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,9 @@ def load(state: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Te
     if problem[0]:
         raise CheckpointError(problem[0])
     try:
-        dcp.load(state, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():  # single-process loads (export, tests) are intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
     except Exception as exc:  # DCP wraps per-rank failures; name the folder for the user
