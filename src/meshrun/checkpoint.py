@@ -180,6 +180,7 @@ def verify(path: Path) -> None:
             raise CheckpointError(f"checkpoint file {file} is truncated or changed ({size} of {expected['bytes']} bytes)")
         if _crc32(file) != expected["crc32"]:
             raise CheckpointError(f"checkpoint file {file} is corrupt (checksum mismatch)")
+    SafeReader(path).read_metadata()  # refuses anything but DCP's own classes
 
 
 def load(state: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
