@@ -100,8 +100,8 @@ def train(cfg: Config, worker_args: list[str]) -> int:
             ensure_data(cfg)
         return run_worker(cfg)
     ensure_data(cfg)
-    if cfg.world_size == 1:
-        return outcome(cfg, run_worker(cfg))
+    if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
+        return outcome(cfg, run_worker(cfg))  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)
     say(f"starting {cfg.world_size} workers: {' '.join(argv[1:])}")
     return outcome(cfg, subprocess.call(argv, env={**os.environ, **WORKER_ENV}))

@@ -1,0 +1,116 @@
+"""Surviving preemption and crashes: signals, a SIGKILLed rank under torchrun restarts, SAVE requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import final_weights, losses, meshrun_env, run_meshrun, tiny
+
+STEPS = {"train.steps": 30, "checkpoint.interval": 2, "parallel.pp": 2, "train.log_interval": 1}
+
+
+def workers(root_pid: int) -> dict[int, int]:
+    """rank -> pid of the training workers under a launcher process (found via /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = {}, [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            env = dict(kv.split("=", 1) for kv in (Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")) if "=" in kv)
+        except OSError:
+            continue
+        if "RANK" in env and "LOCAL_RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+            found[int(env["RANK"])] = pid
+    return found
+
+
+def start(data_dir: Path, run: Path, **overrides: object) -> subprocess.Popen:
+    args = ["train", *tiny(data_dir, run, **{**STEPS, **overrides})]
+    return subprocess.Popen([sys.executable, "-m", "meshrun", *args], cwd=run.parent, env=meshrun_env(run.parent),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for(predicate, *, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"run timed out\n{err[-3000:]}")
+    return proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("full") / "run"
+    run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=run.parent)
+    return run
+
+
+def assert_same_run(run: Path, reference: Path) -> None:
+    got, want = final_weights(run), final_weights(reference)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert losses(run) == losses(reference)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_signal_to_one_rank_checkpoints_all_and_resume_completes(sig, uninterrupted, data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start(data_dir, run)
+    wait_for(lambda: (run / "checkpoints" / "latest").exists(), timeout=180, what="the first checkpoint")
+    os.kill(workers(proc.pid)[1], sig)  # only the last stage's rank hears it
+    code, err = finish(proc)
+    assert code == 75, err[-3000:]
+    assert "stop requested: checkpoint at step" in err
+    stopped_at = int((run / "checkpoints" / "latest").read_text().split("-")[1])
+    assert stopped_at < 30 and not (run / "summary.json").exists()
+    resumed = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)
+    assert f"at step {stopped_at}" in resumed.stderr
+    assert_same_run(run, uninterrupted)
+
+
+def test_killed_rank_restarts_and_resumes(uninterrupted, data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start(data_dir, run, **{"launch.max_restarts": 1})
+    wait_for(lambda: (run / "checkpoints" / "latest").exists(), timeout=180, what="the first checkpoint")
+    os.kill(workers(proc.pid)[0], signal.SIGKILL)
+    code, err = finish(proc)
+    assert code == 0, err[-3000:]
+    assert "resumed from" in err
+    assert_same_run(run, uninterrupted)
+
+
+def test_save_file_requests_a_checkpoint_without_stopping(data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start(data_dir, run, **{"checkpoint.interval": 0, "parallel.pp": 1, "train.steps": 60})
+    wait_for(lambda: (run / "metrics.jsonl").exists(), timeout=180, what="training to start")
+    (run / "SAVE").touch()
+    code, err = finish(proc)
+    assert code == 0, err[-3000:]
+    steps = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    assert steps[-1] == 60 and len(steps) == 2 and steps[0] < 60  # the requested one, and the final one
+    assert not (run / "SAVE").exists()
