@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshrun.metrics.plots import plot_loss
+from meshrun.metrics.plots import plot_loss, plot_timeline
 from meshrun.metrics.trackers import NullTracker, Tracker
 
 
@@ -22,6 +22,8 @@ def _fmt(row: dict[str, Any]) -> str:
     parts.append(f"{row['tflops']:.3f} TFLOP/s" + (f" (MFU {row['mfu']:.1%})" if "mfu" in row else ""))
     parts.append(f"{row['step_time_s'] * 1e3:.0f} ms/step")
     parts.append(f"mem {row['memory_gb']:.2f} GB")
+    if "bubble" in row:
+        parts.append(f"bubble {row['bubble']:.1%}")
     if "loss_scale" in row:
         parts.append(f"scale {row['loss_scale']:.0f} skipped {row['skipped_steps']}")
     return " | ".join(parts)
@@ -30,11 +32,13 @@ def _fmt(row: dict[str, Any]) -> str:
 class RunReport:
     """Collects rows; only the logging rank (rank 0) writes anything."""
 
-    def __init__(self, run_dir: Path, *, steps: int, tracker: Tracker | None) -> None:
+    def __init__(self, run_dir: Path, *, steps: int, tracker: Tracker | None, timeline_title: str = "") -> None:
         self.run_dir, self.steps = run_dir, steps
         self.tracker: Tracker = tracker or NullTracker()
         self.active = tracker is not None
         self.rows: list[dict[str, Any]] = []
+        self.timeline_title = timeline_title
+        self.timeline: dict[int, Any] | None = None  # pipeline rank -> StepTimeline of the last measured step
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         """`step` is the number of optimizer steps completed (1-based)."""
@@ -56,6 +60,8 @@ class RunReport:
             return
         self.tracker.summarize(summary)
         plot_loss(self.rows, self.run_dir / "loss.png")
+        if self.timeline:
+            plot_timeline(self.timeline, self.run_dir / "pipeline_timeline.png", title=self.timeline_title)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         lines = [f"{key:>16}: {_value(value)}" for key, value in summary.items()]
         say("summary\n" + "\n".join(lines))

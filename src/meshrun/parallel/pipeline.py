@@ -26,6 +26,7 @@ from torch.distributed.pipelining import (
 from meshrun.config import Config
 from meshrun.distributed import Mesh
 from meshrun.parallel.plan import check_split, even_split, stage_ids, stages_per_rank
+from meshrun.parallel.timeline import ActionTimer
 from meshrun.training.loss import MicrobatchLoss
 
 SCHEDULES = {
@@ -92,18 +93,24 @@ class PipelineModel:
             loss_fn=loss,
             scale_grads=False,  # MicrobatchLoss already divides by the microbatch count
         )
+        self.timer = ActionTimer(self.stages, mesh.device)
         self.has_first = 0 in plan.local_stages
         self.has_last = plan.num_stages - 1 in plan.local_stages
 
     def _inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
         return ((x,) if self.has_first else ()), (y if self.has_last else None)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Run the schedule; returns the local batch's (unscaled) loss on the last stage, else 0."""
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, measure: bool = False) -> torch.Tensor:
+        """Run the schedule; returns the local batch's (unscaled) loss on the last stage, else 0.
+
+        `measure` records this step's action timeline (see timeline.py) in `self.timer.current`.
+        """
         args, target = self._inputs(x, y)
         losses: list[torch.Tensor] = []
+        self.timer.begin(measure)
         with self._ddp_no_sync(), self.amp():
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self.timer.end()
         return self._total(losses)
 
     def _ddp_no_sync(self) -> contextlib.ExitStack:

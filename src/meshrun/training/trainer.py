@@ -57,7 +57,11 @@ class Trainer:
         self.skipped_steps = 0
         self.samples_seen = 0  # data position in global samples: survives a change of dp
         self.start_step = self.resume()
-        self.report = RunReport(self.run_dir, steps=cfg.train.steps, tracker=self._open_tracker())
+        par = cfg.parallel
+        self.report = RunReport(
+            self.run_dir, steps=cfg.train.steps, tracker=self._open_tracker(),
+            timeline_title=f"{par.schedule}, dp={par.dp} pp={par.pp}, {cfg.accumulation_steps} microbatches:",
+        )
         self.requests = Requests(self.run_dir, self.device, is_rank0=mesh.rank == 0)
         self.preempted = False
 
@@ -170,7 +174,8 @@ class Trainer:
         self.lr = self.optimizers.set_lr(step)
         self.model.train()
         self.loss.scaler = self.scaler
-        loss = self.model.forward_backward(x, y)
+        last_of_window = (step + 1) % self.cfg.train.log_interval == 0 or step + 1 == self.cfg.train.steps
+        loss = self.model.forward_backward(x, y, measure=self.mesh.pp > 1 and last_of_window)
         if self.scaler is not None:
             self.optimizers.unscale_(self.scaler)  # all-reduces found_inf over the pipeline stages
         self.grad_norm = self.clip_gradients()
@@ -238,8 +243,17 @@ class Trainer:
         }
         if self.scaler is not None:
             row.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped_steps)
+        if self.mesh.pp > 1:
+            row["bubble"] = self._gather_timeline()
         self.report.log(done, row)
         return row
+
+    def _gather_timeline(self) -> float:
+        """Every rank's measured step to rank 0 (kept for the timeline picture); mean bubble fraction."""
+        timelines: list = [None] * dist.get_world_size()
+        dist.all_gather_object(timelines, self.model.timer.current)
+        self.report.timeline = {rank // self.mesh.dp: t for rank, t in enumerate(timelines) if rank % self.mesh.dp == 0}
+        return sum(t.bubble for t in timelines) / len(timelines)
 
     def _summary(self, row: dict, tokens: int, seconds: float) -> dict:
         summary = {
