@@ -73,19 +73,11 @@ def tiny(data_dir: Path, run_dir: Path | str, **overrides: object) -> list[str]:
     return [f"--set={key}={value}" for key, value in settings.items()]
 
 
-def final_weights(run_dir: Path) -> dict:
-    """The whole model's weights from a run's newest checkpoint, loaded on this one process."""
-    import torch
+def final_weights(run_or_checkpoint: Path) -> dict:
+    """The whole model's weights from a run's newest checkpoint (or a checkpoint folder), on one process."""
+    from meshrun.export import load_full_model
 
-    from meshrun.checkpoint import complete_checkpoints, full_model_state
-    from meshrun.config import Config
-    from meshrun.models import build_model
-
-    cfg = Config.model_validate(json.loads((run_dir / "config.json").read_text()))
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    model.to_empty(device="cpu")
-    return full_model_state(model, complete_checkpoints(run_dir)[-1])
+    return load_full_model(run_or_checkpoint)[0].state_dict()
 
 
 def max_weight_diff(a: dict, b: dict) -> float:
