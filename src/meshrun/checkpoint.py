@@ -34,13 +34,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from meshrun.errors import RunError
+
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # file sizes and crc32s, written last: its presence marks a complete save
 CONFIG = "config.json"  # the resolved config, so a checkpoint folder is self-describing
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunError):
     """A checkpoint that cannot be read: names the file."""
 
 

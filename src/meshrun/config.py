@@ -16,13 +16,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from meshrun.errors import ConfigError
+
 Precision = Literal["fp32", "bf16", "fp16"]
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:[1-9][0-9]*)$")
-
-
-class ConfigError(ValueError):
-    """A mistake in the user's config: one line, names the key, says how to fix it."""
 
 
 class _Section(BaseModel):

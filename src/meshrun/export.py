@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from meshrun.checkpoint import CONFIG, checkpoint_dir, full_model_state
-from meshrun.config import Config, ConfigError
+from meshrun.config import Config
+from meshrun.errors import ConfigError
 from meshrun.models import build_model
 
 

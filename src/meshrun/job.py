@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from meshrun.config import Config, ConfigError
+from meshrun.config import Config
+from meshrun.errors import ConfigError
 from meshrun.data.dataset import check_data_dir
 from meshrun.data.prepare import default_sources, is_prepared, prepare
 from meshrun.distributed import in_launched_worker, init_mesh, shutdown

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import run_meshrun
-from meshrun.config import ConfigError
+from meshrun.errors import ConfigError
 from meshrun.data.dataset import TokenDataset
 from meshrun.data.prepare import default_sources, expand_sources
 

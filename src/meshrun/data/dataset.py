@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshrun.config import ConfigError
+from meshrun.errors import ConfigError
 from meshrun.data.prepare import SPLITS
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshrun.config import ConfigError
+from meshrun.errors import ConfigError
 
 SPLITS = ("train", "val")
 OUTPUTS = ("train.bin", "val.bin", "meta.json")

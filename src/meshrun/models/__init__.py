@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from meshrun.config import ConfigError, ModelConfig
+from meshrun.config import ModelConfig
+from meshrun.errors import ConfigError
 from meshrun.models.gpt import GPT
 
 BUILTIN: dict[str, Callable[[ModelConfig], nn.Module]] = {"gpt": GPT}

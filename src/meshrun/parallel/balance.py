@@ -12,7 +12,8 @@ from fairscale.nn.pipe.balance import balance_by_size, balance_by_time
 from fairscale.nn.pipe.balance.blockpartition import solve
 from torch import nn
 
-from meshrun.config import Config, ConfigError
+from meshrun.config import Config
+from meshrun.errors import ConfigError
 from meshrun.parallel.plan import check_split, sizes_to_split
 
 

@@ -7,7 +7,8 @@ When splitting evenly the embedding (first stage) and head (last stage) each wei
 
 from __future__ import annotations
 
-from meshrun.config import Config, ConfigError
+from meshrun.config import Config
+from meshrun.errors import ConfigError
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 

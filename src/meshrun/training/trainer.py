@@ -15,6 +15,7 @@ from meshrun import checkpoint
 from meshrun.config import Config
 from meshrun.data.dataset import TokenDataset
 from meshrun.distributed import Mesh
+from meshrun.errors import RunError
 from meshrun.metrics.meters import peak_memory_gb, peak_tflops, throughput
 from meshrun.metrics.report import RunReport, say
 from meshrun.metrics.trackers import Tracker, open_trackers
@@ -26,7 +27,7 @@ from meshrun.training.optim import Optimizers
 from meshrun.training.preemption import Requests
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(RunError):
     """Loss or gradients became inf/NaN outside an fp16 scaler skip."""
 
 
