@@ -18,7 +18,7 @@ from meshrun.distributed import in_launched_worker, init_mesh, shutdown
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model
-from meshrun.parallel.plan import validate_layout
+from meshrun.parallel.plan import even_split, stage_ids, stages_per_rank, validate_layout
 from meshrun.training.preemption import PREEMPTED_EXIT_CODE
 
 
@@ -77,14 +77,25 @@ def check_same_model(existing: Path, cfg: Config) -> None:
             )
 
 
+def describe_split(cfg: Config) -> list[str] | None:
+    """Blocks held by each pipeline rank, for display (None: no pipeline, or measured at start)."""
+    par = cfg.parallel
+    if par.pp == 1 or (par.stage_layers is None and par.balance != "even"):
+        return None
+    per_rank = stages_per_rank(par.schedule, par.virtual_stages)
+    split = par.stage_layers or even_split(cfg.model.num_layers, par.pp * per_rank)
+    return [" + ".join(str(split[s]) for s in stage_ids(rank, par.pp, per_rank)) for rank in range(par.pp)]
+
+
 def describe(cfg: Config) -> str:
     """The resolved config, the process layout and the batch maths (for --dry-run)."""
     par, train = cfg.parallel, cfg.train
     lines = [yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip(), "", "layout:"]
     lines.append(f"  world size {cfg.world_size} = dp {par.dp} x pp {par.pp} (rank = pp_rank * dp + dp_rank)")
+    split = describe_split(cfg)
     for stage in range(par.pp):
         ranks = list(range(stage * par.dp, (stage + 1) * par.dp))
-        lines.append(f"  pipeline rank {stage}: ranks {ranks}")
+        lines.append(f"  pipeline rank {stage}: ranks {ranks}" + (f", blocks {split[stage]}" if split else ""))
     lines += [
         "batch:",
         f"  global batch {train.global_batch} samples = micro batch {train.micro_batch} x dp {par.dp} "
