@@ -16,12 +16,72 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
     train.add_argument("--dry-run", action="store_true", help="validate and print the plan, start nothing")
+    nodes = train.add_argument_group("multi-node (each flag sets the launch.* key of the same name)")
+    nodes.add_argument("--nnodes", type=int, help="nodes in the job; run the same command on each")
+    nodes.add_argument("--nproc-per-node", type=int, help="workers per node (default dp x pp / nnodes)")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST[:PORT]", help="c10d rendezvous on the host node")
+    nodes.add_argument("--rdzv-id", help="job id shared by all nodes (e.g. $SLURM_JOB_ID)")
+    nodes.add_argument("--local-addr", help="this node's address as the other nodes reach it")
+    nodes.add_argument("--host-node", action=argparse.BooleanOptionalAction, default=None,
+                       help="this node hosts the rendezvous store (default: guessed from --rdzv-endpoint)")
+    nodes.add_argument("--max-restarts", type=int, help="torchrun restarts of the worker group after a failure")
+    slurm = sub.add_parser("slurm", help="write (or submit) the sbatch script that trains a config on Slurm")
+    slurm.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
+    slurm.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key (repeatable); passed on to the job")
+    slurm.add_argument("--nodes", type=int, required=True, help="nodes; parallel.dp x parallel.pp workers are split over them")
+    slurm.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (= workers) per node; 0 for CPU-only nodes")
+    slurm.add_argument("--partition", help="Slurm partition")
+    slurm.add_argument("--account", help="Slurm account")
+    slurm.add_argument("--time", help="time limit, e.g. 4:00:00")
+    slurm.add_argument("--cpus-per-task", type=int, help="CPUs for each node's torchrun agent and its workers")
+    slurm.add_argument("--job-name", default="meshrun", help="Slurm job name")
+    slurm.add_argument("--signal-seconds", type=int, default=300,
+                       help="USR1 this many seconds before the time limit: checkpoint, requeue, resume")
+    slurm.add_argument("--sbatch", dest="sbatch_options", action="append", default=[], metavar="OPTION",
+                       help="any other sbatch option for the script header, e.g. --sbatch=--qos=high (repeatable)")
+    slurm.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     data = sub.add_parser("prepare-data", help="turn text files into byte-level token memmaps")
     data.add_argument("--source", dest="sources", action="append", default=[], metavar="PATH_OR_GLOB",
                       help="files, folders or globs (repeatable); default: the Python standard library")
     data.add_argument("--out", required=True, help="output folder (must not hold a prepared dataset)")
     data.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for validation")
     return parser
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    """Render the sbatch script for a config; print it, or submit it and print the job id."""
+    import subprocess
+
+    from meshrun.launcher.slurm import render_sbatch
+
+    cfg = load_config(args.config, args.overrides)
+    script = render_sbatch(
+        cfg, config=args.config, overrides=args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        partition=args.partition, account=args.account, time=args.time, cpus_per_task=args.cpus_per_task,
+        job_name=args.job_name, signal_seconds=args.signal_seconds, sbatch_options=args.sbatch_options,
+    )
+    if not args.submit:
+        print(script, end="")
+        return 0
+    try:
+        done = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise ConfigError("sbatch not found; run on a Slurm login node, or drop --submit and save the script") from None
+    if done.returncode != 0:
+        raise ConfigError(f"sbatch failed: {done.stderr.strip()}")
+    print(done.stdout.strip().split(";")[0])  # --parsable: "jobid[;cluster]"
+    return 0
+
+
+_LAUNCH_FLAGS = ("nnodes", "nproc_per_node", "rdzv_endpoint", "rdzv_id", "local_addr", "host_node", "max_restarts")
+
+
+def _launch_overrides(args: argparse.Namespace) -> list[str]:
+    """Multi-node flags as `launch.*` overrides: validated like config keys, passed on to workers."""
+    values = {name: getattr(args, name, None) for name in _LAUNCH_FLAGS}
+    return [f"launch.{name}={str(value).lower() if isinstance(value, bool) else value}"
+            for name, value in values.items() if value is not None]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,14 +98,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
             print(f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {meta['num_files']} files to {args.out}")
             return 0
-        cfg = load_config(args.config, args.overrides)
+        if args.command == "slurm":
+            return _slurm(args)
+        overrides = [*args.overrides, *_launch_overrides(args)]
+        cfg = load_config(args.config, overrides)
         from meshrun import job  # imports torch: after the config checks, so typos fail fast
 
         if args.dry_run:
             job.preflight(cfg)
             print(job.describe(cfg))
             return 0
-        worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in args.overrides)]
+        worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
         return job.train(cfg, worker_args)
     except ConfigError as exc:
         print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line

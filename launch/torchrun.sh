@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Start meshrun workers with torchrun yourself, on one node or many.
+#
+# `meshrun train CONFIG --nnodes ...` builds this same command from the config; use this script
+# when you want torchrun's own command line (e.g. under your own scheduler). Inside torchrun,
+# `python -m meshrun train` sees RANK/WORLD_SIZE and runs as a worker, so the config must say
+# parallel.dp x parallel.pp = NNODES x NPROC_PER_NODE.
+#
+# One node, 4 workers:
+#   NPROC_PER_NODE=4 launch/torchrun.sh configs/default.yaml --set parallel.dp=2 --set parallel.pp=2
+# Two nodes, 8 workers each; run the same line on both (node0 hosts the rendezvous):
+#   NNODES=2 NPROC_PER_NODE=8 RDZV_ENDPOINT=node0:29400 RDZV_ID=job42 launch/torchrun.sh CONFIG [--set k=v ...]
+# Nodes with several interfaces: say which address and interface the others reach this node on:
+#   ... LOCAL_ADDR=10.0.0.2 IS_HOST=0 GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=eth1 launch/torchrun.sh ...
+#
+# Environment (all optional except NPROC_PER_NODE):
+#   NPROC_PER_NODE  workers on this node (GPUs per node on GPU machines)
+#   NNODES          nodes in the job (default 1; > 1 needs RDZV_ENDPOINT)
+#   RDZV_ENDPOINT   HOST[:PORT] of the c10d rendezvous on the host node (default port 29400)
+#   RDZV_ID         id shared by all nodes of one job (default meshrun)
+#   LOCAL_ADDR      this node's address as the other nodes reach it (default: its host name)
+#   IS_HOST         1 on the node that hosts the rendezvous, 0 elsewhere (default: torchrun guesses)
+#   MAX_RESTARTS    restarts of the worker group after a failure; each resumes from the newest
+#                   checkpoint (default 0)
+#   PYTHON          interpreter with meshrun installed (default python3)
+set -euo pipefail
+
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+    echo "launch/torchrun.sh: set NPROC_PER_NODE (workers on this node = parallel.dp x parallel.pp / NNODES)" >&2
+    exit 2
+fi
+NNODES="${NNODES:-1}"
+if [[ "$NNODES" != 1 && -z "${RDZV_ENDPOINT:-}" ]]; then
+    echo "launch/torchrun.sh: NNODES=$NNODES needs RDZV_ENDPOINT=HOST:PORT (the host node's address)" >&2
+    exit 2
+fi
+
+args=(--nproc-per-node="$NPROC_PER_NODE" --max-restarts="${MAX_RESTARTS:-0}")
+if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
+    args+=(--standalone)  # one node: private rendezvous on a free port
+else
+    args+=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-meshrun}")
+    [[ -n "${IS_HOST:-}" ]] && args+=(--rdzv-conf="is_host=$IS_HOST")
+    [[ -n "${LOCAL_ADDR:-}" ]] && args+=(--local-addr="$LOCAL_ADDR")
+fi
+
+# After a restart, a TCPStore shared with the agent keeps stale addresses (pytorch #135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+exec "${PYTHON:-python3}" -m torch.distributed.run "${args[@]}" -m meshrun train "$@"
