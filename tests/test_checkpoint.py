@@ -136,3 +136,17 @@ def test_export_and_sample_round_trip(full_runs, tmp_path: Path) -> None:
     a = run_meshrun(["sample", str(run), "--prompt", "def ", "--tokens", "30", "--seed", "3"], tmp_path=tmp_path).stdout
     b = run_meshrun(["sample", str(run), "--prompt", "def ", "--tokens", "30", "--seed", "3"], tmp_path=tmp_path).stdout
     assert a == b and a.startswith("def ") and len(a.rstrip("\n").encode()) >= 30
+
+
+def test_resumed_run_continues_the_same_wandb_run(data_dir: Path, tmp_path: Path) -> None:
+    from wandb_files import offline_runs, read_run
+
+    run = tmp_path / "run"
+    wandb = {"tracker.mode": "offline", "train.steps": 8}
+    train(data_dir, run, **wandb, **{"checkpoint.interval": 4})
+    shutil.rmtree(run / "checkpoints" / "step-00000008")
+    (run / "summary.json").unlink()
+    train(data_dir, run, **wandb, **{"checkpoint.interval": 4})
+    first, second = (read_run(r) for r in offline_runs(run))
+    assert first.run_id == second.run_id == (run / "wandb_run_id").read_text().strip()
+    assert [r["_step"] for r in second.history if "loss" in r] == [5, 6, 7, 8]

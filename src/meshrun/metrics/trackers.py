@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import netrc
 import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,7 +89,13 @@ class WandbTracker:
     def __init__(self, cfg: TrackerConfig, *, mode: str, run_dir: Path, config: dict[str, Any]) -> None:
         import wandb  # lazy: importing wandb costs about a second
 
+        # A resumed job continues the same wandb run: its id lives in the run directory.
+        id_file = run_dir / "wandb_run_id"
+        run_id = os.environ.get("WANDB_RUN_ID") or (id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8])
+        id_file.write_text(run_id + "\n")
         self.run = wandb.init(
+            id=run_id,
+            resume="allow",
             project=os.environ.get("WANDB_PROJECT") or cfg.project,
             entity=os.environ.get("WANDB_ENTITY") or cfg.entity,
             name=os.environ.get("WANDB_NAME") or cfg.name or run_dir.name,
