@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshrun.config import ConfigError, load_config
+from meshrun.config import load_config
+from meshrun.errors import ConfigError, RunError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +47,34 @@ def _parser() -> argparse.ArgumentParser:
                       help="files, folders or globs (repeatable); default: the Python standard library")
     data.add_argument("--out", required=True, help="output folder (must not hold a prepared dataset)")
     data.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for validation")
+    export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
+    export.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
+    export.add_argument("--out", required=True, help="output file: .safetensors or .pt")
+    sample = sub.add_parser("sample", help="generate text from a checkpoint (byte-level models)")
+    sample.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
+    sample.add_argument("--prompt", default="def ", help="text to continue")
+    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely bytes (0 = all)")
+    sample.add_argument("--seed", type=int, default=0, help="sampling seed")
     return parser
+
+
+def _use_checkpoint(args: argparse.Namespace) -> int:
+    """`export` and `sample`: one process, any layout's checkpoint."""
+    from meshrun.checkpoint import CheckpointError
+    from meshrun.export import export, load_full_model, sample
+
+    try:
+        if args.command == "export":
+            print(f"wrote {export(args.checkpoint, args.out)}")
+            return 0
+        model, cfg, _ = load_full_model(args.checkpoint)
+        print(sample(model, cfg, args.prompt, num_tokens=args.tokens, temperature=args.temperature,
+                     top_k=args.top_k or None, seed=args.seed))
+        return 0
+    except CheckpointError as exc:  # a bad path given on the command line
+        raise ConfigError(str(exc)) from None
 
 
 def _slurm(args: argparse.Namespace) -> int:
@@ -98,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
             print(f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {meta['num_files']} files to {args.out}")
             return 0
+        if args.command in ("export", "sample"):
+            return _use_checkpoint(args)
         if args.command == "slurm":
             return _slurm(args)
         overrides = [*args.overrides, *_launch_overrides(args)]
@@ -110,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
         return job.train(cfg, worker_args)
-    except ConfigError as exc:
+    except (ConfigError, RunError) as exc:
         print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
-        return 2
+        return 2 if isinstance(exc, ConfigError) else 1
     except KeyboardInterrupt:
         return 130
