@@ -228,6 +228,15 @@ def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
     return complete_checkpoints(run_dir)[::-1]
 
 
+def saved_world_size(path: Path) -> int | None:
+    """dp x pp of the job that wrote a checkpoint (None if its config is unreadable)."""
+    try:
+        parallel = json.loads((Path(path) / CONFIG).read_text())["parallel"]
+        return int(parallel["dp"]) * int(parallel["pp"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def checkpoint_dir(run_or_checkpoint: str | Path) -> Path:
     """A checkpoint folder given itself or a run directory (its newest complete checkpoint)."""
     path = Path(run_or_checkpoint)

@@ -43,6 +43,7 @@ class Window:
 class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
+        torch.manual_seed(cfg.train.seed + mesh.rank)  # dropout streams; weights and data have their own seeds
         self.loss = MicrobatchLoss(cfg.accumulation_steps)
         self.model = parallelize(cfg, mesh, loss=self.loss, amp=partial(autocast, cfg, mesh.device))
         self.params = [p for part in self.model.parts for p in part.parameters()]
@@ -83,7 +84,8 @@ class Trainer:
         candidates = checkpoint.resume_candidates(self.run_dir, self.cfg.train.resume)
         for path in candidates:
             try:
-                state = checkpoint.load(self.state_dict(0), path)
+                same_layout = checkpoint.saved_world_size(path) == self.cfg.world_size
+                state = checkpoint.load(self.state_dict(0, rng=same_layout), path)
             except checkpoint.CheckpointError as exc:
                 if self.cfg.train.resume != "auto":
                     raise
@@ -138,8 +140,11 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         return (ckpt.interval > 0 and done % ckpt.interval == 0) or (ckpt.at_end and done == self.cfg.train.steps)
 
-    def state_dict(self, step: int) -> dict[str, torch.Tensor]:
-        """Everything needed to continue exactly, as named tensors (see checkpoint.py)."""
+    def state_dict(self, step: int, *, rng: bool = True) -> dict[str, torch.Tensor]:
+        """Everything needed to continue exactly, as named tensors (see checkpoint.py).
+
+        RNG states (dropout) are per rank: they are restored only into the same world size.
+        """
         state = {
             **checkpoint.model_state(self.model.parts),
             **checkpoint.optimizer_state(self.model.parts, self.optimizers.optimizers),
@@ -150,6 +155,10 @@ class Trainer:
         if self.scaler is not None:
             state["scaler.scale"] = torch.tensor(self.scaler.get_scale(), dtype=torch.float64)
             state["scaler.growth_tracker"] = torch.tensor(self.scaler.state_dict()["_growth_tracker"])
+        if rng:
+            state[f"rng.{self.mesh.rank}.cpu"] = torch.get_rng_state()
+            if self.device.type == "cuda":
+                state[f"rng.{self.mesh.rank}.cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -157,6 +166,10 @@ class Trainer:
         checkpoint.load_optimizer_state(self.model.parts, self.optimizers.optimizers, state)
         self.samples_seen = int(state["progress.samples_seen"])
         self.skipped_steps = int(state["progress.skipped_steps"])
+        if f"rng.{self.mesh.rank}.cpu" in state:
+            torch.set_rng_state(state[f"rng.{self.mesh.rank}.cpu"])
+        if f"rng.{self.mesh.rank}.cuda" in state:
+            torch.cuda.set_rng_state(state[f"rng.{self.mesh.rank}.cuda"], self.device)
         if self.scaler is not None:
             self.scaler.load_state_dict(
                 {**self.scaler.state_dict(), "scale": float(state["scaler.scale"]),
