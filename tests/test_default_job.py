@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import read_metrics, run_meshrun
+import torch
+from safetensors.torch import load_file
+
+from conftest import final_weights, read_metrics, run_meshrun
 
 
 def test_default_job_runs_end_to_end_and_samples(tmp_path: Path) -> None:
@@ -26,3 +29,7 @@ def test_default_job_runs_end_to_end_and_samples(tmp_path: Path) -> None:
     assert list((run / "wandb").glob("offline-run-*"))
     sample = run_meshrun(["sample", "runs/default", "--prompt", "import ", "--tokens", "20"], tmp_path=tmp_path)
     assert sample.stdout.startswith("import ")
+    run_meshrun(["export", "runs/default", "--out", "model.safetensors"], tmp_path=tmp_path)
+    exported = load_file(tmp_path / "model.safetensors")
+    trained = final_weights(run)
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
