@@ -80,7 +80,8 @@ def write_conf(root: Path, munge_socket: Path) -> Path:
         "SlurmUser=root",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={munge_socket}",
+        # cred_expire is also how long a requeued job waits before it may start (default 120 s)
+        f"AuthInfo=socket={munge_socket},cred_expire=10",
         f"StateSaveLocation={root}/state",
         f"SlurmdSpoolDir={root}/spool/%n",
         f"SlurmctldPidFile={root}/slurmctld.pid",

@@ -42,7 +42,7 @@ def test_multi_node_uses_c10d_rendezvous_with_workers_split_over_nodes() -> None
 
 
 def test_host_node_and_local_address_reach_torchrun() -> None:
-    base = ["parallel.pp=2", "launch.nnodes=2", "launch.rdzv_endpoint=10.0.0.1:1234", "launch.local_addr=10.0.0.2"]
+    base = ["parallel.dp=1", "parallel.pp=2", "launch.nnodes=2", "launch.rdzv_endpoint=10.0.0.1:1234", "launch.local_addr=10.0.0.2"]
     guest = torchrun_argv(load_config(None, [*base, "launch.host_node=false"]), ["train"])
     assert "--rdzv-conf=is_host=0" in guest and "--local-addr=10.0.0.2" in guest and "--nproc-per-node=1" in guest
     host = torchrun_argv(load_config(None, [*base, "launch.host_node=true"]), ["train"])
