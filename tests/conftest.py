@@ -30,23 +30,32 @@ def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_meshrun(args: list[str], *, tmp_path: Path, timeout: float = 240, env: dict[str, str] | None = None,
-                check: bool = True) -> subprocess.CompletedProcess:
-    """Run `python -m meshrun ARGS` in its own process group; kill the group on timeout."""
-    proc = subprocess.Popen(
+def start_meshrun(args: list[str], *, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `python -m meshrun ARGS` in its own process group (so a timeout can kill all of it)."""
+    return subprocess.Popen(
         [sys.executable, "-m", "meshrun", *args], cwd=tmp_path, env=env or meshrun_env(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+
+
+def finish_meshrun(proc: subprocess.Popen, *, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+    """Wait for a started run; kill its whole process group on timeout."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"meshrun {' '.join(args)} timed out after {timeout}s\n{err[-4000:]}")
+        pytest.fail(f"{' '.join(proc.args[3:])} timed out after {timeout}s\n{err[-4000:]}")
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if check and result.returncode != 0:
-        pytest.fail(f"meshrun {' '.join(args)} exited {result.returncode}\n{err[-6000:]}")
+        pytest.fail(f"{' '.join(proc.args[3:])} exited {result.returncode}\n{err[-6000:]}")
     return result
+
+
+def run_meshrun(args: list[str], *, tmp_path: Path, timeout: float = 240, env: dict[str, str] | None = None,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """Run `python -m meshrun ARGS` to the end (see start_meshrun / finish_meshrun)."""
+    return finish_meshrun(start_meshrun(args, tmp_path=tmp_path, env=env), timeout=timeout, check=check)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -12,6 +12,7 @@ from torch import nn
 
 from meshrun.config import ModelConfig
 from meshrun.models.init import seeded_normal_
+from meshrun.models.protocol import StagedModel
 
 
 class ConvBlock(nn.Module):
@@ -29,7 +30,7 @@ class ConvBlock(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-class ToyLM(nn.Module):
+class ToyLM(StagedModel):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -37,15 +38,6 @@ class ToyLM(nn.Module):
         self.blocks = nn.ModuleDict({str(i): ConvBlock(cfg.dim, cfg.options.get("kernel", 3)) for i in range(cfg.num_layers)})
         self.norm = nn.RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x)
-        if self.norm is not None:
-            x = self.norm(x)
-        return self.head(x) if self.head is not None else x
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import final_weights, losses, meshrun_env, run_meshrun, tiny
+from conftest import finish_meshrun, final_weights, losses, run_meshrun, start_meshrun, tiny
 
 STEPS = {"train.steps": 30, "checkpoint.interval": 2, "parallel.pp": 2, "train.log_interval": 1}
 
@@ -41,9 +40,7 @@ def workers(root_pid: int) -> dict[int, int]:
 
 
 def start(data_dir: Path, run: Path, **overrides: object) -> subprocess.Popen:
-    args = ["train", *tiny(data_dir, run, **{**STEPS, **overrides})]
-    return subprocess.Popen([sys.executable, "-m", "meshrun", *args], cwd=run.parent, env=meshrun_env(run.parent),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return start_meshrun(["train", *tiny(data_dir, run, **{**STEPS, **overrides})], tmp_path=run.parent)
 
 
 def wait_for(predicate, *, timeout: float, what: str) -> None:
@@ -54,14 +51,9 @@ def wait_for(predicate, *, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-        pytest.fail(f"run timed out\n{err[-3000:]}")
-    return proc.returncode, err
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    result = finish_meshrun(proc, check=False)
+    return result.returncode, result.stderr
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ A model is an `nn.Module` with:
   the seed and its name, never on which other parts exist.
 - `flops_per_token()`: training FLOPs per token of the whole model (for MFU).
 
-Built-in models are listed in `BUILTIN`; `model.factory: "pkg.module:function"` builds your
+Subclassing `meshrun.models.protocol.StagedModel` provides that forward. Built-in models are
+listed in `BUILTIN`; `model.factory: "pkg.module:function"` builds your
 own: the function receives the `ModelConfig` and returns such a module. Build happens on the
 meta device, so constructors must not initialise values themselves.
 """

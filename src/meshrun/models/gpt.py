@@ -12,6 +12,7 @@ from torch import nn
 
 from meshrun.config import ModelConfig
 from meshrun.models.init import seeded_normal_
+from meshrun.models.protocol import StagedModel
 
 
 class Embedding(nn.Module):
@@ -65,7 +66,7 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
-class GPT(nn.Module):
+class GPT(StagedModel):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -74,18 +75,6 @@ class GPT(nn.Module):
         self.norm: nn.Module | None = nn.LayerNorm(cfg.dim)
         # Not tied to the embedding: the two usually live on different pipeline stages.
         self.head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V); a pruned stage maps hidden (B, T, C) -> hidden."""
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x)
-        if self.norm is not None:
-            x = self.norm(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
