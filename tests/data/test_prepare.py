@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conftest import run_meshrun
-from meshrun.errors import ConfigError
 from meshrun.data.dataset import TokenDataset
-from meshrun.data.prepare import default_sources, expand_sources
+from meshrun.data.prepare import default_sources, expand_sources, prepare
+from meshrun.errors import ConfigError
 
 SEPARATOR = b"\n\n"  # prepare appends this after every file
 
@@ -224,3 +224,12 @@ def test_dataset_of_exactly_seq_len_plus_one_tokens(tmp_path: Path) -> None:
     (tmp_path / "train.bin").write_bytes(bytes(range(17)))
     x, y = TokenDataset(tmp_path, "train", seq_len=16, seed=0).batch(0, 3)
     assert torch.equal(x, torch.arange(16).expand(3, 16)) and torch.equal(y, torch.arange(1, 17).expand(3, 16))
+
+
+def test_prepared_files_are_readable_by_others(tmp_path: Path) -> None:
+    """Shared datasets: other users and container uids must be able to read them."""
+    source = tmp_path / "a.txt"
+    source.write_text("hello world\n" * 50)
+    prepare([str(source)], tmp_path / "out")
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o044 == 0o044

@@ -92,4 +92,5 @@ def _write_atomic(path: Path, payload: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "wb") as f:
         f.write(payload)
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600; datasets are shared (other users, container uids)
     os.replace(tmp, path)
