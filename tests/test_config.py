@@ -123,6 +123,8 @@ CASES = [
     # --- model (job layer) ---
     Case("model-name-unknown", lambda c: ["train", *c.set(model__name="llama")],
          ("invalid model.name 'llama'", "choose one of gpt", "model.factory")),
+    Case("factory-raises", lambda c: ["train", *c.set(model__factory="torch.nn:Linear")],
+         ("model.factory torch.nn:Linear failed: TypeError",)),
     Case("factory-no-colon", lambda c: ["train", *c.set(model__factory="mymodels.build")],
          ("invalid model.factory 'mymodels.build'", "package.module:function")),
     Case("factory-module-missing", lambda c: ["train", *c.set(model__factory="no_such_module_xyz:build")],

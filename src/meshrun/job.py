@@ -11,10 +11,10 @@ import torch
 import yaml
 
 from meshrun.config import Config
-from meshrun.errors import ConfigError
 from meshrun.data.dataset import check_data_dir
 from meshrun.data.prepare import default_sources, is_prepared, prepare
 from meshrun.distributed import in_launched_worker, init_mesh, shutdown
+from meshrun.errors import ConfigError
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model

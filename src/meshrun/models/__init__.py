@@ -53,7 +53,11 @@ def resolve_factory(cfg: ModelConfig) -> Callable[[ModelConfig], nn.Module]:
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Construct the model (call under `torch.device("meta")`) and check it follows the protocol."""
-    model = resolve_factory(cfg)(cfg)
+    factory = resolve_factory(cfg)
+    try:
+        model = factory(cfg)
+    except Exception as exc:  # the user's constructor: report it as a config problem, in one line
+        raise ConfigError(f"model.factory {cfg.factory or cfg.name} failed: {type(exc).__name__}: {exc}") from exc
     missing = [name for name in PROTOCOL if not hasattr(model, name)]
     if missing or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
         what = ", ".join(missing) or "blocks as nn.ModuleDict"
