@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model
 from meshrun.parallel.plan import even_split, stage_ids, stages_per_rank, validate_layout
-from meshrun.training.preemption import PREEMPTED_EXIT_CODE
+from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
 
 
 def data_dir(cfg: Config) -> Path:
@@ -116,7 +117,28 @@ def train(cfg: Config, worker_args: list[str]) -> int:
         return outcome(cfg, run_worker(cfg))  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)
     say(f"starting {cfg.world_size} workers: {' '.join(argv[1:])}")
-    return outcome(cfg, subprocess.call(argv, env={**os.environ, **WORKER_ENV}))
+    code, stop_requested = run_torchrun(argv, env={**os.environ, **WORKER_ENV})
+    return outcome(cfg, 0 if stop_requested else code)
+
+
+def run_torchrun(argv: list[str], *, env: dict[str, str]) -> tuple[int, bool]:
+    """Run torchrun, relaying a stop request sent to this process (a container's PID 1, a
+    scheduler) as SIGTERM: torchrun passes SIGTERM on to its workers, which checkpoint and
+    stop (torchrun itself then exits non-zero); it has no handler for SIGUSR1 and would die of it.
+    Returns torchrun's exit code and whether a stop was relayed."""
+    proc = subprocess.Popen(argv, env=env)
+    relayed: list[int] = []
+
+    def relay(signum: int, frame: object) -> None:
+        relayed.append(signum)
+        proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, relay) for sig in STOP_SIGNALS}
+    try:
+        return proc.wait(), bool(relayed)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def outcome(cfg: Config, code: int) -> int:

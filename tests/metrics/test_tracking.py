@@ -184,3 +184,21 @@ def test_two_ranks_make_one_wandb_run(data_dir: Path, tmp_path: Path) -> None:
     # Only rank 0 reports: one progress line per step, one summary.
     assert len(re.findall(rf"\[meshrun\] step 1/{STEPS} \| loss ", proc.stderr)) == 1
     assert proc.stderr.count("[meshrun] summary") == 1
+
+
+def test_a_failing_tracker_is_dropped_and_the_others_keep_logging(tmp_path: Path) -> None:
+    from meshrun.metrics.trackers import JsonlTracker, MultiTracker
+
+    class ServiceGone:  # what wandb.Run.log raises once its service process was killed
+        def log(self, row, step):
+            raise ConnectionError("Connection lost")
+
+        summarize = close = log
+
+    warnings: list[str] = []
+    trackers = MultiTracker([ServiceGone(), JsonlTracker(tmp_path / "metrics.jsonl")], warn=warnings.append)
+    for step in (1, 2):
+        trackers.log({"loss": 1.0 / step}, step)
+    trackers.close()
+    assert len(warnings) == 1 and "ServiceGone failed (ConnectionError: Connection lost)" in warnings[0]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]

@@ -106,3 +106,16 @@ def test_save_file_requests_a_checkpoint_without_stopping(data_dir: Path, tmp_pa
     steps = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
     assert steps[-1] == 60 and len(steps) == 2 and steps[0] < 60  # the requested one, and the final one
     assert not (run / "SAVE").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_signal_to_the_launcher_reaches_the_workers(sig, data_dir: Path, tmp_path: Path) -> None:
+    """`meshrun train` as a container's PID 1 or a scheduler's child: the signal goes to it alone."""
+    run = tmp_path / "run"
+    proc = start(data_dir, run)
+    wait_for(lambda: (run / "checkpoints" / "latest").exists(), timeout=180, what="the first checkpoint")
+    os.kill(proc.pid, sig)
+    code, err = finish(proc)
+    assert code == 75, err[-3000:]
+    assert "stop requested: checkpoint at step" in err
+    assert not workers(proc.pid)  # nothing left behind

@@ -121,20 +121,28 @@ class WandbTracker:
 
 
 class MultiTracker:
-    def __init__(self, trackers: list[Tracker]) -> None:
-        self.trackers = trackers
+    """Fans rows out to every tracker. A tracker that fails (e.g. wandb's service process killed
+    by a scheduler's SIGTERM) is dropped with one warning: metrics must never stop training."""
+
+    def __init__(self, trackers: list[Tracker], *, warn: Callable[[str], None] = print) -> None:
+        self.trackers, self.warn = trackers, warn
+
+    def _each(self, call: Callable[[Tracker], None]) -> None:
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as exc:  # noqa: BLE001 - any tracker failure, by design
+                self.trackers.remove(tracker)
+                self.warn(f"warning: {type(tracker).__name__} failed ({type(exc).__name__}: {exc}); it is off for the rest of the run")
 
     def log(self, row: dict[str, Any], step: int) -> None:
-        for tracker in self.trackers:
-            tracker.log(row, step)
+        self._each(lambda tracker: tracker.log(row, step))
 
     def summarize(self, summary: dict[str, Any]) -> None:
-        for tracker in self.trackers:
-            tracker.summarize(summary)
+        self._each(lambda tracker: tracker.summarize(summary))
 
     def close(self) -> None:
-        for tracker in self.trackers:
-            tracker.close()
+        self._each(lambda tracker: tracker.close())
 
 
 def open_trackers(cfg: TrackerConfig, *, run_dir: Path, config: dict[str, Any],
@@ -147,4 +155,4 @@ def open_trackers(cfg: TrackerConfig, *, run_dir: Path, config: dict[str, Any],
         say(note)
     if mode != "disabled":
         trackers.append(WandbTracker(cfg, mode=mode, run_dir=run_dir, config=config))
-    return MultiTracker(trackers)
+    return MultiTracker(trackers, warn=say)
