@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -19,23 +20,53 @@ import pytest
 from meshrun.data.prepare import prepare
 
 REPO = Path(__file__).resolve().parents[1]
-CORPUS = REPO / "src" / "meshrun"  # a small, always-present text corpus for tests
+WORDS = ("the model trains on bytes of text while every stage of the pipeline holds a few blocks and "
+         "replicas average their gradients so that one process and many agree def return import class for in").split()
 
 
 def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """Environment for a test run: offline wandb, private cache, no inherited launcher variables."""
+    """Environment for a test run: private cache, no inherited launcher or WANDB_* variables
+    (the config's tracker.mode decides; `tiny` turns wandb off)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env.update(WANDB_MODE="offline", XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 
 
 def start_meshrun(args: list[str], *, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `python -m meshrun ARGS` in its own process group (so a timeout can kill all of it)."""
+    """Start `python -m meshrun ARGS` (its own session, away from pytest's signals)."""
     return subprocess.Popen(
         [sys.executable, "-m", "meshrun", *args], cwd=tmp_path, env=env or meshrun_env(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root` (torchrun puts each worker in a session of its own, so a
+    process-group kill does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL a launcher and everything it started."""
+    for pid in [root, *descendants(root)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def finish_meshrun(proc: subprocess.Popen, *, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
@@ -43,7 +74,7 @@ def finish_meshrun(proc: subprocess.Popen, *, timeout: float = 240, check: bool 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(proc.args[3:])} timed out after {timeout}s\n{err[-4000:]}")
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -64,9 +95,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small byte-level dataset prepared once per test session from meshrun's own sources."""
+    """A byte-level dataset prepared once per session from generated text: fixed bytes, so
+    numerics tests do not change when the project's sources (or Python's) do."""
+    rng, texts = random.Random(0), tmp_path_factory.mktemp("corpus")
+    for i in range(20):
+        lines = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14))) for _ in range(120))
+        (texts / f"doc{i:02d}.txt").write_text("\n".join(lines) + "\n")
     out = tmp_path_factory.mktemp("data") / "bytes"
-    prepare([str(CORPUS / "**" / "*.py")], out, val_fraction=0.2)
+    prepare([str(texts / "*.txt")], out, val_fraction=0.2)
     return out
 
 

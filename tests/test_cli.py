@@ -57,10 +57,11 @@ def test_dry_run_default_config_from_any_directory(tmp_path: Path) -> None:
         assert default[section].items() <= resolved[section].items()
     assert resolved["precision"] == default["precision"]
     assert resolved["train"]["steps"] == 7
-    assert "world size 1 = dp 1 x pp 1" in plan
+    dp, pp = default["parallel"]["dp"], default["parallel"]["pp"]
+    assert f"world size {dp * pp} = dp {dp} x pp {pp}" in plan
     b = default["train"]
-    accumulation = b["global_batch"] // b["micro_batch"]
-    assert f"micro batch {b['micro_batch']} x dp 1 x accumulation steps {accumulation}" in plan
+    accumulation = b["global_batch"] // (b["micro_batch"] * dp)
+    assert f"micro batch {b['micro_batch']} x dp {dp} x accumulation steps {accumulation}" in plan
     assert f"tokens per step {b['global_batch'] * default['model']['seq_len']}" in plan
     assert not (tmp_path / "runs").exists()
     assert not (tmp_path / "cache" / "meshrun").exists(), "--dry-run prepared data"

@@ -247,5 +247,19 @@ def test_existing_run_is_refused_and_untouched(data_dir: Path, tmp_path: Path) -
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     before = _snapshot(run_dir)
     result = run_meshrun(["train", *tiny(data_dir, run_dir)], tmp_path=tmp_path, timeout=60, check=False)
-    _assert_refused(result.returncode, result.stderr, ("run_dir", "already holds a run", "set run_dir to a new folder"))
+    _assert_refused(result.returncode, result.stderr, ("run_dir", "already holds files that are not a meshrun run",
+                                                       "set run_dir to a new folder"))
+    assert _snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("override,fragments", [
+    ("train.resume=none", ("already holds a run", "set train.resume=auto to continue it, or a new run_dir")),
+    ("model.dim=64", ("holds a run of a different model", "model.dim is 32 there, 64 here")),
+])
+def test_existing_run_is_not_continued_wrongly(override: str, fragments: tuple[str, ...], data_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_meshrun(["train", *tiny(data_dir, run_dir, **{"train.steps": 1})], tmp_path=tmp_path)
+    before = _snapshot(run_dir)
+    result = run_meshrun(["train", *tiny(data_dir, run_dir), f"--set={override}"], tmp_path=tmp_path, timeout=60, check=False)
+    _assert_refused(result.returncode, result.stderr, fragments)
     assert _snapshot(run_dir) == before

@@ -64,17 +64,19 @@ def preflight(cfg: Config) -> None:
 
 
 def check_same_model(existing: Path, cfg: Config) -> None:
-    """A run directory continues only the same model (any dp x pp layout may resume it)."""
+    """A run directory continues only a meshrun run of the same model (any dp x pp layout)."""
     try:
-        before = json.loads(existing.read_text()).get("model", {})
+        before = Config.model_validate(json.loads(existing.read_text())).model
     except ValueError:
-        raise ConfigError(f"{existing} is not valid JSON; set run_dir to a new folder") from None
-    now = cfg.model.model_dump(mode="json")
-    for key in now:
-        if key in before and before[key] != now[key]:
+        raise ConfigError(
+            f"run_dir {cfg.run_dir} already holds files that are not a meshrun run ({existing.name}); "
+            "set run_dir to a new folder"
+        ) from None
+    for key, value in cfg.model.model_dump(mode="json").items():
+        if getattr(before, key) != getattr(cfg.model, key):
             raise ConfigError(
-                f"run_dir {cfg.run_dir} holds a run of a different model (model.{key} is {before[key]!r} there, "
-                f"{now[key]!r} here); use the same model settings or a new run_dir"
+                f"run_dir {cfg.run_dir} holds a run of a different model (model.{key} is {getattr(before, key)!r} there, "
+                f"{value!r} here); use the same model settings or a new run_dir"
             )
 
 

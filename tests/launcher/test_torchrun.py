@@ -3,9 +3,7 @@ across two network namespaces, each equal in weights to the same dp x pp job on 
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, final_weights, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import REPO, final_weights, kill_tree, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
 from meshrun.config import load_config
 from meshrun.launcher.torchrun import torchrun_argv
 
@@ -103,7 +101,7 @@ def run_nodes(nodes: list[tuple[list[str], dict[str, str]]], *, cwd: Path, timeo
     finally:
         for proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)  # workers live in sessions of their own: a group kill misses them
                 proc.wait()
     for proc, out in zip(procs, outputs):
         assert proc.returncode == 0, f"node command {proc.args} exited {proc.returncode}\n{out[-6000:]}"

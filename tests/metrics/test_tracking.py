@@ -139,7 +139,7 @@ def test_rank0_prints_progress_and_summary_without_wandb_banners(offline_job) ->
 
 def test_online_without_a_key_falls_back_to_offline(data_dir: Path, tmp_path: Path) -> None:
     env = env_for(tmp_path)
-    del env["WANDB_MODE"]
+    env.pop("WANDB_MODE", None)
     env.pop("NETRC", None)
     run_dir, proc = train(data_dir, tmp_path, env=env, **{"tracker.mode": "online"})
     notes = [line for line in proc.stderr.splitlines() if "API key" in line]
