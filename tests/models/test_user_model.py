@@ -21,7 +21,7 @@ def train(data_dir: Path, run: Path, **overrides: object) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train(data_dir, tmp_path_factory.mktemp("ref") / "run", **{"train.micro_batch": 8})
+    return train(data_dir, tmp_path_factory.mktemp("ref") / "run")  # one process, 4 micro-steps of 2
 
 
 @pytest.mark.parametrize("overrides", [{"parallel.dp": 2}, {"parallel.pp": 2, "recompute": "every:2"}],

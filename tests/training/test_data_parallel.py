@@ -14,9 +14,9 @@ STEPS = dict(**{"train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5})
 
 @pytest.fixture(scope="module")
 def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One process, whole global batch of 8 in one micro-step."""
+    """One process on the same global batch of 8 (4 micro-steps of 2; the dp run does 2 per rank)."""
     tmp = tmp_path_factory.mktemp("ref")
-    run_meshrun(["train", *tiny(data_dir, tmp / "run", **STEPS, **{"train.micro_batch": 8})], tmp_path=tmp)
+    run_meshrun(["train", *tiny(data_dir, tmp / "run", **STEPS)], tmp_path=tmp)
     return tmp / "run"
 
 

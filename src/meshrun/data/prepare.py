@@ -61,8 +61,11 @@ def prepare(sources: list[str], out: str | Path, *, val_fraction: float = 0.05) 
     if not files:
         raise ConfigError(f"no files match --source {' '.join(sources)}")
     chunks: dict[str, list[bytes]] = {split: [] for split in SPLITS}
+    root = Path(os.path.commonpath([f.parent for f in files]))
     for path in files:
-        split = "val" if zlib.crc32(str(path).encode()) % 10_000 < val_fraction * 10_000 else "train"
+        # Hash the path below the corpus root: the same files split the same wherever they live.
+        key = str(path.relative_to(root)).encode()
+        split = "val" if zlib.crc32(key) % 10_000 < val_fraction * 10_000 else "train"
         chunks[split].append(path.read_bytes() + b"\n\n")
     _ensure_both_splits(chunks, val_fraction)
     out.mkdir(parents=True, exist_ok=True)
