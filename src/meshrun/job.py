@@ -19,7 +19,7 @@ from meshrun.errors import ConfigError
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model
-from meshrun.parallel.plan import even_split, stage_ids, stages_per_rank, validate_layout
+from meshrun.parallel.plan import stage_ids, stages_per_rank, static_split, validate_layout
 from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
 
 
@@ -83,10 +83,10 @@ def check_same_model(existing: Path, cfg: Config) -> None:
 def describe_split(cfg: Config) -> list[str] | None:
     """Blocks held by each pipeline rank, for display (None: no pipeline, or measured at start)."""
     par = cfg.parallel
-    if par.pp == 1 or (par.stage_layers is None and par.balance != "even"):
+    split = static_split(cfg) if par.pp > 1 else None
+    if split is None:
         return None
     per_rank = stages_per_rank(par.schedule, par.virtual_stages)
-    split = par.stage_layers or even_split(cfg.model.num_layers, par.pp * per_rank)
     return [" + ".join(str(split[s]) for s in stage_ids(rank, par.pp, per_rank)) for rank in range(par.pp)]
 
 

@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (
 
 from meshrun.config import Config
 from meshrun.distributed import Mesh
-from meshrun.parallel.plan import check_split, even_split, stage_ids, stages_per_rank
+from meshrun.parallel.plan import stage_ids, stages_per_rank, static_split
 from meshrun.parallel.timeline import ActionTimer
 from meshrun.training.loss import MicrobatchLoss
 
@@ -51,15 +51,11 @@ def plan_for(cfg: Config, mesh: Mesh) -> StagePlan:
     """The same split on every rank: explicit, even, or measured on rank 0 and broadcast."""
     par = cfg.parallel
     per_rank = stages_per_rank(par.schedule, par.virtual_stages)
-    num_stages = par.pp * per_rank
-    if par.stage_layers is not None:
-        split = check_split(par.stage_layers, cfg.model.num_layers, num_stages)
-    elif par.balance == "even":
-        split = even_split(cfg.model.num_layers, num_stages)
-    else:
+    split = static_split(cfg)
+    if split is None:
         from meshrun.parallel.balance import measured_split  # fairscale: only when asked for
 
-        box = [measured_split(cfg, num_stages, by=par.balance) if mesh.rank == 0 else None]
+        box = [measured_split(cfg, par.pp * per_rank, by=par.balance) if mesh.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         split = box[0]
     return StagePlan(split=split, local_stages=stage_ids(mesh.pp_rank, par.pp, per_rank))

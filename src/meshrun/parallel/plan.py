@@ -81,17 +81,23 @@ def check_microbatches(schedule: str, num_microbatches: int, pp: int) -> None:
         )
 
 
+def static_split(cfg: Config) -> list[list[int]] | None:
+    """Blocks of every pipeline stage when known without measuring (explicit or even); None when
+    `parallel.balance` asks for a measured split. Refuses impossible splits either way."""
+    par = cfg.parallel
+    num_stages = par.pp * stages_per_rank(par.schedule, par.virtual_stages)
+    if par.stage_layers is not None:
+        return check_split(par.stage_layers, cfg.model.num_layers, num_stages)
+    split = even_split(cfg.model.num_layers, num_stages)  # also refuses more stages than blocks
+    return split if par.balance == "even" else None
+
+
 def validate_layout(cfg: Config) -> None:
     """Every layout check that needs no process: run before spawning workers."""
     par = cfg.parallel
     if par.pp == 1:
         return
-    per_rank = stages_per_rank(par.schedule, par.virtual_stages)
-    num_stages = par.pp * per_rank
-    if par.stage_layers is not None:
-        check_split(par.stage_layers, cfg.model.num_layers, num_stages)
-    else:
-        even_split(cfg.model.num_layers, num_stages)
+    static_split(cfg)
     check_microbatches(par.schedule, cfg.accumulation_steps, par.pp)
     if par.schedule == "zero-bubble" and par.dp > 1:
         raise ConfigError(

@@ -65,7 +65,6 @@ class Trainer:
             timeline_title=f"{par.schedule}, dp={par.dp} pp={par.pp}, {cfg.accumulation_steps} microbatches:",
         )
         self.requests = Requests(self.run_dir, self.device, is_rank0=mesh.rank == 0)
-        self.preempted = False
 
     def _open_tracker(self) -> Tracker | None:
         """Rank 0 only: the run directory, its resolved config, and trackers continuing the run."""
@@ -130,7 +129,6 @@ class Trainer:
                 window.start = time.perf_counter()
             if stop and done < cfg.steps:
                 self.report.note(f"stop requested: checkpoint at step {done} written; rerun the same command to resume")
-                self.preempted = True
                 return None
         # The first window pays for warm-up (allocations, pipeline shape inference): leave it out.
         tokens, seconds = map(sum, zip(*(timed[1:] or timed)))
