@@ -89,6 +89,9 @@ def _slurm(args: argparse.Namespace) -> int:
         partition=args.partition, account=args.account, time=args.time, cpus_per_task=args.cpus_per_task,
         job_name=args.job_name, signal_seconds=args.signal_seconds, sbatch_options=args.sbatch_options,
     )
+    from meshrun import job  # imports torch: after the checks that need none
+
+    job.preflight(cfg)  # the same checks as `meshrun train`, before the job waits for nodes
     if not args.submit:
         print(script, end="")
         return 0
