@@ -7,6 +7,7 @@ import sys
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
+from meshrun.versions import check_torch_version, installed_torch_version
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,6 +119,8 @@ def _launch_overrides(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command != "prepare-data":  # the commands that run torch
+            check_torch_version(installed_torch_version())
         if args.command == "prepare-data":
             from meshrun.data.prepare import default_sources, prepare
 
