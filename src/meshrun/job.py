@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from meshrun.checkpoint import check_resumable
 from meshrun.config import Config
 from meshrun.data.dataset import check_data_dir
 from meshrun.data.prepare import default_sources, is_prepared, prepare
@@ -148,6 +149,8 @@ def train(cfg: Config, worker_args: list[str]) -> int:
             ensure_data(cfg)
         return run_worker(cfg)
     ensure_data(cfg)
+    with torch.device("meta"):  # a run that cannot resume stops before any worker exists
+        check_resumable(cfg.run_dir, cfg.train.resume, build_model(cfg.model))
     if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
         return outcome(cfg, run_worker(cfg))  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)
