@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import run_meshrun, tiny
 
 

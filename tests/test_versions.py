@@ -6,10 +6,14 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, meshrun_env, run_meshrun
+
 from meshrun.errors import ConfigError
-from meshrun.versions import TORCH_REQUIREMENT, check_torch_version, installed_torch_version
+from meshrun.versions import (
+    TORCH_REQUIREMENT,
+    check_torch_version,
+    installed_torch_version,
+)
 
 
 @pytest.mark.parametrize("version", ["2.13.0", "2.13.1+cu128", "2.13.0+cpu", "2.13.0a0+git1234abc"])

@@ -145,11 +145,12 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep: int, config: dict,
-         unloadable: tuple[Path, ...] = ()) -> Path:
+         protected: tuple[Path, ...] = ()) -> Path:
     """Collective: every rank calls it with its own tensors. Returns the final folder.
 
-    `unloadable`: checkpoints newer than the one this run resumed from, which failed to load:
-    retention never deletes them, and one this save would replace is moved aside instead.
+    `protected`: checkpoints newer than the one this run resumed from (ones that failed to load,
+    or later ones when an older one was named): retention never deletes them, and one this save
+    would replace is moved aside instead.
     """
     root = checkpoint_root(run_dir)
     final = root / f"step-{step:08d}"
@@ -168,13 +169,13 @@ def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep
         files.update({name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)} for name in (".metadata", CONFIG)})
         manifest = {"step": step, "files": files, "versions": installed_versions()}
         _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        if final in unloadable:
+        if final in protected:
             _move_aside(final)
         elif final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_atomic(root / "latest", final.name)
-        for old in [p for p in complete_checkpoints(run_dir) if p not in unloadable][:-keep]:
+        for old in [p for p in complete_checkpoints(run_dir) if p not in protected][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
@@ -197,7 +198,7 @@ def verify(path: Path) -> None:
     metadata = SafeReader(path).read_metadata()  # refuses anything but DCP's own classes
     stray = {str(info.relative_path) for info in metadata.storage_data.values()} - manifest["files"].keys()
     if stray:
-        raise CheckpointError(f"checkpoint index {path / '.metadata'} names files its {MANIFEST} does not list: {sorted(stray)[0]!r}")
+        raise CheckpointError(f"checkpoint index {path / '.metadata'} names files its {MANIFEST} does not list: {min(stray)!r}")
 
 
 def read_manifest(path: Path) -> dict:
@@ -304,6 +305,11 @@ def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> None:
         raise ConfigError(f"train.resume {resume}: {unloadable_reason(*failures[0])}")
 
 
+def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:
+    """The run's complete checkpoints after `step` (what a resume from `step` must not delete)."""
+    return tuple(p for p in complete_checkpoints(run_dir) if int(p.name.split("-")[1]) > step)
+
+
 def saved_world_size(path: Path) -> int | None:
     """dp x pp of the job that wrote a checkpoint (None if its config is unreadable)."""
     try:
@@ -350,13 +356,13 @@ def _barrier() -> None:
 
 
 def _move_aside(folder: Path) -> None:
-    """Keep a checkpoint that failed to load under another name instead of replacing it."""
+    """Keep a protected checkpoint under another name instead of replacing it."""
     for n in range(1, 1000):
-        aside = folder.with_name(f"{folder.name}.unloadable-{n}")
+        aside = folder.with_name(f"{folder.name}.kept-{n}")
         if not aside.exists():
             os.replace(folder, aside)
             return
-    raise RunError(f"cannot move {folder} aside: {folder.name}.unloadable-1 .. -999 exist; clean up {folder.parent}")
+    raise RunError(f"cannot move {folder} aside: {folder.name}.kept-1 .. -999 exist; clean up {folder.parent}")
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -11,7 +11,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshrun.checkpoint import CONFIG, CheckpointError, checkpoint_dir, full_model_state, verify
+from meshrun.checkpoint import (
+    CONFIG,
+    CheckpointError,
+    checkpoint_dir,
+    full_model_state,
+    verify,
+)
 from meshrun.config import Config
 from meshrun.errors import ConfigError
 from meshrun.models import build_model

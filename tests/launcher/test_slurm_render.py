@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import run_meshrun
+
 from meshrun.config import load_config
 from meshrun.errors import ConfigError
 from meshrun.launcher.slurm import render_sbatch

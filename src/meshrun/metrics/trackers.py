@@ -104,17 +104,17 @@ class WandbTracker:
         id_file = run_dir / "wandb_run_id"
         run_id = os.environ.get("WANDB_RUN_ID") or (id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8])
         id_file.write_text(run_id + "\n")
-        kwargs = dict(
-            id=run_id,
-            resume="allow",
-            project=os.environ.get("WANDB_PROJECT") or cfg.project,
-            entity=os.environ.get("WANDB_ENTITY") or cfg.entity,
-            name=os.environ.get("WANDB_NAME") or cfg.name or run_dir.name,
-            dir=os.environ.get("WANDB_DIR") or str(run_dir),
-            config=config,
-        )
+        kwargs = {
+            "id": run_id,
+            "resume": "allow",
+            "project": os.environ.get("WANDB_PROJECT") or cfg.project,
+            "entity": os.environ.get("WANDB_ENTITY") or cfg.entity,
+            "name": os.environ.get("WANDB_NAME") or cfg.name or run_dir.name,
+            "dir": os.environ.get("WANDB_DIR") or str(run_dir),
+            "config": config,
+        }
         # `quiet` still prints the offline banner (3 lines); `silent` prints nothing.
-        settings = dict(console="off", x_disable_stats=True, silent=True)
+        settings = {"console": "off", "x_disable_stats": True, "silent": True}
         if mode != "online":
             self.run = wandb.init(mode=mode, settings=wandb.Settings(**settings), **kwargs)
             return

@@ -58,7 +58,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.skipped_steps = 0
         self.samples_seen = 0  # data position in global samples: survives a change of dp
-        self.unloadable: tuple[Path, ...] = ()  # checkpoints newer than the resumed one that failed to load
+        self.newer_checkpoints: tuple[Path, ...] = ()  # than the one resumed from: never deleted
         self.start_step = self.resume()
         par = cfg.parallel
         self.report = RunReport(
@@ -97,11 +97,12 @@ class Trainer:
                     say(f"warning: {exc}; trying an older checkpoint")
                 failures.append((path, exc))
                 continue
-            self.unloadable = tuple(path for path, _ in failures)  # newer than this one: kept
+            step = int(state["progress.step"])
+            self.newer_checkpoints = checkpoint.newer_than(self.run_dir, step)
             self.load_state_dict(state)
             if self.mesh.rank == 0:
-                say(f"resumed from {path} at step {int(state['progress.step'])}")
-            return int(state["progress.step"])
+                say(f"resumed from {path} at step {step}")
+            return step
         if failures:
             raise checkpoint.no_checkpoint_loads(self.run_dir, failures)
         return 0
@@ -186,7 +187,7 @@ class Trainer:
     def save(self, step: int) -> None:
         config = self.cfg.model_dump(mode="json")
         path = checkpoint.save(self.state_dict(step), self.run_dir, step, keep=self.cfg.checkpoint.keep, config=config,
-                               unloadable=self.unloadable)
+                               protected=self.newer_checkpoints)
         self.report.note(f"saved checkpoint {path}")
 
     def train_step(self, step: int) -> torch.Tensor:
