@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 import zlib
@@ -34,7 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from meshrun.errors import RunError
+from meshrun.errors import ConfigError, RunError
+from meshrun.versions import installed_versions
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # file sizes and crc32s, written last: its presence marks a complete save
@@ -44,6 +46,10 @@ _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 class CheckpointError(RunError):
     """A checkpoint that cannot be read: names the file."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A file differs from the manifest written at save time: missing, truncated or corrupt."""
 
 
 # -- safe metadata -----------------------------------------------------------------------------
@@ -134,12 +140,18 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and (p / MANIFEST).is_file()]
+    found = [p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and p.is_dir() and (p / MANIFEST).is_file()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep: int, config: dict) -> Path:
-    """Collective: every rank calls it with its own tensors. Returns the final folder."""
+def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep: int, config: dict,
+         protected: tuple[Path, ...] = ()) -> Path:
+    """Collective: every rank calls it with its own tensors. Returns the final folder.
+
+    `protected`: checkpoints newer than the one this run resumed from (ones that failed to load,
+    or later ones when an older one was named): retention never deletes them, and one this save
+    would replace is moved aside instead.
+    """
     root = checkpoint_root(run_dir)
     final = root / f"step-{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -155,12 +167,15 @@ def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
         files = {name: {"bytes": (tmp / name).stat().st_size, "crc32": crc} for part in sums for name, crc in part.items()}
         files.update({name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)} for name in (".metadata", CONFIG)})
-        _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
-        if final.exists():
+        manifest = {"step": step, "files": files, "versions": installed_versions()}
+        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        if final in protected:
+            _move_aside(final)
+        elif final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_atomic(root / "latest", final.name)
-        for old in complete_checkpoints(run_dir)[:-keep]:
+        for old in [p for p in complete_checkpoints(run_dir) if p not in protected][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
@@ -168,21 +183,33 @@ def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep
 
 def verify(path: Path) -> None:
     """Check every file against the manifest written at save time; the error names the file."""
-    manifest_path = path / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path} has no readable {MANIFEST} ({exc}); it is incomplete") from None
+    manifest = read_manifest(path)
     for name, expected in manifest["files"].items():
         file = path / name
+        if name != Path(name).name or name in ("", ".", "..") or file.is_symlink():
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} names {name!r}, which is not a file inside the folder")
         if not file.is_file():
-            raise CheckpointError(f"checkpoint file {file} is missing")
+            raise DamagedCheckpointError(f"checkpoint file {file} is missing")
         size = file.stat().st_size
         if size != expected["bytes"]:
-            raise CheckpointError(f"checkpoint file {file} is truncated or changed ({size} of {expected['bytes']} bytes)")
+            raise DamagedCheckpointError(f"checkpoint file {file} is truncated or changed ({size} of {expected['bytes']} bytes)")
         if _crc32(file) != expected["crc32"]:
-            raise CheckpointError(f"checkpoint file {file} is corrupt (checksum mismatch)")
-    SafeReader(path).read_metadata()  # refuses anything but DCP's own classes
+            raise DamagedCheckpointError(f"checkpoint file {file} is corrupt (checksum mismatch)")
+    metadata = SafeReader(path).read_metadata()  # refuses anything but DCP's own classes
+    stray = {str(info.relative_path) for info in metadata.storage_data.values()} - manifest["files"].keys()
+    if stray:
+        raise CheckpointError(f"checkpoint index {path / '.metadata'} names files its {MANIFEST} does not list: {min(stray)!r}")
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of a checkpoint folder: {"step", "files": {name: {bytes, crc32}}, "versions"}."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if not all(isinstance(v, dict) and {"bytes", "crc32"} <= v.keys() for v in manifest["files"].values()):
+            raise ValueError("malformed file entries")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"checkpoint {path} has no readable {MANIFEST} ({exc}); it is incomplete") from None
+    return manifest
 
 
 def load(state: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
@@ -192,23 +219,24 @@ def load(state: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Te
     (or fall back) together.
     """
     path = Path(path)
-    problem = [None]
+    problem: list[tuple[bool, str] | None] = [None]  # (damaged, message)
     if _rank() == 0:
         try:
             verify(path)
         except CheckpointError as exc:
-            problem[0] = str(exc)
+            problem[0] = (isinstance(exc, DamagedCheckpointError), str(exc))
     if dist.is_initialized():
         dist.broadcast_object_list(problem, src=0)
     if problem[0]:
-        raise CheckpointError(problem[0])
+        damaged, message = problem[0]
+        raise (DamagedCheckpointError if damaged else CheckpointError)(message)
     try:
         with warnings.catch_warnings():  # single-process loads (export, tests) are intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
-    except Exception as exc:  # DCP wraps per-rank failures; name the folder for the user
+    except (Exception, dcp.CheckpointException) as exc:  # DCP's own derives from BaseException
         raise CheckpointError(f"cannot load checkpoint {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     return state
 
@@ -226,6 +254,60 @@ def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
     if resume != "auto":
         return [Path(resume)]
     return complete_checkpoints(run_dir)[::-1]
+
+
+def unloadable_reason(path: Path, error: CheckpointError) -> str:
+    """Why a checkpoint did not load, telling another torch / meshrun apart from a damaged file."""
+    try:
+        written = json.loads((path / MANIFEST).read_text()).get("versions")
+    except (OSError, ValueError, AttributeError):
+        written = None
+    here = installed_versions()
+    if isinstance(error, DamagedCheckpointError):
+        return str(error)
+    if isinstance(written, dict) and written != here:
+        def show(v: dict) -> str:
+            return f"torch {v.get('torch')} / meshrun {v.get('meshrun')}"
+        return f"it was written by {show(written)}, this is {show(here)} ({error}); resume with the versions that wrote it"
+    if written is None:
+        return f"{error} (written by an older meshrun that recorded no versions)"
+    return str(error)
+
+
+def no_checkpoint_loads(run_dir: str | Path, failures: list[tuple[Path, CheckpointError]]) -> ConfigError:
+    """The error when checkpoints exist but none loads: a fresh start must be asked for."""
+    newest, error = failures[0]
+    return ConfigError(
+        f"none of the {len(failures)} checkpoints in {checkpoint_root(run_dir)} loads; the newest, {newest.name}, "
+        f"does not: {unloadable_reason(newest, error)}. Nothing was changed. To start from step 0 on purpose, "
+        f"set a new run_dir (or move {checkpoint_root(run_dir)} aside)"
+    )
+
+
+def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> None:
+    """Before spawning workers: the checkpoint to resume from verifies and fits `model` (a meta-device
+    model: only names and shapes are compared), so a run that cannot resume stops here."""
+    failures: list[tuple[Path, CheckpointError]] = []
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    for path in resume_candidates(run_dir, resume):
+        try:
+            verify(path)
+            saved = SafeReader(path).read_metadata().state_dict_metadata
+            for name, shape in shapes.items():
+                if name not in saved or tuple(getattr(saved[name], "size", ())) != shape:
+                    raise CheckpointError(f"checkpoint {path} holds no {name} of shape {list(shape)}; it is of another model")
+            return
+        except CheckpointError as exc:
+            failures.append((path, exc))
+    if failures and resume == "auto":
+        raise no_checkpoint_loads(run_dir, failures)
+    if failures:
+        raise ConfigError(f"train.resume {resume}: {unloadable_reason(*failures[0])}")
+
+
+def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:
+    """The run's complete checkpoints after `step` (what a resume from `step` must not delete)."""
+    return tuple(p for p in complete_checkpoints(run_dir) if int(p.name.split("-")[1]) > step)
 
 
 def saved_world_size(path: Path) -> int | None:
@@ -271,6 +353,16 @@ def _crc32(path: Path) -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _move_aside(folder: Path) -> None:
+    """Keep a protected checkpoint under another name instead of replacing it."""
+    for n in range(1, 1000):
+        aside = folder.with_name(f"{folder.name}.kept-{n}")
+        if not aside.exists():
+            os.replace(folder, aside)
+            return
+    raise RunError(f"cannot move {folder} aside: {folder.name}.kept-1 .. -999 exist; clean up {folder.parent}")
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -7,6 +7,7 @@ import sys
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
+from meshrun.versions import check_torch_version, installed_torch_version
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
     export.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
     export.add_argument("--out", required=True, help="output file: .safetensors or .pt")
+    _trust_arguments(export)
     sample = sub.add_parser("sample", help="generate text from a checkpoint (byte-level models)")
     sample.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
     sample.add_argument("--prompt", default="def ", help="text to continue")
@@ -57,7 +59,27 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely bytes (0 = all)")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed")
+    _trust_arguments(sample)
     return parser
+
+
+def _trust_arguments(parser: argparse.ArgumentParser) -> None:
+    """A checkpoint's config.json may name a model.factory: code that runs only if the user says so."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.factory=MODULE:FUNCTION",
+                        help="build the model with this factory (the only key export and sample take)")
+    parser.add_argument("--trust-code", action="store_true",
+                        help="import the model.factory named by the checkpoint's config.json")
+
+
+def _factory_override(overrides: list[str]) -> str | None:
+    """The factory named with `--set model.factory=...` (the last one wins), refusing other keys."""
+    factory = None
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if key.strip() != "model.factory" or not sep or not value.strip():
+            raise ConfigError(f"--set {override}: export and sample take only --set model.factory=MODULE:FUNCTION")
+        factory = value.strip()
+    return factory
 
 
 def _use_checkpoint(args: argparse.Namespace) -> int:
@@ -65,11 +87,12 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
     from meshrun.checkpoint import CheckpointError
     from meshrun.export import export, load_full_model, sample
 
+    trust = {"factory": _factory_override(args.overrides), "trust_code": args.trust_code}
     try:
         if args.command == "export":
-            print(f"wrote {export(args.checkpoint, args.out)}")
+            print(f"wrote {export(args.checkpoint, args.out, **trust)}")
             return 0
-        model, cfg, _ = load_full_model(args.checkpoint)
+        model, cfg, _ = load_full_model(args.checkpoint, **trust)
         print(sample(model, cfg, args.prompt, num_tokens=args.tokens, temperature=args.temperature,
                      top_k=args.top_k or None, seed=args.seed))
         return 0
@@ -89,6 +112,9 @@ def _slurm(args: argparse.Namespace) -> int:
         partition=args.partition, account=args.account, time=args.time, cpus_per_task=args.cpus_per_task,
         job_name=args.job_name, signal_seconds=args.signal_seconds, sbatch_options=args.sbatch_options,
     )
+    from meshrun import job  # imports torch: after the checks that need none
+
+    job.preflight(cfg)  # the same checks as `meshrun train`, before the job waits for nodes
     if not args.submit:
         print(script, end="")
         return 0
@@ -115,6 +141,8 @@ def _launch_overrides(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command != "prepare-data":  # the commands that run torch
+            check_torch_version(installed_torch_version())
         if args.command == "prepare-data":
             from meshrun.data.prepare import default_sources, prepare
 

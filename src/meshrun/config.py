@@ -165,6 +165,8 @@ class TrackerConfig(_Section):
     """wandb run name; None = the run directory's name."""
     entity: str | None = None
     """wandb entity (team or user)."""
+    init_timeout: float = Field(15.0, gt=0)
+    """Seconds `online` waits for the wandb server before logging offline instead (WANDB_INIT_TIMEOUT wins)."""
 
 
 class MetricsConfig(_Section):

@@ -11,16 +11,39 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshrun.checkpoint import CONFIG, checkpoint_dir, full_model_state
+from meshrun.checkpoint import (
+    CONFIG,
+    CheckpointError,
+    checkpoint_dir,
+    full_model_state,
+    verify,
+)
 from meshrun.config import Config
 from meshrun.errors import ConfigError
 from meshrun.models import build_model
 
 
-def load_full_model(run_or_checkpoint: str | Path) -> tuple[nn.Module, Config, Path]:
-    """The whole model on the CPU with the checkpoint's weights, its config and the folder used."""
+def load_full_model(run_or_checkpoint: str | Path, *, factory: str | None = None,
+                    trust_code: bool = False) -> tuple[nn.Module, Config, Path]:
+    """The whole model on the CPU with the checkpoint's weights, its config and the folder used.
+
+    The folder is verified against its manifest before anything in it is used. A
+    `model.factory` named by the checkpoint's config.json is code chosen by whoever wrote the
+    folder: it runs only when the user names a factory (`factory`) or says `trust_code`.
+    """
     folder = checkpoint_dir(run_or_checkpoint)
-    cfg = Config.model_validate(json.loads((folder / CONFIG).read_text()))
+    verify(folder)
+    try:
+        cfg = Config.model_validate(json.loads((folder / CONFIG).read_text()))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {folder} has no usable {CONFIG} ({type(exc).__name__})") from None
+    if factory is not None:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"factory": factory})})
+    elif cfg.model.factory is not None and not trust_code:
+        raise ConfigError(
+            f"checkpoint {folder} names model.factory {cfg.model.factory!r}, code meshrun does not import on a "
+            f"checkpoint's word: pass --set model.factory={cfg.model.factory} (the factory you mean) or --trust-code"
+        )
     with torch.device("meta"):
         model = build_model(cfg.model)
     model.to_empty(device="cpu")
@@ -28,12 +51,12 @@ def load_full_model(run_or_checkpoint: str | Path) -> tuple[nn.Module, Config, P
     return model.eval(), cfg, folder
 
 
-def export(run_or_checkpoint: str | Path, out: str | Path) -> Path:
+def export(run_or_checkpoint: str | Path, out: str | Path, *, factory: str | None = None, trust_code: bool = False) -> Path:
     """Write one file: `.safetensors` (config in its metadata) or `.pt` (a plain dict, weights_only-loadable)."""
     out = Path(out)
     if out.exists():
         raise ConfigError(f"{out} already exists; choose another --out")
-    model, cfg, folder = load_full_model(run_or_checkpoint)
+    model, cfg, folder = load_full_model(run_or_checkpoint, factory=factory, trust_code=trust_code)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     config = json.dumps(cfg.model_dump(mode="json"))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,11 +6,13 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
 import yaml
 
+from meshrun.checkpoint import check_resumable
 from meshrun.config import Config
 from meshrun.data.dataset import check_data_dir
 from meshrun.data.prepare import default_sources, is_prepared, prepare
@@ -49,6 +51,8 @@ def preflight(cfg: Config) -> None:
         build_model(cfg.model)
     if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
         raise ConfigError(f"run_dir {cfg.run_dir} is a file, not a folder; set run_dir to a new folder")
+    check_writable(Path(cfg.run_dir))
+    check_readable(data_dir(cfg))
     existing = Path(cfg.run_dir) / "config.json"
     if existing.exists():
         if cfg.train.resume == "none":
@@ -61,6 +65,36 @@ def preflight(cfg: Config) -> None:
             f"world size {os.environ['WORLD_SIZE']} does not match parallel.dp x parallel.pp = "
             f"{cfg.parallel.dp} x {cfg.parallel.pp}; launch {cfg.world_size} processes or change parallel.dp / parallel.pp"
         )
+
+
+def check_writable(run_dir: Path) -> None:
+    """run_dir (or the nearest folder above it that exists) takes a new file. Probed with a real
+    file: permission bits say nothing for root, and a read-only mount refuses root too."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"run_dir {run_dir} lies under {existing}, which is a file; set run_dir to a folder path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"run_dir {run_dir} is not writable ({existing}: {exc.strerror}); "
+                          "fix its permissions or set run_dir to a writable folder") from None
+
+
+def check_readable(path: Path) -> None:
+    """Every file of an existing data folder can be opened and read (workers would fail later)."""
+    if not path.is_dir():
+        return  # missing data is prepared or reported by ensure_data
+    try:
+        for entry in path.iterdir():
+            if entry.is_file():
+                with entry.open("rb") as f:
+                    f.read(1)
+    except OSError as exc:
+        raise ConfigError(f"data.dir {path} is not readable ({exc.filename}: {exc.strerror}); "
+                          "fix its permissions or point data.dir at a readable copy") from None
 
 
 def check_same_model(existing: Path, cfg: Config) -> None:
@@ -115,6 +149,8 @@ def train(cfg: Config, worker_args: list[str]) -> int:
             ensure_data(cfg)
         return run_worker(cfg)
     ensure_data(cfg)
+    with torch.device("meta"):  # a run that cannot resume stops before any worker exists
+        check_resumable(cfg.run_dir, cfg.train.resume, build_model(cfg.model))
     if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
         return outcome(cfg, run_worker(cfg))  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)

@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,32 @@ def test_a_failing_tracker_is_dropped_and_the_others_keep_logging(tmp_path: Path
     trackers.close()
     assert len(warnings) == 1 and "ServiceGone failed (ConnectionError: Connection lost)" in warnings[0]
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+UNREACHABLE = "http://127.0.0.1:9"  # the discard port on loopback: refused at once, nothing leaves the machine
+
+
+def test_online_without_a_network_waits_briefly_then_logs_offline(data_dir: Path, tmp_path: Path) -> None:
+    env = env_for(tmp_path, WANDB_BASE_URL=UNREACHABLE, WANDB_API_KEY="0123456789abcdef" * 2 + "01234567")
+    started = time.monotonic()
+    run_dir, proc = train(data_dir, tmp_path, env=env, **{"tracker.mode": "online", "tracker.init_timeout": 3})
+    assert time.monotonic() - started < 60  # wandb's own default waits 90 s before failing
+    warnings = [line for line in proc.stderr.splitlines() if "offline" in line]
+    assert len(warnings) == 1 and "warning: wandb online failed within 3 s" in warnings[0], proc.stderr
+    assert "wandb sync" in warnings[0] and "Traceback" not in proc.stderr
+    assert len(offline_runs(run_dir)) == 1  # the run to sync later
+    assert_file_matches_jsonl(run_dir)
+
+
+def test_credentials_are_found_by_wandb_itself(tmp_path: Path) -> None:
+    """An identity token file is a credential (no API key): online is attempted, not skipped."""
+    token = tmp_path / "token"
+    token.write_text("header.payload.signature\n")
+    probe = "from meshrun.config import TrackerConfig; from meshrun.metrics.trackers import wandb_mode; " \
+            "print(wandb_mode(TrackerConfig(mode='online')))"
+    env = env_for(tmp_path, WANDB_BASE_URL=UNREACHABLE)
+    found = subprocess.run([sys.executable, "-c", probe], env={**env, "WANDB_IDENTITY_TOKEN_FILE": str(token)},
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert found.stdout.strip() == "('online', None)", found.stderr
+    missing = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert missing.stdout.startswith("('offline', 'wandb: no API key found"), missing.stderr

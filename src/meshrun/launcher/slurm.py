@@ -14,6 +14,8 @@ same command, which resumes from the newest checkpoint in the same run_dir (trai
 
 from __future__ import annotations
 
+import json
+import re
 import shlex
 from pathlib import Path
 
@@ -141,6 +143,25 @@ MAX_RESTARTS="${MAX_RESTARTS:-0}"
 """
 
 
+# What each user-given #SBATCH value may look like: a value is one token of a header line, so a
+# newline (a new directive, or a shell command after the header) or a stray quote never gets in.
+_FORMATS = {
+    "--time": (r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE", "minutes, H:MM:SS or D-HH:MM:SS, e.g. 4:00:00"),
+    "--partition": (r"[\w.-]+(,[\w.-]+)*", "partition names of letters, digits, _ . -, separated by commas"),
+    "--account": (r"[\w.-]+", "letters, digits, _ . -"),
+    "--job-name": (r"[\w.+@:,= -]+", "letters, digits, spaces and _ . + @ : , = -"),
+    "--sbatch": (r"--[a-z][a-z0-9-]*(=((?![\"'\\])[!-~])+)?", "one long option with no spaces or quotes, e.g. --sbatch=--qos=high"),
+}
+
+
+def checked(flag: str, value: str) -> str:
+    """`value` for the #SBATCH line of `flag`, refused with the expected format if it does not fit."""
+    pattern, expected = _FORMATS[flag]
+    if not re.fullmatch(pattern, value, flags=re.IGNORECASE if flag == "--time" else 0):
+        raise ConfigError(f"{flag} {json.dumps(value)} is not valid for an #SBATCH line: expected {expected}")
+    return value
+
+
 def template() -> str:
     """The generic `launch/slurm.sbatch`."""
     return _TEMPLATE_HEAD + _BODY
@@ -176,25 +197,28 @@ def render_sbatch(
         )
     if gpus_per_node < 0 or signal_seconds < 1:
         raise ConfigError("--gpus-per-node must be >= 0 (0: CPU only) and --signal-seconds >= 1")
+    if cpus_per_task is not None and cpus_per_task < 1:
+        raise ConfigError(f"--cpus-per-task must be >= 1, got {cpus_per_task}; or leave it out for Slurm's default")
+    name = checked("--job-name", job_name)
     options = [
-        f"--job-name={job_name}",
+        f'--job-name="{name}"' if " " in name else f"--job-name={name}",  # sbatch strips the quotes
         f"--nodes={nodes}",
         "--ntasks-per-node=1",  # one torchrun agent per node; it starts the workers
         *([f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []),
-        *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
-        *([f"--partition={partition}"] if partition else []),
-        *([f"--account={account}"] if account else []),
-        *([f"--time={time}"] if time else []),
+        *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task is not None else []),
+        *([f"--partition={checked('--partition', partition)}"] if partition is not None else []),
+        *([f"--account={checked('--account', account)}"] if account is not None else []),
+        *([f"--time={checked('--time', time)}"] if time is not None else []),
         f"--signal=B:USR1@{signal_seconds}",  # warn the batch shell before the time limit
         "--requeue",  # let the job requeue itself after checkpointing
         "--open-mode=append",  # the requeued run appends to the same log
         "--output=slurm-%x-%j.out",
-        *sbatch_options,
+        *(checked("--sbatch", option) for option in sbatch_options),
     ]
     train_args = [*([str(Path(config).resolve())] if config is not None else []), *(f"--set={o}" for o in overrides)]
     head = [
         "#!/usr/bin/env bash",
-        f"# meshrun job rendered by `meshrun slurm`: run_dir {cfg.run_dir}, {world} workers (dp {cfg.parallel.dp} x "
+        f"# meshrun job rendered by `meshrun slurm`: run_dir {json.dumps(str(cfg.run_dir))}, {world} workers (dp {cfg.parallel.dp} x "
         f"pp {cfg.parallel.pp}) = {nodes} nodes x {nproc}.",
         "# Submit with `sbatch THIS_FILE`; see launch/slurm.sbatch for the environment it reads.",
         *(f"#SBATCH {option}" for option in options),

@@ -6,13 +6,11 @@ Only the logging rank (rank 0) opens trackers; other ranks get `NullTracker`.
 from __future__ import annotations
 
 import json
-import netrc
 import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlparse
 
 from meshrun.config import TrackerConfig
 
@@ -53,19 +51,20 @@ class JsonlTracker:
         self.file.close()
 
 
-def has_wandb_key() -> bool:
-    """An API key in the environment or in the netrc file (where `wandb login` stores it)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    # wandb reads $NETRC first, then ~/.netrc. An explicit path also skips Python's
-    # permission check, which would otherwise report "no key" for a key wandb itself accepts.
-    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+def wandb_credentials() -> tuple[bool, str | None]:
+    """Whether wandb itself finds credentials for its server, and why not if it cannot say.
+
+    Asks `wandb.login(prompt=False, verify=False)`: wandb's own resolution (WANDB_API_KEY,
+    WANDB_IDENTITY_TOKEN_FILE, settings files, netrc for WANDB_BASE_URL), with no network and
+    no prompt. `silent` first, else login prints a greeting that asks the server for the user.
+    """
+    import wandb
+
+    wandb.setup(settings=wandb.Settings(silent=True))
     try:
-        hosts = netrc.netrc(path).hosts
-    except (OSError, netrc.NetrcParseError):
-        return False
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    return host in hosts
+        return wandb.login(prompt=False, verify=False), None
+    except wandb.errors.Error as exc:  # e.g. a malformed key, or both a key and a token file set
+        return False, f"wandb credentials unusable ({' '.join(str(exc).split())})"
 
 
 def wandb_mode(cfg: TrackerConfig) -> tuple[str, str | None]:
@@ -73,9 +72,20 @@ def wandb_mode(cfg: TrackerConfig) -> tuple[str, str | None]:
     mode = os.environ.get("WANDB_MODE") or cfg.mode
     if mode in ("disabled", "offline", "dryrun"):
         return ("offline" if mode == "dryrun" else mode), None
-    if not has_wandb_key():
-        return "offline", "wandb: no API key found (WANDB_API_KEY or `wandb login`); logging offline, sync later with `wandb sync`"
+    found, problem = wandb_credentials()
+    if not found:
+        why = problem or "wandb: no API key found (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE or `wandb login`)"
+        return "offline", f"{why}; logging offline, sync later with `wandb sync`"
     return "online", None
+
+
+def init_timeout(cfg: TrackerConfig) -> float:
+    """tracker.init_timeout, unless WANDB_INIT_TIMEOUT holds a positive number of seconds."""
+    try:
+        seconds = float(os.environ.get("WANDB_INIT_TIMEOUT", ""))
+    except ValueError:
+        return cfg.init_timeout
+    return seconds if seconds > 0 else cfg.init_timeout
 
 
 class WandbTracker:
@@ -86,25 +96,37 @@ class WandbTracker:
     reads on its own.
     """
 
-    def __init__(self, cfg: TrackerConfig, *, mode: str, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, cfg: TrackerConfig, *, mode: str, run_dir: Path, config: dict[str, Any],
+                 warn: Callable[[str], None] = print) -> None:
         import wandb  # lazy: importing wandb costs about a second
 
         # A resumed job continues the same wandb run: its id lives in the run directory.
         id_file = run_dir / "wandb_run_id"
         run_id = os.environ.get("WANDB_RUN_ID") or (id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8])
         id_file.write_text(run_id + "\n")
-        self.run = wandb.init(
-            id=run_id,
-            resume="allow",
-            project=os.environ.get("WANDB_PROJECT") or cfg.project,
-            entity=os.environ.get("WANDB_ENTITY") or cfg.entity,
-            name=os.environ.get("WANDB_NAME") or cfg.name or run_dir.name,
-            dir=os.environ.get("WANDB_DIR") or str(run_dir),
-            mode=mode,
-            config=config,
-            # `quiet` still prints the offline banner (3 lines); `silent` prints nothing.
-            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
-        )
+        kwargs = {
+            "id": run_id,
+            "resume": "allow",
+            "project": os.environ.get("WANDB_PROJECT") or cfg.project,
+            "entity": os.environ.get("WANDB_ENTITY") or cfg.entity,
+            "name": os.environ.get("WANDB_NAME") or cfg.name or run_dir.name,
+            "dir": os.environ.get("WANDB_DIR") or str(run_dir),
+            "config": config,
+        }
+        # `quiet` still prints the offline banner (3 lines); `silent` prints nothing.
+        settings = {"console": "off", "x_disable_stats": True, "silent": True}
+        if mode != "online":
+            self.run = wandb.init(mode=mode, settings=wandb.Settings(**settings), **kwargs)
+            return
+        timeout = init_timeout(cfg)
+        try:
+            self.run = wandb.init(mode="online", settings=wandb.Settings(**settings, init_timeout=timeout), **kwargs)
+        except wandb.errors.Error as exc:  # no network, server down, credentials refused
+            wandb.teardown()  # the failed attempt still holds the run id in wandb's service
+            self.run = wandb.init(mode="offline", settings=wandb.Settings(**settings), **kwargs)
+            reason = " ".join(str(exc).splitlines()[0].split()) if str(exc) else type(exc).__name__
+            warn(f"warning: wandb online failed within {timeout:g} s ({reason}); logging offline in "
+                 f"{self.run.settings.sync_dir}, sync later with `wandb sync {self.run.settings.sync_dir}`")
 
     def log(self, row: dict[str, Any], step: int) -> None:
         # Not committed here: validation rows arrive later for the same step and join its row.
@@ -154,5 +176,5 @@ def open_trackers(cfg: TrackerConfig, *, run_dir: Path, config: dict[str, Any],
     if note:
         say(note)
     if mode != "disabled":
-        trackers.append(WandbTracker(cfg, mode=mode, run_dir=run_dir, config=config))
+        trackers.append(WandbTracker(cfg, mode=mode, run_dir=run_dir, config=config, warn=say))
     return MultiTracker(trackers, warn=say)

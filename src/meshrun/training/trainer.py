@@ -58,6 +58,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.skipped_steps = 0
         self.samples_seen = 0  # data position in global samples: survives a change of dp
+        self.newer_checkpoints: tuple[Path, ...] = ()  # than the one resumed from: never deleted
         self.start_step = self.resume()
         par = cfg.parallel
         self.report = RunReport(
@@ -79,8 +80,12 @@ class Trainer:
         return open_trackers(self.cfg.tracker, run_dir=self.run_dir, config=resolved)
 
     def resume(self) -> int:
-        """Load the newest loadable checkpoint (falling back past corrupt ones); returns its step."""
+        """Load the newest loadable checkpoint (falling back past ones that fail); returns its step.
+
+        Checkpoints exist but none loads: stop before anything in the run directory changes.
+        """
         candidates = checkpoint.resume_candidates(self.run_dir, self.cfg.train.resume)
+        failures: list[tuple[Path, checkpoint.CheckpointError]] = []
         for path in candidates:
             try:
                 same_layout = checkpoint.saved_world_size(path) == self.cfg.world_size
@@ -90,11 +95,16 @@ class Trainer:
                     raise
                 if self.mesh.rank == 0:
                     say(f"warning: {exc}; trying an older checkpoint")
+                failures.append((path, exc))
                 continue
+            step = int(state["progress.step"])
+            self.newer_checkpoints = checkpoint.newer_than(self.run_dir, step)
             self.load_state_dict(state)
             if self.mesh.rank == 0:
-                say(f"resumed from {path} at step {int(state['progress.step'])}")
-            return int(state["progress.step"])
+                say(f"resumed from {path} at step {step}")
+            return step
+        if failures:
+            raise checkpoint.no_checkpoint_loads(self.run_dir, failures)
         return 0
 
     def local_batch(self, data: TokenDataset, position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +186,8 @@ class Trainer:
 
     def save(self, step: int) -> None:
         config = self.cfg.model_dump(mode="json")
-        path = checkpoint.save(self.state_dict(step), self.run_dir, step, keep=self.cfg.checkpoint.keep, config=config)
+        path = checkpoint.save(self.state_dict(step), self.run_dir, step, keep=self.cfg.checkpoint.keep, config=config,
+                               protected=self.newer_checkpoints)
         self.report.note(f"saved checkpoint {path}")
 
     def train_step(self, step: int) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""`meshrun slurm` never writes a value that escapes its #SBATCH line, and refuses what `meshrun
+train` would refuse before the job waits for nodes. Pure: no Slurm cluster is needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import run_meshrun
+
+from meshrun.config import load_config
+from meshrun.errors import ConfigError
+from meshrun.launcher.slurm import render_sbatch
+
+INJECTED = "\n#SBATCH --wrap=id\nrm -rf ~"
+BASE = ["slurm", "--set=parallel.dp=1", "--set=parallel.pp=2", "--nodes=2", "--gpus-per-node=1"]
+
+
+def refused(args: list[str], tmp_path: Path) -> str:
+    """Run the CLI; assert exit 2, nothing on stdout (no script), one line on stderr; return it."""
+    result = run_meshrun(args, tmp_path=tmp_path, timeout=60, check=False)
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--partition", "gpu" + INJECTED, "--partition"),
+    ("--account", "lab" + INJECTED, "--account"),
+    ("--time", "banana", "--time \"banana\" is not valid"),
+    ("--job-name", "train" + INJECTED, "--job-name"),
+    ("--sbatch", "--qos=high" + INJECTED, "--sbatch"),
+    ("--cpus-per-task", "-4", "--cpus-per-task must be >= 1"),
+])
+def test_cli_refuses_values_that_would_escape_the_header(flag: str, value: str, message: str, tmp_path: Path) -> None:
+    assert message in refused([*BASE, f"{flag}={value}"], tmp_path)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.num_layers=1"], "model.num_layers"),
+    (["model.factory=no_such_module:build"], "model.factory"),
+    (["run_dir=a_file"], "run_dir"),
+])
+def test_cli_runs_the_train_preflight(overrides: list[str], message: str, tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("not a folder\n")
+    assert message in refused([*BASE, *(f"--set={o}" for o in overrides)], tmp_path)
+
+
+def render(**options: object) -> str:
+    cfg = load_config(None, ["parallel.dp=1", "parallel.pp=2", "run_dir=runs/x\n#SBATCH --wrap=id"])
+    return render_sbatch(cfg, config=None, overrides=[], nodes=2, gpus_per_node=1, **options)
+
+
+def test_valid_values_render_one_line_each() -> None:
+    script = render(partition="gpu,debug", account="lab-1", time="1-12:00:00", cpus_per_task=8,
+                    job_name="my run", sbatch_options=["--qos=high", "--constraint=a100&ib", "--exclusive"])
+    header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    for expected in ("--partition=gpu,debug", "--account=lab-1", "--time=1-12:00:00", "--cpus-per-task=8",
+                     '--job-name="my run"', "--qos=high", "--constraint=a100&ib", "--exclusive"):
+        assert f"#SBATCH {expected}" in header
+    assert "--wrap" not in "\n".join(header)  # the run_dir's newline stays escaped in its comment
+
+
+@pytest.mark.parametrize("options", [
+    {"time": "4:00:00\n#SBATCH --wrap=id"}, {"time": ""}, {"partition": "a b"}, {"account": "x;y"},
+    {"job_name": 'say "hi"'}, {"sbatch_options": ["-q high"]}, {"sbatch_options": ["--comment=a b"]},
+    {"cpus_per_task": 0},
+])
+def test_render_refuses_bad_values(options: dict) -> None:
+    with pytest.raises(ConfigError, match="--"):
+        render(**options)

@@ -1,0 +1,201 @@
+"""Checkpoints never choose code to run, never reach outside their folder, and a run whose
+checkpoints all fail to load stops without changing anything (no silent restart from step 0)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import meshrun_env, run_meshrun, tiny
+
+from meshrun.checkpoint import (
+    CheckpointError,
+    _crc32,
+    full_model_state,
+    verify,
+)
+from meshrun.config import Config
+from meshrun.errors import ConfigError
+from meshrun.models import build_model
+
+STEPS = {"train.steps": 12, "checkpoint.interval": 4, "checkpoint.keep": 3}
+CKPTS = ("step-00000004", "step-00000008", "step-00000012")
+
+
+@pytest.fixture(scope="module")
+def finished(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished one-process run with checkpoints at steps 4, 8 and 12."""
+    run = tmp_path_factory.mktemp("safety") / "run"
+    run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=run.parent)
+    return run
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def forge(ckpt: Path, name: str, target: Path | None = None) -> None:
+    """Make the manifest agree with the file now at `name` (or with `target`): an attacker's copy."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    source = target or ckpt / name
+    manifest["files"][name] = {"bytes": source.stat().st_size, "crc32": _crc32(source)}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def meta_model(run: Path, **model: object) -> torch.nn.Module:
+    cfg = Config.model_validate(json.loads((run / "config.json").read_text()))
+    with torch.device("meta"):
+        return build_model(cfg.model.model_copy(update=model))
+
+
+# ---- item 2: no code from a checkpoint, nothing read from outside it -------------------------------
+
+
+@pytest.fixture
+def planted(finished: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A checkpoint folder carrying a module and a config.json naming it (manifest forged to match)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(finished / "checkpoints" / CKPTS[-1], ckpt)
+    marker = tmp_path / "code-ran"
+    (ckpt / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\nfrom meshrun.models.gpt import GPT as build\n")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model"]["factory"] = "planted:build"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    forge(ckpt, "config.json")
+    return ckpt, marker
+
+
+@pytest.mark.parametrize("command", [["sample", ".", "--tokens", "4"], ["export", ".", "--out", "../m.safetensors"]])
+def test_checkpoint_named_factory_is_not_imported(command: list[str], planted: tuple[Path, Path]) -> None:
+    ckpt, marker = planted  # run from inside the folder: `python -m` puts it first on sys.path
+    result = run_meshrun(command, tmp_path=ckpt, check=False, timeout=120)
+    assert not marker.exists(), "the checkpoint's module was imported"
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "planted:build" in result.stderr and "--trust-code" in result.stderr
+
+
+def test_factory_runs_when_the_user_names_it(planted: tuple[Path, Path]) -> None:
+    ckpt, marker = planted
+    result = run_meshrun(["sample", ".", "--tokens", "4", "--set", "model.factory=planted:build"], tmp_path=ckpt, timeout=120)
+    assert marker.exists() and result.stdout.startswith("def ")
+
+
+@pytest.mark.parametrize("entry", ["../../outside.bin", "/etc/hostname", "sub/../../x"])
+def test_manifest_entries_outside_the_folder_are_refused(entry: str, finished: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "a" / "ckpt"
+    shutil.copytree(finished / "checkpoints" / CKPTS[-1], ckpt)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not yours")
+    forge(ckpt, entry, target=outside)  # size and crc32 match: only the name gives it away
+    with pytest.raises(CheckpointError, match="not a file inside the folder"):
+        verify(ckpt)
+
+
+def test_a_symlinked_checkpoint_file_is_refused(finished: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(finished / "checkpoints" / CKPTS[-1], ckpt)
+    shard = next(ckpt.glob("__0_*.distcp"))
+    outside = tmp_path / "elsewhere.distcp"
+    shutil.move(shard, outside)
+    shard.symlink_to(outside)  # same bytes, but read from outside the folder
+    with pytest.raises(CheckpointError, match="not a file inside the folder"):
+        verify(ckpt)
+
+
+# ---- item 3: checkpoints that exist but cannot be loaded --------------------------------------------
+
+
+def broken_copy(finished: Path, tmp_path: Path) -> Path:
+    """The run with every checkpoint damaged, and its summary gone (as if interrupted)."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    (run / "summary.json").unlink()
+    for name in CKPTS:
+        truncate(next((run / "checkpoints" / name).glob("__0_*.distcp")))
+    return run
+
+
+def test_no_loadable_checkpoint_stops_and_changes_nothing(finished: Path, data_dir: Path, tmp_path: Path) -> None:
+    run = broken_copy(finished, tmp_path)
+    before = snapshot(run)
+    result = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path, check=False)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "step-00000012" in result.stderr and "truncated" in result.stderr and "new run_dir" in result.stderr
+    assert snapshot(run) == before  # metrics.jsonl, every checkpoint, latest: byte-identical
+
+
+def test_workers_under_torchrun_stop_too(finished: Path, data_dir: Path, tmp_path: Path) -> None:
+    """Launched by torchrun itself (Slurm, launch/torchrun.sh): the worker refuses, files untouched."""
+    run = broken_copy(finished, tmp_path)
+    before = snapshot(run)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "meshrun"]
+    result = subprocess.run([*torchrun, "train", *tiny(data_dir, run, **STEPS)], cwd=tmp_path, env=meshrun_env(tmp_path),
+                            capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode != 0
+    assert "meshrun: error: none of the 3 checkpoints" in result.stderr and "step-00000012" in result.stderr
+    assert snapshot(run) == before
+
+
+def test_another_versions_checkpoint_is_told_apart_from_a_corrupt_one(finished: Path, tmp_path: Path) -> None:
+    from meshrun.checkpoint import check_resumable
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    for name in CKPTS:  # an index this torch cannot read, written by other versions (manifest agrees)
+        ckpt = run / "checkpoints" / name
+        (ckpt / ".metadata").write_bytes(b"\x80\x04cnew_torch.checkpoint\nMetadataV9\n.")
+        forge(ckpt, ".metadata")
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest["versions"] = {"torch": "2.99.0", "meshrun": "9.0.0"}
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"written by torch 2\.99\.0 / meshrun 9\.0\.0, this is torch 2\.13"):
+        check_resumable(run, "auto", meta_model(run))
+    truncate(run / "checkpoints" / CKPTS[-1] / ".metadata")
+    with pytest.raises(ConfigError, match="step-00000012, does not: checkpoint file .*truncated") as damaged:
+        check_resumable(run, "auto", meta_model(run))
+    assert "written by" not in str(damaged.value)
+
+
+def test_manifest_records_the_versions(finished: Path) -> None:
+    import meshrun
+
+    manifest = json.loads((finished / "checkpoints" / CKPTS[-1] / "manifest.json").read_text())
+    assert manifest["versions"] == {"torch": torch.__version__, "meshrun": meshrun.__version__}
+
+
+def test_dcp_errors_are_checkpoint_errors(finished: Path) -> None:
+    """DCP's CheckpointException derives from BaseException: it must not escape as a traceback."""
+    wider = meta_model(finished, dim=64).to_empty(device="cpu")
+    with pytest.raises(CheckpointError, match="cannot load checkpoint"):
+        full_model_state(wider, finished / "checkpoints" / CKPTS[-1])
+
+
+def test_resuming_another_model_is_one_line(finished: Path, data_dir: Path, tmp_path: Path) -> None:
+    ckpt = finished / "checkpoints" / CKPTS[-1]
+    args = tiny(data_dir, tmp_path / "new", **{"model.dim": 64, "train.resume": ckpt})
+    result = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "another model" in result.stderr
+
+
+def test_retention_keeps_checkpoints_newer_than_the_resumed_one(finished: Path, data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    (run / "summary.json").unlink()
+    for name in CKPTS[1:]:  # 8 and 12 fail, 4 loads: the run resumes from 4 and saves 8 and 12 again
+        truncate(next((run / "checkpoints" / name).glob("__0_*.distcp")))
+    unloadable = {name: snapshot(run / "checkpoints" / name) for name in CKPTS[1:]}
+    result = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)
+    assert "resumed from" in result.stderr and "step-00000004" in result.stderr
+    for name, files in unloadable.items():
+        assert snapshot(run / "checkpoints" / f"{name}.kept-1") == files  # kept, moved aside
+    assert {p.name for p in (run / "checkpoints").iterdir()} >= {*CKPTS, "latest"}
