@@ -13,11 +13,13 @@ import random
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from meshrun.data.prepare import prepare
+from plain_reference import Reference, config_from_set_args, train_plain
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the model trains on bytes of text while every stage of the pipeline holds a few blocks and "
@@ -116,6 +118,21 @@ def tiny(data_dir: Path, run_dir: Path | str, **overrides: object) -> list[str]:
     }
     settings.update(overrides)
     return [f"--set={key}={value}" for key, value in settings.items()]
+
+
+@pytest.fixture(scope="session")
+def plain_reference(data_dir: Path) -> Callable[..., Reference]:
+    """`plain_reference(**overrides)`: the plain-torch run (see plain_reference.py) of the job
+    `tiny(data_dir, ..., **overrides)` describes; computed once per session per settings."""
+    cache: dict[str, Reference] = {}
+
+    def get(**overrides: object) -> Reference:
+        key = repr(sorted(overrides.items()))
+        if key not in cache:
+            cache[key] = train_plain(config_from_set_args(tiny(data_dir, "unused", **overrides)), data_dir)
+        return cache[key]
+
+    return get
 
 
 def final_weights(run_or_checkpoint: Path) -> dict:
