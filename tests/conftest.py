@@ -31,6 +31,8 @@ def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     (the config's tracker.mode decides; `tiny` turns wandb off)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if "PYTHONPATH" in extra and os.environ.get("PYTHONPATH"):  # test helpers first, the checkout under test still found
+        extra["PYTHONPATH"] = f"{extra['PYTHONPATH']}{os.pathsep}{os.environ['PYTHONPATH']}"
     env.update(extra)
     return env
 

@@ -107,7 +107,7 @@ def test_every_block_trained_exactly_once(overrides, reference: Path, seven_bloc
     seven = overrides.get("model.num_layers") == 7
     ref = seven_block_reference if seven else reference
     run = train(data_dir, tmp_path / "run", **overrides)
-    assert_grad_norms_match(grad_norms(run), plain_reference(**BASE, **({"model.num_layers": 7} if seven else {})).grad_norms)
+    assert_grad_norms_match(grad_norms(run), plain_reference(**{**BASE, **({"model.num_layers": 7} if seven else {})}).grad_norms)
     got, want = final_weights(run), final_weights(ref)
     assert sorted(k for k in got if k.startswith("blocks.")) == sorted(k for k in want if k.startswith("blocks."))
     assert max_weight_diff(got, want) < 1e-5
@@ -142,7 +142,16 @@ def test_fp16_overflow_in_one_stage_makes_every_stage_skip(data_dir: Path, tmp_p
 
 
 def test_bf16_pipeline_tracks_fp32(reference: Path, data_dir: Path, tmp_path: Path) -> None:
-    run = train(data_dir, tmp_path / "run", **{"parallel.pp": 2, "parallel.dp": 2, "precision": "bf16"})
+    from dtype_probe_gpt import recorded
+
+    probe = tmp_path / "dtypes"
+    probe.mkdir()
+    run = tmp_path / "run"
+    settings = {**BASE, "parallel.pp": 2, "parallel.dp": 2, "precision": "bf16", "model.factory": "dtype_probe_gpt:build"}
+    env = meshrun_env(tmp_path, PYTHONPATH=str(HERE), MESHRUN_TEST_DTYPES=str(probe))
+    run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=tmp_path, env=env)
+    dtypes = recorded(probe)
+    assert len(dtypes) == 4 and all(seen == {"torch.bfloat16"} for seen in dtypes.values()), dtypes  # autocast ran on every rank
     for got, want in zip(losses(run), losses(reference), strict=True):
         assert abs(got - want) / want < 0.02
 
@@ -154,3 +163,19 @@ def test_timeline_and_bubble_are_measured(data_dir: Path, tmp_path: Path) -> Non
     png = (run / "pipeline_timeline.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert all(f"memory_gb/stage{s}" in read_metrics(run)[0] for s in (0, 1))
+
+
+def test_measured_bubble_is_the_schedules(data_dir: Path, tmp_path: Path) -> None:
+    """Blocks that sleep a fixed time (slow_gpt.py) make stage work equal and independent of CPU
+    load, so the measured 1F1B bubble must sit near the theory (p-1)/(m+p-1) = 1/5 for p=2, m=4.
+    Measured here on a loaded 2-core machine: 0.15-0.17 (GPipe 0.16-0.24); the band is
+    [theory/2, theory + 0.15]. Stuck at 0 or 1, or missing the F (0.73) or B (0.47) actions, fails."""
+    run = tmp_path / "run"
+    slow = {"model.factory": "slow_gpt:build", "model.num_layers": 4, "train.global_batch": 8, "train.micro_batch": 2,
+            "train.steps": 4, "parallel.pp": 2, "parallel.schedule": "1f1b"}
+    env = meshrun_env(tmp_path, PYTHONPATH=str(HERE))
+    run_meshrun(["train", *tiny(data_dir, run, **slow)], tmp_path=tmp_path, env=env)
+    bubbles = [row["bubble"] for row in read_metrics(run) if "bubble" in row][1:]  # step 1 also infers shapes
+    theory = (2 - 1) / (4 + 2 - 1)
+    assert len(bubbles) == 3
+    assert theory / 2 <= sorted(bubbles)[1] <= theory + 0.15, bubbles
