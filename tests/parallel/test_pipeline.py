@@ -168,7 +168,7 @@ def test_timeline_and_bubble_are_measured(data_dir: Path, tmp_path: Path) -> Non
 def test_measured_bubble_is_the_schedules(data_dir: Path, tmp_path: Path) -> None:
     """Blocks that sleep a fixed time (slow_gpt.py) make stage work equal and independent of CPU
     load, so the measured 1F1B bubble must sit near the theory (p-1)/(m+p-1) = 1/5 for p=2, m=4.
-    Measured here on a loaded 2-core machine: 0.15-0.17 (GPipe 0.16-0.24); the band is
+    Measured on the loaded 2-core dev machine: 0.146-0.170 (GPipe 0.164-0.241); the band is
     [theory/2, theory + 0.15]. Stuck at 0 or 1, or missing the F (0.73) or B (0.47) actions, fails."""
     run = tmp_path / "run"
     slow = {"model.factory": "slow_gpt:build", "model.num_layers": 4, "train.global_batch": 8, "train.micro_batch": 2,

@@ -68,11 +68,6 @@ class Optimizers:
         for optimizer in self.optimizers:
             scaler.unscale_(optimizer)
 
-    def step(self, scaler: GradScaler) -> None:
-        """fp16: through the scaler, which skips overflowing steps itself."""
-        for optimizer in self.optimizers:
-            scaler.step(optimizer)
-
     def step_unless(self, skip: torch.Tensor) -> None:
         """Every optimizer stepped, or none (where `skip` is 1), decided on the device."""
         for optimizer in self.optimizers:

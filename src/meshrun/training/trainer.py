@@ -224,8 +224,10 @@ class Trainer:
             self.optimizers.unscale_(self.scaler)  # all-reduces found_inf over the pipeline stages
         self.grad_norm = self.clip_gradients()
         if self.scaler is not None:
+            # The norm spans every stage's unscaled gradients: non-finite exactly when the scaler's
+            # found_inf (all-reduced over the stages by unscale_) is set; update() then backs off.
             scale = self.scaler.get_scale()
-            self.optimizers.step(self.scaler)
+            self.optimizers.step_unless(torch.isfinite(self.grad_norm).logical_not().float())
             self.scaler.update()
             self.skipped_steps += self.scaler.get_scale() < scale
         else:
