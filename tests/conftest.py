@@ -13,11 +13,13 @@ import random
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from meshrun.data.prepare import prepare
+from plain_reference import Reference, config_from_set_args, train_plain
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the model trains on bytes of text while every stage of the pipeline holds a few blocks and "
@@ -29,6 +31,8 @@ def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     (the config's tracker.mode decides; `tiny` turns wandb off)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if "PYTHONPATH" in extra and os.environ.get("PYTHONPATH"):  # test helpers first, the checkout under test still found
+        extra["PYTHONPATH"] = f"{extra['PYTHONPATH']}{os.pathsep}{os.environ['PYTHONPATH']}"
     env.update(extra)
     return env
 
@@ -116,6 +120,21 @@ def tiny(data_dir: Path, run_dir: Path | str, **overrides: object) -> list[str]:
     }
     settings.update(overrides)
     return [f"--set={key}={value}" for key, value in settings.items()]
+
+
+@pytest.fixture(scope="session")
+def plain_reference(data_dir: Path) -> Callable[..., Reference]:
+    """`plain_reference(**overrides)`: the plain-torch run (see plain_reference.py) of the job
+    `tiny(data_dir, ..., **overrides)` describes; computed once per session per settings."""
+    cache: dict[str, Reference] = {}
+
+    def get(**overrides: object) -> Reference:
+        key = repr(sorted(overrides.items()))
+        if key not in cache:
+            cache[key] = train_plain(config_from_set_args(tiny(data_dir, "unused", **overrides)), data_dir)
+        return cache[key]
+
+    return get
 
 
 def final_weights(run_or_checkpoint: Path) -> dict:

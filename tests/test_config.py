@@ -195,13 +195,21 @@ def no_workers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def tripwire(*args: object, **kwargs: object) -> int:
         raise AssertionError("a worker was started")
 
-    monkeypatch.setattr(job, "run_worker", tripwire)
-    monkeypatch.setattr(job.subprocess, "call", tripwire)
+    monkeypatch.setattr(job, "run_worker", tripwire)  # one process: the worker runs here
+    monkeypatch.setattr(job, "run_torchrun", tripwire)  # several: torchrun is started
     for name, value in meshrun_env(tmp_path).items():
         monkeypatch.setenv(name, value)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))  # for the user factory module rows write
+
+
+@pytest.mark.parametrize("dp", [1, 2], ids=["in-process-worker", "torchrun"])
+def test_tripwire_catches_a_valid_job(dp: int, data_dir: Path, tmp_path: Path, no_workers: None) -> None:
+    """The tripwire is live on both launch paths, so a refused row that started work would fail."""
+    ctx = Ctx(data_dir, tmp_path)
+    with pytest.raises(AssertionError, match="a worker was started"):
+        cli.main(["train", *ctx.set(parallel__dp=dp)])
 
 
 def test_table_is_large_enough() -> None:

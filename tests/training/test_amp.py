@@ -9,7 +9,8 @@ import pytest
 
 from conftest import losses, meshrun_env, read_metrics, run_meshrun, tiny
 
-FAULTY = str(Path(__file__).parents[1] / "parallel")
+FAULTY = str(Path(__file__).parents[1] / "parallel")  # faulty_gpt.py, dtype_probe_gpt.py
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 STEPS = {"train.steps": 6}
 
 
@@ -21,8 +22,17 @@ def fp32(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_low_precision_tracks_fp32(precision: str, fp32: list[float], data_dir: Path, tmp_path: Path) -> None:
-    run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **STEPS, precision=precision)], tmp_path=tmp_path)
+def test_low_precision_tracks_fp32(precision: str, fp32: list[float], data_dir: Path, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(FAULTY)
+    from dtype_probe_gpt import recorded
+
+    probe = tmp_path / "dtypes"
+    probe.mkdir()
+    env = meshrun_env(tmp_path, PYTHONPATH=FAULTY, MESHRUN_TEST_DTYPES=str(probe))
+    args = tiny(data_dir, tmp_path / "run", **STEPS, precision=precision, **{"model.factory": "dtype_probe_gpt:build"})
+    run_meshrun(["train", *args], tmp_path=tmp_path, env=env)
+    assert list(recorded(probe).values()) == [{f"torch.{DTYPES[precision]}"}]  # autocast reached every matmul
     got = losses(tmp_path / "run")
     assert len(got) == len(fp32)
     for a, b in zip(got, fp32):

@@ -7,35 +7,26 @@ import sys
 
 import torch
 
-# Dense bf16/fp16 tensor-core peak TFLOP/s of one device, by a substring of its CUDA name.
-# Order matters: the first match wins ("H100 PCIe" before "H100").
-PEAK_TFLOPS = (
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),
-    ("GH200", 989.0),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-    ("A10", 125.0),
-    ("RTX 4090", 165.0),
-    ("RTX 3090", 71.0),
-    ("V100", 125.0),
-    ("T4", 65.0),
-)
+from meshrun.metrics.devices import find_device
 
 
-def peak_tflops(device: torch.device, configured: float | None) -> float | None:
-    """Per-device peak for MFU: the configured value, else the table, else unknown (CPU)."""
+def peak_tflops(device: torch.device, configured: float | None, precision: str = "bf16") -> float | None:
+    """Per-device peak for MFU: the configured value, else the GPU table for this precision, else
+    unknown (None: CPU, a GPU the table does not know, or bf16 on a GPU without it)."""
     if configured is not None:
         return configured
     if device.type != "cuda":
         return None
+    spec = find_device(torch.cuda.get_device_name(device))
+    return spec.peak(precision) if spec is not None else None
+
+
+def mfu_note(device: torch.device, peak: float | None) -> str | None:
+    """Why MFU is missing from the metrics, for a GPU whose peak is unknown (say so, never guess)."""
+    if peak is not None or device.type != "cuda":
+        return None
     name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+    return f"MFU omitted: no peak TFLOP/s known for {name!r} at this precision; set metrics.peak_tflops to report it"
 
 
 def peak_memory_gb(device: torch.device) -> float:

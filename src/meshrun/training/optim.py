@@ -22,8 +22,22 @@ def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = bool(decay) and all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
+    # Fused (CPU and CUDA): it can skip a step on the device (see step_unless), with no host sync.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """`optimizer.step()`, except where the 0-d float `skip` is 1: then parameters, moments and
+    the step counter stay as they were, decided on the device (no host sync).
+
+    Fused AdamW reads the `found_inf` attribute that torch.amp.GradScaler sets on optimizers
+    with `_step_supports_amp_scaling`; torch has no public argument for it, so it lives here only.
+    """
+    optimizer.found_inf, optimizer.grad_scale = skip, None
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -54,9 +68,10 @@ class Optimizers:
         for optimizer in self.optimizers:
             scaler.unscale_(optimizer)
 
-    def step(self, scaler: GradScaler | None) -> None:
+    def step_unless(self, skip: torch.Tensor) -> None:
+        """Every optimizer stepped, or none (where `skip` is 1), decided on the device."""
         for optimizer in self.optimizers:
-            scaler.step(optimizer) if scaler is not None else optimizer.step()
+            step_unless(optimizer, skip)
 
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:

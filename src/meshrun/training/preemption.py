@@ -3,7 +3,11 @@
 SIGTERM (what schedulers and torchrun send before killing) and SIGUSR1 (Slurm's
 `--signal=USR1@T` warning) ask the job to checkpoint and exit; creating the file
 `<run_dir>/SAVE` asks for a checkpoint without stopping. A signal may reach only one rank, so
-the flags are all-reduced (MAX) every step: all ranks act on the same step.
+the flags are all-reduced (MAX): all ranks act on the same step.
+
+The all-reduce runs on CPU tensors over a gloo group of its own and asynchronously: the flags
+sent at the end of step N are read at the end of step N+1, so a request is honoured within one
+step, and no step waits for the device (nor for the other ranks) to find out that nobody asked.
 """
 
 from __future__ import annotations
@@ -19,24 +23,41 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped early with a checkpoint; rerun 
 
 
 class Requests:
-    def __init__(self, run_dir: Path, device: torch.device, *, is_rank0: bool) -> None:
-        self.save_file, self.device, self.is_rank0 = run_dir / "SAVE", device, is_rank0
+    def __init__(self, run_dir: Path, *, is_rank0: bool) -> None:
+        """Collective when several ranks exist: every rank constructs it at the same point."""
+        self.save_file, self.is_rank0 = run_dir / "SAVE", is_rank0
         self.signalled = False
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.group = dist.new_group(backend="gloo") if distributed else None
+        self.pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signalled = True
 
+    def _local_flags(self) -> torch.Tensor:
+        save = self.is_rank0 and self.save_file.exists()
+        if save:
+            self.save_file.unlink(missing_ok=True)  # counted once: the flag below carries it
+        return torch.tensor([save, self.signalled], dtype=torch.int32)
+
     def poll(self) -> tuple[bool, bool]:
-        """Collective: (save now, stop after saving), the same on every rank."""
-        flags = torch.tensor([self.is_rank0 and self.save_file.exists(), self.signalled], dtype=torch.int32, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        save, stop = (bool(v) for v in flags.tolist())
-        if save and self.is_rank0:
-            self.save_file.unlink(missing_ok=True)
+        """Collective, once per step: (save now, stop after saving) as asked for up to the
+        previous call, the same on every rank; sends this step's flags on their way."""
+        flags = self._local_flags()
+        if self.group is None:  # one process: nothing to agree on, act now
+            save, stop = (bool(v) for v in flags.tolist())
+            return save or stop, stop
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        previous, self.pending = self.pending, (work, flags)
+        if previous is None:
+            return False, False
+        previous[0].wait()
+        save, stop = (bool(v) for v in previous[1].tolist())
         return save or stop, stop
 
     def close(self) -> None:
+        if self.pending is not None:
+            self.pending[0].wait()  # no collective left in flight when the process group goes
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)

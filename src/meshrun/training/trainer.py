@@ -16,7 +16,7 @@ from meshrun.config import Config
 from meshrun.data.dataset import TokenDataset
 from meshrun.distributed import Mesh
 from meshrun.errors import RunError
-from meshrun.metrics.meters import peak_memory_gb, peak_tflops, throughput
+from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throughput
 from meshrun.metrics.report import RunReport, say
 from meshrun.metrics.trackers import Tracker, open_trackers
 from meshrun.models import build_model
@@ -29,6 +29,30 @@ from meshrun.training.preemption import Requests
 
 class NonFiniteLossError(RunError):
     """Loss or gradients became inf/NaN outside an fp16 scaler skip."""
+
+
+class NonFiniteSteps:
+    """Non-finite gradients (fp32/bf16), tracked on the device so that no step waits for the host.
+
+    From the first non-finite step on, every optimizer step is skipped on the device (weights,
+    moments and AdamW's step counter stay as they were before it); `raise_if_any` reports it the
+    next time the host reads anything anyway: a log line, a validation, a checkpoint, the end.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.first = torch.zeros((), dtype=torch.int64, device=device)  # 1-based step; 0: none yet
+
+    def skip(self, grad_norm: torch.Tensor, step: int) -> torch.Tensor:
+        """1.0 when this step must not be applied (it, or an earlier one, was non-finite)."""
+        self.first = torch.where((self.first == 0) & ~torch.isfinite(grad_norm), step + 1, self.first)
+        return (self.first > 0).float()
+
+    def raise_if_any(self) -> None:
+        first = int(self.first.item())  # the host sync, at a step boundary that syncs anyway
+        if first:
+            raise NonFiniteLossError(
+                f"non-finite loss/gradients at step {first}; lower train.lr, set train.grad_clip, or use bf16"
+            )
 
 
 @dataclass
@@ -54,9 +78,10 @@ class Trainer:
         self.val_data = TokenDataset(data_dir, "val", seq_len=seq_len, seed=seed)
         with torch.device("meta"):
             self.flops_per_token = build_model(cfg.model).flops_per_token()
-        self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops)
+        self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
         self.run_dir = Path(cfg.run_dir)
         self.skipped_steps = 0
+        self.nonfinite = NonFiniteSteps(self.device)
         self.samples_seen = 0  # data position in global samples: survives a change of dp
         self.newer_checkpoints: tuple[Path, ...] = ()  # than the one resumed from: never deleted
         self.start_step = self.resume()
@@ -65,7 +90,7 @@ class Trainer:
             self.run_dir, steps=cfg.train.steps, tracker=self._open_tracker(),
             timeline_title=f"{par.schedule}, dp={par.dp} pp={par.pp}, {cfg.accumulation_steps} microbatches:",
         )
-        self.requests = Requests(self.run_dir, self.device, is_rank0=mesh.rank == 0)
+        self.requests = Requests(self.run_dir, is_rank0=mesh.rank == 0)
 
     def _open_tracker(self) -> Tracker | None:
         """Rank 0 only: the run directory, its resolved config, and trackers continuing the run."""
@@ -121,20 +146,27 @@ class Trainer:
         if self.start_step >= cfg.steps:
             self.report.note(f"run already complete at step {self.start_step}; nothing to do")
             return {}
+        if note := mfu_note(self.device, self.peak):
+            self.report.note(note)
         for step in range(self.start_step, cfg.steps):
             window.loss = window.loss + self.train_step(step)
             window.steps += 1
             done = step + 1
-            if done % cfg.log_interval == 0 or done == cfg.steps:
+            requested, stop = self.requests.poll()  # asked for before this step: every rank acts now
+            log_due = done % cfg.log_interval == 0 or done == cfg.steps
+            eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
+            save_due = requested or self._checkpoint_due(done)
+            if log_due or eval_due or save_due:
+                self.nonfinite.raise_if_any()  # before anything reads or saves these weights
+            if log_due:
                 row = self._log_window(window, done)
                 timed.append((window.steps * self.cfg.tokens_per_step, row["step_time_s"] * window.steps))
                 window = Window(start=time.perf_counter())
-            if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps):
+            if eval_due:
                 row["val_loss"] = self.evaluate()
                 self.report.log(done, {"val_loss": row["val_loss"]})
                 window.start = time.perf_counter()  # validation time is not training time
-            requested, stop = self.requests.poll()
-            if requested or self._checkpoint_due(done):
+            if save_due:
                 self.save(done)
                 window.start = time.perf_counter()
             if stop and done < cfg.steps:
@@ -203,16 +235,14 @@ class Trainer:
             self.optimizers.unscale_(self.scaler)  # all-reduces found_inf over the pipeline stages
         self.grad_norm = self.clip_gradients()
         if self.scaler is not None:
+            # The norm spans every stage's unscaled gradients: non-finite exactly when the scaler's
+            # found_inf (all-reduced over the stages by unscale_) is set; update() then backs off.
             scale = self.scaler.get_scale()
-            self.optimizers.step(self.scaler)
+            self.optimizers.step_unless(torch.isfinite(self.grad_norm).logical_not().float())
             self.scaler.update()
             self.skipped_steps += self.scaler.get_scale() < scale
-        elif not torch.isfinite(self.grad_norm):
-            raise NonFiniteLossError(
-                f"non-finite loss/gradients at step {step + 1}; lower train.lr, set train.grad_clip, or use bf16"
-            )
         else:
-            self.optimizers.step(None)
+            self.optimizers.step_unless(self.nonfinite.skip(self.grad_norm, step))
         self.optimizers.zero_grad()
         return loss
 

@@ -1,0 +1,67 @@
+"""Known GPUs: memory and dense peak FLOP/s from the vendor's datasheets, looked up by CUDA name.
+
+One table for everything that needs a device's capacity (MFU here, the planner later). A name
+matches an entry only when one of the entry's patterns matches the WHOLE name string that
+`torch.cuda.get_device_name` returns (`re.fullmatch`): substring matching once read an
+"NVIDIA L40" as an L4. Peaks are dense (no 2:4 sparsity) tensor-core rates with fp32
+accumulation; `fp32_tflops` is the non-tensor-core FP32 rate (torch's default matmul, TF32 off).
+A name that matches nothing is unknown: callers get None, never a guess.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    key: str
+    patterns: tuple[str, ...]  # regexes that must match the whole CUDA device name
+    memory_gib: float  # datasheet capacity (device memory is sold in binary units: "80GB" = 80 GiB)
+    bf16_tflops: float | None  # dense; None where the device has no bf16 tensor cores
+    fp16_tflops: float
+    fp32_tflops: float
+    source: str  # datasheet or whitepaper the numbers come from
+
+    def peak(self, precision: str) -> float | None:
+        """Dense peak TFLOP/s for a training precision ('bf16', 'fp16' or 'fp32')."""
+        return {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp32": self.fp32_tflops}.get(precision)
+
+
+_A100 = "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+_H100 = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
+_V100 = "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"
+_ADA = "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf"
+_GA102 = "https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf"
+
+DEVICES: tuple[DeviceSpec, ...] = (
+    DeviceSpec("B200", (r"NVIDIA B200",), 180, 2250, 2250, 75, "https://www.nvidia.com/en-us/data-center/hgx/"),
+    DeviceSpec("H200", (r"NVIDIA H200",), 141, 989, 989, 67, "https://www.nvidia.com/en-us/data-center/h200/"),
+    DeviceSpec("H200 NVL", (r"NVIDIA H200 NVL",), 141, 835, 835, 60, "https://www.nvidia.com/en-us/data-center/h200/"),
+    DeviceSpec("GH200", (r"NVIDIA GH200 480GB",), 96, 989, 989, 67,
+               "https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip"),
+    DeviceSpec("H100 SXM", (r"NVIDIA H100 80GB HBM3",), 80, 989, 989, 67, _H100),
+    DeviceSpec("H100 PCIe", (r"NVIDIA H100 PCIe",), 80, 756, 756, 51, _H100),
+    DeviceSpec("H100 NVL", (r"NVIDIA H100 NVL",), 94, 835, 835, 60, _H100),
+    DeviceSpec("A100 40GB", (r"NVIDIA A100-(SXM4|PCIE)-40GB",), 40, 312, 312, 19.5, _A100),
+    DeviceSpec("A100 80GB", (r"NVIDIA A100-SXM4-80GB", r"NVIDIA A100 80GB PCIe"), 80, 312, 312, 19.5, _A100),
+    DeviceSpec("A10", (r"NVIDIA A10",), 24, 125, 125, 31.2, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/"),
+    DeviceSpec("L40S", (r"NVIDIA L40S",), 48, 362, 362, 91.6, "https://www.nvidia.com/en-us/data-center/l40s/"),
+    DeviceSpec("L40", (r"NVIDIA L40",), 48, 181, 181, 90.5, "https://www.nvidia.com/en-us/data-center/l40/"),
+    DeviceSpec("L4", (r"NVIDIA L4",), 24, 121, 121, 30.3, "https://www.nvidia.com/en-us/data-center/l4/"),
+    DeviceSpec("RTX 4090", (r"NVIDIA GeForce RTX 4090",), 24, 165.2, 165.2, 82.6, _ADA),
+    DeviceSpec("RTX 3090", (r"NVIDIA GeForce RTX 3090",), 24, 71, 71, 35.6, _GA102),
+    DeviceSpec("V100 SXM2 16GB", (r"Tesla V100-SXM2-16GB",), 16, None, 125, 15.7, _V100),
+    DeviceSpec("V100 SXM2 32GB", (r"Tesla V100-SXM2-32GB",), 32, None, 125, 15.7, _V100),
+    DeviceSpec("V100 PCIe 16GB", (r"Tesla V100-PCIE-16GB",), 16, None, 112, 14, _V100),
+    DeviceSpec("V100 PCIe 32GB", (r"Tesla V100-PCIE-32GB",), 32, None, 112, 14, _V100),
+    DeviceSpec("T4", (r"Tesla T4",), 16, None, 65, 8.1, "https://www.nvidia.com/en-us/data-center/tesla-t4/"),
+)
+
+
+def find_device(name: str) -> DeviceSpec | None:
+    """The entry whose pattern matches the whole CUDA device name (whitespace-normalised), or None."""
+    normalised = " ".join(name.split())
+    matches = [spec for spec in DEVICES if any(re.fullmatch(p, normalised) for p in spec.patterns)]
+    return matches[0] if len(matches) == 1 else None

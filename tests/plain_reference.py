@@ -1,0 +1,78 @@
+"""An independent training reference in plain torch, for the numerics tests.
+
+meshrun's parity tests compare a layout with meshrun's own one-process run; a constant factor
+in the gradient (a sum instead of a mean over dp ranks or microbatches) would survive that,
+since every step is clipped and AdamW is scale-invariant. This reference shares with meshrun
+only the model definition, its seeded initial weights and the token stream; the loss (mean
+token cross-entropy over the WHOLE global batch, one backward), the optimizer groups, the
+learning-rate schedule and the clipping are written here again from their definitions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from meshrun.config import Config, load_config
+from meshrun.data.dataset import TokenDataset
+from meshrun.models.gpt import GPT
+
+
+@dataclass(frozen=True)
+class Reference:
+    losses: list[float]  # per step, before the update
+    grad_norms: list[float]  # per step, global L2 norm before clipping
+    weights: dict[str, torch.Tensor]  # after the last step
+
+
+def config_from_set_args(args: list[str]) -> Config:
+    """The Config a `meshrun train --set=...` command line resolves to."""
+    return load_config(None, [arg.removeprefix("--set=") for arg in args])
+
+
+def cosine_lr(step: int, *, lr: float, warmup: int, steps: int, floor: float) -> float:
+    """Linear warmup to `lr` over `warmup` steps, then cosine down to `floor * lr` at the last step."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_plain(cfg: Config, data_dir: Path) -> Reference:
+    """fp32, one process, whole global batch per step."""
+    train = cfg.train
+    model = GPT(cfg.model)
+    model.init_weights(train.seed)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
+         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+        lr=train.lr, betas=train.betas, foreach=False,
+    )
+    data = TokenDataset(data_dir, "train", seq_len=cfg.model.seq_len, seed=train.seed)
+    losses, norms = [], []
+    for step in range(train.steps):
+        x, y = data.batch(step * train.global_batch, train.global_batch)
+        logits = model(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))  # mean over B*T tokens
+        optimizer.zero_grad()
+        loss.backward()
+        clip = train.grad_clip if train.grad_clip > 0 else math.inf
+        norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
+        losses.append(loss.item())
+        lr = cosine_lr(step, lr=train.lr, warmup=train.warmup_steps, steps=train.steps, floor=train.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    return Reference(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def assert_grad_norms_match(got: list[float], want: list[float], *, rel: float = 1e-5) -> None:
+    """Every step's logged pre-clip norm equals the reference's (a factor of 2 is 100% off)."""
+    assert len(got) == len(want), f"{len(got)} logged grad norms, reference has {len(want)}"
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        assert abs(a - b) <= rel * b, f"step {step}: grad_norm {a} vs plain-torch reference {b} (ratio {a / b:.6f})"
