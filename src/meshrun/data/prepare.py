@@ -135,8 +135,9 @@ def _tasks(found: list[Source], root: Path, *, field: str, val_fraction: float, 
     from tqdm import tqdm
 
     total = sum(source.size() for source in found)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, mininterval=1.0,
-               disable=not progress, dynamic_ncols=True)
+    # On a terminal only (disable=None), and cleared when done: logs and errors stay one line each.
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, mininterval=0.5,
+               disable=None if progress else True, leave=False, dynamic_ncols=True)
     splits: list[str] = []
     docs: list[str | bytes] = []
     size = 0
