@@ -56,12 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
     export.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
     export.add_argument("--out", required=True, help="output file: .safetensors or .pt")
-    sample = sub.add_parser("sample", help="generate text from a checkpoint (byte-level models)")
+    sample = sub.add_parser("sample", help="generate text from a checkpoint (decoded with the training data's tokenizer)")
     sample.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
     sample.add_argument("--prompt", default="def ", help="text to continue")
-    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely bytes (0 = all)")
+    sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed")
     return parser
 

@@ -11,10 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from tokenizers import Tokenizer
 
 from conftest import WORDS, losses, meshrun_env, tiny
 from meshrun import cli, job
 from meshrun.data.prepare import prepare
+from meshrun.export import load_full_model
 
 VOCAB = 300
 
@@ -164,3 +167,21 @@ def test_bad_data_is_refused_before_spawning(name: str, data_dir: Path, bpe_data
     for fragment in fragments:
         assert fragment in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_sample_decodes_with_the_datasets_tokenizer(bpe_data: Path, tmp_path: Path, clean_env: None,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`meshrun sample` on a BPE-trained model: the prompt encoded and the continuation decoded
+    with the tokenizer.json beside the data (checked against a greedy loop written here)."""
+    run = tmp_path / "run"
+    first_loss(bpe_data, run, **{"train.steps": 2})
+    capsys.readouterr()
+    assert cli.main(["sample", str(run), "--prompt", "the model", "--tokens", "12", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    tokenizer = Tokenizer.from_file(str(bpe_data / "tokenizer.json"))
+    model = load_full_model(run)[0]
+    ids = tokenizer.encode("the model", add_special_tokens=False).ids
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids[-16:]]))[0, -1].argmax()))
+    assert max(ids) < VOCAB and printed == tokenizer.decode(ids) and printed.startswith("the model")

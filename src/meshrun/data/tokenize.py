@@ -179,3 +179,18 @@ def _bounded(submit: Callable, tasks: Iterable[tuple[Any, list]], *, limit: int)
     while pending:
         tag_done, result = pending.popleft()
         yield tag_done, result.get()
+
+
+def text_codec(data_dir: Path | None, vocab_size: int) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """(encode, decode) for the tokenizer a dataset was made with: its tokenizer.json, or bytes."""
+    path = data_dir / "tokenizer.json" if data_dir is not None else None
+    if path is not None and path.is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(path))
+        return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode
+    if vocab_size == 256:
+        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    raise ConfigError(f"no tokenizer.json beside the data ({data_dir}) for this {vocab_size}-token model; "
+                      "put the tokenizer.json the data was made with there")
+
