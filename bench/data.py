@@ -80,7 +80,7 @@ def throughput(tmp: Path, rounds: int, workers: int) -> None:
     for r in range(rounds):  # alternate who goes first
         order = [("raw", lambda: raw_tokenizers(files, tokenizer)),
                  ("meshrun", lambda: meshrun_prepare(sources, tokenizer, tmp / "out", workers))]
-        times = dict((name, fn()) for name, fn in (order if r % 2 == 0 else order[::-1]))
+        times = {name: fn() for name, fn in (order if r % 2 == 0 else order[::-1])}
         ratios.append(times["raw"] / times["meshrun"])
         print(f"  round {r + 1}: raw tokenizers {megabytes / times['raw']:.2f} MB/s, "
               f"prepare-data {megabytes / times['meshrun']:.2f} MB/s, ratio {ratios[-1]:.3f}")
@@ -91,13 +91,13 @@ def throughput(tmp: Path, rounds: int, workers: int) -> None:
 
 
 def peak_rss_mb(sources: list[str], out: Path) -> float:
-    """Peak RSS of a `meshrun prepare-data` subprocess (and its workers), in MB."""
-    code = ("import resource, sys; from meshrun.cli import main; rc = main(sys.argv[1:]); "
-            "print(max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))")
-    args = [sys.executable, "-c", code, "prepare-data", "--out", str(out), *(f"--source={s}" for s in sources)]
+    """Peak RSS of a `meshrun prepare-data` process, in MB, read by /usr/bin/time (a small parent:
+    ru_maxrss of a child forked from this large bench process would count our pages too)."""
+    args = ["/usr/bin/time", "-f", "%M", sys.executable, "-m", "meshrun", "prepare-data", "--out", str(out),
+            *(f"--source={s}" for s in sources)]
     result = subprocess.run(args, capture_output=True, text=True, check=True)
     shutil.rmtree(out)
-    return int(result.stdout.split()[-1]) / 1024
+    return int(result.stderr.split()[-1]) / 1024
 
 
 def rss(tmp: Path) -> None:
@@ -123,6 +123,7 @@ def assembly(tmp: Path, rounds: int) -> None:
     seq, per_rank = cfg.model.seq_len, cfg.train.global_batch // cfg.parallel.dp
     single = TokenDataset(data, "train", seq_len=seq, seed=1)
     mixture = MixtureDataset([single, TokenDataset(data, "train", seq_len=seq, seed=2)], [0.7, 0.3], ["a", "b"])
+    assembly_s = {}
     for name, ds in (("one dataset", single), ("mixture of 2", mixture)):
         times = []
         for _ in range(rounds):
@@ -130,11 +131,12 @@ def assembly(tmp: Path, rounds: int) -> None:
             for step in range(200):
                 ds.batch(step * cfg.train.global_batch, per_rank)
             times.append((time.perf_counter() - start) / 200)
-        print(f"batch assembly ({name}, {per_rank} x {seq} tokens per rank): {statistics.median(times) * 1e6:.0f} us/step")
+        assembly_s[name] = statistics.median(times)
     step = default_job_step_time(tmp)
-    worst = max(times) if times else 0.0
-    verdict = "PASS" if worst / step <= ASSEMBLY_TARGET else "FAIL"
-    print(f"default job step time {step * 1e3:.0f} ms: assembly / step = {worst / step:.4%} (target <= 2%) {verdict}")
+    for name, seconds in assembly_s.items():
+        verdict = "PASS" if seconds / step <= ASSEMBLY_TARGET else "FAIL"
+        print(f"batch assembly ({name}, {per_rank} x {seq} tokens per rank): {seconds * 1e6:.0f} us/step = "
+              f"{seconds / step:.3%} of the default job's {step * 1e3:.0f} ms step (target <= 2%) {verdict}")
 
 
 def default_job_step_time(tmp: Path) -> float:

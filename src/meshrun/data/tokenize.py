@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.pool
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -146,7 +148,6 @@ _worker_encoder: Encoder | None = None
 
 def _init_worker(spec: TokenizerSpec) -> None:
     global _worker_encoder
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no threads on top
     _worker_encoder = Encoder(spec)
 
 
@@ -164,9 +165,31 @@ def encode_ordered(spec: TokenizerSpec, tasks: Iterable[tuple[Any, list[str | by
         for tag, docs in tasks:
             yield tag, encoder(docs)
         return
-    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold tokenizer threads
-    with context.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+    with _start_pool(workers, spec) as pool:
         yield from _bounded(pool.apply_async, tasks, limit=2 * workers)
+
+
+def _start_pool(workers: int, spec: TokenizerSpec) -> multiprocessing.pool.Pool:
+    """Workers with TOKENIZERS_PARALLELISM=false from birth (one process per core already; and no
+    warning from a forked tokenizer); this process's own setting is left as it was."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        return _pool_context().Pool(workers, initializer=_init_worker, initargs=(spec,))
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """fork where it is safe (no Python threads but this one): starting workers then costs
+    milliseconds, not a second each as with spawn. A tokenizer that already ran its own threads
+    (a BPE trained here) turns them off in forked children by itself, which is what workers want."""
+    if "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
 
 
 def _bounded(submit: Callable, tasks: Iterable[tuple[Any, list]], *, limit: int) -> Iterator[tuple[Any, Any]]:
