@@ -67,7 +67,8 @@ def main() -> None:
               {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
-    tokens = np.memmap(f"{args.data}/train.bin", dtype=np.uint8, mode="r")
+    shard = json.loads(Path(args.data, "meta.json").read_text())["splits"]["train"]["shards"][0]["file"]
+    tokens = np.memmap(Path(args.data, shard), dtype=np.uint8, mode="r")  # byte-level: the stdlib fits one shard
     rng = np.random.default_rng(0)
     batch = args.micro_batch * args.microbatches
     times = []

@@ -11,6 +11,7 @@ run as subprocesses so the real launch path is covered end to end.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,8 +160,8 @@ CASES = [
     Case("data-dir-missing", lambda c: ["train", *c.set(data__dir=c.tmp / "nowhere")],
          ("data.dir", "nowhere holds no prepared dataset", "prepare-data")),
     Case("data-smaller-than-seq-len",
-         lambda c: ["train", *c.set(model__seq_len=(c.data_dir / "train.bin").stat().st_size)],
-         ("train.bin holds", "fewer than model.seq_len + 1", "prepare more text or lower model.seq_len")),
+         lambda c: ["train", *c.set(model__seq_len=json.loads((c.data_dir / "meta.json").read_text())["train_tokens"])],
+         ("(train) holds", "fewer than model.seq_len + 1", "prepare more text or lower model.seq_len")),
     Case("data-empty-files", lambda c: (c.write("zero/train.bin", b""), c.write("zero/val.bin", b""),
                                         ["train", *c.set(data__dir=c.tmp / "zero")])[-1],
          ("train.bin holds 0 tokens", "model.seq_len + 1")),

@@ -43,21 +43,27 @@ def _parser() -> argparse.ArgumentParser:
     slurm.add_argument("--sbatch", dest="sbatch_options", action="append", default=[], metavar="OPTION",
                        help="any other sbatch option for the script header, e.g. --sbatch=--qos=high (repeatable)")
     slurm.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
-    data = sub.add_parser("prepare-data", help="turn text files into byte-level token memmaps")
+    data = sub.add_parser("prepare-data", help="tokenize text, jsonl, parquet or datasets folders into token shards")
     data.add_argument("--source", dest="sources", action="append", default=[], metavar="PATH_OR_GLOB",
-                      help="files, folders or globs (repeatable); default: the Python standard library")
-    data.add_argument("--out", required=True, help="output folder (must not hold a prepared dataset)")
-    data.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for validation")
+                      help="files, folders, globs or save_to_disk folders (repeatable); default: the Python standard library")
+    data.add_argument("--out", required=True, help="output folder (new or empty; never overwritten)")
+    data.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out for validation")
+    data.add_argument("--field", default="text", help="text field of .jsonl records / column of .parquet and datasets")
+    data.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
+                      help="byte (vocab 256), a tokenizer.json, or a model folder with tokenizer files")
+    data.add_argument("--train-tokenizer", metavar="bpe:VOCAB", help="train a byte-level BPE on the sources and use it")
+    data.add_argument("--workers", type=int, help="tokenizer processes (default: all cores)")
+    data.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (shards end at documents)")
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
     export.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
     export.add_argument("--out", required=True, help="output file: .safetensors or .pt")
     _trust_arguments(export)
-    sample = sub.add_parser("sample", help="generate text from a checkpoint (byte-level models)")
+    sample = sub.add_parser("sample", help="generate text from a checkpoint (decoded with the training data's tokenizer)")
     sample.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
     sample.add_argument("--prompt", default="def ", help="text to continue")
-    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely bytes (0 = all)")
+    sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed")
     _trust_arguments(sample)
     return parser
@@ -98,6 +104,24 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
         return 0
     except CheckpointError as exc:  # a bad path given on the command line
         raise ConfigError(str(exc)) from None
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from meshrun.data.prepare import default_sources, describe, prepare
+
+    if not 0 < args.val_fraction < 0.5:
+        raise ConfigError(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
+    for flag, value in (("--workers", args.workers), ("--shard-tokens", args.shard_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    try:
+        meta = prepare(args.sources or default_sources(), args.out, val_fraction=args.val_fraction, field=args.field,
+                       tokenizer=args.tokenizer, train_tokenizer=args.train_tokenizer, workers=args.workers,
+                       shard_tokens=args.shard_tokens)
+    except OSError as exc:
+        raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
+    print(f"{describe(meta)} to {args.out}")
+    return 0
 
 
 def _slurm(args: argparse.Namespace) -> int:
@@ -144,16 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "prepare-data":  # the commands that run torch
             check_torch_version(installed_torch_version())
         if args.command == "prepare-data":
-            from meshrun.data.prepare import default_sources, prepare
-
-            if not 0 < args.val_fraction < 0.5:
-                raise ConfigError(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
-            try:
-                meta = prepare(args.sources or default_sources(), args.out, val_fraction=args.val_fraction)
-            except OSError as exc:
-                raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
-            print(f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {meta['num_files']} files to {args.out}")
-            return 0
+            return _prepare_data(args)
         if args.command in ("export", "sample"):
             return _use_checkpoint(args)
         if args.command == "slurm":

@@ -59,13 +59,37 @@ class ModelConfig(_Section):
         return self
 
 
+DataFormat = Literal["meshrun", "nanogpt", "megatron"]
+
+
+class MixtureSource(_Section):
+    dir: str
+    """A dataset folder (or, for megatron, a PREFIX of PREFIX.bin + PREFIX.idx)."""
+    weight: float = Field(gt=0.0)
+    """Relative share of samples drawn from this source."""
+    format: DataFormat = "meshrun"
+    """How this source is stored (see data.format)."""
+
+
 class DataConfig(_Section):
     dir: str | None = None
-    """Folder with train.bin/val.bin from `meshrun prepare-data`; None = a cache folder for the embedded corpus."""
+    """Dataset folder from `meshrun prepare-data` (or see `format`); None = a cache folder for the embedded corpus."""
+    format: DataFormat = "meshrun"
+    """meshrun (prepare-data), nanogpt (uint16 train.bin / val.bin, vocab = model.vocab_size), megatron (PREFIX.bin + PREFIX.idx)."""
+    mixture: list[MixtureSource] = []
+    """Datasets sampled by weight, e.g. [{dir: A, weight: 0.7}, {dir: B, weight: 0.3}]; used instead of `dir`."""
     sources: list[str] = []
     """Files or globs to prepare when `dir` is empty; empty = the Python standard library's .py files."""
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
-    """Share of the prepared bytes held out for validation."""
+    """Share of documents held out for validation (prepare; and the tail of a Megatron dataset)."""
+
+    @model_validator(mode="after")
+    def _dir_or_mixture(self) -> DataConfig:
+        if self.mixture and self.dir is not None:
+            raise ValueError("set data.dir or data.mixture, not both")
+        if self.format != "meshrun" and self.dir is None and not self.mixture:
+            raise ValueError(f"data.format {self.format} reads existing files: set data.dir to them")
+        return self
 
 
 class ParallelConfig(_Section):

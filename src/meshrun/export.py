@@ -19,6 +19,7 @@ from meshrun.checkpoint import (
     verify,
 )
 from meshrun.config import Config
+from meshrun.data.tokenize import text_codec
 from meshrun.errors import ConfigError
 from meshrun.models import build_model
 
@@ -74,11 +75,10 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, factory: str | Non
 @torch.no_grad()
 def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, temperature: float, top_k: int | None,
            seed: int) -> str:
-    """Byte-level generation: the prompt's UTF-8 bytes in, decoded bytes out."""
-    if cfg.model.vocab_size != 256:
-        raise ConfigError(f"sample works on byte-level models (model.vocab_size 256); this one has {cfg.model.vocab_size}")
+    """Generation with the training data's tokenizer (tokenizer.json beside the data, else bytes)."""
+    encode, decode = text_codec(training_data_dir(cfg), cfg.model.vocab_size)
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.tensor([list(prompt.encode("utf-8")) or [10]], dtype=torch.long)  # (1, T)
+    tokens = torch.tensor([encode(prompt) or encode("\n")], dtype=torch.long)  # (1, T)
     for _ in range(num_tokens):
         logits = model(tokens[:, -cfg.model.seq_len :])[:, -1, :].float()  # (1, V)
         if temperature <= 0:
@@ -90,4 +90,11 @@ def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, tempe
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
         tokens = torch.cat([tokens, nxt], dim=1)
-    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+    return decode(tokens[0].tolist())
+
+
+def training_data_dir(cfg: Config) -> Path:
+    """The folder the model was trained on (a mixture's first source)."""
+    from meshrun.job import data_dir
+
+    return Path(cfg.data.mixture[0].dir) if cfg.data.mixture else data_dir(cfg)

@@ -14,7 +14,7 @@ import yaml
 
 from meshrun.checkpoint import check_resumable
 from meshrun.config import Config
-from meshrun.data.dataset import check_data_dir
+from meshrun.data.dataset import check_data
 from meshrun.data.prepare import default_sources, is_prepared, prepare
 from meshrun.distributed import in_launched_worker, init_mesh, shutdown
 from meshrun.errors import ConfigError
@@ -33,14 +33,15 @@ def data_dir(cfg: Config) -> Path:
 
 
 def ensure_data(cfg: Config) -> Path:
-    """Prepare the embedded corpus (or `data.sources`) on first use; never touch existing data."""
+    """Prepare the embedded corpus (or `data.sources`) on first use; never touch existing data.
+    Other formats and mixtures are read in place."""
     path = data_dir(cfg)
-    if not is_prepared(path):
+    if not cfg.data.mixture and cfg.data.format == "meshrun" and not is_prepared(path):
         if cfg.data.dir is not None and not cfg.data.sources:
             raise ConfigError(f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data --out {path}` or set data.sources")
         say(f"preparing byte-level data in {path} (first use)")
         prepare(cfg.data.sources or default_sources(), path, val_fraction=cfg.data.val_fraction)
-    check_data_dir(path, cfg.model.seq_len)
+    check_data(cfg.data, path, seq_len=cfg.model.seq_len, model_vocab_size=cfg.model.vocab_size)
     return path
 
 

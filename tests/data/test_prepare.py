@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import stat
 import sysconfig
 from collections import Counter
@@ -37,8 +38,8 @@ def _prepare(tmp_path: Path, *args: str, check: bool = True):
     return run_meshrun(["prepare-data", *args], tmp_path=tmp_path, timeout=120, check=check)
 
 
-def _snapshot(folder: Path) -> dict[str, tuple[str, int]]:
-    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+def _snapshot(folder: Path, *, times: bool = True) -> dict[str, tuple[str, int]]:
+    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns if times else 0)
             for p in sorted(folder.iterdir()) if p.is_file()}
 
 
@@ -50,9 +51,16 @@ def _assert_one_line_error(result, *fragments: str) -> None:
         assert fragment in lines[0]
 
 
+def split_bytes(out: Path, split: str) -> bytes:
+    """A split's tokens as bytes, read from its shards as meta.json lists them."""
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["dtype"] == "uint8"
+    return b"".join((out / shard["file"]).read_bytes() for shard in meta["splits"][split]["shards"])
+
+
 def _assert_same_bytes(out: Path, files: list[Path]) -> None:
-    """train.bin + val.bin hold exactly each source file (plus its separator), each file whole in one split."""
-    train, val = ((out / f"{split}.bin").read_bytes() for split in ("train", "val"))
+    """The shards hold exactly each source file (plus its separator), each file whole in one split."""
+    train, val = (split_bytes(out, split) for split in ("train", "val"))
     assert train and val
     pieces = [f.read_bytes() + SEPARATOR for f in files]
     assert len(train) + len(val) == sum(map(len, pieces))
@@ -66,11 +74,13 @@ def test_prepare_writes_exact_byte_memmaps(tmp_path: Path) -> None:
     out = tmp_path / "ds"
     result = _prepare(tmp_path, "--source", str(tmp_path / "corpus" / "sub0"),
                       "--source", str(tmp_path / "corpus" / "sub[12]" / "*.txt"), "--out", str(out))
-    assert {p.name for p in out.iterdir()} == {"train.bin", "val.bin", "meta.json"}  # no temp files left behind
+    names = {"train-00000.bin", "val-00000.bin", "train.docs.bin", "val.docs.bin", "meta.json"}
+    assert {p.name for p in out.iterdir()} == names  # no temp files left behind
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["num_files"] == len(files) and meta["vocab_size"] == 256
+    assert meta["num_files"] == len(files) and meta["vocab_size"] == 256 and meta["documents"] == len(files)
     for split in ("train", "val"):
-        tokens = np.memmap(out / f"{split}.bin", dtype=np.uint8, mode="r")
+        tokens = np.memmap(out / f"{split}-00000.bin", dtype=np.uint8, mode="r")
         assert tokens.size == meta[f"{split}_tokens"]
     _assert_same_bytes(out, files)
     assert f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {len(files)} files" in result.stdout
@@ -80,8 +90,7 @@ def test_prepare_is_deterministic(tmp_path: Path) -> None:
     _corpus(tmp_path / "corpus")
     for out in ("a", "b"):
         _prepare(tmp_path, "--source", str(tmp_path / "corpus"), "--out", str(tmp_path / out))
-    for name in ("train.bin", "val.bin"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert _snapshot(tmp_path / "a", times=False) == _snapshot(tmp_path / "b", times=False)
 
 
 def test_single_file_is_split_into_train_and_val(tmp_path: Path) -> None:
@@ -90,7 +99,7 @@ def test_single_file_is_split_into_train_and_val(tmp_path: Path) -> None:
     source.write_bytes(b"just one file of text\n" * 50)
     out = tmp_path / "ds"
     _prepare(tmp_path, "--source", str(source), "--out", str(out), "--val-fraction", "0.1")
-    train, val = ((out / f"{split}.bin").read_bytes() for split in ("train", "val"))
+    train, val = (split_bytes(out, split) for split in ("train", "val"))
     assert train + val == source.read_bytes() + SEPARATOR
     assert 0 < len(val) < len(train)
 
@@ -115,7 +124,7 @@ def test_refuses_to_overwrite_a_users_own_file(tmp_path: Path) -> None:
     (out / "notes.txt").write_text("keep me")
     before = _snapshot(out)
     result = _prepare(tmp_path, "--source", str(tmp_path / "corpus"), "--out", str(out), check=False)
-    _assert_one_line_error(result, "already has train.bin", "empty folder")
+    _assert_one_line_error(result, "already has notes.txt, train.bin", "empty folder")
     assert _snapshot(out) == before
 
 
@@ -167,15 +176,15 @@ def test_prepare_without_source_uses_the_standard_library(tmp_path: Path) -> Non
 
 def test_dataset_is_read_only(data_dir: Path, tmp_path: Path) -> None:
     ds = TokenDataset(data_dir, "train", seq_len=16, seed=0)
-    assert isinstance(ds.tokens, np.memmap) and ds.tokens.mode == "r"
+    tokens = ds.segments[0]
+    assert isinstance(tokens, np.memmap) and tokens.mode == "r"
     with pytest.raises(ValueError, match="read-only"):
-        ds.tokens[0] = 1
+        tokens[0] = 1
     # opening needs no write permission on the files
     copy = tmp_path / "ro"
-    copy.mkdir()
-    for name in ("train.bin", "val.bin"):
-        (copy / name).write_bytes((data_dir / name).read_bytes())
-        (copy / name).chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    shutil.copytree(data_dir, copy)
+    for path in copy.iterdir():
+        path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
     x, _ = TokenDataset(copy, "val", seq_len=16, seed=0).batch(0, 2)
     assert x.shape == (2, 16)
 
@@ -186,7 +195,7 @@ def test_batch_targets_are_inputs_shifted_by_one(data_dir: Path) -> None:
     x, y = ds.batch(5, 8)
     assert x.shape == y.shape == (8, seq_len) and x.dtype == y.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])
-    tokens = torch.from_numpy(np.fromfile(data_dir / "train.bin", dtype=np.uint8).astype(np.int64))
+    tokens = torch.from_numpy(np.frombuffer(split_bytes(data_dir, "train"), dtype=np.uint8).astype(np.int64))
     for row_x, row_y in zip(x, y):
         starts = [s for s in range(len(tokens) - seq_len) if torch.equal(tokens[s : s + seq_len], row_x)]
         assert any(torch.equal(tokens[s + 1 : s + seq_len + 1], row_y) for s in starts), "window not in the data"
@@ -231,5 +240,5 @@ def test_prepared_files_are_readable_by_others(tmp_path: Path) -> None:
     source = tmp_path / "a.txt"
     source.write_text("hello world\n" * 50)
     prepare([str(source)], tmp_path / "out")
-    for name in ("train.bin", "val.bin", "meta.json"):
-        assert (tmp_path / "out" / name).stat().st_mode & 0o044 == 0o044
+    for path in [tmp_path / "out", *(tmp_path / "out").iterdir()]:
+        assert path.stat().st_mode & 0o055 == 0o055 if path.is_dir() else path.stat().st_mode & 0o044 == 0o044

@@ -1,1 +1,2 @@
-"""Byte-level token datasets: preparing text files into memmaps, and reading batches from them."""
+"""Data: sources (files -> documents), tokenize (documents -> ids, in workers), storage (shards and
+other formats behind one reader), dataset (batches by global sample index, mixtures), prepare."""

@@ -1,59 +1,150 @@
-"""Deterministic batches from a token memmap, addressed by global sample index.
+"""Deterministic batches from token files, addressed by global sample index.
 
 Sample `i` of the stream is the window starting at `hash(seed, i)`: the data a step sees
 depends only on the step and the global batch, never on how ranks split it. Resuming or
-changing dp therefore needs only the number of global samples consumed.
+changing dp therefore needs only the number of global samples consumed. A mixture maps
+sample `i` to a source by weight (again a pure function of `i`), then reads that source's
+sample `i`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from meshrun.data.storage import SPLITS, open_split
 from meshrun.errors import ConfigError
-from meshrun.data.prepare import SPLITS
+
+if TYPE_CHECKING:
+    from meshrun.config import DataConfig
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: i * _GOLDEN mod 2^64 is equidistributed
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
+        x = (x + _GOLDEN) & _MASK
         x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
         x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
         return x ^ (x >> np.uint64(31))
 
 
 class TokenDataset:
-    """Read-only view of one split; `batch(first, count)` returns inputs and next-token targets."""
+    """Read-only view of one split of any stored format; `batch(first, count)` returns inputs
+    and next-token targets. Windows never cross from one shard to the next."""
 
-    def __init__(self, data_dir: str | Path, split: str, *, seq_len: int, seed: int) -> None:
-        path = Path(data_dir) / f"{split}.bin"
-        if not path.is_file():
-            raise ConfigError(f"data.dir {data_dir} has no {path.name}; run `meshrun prepare-data --out {data_dir}`")
-        num_tokens = path.stat().st_size  # uint8 tokens; checked first because an empty file cannot be mapped
-        if num_tokens < seq_len + 1:
-            raise ConfigError(
-                f"{path} holds {num_tokens} tokens, fewer than model.seq_len + 1 = {seq_len + 1}; "
-                "prepare more text or lower model.seq_len"
-            )
-        self.tokens = np.memmap(path, dtype=np.uint8, mode="r")  # read-only: the dataset is never written
+    def __init__(self, data_dir: str | Path, split: str, *, seq_len: int, seed: int, format: str = "meshrun",
+                 val_fraction: float = 0.05) -> None:
+        tokens = open_split(data_dir, split, format=format, val_fraction=val_fraction)
+        if tokens.num_tokens < seq_len + 1:
+            raise ConfigError(f"{tokens.where} holds {tokens.num_tokens} tokens, fewer than model.seq_len + 1 = "
+                              f"{seq_len + 1}; prepare more text or lower model.seq_len")
+        starts = [max(0, len(segment) - seq_len) for segment in tokens.segments]
+        if not sum(starts):
+            raise ConfigError(f"{tokens.where}: no shard holds model.seq_len + 1 = {seq_len + 1} tokens; "
+                              "prepare with larger --shard-tokens or lower model.seq_len")
+        self.segments, self.vocab_size, self.tokenizer, self.where = tokens.segments, tokens.vocab_size, tokens.tokenizer, tokens.where
+        self.first_start = np.cumsum([0, *starts[:-1]])
+        self.num_starts = sum(starts)
         self.seq_len = seq_len
-        self.num_starts = len(self.tokens) - seq_len
         self.salt = np.uint64((seed * 2 + SPLITS.index(split)) & 0xFFFFFFFF) << np.uint64(32)
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples first .. first+count-1 of the stream as (x, y), each (count, seq_len) int64."""
-        index = np.arange(first, first + count, dtype=np.uint64)
-        starts = (_splitmix64(index ^ self.salt) % np.uint64(self.num_starts)).astype(np.int64)
-        windows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
-        window = torch.from_numpy(windows)
+        return self.windows(np.arange(first, first + count, dtype=np.uint64))
+
+    def windows(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples with these global indices, as (x, y)."""
+        starts = (_splitmix64(index.astype(np.uint64) ^ self.salt) % np.uint64(self.num_starts)).astype(np.int64)
+        length = self.seq_len + 1
+        if len(self.segments) == 1:
+            rows = [self.segments[0][s : s + length] for s in starts]
+        else:
+            which = np.searchsorted(self.first_start, starts, side="right") - 1
+            local = starts - self.first_start[which]
+            rows = [self.segments[w][s : s + length] for w, s in zip(which, local)]
+        window = torch.from_numpy(np.stack(rows).astype(np.int64)) if rows else torch.empty(0, length, dtype=torch.int64)
         return window[:, :-1], window[:, 1:]
 
+    def source_counts(self, first: int, count: int) -> dict[str, int]:
+        """Samples per mixture source (none for a single dataset)."""
+        return {}
 
-def check_data_dir(data_dir: str | Path, seq_len: int) -> None:
-    """Fail early (before spawning) on missing, empty or too-small data."""
+
+class MixtureDataset:
+    """Several datasets sampled by weight: global sample `i` comes from the source whose weight
+    interval holds `i * golden mod 1` (shares within O(log n / n) of the weights), and is that
+    source's own sample `i`."""
+
+    def __init__(self, parts: Sequence[TokenDataset], weights: Sequence[float], names: Sequence[str]) -> None:
+        self.parts, self.names = list(parts), list(names)
+        cumulative = np.cumsum(weights, dtype=np.float64) / float(sum(weights))
+        self.thresholds = np.array([int(c * 2.0**64) for c in cumulative[:-1]], dtype=np.uint64)
+        self.seq_len = parts[0].seq_len
+
+    def sources(self, index: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            position = index.astype(np.uint64) * _GOLDEN
+        return np.searchsorted(self.thresholds, position, side="right")
+
+    def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = np.arange(first, first + count, dtype=np.uint64)
+        source = self.sources(index)
+        x = torch.empty(count, self.seq_len, dtype=torch.int64)
+        y = torch.empty_like(x)
+        for k, part in enumerate(self.parts):
+            rows = torch.from_numpy(np.flatnonzero(source == k))
+            if len(rows):
+                x[rows], y[rows] = part.windows(index[rows.numpy()])
+        return x, y
+
+    def source_counts(self, first: int, count: int) -> dict[str, int]:
+        """Samples first .. first+count-1 drawn from each source (counted in chunks: bounded memory)."""
+        totals = np.zeros(len(self.parts), dtype=np.int64)
+        for start in range(first, first + count, 1 << 20):
+            index = np.arange(start, min(start + (1 << 20), first + count), dtype=np.uint64)
+            totals += np.bincount(self.sources(index), minlength=len(self.parts))
+        return dict(zip(self.names, totals.tolist()))
+
+
+def source_names(dirs: Sequence[str]) -> list[str]:
+    """Short names for metrics: the folder names, numbered where they repeat."""
+    names = [Path(d).name or str(d) for d in dirs]
+    return [f"{n}.{k}" if names.count(n) > 1 else n for k, n in enumerate(names)]
+
+
+def open_dataset(data: DataConfig, data_dir: Path, split: str, *, seq_len: int, seed: int) -> TokenDataset | MixtureDataset:
+    """The configured data (one folder, or a mixture) for one split."""
+    if not data.mixture:
+        return TokenDataset(data_dir, split, seq_len=seq_len, seed=seed, format=data.format, val_fraction=data.val_fraction)
+    parts = [TokenDataset(m.dir, split, seq_len=seq_len, seed=seed + k, format=m.format, val_fraction=data.val_fraction)
+             for k, m in enumerate(data.mixture)]
+    return MixtureDataset(parts, [m.weight for m in data.mixture], source_names([m.dir for m in data.mixture]))
+
+
+def check_vocab(data_vocab: int | None, model_vocab_size: int, where: str) -> None:
+    """Token ids must fit the model's embedding. `model_vocab_size` is the built-in model's
+    model.vocab_size or a Hugging Face config's vocab_size."""
+    if data_vocab is not None and data_vocab > model_vocab_size:
+        raise ConfigError(f"{where} was tokenized with a vocabulary of {data_vocab} tokens but the model has "
+                          f"{model_vocab_size} (model.vocab_size); set model.vocab_size to at least {data_vocab}")
+
+
+def check_data(data: DataConfig, data_dir: Path, *, seq_len: int, model_vocab_size: int) -> None:
+    """Fail early (before spawning) on missing, unparsable, empty or too-small data, a vocabulary
+    larger than the model's, and mixture sources tokenized differently."""
+    tokenizers = set()
     for split in SPLITS:
-        TokenDataset(data_dir, split, seq_len=seq_len, seed=0)
+        dataset = open_dataset(data, data_dir, split, seq_len=seq_len, seed=0)
+        for part in getattr(dataset, "parts", [dataset]):
+            check_vocab(part.vocab_size, model_vocab_size, part.where)
+            if part.tokenizer:
+                tokenizers.add((part.tokenizer["name"], part.tokenizer["sha256"]))
+    if len(tokenizers) > 1:
+        raise ConfigError(f"data.mixture sources were tokenized differently ({', '.join(sorted(n for n, _ in tokenizers))}); "
+                          "prepare them with the same tokenizer")

@@ -1,99 +1,221 @@
-"""Text files -> byte-level token memmaps (`train.bin`, `val.bin`, `meta.json`)."""
+"""`meshrun prepare-data`: sources -> tokens (in worker processes) -> shards + meta.json.
+
+Streaming end to end: documents are read one file (or record batch) at a time, encoded in
+batches of about 1 MB by `--workers` processes with at most two batches each in flight, and
+appended to shards in input order, so memory stays bounded and the output does not depend on
+the number of workers. Everything is written into a staging folder beside `--out` and renamed
+into place at the end: an interrupted run leaves nothing that training accepts, and a rerun
+starts the staging folder afresh and produces the same files.
+"""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import sysconfig
-import tempfile
+import shutil
+import sys
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
+from meshrun.data.sources import (
+    Source,
+    corpus_root,
+    default_sources,
+    documents,
+    expand_sources,
+    find_sources,
+)
+from meshrun.data.storage import SPLITS, SplitWriter, smallest_dtype
+from meshrun.data.tokenize import (
+    TokenizerSpec,
+    byte_tokenizer,
+    encode_ordered,
+    load_tokenizer,
+    train_bpe,
+)
 from meshrun.errors import ConfigError
 
-SPLITS = ("train", "val")
-OUTPUTS = ("train.bin", "val.bin", "meta.json")
-
-
-def default_sources() -> list[str]:
-    """A corpus every machine with Python has: the standard library's own source files
-    (installed packages and the stdlib's test suite left out), about 20 MB."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-    folders = sorted(d for d in stdlib.iterdir() if d.is_dir() and d.name not in skip)
-    return [str(stdlib / "*.py")] + [str(d / "**" / "*.py") for d in folders]
-
-
-def expand_sources(sources: list[str]) -> list[Path]:
-    files: set[Path] = set()
-    for source in sources:
-        matches = glob.glob(source, recursive=True) if glob.has_magic(source) else [source]
-        for match in matches:
-            path = Path(match)
-            if path.is_dir():
-                files.update(p for p in path.rglob("*") if p.is_file())
-            elif path.is_file():
-                files.add(path)
-    return sorted(files)
+__all__ = ["SPLITS", "default_sources", "expand_sources", "is_prepared", "prepare"]
+OUTPUTS = ("train.bin", "val.bin", "meta.json")  # meshrun 0.1's names: never written over
+TASK_BYTES = 1 << 20
+SHARD_TOKENS = 1 << 28  # 256 Mi tokens per shard (512 MB of uint16)
+MIN_TOKENS = 64  # fewer cannot train anything: refuse rather than write a useless dataset
+STAGING_MARK = ".meshrun-staging"
 
 
 def is_prepared(out: str | Path) -> bool:
-    return all((Path(out) / f"{split}.bin").is_file() for split in SPLITS)
+    """A complete dataset: meta.json (written last) or meshrun 0.1's train.bin + val.bin."""
+    out = Path(out)
+    return (out / "meta.json").is_file() or all((out / f"{split}.bin").is_file() for split in SPLITS)
 
 
-def prepare(sources: list[str], out: str | Path, *, val_fraction: float = 0.05) -> dict:
-    """Write the memmaps; refuses to touch a folder that already holds a prepared dataset.
+def prepare(sources: list[str], out: str | Path, *, val_fraction: float = 0.05, tokenizer: str = "byte",
+            train_tokenizer: str | None = None, field: str = "text", workers: int | None = None,
+            shard_tokens: int = SHARD_TOKENS, progress: bool = True) -> dict[str, Any]:
+    """Tokenize `sources` into a new dataset folder `out`; returns its meta.json content.
 
-    Each file goes wholly to train or val by a hash of its path, so the split is stable when
-    files are added. Files are written under temporary names and renamed into place, so a
-    crash never leaves a half-written dataset that looks complete.
+    Each document goes wholly to train or val by a hash of its path below the corpus root (and
+    its number within a multi-document file), so the split is stable when files are added.
     """
     out = Path(out)
-    if is_prepared(out):
-        raise ConfigError(f"{out} already holds a prepared dataset; choose another --out or delete it")
-    existing = [name for name in OUTPUTS if (out / name).exists()]
-    if existing:  # a user's own file with one of our names: never overwrite it
-        raise ConfigError(f"{out} already has {', '.join(existing)}; prepare into an empty folder or move those files")
-    files = expand_sources(sources)
-    if not files:
+    _check_out(out)
+    found = find_sources(sources)
+    if not found:
         raise ConfigError(f"no files match --source {' '.join(sources)}")
-    chunks: dict[str, list[bytes]] = {split: [] for split in SPLITS}
-    root = Path(os.path.commonpath([f.parent for f in files]))
-    for path in files:
-        # Hash the path below the corpus root: the same files split the same wherever they live.
-        key = str(path.relative_to(root)).encode()
-        split = "val" if zlib.crc32(key) % 10_000 < val_fraction * 10_000 else "train"
-        chunks[split].append(path.read_bytes() + b"\n\n")
-    _ensure_both_splits(chunks, val_fraction)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"vocab_size": 256, "num_files": len(files), "sources": sources}
-    for split in SPLITS:
-        data = np.frombuffer(b"".join(chunks[split]), dtype=np.uint8)
-        meta[f"{split}_tokens"] = int(data.size)
-        _write_atomic(out / f"{split}.bin", data.tobytes())
-    _write_atomic(out / "meta.json", json.dumps(meta, indent=2).encode())
+    root = corpus_root(found)
+    staging = _fresh_staging(out)
+    try:
+        spec = _tokenizer(tokenizer, train_tokenizer, found, field)
+        if spec.json_text is not None:
+            (staging / "tokenizer.json").write_text(spec.json_text)
+        dtype = smallest_dtype(spec.vocab_size)
+        writers = {split: SplitWriter(staging, split, dtype, shard_tokens) for split in SPLITS}
+        records: list[dict[str, Any]] = []
+        tasks = _tasks(found, root, field=field, val_fraction=val_fraction, records=records, progress=progress)
+        for splits, (tokens, lengths) in encode_ordered(spec, tasks, workers=workers or os.cpu_count() or 1):
+            for split in SPLITS:
+                mine = [i for i, s in enumerate(splits) if s == split]
+                if mine:
+                    starts = lengths.cumsum() - lengths
+                    parts = [tokens[starts[i] : starts[i] + lengths[i]] for i in mine]
+                    writers[split].add(_concat(parts), lengths[mine])
+        _check_enough(writers, sources)
+        _balance_splits(writers, val_fraction)
+        meta = _meta(spec, dtype, {split: w.close() for split, w in writers.items()}, records, sources)
+        (staging / "meta.json").write_text(json.dumps(meta, indent=2))
+    except ConfigError:
+        shutil.rmtree(staging)  # a refused input leaves nothing behind
+        raise
+    _commit(staging, out)
     return meta
 
 
-def _ensure_both_splits(chunks: dict[str, list[bytes]], val_fraction: float) -> None:
-    """Tiny corpora can hash every file to one split: move one file over, or cut a lone file in two."""
+def _check_out(out: Path) -> None:
+    if is_prepared(out):
+        raise ConfigError(f"{out} already holds a prepared dataset; choose another --out or delete it")
+    if out.is_dir() and any(out.iterdir()):  # a user's own files: never write among them
+        names = sorted(p.name for p in out.iterdir())
+        raise ConfigError(f"{out} already has {', '.join(names[:5])}; prepare into an empty folder or move those files")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"cannot prepare data in {out}: it is a file; choose a folder for --out")
+
+
+def _fresh_staging(out: Path) -> Path:
+    """The staging folder beside `out`; one left by an interrupted run is started afresh."""
+    staging = out.parent / f".{out.name}.partial"
+    if staging.exists():
+        if not (staging / STAGING_MARK).is_file():
+            raise ConfigError(f"{staging} exists and is not meshrun's; move it away and rerun")
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    (staging / STAGING_MARK).write_text("an interrupted `meshrun prepare-data`; rerunning it starts afresh\n")
+    return staging
+
+
+def _commit(staging: Path, out: Path) -> None:
+    (staging / STAGING_MARK).unlink()
+    if out.is_dir():
+        out.rmdir()  # empty (checked at the start)
+    os.rename(staging, out)
+
+
+def _tokenizer(tokenizer: str, train_tokenizer: str | None, found: list[Source], field: str) -> TokenizerSpec:
+    if train_tokenizer:
+        if tokenizer != "byte":
+            raise ConfigError("--tokenizer and --train-tokenizer exclude each other; pass one")
+        return train_bpe((doc for source in found for doc in documents(source, field=field)), train_tokenizer)
+    return byte_tokenizer() if tokenizer == "byte" else load_tokenizer(tokenizer)
+
+
+def _tasks(found: list[Source], root: Path, *, field: str, val_fraction: float, records: list[dict[str, Any]],
+           progress: bool) -> Iterator[tuple[list[str], list[str | bytes]]]:
+    """Batches of about TASK_BYTES of documents, tagged with each document's split."""
+    from tqdm import tqdm
+
+    total = sum(source.size() for source in found)
+    # On a terminal only (disable=None), and cleared when done: logs and errors stay one line each.
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, mininterval=0.5,
+               disable=None if progress else True, leave=False, dynamic_ncols=True)
+    splits: list[str] = []
+    docs: list[str | bytes] = []
+    size = 0
+    with bar:
+        for source in found:
+            rel = source.path.relative_to(root).as_posix()
+            num_docs = 0
+            for number, doc in enumerate(documents(source, field=field)):
+                key = rel if source.kind == "text" else f"{rel}#{number}"
+                splits.append("val" if zlib.crc32(key.encode()) % 10_000 < val_fraction * 10_000 else "train")
+                docs.append(doc)
+                size += len(doc)
+                num_docs += 1
+                if size >= TASK_BYTES:
+                    yield splits, docs
+                    bar.update(size)
+                    splits, docs, size = [], [], 0
+            records.append(_record(source, rel, num_docs))
+        if docs:
+            yield splits, docs
+        bar.update(max(0, total - bar.n))
+
+
+def _record(source: Source, rel: str, num_docs: int) -> dict[str, Any]:
+    return {"path": rel, "kind": source.kind, "bytes": source.size(), "documents": num_docs, "sha256": source.sha256()}
+
+
+def _concat(parts: list) -> Any:
+    import numpy as np
+
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _check_enough(writers: dict[str, SplitWriter], sources: list[str]) -> None:
+    tokens = sum(w.num_tokens for w in writers.values())
+    if not sum(w.num_docs for w in writers.values()):
+        raise ConfigError(f"--source {' '.join(sources)} holds no documents; check the files (and --field)")
+    if tokens < MIN_TOKENS:
+        raise ConfigError(f"--source {' '.join(sources)} gives only {tokens} tokens, too few to train "
+                          f"(at least {MIN_TOKENS}); add more text")
+
+
+def _balance_splits(writers: dict[str, SplitWriter], val_fraction: float) -> None:
+    """Tiny corpora can hash every document to one split: move one document over, or cut a lone one in two."""
+    import numpy as np
+
     for empty, full in (("val", "train"), ("train", "val")):
-        if chunks[empty]:
+        if writers[empty].num_docs:
             continue
-        if len(chunks[full]) > 1:
-            chunks[empty].append(chunks[full].pop())
+        doc = writers[full].pop_last_document()
+        if writers[full].num_docs:
+            writers[empty].add(doc, np.array([len(doc)]))
         else:
-            blob = chunks[full].pop()
-            cut = min(max(1, round(len(blob) * (1 - val_fraction))), len(blob) - 1)
-            chunks["train"], chunks["val"] = [blob[:cut]], [blob[cut:]]
+            cut = min(max(1, round(len(doc) * (1 - val_fraction))), len(doc) - 1)
+            writers["train"].add(doc[:cut], np.array([cut]))
+            writers["val"].add(doc[cut:], np.array([len(doc) - cut]))
+        return
 
 
-def _write_atomic(path: Path, payload: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(payload)
-    os.chmod(tmp, 0o644)  # mkstemp makes 0600; datasets are shared (other users, container uids)
-    os.replace(tmp, path)
+def _meta(spec: TokenizerSpec, dtype: Any, splits: dict[str, dict[str, Any]], records: list[dict[str, Any]],
+          sources: list[str]) -> dict[str, Any]:
+    return {
+        "format": "meshrun",
+        "version": 2,
+        "tokenizer": spec.describe(),
+        "vocab_size": spec.vocab_size,
+        "dtype": dtype.name,
+        "train_tokens": splits["train"]["tokens"],
+        "val_tokens": splits["val"]["tokens"],
+        "documents": sum(s["documents"] for s in splits.values()),
+        "num_files": len(records),
+        "splits": splits,
+        "sources": sources,
+        "files": records,
+    }
+
+
+def describe(meta: dict[str, Any]) -> str:
+    """The one line `prepare-data` prints."""
+    return (f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {meta['num_files']} files "
+            f"({meta['documents']} documents, {meta['tokenizer']['name']} tokenizer, vocab {meta['vocab_size']}, {meta['dtype']})")

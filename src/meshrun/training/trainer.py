@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from meshrun import checkpoint
 from meshrun.config import Config
-from meshrun.data.dataset import TokenDataset
+from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.distributed import Mesh
 from meshrun.errors import RunError
 from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throughput
@@ -74,8 +74,8 @@ class Trainer:
         self.optimizers = Optimizers(self.model.parts, cfg.train)
         self.scaler = make_scaler(cfg, self.device, mesh.pp_group)
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
-        self.train_data = TokenDataset(data_dir, "train", seq_len=seq_len, seed=seed)
-        self.val_data = TokenDataset(data_dir, "val", seq_len=seq_len, seed=seed)
+        self.train_data = open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed)
+        self.val_data = open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed)
         with torch.device("meta"):
             self.flops_per_token = build_model(cfg.model).flops_per_token()
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
@@ -132,7 +132,7 @@ class Trainer:
             raise checkpoint.no_checkpoint_loads(self.run_dir, failures)
         return 0
 
-    def local_batch(self, data: TokenDataset, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_batch(self, data: TokenDataset | MixtureDataset, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's share of the global batch starting at global sample `position`."""
         per_rank = self.cfg.train.global_batch // self.mesh.dp
         x, y = data.batch(position + self.mesh.dp_rank * per_rank, per_rank)
@@ -291,6 +291,7 @@ class Trainer:
                 peak=self.peak,
             ),
             "step_time_s": seconds / window.steps,
+            **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.samples_seen).items()},
             "memory_gb": max(memory),
             **{f"memory_gb/stage{s}": max(memory[s * self.mesh.dp : (s + 1) * self.mesh.dp]) for s in range(self.mesh.pp)},
         }

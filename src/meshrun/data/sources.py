@@ -1,0 +1,153 @@
+"""Sources: files, folders and globs -> a stream of documents, one file at a time.
+
+Kinds, chosen by name: `.jsonl` / `.jsonl.gz` (one JSON object per line, text under `field`),
+`.parquet` (column `field`, read in record batches), a Hugging Face `datasets` folder written
+by `save_to_disk` (its Arrow files, read with pyarrow), and anything else as one text document.
+Nothing holds more than one record batch (or one text file) in memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshrun.errors import ConfigError
+
+BATCH_ROWS = 1024  # rows per pyarrow record batch
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input: a file, or a `datasets` folder (read as one unit)."""
+
+    path: Path
+    kind: str  # text | jsonl | parquet | hf
+
+    def size(self) -> int:
+        if self.kind != "hf":
+            return self.path.stat().st_size
+        return sum(f.stat().st_size for f in _hf_arrow_files(self.path))
+
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        for file in _hf_arrow_files(self.path) if self.kind == "hf" else [self.path]:
+            with open(file, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+        return digest.hexdigest()
+
+
+def default_sources() -> list[str]:
+    """A corpus every machine with Python has: the standard library's own source files
+    (installed packages and the stdlib's test suite left out), about 20 MB."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    folders = sorted(d for d in stdlib.iterdir() if d.is_dir() and d.name not in skip)
+    return [str(stdlib / "*.py")] + [str(d / "**" / "*.py") for d in folders]
+
+
+def is_hf_dataset(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+
+
+def kind_of(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        return "jsonl"
+    return "parquet" if name.endswith(".parquet") else "text"
+
+
+def expand_sources(sources: list[str]) -> list[Path]:
+    """Every file the sources name, sorted (a `datasets` folder counts as one entry)."""
+    return [s.path for s in find_sources(sources)]
+
+
+def find_sources(sources: list[str]) -> list[Source]:
+    found: dict[Path, Source] = {}
+    for source in sources:
+        matches = glob.glob(source, recursive=True) if glob.has_magic(source) else [source]
+        for match in matches:
+            path = Path(match)
+            if path.is_dir() and is_hf_dataset(path):
+                found[path] = Source(path, "hf")
+            elif path.is_dir():
+                found.update((p, Source(p, kind_of(p))) for p in path.rglob("*") if p.is_file())
+            elif path.is_file():
+                found[path] = Source(path, kind_of(path))
+    return [found[p] for p in sorted(found)]
+
+
+def corpus_root(sources: list[Source]) -> Path:
+    """The folder all sources sit below: keys are paths relative to it, so a corpus splits the
+    same wherever it lives."""
+    return Path(os.path.commonpath([s.path if s.kind == "hf" else s.path.parent for s in sources]))
+
+
+def documents(source: Source, *, field: str) -> Iterator[str | bytes]:
+    """The documents of one source: text files as raw bytes (byte-exact), the rest as str."""
+    try:
+        if source.kind == "text":
+            yield source.path.read_bytes()
+        elif source.kind == "jsonl":
+            yield from _jsonl(source.path, field)
+        elif source.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            yield from _column(pq.ParquetFile(source.path).iter_batches(batch_size=BATCH_ROWS), source.path, field)
+        else:
+            for file in _hf_arrow_files(source.path):
+                yield from _column(_arrow_batches(file), file, field)
+    except OSError as exc:
+        raise ConfigError(f"cannot read source {source.path}: {exc.strerror or exc}") from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pyarrow / gzip / json errors: the file does not parse
+        raise ConfigError(f"cannot read source {source.path}: {type(exc).__name__}: {exc}") from None
+
+
+def _jsonl(path: Path, field: str) -> Iterator[str]:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{number} is not valid JSON ({exc.msg}); fix the line or drop the file") from None
+            text = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ConfigError(f"{path}:{number} has no text field {field!r}; pass --field NAME")
+            yield text
+
+
+def _column(batches: Iterator, path: Path, field: str) -> Iterator[str]:
+    for batch in batches:
+        if field not in batch.schema.names:
+            raise ConfigError(f"{path} has no column {field!r} (columns: {', '.join(batch.schema.names)}); pass --field NAME")
+        for text in batch.column(field).to_pylist():
+            if text is not None:
+                yield text
+
+
+def _arrow_batches(path: Path) -> Iterator:
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as mapped:
+        yield from pa.ipc.open_stream(mapped)
+
+
+def _hf_arrow_files(folder: Path) -> list[Path]:
+    """The Arrow files of a `save_to_disk` folder, in its own order (every split of a DatasetDict)."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+        return [f for split in splits for f in _hf_arrow_files(folder / split)]
+    state = json.loads((folder / "state.json").read_text())
+    return [folder / entry["filename"] for entry in state["_data_files"]]

@@ -1,0 +1,230 @@
+"""Token storage: meshrun's shards (written and read), nanoGPT's and Megatron-LM's files (read).
+
+Every reader returns a `TokenSplit`: the split's tokens as a list of read-only 1-D memmaps
+(training windows never cross from one to the next) plus what is known of the vocabulary.
+
+meshrun's layout (meta.json "format": "meshrun"): `{split}-{k:05d}.bin` shards of raw tokens in
+the smallest sufficient dtype, `{split}.docs.bin` (little-endian uint64 start offset of each
+document in the split), meta.json last (its presence marks a complete dataset). Datasets from
+meshrun 0.1 (`train.bin` / `val.bin` bytes, no "format") are read as one uint8 shard.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshrun.errors import ConfigError
+
+SPLITS = ("train", "val")
+FORMATS = ("meshrun", "nanogpt", "megatron")
+DOC_DTYPE = np.dtype("<u8")
+MEGATRON_HEADER = b"MMIDIDX\x00\x00"
+# Megatron-LM's DType codes (megatron/core/datasets/indexed_dataset.py)
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+
+
+@dataclass
+class TokenSplit:
+    segments: list[np.ndarray]
+    vocab_size: int | None  # None: not recorded in the files (nanoGPT): the config's model.vocab_size
+    tokenizer: dict[str, Any] | None
+    where: str
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+
+def smallest_dtype(vocab_size: int) -> np.dtype:
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise ConfigError(f"vocabulary of {vocab_size} tokens does not fit uint32")
+
+
+class SplitWriter:
+    """Appends encoded documents to one split's shards; a shard closes at the first document
+    boundary past `shard_tokens`, so shards (and windows) always hold whole documents."""
+
+    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.num_tokens = self.num_docs = 0
+        self.last_doc_start = 0
+        self._file: Any = None
+        self._docs = open(folder / f"{split}.docs.bin", "wb")  # noqa: SIM115 - open while the split is written
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Documents laid end to end in `tokens`, `lengths` tokens each."""
+        if not len(lengths):
+            return
+        ends = np.cumsum(lengths)
+        self._docs.write((self.num_tokens + ends - lengths).astype(DOC_DTYPE).tobytes())
+        self.last_doc_start = self.num_tokens + int(ends[-1] - lengths[-1])
+        self.num_docs += len(lengths)
+        done = 0
+        while done < len(tokens):
+            room = self.shard_tokens - (self.shards[-1]["tokens"] if self._file else 0)
+            crossing = int(np.searchsorted(ends, done + room, side="left"))  # the document that fills the shard
+            end = int(ends[min(crossing, len(ends) - 1)])
+            self._write(tokens[done:end])
+            done = end
+            if self.shards[-1]["tokens"] >= self.shard_tokens:
+                self._close_shard()
+
+    def _write(self, tokens: np.ndarray) -> None:
+        if self._file is None:
+            name = f"{self.split}-{len(self.shards):05d}.bin"
+            self.shards.append({"file": name, "tokens": 0})
+            self._file = open(self.folder / name, "wb")  # noqa: SIM115 - open until the shard is full
+        self._file.write(tokens.astype(self.dtype).tobytes())
+        self.shards[-1]["tokens"] += len(tokens)
+        self.num_tokens += len(tokens)
+
+    def _close_shard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def pop_last_document(self) -> np.ndarray:
+        """Take the last document back out (the tail of the last shard), as uint32 tokens."""
+        self._close_shard()
+        self._docs.flush()
+        shard = self.shards[-1]
+        keep = shard["tokens"] - (self.num_tokens - self.last_doc_start)
+        path = self.folder / shard["file"]
+        tokens = np.fromfile(path, dtype=self.dtype)[keep:].astype(np.uint32)
+        with open(path, "r+b") as f:
+            f.truncate(keep * self.dtype.itemsize)
+        shard["tokens"] = keep
+        if keep == 0:
+            path.unlink()
+            self.shards.pop()
+        self.num_tokens -= len(tokens)
+        self.num_docs -= 1
+        self._docs.truncate(self.num_docs * DOC_DTYPE.itemsize)
+        self._docs.seek(0, 2)
+        if self.num_docs:
+            self.last_doc_start = int(np.fromfile(self._docs.name, dtype=DOC_DTYPE)[-1])
+        return tokens
+
+    def close(self) -> dict[str, Any]:
+        self._close_shard()
+        self._docs.close()
+        return {"tokens": self.num_tokens, "documents": self.num_docs, "shards": self.shards,
+                "documents_file": f"{self.split}.docs.bin"}
+
+
+# -- readers ------------------------------------------------------------------------------------
+
+
+def read_meta(folder: Path) -> dict[str, Any] | None:
+    path = folder / "meta.json"
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} cannot be read ({exc}); prepare the data again with `meshrun prepare-data`") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path} is not a meshrun dataset description; prepare the data again")
+    return meta
+
+
+def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fraction: float = 0.05) -> TokenSplit:
+    path = Path(path)
+    if format == "nanogpt":
+        return _flat(path, split, np.uint16, vocab_size=None, hint="point data.dir at a nanoGPT data folder (train.bin, val.bin)")
+    if format == "megatron":
+        return _megatron(path, split, val_fraction)
+    meta = read_meta(path)
+    if meta is None or "format" not in meta:  # meshrun 0.1: bytes, train.bin / val.bin
+        return _flat(path, split, np.uint8, vocab_size=256, hint=f"run `meshrun prepare-data --out {path}`")
+    return _shards(path, split, meta)
+
+
+def _flat(folder: Path, split: str, dtype: type, *, vocab_size: int | None, hint: str) -> TokenSplit:
+    path = folder / f"{split}.bin"
+    if not path.is_file():
+        raise ConfigError(f"data.dir {folder} has no {path.name}; {hint}")
+    itemsize = np.dtype(dtype).itemsize
+    if path.stat().st_size % itemsize:
+        raise ConfigError(f"{path} is {path.stat().st_size} bytes, not a whole number of {np.dtype(dtype).name} tokens; "
+                          "check data.format")
+    segments = [np.memmap(path, dtype=dtype, mode="r")] if path.stat().st_size else []
+    return TokenSplit(segments, vocab_size, None, str(path))
+
+
+def _shards(folder: Path, split: str, meta: dict[str, Any]) -> TokenSplit:
+    try:
+        dtype, info = np.dtype(meta["dtype"]), meta["splits"][split]
+        segments = []
+        for shard in info["shards"]:
+            path = folder / shard["file"]
+            if path.stat().st_size != shard["tokens"] * dtype.itemsize:
+                raise ConfigError(f"{path} is {path.stat().st_size} bytes but meta.json says {shard['tokens']} "
+                                  f"{dtype.name} tokens; the dataset is damaged: prepare it again")
+            if shard["tokens"]:
+                segments.append(np.memmap(path, dtype=dtype, mode="r"))
+        return TokenSplit(segments, int(meta["vocab_size"]), meta.get("tokenizer"), f"{folder} ({split})")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{folder / 'meta.json'} is incomplete ({type(exc).__name__}: {exc}); prepare the data again") from None
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{exc.filename} is missing; the dataset in {folder} is incomplete: prepare it again") from None
+
+
+def megatron_prefix(path: Path) -> Path:
+    """`data.dir` for Megatron: the path prefix (PREFIX.bin + PREFIX.idx) or a folder with one pair."""
+    if path.is_dir():
+        pairs = sorted(p.with_suffix("") for p in path.glob("*.idx") if p.with_suffix(".bin").is_file())
+        if len(pairs) != 1:
+            raise ConfigError(f"data.dir {path} holds {len(pairs)} Megatron .bin/.idx pairs; point data.dir at one PREFIX")
+        return pairs[0]
+    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    for suffix in (".bin", ".idx"):
+        if not prefix.with_name(prefix.name + suffix).is_file():
+            raise ConfigError(f"data.dir {path}: no {prefix.name + suffix}; point data.dir at a Megatron PREFIX (PREFIX.bin + PREFIX.idx)")
+    return prefix
+
+
+def read_megatron_index(idx: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
+    """(token dtype, sequence lengths, sequence byte pointers, document indices) of an MMIDIDX file."""
+    raw = idx.read_bytes()
+    if raw[:9] != MEGATRON_HEADER or len(raw) < 34:
+        raise ConfigError(f"{idx} is not a Megatron index (no MMIDIDX header); check data.format")
+    (version,), (code,), (num_seqs, num_docs) = struct.unpack_from("<Q", raw, 9), struct.unpack_from("<B", raw, 17), struct.unpack_from("<QQ", raw, 18)
+    if version != 1 or code not in MEGATRON_DTYPES or 34 + num_seqs * 12 + num_docs * 8 > len(raw):
+        raise ConfigError(f"{idx} does not parse as a Megatron index (version {version}, dtype code {code}, "
+                          f"{num_seqs} sequences, {num_docs} document indices in {len(raw)} bytes)")
+    lengths = np.frombuffer(raw, np.int32, num_seqs, 34)
+    pointers = np.frombuffer(raw, np.int64, num_seqs, 34 + 4 * num_seqs)
+    documents = np.frombuffer(raw, np.int64, num_docs, 34 + 12 * num_seqs)
+    return np.dtype(MEGATRON_DTYPES[code]), lengths, pointers, documents
+
+
+def _megatron(path: Path, split: str, val_fraction: float) -> TokenSplit:
+    """Train on the leading documents, validate on the last `val_fraction` of them (at least one)."""
+    prefix = megatron_prefix(path)
+    bin_path = prefix.with_name(prefix.name + ".bin")
+    dtype, lengths, pointers, documents = read_megatron_index(prefix.with_name(prefix.name + ".idx"))
+    if dtype.kind not in "ui" or not len(lengths):
+        raise ConfigError(f"{prefix}.idx holds {len(lengths)} sequences of {dtype.name}; need integer tokens")
+    total = int(pointers[-1]) // dtype.itemsize + int(lengths[-1])
+    if bin_path.stat().st_size < total * dtype.itemsize:
+        raise ConfigError(f"{bin_path} is shorter than its index says ({total} {dtype.name} tokens); the pair does not match")
+    seq_start = np.append(pointers // dtype.itemsize, total)  # token offset of each sequence, then the end
+    doc_start = seq_start[np.asarray(documents, dtype=np.int64)]  # token offset of each document boundary
+    num_docs = len(doc_start) - 1
+    if num_docs >= 2:
+        cut = int(doc_start[num_docs - max(1, round(num_docs * val_fraction))])
+    else:
+        cut = int(total * (1 - val_fraction))
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(total,))
+    part = tokens[:cut] if split == "train" else tokens[cut:]
+    return TokenSplit([part] if len(part) else [], None, None, f"{prefix} ({split})")

@@ -1,0 +1,219 @@
+"""Tokenization: bytes (vocab 256), a Hugging Face tokenizer, or a byte-level BPE trained here.
+
+A tokenizer travels to worker processes as a small picklable `TokenizerSpec` (its
+tokenizer.json text), so every worker encodes exactly as `tokenizers` does in the main process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import multiprocessing.pool
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshrun.errors import ConfigError
+
+BYTE_EOS = b"\n\n"  # byte-level data has no spare id: documents end with a blank line (as before)
+BPE_EOS = "<|endoftext|>"
+_EOS_NAMES = (BPE_EOS, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What a worker needs to encode, and what meta.json records."""
+
+    name: str
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    json_text: str | None = None  # tokenizer.json; None = bytes
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256((self.json_text or "byte").encode()).hexdigest()
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "sha256": self.sha256, "eos_ids": list(self.eos_ids)}
+
+
+def byte_tokenizer() -> TokenizerSpec:
+    return TokenizerSpec("byte", 256, tuple(BYTE_EOS))
+
+
+def load_tokenizer(path: str | Path) -> TokenizerSpec:
+    """`tokenizer.json`, or a model folder (its tokenizer.json, else transformers' fast tokenizer)."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    try:
+        if path.is_file():
+            tokenizer, eos = Tokenizer.from_file(str(path)), None
+        elif (path / "tokenizer.json").is_file():
+            tokenizer, eos = Tokenizer.from_file(str(path / "tokenizer.json")), _configured_eos(folder)
+        elif path.is_dir():
+            tokenizer, eos = _transformers_tokenizer(path)
+        else:
+            raise ConfigError(f"--tokenizer {path} does not exist; give a tokenizer.json or a model folder")
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - tokenizers / transformers parse errors
+        raise ConfigError(f"--tokenizer {path} cannot be loaded: {type(exc).__name__}: {exc}") from None
+    return _spec(str(path), tokenizer, eos)
+
+
+def train_bpe(texts: Iterable[str | bytes], spec_text: str) -> TokenizerSpec:
+    """`bpe:VOCAB`: a byte-level BPE (GPT-2 style) trained on the documents, with `<|endoftext|>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    kind, _, vocab = spec_text.partition(":")
+    if kind != "bpe" or not vocab.isdigit() or int(vocab) < 257:
+        raise ConfigError(f"--train-tokenizer {spec_text!r}: use bpe:VOCAB with VOCAB >= 257 (256 bytes + end of text)")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=int(vocab), special_tokens=[BPE_EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator((as_text(t) for t in texts), trainer=trainer)
+    return _spec(spec_text, tokenizer, BPE_EOS)
+
+
+def _spec(name: str, tokenizer: Any, eos: str | None) -> TokenizerSpec:
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    eos = eos or next((t for t in _EOS_NAMES if t in vocab), None)
+    if eos is None or eos not in vocab:
+        raise ConfigError(f"--tokenizer {name} has no end-of-document token (looked for {eos or ', '.join(_EOS_NAMES)}); "
+                          "add one to the tokenizer, or set eos_token in its tokenizer_config.json")
+    return TokenizerSpec(name, tokenizer.get_vocab_size(with_added_tokens=True), (vocab[eos],), tokenizer.to_str())
+
+
+def _configured_eos(folder: Path) -> str | None:
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    eos = json.loads(config.read_text()).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def _transformers_tokenizer(folder: Path) -> tuple[Any, str | None]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if not getattr(tok, "is_fast", False):
+        raise ConfigError(f"--tokenizer {folder}: only fast (tokenizers-backed) tokenizers are supported")
+    return tok.backend_tokenizer, tok.eos_token
+
+
+def as_text(doc: str | bytes) -> str:
+    return doc.decode("utf-8", errors="replace") if isinstance(doc, bytes) else doc
+
+
+class Encoder:
+    """Documents -> one flat uint32 array (each document followed by EOS) and per-document lengths."""
+
+    def __init__(self, spec: TokenizerSpec) -> None:
+        self.spec = spec
+        self.tokenizer = None
+        if spec.json_text is not None:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_str(spec.json_text)
+
+    def __call__(self, docs: list[str | bytes]) -> tuple[np.ndarray, np.ndarray]:
+        eos = list(self.spec.eos_ids)
+        if self.tokenizer is None:
+            pieces = [(d if isinstance(d, bytes) else d.encode("utf-8")) + BYTE_EOS for d in docs]
+            lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+            return np.frombuffer(b"".join(pieces), dtype=np.uint8).astype(np.uint32), lengths
+        flat: list[int] = []
+        lengths = np.empty(len(docs), dtype=np.int64)
+        encodings = self.tokenizer.encode_batch_fast([as_text(d) for d in docs], add_special_tokens=False)
+        for i, encoding in enumerate(encodings):
+            flat.extend(encoding.ids)
+            flat.extend(eos)
+            lengths[i] = len(encoding.ids) + len(eos)
+        return np.array(flat, dtype=np.uint32), lengths
+
+
+_worker_encoder: Encoder | None = None
+
+
+def _init_worker(spec: TokenizerSpec) -> None:
+    global _worker_encoder
+    _worker_encoder = Encoder(spec)
+
+
+def _encode_in_worker(docs: list[str | bytes]) -> tuple[np.ndarray, np.ndarray]:
+    assert _worker_encoder is not None
+    return _worker_encoder(docs)
+
+
+def encode_ordered(spec: TokenizerSpec, tasks: Iterable[tuple[Any, list[str | bytes]]], *,
+                   workers: int) -> Iterator[tuple[Any, tuple[np.ndarray, np.ndarray]]]:
+    """(tag, documents) -> (tag, encoded), in input order, at most 2 x workers batches in flight
+    (bounded memory: reading never runs far ahead of tokenizing)."""
+    if workers <= 1 or spec.json_text is None:  # bytes need no tokenizing: one process is fastest
+        encoder = Encoder(spec)
+        for tag, docs in tasks:
+            yield tag, encoder(docs)
+        return
+    with _start_pool(workers, spec) as pool:
+        yield from _bounded(pool.apply_async, tasks, limit=2 * workers)
+
+
+def _start_pool(workers: int, spec: TokenizerSpec) -> multiprocessing.pool.Pool:
+    """Workers with TOKENIZERS_PARALLELISM=false from birth (one process per core already; and no
+    warning from a forked tokenizer); this process's own setting is left as it was."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        return _pool_context().Pool(workers, initializer=_init_worker, initargs=(spec,))
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """fork where it is safe (no Python threads but this one): starting workers then costs
+    milliseconds, not a second each as with spawn. A tokenizer that already ran its own threads
+    (a BPE trained here) turns them off in forked children by itself, which is what workers want."""
+    if "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+def _bounded(submit: Callable, tasks: Iterable[tuple[Any, list]], *, limit: int) -> Iterator[tuple[Any, Any]]:
+    pending: deque = deque()
+    for tag, docs in tasks:
+        pending.append((tag, submit(_encode_in_worker, (docs,))))
+        if len(pending) >= limit:
+            tag_done, result = pending.popleft()
+            yield tag_done, result.get()
+    while pending:
+        tag_done, result = pending.popleft()
+        yield tag_done, result.get()
+
+
+def text_codec(data_dir: Path | None, vocab_size: int) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """(encode, decode) for the tokenizer a dataset was made with: its tokenizer.json, or bytes."""
+    path = data_dir / "tokenizer.json" if data_dir is not None else None
+    if path is not None and path.is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(path))
+        return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode
+    if vocab_size == 256:
+        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    raise ConfigError(f"no tokenizer.json beside the data ({data_dir}) for this {vocab_size}-token model; "
+                      "put the tokenizer.json the data was made with there")
+

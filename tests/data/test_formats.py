@@ -1,0 +1,187 @@
+"""nanoGPT and Megatron-LM token files, written here from their documented layouts (not by
+meshrun), train exactly like the same tokens in meshrun's shards; broken files, a vocabulary
+larger than the model's and bad mixtures are refused before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from conftest import WORDS, losses, meshrun_env, tiny
+from meshrun import cli, job
+from meshrun.data.prepare import prepare
+from meshrun.export import load_full_model
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Generated text prepared with a BPE of 300 tokens trained on it (uint16 shards)."""
+    rng, corpus = random.Random(1), tmp_path_factory.mktemp("bpe-corpus")
+    for i in range(16):
+        (corpus / f"doc{i:02d}.txt").write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(40)))
+    out = tmp_path_factory.mktemp("bpe") / "ds"
+    prepare([str(corpus)], out, train_tokenizer=f"bpe:{VOCAB}", val_fraction=0.2, workers=1, progress=False)
+    return out
+
+
+def raw_split(folder: Path, split: str) -> np.ndarray:
+    """A split's tokens read straight from the shard files meta.json lists."""
+    meta = json.loads((folder / "meta.json").read_text())
+    shards = meta["splits"][split]["shards"]
+    return np.concatenate([np.fromfile(folder / s["file"], dtype=meta["dtype"]) for s in shards])
+
+
+def write_nanogpt(folder: Path, train: np.ndarray, val: np.ndarray) -> Path:
+    """nanoGPT's prepare.py: `np.array(ids, dtype=np.uint16).tofile('train.bin')`."""
+    folder.mkdir()
+    np.array(train, dtype=np.uint16).tofile(folder / "train.bin")
+    np.array(val, dtype=np.uint16).tofile(folder / "val.bin")
+    return folder
+
+
+def write_megatron(prefix: Path, documents: list[np.ndarray]) -> Path:
+    """Megatron-LM's MMIDIDX layout (indexed_dataset.py): header, version <Q 1, dtype code <B
+    (8 = uint16), <Q sequence count, <Q document count, int32 lengths, int64 byte pointers,
+    int64 document indices (0, then the sequence count after each document)."""
+    lengths = np.array([len(d) for d in documents], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64) * 2]).astype(np.int64)
+    doc_index = np.arange(len(documents) + 1, dtype=np.int64)
+    with open(prefix.with_suffix(".idx"), "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8))
+        f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(doc_index)))
+        f.write(lengths.tobytes() + pointers.tobytes() + doc_index.tobytes())
+    np.concatenate(documents).astype(np.uint16).tofile(prefix.with_suffix(".bin"))
+    return prefix
+
+
+def chunks(tokens: np.ndarray, size: int) -> list[np.ndarray]:
+    return [tokens[i : i + size] for i in range(0, len(tokens), size)]
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name, value in meshrun_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture
+def no_workers(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
+    """A worker starting fails the test at once: every refusal here comes before spawning."""
+
+    def tripwire(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(job, "run_worker", tripwire)
+    monkeypatch.setattr(job.subprocess, "Popen", tripwire)
+
+
+def first_loss(data: Path, run: Path, **overrides: object) -> float:
+    """One training step of `meshrun train` (one process: in this one, which is quick)."""
+    args = tiny(data, run, **{"train.steps": 1, "model.vocab_size": VOCAB, "model.num_layers": 2, **overrides})
+    assert cli.main(["train", *args]) == 0
+    return losses(run)[0]
+
+
+def test_nanogpt_and_megatron_files_train_like_meshrun_shards(bpe_data: Path, tmp_path: Path, clean_env: None) -> None:
+    train, val = raw_split(bpe_data, "train"), raw_split(bpe_data, "val")
+    assert train.max() >= 256  # really uint16 data
+    nanogpt = write_nanogpt(tmp_path / "nanogpt", train, val)
+    train_docs, val_docs = chunks(train, 97), chunks(val, 97)
+    megatron = write_megatron(tmp_path / "corpus_text_document", train_docs + val_docs)
+    share = len(val_docs) / (len(train_docs) + len(val_docs))  # Megatron validates on its last documents
+    reference = first_loss(bpe_data, tmp_path / "meshrun")
+    assert first_loss(nanogpt, tmp_path / "nano", **{"data.format": "nanogpt"}) == reference
+    assert first_loss(megatron, tmp_path / "mega", **{"data.format": "megatron", "data.val_fraction": share}) == reference
+    shifted = write_nanogpt(tmp_path / "shifted", train[1:], val)  # other tokens: another loss
+    assert first_loss(shifted, tmp_path / "other", **{"data.format": "nanogpt"}) != reference
+
+
+def _damaged_shard(bpe_data: Path, tmp: Path) -> Path:
+    copy = tmp / "damaged"
+    copy.mkdir()
+    for path in bpe_data.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes()[:-2] if path.name == "train-00000.bin" else path.read_bytes())
+    return copy
+
+
+def _nanogpt_files(tmp: Path, train: bytes, val: bytes | None) -> Path:
+    folder = tmp / "nano"
+    folder.mkdir()
+    (folder / "train.bin").write_bytes(train)
+    if val is not None:
+        (folder / "val.bin").write_bytes(val)
+    return folder
+
+
+def _megatron_bad(tmp: Path, idx: bytes) -> Path:
+    (tmp / "m.bin").write_bytes(b"\0" * 64)
+    (tmp / "m.idx").write_bytes(idx)
+    return tmp / "m"
+
+
+GOOD_HEADER = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 4, 5)
+NANOGPT, MEGATRON = {"data.format": "nanogpt"}, {"data.format": "megatron"}
+REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of the one error line)
+    "vocab-larger-than-model": (lambda d, b, t: {"data.dir": b}, ("vocabulary of 300 tokens", "model.vocab_size", "at least 300")),
+    "nanogpt-odd-bytes": (lambda d, b, t: {**NANOGPT, "data.dir": _nanogpt_files(t, b"\0" * 99, b"\0" * 100)},
+                          ("train.bin is 99 bytes, not a whole number of uint16 tokens", "data.format")),
+    "nanogpt-missing-val": (lambda d, b, t: {**NANOGPT, "data.dir": _nanogpt_files(t, b"\0" * 100, None)},
+                            ("has no val.bin", "nanoGPT data folder")),
+    "megatron-no-header": (lambda d, b, t: {**MEGATRON, "data.dir": _megatron_bad(t, b"GARBAGE" * 8)},
+                           ("m.idx is not a Megatron index (no MMIDIDX header)",)),
+    "megatron-truncated-index": (lambda d, b, t: {**MEGATRON, "data.dir": _megatron_bad(t, GOOD_HEADER + b"\0" * 8)},
+                                 ("m.idx does not parse as a Megatron index", "4 sequences")),
+    "megatron-missing-files": (lambda d, b, t: {**MEGATRON, "data.dir": t / "nothing"}, ("no nothing.bin", "Megatron PREFIX")),
+    "shard-damaged": (lambda d, b, t: {"data.dir": _damaged_shard(b, t), "model.vocab_size": VOCAB},
+                      ("train-00000.bin is", "meta.json says", "prepare it again")),
+    "mixture-weight-zero": (lambda d, b, t: {"data.dir": None, "data.mixture": f"[{{dir: {d}, weight: 0}}]"},
+                            ("invalid data.mixture.0.weight", "greater than 0")),
+    "mixture-and-dir": (lambda d, b, t: {"data.mixture": f"[{{dir: {d}, weight: 1}}]"}, ("set data.dir or data.mixture, not both",)),
+    "mixture-different-tokenizers": (lambda d, b, t: {"data.dir": None, "model.vocab_size": VOCAB,
+                                                      "data.mixture": f"[{{dir: {d}, weight: 1}}, {{dir: {b}, weight: 1}}]"},
+                                     ("data.mixture sources were tokenized differently", "bpe:300", "byte")),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_bad_data_is_refused_before_spawning(name: str, data_dir: Path, bpe_data: Path, tmp_path: Path,
+                                             no_workers: None, capsys: pytest.CaptureFixture[str]) -> None:
+    make, fragments = REFUSALS[name]
+    overrides = make(data_dir, bpe_data, tmp_path)
+    args = [a for a in tiny(data_dir, tmp_path / "run", **overrides) if not a.endswith("=None")]
+    assert cli.main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("meshrun: error: "), err
+    for fragment in fragments:
+        assert fragment in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_sample_decodes_with_the_datasets_tokenizer(bpe_data: Path, tmp_path: Path, clean_env: None,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`meshrun sample` on a BPE-trained model: the prompt encoded and the continuation decoded
+    with the tokenizer.json beside the data (checked against a greedy loop written here)."""
+    run = tmp_path / "run"
+    first_loss(bpe_data, run, **{"train.steps": 2})
+    capsys.readouterr()
+    assert cli.main(["sample", str(run), "--prompt", "the model", "--tokens", "12", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    tokenizer = Tokenizer.from_file(str(bpe_data / "tokenizer.json"))
+    model = load_full_model(run)[0]
+    ids = tokenizer.encode("the model", add_special_tokens=False).ids
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids[-16:]]))[0, -1].argmax()))
+    assert max(ids) < VOCAB and printed == tokenizer.decode(ids) and printed.startswith("the model")

@@ -1,0 +1,210 @@
+"""prepare-data inputs and tokenizers, checked token for token against `tokenizers` itself;
+refused inputs; an interrupted preparation rerun to the same files."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from conftest import WORDS, finish_meshrun, kill_tree, meshrun_env, start_meshrun
+from meshrun import cli
+from meshrun.data.prepare import prepare
+
+EOS = "<|endoftext|>"
+
+
+def make_documents(count: int, seed: int = 0) -> list[str]:
+    """Documents of varied length, some non-ASCII, one with newlines inside."""
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 120))) for _ in range(count)]
+    docs[3] = "héllo wörld ✓ — 日本語 " + docs[3]
+    docs[5] = "first line\n\nsecond line\n" + docs[5]
+    return docs
+
+
+DOCS = make_documents(30)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level BPE made with `tokenizers` directly (not by meshrun)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=[EOS, "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(make_documents(200, seed=9), trainer=trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def write_source(kind: str, folder: Path, docs: list[str], field: str = "text") -> Path:
+    """The documents as one input of the given kind."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "text":
+        for i, doc in enumerate(docs):
+            (folder / f"doc{i:03d}.txt").write_text(doc, encoding="utf-8")
+        return folder
+    if kind in ("jsonl", "jsonl.gz"):
+        lines = "".join(json.dumps({field: doc, "id": i}) + "\n" + ("\n" if i == 2 else "") for i, doc in enumerate(docs))
+        path = folder / f"docs.{kind}"
+        path.write_bytes(gzip.compress(lines.encode()) if kind.endswith(".gz") else lines.encode())
+        return path
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = folder / "docs.parquet"
+        pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path, row_group_size=7)
+        return path
+    import datasets
+
+    path = folder / "hf"
+    datasets.Dataset.from_dict({field: docs, "id": list(range(len(docs)))}).save_to_disk(str(path), max_shard_size="2KB")
+    return path
+
+
+def stored_documents(out: Path, split: str) -> list[list[int]]:
+    """A split's documents as meta.json, the shards and the document index lay them out."""
+    meta = json.loads((out / "meta.json").read_text())
+    info = meta["splits"][split]
+    tokens = np.concatenate([np.fromfile(out / s["file"], dtype=meta["dtype"]) for s in info["shards"]]).tolist()
+    starts = np.fromfile(out / info["documents_file"], dtype="<u8").tolist()
+    return [tokens[a:b] for a, b in zip(starts, [*starts[1:], len(tokens)])]
+
+
+def assert_documents_in_order(out: Path, expected: list[list[int]]) -> None:
+    """Every expected document is stored whole in exactly one split, each split in input order."""
+    train, val = stored_documents(out, "train"), stored_documents(out, "val")
+    assert train and val
+    t = v = 0
+    for doc in expected:
+        if t < len(train) and train[t] == doc:
+            t += 1
+        elif v < len(val) and val[v] == doc:
+            v += 1
+        else:
+            pytest.fail(f"document {t + v} is not stored as the tokenizer encodes it")
+    assert (t, v) == (len(train), len(val))
+
+
+def hf_expected(tokenizer: Tokenizer, docs: list[str], eos: str) -> list[list[int]]:
+    return [e.ids + [tokenizer.token_to_id(eos)] for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
+
+
+KINDS = ["text", "jsonl", "jsonl.gz", "parquet", "hf"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tokens_equal_the_tokenizers_own_encoding(kind: str, tokenizer_file: Path, tmp_path: Path) -> None:
+    source = write_source(kind, tmp_path / "src", DOCS, field="body")
+    out = tmp_path / "out"
+    meta = prepare([str(source)], out, tokenizer=str(tokenizer_file), field="body", val_fraction=0.2,
+                   workers=2 if kind == "hf" else 1, shard_tokens=300, progress=False)
+    assert_documents_in_order(out, hf_expected(Tokenizer.from_file(str(tokenizer_file)), DOCS, EOS))
+    assert meta["vocab_size"] == 320 and meta["dtype"] == "uint16" and meta["documents"] == len(DOCS)
+    assert meta["tokenizer"]["sha256"] == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+    assert len(meta["splits"]["train"]["shards"]) > 1  # sharded: each shard ends at a document
+    assert all(f["sha256"] and f["bytes"] > 0 for f in meta["files"])
+
+
+def test_model_folder_tokenizer_uses_its_configured_eos(tokenizer_file: Path, tmp_path: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = tmp_path / "model"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer_file)), eos_token="</s>").save_pretrained(model_dir)
+    source = write_source("jsonl", tmp_path / "src", DOCS)
+    prepare([str(source)], tmp_path / "out", tokenizer=str(model_dir), val_fraction=0.2, workers=1, progress=False)
+    assert_documents_in_order(tmp_path / "out", hf_expected(Tokenizer.from_file(str(tokenizer_file)), DOCS, "</s>"))
+
+
+def test_trained_bpe_is_saved_beside_the_data_and_used(tmp_path: Path) -> None:
+    source = write_source("text", tmp_path / "src", DOCS)
+    out = tmp_path / "out"
+    meta = prepare([str(source)], out, train_tokenizer="bpe:300", val_fraction=0.2, workers=1, progress=False)
+    trained = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert trained.get_vocab_size() == meta["vocab_size"] == 300 and json.loads(trained.to_str())["model"]["type"] == "BPE"
+    assert_documents_in_order(out, hf_expected(trained, DOCS, EOS))
+    assert trained.decode(stored_documents(out, "train")[0][:-1]) in DOCS  # decodes back to a whole document
+
+
+def test_byte_tokenizer_on_records(tmp_path: Path) -> None:
+    source = write_source("parquet", tmp_path / "src", DOCS)
+    meta = prepare([str(source)], tmp_path / "out", val_fraction=0.2, workers=1, progress=False)
+    assert meta["dtype"] == "uint8" and meta["vocab_size"] == 256
+    assert_documents_in_order(tmp_path / "out", [list(d.encode() + b"\n\n") for d in DOCS])
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+REFUSED = {  # name: (write the source into folder -> path, fragments of the error)
+    "no-documents": (lambda f: _write(f / "empty.jsonl", ""), ("holds no documents", "--field")),
+    "too-small": (lambda f: _write(f / "a.txt", "hi"), ("only 4 tokens, too few to train", "add more text")),
+    "bad-json": (lambda f: _write(f / "b.jsonl", '{"text": "ok"}\n{oops\n'), ("b.jsonl:2 is not valid JSON",)),
+    "missing-field": (lambda f: _write(f / "c.jsonl", '{"body": "x"}\n'),
+                      ("c.jsonl:1 has no text field 'text'", "--field NAME")),
+    "missing-column": (lambda f: write_source("parquet", f, DOCS, field="body"), ("has no column 'text'", "columns: id, body")),
+    "not-gzip": (lambda f: _write(f / "d.jsonl.gz", "plain text"), ("cannot read source", "d.jsonl.gz")),
+    "not-parquet": (lambda f: _write(f / "e.parquet", "plain text"), ("cannot read source", "e.parquet")),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_bad_sources_are_refused_in_one_line(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make, fragments = REFUSED[name]
+    (tmp_path / "src").mkdir()
+    source = make(tmp_path / "src")
+    out = tmp_path / "out"
+    assert cli.main(["prepare-data", "--source", str(source), "--out", str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("meshrun: error: "), err
+    for fragment in fragments:
+        assert fragment in err[0], err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no staging folder left
+
+
+def _files(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_interrupted_preparation_reruns_to_the_same_files(tokenizer_file: Path, tmp_path: Path) -> None:
+    """SIGKILL a real `meshrun prepare-data` once it has written shards, rerun it: the result is
+    exactly an uninterrupted preparation, and nothing training would accept existed meanwhile."""
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in make_documents(400, seed=4))
+    for i in range(15):  # 2 MB in 15 files: ~100 shards of 10,000 tokens
+        (tmp_path / "corpus").mkdir(exist_ok=True)
+        (tmp_path / "corpus" / f"part{i:02d}.jsonl").write_text(lines)
+    args = ["prepare-data", "--source", str(tmp_path / "corpus"), "--tokenizer", str(tokenizer_file),
+            "--workers", "1", "--shard-tokens", "10000"]
+    out, staging = tmp_path / "out", tmp_path / ".out.partial"
+    proc = start_meshrun([*args, "--out", str(out)], tmp_path=tmp_path, env=meshrun_env(tmp_path))
+    deadline = time.monotonic() + 120
+    while not (staging / "train-00002.bin").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    kill_tree(proc.pid)
+    finish_meshrun(proc, timeout=30, check=False)
+    assert proc.returncode == -signal.SIGKILL, "prepare-data finished before it could be interrupted"
+    assert staging.is_dir() and not out.exists()
+    assert not (staging / "meta.json").exists()
+    finish_meshrun(start_meshrun([*args, "--out", str(out)], tmp_path=tmp_path), timeout=300)
+    assert not staging.exists()
+    reference = tmp_path / "reference"  # the same preparation, uninterrupted (in this process: quicker)
+    prepare([str(tmp_path / "corpus")], reference, tokenizer=str(tokenizer_file), workers=1, shard_tokens=10_000,
+            progress=False)
+    assert _files(out) == _files(reference)
+    assert len(json.loads((out / "meta.json").read_text())["splits"]["train"]["shards"]) > 50
+    assert os.access(out / "meta.json", os.R_OK)
