@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
@@ -49,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for validation")
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
     export.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
-    export.add_argument("--out", required=True, help="output file: .safetensors or .pt")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--out", help="output file: .safetensors or .pt")
+    target.add_argument("--hf", metavar="OUT_DIR", help="Hugging Face models: a folder from_pretrained loads")
     sample = sub.add_parser("sample", help="generate text from a checkpoint (byte-level models)")
     sample.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
     sample.add_argument("--prompt", default="def ", help="text to continue")
@@ -66,6 +69,11 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
     from meshrun.export import export, load_full_model, sample
 
     try:
+        if args.command == "export" and args.hf:
+            from meshrun.models.hf_export import export_hf
+
+            print(f"wrote {export_hf(load_full_model(args.checkpoint)[0], Path(args.hf))}")
+            return 0
         if args.command == "export":
             print(f"wrote {export(args.checkpoint, args.out)}")
             return 0

@@ -15,6 +15,8 @@ from meshrun.checkpoint import CONFIG, checkpoint_dir, full_model_state
 from meshrun.config import Config
 from meshrun.errors import ConfigError
 from meshrun.models import build_model
+from meshrun.models.hf_config import vocab_size
+from meshrun.models.hf_export import load_tokenizer
 
 
 def load_full_model(run_or_checkpoint: str | Path) -> tuple[nn.Module, Config, Path]:
@@ -51,13 +53,17 @@ def export(run_or_checkpoint: str | Path, out: str | Path) -> Path:
 @torch.no_grad()
 def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, temperature: float, top_k: int | None,
            seed: int) -> str:
-    """Byte-level generation: the prompt's UTF-8 bytes in, decoded bytes out."""
-    if cfg.model.vocab_size != 256:
-        raise ConfigError(f"sample works on byte-level models (model.vocab_size 256); this one has {cfg.model.vocab_size}")
+    """Generation with the model's tokenizer when it has one, else byte-level (UTF-8 bytes in and out)."""
+    tokenizer = load_tokenizer(cfg.model)
+    vocab = vocab_size(cfg.model)
+    if tokenizer is None and vocab < 256:
+        raise ConfigError(f"sample works on byte-level models (vocab_size >= 256) or models with a tokenizer; this one has {vocab}")
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.tensor([list(prompt.encode("utf-8")) or [10]], dtype=torch.long)  # (1, T)
+    ids = tokenizer.encode(prompt, add_special_tokens=False) if tokenizer else list(prompt.encode("utf-8"))
+    tokens = torch.tensor([ids or [10]], dtype=torch.long)  # (1, T)
     for _ in range(num_tokens):
         logits = model(tokens[:, -cfg.model.seq_len :])[:, -1, :].float()  # (1, V)
+        logits = logits if tokenizer else logits[:, :256]  # byte-level: only byte ids decode
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -67,4 +73,6 @@ def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, tempe
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
         tokens = torch.cat([tokens, nxt], dim=1)
+    if tokenizer:
+        return tokenizer.decode(tokens[0].tolist())
     return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")

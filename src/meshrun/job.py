@@ -19,8 +19,12 @@ from meshrun.errors import ConfigError
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model
+from meshrun.models.hf_config import vocab_size
 from meshrun.parallel.plan import stage_ids, stages_per_rank, static_split, validate_layout
 from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
+
+
+BYTE_VOCAB = 256  # token ids of the byte-level datasets `meshrun prepare-data` writes
 
 
 def data_dir(cfg: Config) -> Path:
@@ -39,6 +43,11 @@ def ensure_data(cfg: Config) -> Path:
         say(f"preparing byte-level data in {path} (first use)")
         prepare(cfg.data.sources or default_sources(), path, val_fraction=cfg.data.val_fraction)
     check_data_dir(path, cfg.model.seq_len)
+    if vocab_size(cfg.model) < BYTE_VOCAB:
+        raise ConfigError(
+            f"the model's vocab_size ({vocab_size(cfg.model)}) is smaller than the byte-level data's {BYTE_VOCAB} tokens; "
+            "use a model with vocab_size >= 256"
+        )
     return path
 
 
@@ -46,7 +55,9 @@ def preflight(cfg: Config) -> None:
     """Every check that needs no worker: layout, model protocol, run directory."""
     validate_layout(cfg)
     with torch.device("meta"):
-        build_model(cfg.model)
+        model = build_model(cfg.model)
+    if hasattr(model, "check_weights"):  # pretrained weights: present, and shaped as the config says
+        model.check_weights()
     if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
         raise ConfigError(f"run_dir {cfg.run_dir} is a file, not a folder; set run_dir to a new folder")
     existing = Path(cfg.run_dir) / "config.json"
