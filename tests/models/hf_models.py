@@ -10,14 +10,15 @@ import torch
 SEQ_LEN = 16
 # 8 layers so dp1 x pp4 with 2 virtual stages (8 stages) fits; hidden 32: each run takes seconds.
 CONFIGS = {
-    "llama": dict(  # GQA (4 query heads, 2 kv heads), untied head, sharded safetensors
-        model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
-    ),
-    "gpt2": dict(  # learned positions, tied embeddings, no dropout so layouts can agree
-        model_type="gpt2", n_embd=32, n_layer=8, n_head=2, vocab_size=256, n_positions=64, bos_token_id=0,
-        eos_token_id=1, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0,
-    ),
+    "llama": {  # GQA (4 query heads, 2 kv heads), untied head, sharded safetensors
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
+        "bos_token_id": 0, "eos_token_id": 1,
+    },
+    "gpt2": {  # learned positions, tied embeddings, no dropout so layouts can agree
+        "model_type": "gpt2", "n_embd": 32, "n_layer": 8, "n_head": 2, "vocab_size": 256, "n_positions": 64, "bos_token_id": 0,
+        "eos_token_id": 1, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0,
+    },
 }
 
 
@@ -25,7 +26,7 @@ def make_model(family: str, out: Path, *, seed: int = 0, shard: bool = False) ->
     """Build with transformers (its own random init, seeded) and save_pretrained to `out`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(CONFIGS[family])
+    fields = {CONFIGS[family]}
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")

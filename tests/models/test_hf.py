@@ -5,12 +5,19 @@ stay identical, resume is exact, and the export loads back into transformers."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    losses,
+    max_weight_diff,
+    read_metrics,
+    run_meshrun,
+    tiny,
+)
 from hf_models import SEQ_LEN, load_reference, make_model, reference_loss_and_grad_norm
 
 FAMILIES = ["llama", "gpt2"]
@@ -35,11 +42,18 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def one_process(hf_dirs, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("one")
-    for family, model_dir in hf_dirs.items():
-        hf_train(data_dir, root / family, model_dir)
-    return {family: root / family for family in FAMILIES}
+def runs(hf_dirs, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
+    """`runs(family, layout)`: a 10-step run, trained on first use and shared by every test after."""
+    root, done = tmp_path_factory.mktemp("runs"), {}
+
+    def get(family: str, layout: str = "one-process") -> Path:
+        if (family, layout) not in done:
+            run = root / f"{family}-{layout}"
+            hf_train(data_dir, run, hf_dirs[family], **LAYOUTS.get(layout, {}), **{"checkpoint.interval": 5})
+            done[family, layout] = run
+        return done[family, layout]
+
+    return get
 
 
 def test_hf_models_are_really_sharded_and_tied(hf_dirs) -> None:
@@ -48,43 +62,31 @@ def test_hf_models_are_really_sharded_and_tied(hf_dirs) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_first_step_equals_transformers(family: str, one_process, hf_dirs, data_dir: Path) -> None:
+def test_first_step_equals_transformers(family: str, runs, hf_dirs, data_dir: Path) -> None:
     """Pretrained weights, step 1: meshrun's loss and pre-clip gradient norm = plain transformers'."""
     from meshrun.data.dataset import TokenDataset
 
     x, y = TokenDataset(data_dir, "train", seq_len=SEQ_LEN, seed=1337).batch(0, 16)
     loss, grad_norm = reference_loss_and_grad_norm(hf_dirs[family], x, y, num_microbatches=8)
-    first = read_metrics(one_process[family])[0]
+    first = read_metrics(runs(family))[0]
     assert first["loss"] == pytest.approx(loss, rel=1e-5)
     assert first["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     assert first["grad_norm"] > 0.5, "clipping must be active for the parity tests to mean anything"
 
 
-@pytest.fixture(scope="session")
-def layout_runs(hf_dirs, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    root = tmp_path_factory.mktemp("layouts")
-    runs = {}
-    for family in FAMILIES:
-        for name, layout in LAYOUTS.items():
-            run = root / f"{family}-{name}"
-            hf_train(data_dir, run, hf_dirs[family], **layout, **{"checkpoint.interval": 5})
-            runs[family, name] = run
-    return runs
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_layout_matches_one_process(family: str, layout: str, layout_runs, one_process) -> None:
-    run, reference = layout_runs[family, layout], one_process[family]
+def test_layout_matches_one_process(family: str, layout: str, runs) -> None:
+    run, reference = runs(family, layout), runs(family)
     assert max_weight_diff(final_weights(run), final_weights(reference)) < 1e-5
     norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, reference)]
     assert len(norms[0]) == 10 and norms[0] == pytest.approx(norms[1], rel=1e-5)
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
 
 
-def test_tied_matrix_is_saved_once(layout_runs) -> None:
-    """Both stages hold a copy; the checkpoint (and so every export) holds one tensor."""
-    weights = final_weights(layout_runs["gpt2", "dp2-pp2-1f1b"])
+def test_tied_matrix_is_saved_once(runs) -> None:
+    """Both stages hold a copy (checked bit-identical before every save); the checkpoint holds one tensor."""
+    weights = final_weights(runs("gpt2", "dp2-pp2-1f1b"))
     assert "embed.wte.weight" in weights and not any(k.startswith("head.") for k in weights)
 
 
@@ -100,10 +102,10 @@ def interrupted(run: Path, dest: Path, *, at_step: int) -> Path:
 
 
 @pytest.mark.parametrize("dp,pp", [(2, 2), (1, 1)])
-def test_tied_resume_and_resharded_resume(dp: int, pp: int, layout_runs, hf_dirs, data_dir: Path, tmp_path: Path) -> None:
+def test_tied_resume_and_resharded_resume(dp: int, pp: int, runs, hf_dirs, data_dir: Path, tmp_path: Path) -> None:
     """Fine-tuned GPT-2 written as dp2 x pp2 at step 5: the same layout resumes bit-identically,
     one process resumes to the same weights (1e-5)."""
-    full = layout_runs["gpt2", "dp2-pp2-1f1b"]
+    full = runs("gpt2", "dp2-pp2-1f1b")
     run = interrupted(full, tmp_path / "run", at_step=5)
     result = hf_train(data_dir, run, hf_dirs["gpt2"], **{**LAYOUTS["dp2-pp2-1f1b"], "parallel.dp": dp, "parallel.pp": pp})
     assert "resumed from" in result.stderr
@@ -116,11 +118,11 @@ def test_tied_resume_and_resharded_resume(dp: int, pp: int, layout_runs, hf_dirs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_export_loads_in_transformers(family: str, layout_runs, hf_dirs, tmp_path: Path) -> None:
+def test_export_loads_in_transformers(family: str, runs, tmp_path: Path) -> None:
     """A checkpoint written as dp2 x pp2, exported with --hf: from_pretrained gives meshrun's logits."""
     from meshrun.export import load_full_model
 
-    run, out = layout_runs[family, "dp2-pp2-1f1b"], tmp_path / "exported"
+    run, out = runs(family, "dp2-pp2-1f1b"), tmp_path / "exported"
     run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     ours = load_full_model(run)[0]

@@ -65,7 +65,6 @@ def _load(hf: str | None, inline: str | None) -> Any:
         fields = json.loads(inline)
         model_type, key = fields.pop("model_type", None), "model.hf_config"
         _check_family(model_type, key)
-        make = lambda: AutoConfig.for_model(model_type, **fields)  # noqa: E731
     else:
         path = hf_dir(ModelConfig(hf=hf))
         key = f"model.hf {hf}"
@@ -74,10 +73,11 @@ def _load(hf: str | None, inline: str | None) -> Any:
         except (OSError, ValueError, AttributeError) as exc:
             raise ConfigError(f"{key}: config.json is not readable JSON ({exc})") from None
         _check_family(model_type, key)
-        make = lambda: AutoConfig.from_pretrained(path, local_files_only=True)  # noqa: E731
     try:
-        return make()
-    except Exception as exc:  # transformers validates fields: report its reason in one line
+        if inline is not None:
+            return AutoConfig.for_model(model_type, **fields)
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers validates fields: report its reason in one line
         raise ConfigError(f"{key}: transformers cannot build this config: {type(exc).__name__}: {exc}") from None
 
 

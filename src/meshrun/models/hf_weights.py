@@ -37,8 +37,8 @@ def weight_index(model_dir: Path) -> dict[str, Path]:
         return {name: model_dir / file for name, file in weight_map.items()}
     try:
         with safe_open(model_dir / SINGLE, "pt", device="cpu") as f:
-            return {name: model_dir / SINGLE for name in f.keys()}
-    except Exception as exc:  # safetensors raises its own error types for bad headers
+            return {name: model_dir / SINGLE for name in f.keys()}  # noqa: SIM118 - a safetensors handle, not a dict
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad headers
         raise ConfigError(f"{model_dir / SINGLE} is not a readable safetensors file: {exc}") from None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from meshrun.config import Config
 from meshrun.errors import ConfigError
-from meshrun.models.hf_config import num_layers
+from meshrun.models.hf_config import is_hf, num_layers
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -91,6 +91,11 @@ def static_split(cfg: Config) -> list[list[int]] | None:
     if par.stage_layers is not None:
         return check_split(par.stage_layers, layers, num_stages)
     split = even_split(layers, num_stages)  # also refuses more stages than blocks
+    if par.balance != "even" and is_hf(cfg.model):
+        raise ConfigError(
+            f"parallel.balance={par.balance} is not available for Hugging Face models yet; use parallel.balance=even "
+            "or list parallel.stage_layers"
+        )
     return split if par.balance == "even" else None
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.distributed import Mesh
+from meshrun.errors import RunError
 
 
 class TiedEmbeddings:
@@ -51,6 +52,20 @@ class TiedEmbeddings:
         for param in self.copies:
             if param.grad is not total:
                 param.grad.copy_(total)
+
+    @torch.no_grad()
+    def check_identical(self) -> None:
+        """Prove the copies are still bit-identical (called before each checkpoint, which saves one)."""
+        if not self.copies:
+            return
+        values = [p.detach() for p in self.copies]
+        if self.group is not None:
+            low, high = values[0].clone(), values[0].clone()
+            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
+            values += [low, high]
+        if not all(torch.equal(values[0], v) for v in values[1:]):
+            raise RunError("the tied embedding's copies on the first and last pipeline stage differ; this is a bug")
 
     def counted_once(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """`params` without the duplicate copies: what the global gradient norm sums over."""

@@ -176,6 +176,7 @@ class Trainer:
             )
 
     def save(self, step: int) -> None:
+        self.model.tied.check_identical()  # the checkpoint keeps one of the two copies
         config = self.cfg.model_dump(mode="json")
         path = checkpoint.save(self.state_dict(step), self.run_dir, step, keep=self.cfg.checkpoint.keep, config=config)
         self.report.note(f"saved checkpoint {path}")
