@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from meshrun.config import Config, load_config
-from meshrun.data.dataset import TokenDataset
+from meshrun.config import load_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 import overhead
@@ -60,25 +59,9 @@ class Logits(torch.nn.Module):
         return self.model(input_ids=x).logits
 
 
-class HFHandLoop(overhead.HandLoop):
-    def __init__(self, cfg: Config, device: torch.device, data_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        t = cfg.train
-        self.cfg, self.device = cfg, device
-        hf = AutoModelForCausalLM.from_pretrained(cfg.model.hf, attn_implementation="sdpa", dtype=torch.float32)
-        self.model = Logits(hf).to(device)
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, fused=device.type == "cuda" or None)
-        self.data = TokenDataset(data_dir, "train", seq_len=cfg.model.seq_len, seed=t.seed)
-        self.accum = t.global_batch // t.micro_batch
-        dtype = overhead.DTYPES[cfg.precision]
-        self.ctx = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else (lambda: torch.autocast(device.type, enabled=False))
-
-
 def step_time(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM
+
     from meshrun.data.prepare import prepare
     from meshrun.distributed import init_mesh, shutdown
     from meshrun.training.trainer import Trainer
@@ -101,7 +84,9 @@ def step_time(args: argparse.Namespace) -> int:
             trainer = Trainer(cfg, mesh, data_dir)
             try:
                 args.chunk, overhead.TARGET = None, STEP_TARGET
-                return overhead.run(args, cfg, trainer, HFHandLoop(cfg, mesh.device, data_dir), mesh.device)
+                hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
+                hand = overhead.HandLoop(cfg, mesh.device, data_dir, model=Logits(hf))
+                return overhead.run(args, cfg, trainer, hand, mesh.device)
             finally:
                 trainer.close()
         finally:

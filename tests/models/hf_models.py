@@ -26,7 +26,7 @@ def make_model(family: str, out: Path, *, seed: int = 0, shard: bool = False) ->
     """Build with transformers (its own random init, seeded) and save_pretrained to `out`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {CONFIGS[family]}
+    fields = {**CONFIGS[family]}
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")

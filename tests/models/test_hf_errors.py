@@ -38,7 +38,7 @@ def dry_run(data_dir: Path, tmp_path: Path, **model: object) -> list[str]:
         ({"model.hf": "meta-llama/Llama-3.2-1B"}, "meshrun downloads nothing"),
         ({"model.hf_config": "{model_type: bert, hidden_size: 32}"},
          "model_type 'bert' is not supported; supported: gpt2, llama, mistral, qwen2, qwen3"),
-        ({"model.hf_config": LLAMA, "parallel.pp": 4, "train.global_batch": 8}, "need at least as many blocks, but the model has 2"),
+        ({"model.hf_config": LLAMA, "parallel.pp": 4, "train.global_batch": 8}, "need at least as many blocks, but the Hugging Face config's num_hidden_layers is 2"),
         ({"model.hf_config": LLAMA, "model.init": "pretrained"}, "model.init is pretrained but model.hf_config has no weights"),
         ({"model.hf_config": LLAMA.replace("}", ", max_position_embeddings: 8}")}, "exceeds the model's max_position_embeddings"),
     ],
