@@ -61,3 +61,4 @@ def test_vocab_smaller_than_byte_data(data_dir: Path, tmp_path: Path, capsys) ->
     small = LLAMA.replace("vocab_size: 256", "vocab_size: 128")
     err = error_of(["train", *tiny(data_dir, tmp_path / "run", **{"model.hf_config": small})], capsys)
     assert "vocab_size (128) is smaller than the byte-level data's 256 tokens" in err
+
