@@ -27,6 +27,7 @@ LAYOUTS = {
     "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "full"},
     "dp1-pp4-interleaved": {"parallel.pp": 4, "parallel.schedule": "interleaved-1f1b", "recompute": "every:2"},
 }
+MEASURED = {"pp2-balance-time": {"parallel.pp": 2, "parallel.balance": "time"}}  # fairscale profiles the blocks
 
 
 def hf_train(data_dir: Path, run: Path, model_dir: Path, *, check: bool = True, **overrides: object):
@@ -49,7 +50,7 @@ def runs(hf_dirs, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> C
     def get(family: str, layout: str = "one-process") -> Path:
         if (family, layout) not in done:
             run = root / f"{family}-{layout}"
-            hf_train(data_dir, run, hf_dirs[family], **LAYOUTS.get(layout, {}), **{"checkpoint.interval": 5})
+            hf_train(data_dir, run, hf_dirs[family], **{**LAYOUTS, **MEASURED}.get(layout, {}), **{"checkpoint.interval": 5})
             done[family, layout] = run
         return done[family, layout]
 
@@ -82,6 +83,12 @@ def test_layout_matches_one_process(family: str, layout: str, runs) -> None:
     norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, reference)]
     assert len(norms[0]) == 10 and norms[0] == pytest.approx(norms[1], rel=1e-5)
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
+
+
+def test_measured_balance_matches_one_process(runs) -> None:
+    """Llama blocks need rotary embeddings: profiled standalone, the measured split trains like one process."""
+    run, reference = runs("llama", "pp2-balance-time"), runs("llama")
+    assert max_weight_diff(final_weights(run), final_weights(reference)) < 1e-5
 
 
 def test_tied_matrix_is_saved_once(runs) -> None:

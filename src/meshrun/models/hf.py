@@ -64,6 +64,18 @@ class TiedHead(nn.Module):
         return F.linear(x, self._embedding[0].weight)  # (B, T, V)
 
 
+class WithPositions(nn.Module):
+    """A layer callable on hidden states alone (it computes its own rotary embeddings): for
+    profiling the blocks one by one (`parallel.balance: time | size`)."""
+
+    def __init__(self, layer: nn.Module, model: HFCausalLM) -> None:
+        super().__init__()
+        self.layer, self._model = layer, (model,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, position_embeddings=self._model[0]._position_embeddings(x))
+
+
 class HFCausalLM(StagedModel):
     def __init__(self, cfg: ModelConfig) -> None:
         from transformers import AutoModelForCausalLM
@@ -121,6 +133,10 @@ class HFCausalLM(StagedModel):
         if self.head is not None:
             x = self.head(x)
         return x
+
+    def standalone_blocks(self) -> list[nn.Module]:
+        """The blocks as modules that take hidden states only (what a profiler feeds them)."""
+        return [WithPositions(b, self) if self._rotary else b for b in self.blocks.values()]
 
     def _position_embeddings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rotary = self._rotary[0]

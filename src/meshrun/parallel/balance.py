@@ -19,7 +19,9 @@ from meshrun.parallel.plan import check_split, sizes_to_split
 
 
 def _as_sequence(model: nn.Module) -> nn.Sequential:
-    return nn.Sequential(model.embed, *model.blocks.values(), nn.Sequential(model.norm, model.head))
+    standalone = getattr(model, "standalone_blocks", None)  # blocks that need more than hidden states
+    blocks = standalone() if standalone else list(model.blocks.values())
+    return nn.Sequential(model.embed, *blocks, nn.Sequential(model.norm, model.head))
 
 
 def measured_split(cfg: Config, num_stages: int, *, by: str) -> list[list[int]]:

@@ -92,11 +92,6 @@ def static_split(cfg: Config) -> list[list[int]] | None:
         return check_split(par.stage_layers, layers, num_stages)
     source = "the Hugging Face config's num_hidden_layers" if is_hf(cfg.model) else "model.num_layers"
     split = even_split(layers, num_stages, source=source)  # also refuses more stages than blocks
-    if par.balance != "even" and is_hf(cfg.model):
-        raise ConfigError(
-            f"parallel.balance={par.balance} is not available for Hugging Face models yet; use parallel.balance=even "
-            "or list parallel.stage_layers"
-        )
     return split if par.balance == "even" else None
 
 
