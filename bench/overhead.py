@@ -76,11 +76,14 @@ def make_config(args: argparse.Namespace, tmp: Path, data_dir: Path) -> Config:
 class HandLoop:
     """The minimal loop, written the way nanoGPT's train.py writes it."""
 
-    def __init__(self, cfg: Config, device: torch.device, data_dir: Path) -> None:
+    def __init__(self, cfg: Config, device: torch.device, data_dir: Path, model: torch.nn.Module | None = None) -> None:
+        """`model`: any tokens -> logits module (default: meshrun's GPT with the trainer's init)."""
         t = cfg.train
         self.cfg, self.device = cfg, device
-        self.model = GPT(cfg.model).to(device)
-        self.model.init_weights(t.seed)
+        if model is None:
+            model = GPT(cfg.model)
+            model.init_weights(t.seed)
+        self.model = model.to(device)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

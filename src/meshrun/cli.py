@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
@@ -56,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (shards end at documents)")
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
     export.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
-    export.add_argument("--out", required=True, help="output file: .safetensors or .pt")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--out", help="output file: .safetensors or .pt")
+    target.add_argument("--hf", metavar="OUT_DIR", help="Hugging Face models: a folder from_pretrained loads")
     _trust_arguments(export)
     sample = sub.add_parser("sample", help="generate text from a checkpoint (decoded with the training data's tokenizer)")
     sample.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
@@ -95,6 +98,11 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
 
     trust = {"factory": _factory_override(args.overrides), "trust_code": args.trust_code}
     try:
+        if args.command == "export" and args.hf:
+            from meshrun.models.hf_export import export_hf
+
+            print(f"wrote {export_hf(load_full_model(args.checkpoint, **trust)[0], Path(args.hf))}")
+            return 0
         if args.command == "export":
             print(f"wrote {export(args.checkpoint, args.out, **trust)}")
             return 0

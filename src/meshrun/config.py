@@ -49,6 +49,18 @@ class ModelConfig(_Section):
     """Dropout probability (0 keeps runs deterministic across layouts)."""
     options: dict[str, Any] = {}
     """Free-form extra arguments for a custom `factory`."""
+    hf: str | None = None
+    """Local Hugging Face model directory (config.json; optional safetensors, tokenizer); nothing is downloaded."""
+    hf_config: dict[str, Any] | None = None
+    """Inline Hugging Face config ({model_type: llama, ...}) to build from instead of a directory."""
+    init: Literal["auto", "random", "pretrained"] = "auto"
+    """Hugging Face models: pretrained = the directory's safetensors, random = seeded per-name init, auto = weights if present."""
+
+    @model_validator(mode="after")
+    def _one_hf_source(self) -> "ModelConfig":
+        if self.hf is not None and self.hf_config is not None:
+            raise ValueError("set model.hf (a directory) or model.hf_config (inline), not both")
+        return self
 
     @model_validator(mode="after")
     def _heads_divide_dim(self) -> "ModelConfig":

@@ -6,6 +6,7 @@ Both work on one process from a checkpoint written by any dp x pp layout.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +23,8 @@ from meshrun.config import Config
 from meshrun.data.tokenize import text_codec
 from meshrun.errors import ConfigError
 from meshrun.models import build_model
+from meshrun.models.hf_config import vocab_size
+from meshrun.models.hf_export import load_tokenizer
 
 
 def load_full_model(run_or_checkpoint: str | Path, *, factory: str | None = None,
@@ -75,12 +78,13 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, factory: str | Non
 @torch.no_grad()
 def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, temperature: float, top_k: int | None,
            seed: int) -> str:
-    """Generation with the training data's tokenizer (tokenizer.json beside the data, else bytes)."""
-    encode, decode = text_codec(training_data_dir(cfg), cfg.model.vocab_size)
+    """Generation with the tokenizer the model was trained with (see `codec`)."""
+    encode, decode, num_ids = codec(cfg)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.tensor([encode(prompt) or encode("\n")], dtype=torch.long)  # (1, T)
     for _ in range(num_tokens):
         logits = model(tokens[:, -cfg.model.seq_len :])[:, -1, :].float()  # (1, V)
+        logits = logits if num_ids is None else logits[:, :num_ids]
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -91,6 +95,22 @@ def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, tempe
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
         tokens = torch.cat([tokens, nxt], dim=1)
     return decode(tokens[0].tolist())
+
+
+def codec(cfg: Config) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int | None]:
+    """(encode, decode, ids that decode) for sampling: the training data's tokenizer (its
+    tokenizer.json, or bytes) while the data folder exists, else the model folder's tokenizer,
+    else bytes. Bytes on a larger vocabulary sample only the 256 byte ids."""
+    data, vocab = training_data_dir(cfg), vocab_size(cfg.model)
+    tokenizer = None if (data / "meta.json").is_file() else load_tokenizer(cfg.model)
+    if tokenizer is not None:
+        return (lambda text: tokenizer.encode(text, add_special_tokens=False)), tokenizer.decode, None
+    if (data / "tokenizer.json").is_file():
+        return (*text_codec(data, vocab), None)
+    if vocab < 256:
+        raise ConfigError(f"this model has {vocab} token ids and no tokenizer (beside its data or in model.hf); "
+                          "byte-level sampling needs at least 256")
+    return (*text_codec(None, 256), None if vocab == 256 else 256)
 
 
 def training_data_dir(cfg: Config) -> Path:

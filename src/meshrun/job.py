@@ -21,8 +21,11 @@ from meshrun.errors import ConfigError
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model
+from meshrun.models.hf_config import vocab_size
 from meshrun.parallel.plan import stage_ids, stages_per_rank, static_split, validate_layout
 from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
+
+
 
 
 def data_dir(cfg: Config) -> Path:
@@ -41,7 +44,7 @@ def ensure_data(cfg: Config) -> Path:
             raise ConfigError(f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data --out {path}` or set data.sources")
         say(f"preparing byte-level data in {path} (first use)")
         prepare(cfg.data.sources or default_sources(), path, val_fraction=cfg.data.val_fraction)
-    check_data(cfg.data, path, seq_len=cfg.model.seq_len, model_vocab_size=cfg.model.vocab_size)
+    check_data(cfg.data, path, seq_len=cfg.model.seq_len, model_vocab_size=vocab_size(cfg.model))
     return path
 
 
@@ -49,7 +52,9 @@ def preflight(cfg: Config) -> None:
     """Every check that needs no worker: layout, model protocol, run directory."""
     validate_layout(cfg)
     with torch.device("meta"):
-        build_model(cfg.model)
+        model = build_model(cfg.model)
+    if hasattr(model, "check_weights"):  # pretrained weights: present, and shaped as the config says
+        model.check_weights()
     if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
         raise ConfigError(f"run_dir {cfg.run_dir} is a file, not a folder; set run_dir to a new folder")
     check_writable(Path(cfg.run_dir))

@@ -12,9 +12,12 @@ A model is an `nn.Module` with:
   the seed and its name, never on which other parts exist.
 - `flops_per_token()`: training FLOPs per token of the whole model (for MFU).
 
+Optionally `keep_stage(first=, last=)` drops the parts another pipeline stage owns (default:
+embed unless first, norm and head unless last).
+
 Subclassing `meshrun.models.protocol.StagedModel` provides that forward. Built-in models are
-listed in `BUILTIN`; `model.factory: "pkg.module:function"` builds your
-own: the function receives the `ModelConfig` and returns such a module. Build happens on the
+listed in `BUILTIN`; `model.hf` / `model.hf_config` build a Hugging Face model (models/hf.py);
+`model.factory: "pkg.module:function"` builds your own: the function receives the `ModelConfig` and returns such a module. Build happens on the
 meta device, so constructors must not initialise values themselves.
 """
 
@@ -28,6 +31,7 @@ from torch import nn
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.models.gpt import GPT
+from meshrun.models.hf_config import is_hf
 
 BUILTIN: dict[str, Callable[[ModelConfig], nn.Module]] = {"gpt": GPT}
 PROTOCOL = ("embed", "blocks", "norm", "head", "init_weights", "flops_per_token")
@@ -35,6 +39,10 @@ PROTOCOL = ("embed", "blocks", "norm", "head", "init_weights", "flops_per_token"
 
 def resolve_factory(cfg: ModelConfig) -> Callable[[ModelConfig], nn.Module]:
     """Find the constructor named by the config; errors name model.name / model.factory."""
+    if is_hf(cfg):
+        from meshrun.models.hf import HFCausalLM  # transformers: only when asked for
+
+        return HFCausalLM
     if cfg.factory is None:
         if cfg.name not in BUILTIN:
             raise ConfigError(f"invalid model.name {cfg.name!r}: choose one of {', '.join(BUILTIN)} or set model.factory")
@@ -56,6 +64,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     factory = resolve_factory(cfg)
     try:
         model = factory(cfg)
+    except ConfigError:
+        raise
     except Exception as exc:  # the user's constructor: report it as a config problem, in one line
         raise ConfigError(f"model.factory {cfg.factory or cfg.name} failed: {type(exc).__name__}: {exc}") from exc
     missing = [name for name in PROTOCOL if not hasattr(model, name)]

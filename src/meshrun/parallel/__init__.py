@@ -6,7 +6,8 @@
   3. materialise on the device and initialise (per-parameter seeds: layout independent);
   4. wrap blocks for activation recompute;
   5. wrap each stage in DDP over the dp group (when dp > 1);
-  6. pp > 1: PipelineStage + a torch.distributed.pipelining schedule.
+  6. pp > 1: PipelineStage + a torch.distributed.pipelining schedule;
+  7. tied embeddings: the group that sums the first and last stage's gradients (tied.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from meshrun.distributed import Mesh
 from meshrun.models import build_model
 from meshrun.parallel.pipeline import PipelineModel, plan_for
 from meshrun.parallel.recompute import apply_recompute
+from meshrun.parallel.tied import TiedEmbeddings
 from meshrun.training.loss import MicrobatchLoss
 
 AmpContext = Callable[[], contextlib.AbstractContextManager]
@@ -65,8 +67,11 @@ def materialise_part(cfg: Config, device: torch.device, *, layers: list[int] | N
         keep = {str(i) for i in layers}
         for key in [k for k in part.blocks if k not in keep]:
             del part.blocks[key]
-        part.embed = part.embed if first else None
-        part.norm, part.head = (part.norm, part.head) if last else (None, None)
+        if hasattr(part, "keep_stage"):  # e.g. a tied last stage keeps the embedding matrix for its head
+            part.keep_stage(first=first, last=last)
+        else:
+            part.embed = part.embed if first else None
+            part.norm, part.head = (part.norm, part.head) if last else (None, None)
     part.to_empty(device=device)
     part.init_weights(cfg.train.seed)
     apply_recompute(part.blocks, cfg.recompute)
@@ -83,10 +88,14 @@ def wrap_ddp(part: nn.Module, mesh: Mesh) -> nn.Module:
 def parallelize(cfg: Config, mesh: Mesh, *, loss: MicrobatchLoss, amp: AmpContext) -> LocalModel | PipelineModel:
     if mesh.pp == 1:
         part = materialise_part(cfg, mesh.device, layers=None, first=True, last=True)
-        return LocalModel(part, wrap_ddp(part, mesh), loss=loss, amp=amp)
+        local = LocalModel(part, wrap_ddp(part, mesh), loss=loss, amp=amp)
+        local.tied = TiedEmbeddings([part], [0], num_stages=1, mesh=mesh)
+        return local
     plan = plan_for(cfg, mesh)
     parts = [
         materialise_part(cfg, mesh.device, layers=plan.split[i], first=i == 0, last=i == plan.num_stages - 1)
         for i in plan.local_stages
     ]
-    return PipelineModel(cfg, mesh, plan, parts, [wrap_ddp(p, mesh) for p in parts], loss=loss, amp=amp)
+    model = PipelineModel(cfg, mesh, plan, parts, [wrap_ddp(p, mesh) for p in parts], loss=loss, amp=amp)
+    model.tied = TiedEmbeddings(parts, plan.local_stages, num_stages=plan.num_stages, mesh=mesh)
+    return model

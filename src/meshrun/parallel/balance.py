@@ -14,11 +14,14 @@ from torch import nn
 
 from meshrun.config import Config
 from meshrun.errors import ConfigError
+from meshrun.models.hf_config import num_layers, vocab_size
 from meshrun.parallel.plan import check_split, sizes_to_split
 
 
 def _as_sequence(model: nn.Module) -> nn.Sequential:
-    return nn.Sequential(model.embed, *model.blocks.values(), nn.Sequential(model.norm, model.head))
+    standalone = getattr(model, "standalone_blocks", None)  # blocks that need more than hidden states
+    blocks = standalone() if standalone else list(model.blocks.values())
+    return nn.Sequential(model.embed, *blocks, nn.Sequential(model.norm, model.head))
 
 
 def measured_split(cfg: Config, num_stages: int, *, by: str) -> list[list[int]]:
@@ -29,7 +32,7 @@ def measured_split(cfg: Config, num_stages: int, *, by: str) -> list[list[int]]:
     device, _ = pick_device()
     model = materialise_part(cfg, device, layers=None, first=True, last=True)
     sequence = _as_sequence(model)
-    sample = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_len), device=device)
+    sample = torch.randint(0, vocab_size(cfg.model), (cfg.train.micro_batch, cfg.model.seq_len), device=device)
     if by == "time":
         sizes = balance_by_time(num_stages, sequence, sample, device=device)
     elif device.type == "cuda":
@@ -43,4 +46,4 @@ def measured_split(cfg: Config, num_stages: int, *, by: str) -> list[list[int]]:
             f"parallel.balance={by} left a pipeline stage without blocks (sizes {sizes}); "
             "use parallel.balance=even or parallel.stage_layers"
         )
-    return check_split(sizes_to_split(blocks), cfg.model.num_layers, num_stages)
+    return check_split(sizes_to_split(blocks), num_layers(cfg.model), num_stages)

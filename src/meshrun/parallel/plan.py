@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from meshrun.config import Config
 from meshrun.errors import ConfigError
+from meshrun.models.hf_config import is_hf, num_layers
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -21,11 +22,11 @@ def stages_per_rank(schedule: str, requested: int | None) -> int:
     return requested or 2
 
 
-def even_split(num_layers: int, num_stages: int) -> list[list[int]]:
+def even_split(num_layers: int, num_stages: int, *, source: str = "model.num_layers") -> list[list[int]]:
     """Contiguous blocks per stage, balancing blocks + embedding (stage 0) + head (last stage)."""
     if num_stages > num_layers:
         raise ConfigError(
-            f"{num_stages} pipeline stages need at least as many blocks, but model.num_layers is {num_layers}; "
+            f"{num_stages} pipeline stages need at least as many blocks, but {source} is {num_layers}; "
             "lower parallel.pp / parallel.virtual_stages or add layers"
         )
     units = num_layers + 2  # embedding and head weigh one block each
@@ -86,9 +87,11 @@ def static_split(cfg: Config) -> list[list[int]] | None:
     `parallel.balance` asks for a measured split. Refuses impossible splits either way."""
     par = cfg.parallel
     num_stages = par.pp * stages_per_rank(par.schedule, par.virtual_stages)
+    layers = num_layers(cfg.model)
     if par.stage_layers is not None:
-        return check_split(par.stage_layers, cfg.model.num_layers, num_stages)
-    split = even_split(cfg.model.num_layers, num_stages)  # also refuses more stages than blocks
+        return check_split(par.stage_layers, layers, num_stages)
+    source = "the Hugging Face config's num_hidden_layers" if is_hf(cfg.model) else "model.num_layers"
+    split = even_split(layers, num_stages, source=source)  # also refuses more stages than blocks
     return split if par.balance == "even" else None
 
 

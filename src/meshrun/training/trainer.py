@@ -71,6 +71,7 @@ class Trainer:
         self.loss = MicrobatchLoss(cfg.accumulation_steps)
         self.model = parallelize(cfg, mesh, loss=self.loss, amp=partial(autocast, cfg, mesh.device))
         self.params = [p for part in self.model.parts for p in part.parameters()]
+        self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
         self.optimizers = Optimizers(self.model.parts, cfg.train)
         self.scaler = make_scaler(cfg, self.device, mesh.pp_group)
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
@@ -217,6 +218,7 @@ class Trainer:
             )
 
     def save(self, step: int) -> None:
+        self.model.tied.check_identical()  # the checkpoint keeps one of the two copies
         config = self.cfg.model_dump(mode="json")
         path = checkpoint.save(self.state_dict(step), self.run_dir, step, keep=self.cfg.checkpoint.keep, config=config,
                                protected=self.newer_checkpoints)
@@ -231,6 +233,7 @@ class Trainer:
         self.loss.scaler = self.scaler
         last_of_window = (step + 1) % self.cfg.train.log_interval == 0 or step + 1 == self.cfg.train.steps
         loss = self.model.forward_backward(x, y, measure=self.mesh.pp > 1 and last_of_window)
+        self.model.tied.sync_gradients()  # both copies of a tied embedding get the summed gradient
         if self.scaler is not None:
             self.optimizers.unscale_(self.scaler)  # all-reduces found_inf over the pipeline stages
         self.grad_norm = self.clip_gradients()
@@ -248,7 +251,7 @@ class Trainer:
 
     def clip_gradients(self) -> torch.Tensor:
         """Global norm over all stages (dp replicas already agree after DDP's all-reduce)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
         if self.mesh.pp > 1:
             squared = norm.to(torch.float32) ** 2

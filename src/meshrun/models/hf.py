@@ -1,0 +1,197 @@
+"""Hugging Face decoder LMs under meshrun's model protocol. No distributed code lives here.
+
+The model is built by transformers itself (`AutoModelForCausalLM.from_config`, sdpa attention,
+on whatever device is current: meta when meshrun builds it), then its parts are re-homed:
+`embed`, `blocks` (the HF decoder layers, keyed by their global index), `norm`, `head`. One
+layout per family, not per class:
+
+- llama (llama, mistral, qwen2, qwen3): `model.embed_tokens`, `model.layers[i]`, `model.norm`,
+  `lm_head`; rotary position embeddings are computed once per stage forward (transformers
+  computes them at model level, which a pipeline stage does not run) and passed to each layer.
+- gpt2: `transformer.wte` + `wpe` (learned positions), `transformer.h[i]`, `ln_f`, `lm_head`.
+
+Layers get no attention mask: sdpa then takes its `is_causal` path, so no (seq x seq) mask is
+ever built. With tied embeddings the head reads the input embedding's matrix; a last pipeline
+stage keeps that matrix (only it) so its head has one to read, under the same name as on the
+first stage (`parallel/tied.py` keeps the two copies equal).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshrun.config import ModelConfig
+from meshrun.errors import ConfigError
+from meshrun.models.hf_config import FAMILIES, check_fits, hf_dir, load_hf_config
+from meshrun.models.hf_weights import check_shapes, has_weights, load_weights
+from meshrun.models.init import seeded_normal_
+from meshrun.models.protocol import StagedModel
+
+# meshrun name prefix -> Hugging Face name prefix, per family layout
+HF_NAMES = {
+    "llama": (("embed.", "model.embed_tokens."), ("blocks.", "model.layers."), ("norm.", "model.norm."), ("head.", "lm_head.")),
+    "gpt2": (("embed.", "transformer."), ("blocks.", "transformer.h."), ("norm.", "transformer.ln_f."), ("head.", "lm_head.")),
+}
+TIED_WEIGHT = {"llama": "embed.weight", "gpt2": "embed.wte.weight"}
+
+
+class LearnedPositions(nn.Module):
+    """GPT-2's input: token + learned position embeddings, then dropout."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.drop(self.wte(ids) + self.wpe(positions))  # (B, T, C)
+
+
+class TiedHead(nn.Module):
+    """Output projection through the input embedding's matrix, held by reference (a tuple hides it
+    from the module registry: the model owns that parameter once, under the embedding's name)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self._embedding = (embedding,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._embedding[0].weight)  # (B, T, V)
+
+
+class WithPositions(nn.Module):
+    """A layer callable on hidden states alone (it computes its own rotary embeddings): for
+    profiling the blocks one by one (`parallel.balance: time | size`)."""
+
+    def __init__(self, layer: nn.Module, model: HFCausalLM) -> None:
+        super().__init__()
+        self.layer, self._model = layer, (model,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, position_embeddings=self._model[0]._position_embeddings(x))
+
+
+class HFCausalLM(StagedModel):
+    def __init__(self, cfg: ModelConfig) -> None:
+        from transformers import AutoModelForCausalLM
+
+        super().__init__()
+        check_fits(cfg)
+        self.cfg, self.hf_config = cfg, load_hf_config(cfg)
+        self.family = FAMILIES[self.hf_config.model_type]
+        self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        hf = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation="sdpa")
+        self.hf_class_name = type(hf).__name__  # for export's config.json `architectures`
+        self._rotary: tuple[nn.Module, ...] = ()
+        if self.family == "llama":
+            base, layers = hf.model, hf.model.layers
+            self.embed: nn.Module | None = base.embed_tokens
+            self.norm: nn.Module | None = base.norm
+            with torch.device("cpu"):  # real buffers even when built on meta; not registered: no state, no DDP sync
+                self._rotary = (type(base.rotary_emb)(config=self.hf_config),)
+        else:
+            base, layers = hf.transformer, hf.transformer.h
+            self.embed = LearnedPositions(base.wte, base.wpe, base.drop)
+            self.norm = base.ln_f
+        self.blocks = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
+        self.head: nn.Module | None = TiedHead(self.input_embedding()) if self.tied else hf.lm_head
+
+    @property
+    def tied_weight(self) -> str | None:
+        """Name of the embedding matrix the head shares, when tied (the same name on every stage)."""
+        return TIED_WEIGHT[self.family] if self.tied else None
+
+    def input_embedding(self) -> nn.Embedding:
+        return self.embed if self.family == "llama" else self.embed.wte
+
+    def keep_stage(self, *, first: bool, last: bool) -> None:
+        """Drop the parts another stage owns; a tied last stage keeps only the embedding matrix."""
+        if not last:
+            self.norm = self.head = None
+        if first:
+            return
+        if last and self.tied:
+            if self.family == "gpt2":
+                self.embed.wpe = None
+        else:
+            self.embed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) or hidden states (B, T, C) -> what the next stage expects (logits at the end)."""
+        if self.embed is not None and not x.is_floating_point():  # hidden states: a tied last stage skips it
+            x = self.embed(x)
+        extra = {"position_embeddings": self._position_embeddings(x)} if self._rotary and len(self.blocks) else {}
+        for block in self.blocks.values():
+            x = block(x, **extra)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+    def standalone_blocks(self) -> list[nn.Module]:
+        """The blocks as modules that take hidden states only (what a profiler feeds them)."""
+        return [WithPositions(b, self) if self._rotary else b for b in self.blocks.values()]
+
+    def _position_embeddings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = self._rotary[0]
+        if rotary.inv_freq.device != x.device:
+            rotary.to(x.device)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        return rotary(x, positions)  # (cos, sin), each (1, T, head_dim)
+
+    def hf_names(self, name: str) -> list[str]:
+        """Hugging Face keys for one of our tensor names, most likely first."""
+        ours, theirs = next((o, t) for o, t in HF_NAMES[self.family] if name.startswith(o))
+        key = theirs + name[len(ours):]
+        base = "model." if self.family == "llama" else "transformer."
+        keys = [key, *(["lm_head.weight"] if name == self.tied_weight else [])]
+        return keys + [k.removeprefix(base) for k in keys if k.startswith(base)]
+
+    def pretrained_dir(self) -> Path | None:
+        """The directory whose weights this model starts from, per `model.init`."""
+        path = hf_dir(self.cfg)
+        if self.cfg.init == "random":
+            return None
+        if path is None or not has_weights(path):
+            if self.cfg.init == "pretrained":
+                where = f"model.hf {self.cfg.hf} has no model.safetensors" if path else "model.hf_config has no weights"
+                raise ConfigError(f"model.init is pretrained but {where}; set model.init=random or add the weights")
+            return None
+        return path
+
+    def check_weights(self) -> None:
+        """Before spawning: the weights this model would load exist with the shapes config.json gives."""
+        path = self.pretrained_dir()
+        if path is not None:
+            check_shapes(self, self.hf_names, path)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Pretrained tensors of the parts present, or a seeded init per parameter name (layout independent)."""
+        path = self.pretrained_dir()
+        if path is not None:
+            load_weights(self, self.hf_names, path)
+            return
+        std = self.hf_config.initializer_range
+        depth_std = std / math.sqrt(2 * self.hf_config.num_hidden_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.ndim == 1:
+                param.fill_(1.0)  # norm scales
+            else:  # GPT-2 scales its residual output projections by depth, as transformers does
+                seeded_normal_(param, seed, name, std=depth_std if name.endswith("c_proj.weight") else std)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 x matmul params (head included) + causal attention (PaLM appendix B)."""
+        c = self.hf_config
+        matmul = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("embed."))
+        matmul += c.vocab_size * c.hidden_size if self.tied else 0
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 6.0 * matmul + 12.0 * c.num_hidden_layers * c.num_attention_heads * head_dim * self.cfg.seq_len

@@ -1,0 +1,104 @@
+"""Hugging Face configs from a local directory or an inline dict, and the model sizes meshrun plans with.
+
+`num_layers` / `vocab_size` are the one place the rest of meshrun (stage split, describe,
+data checks) asks how deep and wide the model is: the HF config rules when there is one,
+`model.num_layers` / `model.vocab_size` otherwise. Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from meshrun.config import ModelConfig
+from meshrun.errors import ConfigError
+
+# model_type -> family layout (one adapter per layout in models/hf.py)
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def is_hf(cfg: ModelConfig) -> bool:
+    return cfg.hf is not None or cfg.hf_config is not None
+
+
+def num_layers(cfg: ModelConfig) -> int:
+    """Decoder blocks of the model the config builds."""
+    return load_hf_config(cfg).num_hidden_layers if is_hf(cfg) else cfg.num_layers
+
+
+def vocab_size(cfg: ModelConfig) -> int:
+    return load_hf_config(cfg).vocab_size if is_hf(cfg) else cfg.vocab_size
+
+
+def hf_dir(cfg: ModelConfig) -> Path | None:
+    """The checked model directory of `model.hf` (None for an inline config)."""
+    if cfg.hf is None:
+        return None
+    path = Path(cfg.hf).expanduser()
+    if not path.is_dir():
+        if not path.exists() and _HUB_ID.match(cfg.hf):
+            raise ConfigError(
+                f"model.hf {cfg.hf!r} looks like a Hugging Face hub id, but it is not a local directory; meshrun downloads "
+                f"nothing: fetch it first (e.g. `hf download {cfg.hf} --local-dir DIR`) and set model.hf to DIR"
+            )
+        raise ConfigError(f"model.hf {cfg.hf} is not a directory; set it to a folder holding config.json")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.hf {cfg.hf} has no config.json; point it at a Hugging Face model folder")
+    return path
+
+
+def load_hf_config(cfg: ModelConfig) -> Any:
+    """The transformers config (a `PretrainedConfig`), checked to be a supported family."""
+    inline = json.dumps(cfg.hf_config, sort_keys=True) if cfg.hf_config is not None else None
+    return _load(cfg.hf, inline)
+
+
+@lru_cache(maxsize=8)
+def _load(hf: str | None, inline: str | None) -> Any:
+    from transformers import AutoConfig
+
+    if inline is not None:
+        fields = json.loads(inline)
+        model_type, key = fields.pop("model_type", None), "model.hf_config"
+        _check_family(model_type, key)
+    else:
+        path = hf_dir(ModelConfig(hf=hf))
+        key = f"model.hf {hf}"
+        try:
+            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{key}: config.json is not readable JSON ({exc})") from None
+        _check_family(model_type, key)
+    try:
+        if inline is not None:
+            return AutoConfig.for_model(model_type, **fields)
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers validates fields: report its reason in one line
+        raise ConfigError(f"{key}: transformers cannot build this config: {type(exc).__name__}: {exc}") from None
+
+
+def _check_family(model_type: object, key: str) -> None:
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"{key}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
+
+
+def check_fits(cfg: ModelConfig) -> None:
+    """Context length and attention window the adapters rely on, checked before any worker exists."""
+    config = load_hf_config(cfg)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"model.seq_len {cfg.seq_len} exceeds the model's max_position_embeddings ({limit}); lower model.seq_len")
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = "sliding_attention" in layer_types or (config.model_type == "mistral" and window is not None)
+    if sliding and window is not None and cfg.seq_len > window:
+        raise ConfigError(
+            f"model.seq_len {cfg.seq_len} exceeds the model's sliding_window ({window}); meshrun runs full causal "
+            "attention (sdpa is_causal), so lower model.seq_len to at most the window"
+        )

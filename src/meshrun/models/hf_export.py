@@ -1,0 +1,61 @@
+"""`meshrun export RUN --hf OUT_DIR`: a folder `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+config.json from the model's own Hugging Face config, model.safetensors with Hugging Face
+tensor names (a tied matrix once: transformers ties lm_head on load), and the tokenizer files
+of `model.hf` when it had any.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from meshrun.config import ModelConfig
+from meshrun.errors import ConfigError
+from meshrun.models.hf_config import hf_dir
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+)
+
+
+def tokenizer_files(model_dir: Path | None) -> list[Path]:
+    return [model_dir / name for name in TOKENIZER_FILES if model_dir and (model_dir / name).is_file()]
+
+
+def export_hf(model: nn.Module, out: Path) -> Path:
+    """Write `model` (a whole HFCausalLM with trained weights) as a Hugging Face model folder."""
+    from safetensors.torch import save_file
+
+    if not hasattr(model, "hf_names"):
+        raise ConfigError("--hf exports Hugging Face models (model.hf / model.hf_config); use --out FILE for this one")
+    if out.exists():
+        raise ConfigError(f"{out} already exists; choose another --hf folder")
+    state = {model.hf_names(name)[0]: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    config = model.hf_config
+    config.architectures = [model.hf_class_name]
+    config.dtype = torch.float32
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(tmp)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for file in tokenizer_files(hf_dir(model.cfg)):
+        shutil.copy2(file, tmp / file.name)
+    tmp.rename(out)  # all or nothing
+    return out
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The model's own tokenizer when `model.hf` has one (None: sample byte-level)."""
+    model_dir = hf_dir(cfg) if cfg.hf is not None else None
+    names = {f.name for f in tokenizer_files(model_dir)}
+    if not names & {"tokenizer.json", "tokenizer.model", "vocab.json"}:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

@@ -1,0 +1,72 @@
+"""Tied input embedding and output head across pipeline stages (Megatron's embedding group).
+
+A tied model (GPT-2, Llama/Qwen with tie_word_embeddings) shares one matrix between the
+embedding on the first stage and the head on the last. Each of those stages holds a copy under
+the same name (`model.tied_weight`). After the backward, the two gradients are summed over a
+process group of exactly those two ranks (same dp_rank), or locally when one rank runs both
+stages, so both copies take identical optimizer steps and stay bit-identical. The global
+gradient norm counts the matrix once (`counted_once`); checkpoints hold it once because both
+copies are saved under one name (DCP writes a name once).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.distributed import Mesh
+from meshrun.errors import RunError
+
+
+class TiedEmbeddings:
+    def __init__(self, parts: list[nn.Module], stage_ids: list[int], *, num_stages: int, mesh: Mesh) -> None:
+        """Collective when the model is tied and pipelined: every rank builds every pair's group."""
+        self.copies: list[nn.Parameter] = []  # this rank's copies (0, 1 or 2)
+        self.duplicates: list[nn.Parameter] = []  # copies left out of the gradient norm (not on stage 0)
+        self.group: dist.ProcessGroup | None = None
+        name = getattr(parts[0], "tied_weight", None)
+        if name is None or num_stages == 1:
+            return  # untied, or one stage: the head already uses the embedding's own parameter
+        for part, stage in zip(parts, stage_ids):
+            if stage in (0, num_stages - 1):
+                self.copies.append(part.get_parameter(name))
+                if stage != 0:
+                    self.duplicates.append(self.copies[-1])
+        last_pp_rank = (num_stages - 1) % mesh.pp  # stages are assigned loop style: stage s on pp rank s % pp
+        if last_pp_rank == 0:
+            return  # one rank runs both stages: summed locally
+        for dp_rank in range(mesh.dp):
+            group = dist.new_group([dp_rank, last_pp_rank * mesh.dp + dp_rank])
+            if dp_rank == mesh.dp_rank and self.copies:
+                self.group = group
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Sum the embedding and head gradients into both copies (call after backward, before unscale/clip)."""
+        if not self.copies:
+            return
+        total = self.copies[0].grad if len(self.copies) == 1 else self.copies[0].grad + self.copies[1].grad
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for param in self.copies:
+            if param.grad is not total:
+                param.grad.copy_(total)
+
+    @torch.no_grad()
+    def check_identical(self) -> None:
+        """Prove the copies are still bit-identical (called before each checkpoint, which saves one)."""
+        if not self.copies:
+            return
+        values = [p.detach() for p in self.copies]
+        if self.group is not None:
+            low, high = values[0].clone(), values[0].clone()
+            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
+            values += [low, high]
+        if not all(torch.equal(values[0], v) for v in values[1:]):
+            raise RunError("the tied embedding's copies on the first and last pipeline stage differ; this is a bug")
+
+    def counted_once(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """`params` without the duplicate copies: what the global gradient norm sums over."""
+        return [p for p in params if not any(p is d for d in self.duplicates)]

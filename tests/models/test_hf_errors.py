@@ -1,0 +1,64 @@
+"""Bad Hugging Face inputs: one line, exit 2, before any worker exists (the CLI's main, in process)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import tiny
+from hf_models import make_model
+
+from meshrun.cli import main
+
+LLAMA = "{model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, vocab_size: 256}"
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model("gpt2", tmp_path_factory.mktemp("hf") / "gpt2")
+
+
+def error_of(args: list[str], capsys: pytest.CaptureFixture) -> str:
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    return err
+
+
+def dry_run(data_dir: Path, tmp_path: Path, **model: object) -> list[str]:
+    return ["train", "--dry-run", *tiny(data_dir, tmp_path / "run", **model)]
+
+
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        ({"model.hf": "/nonexistent/model"}, "model.hf /nonexistent/model is not a directory"),
+        ({"model.hf": "meta-llama/Llama-3.2-1B"}, "meshrun downloads nothing"),
+        ({"model.hf_config": "{model_type: bert, hidden_size: 32}"},
+         "model_type 'bert' is not supported; supported: gpt2, llama, mistral, qwen2, qwen3"),
+        ({"model.hf_config": LLAMA, "parallel.pp": 4, "train.global_batch": 8}, "need at least as many blocks, but the Hugging Face config's num_hidden_layers is 2"),
+        ({"model.hf_config": LLAMA, "model.init": "pretrained"}, "model.init is pretrained but model.hf_config has no weights"),
+        ({"model.hf_config": LLAMA.replace("}", ", max_position_embeddings: 8}")}, "exceeds the model's max_position_embeddings"),
+    ],
+    ids=["missing", "hub-id", "model-type", "stages", "no-weights", "context"],
+)
+def test_bad_model_is_one_line(model: dict, message: str, data_dir: Path, tmp_path: Path, capsys) -> None:
+    assert message in error_of(dry_run(data_dir, tmp_path, **model), capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_weights_that_disagree_with_config(gpt2_dir: Path, data_dir: Path, tmp_path: Path, capsys) -> None:
+    edited = shutil.copytree(gpt2_dir, tmp_path / "edited")
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": edited}), capsys)
+    assert "transformer.wte.weight in model.safetensors has shape [256, 32], but config.json makes it [256, 64]" in err
+
+
+def test_vocab_smaller_than_byte_data(data_dir: Path, tmp_path: Path, capsys) -> None:
+    small = LLAMA.replace("vocab_size: 256", "vocab_size: 128")
+    err = error_of(["train", *tiny(data_dir, tmp_path / "run", **{"model.hf_config": small})], capsys)
+    assert "vocab_size (128) is smaller than the byte-level data's 256 tokens" in err
+
