@@ -21,7 +21,7 @@ from meshrun.errors import ConfigError
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model
-from meshrun.models.hf_config import vocab_size
+from meshrun.models.hf_config import vocab_key, vocab_size
 from meshrun.parallel.plan import stage_ids, stages_per_rank, static_split, validate_layout
 from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
 
@@ -44,7 +44,8 @@ def ensure_data(cfg: Config) -> Path:
             raise ConfigError(f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data --out {path}` or set data.sources")
         say(f"preparing byte-level data in {path} (first use)")
         prepare(cfg.data.sources or default_sources(), path, val_fraction=cfg.data.val_fraction)
-    check_data(cfg.data, path, seq_len=cfg.model.seq_len, model_vocab_size=vocab_size(cfg.model))
+    check_data(cfg.data, path, seq_len=cfg.model.seq_len, model_vocab_size=vocab_size(cfg.model),
+               vocab_key=vocab_key(cfg.model))
     return path
 
 

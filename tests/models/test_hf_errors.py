@@ -60,5 +60,5 @@ def test_weights_that_disagree_with_config(gpt2_dir: Path, data_dir: Path, tmp_p
 def test_vocab_smaller_than_byte_data(data_dir: Path, tmp_path: Path, capsys) -> None:
     small = LLAMA.replace("vocab_size: 256", "vocab_size: 128")
     err = error_of(["train", *tiny(data_dir, tmp_path / "run", **{"model.hf_config": small})], capsys)
-    assert "vocab_size (128) is smaller than the byte-level data's 256 tokens" in err
+    assert "vocabulary of 256 tokens but the model has 128 (vocab_size in model.hf_config)" in err
 

@@ -127,22 +127,23 @@ def open_dataset(data: DataConfig, data_dir: Path, split: str, *, seq_len: int, 
     return MixtureDataset(parts, [m.weight for m in data.mixture], source_names([m.dir for m in data.mixture]))
 
 
-def check_vocab(data_vocab: int | None, model_vocab_size: int, where: str) -> None:
+def check_vocab(data_vocab: int | None, model_vocab_size: int, where: str, *, key: str = "model.vocab_size") -> None:
     """Token ids must fit the model's embedding. `model_vocab_size` is the built-in model's
-    model.vocab_size or a Hugging Face config's vocab_size."""
+    model.vocab_size or a Hugging Face config's vocab_size; `key` says where it is set."""
     if data_vocab is not None and data_vocab > model_vocab_size:
         raise ConfigError(f"{where} was tokenized with a vocabulary of {data_vocab} tokens but the model has "
-                          f"{model_vocab_size} (model.vocab_size); set model.vocab_size to at least {data_vocab}")
+                          f"{model_vocab_size} ({key}); set {key} to at least {data_vocab}")
 
 
-def check_data(data: DataConfig, data_dir: Path, *, seq_len: int, model_vocab_size: int) -> None:
+def check_data(data: DataConfig, data_dir: Path, *, seq_len: int, model_vocab_size: int,
+               vocab_key: str = "model.vocab_size") -> None:
     """Fail early (before spawning) on missing, unparsable, empty or too-small data, a vocabulary
     larger than the model's, and mixture sources tokenized differently."""
     tokenizers = set()
     for split in SPLITS:
         dataset = open_dataset(data, data_dir, split, seq_len=seq_len, seed=0)
         for part in getattr(dataset, "parts", [dataset]):
-            check_vocab(part.vocab_size, model_vocab_size, part.where)
+            check_vocab(part.vocab_size, model_vocab_size, part.where, key=vocab_key)
             if part.tokenizer:
                 tokenizers.add((part.tokenizer["name"], part.tokenizer["sha256"]))
     if len(tokenizers) > 1:

@@ -34,6 +34,13 @@ def vocab_size(cfg: ModelConfig) -> int:
     return load_hf_config(cfg).vocab_size if is_hf(cfg) else cfg.vocab_size
 
 
+def vocab_key(cfg: ModelConfig) -> str:
+    """Where the model's vocabulary size is set, for messages that ask to change it."""
+    if not is_hf(cfg):
+        return "model.vocab_size"
+    return "vocab_size in model.hf_config" if cfg.hf_config is not None else f"vocab_size in {cfg.hf}/config.json"
+
+
 def hf_dir(cfg: ModelConfig) -> Path | None:
     """The checked model directory of `model.hf` (None for an inline config)."""
     if cfg.hf is None:
