@@ -14,7 +14,7 @@ from torch import nn
 
 from meshrun.config import Config
 from meshrun.errors import ConfigError
-from meshrun.parallel.plan import check_split, sizes_to_split
+from meshrun.plan import check_split, sizes_to_split
 
 
 def _as_sequence(model: nn.Module) -> nn.Sequential:
