@@ -391,7 +391,7 @@ def test_torch_free_rows_are_refused_before_torch_is_imported(data_dir: Path, tm
         ctx.folder(case.cwd)
         rows.append({"id": case.id, "argv": case.argv(ctx), "env": case.env, "cwd": str(ctx.tmp / case.cwd)})
     done = subprocess.run([sys.executable, "-c", TORCH_FREE_RUNNER], input=json.dumps(rows), env=meshrun_env(tmp_path),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
     assert [r["id"] for r in results] == [row["id"] for row in rows], f"stopped after {results[-1]}"
