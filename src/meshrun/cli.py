@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [*args.overrides, *_launch_overrides(args)]
         cfg = load_config(args.config, overrides)
         check_job(cfg)
-        from meshrun import (
-            job,  # imports torch: after every torch-free check, so mistakes fail fast
-        )
+        from meshrun import job  # imports torch: after every torch-free check, so mistakes fail fast
 
         if args.dry_run:
             job.preflight(cfg)
