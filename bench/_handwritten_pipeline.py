@@ -23,7 +23,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from meshrun.config import ModelConfig
 from meshrun.models.gpt import GPT
-from meshrun.parallel.plan import even_split
+from meshrun.plan import even_split
 
 
 def main() -> None:

@@ -105,7 +105,7 @@ def measure_stage(model_dir: str, stage: int, num_stages: int) -> dict:
     from meshrun.config import validate
     from meshrun.models import build_model
     from meshrun.parallel import materialise_part
-    from meshrun.parallel.plan import even_split
+    from meshrun.plan import even_split
 
     cfg = validate({"model": {"hf": model_dir, "seq_len": 128}, "parallel": {"pp": num_stages, "dp": 1}})
     layers = even_split(LARGE["num_hidden_layers"], num_stages)[stage]

@@ -1,25 +1,29 @@
-"""Bad input: every malformed config or override is refused with one line and exit code 2,
-before any worker exists.
+"""Bad input: every malformed config, override or argument is refused with one line and exit
+code 2, before any worker exists.
 
-Each row goes through `meshrun.cli.main`, the entry point users run. Rows that fail in the
-config layer run as real `python -m meshrun` subprocesses (they exit before torch is
-imported, so they are cheap); rows that need the job layer (model, layout, data, run dir)
-run in-process with a tripwire on the two ways a worker can start, and a few of them also
-run as subprocesses so the real launch path is covered end to end.
+Each row goes through `meshrun.cli.main`, the entry point users run, in-process with a
+tripwire on the two ways a worker can start. Rows marked `subprocess` also run as real
+`python -m meshrun` processes, so the real launch path is covered end to end. Rows marked
+`torch_free` must be answered before torch is imported (that is what makes them fast): all of
+them run in one fresh interpreter that checks `sys.modules` after each row.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from conftest import meshrun_env, run_meshrun, tiny
+
 from meshrun import cli, job
+from meshrun.config import load_config
 
 FACTORY_MODULE = '''
 from torch import nn
@@ -29,6 +33,12 @@ def not_a_protocol_model(cfg):
     """Returns a plain module: no embed / blocks / norm / head / init_weights / flops_per_token."""
     return nn.Linear(cfg.dim, cfg.dim)
 '''
+# 9**7 values once aliases are expanded, from a 200-byte file ("billion laughs")
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdef", "bcdefg")
+)
+# internal names a user must never see in an error line
+INTERNAL_WORDS = re.compile(r"[A-Z]\w*Config\b|instance of|Field required|model\.factory gpt\b")
 
 
 @dataclass
@@ -65,62 +75,78 @@ class Case:
     expect: tuple[str, ...]
     subprocess: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    torch_free: bool = False
+    cwd: str = "."  # folder under the test's tmp dir to run in
 
 
 def _pp(**overrides: object) -> Callable[[Ctx], list[str]]:
     return lambda c: ["train", *c.set(**overrides)]
 
 
+def _file(name: str, text: str | bytes) -> Callable[[Ctx], list[str]]:
+    """`train NAME` with a config file holding `text` (plus the tiny job's --set arguments)."""
+    return lambda c: ["train", str(c.write(name, text)), *c.set()]
+
+
+def _module(name: str, text: str, factory: str, *, folder: str = ".") -> Callable[[Ctx], list[str]]:
+    """`train` with model.factory=FACTORY from a module NAME.py written in `folder`."""
+    return lambda c: (c.write(f"{folder}/{name}.py", text), ["train", *c.set(model__factory=factory)])[1]
+
+
+def _sample(*args: str) -> Callable[[Ctx], list[str]]:
+    return lambda c: ["sample", str(c.folder("ckpt")), *args]
+
+
 CASES = [
     # --- YAML and overrides ---
     Case("yaml-malformed", lambda c: ["train", str(c.write("bad.yaml", "model:\n  dim: 32\n  num_heads: [2,\n")), *c.set()],
-         ("bad.yaml is not valid YAML at line 4",), subprocess=True),
+         ("bad.yaml is not valid YAML at line 4",), subprocess=True, torch_free=True),
     Case("yaml-tab", lambda c: ["train", str(c.write("tab.yaml", "train:\n\tlr: 1\n")), *c.set()],
-         ("tab.yaml is not valid YAML at line 2",), subprocess=True),
+         ("tab.yaml is not valid YAML at line 2",), subprocess=True, torch_free=True),
     Case("yaml-list", lambda c: ["train", str(c.write("list.yaml", "- model\n- train\n")), *c.set()],
-         ("list.yaml must be a YAML mapping",), subprocess=True),
+         ("list.yaml must be a YAML mapping",), subprocess=True, torch_free=True),
     Case("config-missing", lambda c: ["train", str(c.tmp / "nope.yaml"), *c.set()],
-         ("cannot read config file", "nope.yaml", "No such file"), subprocess=True),
+         ("cannot read config file", "nope.yaml", "No such file"), subprocess=True, torch_free=True),
     Case("set-without-equals", lambda c: ["train", *c.set(), "--set", "train.lr"],
-         ("--set 'train.lr' must look like key.path=value",), subprocess=True),
+         ("--set 'train.lr' must look like key.path=value",), subprocess=True, torch_free=True),
     Case("set-empty-key", lambda c: ["train", *c.set(), "--set", "=3"],
-         ("must look like key.path=value",), subprocess=True),
+         ("must look like key.path=value",), subprocess=True, torch_free=True),
     Case("set-into-scalar", lambda c: ["train", *c.set(), "--set", "precision.dtype=bf16"],
-         ("--set precision.dtype: precision is not a section",), subprocess=True),
+         ("--set precision.dtype: precision is not a section",), subprocess=True, torch_free=True),
     # --- unknown keys ---
     Case("unknown-top-level", lambda c: ["train", *c.set(), "--set", "trian.lr=1e-3"],
-         ("unknown config key trian", "did you mean train?"), subprocess=True),
+         ("unknown config key trian", "did you mean train?"), subprocess=True, torch_free=True),
     Case("unknown-nested", lambda c: ["train", *c.set(), "--set", "train.lrr=1e-3"],
-         ("unknown config key train.lrr", "did you mean train.lr?"), subprocess=True),
+         ("unknown config key train.lrr", "did you mean train.lr?"), subprocess=True, torch_free=True),
     Case("unknown-nested-in-yaml", lambda c: ["train", str(c.write("typo.yaml", "model:\n  num_layer: 2\n")), *c.set()],
-         ("unknown config key model.num_layer", "did you mean model.num_layers?"), subprocess=True),
+         ("unknown config key model.num_layer", "did you mean model.num_layers?"), subprocess=True, torch_free=True),
     Case("unknown-no-close-match", lambda c: ["train", *c.set(), "--set", "tracker.zzzz=1"],
-         ("unknown config key tracker.zzzz", "known keys: mode, project"), subprocess=True),
+         ("unknown config key tracker.zzzz", "known keys: mode, project"), subprocess=True, torch_free=True),
     # --- types and ranges ---
     Case("lr-not-a-number", lambda c: ["train", *c.set(train__lr="abc")],
-         ("invalid train.lr", "valid number", '"abc"'), subprocess=True),
+         ("invalid train.lr", "valid number", '"abc"'), subprocess=True, torch_free=True),
     Case("layers-fractional", lambda c: ["train", *c.set(model__num_layers=2.5)],
-         ("invalid model.num_layers", "valid integer", "2.5"), subprocess=True),
+         ("invalid model.num_layers", "valid integer", "2.5"), subprocess=True, torch_free=True),
     Case("steps-negative", lambda c: ["train", *c.set(train__steps=-1)],
-         ("invalid train.steps", "greater than or equal to 1", "-1"), subprocess=True),
+         ("invalid train.steps", "greater than or equal to 1", "-1"), subprocess=True, torch_free=True),
     Case("micro-batch-zero", lambda c: ["train", *c.set(train__micro_batch=0)],
-         ("invalid train.micro_batch", "greater than or equal to 1"), subprocess=True),
+         ("invalid train.micro_batch", "greater than or equal to 1"), subprocess=True, torch_free=True),
     Case("lr-zero", lambda c: ["train", *c.set(train__lr=0)],
-         ("invalid train.lr", "greater than 0"), subprocess=True),
+         ("invalid train.lr", "greater than 0"), subprocess=True, torch_free=True),
     Case("section-not-mapping", lambda c: ["train", *c.set(), "--set", "train=3"],
-         ("invalid train", "valid dictionary"), subprocess=True),
+         ("invalid train", "expected a section of keys", "(got 3)"), subprocess=True, torch_free=True),
     Case("heads-do-not-divide-dim", lambda c: ["train", *c.set(model__dim=32, model__num_heads=3)],
-         ("model.num_heads (3) must divide model.dim (32)", "change one of these keys"), subprocess=True),
+         ("model.num_heads (3) must divide model.dim (32)", "change one of these keys"), subprocess=True, torch_free=True),
     Case("precision-unknown", lambda c: ["train", *c.set(precision="fp8")],
-         ("invalid precision", "'fp32', 'bf16' or 'fp16'", '"fp8"'), subprocess=True),
+         ("invalid precision", "'fp32', 'bf16' or 'fp16'", '"fp8"'), subprocess=True, torch_free=True),
     Case("recompute-every-0", lambda c: ["train", *c.set(recompute="every:0")],
-         ("invalid recompute", "every:N with N >= 1", "'every:0'"), subprocess=True),
+         ("invalid recompute", "every:N with N >= 1", "'every:0'"), subprocess=True, torch_free=True),
     Case("recompute-foo", lambda c: ["train", *c.set(recompute="foo")],
-         ("invalid recompute", "none, full, selective", "'foo'"), subprocess=True),
+         ("invalid recompute", "none, full, selective", "'foo'"), subprocess=True, torch_free=True),
     Case("schedule-unknown", lambda c: ["train", *c.set(parallel__schedule="pipedream")],
-         ("invalid parallel.schedule", "'1f1b'"), subprocess=True),
+         ("invalid parallel.schedule", "'1f1b'"), subprocess=True, torch_free=True),
     Case("batch-not-divisible", lambda c: ["train", *c.set(train__global_batch=10, train__micro_batch=2, parallel__dp=2)],
-         ("train.global_batch (10) must be a multiple of train.micro_batch x parallel.dp", "2 x 2 = 4"), subprocess=True),
+         ("train.global_batch (10) must be a multiple of train.micro_batch x parallel.dp", "2 x 2 = 4"), subprocess=True, torch_free=True),
     # --- model (job layer) ---
     Case("model-name-unknown", lambda c: ["train", *c.set(model__name="llama")],
          ("invalid model.name 'llama'", "choose one of gpt", "model.factory")),
@@ -137,28 +163,28 @@ CASES = [
          subprocess=True),
     # --- pipeline layout (job layer) ---
     Case("pp-more-than-layers", _pp(parallel__pp=8, train__global_batch=16, train__micro_batch=2),
-         ("8 pipeline stages", "model.num_layers is 4", "parallel.pp")),
+         ("8 pipeline stages", "model.num_layers is 4", "parallel.pp"), torch_free=True),
     Case("stage-layers-missing-block", _pp(parallel__pp=2, parallel__stage_layers="[[0],[1,2]]"),
-         ("parallel.stage_layers must list blocks 0..3 each exactly once",)),
+         ("parallel.stage_layers must list blocks 0..3 each exactly once",), torch_free=True),
     Case("stage-layers-duplicate", _pp(parallel__pp=2, parallel__stage_layers="[[0,1],[1,2,3]]"),
-         ("parallel.stage_layers must list blocks 0..3 each exactly once", "[[0, 1], [1, 2, 3]]")),
+         ("parallel.stage_layers must list blocks 0..3 each exactly once", "[[0, 1], [1, 2, 3]]"), torch_free=True),
     Case("stage-layers-wrong-count", _pp(parallel__pp=2, parallel__stage_layers="[[0],[1],[2,3]]"),
-         ("parallel.stage_layers has 3 stages but the pipeline has 2",)),
+         ("parallel.stage_layers has 3 stages but the pipeline has 2",), torch_free=True),
     Case("1f1b-too-few-microbatches", _pp(parallel__pp=4, train__global_batch=4, train__micro_batch=2),
-         ("schedule 1f1b needs at least parallel.pp = 4 microbatches, got 2", "train.global_batch")),
+         ("schedule 1f1b needs at least parallel.pp = 4 microbatches, got 2", "train.global_batch"), torch_free=True),
     Case("interleaved-not-multiple-of-pp", _pp(parallel__pp=2, parallel__schedule="interleaved-1f1b", model__num_layers=8,
                                                train__global_batch=6, train__micro_batch=2),
-         ("schedule interleaved-1f1b needs microbatches to be a multiple of parallel.pp = 2, got 3",)),
+         ("schedule interleaved-1f1b needs microbatches to be a multiple of parallel.pp = 2, got 3",), torch_free=True),
     Case("virtual-stages-with-1f1b", _pp(parallel__pp=2, parallel__virtual_stages=2),
-         ("parallel.virtual_stages must be 1 for schedule 1f1b",)),
+         ("parallel.virtual_stages must be 1 for schedule 1f1b",), torch_free=True),
     Case("zero-bubble-with-dp", _pp(parallel__pp=2, parallel__dp=2, parallel__schedule="zero-bubble", model__num_layers=4,
                                     train__global_batch=8, train__micro_batch=2),
-         ("zero-bubble with parallel.dp > 1 is refused", "parallel.dp=1"), subprocess=True),
+         ("zero-bubble with parallel.dp > 1 is refused", "parallel.dp=1"), subprocess=True, torch_free=True),
     # --- data (job layer, only on the real training path) ---
     Case("data-dir-empty", lambda c: ["train", *c.set(data__dir=c.folder("empty"))],
-         ("holds no prepared dataset", "meshrun prepare-data --out"), subprocess=True),
+         ("holds no prepared dataset", "meshrun prepare-data --out"), subprocess=True, torch_free=True),
     Case("data-dir-missing", lambda c: ["train", *c.set(data__dir=c.tmp / "nowhere")],
-         ("data.dir", "nowhere holds no prepared dataset", "prepare-data")),
+         ("data.dir", "nowhere holds no prepared dataset", "prepare-data"), torch_free=True),
     Case("data-smaller-than-seq-len",
          lambda c: ["train", *c.set(model__seq_len=json.loads((c.data_dir / "meta.json").read_text())["train_tokens"])],
          ("(train) holds", "fewer than model.seq_len + 1", "prepare more text or lower model.seq_len")),
@@ -167,10 +193,109 @@ CASES = [
          ("train.bin holds 0 tokens", "model.seq_len + 1")),
     # --- run dir and world size ---
     Case("run-dir-is-a-file", lambda c: (c.write("run", "not a folder"), ["train", *c.set()])[1],
-         ("run_dir", "is a file, not a folder",)),
+         ("run_dir", "is a file, not a folder",), torch_free=True),
     Case("world-size-mismatch", lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1)],
          ("world size 3 does not match parallel.dp x parallel.pp = 1 x 1", "launch 1 processes"),
-         subprocess=True, env={"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}),
+         subprocess=True, env={"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}, torch_free=True),
+    Case("stray-rank-without-master", _pp(parallel__dp=2, parallel__pp=2),
+         ("RANK and WORLD_SIZE are set, so meshrun took this process for a torchrun worker", "MASTER_ADDR",
+          "unset RANK and WORLD_SIZE"), subprocess=True, env={"RANK": "0", "WORLD_SIZE": "4"}, torch_free=True),
+    Case("stray-world-size-not-a-number", _pp(),
+         ("took this process for a torchrun worker", "WORLD_SIZE='four' is not a number"),
+         env={"RANK": "0", "WORLD_SIZE": "four"}, torch_free=True),
+    # --- config files that are not YAML configs ---
+    Case("config-binary", _file("model.bin", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"),
+         ("config file", "model.bin is not UTF-8 text", "byte 0x89 at offset 0"), subprocess=True, torch_free=True),
+    Case("config-latin1", _file("latin.yaml", "tracker:\n  name: caf\xe9\n".encode("latin-1")),
+         ("latin.yaml is not UTF-8 text", "byte 0xe9"), torch_free=True),
+    Case("config-nul-bytes", _file("nul.yaml", b"train:\n  lr: 0.1\x00\n"), ("nul.yaml holds NUL bytes",), torch_free=True),
+    Case("config-dev-zero", lambda c: ["train", "/dev/zero", *c.set()],
+         ("config file /dev/zero is larger than 64 KiB",), subprocess=True, torch_free=True),
+    Case("config-huge", _file("huge.yaml", "train:\n" + "  # padding\n" * 10_000), ("huge.yaml is larger than 64 KiB",),
+         torch_free=True),
+    Case("config-is-a-folder", lambda c: ["train", str(c.folder("configs")), *c.set()],
+         ("cannot read config file", "configs: Is a directory"), torch_free=True),
+    Case("config-empty", _file("empty.yaml", ""), ("empty.yaml is empty (no keys)", "leave out the file"), torch_free=True),
+    Case("config-comment-only", _file("comments.yaml", "# train:\n#   lr: 0.1\n\n"),
+         ("comments.yaml is empty (no keys)",), torch_free=True),
+    Case("yaml-recursive-anchor", _file("loop.yaml", "train: &t\n  lr: *t\n"),
+         ("loop.yaml", "contains itself", "recursive YAML anchor", "remove the alias"), subprocess=True, torch_free=True),
+    Case("yaml-alias-bomb", _file("bomb.yaml", ALIAS_BOMB), ("bomb.yaml holds more than 10000 values", "alias bomb"), torch_free=True),
+    Case("yaml-deep-nesting", _file("deep.yaml", "[" * 60_000), ("deep.yaml is nested too deeply",), torch_free=True),
+    Case("yaml-duplicate-key", _file("dup.yaml", "train:\n  lr: 0.1\n  steps: 3\n  lr: 0.2\n"),
+         ("dup.yaml: key train.lr appears twice (lines 2 and 4); keep one",), subprocess=True, torch_free=True),
+    Case("yaml-duplicate-section", _file("dupsec.yaml", "train:\n  lr: 0.1\nmodel:\n  dim: 32\ntrain:\n  steps: 3\n"),
+         ("key train appears twice (lines 1 and 5)",), torch_free=True),
+    Case("yaml-off-is-a-word", lambda c: ["train", str(c.write("off.yaml", "tracker:\n  mode: off\n")),
+                                          *(a for a in c.set() if "tracker.mode" not in a)],
+         ("invalid tracker.mode", "'online', 'offline' or 'disabled'", '(got "off")', "did you mean disabled?"),
+         subprocess=True, torch_free=True),
+    Case("set-mode-off", lambda c: ["train", *c.set(tracker__mode="off")], ("did you mean disabled?",), torch_free=True),
+    Case("set-mode-no", lambda c: ["train", *c.set(tracker__mode="no")], ('(got "no")', "did you mean disabled?"),
+         torch_free=True),
+    # --- values: choices, numbers, names ---
+    Case("precision-misspelt", lambda c: ["train", *c.set(precision="bf61")],
+         ("invalid precision", "'auto', 'fp32', 'bf16' or 'fp16'", "did you mean bf16?"), torch_free=True),
+    Case("schedule-misspelt", lambda c: ["train", *c.set(parallel__schedule="1FB1")],
+         ("invalid parallel.schedule", "did you mean 1f1b?"), torch_free=True),
+    Case("betas-one-or-more", lambda c: ["train", *c.set(train__betas="[0.9,1.0]")],
+         ("invalid train.betas[1]", "less than 1", "1.0"), torch_free=True),
+    Case("betas-negative", lambda c: ["train", *c.set(train__betas="[-0.1,0.95]")],
+         ("invalid train.betas[0]", "greater than or equal to 0"), torch_free=True),
+    Case("betas-one-value", lambda c: ["train", *c.set(train__betas="[0.9]")],
+         ("invalid train.betas", "give two numbers [beta1, beta2], each in [0, 1)"), torch_free=True),
+    Case("betas-not-a-list", lambda c: ["train", *c.set(train__betas="0.9")], ("invalid train.betas", "give two numbers"),
+         torch_free=True),
+    Case("lr-infinite", lambda c: ["train", *c.set(train__lr=".inf")],
+         ("invalid train.lr", "finite number"), subprocess=True, torch_free=True),
+    Case("lr-nan", lambda c: ["train", *c.set(train__lr=".nan")], ("invalid train.lr", "finite number"), torch_free=True),
+    Case("grad-clip-infinite", lambda c: ["train", *c.set(train__grad_clip="inf")], ("invalid train.grad_clip", "finite"),
+         torch_free=True),
+    Case("steps-true", lambda c: ["train", *c.set(train__steps="true")],
+         ("invalid train.steps", "expected a number, got true"), subprocess=True, torch_free=True),
+    Case("dp-false", lambda c: ["train", *c.set(parallel__dp="false")], ("invalid parallel.dp", "got false"),
+         torch_free=True),
+    Case("lr-true", lambda c: ["train", *c.set(train__lr="true")], ("invalid train.lr", "got true"), torch_free=True),
+    Case("run-dir-empty", lambda c: ["train", *c.set(), "--set", 'run_dir=""'],
+         ("invalid run_dir", "is empty", "current directory"), subprocess=True, torch_free=True),
+    Case("run-dir-blank", lambda c: ["train", *c.set(), "--set", "run_dir='  '"], ("invalid run_dir", "is empty"), torch_free=True),
+    Case("section-null", _file("null.yaml", "checkpoint:\ntrain:\n  lr: 0.1\n"),
+         ("invalid checkpoint", "expected a section of keys", "got null"), torch_free=True),
+    # --- dry run checks what a run checks ---
+    Case("dry-run-data-dir-missing", lambda c: ["train", *c.set(data__dir="/nonexistent"), "--dry-run"],
+         ("data.dir /nonexistent holds no prepared dataset",), subprocess=True, torch_free=True),
+    Case("dry-run-layout", lambda c: ["train", *c.set(parallel__pp=8), "--dry-run"], ("8 pipeline stages",),
+         torch_free=True),
+    Case("dry-run-data-too-small", lambda c: ["train", *c.set(model__seq_len=(c.data_dir / "train.bin").stat().st_size),
+                                               "--dry-run"],
+         ("fewer than model.seq_len + 1",)),
+    # --- the user's model factory ---
+    Case("factory-syntax-error", _module("mt_syntax", "def build(cfg)\n    return None\n", "mt_syntax:build"),
+         ("invalid model.factory 'mt_syntax:build'", "SyntaxError in", "mt_syntax.py line 1", "fix the module"),
+         subprocess=True),
+    Case("factory-import-raises", _module("mt_boom", "raise RuntimeError('no GPU here')\n", "mt_boom:build"),
+         ("invalid model.factory 'mt_boom:build'", "importing mt_boom raised RuntimeError: no GPU here",)),
+    Case("factory-sys-exit", _module("mt_exit", "import sys\n\ndef build(cfg):\n    sys.exit(3)\n", "mt_exit:build"),
+         ("model.factory mt_exit:build called sys.exit(3) while building the model", "raise an exception"),
+         subprocess=True),
+    Case("factory-sys-exit-on-import", _module("mt_exit_import", "import sys\nsys.exit('bye')\n", "mt_exit_import:build"),
+         ("invalid model.factory 'mt_exit_import:build'", "called sys.exit('bye')")),
+    Case("factory-in-current-directory",
+         _module("mt_here", "def build(cfg):\n    return None\n", "mt_here:build", folder="workdir"),
+         ("No module named 'mt_here'", "mt_here.py is in the current directory", "PYTHONPATH=."), cwd="workdir"),
+    # --- sample and export arguments ---
+    Case("sample-tokens-negative", _sample("--tokens", "-5"), ("--tokens must be at least 1", "-5"), torch_free=True),
+    Case("sample-temperature-nan", _sample("--temperature", "nan"), ("--temperature must be a finite number >= 0",),
+         torch_free=True),
+    Case("sample-temperature-negative", _sample("--temperature", "-1"), ("--temperature", "got -1.0"), torch_free=True),
+    Case("sample-top-k-negative", _sample("--top-k", "-3"), ("--top-k must be >= 0", "-3"), torch_free=True),
+    Case("sample-prompt-not-utf8", _sample("--prompt", "def \udcff"), ("--prompt is not valid UTF-8",),
+         subprocess=True, torch_free=True),
+    Case("sample-checkpoint-missing", lambda c: ["sample", str(c.tmp / "no-run")], ("no-run does not exist",),
+         torch_free=True),
+    Case("export-out-under-a-file", lambda c: (c.write("afile", "x"), ["export", str(c.folder("ckpt")), "--out",
+                                                                          str(c.tmp / "afile" / "m.safetensors")])[1],
+         ("--out", "afile is a file, not a folder", "choose another --out"), subprocess=True, torch_free=True),
 ]
 
 
@@ -186,6 +311,7 @@ def _assert_refused(rc: int, err: str, expect: tuple[str, ...]) -> None:
     assert lines[0].startswith("meshrun: error: "), lines[0]
     for fragment in expect:
         assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    assert not INTERNAL_WORDS.search(lines[0]), f"internal name in {lines[0]!r}"
     assert "starting" not in err and "Traceback" not in err
 
 
@@ -214,8 +340,9 @@ def test_tripwire_catches_a_valid_job(dp: int, data_dir: Path, tmp_path: Path, n
 
 
 def test_table_is_large_enough() -> None:
-    assert len(CASES) >= 20
+    assert len(CASES) >= 80
     assert sum(c.subprocess for c in CASES) >= 5
+    assert sum(c.torch_free for c in CASES) >= 60
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
@@ -223,9 +350,11 @@ def test_refused_in_process(case: Case, data_dir: Path, tmp_path: Path, no_worke
                             capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = Ctx(data_dir, tmp_path)
     argv = case.argv(ctx)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     for name, value in case.env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path / case.cwd)
     rc = cli.main(argv)
     _assert_refused(rc, capsys.readouterr().err, case.expect)
     if not ctx.run_dir.is_file():
@@ -242,6 +371,64 @@ def test_refused_by_real_cli(case: Case, data_dir: Path, tmp_path: Path) -> None
     assert result.stdout == ""
     if not ctx.run_dir.is_file():
         assert not ctx.run_dir.exists(), "a refused job created its run dir"
+
+
+TORCH_FREE_RUNNER = """
+import json, os, sys
+from meshrun import cli
+assert "torch" not in sys.modules, "importing meshrun.cli imported torch"
+base, results = dict(os.environ), []
+for row in json.load(sys.stdin):
+    os.environ.clear()
+    os.environ.update(base, **row["env"])
+    os.chdir(row["cwd"])
+    results.append({"id": row["id"], "rc": cli.main(row["argv"]), "torch": "torch" in sys.modules})
+    if results[-1]["torch"]:
+        break
+print(json.dumps(results))
+"""
+
+
+def test_torch_free_rows_are_refused_before_torch_is_imported(data_dir: Path, tmp_path: Path) -> None:
+    """Layout, path, environment and argument errors come before `import torch` (seconds on a
+    busy machine), so they are answered at once. All rows run in one fresh interpreter, in order;
+    after each, torch must still be absent from sys.modules."""
+    rows = []
+    for case in (c for c in CASES if c.torch_free):
+        ctx = Ctx(data_dir, tmp_path / case.id)
+        ctx.folder(case.cwd)
+        rows.append({"id": case.id, "argv": case.argv(ctx), "env": case.env, "cwd": str(ctx.tmp / case.cwd)})
+    done = subprocess.run([sys.executable, "-c", TORCH_FREE_RUNNER], input=json.dumps(rows), env=meshrun_env(tmp_path),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert [r["id"] for r in results] == [row["id"] for row in rows], f"stopped after {results[-1]}"
+    assert [r["id"] for r in results if r["torch"]] == []
+    assert [r["id"] for r in results if r["rc"] != 2] == []
+
+
+@pytest.mark.parametrize("override,key,value", [
+    ("precision=BF16", "precision", "bf16"),
+    ("parallel.schedule=1F1B", "parallel.schedule", "1f1b"),
+    ("parallel.balance=Even", "parallel.balance", "even"),
+    ("tracker.mode=Disabled", "tracker.mode", "disabled"),
+    ("recompute=EVERY:2", "recompute", "every:2"),
+    ("checkpoint.at_end=no", "checkpoint.at_end", False),  # a word for a yes/no key is still fine
+    ("tracker.name=off", "tracker.name", "off"),  # YAML 1.1 would have made this False
+    ("train.steps=12", "train.steps", 12),
+])
+def test_accepted_spellings(override: str, key: str, value: object) -> None:
+    cfg = load_config(None, [override])
+    section, _, leaf = key.rpartition(".")
+    assert getattr(getattr(cfg, section) if section else cfg, leaf) == value
+
+
+def test_yaml_anchors_and_merge_keys_still_work(tmp_path: Path) -> None:
+    """Refusing alias bombs and duplicate keys must not refuse ordinary anchors or `<<` merges."""
+    config = tmp_path / "anchors.yaml"
+    config.write_text("train:\n  <<: {steps: 7, lr: 0.5}\n  lr: 0.002\n  eval_interval: &n 5\n  log_interval: *n\n")
+    cfg = load_config(config)
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.eval_interval, cfg.train.log_interval) == (7, 0.002, 5, 5)
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[str, int]]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
+from meshrun.precheck import check_job
 from meshrun.versions import check_torch_version, installed_torch_version
 
 
@@ -91,8 +93,33 @@ def _factory_override(overrides: list[str]) -> str | None:
     return factory
 
 
+def _check_checkpoint_args(args: argparse.Namespace) -> None:
+    """`export` / `sample` arguments, checked before torch is imported."""
+    if not Path(args.checkpoint).exists():
+        raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
+    if args.command == "export":
+        flag, out = ("--hf", args.hf) if args.hf else ("--out", args.out)
+        for folder in Path(out).absolute().parents:
+            if folder.exists():
+                if not folder.is_dir():
+                    raise ConfigError(f"{flag} {out}: {folder} is a file, not a folder; choose another {flag}")
+                break
+        return
+    if args.tokens < 1:
+        raise ConfigError(f"--tokens must be at least 1 (tokens to generate), got {args.tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
+        raise ConfigError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
+
+
 def _use_checkpoint(args: argparse.Namespace) -> int:
     """`export` and `sample`: one process, any layout's checkpoint."""
+    _check_checkpoint_args(args)
     from meshrun.checkpoint import CheckpointError
     from meshrun.export import export, load_full_model, sample
 
@@ -144,9 +171,10 @@ def _slurm(args: argparse.Namespace) -> int:
         partition=args.partition, account=args.account, time=args.time, cpus_per_task=args.cpus_per_task,
         job_name=args.job_name, signal_seconds=args.signal_seconds, sbatch_options=args.sbatch_options,
     )
+    check_job(cfg)  # the same checks as `meshrun train`, before the job waits for nodes
     from meshrun import job  # imports torch: after the checks that need none
 
-    job.preflight(cfg)  # the same checks as `meshrun train`, before the job waits for nodes
+    job.preflight(cfg)
     if not args.submit:
         print(script, end="")
         return 0
@@ -183,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             return _slurm(args)
         overrides = [*args.overrides, *_launch_overrides(args)]
         cfg = load_config(args.config, overrides)
-        from meshrun import job  # imports torch: after the config checks, so typos fail fast
+        check_job(cfg)
+        from meshrun import job  # imports torch: after every torch-free check, so mistakes fail fast
 
         if args.dry_run:
             job.preflight(cfg)

@@ -11,22 +11,51 @@ import json
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from meshrun.errors import ConfigError
+from meshrun.safe_yaml import parse_document, read_config_file
 
-Precision = Literal["fp32", "bf16", "fp16"]
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+
+def _no_bool(value: Any) -> Any:
+    """YAML `true` is not the number 1: `steps: true` must not mean one step."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")  # noqa: TRY004 (pydantic reports ValueError)
+    return value
+
+
+def _lower(value: Any) -> Any:
+    """Choices are matched case-insensitively: `BF16` and `1F1B` mean bf16 and 1f1b."""
+    return value.lower() if isinstance(value, str) else value
+
+
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool)]
+Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
+Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(_lower)]
+Schedule = Annotated[Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"], BeforeValidator(_lower)]
+Balance = Annotated[Literal["even", "time", "size"], BeforeValidator(_lower)]
+TrackerMode = Annotated[Literal["online", "offline", "disabled"], BeforeValidator(_lower)]
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:[1-9][0-9]*)$")
+# words meaning "off" that users write for a mode, mapped to the choice that means it
+_OFF_WORDS = {"off": "disabled", "no": "disabled", "false": "disabled", "none": "disabled"}
 
 
 class _Section(BaseModel):
     # coerce_numbers_to_str: `--set run_dir=2024` or `tracker.name=42` are names, not numbers
     model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, coerce_numbers_to_str=True
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, coerce_numbers_to_str=True,
+        allow_inf_nan=False,
     )
 
 
@@ -35,17 +64,17 @@ class ModelConfig(_Section):
     """Built-in model to train (see `meshrun.models.BUILTIN`); ignored when `factory` is set."""
     factory: str | None = None
     """`package.module:function` that builds your own model from this section (see models/__init__.py)."""
-    num_layers: int = Field(4, ge=1)
+    num_layers: Int = Field(4, ge=1)
     """Number of Transformer blocks."""
-    dim: int = Field(128, ge=1)
+    dim: Int = Field(128, ge=1)
     """Hidden width."""
-    num_heads: int = Field(4, ge=1)
+    num_heads: Int = Field(4, ge=1)
     """Attention heads; must divide `dim`."""
-    seq_len: int = Field(128, ge=2)
+    seq_len: Int = Field(128, ge=2)
     """Tokens per sample (context length)."""
-    vocab_size: int = Field(256, ge=2)
+    vocab_size: Int = Field(256, ge=2)
     """Vocabulary size; 256 for the byte-level datasets made by `meshrun prepare-data`."""
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: Float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout probability (0 keeps runs deterministic across layouts)."""
     options: dict[str, Any] = {}
     """Free-form extra arguments for a custom `factory`."""
@@ -77,7 +106,7 @@ DataFormat = Literal["meshrun", "nanogpt", "megatron"]
 class MixtureSource(_Section):
     dir: str
     """A dataset folder (or, for megatron, a PREFIX of PREFIX.bin + PREFIX.idx)."""
-    weight: float = Field(gt=0.0)
+    weight: Float = Field(gt=0.0)
     """Relative share of samples drawn from this source."""
     format: DataFormat = "meshrun"
     """How this source is stored (see data.format)."""
@@ -92,7 +121,7 @@ class DataConfig(_Section):
     """Datasets sampled by weight, e.g. [{dir: A, weight: 0.7}, {dir: B, weight: 0.3}]; used instead of `dir`."""
     sources: list[str] = []
     """Files or globs to prepare when `dir` is empty; empty = the Python standard library's .py files."""
-    val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    val_fraction: Float = Field(0.05, gt=0.0, lt=0.5)
     """Share of documents held out for validation (prepare; and the tail of a Megatron dataset)."""
 
     @model_validator(mode="after")
@@ -105,73 +134,80 @@ class DataConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    dp: int = Field(1, ge=1)
+    dp: Int = Field(1, ge=1)
     """Data-parallel degree (DDP replicas)."""
-    pp: int = Field(1, ge=1)
+    pp: Int = Field(1, ge=1)
     """Pipeline-parallel degree (stages over Transformer blocks)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule from torch.distributed.pipelining (used when pp > 1)."""
-    virtual_stages: int | None = Field(None, ge=1)
+    virtual_stages: Int | None = Field(None, ge=1)
     """Stages per rank: 1 for gpipe/1f1b; default 2 for interleaved-1f1b and zero-bubble."""
-    stage_layers: list[list[int]] | None = None
+    stage_layers: list[list[Int]] | None = None
     """Explicit blocks per stage, e.g. [[0, 1, 2], [3]]; overrides `balance`."""
-    balance: Literal["even", "time", "size"] = "even"
+    balance: Balance = "even"
     """How to split blocks: even (embedding and head weigh one block each), or measured time / size (fairscale)."""
 
 
 class TrainConfig(_Section):
-    global_batch: int = Field(8, ge=1)
+    global_batch: Int = Field(8, ge=1)
     """Samples per optimizer step, summed over all data-parallel ranks and micro-steps."""
-    micro_batch: int = Field(2, ge=1)
+    micro_batch: Int = Field(2, ge=1)
     """Samples per forward/backward on one rank; accumulation = global_batch / (micro_batch * dp)."""
-    steps: int = Field(50, ge=1)
+    steps: Int = Field(50, ge=1)
     """Optimizer steps to run."""
-    lr: float = Field(1e-3, gt=0.0)
+    lr: Float = Field(1e-3, gt=0.0)
     """Peak learning rate (AdamW)."""
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    min_lr_ratio: Float = Field(0.1, ge=0.0, le=1.0)
     """Cosine decay floor as a fraction of `lr`."""
-    warmup_steps: int = Field(5, ge=0)
+    warmup_steps: Int = Field(5, ge=0)
     """Linear warmup steps before cosine decay."""
-    weight_decay: float = Field(0.1, ge=0.0)
+    weight_decay: Float = Field(0.1, ge=0.0)
     """AdamW weight decay (not applied to norms and biases)."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
-    grad_clip: float = Field(1.0, ge=0.0)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    """AdamW betas (beta1, beta2), each in [0, 1)."""
+    grad_clip: Float = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
-    eval_interval: int = Field(25, ge=0)
+    eval_interval: Int = Field(25, ge=0)
     """Run validation every N steps and at the end; 0 disables validation."""
-    eval_batches: int = Field(2, ge=1)
+    eval_batches: Int = Field(2, ge=1)
     """Global batches of validation data per evaluation."""
-    log_interval: int = Field(5, ge=1)
+    log_interval: Int = Field(5, ge=1)
     """Log metrics every N steps."""
-    seed: int = 1337
+    seed: Int = 1337
     """Seed for weights (per layer, so any layout starts identical) and data order."""
     resume: str = "auto"
     """auto: continue from the run directory's newest complete checkpoint; none: refuse an existing run; or a checkpoint path."""
 
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _two_betas(cls, value: Any) -> Any:
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ValueError(f"give two numbers [beta1, beta2], each in [0, 1), e.g. [0.9, 0.95] (got {value!r})")
+        return value
+
 
 class CheckpointConfig(_Section):
-    interval: int = Field(0, ge=0)
+    interval: Int = Field(0, ge=0)
     """Save a checkpoint every N steps (0: only at the end); saves are atomic."""
-    keep: int = Field(3, ge=1)
+    keep: Int = Field(3, ge=1)
     """Keep the newest K complete checkpoints."""
     at_end: bool = True
     """Save a checkpoint when training finishes."""
 
 
 class AmpConfig(_Section):
-    init_scale: float = Field(2.0**16, gt=0.0)
+    init_scale: Float = Field(2.0**16, gt=0.0)
     """fp16 GradScaler initial loss scale."""
-    growth_interval: int = Field(2000, ge=1)
+    growth_interval: Int = Field(2000, ge=1)
     """fp16 GradScaler: steps without overflow before the scale grows."""
 
 
 class LaunchConfig(_Section):
-    max_restarts: int = Field(0, ge=0)
+    max_restarts: Int = Field(0, ge=0)
     """torchrun restarts of the whole worker group after a failure; each restart resumes from the newest checkpoint."""
-    nnodes: int = Field(1, ge=1)
+    nnodes: Int = Field(1, ge=1)
     """Nodes in the job, one torchrun agent (one `meshrun train`) each; > 1 needs `rdzv_endpoint`."""
-    nproc_per_node: int | None = Field(None, ge=1)
+    nproc_per_node: Int | None = Field(None, ge=1)
     """Workers on each node; None = parallel.dp x parallel.pp / nnodes."""
     rdzv_endpoint: str | None = None
     """HOST[:PORT] of the c10d rendezvous on the host node (port default 29400); None on one node = a free local port."""
@@ -193,7 +229,7 @@ class LaunchConfig(_Section):
 
 
 class TrackerConfig(_Section):
-    mode: Literal["online", "offline", "disabled"] = "offline"
+    mode: TrackerMode = "offline"
     """wandb mode; `online` without an API key falls back to offline. WANDB_MODE overrides it."""
     project: str = "meshrun"
     """wandb project."""
@@ -206,7 +242,7 @@ class TrackerConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    peak_tflops: float | None = Field(None, gt=0.0)
+    peak_tflops: Float | None = Field(None, gt=0.0)
     """Peak TFLOP/s of one device for MFU; None = look the GPU up in a table (unknown on CPU)."""
 
 
@@ -215,8 +251,8 @@ class Config(_Section):
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
-    precision: Precision = "fp32"
-    """Autocast dtype for forward/backward: fp32 (off), bf16, or fp16 with a GradScaler."""
+    precision: Precision = "auto"
+    """Autocast dtype: auto (bf16 where the hardware has it, fp16 on older GPUs, else fp32), fp32 (off), bf16, fp16 (GradScaler)."""
     amp: AmpConfig = AmpConfig()
     recompute: str = "none"
     """Activation recompute: none | full | every:N (every Nth block) | selective (keep matmul outputs)."""
@@ -230,8 +266,16 @@ class Config(_Section):
     @field_validator("recompute")
     @classmethod
     def _recompute_policy(cls, value: str) -> str:
+        value = value.lower()
         if not _RECOMPUTE.match(value):
             raise ValueError(f"use one of none, full, selective, every:N with N >= 1 (got {value!r})")
+        return value
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("is empty, which would write into the current directory; name a folder, e.g. runs/my-job")
         return value
 
     @property
@@ -283,18 +327,13 @@ def default_config_text() -> str:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """YAML file (or the packaged default) + `key.path=value` overrides -> validated Config."""
     if path is None:
-        raw, where = default_config_text(), "default config"
+        text, where = default_config_text(), "default config"
     else:
-        try:
-            raw, where = Path(path).read_text(), str(path)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(raw) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{where} is not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+        text, where = read_config_file(path), f"config file {path}"
+    data = parse_document(text, where)
+    if data is None:  # refused rather than silently training the built-in defaults
+        raise ConfigError(f"{where} is empty (no keys); write at least one section (e.g. train:), "
+                          "or leave out the file to use the packaged default")
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a YAML mapping of sections (model:, train:, ...)")
     for item in overrides:
@@ -324,24 +363,39 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
             raise ConfigError(f"--set {key}: {part} is not a section")
         node = child
     try:
-        node[leaf] = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        node[leaf] = text
+        node[leaf] = parse_document(text, f"--set {key}") if text.strip() else None
+    except ConfigError:
+        node[leaf] = text  # not YAML (e.g. `a: b: c`): the text itself, validated as such
 
 
 def _explain(error: dict[str, Any]) -> str:
-    loc = [str(p) for p in error["loc"]]
-    key = ".".join(loc) or "config"
+    """One pydantic error -> one line in config words (dotted keys, no class names)."""
+    loc = error["loc"]
+    key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "config"
+    got = json.dumps(error.get("input"), default=str)
     if error["type"] == "extra_forbidden":
-        section = _section_at(loc[:-1])
+        parent = [str(p) for p in loc[:-1]]
+        section = _section_at(parent)
         known = list(section.model_fields) if section else []
-        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.5)
-        hint = f"did you mean {'.'.join(loc[:-1] + close)}?" if close else f"known keys: {', '.join(known)}"
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.5)
+        hint = f"did you mean {'.'.join(parent + close)}?" if close else f"known keys: {', '.join(known)}"
         return f"unknown config key {key}: {hint}"
+    if error["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return f"invalid {key}: expected a section of keys (a YAML mapping, e.g. {key}: {{...}}) (got {got})"
+    if error["type"] == "literal_error":
+        return f"invalid {key}: use {error['msg'].removeprefix('Input should be ')} (got {got}){_suggest(error)}"
     message = error["msg"].removeprefix("Value error, ")
     if error["type"].startswith("value_error") or error["type"] == "assertion_error":
         return f"invalid {key}: {message}"
-    return f"invalid {key}: {message} (got {json.dumps(error.get('input'), default=str)})"
+    return f"invalid {key}: {message} (got {got})"
+
+
+def _suggest(error: dict[str, Any]) -> str:
+    """' ; did you mean X?' for a misspelt choice (`off` for a mode means `disabled`)."""
+    choices = re.findall(r"'([^']*)'", error.get("ctx", {}).get("expected", ""))
+    given = str(error.get("input")).lower()
+    close = [_OFF_WORDS[given]] if _OFF_WORDS.get(given) in choices else difflib.get_close_matches(given, choices, n=1)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def _section_at(loc: list[str]) -> type[BaseModel] | None:

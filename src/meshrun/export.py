@@ -115,6 +115,6 @@ def codec(cfg: Config) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
 
 def training_data_dir(cfg: Config) -> Path:
     """The folder the model was trained on (a mixture's first source)."""
-    from meshrun.job import data_dir
+    from meshrun.precheck import data_dir
 
     return Path(cfg.data.mixture[0].dir) if cfg.data.mixture else data_dir(cfg)

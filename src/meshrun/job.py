@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -16,109 +14,55 @@ from meshrun.checkpoint import check_resumable
 from meshrun.config import Config
 from meshrun.data.dataset import check_data
 from meshrun.data.prepare import default_sources, is_prepared, prepare
-from meshrun.distributed import in_launched_worker, init_mesh, shutdown
-from meshrun.errors import ConfigError
+from meshrun.distributed import (
+    Mesh,
+    init_mesh,
+    local_device,
+    resolve_precision,
+    shutdown,
+)
+from meshrun.errors import RunError
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model
 from meshrun.models.hf_config import vocab_key, vocab_size
-from meshrun.parallel.plan import stage_ids, stages_per_rank, static_split, validate_layout
+from meshrun.plan import stage_ids, stages_per_rank, static_split
+from meshrun.precheck import data_dir, in_launched_worker
 from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
-
-
-
-
-def data_dir(cfg: Config) -> Path:
-    if cfg.data.dir is not None:
-        return Path(cfg.data.dir)
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "meshrun" / "stdlib-bytes"
 
 
 def ensure_data(cfg: Config) -> Path:
     """Prepare the embedded corpus (or `data.sources`) on first use; never touch existing data.
-    Other formats and mixtures are read in place."""
+    Other formats and mixtures are read in place. (`precheck.check_data_source` has refused a
+    `data.dir` with nothing to prepare.)"""
     path = data_dir(cfg)
-    if not cfg.data.mixture and cfg.data.format == "meshrun" and not is_prepared(path):
-        if cfg.data.dir is not None and not cfg.data.sources:
-            raise ConfigError(f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data --out {path}` or set data.sources")
+    if not reads_in_place(cfg) and not is_prepared(path):
         say(f"preparing byte-level data in {path} (first use)")
         prepare(cfg.data.sources or default_sources(), path, val_fraction=cfg.data.val_fraction)
-    check_data(cfg.data, path, seq_len=cfg.model.seq_len, model_vocab_size=vocab_size(cfg.model),
-               vocab_key=vocab_key(cfg.model))
+    check_data_fits(cfg, path)
     return path
 
 
 def preflight(cfg: Config) -> None:
-    """Every check that needs no worker: layout, model protocol, run directory."""
-    validate_layout(cfg)
+    """The checks that need torch (the torch-free ones ran in `precheck.check_job`): the model
+    builds and follows the protocol; data already prepared fits the model."""
     with torch.device("meta"):
         model = build_model(cfg.model)
     if hasattr(model, "check_weights"):  # pretrained weights: present, and shaped as the config says
         model.check_weights()
-    if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
-        raise ConfigError(f"run_dir {cfg.run_dir} is a file, not a folder; set run_dir to a new folder")
-    check_writable(Path(cfg.run_dir))
-    check_readable(data_dir(cfg))
-    existing = Path(cfg.run_dir) / "config.json"
-    if existing.exists():
-        if cfg.train.resume == "none":
-            raise ConfigError(f"run_dir {cfg.run_dir} already holds a run; set train.resume=auto to continue it, or a new run_dir")
-        check_same_model(existing, cfg)
-    if cfg.train.resume not in ("auto", "none") and not (Path(cfg.train.resume) / "manifest.json").is_file():
-        raise ConfigError(f"train.resume {cfg.train.resume} is not a complete checkpoint folder (no manifest.json)")
-    if in_launched_worker() and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
-        raise ConfigError(
-            f"world size {os.environ['WORLD_SIZE']} does not match parallel.dp x parallel.pp = "
-            f"{cfg.parallel.dp} x {cfg.parallel.pp}; launch {cfg.world_size} processes or change parallel.dp / parallel.pp"
-        )
+    if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
+        check_data_fits(cfg, data_dir(cfg))
 
 
-def check_writable(run_dir: Path) -> None:
-    """run_dir (or the nearest folder above it that exists) takes a new file. Probed with a real
-    file: permission bits say nothing for root, and a read-only mount refuses root too."""
-    existing = run_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"run_dir {run_dir} lies under {existing}, which is a file; set run_dir to a folder path")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"run_dir {run_dir} is not writable ({existing}: {exc.strerror}); "
-                          "fix its permissions or set run_dir to a writable folder") from None
+def reads_in_place(cfg: Config) -> bool:
+    """Mixtures and other tools' formats are read as they are; nothing is prepared for them."""
+    return bool(cfg.data.mixture) or cfg.data.format != "meshrun"
 
 
-def check_readable(path: Path) -> None:
-    """Every file of an existing data folder can be opened and read (workers would fail later)."""
-    if not path.is_dir():
-        return  # missing data is prepared or reported by ensure_data
-    try:
-        for entry in path.iterdir():
-            if entry.is_file():
-                with entry.open("rb") as f:
-                    f.read(1)
-    except OSError as exc:
-        raise ConfigError(f"data.dir {path} is not readable ({exc.filename}: {exc.strerror}); "
-                          "fix its permissions or point data.dir at a readable copy") from None
-
-
-def check_same_model(existing: Path, cfg: Config) -> None:
-    """A run directory continues only a meshrun run of the same model (any dp x pp layout)."""
-    try:
-        before = Config.model_validate(json.loads(existing.read_text())).model
-    except ValueError:
-        raise ConfigError(
-            f"run_dir {cfg.run_dir} already holds files that are not a meshrun run ({existing.name}); "
-            "set run_dir to a new folder"
-        ) from None
-    for key, value in cfg.model.model_dump(mode="json").items():
-        if getattr(before, key) != getattr(cfg.model, key):
-            raise ConfigError(
-                f"run_dir {cfg.run_dir} holds a run of a different model (model.{key} is {getattr(before, key)!r} there, "
-                f"{value!r} here); use the same model settings or a new run_dir"
-            )
+def check_data_fits(cfg: Config, path: Path) -> None:
+    """The data parses, holds enough tokens for a sample, and its ids fit the model's vocabulary."""
+    check_data(cfg.data, path, seq_len=cfg.model.seq_len, model_vocab_size=vocab_size(cfg.model),
+               vocab_key=vocab_key(cfg.model))
 
 
 def describe_split(cfg: Config) -> list[str] | None:
@@ -146,6 +90,8 @@ def describe(cfg: Config) -> str:
         f"x accumulation steps {cfg.accumulation_steps}",
         f"  tokens per step {cfg.tokens_per_step} (seq_len {cfg.model.seq_len})",
     ]
+    choice = resolve_precision(cfg.precision, local_device())
+    lines += ["precision:", f"  {choice.reason}"] + ([f"  warning: {choice.warning}"] if choice.warning else [])
     return "\n".join(lines)
 
 
@@ -201,6 +147,7 @@ def run_worker(cfg: Config) -> int:
     trainer = None
     try:
         torch.distributed.barrier()  # data prepared by every node's local rank 0
+        cfg = with_resolved_precision(cfg, mesh)
         trainer = Trainer(cfg, mesh, data_dir(cfg))
         trainer.train()
         return 0
@@ -208,3 +155,22 @@ def run_worker(cfg: Config) -> int:
         if trainer is not None:
             trainer.close()
         shutdown()
+
+
+def with_resolved_precision(cfg: Config, mesh: Mesh) -> Config:
+    """The config with `precision` resolved for this hardware (what config.json and the tracker
+    record). Rank 0 says what was chosen and why; all ranks must agree (mixed hardware with
+    `auto` could pick different dtypes for the stages of one pipeline)."""
+    choice = resolve_precision(cfg.precision, mesh.device)
+    choices: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(choices, choice.precision)
+    if len(set(choices)) > 1:
+        raise RunError(
+            f"precision {cfg.precision} means {' / '.join(sorted(set(map(str, choices))))} on different nodes "
+            "(their hardware differs); set precision explicitly"
+        )
+    if mesh.rank == 0:
+        say(choice.reason)
+        if choice.warning:
+            say(f"warning: {choice.warning}")
+    return cfg.model_copy(update={"precision": choice.precision})

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 from torch import nn
 
@@ -50,24 +52,47 @@ def resolve_factory(cfg: ModelConfig) -> Callable[[ModelConfig], nn.Module]:
     module_name, sep, attr = cfg.factory.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"invalid model.factory {cfg.factory!r}: expected 'package.module:function'")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"invalid model.factory {cfg.factory!r}: {exc}") from None
+    factory = getattr(_import_factory_module(cfg.factory, module_name), attr, None)
+    if factory is None:
+        raise ConfigError(f"invalid model.factory {cfg.factory!r}: module {module_name} has no attribute {attr!r}")
     if not callable(factory):
         raise ConfigError(f"invalid model.factory {cfg.factory!r}: {attr} is not callable")
     return factory
 
 
+def _import_factory_module(factory: str, module_name: str) -> ModuleType:
+    """Import the user's module; whatever goes wrong (syntax, a missing module, an exception or
+    sys.exit at import time) becomes one line naming model.factory."""
+    where = f"invalid model.factory {factory!r}"
+    try:
+        return importlib.import_module(module_name)
+    except SyntaxError as exc:
+        raise ConfigError(f"{where}: SyntaxError in {exc.filename} line {exc.lineno}: {exc.msg}; fix the module") from None
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        here = [name for name in (f"{top}.py", top) if exc.name == top and (Path.cwd() / name).exists()]
+        hint = (f"; {here[0]} is in the current directory, which is not on the Python path here: "
+                "run with PYTHONPATH=. (workers inherit it) or install the module") if here else ""
+        raise ConfigError(f"{where}: {exc}{hint}") from None
+    except SystemExit as exc:
+        raise ConfigError(f"{where}: importing {module_name} called sys.exit({exc.code!r}); remove that call") from None
+    except Exception as exc:  # the user's module failed while importing
+        raise ConfigError(f"{where}: importing {module_name} raised {type(exc).__name__}: {exc}") from exc
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Construct the model (call under `torch.device("meta")`) and check it follows the protocol."""
     factory = resolve_factory(cfg)
+    source = f"model.factory {cfg.factory}" if cfg.factory else f"model.name {cfg.name}"
     try:
         model = factory(cfg)
     except ConfigError:
         raise
+    except SystemExit as exc:  # a factory must return or raise, never end the process
+        raise ConfigError(f"{source} called sys.exit({exc.code!r}) while building the model; "
+                          "make it return the model or raise an exception") from None
     except Exception as exc:  # the user's constructor: report it as a config problem, in one line
-        raise ConfigError(f"model.factory {cfg.factory or cfg.name} failed: {type(exc).__name__}: {exc}") from exc
+        raise ConfigError(f"{source} failed: {type(exc).__name__}: {exc}") from exc
     missing = [name for name in PROTOCOL if not hasattr(model, name)]
     if missing or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
         what = ", ".join(missing) or "blocks as nn.ModuleDict"

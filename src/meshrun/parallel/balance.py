@@ -15,7 +15,7 @@ from torch import nn
 from meshrun.config import Config
 from meshrun.errors import ConfigError
 from meshrun.models.hf_config import num_layers, vocab_size
-from meshrun.parallel.plan import check_split, sizes_to_split
+from meshrun.plan import check_split, sizes_to_split
 
 
 def _as_sequence(model: nn.Module) -> nn.Sequential:

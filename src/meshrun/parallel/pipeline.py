@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (
 
 from meshrun.config import Config
 from meshrun.distributed import Mesh
-from meshrun.parallel.plan import stage_ids, stages_per_rank, static_split
+from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.parallel.timeline import ActionTimer
 from meshrun.training.loss import MicrobatchLoss
 
