@@ -25,7 +25,7 @@ from meshrun.errors import RunError
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model
-from meshrun.models.hf_config import vocab_key, vocab_size
+from meshrun.models.hf_config import hf_dir, vocab_key, vocab_size
 from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.precheck import data_dir, in_launched_worker
 from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
@@ -60,9 +60,12 @@ def reads_in_place(cfg: Config) -> bool:
 
 
 def check_data_fits(cfg: Config, path: Path) -> None:
-    """The data parses, holds enough tokens for a sample, and its ids fit the model's vocabulary."""
+    """The data parses, holds enough tokens for a sample, its ids fit the model's vocabulary, and
+    it was tokenized with the model folder's tokenizer when both have one."""
+    model_dir = hf_dir(cfg.model)
+    tokenizer = model_dir / "tokenizer.json" if model_dir and (model_dir / "tokenizer.json").is_file() else None
     check_data(cfg.data, path, seq_len=cfg.model.seq_len, model_vocab_size=vocab_size(cfg.model),
-               vocab_key=vocab_key(cfg.model))
+               vocab_key=vocab_key(cfg.model), model_tokenizer=tokenizer)
 
 
 def describe_split(cfg: Config) -> list[str] | None:

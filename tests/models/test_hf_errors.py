@@ -62,3 +62,43 @@ def test_vocab_smaller_than_byte_data(data_dir: Path, tmp_path: Path, capsys) ->
     err = error_of(["train", *tiny(data_dir, tmp_path / "run", **{"model.hf_config": small})], capsys)
     assert "vocabulary of 256 tokens but the model has 128 (vocab_size in model.hf_config)" in err
 
+
+
+def _bpe(texts: list[str], vocab: int) -> str:
+    """A byte-level BPE made with `tokenizers` directly, as tokenizer.json text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer.to_str()
+
+
+def test_data_tokenized_with_another_tokenizer_than_the_models(data_dir: Path, tmp_path: Path, capsys) -> None:
+    """A model folder with its tokenizer.json and data prepared with a different tokenizer: refused;
+    the same data prepared with the model's own tokenizer (or byte-level data) is accepted."""
+    from transformers import AutoConfig
+
+    from meshrun.data.prepare import prepare
+
+    texts = [f"def f{i}(self, x):\n    return x * {i}\n" for i in range(200)]
+    model_dir = tmp_path / "model"
+    AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=512).save_pretrained(model_dir)  # config only: random init
+    (model_dir / "tokenizer.json").write_text(_bpe(texts, 300))
+    (tmp_path / "corpus").mkdir()
+    for i in range(8):
+        (tmp_path / "corpus" / f"doc{i}.py").write_text("".join(texts[i * 25:(i + 1) * 25]))
+    other = tmp_path / "other.json"
+    other.write_text(_bpe(texts[::-1] + ["class C:\n    pass\n"] * 50, 290))
+    for name, tokenizer in (("theirs", other), ("ours", model_dir)):
+        prepare([str(tmp_path / "corpus")], tmp_path / name, tokenizer=str(tokenizer), val_fraction=0.25, workers=1,
+                progress=False)
+    args = lambda data: dry_run(data, tmp_path, **{"model.hf": model_dir, "data.dir": data})  # noqa: E731
+    err = error_of(args(tmp_path / "theirs"), capsys)
+    assert f"the data was tokenized with {other}, not with the model's {model_dir / 'tokenizer.json'}" in err
+    for accepted in (tmp_path / "ours", data_dir):
+        assert main(args(accepted)) == 0, capsys.readouterr().err
+        capsys.readouterr()

@@ -9,6 +9,8 @@ sample `i`.
 
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -136,9 +138,10 @@ def check_vocab(data_vocab: int | None, model_vocab_size: int, where: str, *, ke
 
 
 def check_data(data: DataConfig, data_dir: Path, *, seq_len: int, model_vocab_size: int,
-               vocab_key: str = "model.vocab_size") -> None:
+               vocab_key: str = "model.vocab_size", model_tokenizer: Path | None = None) -> None:
     """Fail early (before spawning) on missing, unparsable, empty or too-small data, a vocabulary
-    larger than the model's, and mixture sources tokenized differently."""
+    larger than the model's, mixture sources tokenized differently, and data tokenized with
+    another tokenizer than the `model_tokenizer` (tokenizer.json) the model ships."""
     tokenizers = set()
     for split in SPLITS:
         dataset = open_dataset(data, data_dir, split, seq_len=seq_len, seed=0)
@@ -149,3 +152,19 @@ def check_data(data: DataConfig, data_dir: Path, *, seq_len: int, model_vocab_si
     if len(tokenizers) > 1:
         raise ConfigError(f"data.mixture sources were tokenized differently ({', '.join(sorted(n for n, _ in tokenizers))}); "
                           "prepare them with the same tokenizer")
+    if model_tokenizer is not None and tokenizers:
+        check_same_tokenizer(tokenizers.pop(), model_tokenizer)
+
+
+def check_same_tokenizer(data_tokenizer: tuple[str, str], model_tokenizer: Path) -> None:
+    """Token ids mean words only under the tokenizer that made them: data prepared with another
+    tokenizer than the model's would train (and sample) on the wrong words. Byte-level data
+    carries no tokenizer of its own and trains any model with vocab_size >= 256."""
+    from tokenizers import Tokenizer
+
+    name, sha256 = data_tokenizer
+    if name == "byte":
+        return
+    if hashlib.sha256(Tokenizer.from_file(str(model_tokenizer)).to_str().encode()).hexdigest() != sha256:
+        raise ConfigError(f"the data was tokenized with {name}, not with the model's {model_tokenizer}; "
+                          f"prepare it again with `meshrun prepare-data --tokenizer {model_tokenizer.parent} ...`")
