@@ -147,7 +147,7 @@ REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of t
     "shard-damaged": (lambda d, b, t: {"data.dir": _damaged_shard(b, t), "model.vocab_size": VOCAB},
                       ("train-00000.bin is", "meta.json says", "prepare it again")),
     "mixture-weight-zero": (lambda d, b, t: {"data.dir": None, "data.mixture": f"[{{dir: {d}, weight: 0}}]"},
-                            ("invalid data.mixture.0.weight", "greater than 0")),
+                            ("invalid data.mixture[0].weight", "greater than 0")),
     "mixture-and-dir": (lambda d, b, t: {"data.mixture": f"[{{dir: {d}, weight: 1}}]"}, ("set data.dir or data.mixture, not both",)),
     "mixture-different-tokenizers": (lambda d, b, t: {"data.dir": None, "model.vocab_size": VOCAB,
                                                       "data.mixture": f"[{{dir: {d}, weight: 1}}, {{dir: {b}, weight: 1}}]"},
