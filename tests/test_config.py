@@ -266,7 +266,7 @@ CASES = [
          ("data.dir /nonexistent holds no prepared dataset",), subprocess=True, torch_free=True),
     Case("dry-run-layout", lambda c: ["train", *c.set(parallel__pp=8), "--dry-run"], ("8 pipeline stages",),
          torch_free=True),
-    Case("dry-run-data-too-small", lambda c: ["train", *c.set(model__seq_len=(c.data_dir / "train.bin").stat().st_size),
+    Case("dry-run-data-too-small", lambda c: ["train", *c.set(model__seq_len=json.loads((c.data_dir / "meta.json").read_text())["train_tokens"]),
                                                "--dry-run"],
          ("fewer than model.seq_len + 1",)),
     # --- the user's model factory ---

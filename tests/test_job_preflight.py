@@ -48,8 +48,8 @@ def test_unwritable_run_dir_is_refused_before_spawning(where: str, data_dir: Pat
 def test_unreadable_data_dir_is_refused_before_spawning(data_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)
-    (data / "val.bin").unlink()
-    (data / "val.bin").symlink_to(unreadable_file(tmp_path))
+    (data / "val-00000.bin").unlink()
+    (data / "val-00000.bin").symlink_to(unreadable_file(tmp_path))
     error = refused(["train", *tiny(data_dir=data, run_dir=tmp_path / "run")], tmp_path)
-    assert f"data.dir {data} is not readable" in error and "val.bin" in error
+    assert f"data.dir {data} is not readable" in error and "val-00000.bin" in error
     assert not (tmp_path / "run").exists()

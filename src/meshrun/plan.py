@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from meshrun.config import Config
 from meshrun.errors import ConfigError
-from meshrun.models.hf_config import is_hf, num_layers
+from meshrun.hf_config import is_hf, num_layers
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 

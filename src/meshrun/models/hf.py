@@ -27,7 +27,7 @@ from torch import nn
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.models.hf_config import FAMILIES, check_fits, hf_dir, load_hf_config
+from meshrun.hf_config import FAMILIES, check_fits, hf_dir, load_hf_config
 from meshrun.models.hf_weights import check_shapes, has_weights, load_weights
 from meshrun.models.init import seeded_normal_
 from meshrun.models.protocol import StagedModel

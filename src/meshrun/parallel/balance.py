@@ -14,7 +14,7 @@ from torch import nn
 
 from meshrun.config import Config
 from meshrun.errors import ConfigError
-from meshrun.models.hf_config import num_layers, vocab_size
+from meshrun.hf_config import num_layers, vocab_size
 from meshrun.plan import check_split, sizes_to_split
 
 
