@@ -53,3 +53,15 @@ def reference_loss_and_grad_norm(model_dir: Path, x: torch.Tensor, y: torch.Tens
         total += loss.item()
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # a tied matrix is one parameter
     return total, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+
+
+def bpe_json(texts: list[str], vocab: int) -> str:
+    """A byte-level BPE made with `tokenizers` directly, as tokenizer.json text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer.to_str()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny
-from hf_models import make_model
+from hf_models import bpe_json, make_model
 
 from meshrun.cli import main
 
@@ -64,18 +64,6 @@ def test_vocab_smaller_than_byte_data(data_dir: Path, tmp_path: Path, capsys) ->
 
 
 
-def _bpe(texts: list[str], vocab: int) -> str:
-    """A byte-level BPE made with `tokenizers` directly, as tokenizer.json text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    return tokenizer.to_str()
-
-
 def test_data_tokenized_with_another_tokenizer_than_the_models(data_dir: Path, tmp_path: Path, capsys) -> None:
     """A model folder with its tokenizer.json and data prepared with a different tokenizer: refused;
     the same data prepared with the model's own tokenizer (or byte-level data) is accepted."""
@@ -87,12 +75,12 @@ def test_data_tokenized_with_another_tokenizer_than_the_models(data_dir: Path, t
     model_dir = tmp_path / "model"
     AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          vocab_size=512).save_pretrained(model_dir)  # config only: random init
-    (model_dir / "tokenizer.json").write_text(_bpe(texts, 300))
+    (model_dir / "tokenizer.json").write_text(bpe_json(texts, 300))
     (tmp_path / "corpus").mkdir()
     for i in range(8):
         (tmp_path / "corpus" / f"doc{i}.py").write_text("".join(texts[i * 25:(i + 1) * 25]))
     other = tmp_path / "other.json"
-    other.write_text(_bpe(texts[::-1] + ["class C:\n    pass\n"] * 50, 290))
+    other.write_text(bpe_json(texts[::-1] + ["class C:\n    pass\n"] * 50, 290))
     for name, tokenizer in (("theirs", other), ("ours", model_dir)):
         prepare([str(tmp_path / "corpus")], tmp_path / name, tokenizer=str(tokenizer), val_fraction=0.25, workers=1,
                 progress=False)

@@ -1,0 +1,37 @@
+"""`meshrun sample` on a Hugging Face model with a tokenizer: decoded with the training data's
+tokenizer while the data folder exists, and with the model folder's own tokenizer without it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from conftest import run_meshrun, tiny
+from hf_models import bpe_json
+from tokenizers import Tokenizer
+
+from meshrun.data.prepare import prepare
+
+
+def test_sample_decodes_with_the_data_or_the_model_tokenizer(tmp_path: Path) -> None:
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    texts = [f"def f{i}(self, x):\n    return x * {i}\n" for i in range(200)]
+    model_dir = tmp_path / "model"
+    AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=320).save_pretrained(model_dir)  # config only: random init
+    tokenizer = Tokenizer.from_str(bpe_json(texts, 300))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(model_dir)
+    (tmp_path / "corpus").mkdir()
+    for i in range(8):
+        (tmp_path / "corpus" / f"doc{i}.py").write_text("".join(texts[i * 25:(i + 1) * 25]))
+    data = tmp_path / "data"
+    prepare([str(tmp_path / "corpus")], data, tokenizer=str(model_dir), val_fraction=0.25, workers=1, progress=False)
+    run = tmp_path / "run"
+    run_meshrun(["train", *tiny(data, run, **{"model.hf": model_dir, "train.steps": 2})], tmp_path=tmp_path)
+    greedy = ["sample", str(run), "--prompt", "def f1(self", "--tokens", "12", "--temperature", "0"]
+    with_data = run_meshrun(greedy, tmp_path=tmp_path).stdout.rstrip("\n")
+    shutil.rmtree(data)  # no data folder: the model folder's tokenizer decodes
+    with_model = run_meshrun(greedy, tmp_path=tmp_path).stdout.rstrip("\n")
+    assert with_data.startswith("def f1(self") and len(with_data) > len("def f1(self")
+    assert with_model == with_data  # the same tokenizer, reached two ways, decodes the same greedy ids
