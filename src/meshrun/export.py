@@ -22,8 +22,8 @@ from meshrun.checkpoint import (
 from meshrun.config import Config
 from meshrun.data.tokenize import text_codec
 from meshrun.errors import ConfigError
-from meshrun.models import build_model
 from meshrun.hf_config import vocab_size
+from meshrun.models import build_model
 from meshrun.models.hf_export import load_tokenizer
 
 

@@ -22,10 +22,10 @@ from meshrun.distributed import (
     shutdown,
 )
 from meshrun.errors import RunError
+from meshrun.hf_config import hf_dir, vocab_key, vocab_size
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.report import say
 from meshrun.models import build_model
-from meshrun.hf_config import hf_dir, vocab_key, vocab_size
 from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.precheck import data_dir, in_launched_worker
 from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS

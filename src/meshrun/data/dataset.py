@@ -10,7 +10,6 @@ sample `i`.
 from __future__ import annotations
 
 import hashlib
-
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
