@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch import nn
 
 from meshrun.checkpoint import check_resumable
 from meshrun.config import Config
@@ -39,19 +40,21 @@ def ensure_data(cfg: Config) -> Path:
     if not reads_in_place(cfg) and not is_prepared(path):
         say(f"preparing byte-level data in {path} (first use)")
         prepare(cfg.data.sources or default_sources(), path, val_fraction=cfg.data.val_fraction)
-    check_data_fits(cfg, path)
+        check_data_fits(cfg, path)  # data that was already there was checked by `preflight`
     return path
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config) -> nn.Module:
     """The checks that need torch (the torch-free ones ran in `precheck.check_job`): the model
-    builds and follows the protocol; data already prepared fits the model."""
+    builds and follows the protocol; data already prepared fits the model. Returns the model,
+    built on the meta device, for checks that need its parameter names."""
     with torch.device("meta"):
         model = build_model(cfg.model)
     if hasattr(model, "check_weights"):  # pretrained weights: present, and shaped as the config says
         model.check_weights()
     if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
         check_data_fits(cfg, data_dir(cfg))
+    return model
 
 
 def reads_in_place(cfg: Config) -> bool:
@@ -99,14 +102,13 @@ def describe(cfg: Config) -> str:
 
 
 def train(cfg: Config, worker_args: list[str]) -> int:
-    preflight(cfg)
+    model = preflight(cfg)
     if in_launched_worker():
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             ensure_data(cfg)
         return run_worker(cfg)
     ensure_data(cfg)
-    with torch.device("meta"):  # a run that cannot resume stops before any worker exists
-        check_resumable(cfg.run_dir, cfg.train.resume, build_model(cfg.model))
+    check_resumable(cfg.run_dir, cfg.train.resume, model)  # cannot resume: stop before any worker exists
     if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
         return outcome(cfg, run_worker(cfg))  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)

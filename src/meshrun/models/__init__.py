@@ -32,8 +32,8 @@ from torch import nn
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.models.gpt import GPT
 from meshrun.hf_config import is_hf
+from meshrun.models.gpt import GPT
 
 BUILTIN: dict[str, Callable[[ModelConfig], nn.Module]] = {"gpt": GPT}
 PROTOCOL = ("embed", "blocks", "norm", "head", "init_weights", "flops_per_token")
