@@ -113,7 +113,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny(data_dir: Path, run_dir: Path | str, **overrides: object) -> list[str]:
     """`--set` arguments for a tiny fp32 job on the test dataset (overrides win)."""
     settings: dict[str, object] = {
-        "data.dir": data_dir, "run_dir": run_dir, "model.num_layers": 4, "model.dim": 32, "model.num_heads": 2,
+        "data.dir": data_dir, "run_dir": run_dir, "model.vocab_size": 256, "model.num_layers": 4, "model.dim": 32, "model.num_heads": 2,
         "model.seq_len": 16, "parallel.dp": 1, "parallel.pp": 1, "train.global_batch": 8, "train.micro_batch": 2, "train.steps": 4,
         "train.warmup_steps": 1, "train.eval_interval": 0, "train.log_interval": 1, "precision": "fp32",
         "recompute": "none", "tracker.mode": "disabled",

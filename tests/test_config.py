@@ -269,6 +269,11 @@ CASES = [
     Case("dry-run-data-too-small", lambda c: ["train", *c.set(model__seq_len=json.loads((c.data_dir / "meta.json").read_text())["train_tokens"]),
                                                "--dry-run"],
          ("fewer than model.seq_len + 1",)),
+    # --- data prepared on first use ---
+    Case("data-tokenizer-misspelt", lambda c: ["train", *c.set(data__tokenizer="bpe2048")],
+         ("invalid data", "data.tokenizer 'bpe2048'", "use bpe:VOCAB"), torch_free=True),
+    Case("data-sources-without-dir", lambda c: ["train", *c.set(), "--set", "data.dir=null", "--set", "data.sources=[a.txt]"],
+         ("data.sources needs data.dir",), torch_free=True),
     # --- the user's model factory ---
     Case("factory-syntax-error", _module("mt_syntax", "def build(cfg)\n    return None\n", "mt_syntax:build"),
          ("invalid model.factory 'mt_syntax:build'", "SyntaxError in", "mt_syntax.py line 1", "fix the module"),

@@ -121,6 +121,8 @@ class DataConfig(_Section):
     """Datasets sampled by weight, e.g. [{dir: A, weight: 0.7}, {dir: B, weight: 0.3}]; used instead of `dir`."""
     sources: list[str] = []
     """Files or globs to prepare when `dir` is empty; empty = the Python standard library's .py files."""
+    tokenizer: str | None = None
+    """Tokenizer for data `meshrun train` prepares itself (no data.dir, or an empty one): byte (None), bpe:VOCAB (trained on the sources), or a tokenizer.json / model folder."""
     val_fraction: Float = Field(0.05, gt=0.0, lt=0.5)
     """Share of documents held out for validation (prepare; and the tail of a Megatron dataset)."""
 
@@ -130,6 +132,10 @@ class DataConfig(_Section):
             raise ValueError("set data.dir or data.mixture, not both")
         if self.format != "meshrun" and self.dir is None and not self.mixture:
             raise ValueError(f"data.format {self.format} reads existing files: set data.dir to them")
+        if self.sources and self.dir is None:
+            raise ValueError("data.sources needs data.dir: the folder to prepare them into")
+        if self.tokenizer and self.tokenizer.startswith("bpe") and not re.fullmatch(r"bpe:\d+", self.tokenizer):
+            raise ValueError(f"data.tokenizer {self.tokenizer!r}: use bpe:VOCAB, e.g. bpe:2048")
         return self
 
 

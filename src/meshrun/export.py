@@ -81,10 +81,13 @@ def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, tempe
     """Generation with the tokenizer the model was trained with (see `codec`)."""
     encode, decode, num_ids = codec(cfg)
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.tensor([encode(prompt) or encode("\n")], dtype=torch.long)  # (1, T)
-    for _ in range(num_tokens):
+    ids, first_allowed = heal_prompt(encode(prompt) or encode("\n"), decode, num_ids or vocab_size(cfg.model))
+    tokens = torch.tensor([ids], dtype=torch.long)  # (1, T)
+    for step in range(num_tokens):
         logits = model(tokens[:, -cfg.model.seq_len :])[:, -1, :].float()  # (1, V)
         logits = logits if num_ids is None else logits[:, :num_ids]
+        if step == 0 and first_allowed is not None:
+            logits = logits.masked_fill(~first_allowed[: logits.shape[-1]], float("-inf"))
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -95,6 +98,19 @@ def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, tempe
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
         tokens = torch.cat([tokens, nxt], dim=1)
     return decode(tokens[0].tolist())
+
+
+def heal_prompt(ids: list[int], decode: Callable[[list[int]], str], num_ids: int) -> tuple[list[int], torch.Tensor | None]:
+    """Token healing: a prompt's last token is often a fragment the model never saw at the end
+    of a text (with a BPE, "def " ends in a lone space that training text always glues to the
+    next word), so sampling from it starts with noise. Drop that token and let the first sampled
+    token be any token that starts with its text. Returns the prompt ids and the mask of allowed
+    first tokens (None: nothing to heal)."""
+    if len(ids) < 2:
+        return ids, None
+    tail = decode(ids[-1:])
+    allowed = torch.tensor([decode([i]).startswith(tail) for i in range(num_ids)])
+    return ids[:-1], allowed
 
 
 def codec(cfg: Config) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int | None]:

@@ -38,8 +38,11 @@ def ensure_data(cfg: Config) -> Path:
     `data.dir` with nothing to prepare.)"""
     path = data_dir(cfg)
     if not reads_in_place(cfg) and not is_prepared(path):
-        say(f"preparing byte-level data in {path} (first use)")
-        prepare(cfg.data.sources or default_sources(), path, val_fraction=cfg.data.val_fraction)
+        tokenizer = cfg.data.tokenizer or "byte"
+        say(f"preparing {tokenizer} data in {path} (first use)")
+        trained = tokenizer.startswith("bpe:")
+        prepare(cfg.data.sources or default_sources(), path, val_fraction=cfg.data.val_fraction,
+                tokenizer="byte" if trained else tokenizer, train_tokenizer=tokenizer if trained else None)
         check_data_fits(cfg, path)  # data that was already there was checked by `preflight`
     return path
 

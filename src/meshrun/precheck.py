@@ -4,6 +4,7 @@ Checks that need torch (building the model, reading token files) stay in `job.pr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -24,7 +25,16 @@ def data_dir(cfg: Config) -> Path:
     if cfg.data.dir is not None:
         return Path(cfg.data.dir)
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "meshrun" / "stdlib-bytes"
+    return cache / "meshrun" / f"python-stdlib-{_tokenizer_slug(cfg.data.tokenizer)}"
+
+
+def _tokenizer_slug(tokenizer: str | None) -> str:
+    """A folder-name part per tokenizer, so corpora tokenized differently never share a cache folder."""
+    if tokenizer in (None, "byte"):
+        return "byte"
+    if tokenizer.startswith("bpe:"):
+        return tokenizer.replace(":", "")
+    return f"{Path(tokenizer).name}-{hashlib.sha256(str(Path(tokenizer).resolve()).encode()).hexdigest()[:8]}"
 
 
 def check_job(cfg: Config) -> None:

@@ -17,7 +17,8 @@ import torch
 
 from conftest import run_meshrun
 from meshrun.data.dataset import TokenDataset
-from meshrun.data.prepare import default_sources, expand_sources, prepare
+from meshrun.data.prepare import _spread_sample, default_sources, expand_sources, prepare
+from meshrun.data.sources import find_sources
 from meshrun.errors import ConfigError
 
 SEPARATOR = b"\n\n"  # prepare appends this after every file
@@ -158,7 +159,21 @@ def test_default_sources_are_the_standard_library() -> None:
     assert all(stdlib in f.resolve().parents for f in files)
     assert not any(part in {"site-packages", "dist-packages"} for f in files for part in f.parts)
     names = {f.relative_to(stdlib).as_posix() for f in files}
-    assert {"os.py", "json/__init__.py"} <= names
+    assert {"os.py", "json/__init__.py", "email/mime/text.py"} <= names
+    left_out = {"test", "tests", "idle_test", "encodings", "pydoc_data"}  # test suites, generated tables
+    assert not any(left_out & set(f.relative_to(stdlib).parts) for f in files)
+
+
+def test_a_bpe_is_trained_on_an_even_sample_of_a_large_corpus(tmp_path: Path) -> None:
+    """Documents totalling the budget, drawn from the whole corpus (not its first files)."""
+    for i in range(50):
+        (tmp_path / f"doc{i:02d}.txt").write_bytes(f"{i:02d}".encode() * 500)
+    found = find_sources([str(tmp_path / "*.txt")])
+    sample = list(_spread_sample(found, "text", budget=10_000))
+    assert 9_000 <= sum(map(len, sample)) <= 11_000
+    picked = sorted(int(doc[:2]) for doc in sample)
+    assert picked[0] < 5 and picked[-1] >= 45 and max(b - a for a, b in zip(picked, picked[1:])) <= 6  # evenly spread
+    assert sum(map(len, _spread_sample(found, "text", budget=10**9))) == 50_000  # small corpora: all of it
 
 
 def test_prepare_without_source_uses_the_standard_library(tmp_path: Path) -> None:

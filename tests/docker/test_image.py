@@ -294,11 +294,11 @@ def test_default_job_runs_in_the_image(podman: Podman, image: str, tmp_path: Pat
     output = result.stdout + result.stderr
     assert SECRET not in output
     run_dir = runs / "default"  # configs/default.yaml's run_dir, relative to the image's /workspace
-    assert [row["step"] for row in read_metrics(run_dir) if "loss" in row][-1:] == [3], output  # logs every 10 steps
+    assert [row["step"] for row in read_metrics(run_dir) if "loss" in row][-1:] == [3], output  # logs every 20 steps, and at the last
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["run_dir"] == "/workspace/runs/default"
     assert (run_dir / "summary.json").stat().st_uid == IMAGE_UID  # written by the image's non-root user
-    assert list((cache / "meshrun" / "stdlib-bytes").iterdir()), "default dataset not prepared in the cache mount"
+    assert list((cache / "meshrun" / "python-stdlib-bpe2048").iterdir()), "default dataset not prepared in the cache mount"
     assert not [p for p in run_dir.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
 
 
