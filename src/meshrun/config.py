@@ -265,7 +265,7 @@ class ProfileConfig(_Section):
     """CUDA: also write torch.cuda.memory snapshots (pickle for pytorch.org/memory_viz) at `steps`."""
 
     @model_validator(mode="after")
-    def _snapshot_needs_steps(self) -> "ProfileConfig":
+    def _snapshot_needs_steps(self) -> ProfileConfig:
         if self.memory_snapshot and not self.steps:
             raise ValueError("profile.memory_snapshot needs profile.steps (the steps to snapshot), e.g. [5]")
         return self

@@ -9,6 +9,7 @@ process on a loaded 2-core machine, for nothing we use.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,9 @@ class StepProfiler:
             yield
             return
         self.folder.mkdir(parents=True, exist_ok=True)
+        # Kineto prints two "USDT: profiler_start/stop" lines per profiled step unless its log
+        # level is above all its levels (read when the profiler first starts; a user's wins).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         snapshot = trace and self.snapshot
         with profile(use_kineto=True, use_device="cuda" if self.device.type == "cuda" else None) as prof:
             if snapshot:

@@ -24,17 +24,18 @@ class ProgressBar:
     """A live tqdm bar on stderr (step, loss, tokens/s, ETA) for a terminal; other messages are
     written above it so the bar stays the last line."""
 
-    def __init__(self, *, steps: int) -> None:
+    def __init__(self, *, steps: int, start_step: int) -> None:
         from tqdm import tqdm  # lazy: only rank 0 on a terminal draws one
 
-        self.bar = tqdm(total=steps, desc="[meshrun] step", unit="step", file=sys.stderr, dynamic_ncols=True)
+        self.bar = tqdm(total=steps, initial=start_step, file=sys.stderr, dynamic_ncols=True,
+                        bar_format="[meshrun] step {n_fmt}/{total_fmt} |{bar:20}| ETA {remaining}{postfix}")
         self.write = tqdm.write
 
     def say(self, message: str) -> None:
         self.write(f"[meshrun] {message}", file=sys.stderr)
 
     def advance(self, step: int, row: dict[str, Any]) -> None:
-        self.bar.set_postfix_str(f"loss {row['loss']:.4f} | {row['tokens_per_s'] / 1e3:.1f}k tok/s", refresh=False)
+        self.bar.set_postfix_str(f"loss {row['loss']:.4f}, {row['tokens_per_s'] / 1e3:.1f}k tok/s", refresh=False)
         self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
@@ -58,15 +59,15 @@ class RunReport:
     """Collects rows; only the logging rank (rank 0) writes anything."""
 
     def __init__(self, run_dir: Path, *, steps: int, tracker: Tracker | None, timeline_title: str = "",
-                 live: bool | None = None) -> None:
+                 start_step: int = 0) -> None:
         self.run_dir, self.steps = run_dir, steps
         self.tracker: Tracker = tracker or NullTracker()
         self.active = tracker is not None
         self.rows: list[dict[str, Any]] = []
         self.timeline_title = timeline_title
         self.timeline: dict[str, Any] | None = None  # the last measured step: its number, bubble, stages
-        live = sys.stderr.isatty() if live is None else live
-        self.bar = ProgressBar(steps=steps) if self.active and live else None
+        live = self.active and sys.stderr.isatty()  # a terminal, not a log file or Slurm output
+        self.bar = ProgressBar(steps=steps, start_step=start_step) if live else None
 
     def _say(self, message: str) -> None:
         if self.bar is not None:

@@ -15,18 +15,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.config import Config
 from meshrun.distributed import Mesh
-from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.parallel.timeline import STEP_MARK, MarkedStage
+from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.training.loss import MicrobatchLoss
 
 SCHEDULES = {
