@@ -184,3 +184,28 @@ def test_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     assert proc.stderr.strip() == ("meshrun: error: empty is not a meshrun run directory (no config.json); "
                                    "pass the run_dir of a training job")
     assert not (tmp_path / "report.png").exists()
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("tracker.backends=[wandb,tb]", "invalid tracker.backends[1]: use 'wandb', 'tensorboard' or 'jsonl' (got \"tb\")"),
+    ("tracker.backends=[jsonl,jsonl]", "invalid tracker.backends: name each backend once (got ['jsonl', 'jsonl'])"),
+    ("profile.steps=[0]", "invalid profile.steps[0]: Input should be greater than or equal to 1 (got 0)"),
+    ("profile.memory_snapshot=true", "invalid profile: profile.memory_snapshot needs profile.steps (the steps to "
+                                     "snapshot), e.g. [5]"),
+])
+def test_observability_settings_are_checked(override: str, message: str) -> None:
+    from meshrun.config import load_config
+    from meshrun.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert str(error.value) == message
+
+
+def test_profiled_ranks_must_exist(tmp_path: Path) -> None:
+    from meshrun.config import load_config
+    from meshrun.errors import ConfigError
+    from meshrun.precheck import check_observability
+
+    with pytest.raises(ConfigError, match=r"^profile.ranks \[4\] do not exist: ranks are 0 to 3 "):
+        check_observability(load_config(None, ["profile.ranks=[0,4]", "parallel.dp=2", "parallel.pp=2"]))

@@ -17,6 +17,7 @@ import torch
 from torch.autograd.profiler import profile
 
 from meshrun.config import ProfileConfig
+from meshrun.metrics.report import say
 from meshrun.parallel.timeline import StepTimeline, step_timeline
 
 
@@ -30,6 +31,8 @@ class StepProfiler:
     def __init__(self, cfg: ProfileConfig, *, run_dir: Path, rank: int, device: torch.device) -> None:
         self.steps = set(cfg.steps) if cfg.ranks is None or rank in cfg.ranks else set()
         self.snapshot = cfg.memory_snapshot and device.type == "cuda"
+        if cfg.memory_snapshot and not self.snapshot and rank == 0:
+            say(f"profile.memory_snapshot: snapshots are of CUDA memory; none on {device.type}")
         self.folder, self.rank, self.device = run_dir / "profile", rank, device
         self.timeline = StepTimeline()  # of the last measured step
         self._recorded: profile | None = None  # the last measured step's profiler, read on demand
