@@ -19,6 +19,11 @@ import pytest
 from conftest import read_metrics, run_meshrun, tiny
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+# Two torchrun jobs: about a minute each on an idle 2-core machine, but several times that when it
+# is shared; the runs' own limits are therefore generous.
+pytestmark = pytest.mark.timeout(1200)
+RUN_TIMEOUT = 600
+
 SETTINGS = {
     "model.num_layers": 2, "parallel.pp": 2, "train.steps": 4, "train.log_interval": 2, "train.eval_interval": 2,
     "checkpoint.interval": 2, "tracker.mode": "offline", "tracker.backends": "[tensorboard,jsonl]",
@@ -29,7 +34,7 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def profiled_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp_path = tmp_path_factory.mktemp("profiled")
-    run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **SETTINGS)], tmp_path=tmp_path, timeout=600)
+    run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **SETTINGS)], tmp_path=tmp_path, timeout=RUN_TIMEOUT)
     return tmp_path / "run"
 
 
@@ -40,7 +45,7 @@ def resumed_run(data_dir: Path, profiled_run: Path, tmp_path_factory: pytest.Tem
     shutil.copytree(profiled_run, run)
     resume = {**SETTINGS, "train.resume": run / "checkpoints" / "step-00000002", "profile.steps": "[3]",
               "profile.ranks": "[1]"}
-    run_meshrun(["train", *tiny(data_dir, run, **resume)], tmp_path=tmp_path, timeout=600)
+    run_meshrun(["train", *tiny(data_dir, run, **resume)], tmp_path=tmp_path, timeout=RUN_TIMEOUT)
     return run
 
 

@@ -19,9 +19,10 @@ import pytest
 from conftest import kill_tree, meshrun_env, tiny
 
 STEPS = 3
+pytestmark = pytest.mark.timeout(900)  # one process, ~20 s idle; much longer on a shared machine
 
 
-def run_on_terminal(args: list[str], *, tmp_path: Path, timeout: float = 120) -> str:
+def run_on_terminal(args: list[str], *, tmp_path: Path, timeout: float = 600) -> str:
     """`python -m meshrun ARGS` with stdout and stderr on a pseudo-terminal; what it displayed."""
     master, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns, as a real one

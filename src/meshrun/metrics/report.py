@@ -34,8 +34,10 @@ class ProgressBar:
     def say(self, message: str) -> None:
         self.write(f"[meshrun] {message}", file=sys.stderr)
 
-    def advance(self, step: int, row: dict[str, Any]) -> None:
-        self.bar.set_postfix_str(f"loss {row['loss']:.4f}, {row['tokens_per_s'] / 1e3:.1f}k tok/s", refresh=False)
+    def advance(self, step: int, row: dict[str, Any] | None = None) -> None:
+        """To `step` done; `row`: the last logged numbers (they change at log steps only)."""
+        if row is not None:
+            self.bar.set_postfix_str(f"loss {row['loss']:.4f}, {row['tokens_per_s'] / 1e3:.1f}k tok/s")
         self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
@@ -91,6 +93,11 @@ class RunReport:
             self.bar.advance(step, row)
         else:
             say(f"step {step}/{self.steps} | {_fmt(row)}")
+
+    def tick(self, step: int) -> None:
+        """Every step: the bar moves (and its ETA updates) between log steps too, with no host sync."""
+        if self.bar is not None:
+            self.bar.advance(step)
 
     def note(self, message: str) -> None:
         if self.active:

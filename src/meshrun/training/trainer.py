@@ -158,6 +158,7 @@ class Trainer:
             with self.profiler.step(done, measure=self.mesh.pp > 1 and log_due):  # the timeline of a logged step
                 window.loss = window.loss + self.train_step(step)
             window.steps += 1
+            self.report.tick(done)
             requested, stop = self.requests.poll()  # asked for before this step: every rank acts now
             eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
             save_due = requested or self._checkpoint_due(done)
