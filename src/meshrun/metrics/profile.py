@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from torch.autograd.profiler import profile
+from torch.profiler import DeviceType
 
 from meshrun.config import ProfileConfig
 from meshrun.metrics.report import say
@@ -49,7 +50,8 @@ class StepProfiler:
         # level is above all its levels (read when the profiler first starts; a user's wins).
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         snapshot = trace and self.snapshot
-        with profile(use_kineto=True, use_device="cuda" if self.device.type == "cuda" else None) as prof:
+        prof = profile(use_kineto=True, use_device="cuda" if self.device.type == "cuda" else None)
+        with prof:
             if snapshot:
                 _record_memory_history(True)
             yield
@@ -65,8 +67,8 @@ class StepProfiler:
         """The timeline of the last measured step, read from its profiler events (once: reading
         them costs tens of milliseconds, which the trainer spends after timing its window)."""
         if self._recorded is not None:
-            cpu = torch.autograd.DeviceType.CPU
-            events = [(e.name, e.time_range.start, e.time_range.end, e.device_type != cpu) for e in self._recorded.function_events]
+            events = [(e.name, e.time_range.start, e.time_range.end, e.device_type != DeviceType.CPU)
+                      for e in self._recorded.function_events or []]
             self.timeline, self._recorded = step_timeline(events), None
         return self.timeline
 
