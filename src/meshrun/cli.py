@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed")
     _trust_arguments(sample)
+    compare = sub.add_parser("report", help="compare runs: a table of their summaries and one picture of their loss curves")
+    compare.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each a training job's run_dir)")
+    compare.add_argument("--out", default="report.png", help="the loss-curves picture (PNG; default report.png)")
     return parser
 
 
@@ -201,10 +204,15 @@ def _launch_overrides(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command != "prepare-data":  # the commands that run torch
+        if args.command not in ("prepare-data", "report"):  # the commands that run torch
             check_torch_version(installed_torch_version())
         if args.command == "prepare-data":
             return _prepare_data(args)
+        if args.command == "report":
+            from meshrun.metrics.compare import report
+
+            print(report(args.runs, out=args.out))
+            return 0
         if args.command in ("export", "sample"):
             return _use_checkpoint(args)
         if args.command == "slurm":

@@ -46,6 +46,7 @@ Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(_
 Schedule = Annotated[Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"], BeforeValidator(_lower)]
 Balance = Annotated[Literal["even", "time", "size"], BeforeValidator(_lower)]
 TrackerMode = Annotated[Literal["online", "offline", "disabled"], BeforeValidator(_lower)]
+Backend = Annotated[Literal["wandb", "tensorboard", "jsonl"], BeforeValidator(_lower)]
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:[1-9][0-9]*)$")
 # words meaning "off" that users write for a mode, mapped to the choice that means it
 _OFF_WORDS = {"off": "disabled", "no": "disabled", "false": "disabled", "none": "disabled"}
@@ -245,11 +246,35 @@ class TrackerConfig(_Section):
     """wandb entity (team or user)."""
     init_timeout: float = Field(15.0, gt=0)
     """Seconds `online` waits for the wandb server before logging offline instead (WANDB_INIT_TIMEOUT wins)."""
+    backends: list[Backend] = ["wandb", "jsonl"]
+    """Where metric rows go: any of wandb, tensorboard (RUN_DIR/tensorboard), jsonl (RUN_DIR/metrics.jsonl)."""
+
+    @field_validator("backends")
+    @classmethod
+    def _backends_once(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"name each backend once (got {value})")
+        return value
 
 
 class MetricsConfig(_Section):
     peak_tflops: Float | None = Field(None, gt=0.0)
     """Peak TFLOP/s of one device for MFU; None = look the GPU up in a table (unknown on CPU)."""
+
+
+class ProfileConfig(_Section):
+    steps: list[Annotated[Int, Field(ge=1)]] = []
+    """Optimizer steps (1-based, as logged) to trace with torch.profiler into RUN_DIR/profile/, e.g. [5, 6]."""
+    ranks: list[Annotated[Int, Field(ge=0)]] | None = None
+    """Global ranks that write traces; None = every rank."""
+    memory_snapshot: bool = False
+    """CUDA: also write torch.cuda.memory snapshots (pickle for pytorch.org/memory_viz) at `steps`."""
+
+    @model_validator(mode="after")
+    def _snapshot_needs_steps(self) -> ProfileConfig:
+        if self.memory_snapshot and not self.steps:
+            raise ValueError("profile.memory_snapshot needs profile.steps (the steps to snapshot), e.g. [5]")
+        return self
 
 
 class Config(_Section):
@@ -264,6 +289,7 @@ class Config(_Section):
     """Activation recompute: none | full | every:N (every Nth block) | selective (keep matmul outputs)."""
     tracker: TrackerConfig = TrackerConfig()
     metrics: MetricsConfig = MetricsConfig()
+    profile: ProfileConfig = ProfileConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     launch: LaunchConfig = LaunchConfig()
     run_dir: str = "runs/default"

@@ -5,6 +5,7 @@ Checks that need torch (building the model, reading token files) stay in `job.pr
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import tempfile
@@ -44,8 +45,20 @@ def check_job(cfg: Config) -> None:
     check_run_dir(cfg)
     check_writable(Path(cfg.run_dir))
     check_data_source(cfg)
+    check_observability(cfg)
     for path in [Path(source.dir) for source in cfg.data.mixture] or [data_dir(cfg)]:
         check_readable(path)
+
+
+def check_observability(cfg: Config) -> None:
+    """The tensorboard package for that backend; profiled ranks that exist."""
+    if "tensorboard" in cfg.tracker.backends and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("tracker.backends names tensorboard, but the tensorboard package is not installed; "
+                          "pip install tensorboard, or remove it from tracker.backends")
+    stray = [rank for rank in cfg.profile.ranks or [] if rank >= cfg.world_size]
+    if stray:
+        raise ConfigError(f"profile.ranks {stray} do not exist: ranks are 0 to {cfg.world_size - 1} "
+                          f"(parallel.dp x parallel.pp = {cfg.world_size}); change profile.ranks")
 
 
 def check_worker_env(cfg: Config) -> None:

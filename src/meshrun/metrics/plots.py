@@ -30,25 +30,26 @@ def plot_loss(rows: list[dict[str, Any]], path: Path) -> None:
 _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868"}
 
 
-def plot_timeline(timeline: dict[int, Any], path: Path, *, title: str) -> None:
-    """Pipeline ranks x time: one bar per forward (F) / backward (B, or I + W when split) action."""
-    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.6 * len(timeline)))
-    bubble = sum(t.bubble for t in timeline.values()) / len(timeline)
-    for rank, step in sorted(timeline.items()):
-        for action in step.actions:
+def plot_timeline(timeline: dict[int, Any], path: Path, *, title: str, bubble: float) -> None:
+    """Pipeline ranks x time: one bar per forward (F) / backward (B, or I + W when split) action;
+    `bubble` is the measured one the run logged for this step (mean over all ranks)."""
+    ranks = sorted(timeline)
+    fig, ax = plt.subplots(figsize=(10, 1.3 + 0.5 * len(ranks)), layout="constrained")
+    for rank in ranks:
+        for action in timeline[rank].actions:
             width = (action.end - action.start) * 1e3
             ax.barh(rank, width, left=action.start * 1e3, color=_COLOURS[action.kind], edgecolor="white", height=0.8)
             ax.text(action.start * 1e3 + width / 2, rank, f"{action.kind}{action.microbatch}", ha="center",
                     va="center", fontsize=7, color="white")
-    ax.set_yticks(sorted(timeline), [f"rank {r}" for r in sorted(timeline)])
-    ax.invert_yaxis()
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylim(ranks[-1] + 0.5, ranks[0] - 0.5)  # rank 0 on top, no empty band below the last rank
+    ax.set_xlim(0, max(t.wall for t in timeline.values()) * 1e3)  # the whole step: idle ends are bubble too
     ax.set_xlabel("time in step (ms)")
-    ax.set_title(f"{title}  measured bubble {bubble:.1%}")
+    ax.set_title(f"{title} measured bubble {bubble:.1%}", fontsize=10)
     kinds = sorted({a.kind for t in timeline.values() for a in t.actions}, key="FBIW".index)
     names = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)"}
     handles = [plt.Rectangle((0, 0), 1, 1, color=_COLOURS[k]) for k in kinds]
-    ax.legend(handles, [names[k] for k in kinds], loc="upper center", bbox_to_anchor=(0.5, -0.35 / len(timeline) - 0.25),
-              ncol=len(kinds), fontsize=7, frameon=False)
-    fig.tight_layout()
+    ax.legend(handles, [names[k] for k in kinds], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+              frameon=False)  # beside the bars: never over them or the axis label
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,4 +1,5 @@
-"""Rank 0's view of the run: progress lines, metric rows to trackers, the end-of-run summary."""
+"""Rank 0's view of the run: progress (a live bar on a terminal, else lines), metric rows to
+trackers, the end-of-run summary and pictures."""
 
 from __future__ import annotations
 
@@ -6,14 +7,41 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshrun.metrics.plots import plot_loss, plot_timeline
 from meshrun.metrics.trackers import NullTracker, Tracker
 
+if TYPE_CHECKING:
+    from meshrun.config import Config
+
 
 def say(message: str) -> None:
     print(f"[meshrun] {message}", file=sys.stderr, flush=True)
+
+
+class ProgressBar:
+    """A live tqdm bar on stderr (step, loss, tokens/s, ETA) for a terminal; other messages are
+    written above it so the bar stays the last line."""
+
+    def __init__(self, *, steps: int, start_step: int) -> None:
+        from tqdm import tqdm  # lazy: only rank 0 on a terminal draws one
+
+        self.bar = tqdm(total=steps, initial=start_step, file=sys.stderr, dynamic_ncols=True,
+                        bar_format="[meshrun] step {n_fmt}/{total_fmt} |{bar:20}| ETA {remaining}{postfix}")
+        self.write = tqdm.write
+
+    def say(self, message: str) -> None:
+        self.write(f"[meshrun] {message}", file=sys.stderr)
+
+    def advance(self, step: int, row: dict[str, Any] | None = None) -> None:
+        """To `step` done; `row`: the last logged numbers (they change at log steps only)."""
+        if row is not None:
+            self.bar.set_postfix_str(f"loss {row['loss']:.4f}, {row['tokens_per_s'] / 1e3:.1f}k tok/s")
+        self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _fmt(row: dict[str, Any]) -> str:
@@ -32,13 +60,26 @@ def _fmt(row: dict[str, Any]) -> str:
 class RunReport:
     """Collects rows; only the logging rank (rank 0) writes anything."""
 
-    def __init__(self, run_dir: Path, *, steps: int, tracker: Tracker | None, timeline_title: str = "") -> None:
+    def __init__(self, run_dir: Path, *, steps: int, tracker: Tracker | None, timeline_title: str = "",
+                 start_step: int = 0) -> None:
         self.run_dir, self.steps = run_dir, steps
         self.tracker: Tracker = tracker or NullTracker()
         self.active = tracker is not None
         self.rows: list[dict[str, Any]] = []
         self.timeline_title = timeline_title
-        self.timeline: dict[int, Any] | None = None  # pipeline rank -> StepTimeline of the last measured step
+        self.timeline: dict[str, Any] | None = None  # the last measured step: its number, bubble, stages
+        live = self.active and sys.stderr.isatty()  # a terminal, not a log file or Slurm output
+        self.bar = ProgressBar(steps=steps, start_step=start_step) if live else None
+
+    def _say(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.say(message)
+        else:
+            say(message)
+
+    def keep_timeline(self, step: int, by_stage: dict[int, Any], *, bubble: float) -> None:
+        """Pipeline rank -> StepTimeline of measured step `step`, and its logged (all-rank) bubble."""
+        self.timeline = {"step": step, "bubble": bubble, "stages": by_stage}
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         """`step` is the number of optimizer steps completed (1-based)."""
@@ -47,26 +88,46 @@ class RunReport:
         self.rows.append({"step": step, **row})
         self.tracker.log(row, step=step)
         if "val_loss" in row:
-            say(f"step {step}/{self.steps} | val loss {row['val_loss']:.4f}")
+            self._say(f"step {step}/{self.steps} | val loss {row['val_loss']:.4f}")
+        elif self.bar is not None:
+            self.bar.advance(step, row)
         else:
             say(f"step {step}/{self.steps} | {_fmt(row)}")
 
+    def tick(self, step: int) -> None:
+        """Every step: the bar moves (and its ETA updates) between log steps too, with no host sync."""
+        if self.bar is not None:
+            self.bar.advance(step)
+
     def note(self, message: str) -> None:
         if self.active:
-            say(message)
+            self._say(message)
 
     def finish(self, summary: dict[str, Any]) -> None:
         if not self.active:
             return
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
         self.tracker.summarize(summary)
         plot_loss(self.rows, self.run_dir / "loss.png")
         if self.timeline:
-            plot_timeline(self.timeline, self.run_dir / "pipeline_timeline.png", title=self.timeline_title)
+            self._save_timeline(**self.timeline)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         lines = [f"{key:>16}: {_value(value)}" for key, value in summary.items()]
         say("summary\n" + "\n".join(lines))
 
+    def _save_timeline(self, *, step: int, bubble: float, stages: dict[int, Any]) -> None:
+        """pipeline_timeline.png and the numbers it is drawn from (pipeline_timeline.json)."""
+        plot_timeline(stages, self.run_dir / "pipeline_timeline.png", title=f"{self.timeline_title} step {step},",
+                      bubble=bubble)
+        record = {"step": step, "bubble": bubble,
+                  "stages": {rank: {"wall": t.wall, "actions": [vars(a) for a in t.actions]} for rank, t in stages.items()}}
+        (self.run_dir / "pipeline_timeline.json").write_text(json.dumps(record, indent=1))
+
     def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
         self.tracker.close()
 
 
@@ -74,3 +135,19 @@ def _value(value: Any) -> str:
     if isinstance(value, float):
         return "nan" if math.isnan(value) else f"{value:.4g}"
     return str(value)
+
+
+def run_facts(cfg: Config, row: dict[str, Any]) -> dict[str, Any]:
+    """What `meshrun report` compares runs by, beside the throughput: layout, precision, peak
+    memory per pipeline stage and the last measured bubble (from the last logged row)."""
+    par = cfg.parallel
+    stages = sorted((k for k in row if k.startswith("memory_gb/stage")), key=lambda k: int(k.removeprefix("memory_gb/stage")))
+    facts = {
+        "layout": f"dp{par.dp} x pp{par.pp}" + (f" {par.schedule}" if par.pp > 1 else ""),
+        "microbatches": cfg.accumulation_steps,
+        "precision": cfg.precision,
+        "peak_memory_gb_per_stage": [row[k] for k in stages],
+    }
+    if "bubble" in row:
+        facts["bubble"] = row["bubble"]
+    return facts

@@ -1,4 +1,4 @@
-"""Where metric rows go: metrics.jsonl always, wandb (one run per job) when enabled.
+"""Where metric rows go: `tracker.backends` of metrics.jsonl, wandb (one run per job), TensorBoard.
 
 Only the logging rank (rank 0) opens trackers; other ranks get `NullTracker`.
 """
@@ -167,14 +167,43 @@ class MultiTracker:
         self._each(lambda tracker: tracker.close())
 
 
-def open_trackers(cfg: TrackerConfig, *, run_dir: Path, config: dict[str, Any],
+class TensorBoardTracker:
+    """Event files under RUN_DIR/tensorboard: every numeric value of a row as a scalar at its step,
+    the resolved config as text. A resumed job writes into the same folder; `purge_step` tells
+    TensorBoard to drop what the interrupted run logged after the checkpoint (it is logged again)."""
+
+    def __init__(self, log_dir: Path, *, config: dict[str, Any], start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # lazy: only when this backend is chosen
+
+        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
+        self.writer.add_text("config", f"```json\n{json.dumps(config, indent=2)}\n```", global_step=start_step)
+
+    def log(self, row: dict[str, Any], step: int) -> None:
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def summarize(self, summary: dict[str, Any]) -> None:
+        pass  # the run directory's summary.json holds it
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_trackers(cfg: TrackerConfig, *, run_dir: Path, config: dict[str, Any], start_step: int = 0,
                   say: Callable[[str], None] | None = None) -> MultiTracker:
     if say is None:
         from meshrun.metrics.report import say  # here, not at the top: report imports this module
-    trackers: list[Tracker] = [JsonlTracker(run_dir / "metrics.jsonl")]
-    mode, note = wandb_mode(cfg)
-    if note:
-        say(note)
-    if mode != "disabled":
-        trackers.append(WandbTracker(cfg, mode=mode, run_dir=run_dir, config=config, warn=say))
+    trackers: list[Tracker] = []
+    if "jsonl" in cfg.backends:
+        trackers.append(JsonlTracker(run_dir / "metrics.jsonl"))
+    if "tensorboard" in cfg.backends:
+        trackers.append(TensorBoardTracker(run_dir / "tensorboard", config=config, start_step=start_step))
+    if "wandb" in cfg.backends:
+        mode, note = wandb_mode(cfg)
+        if note:
+            say(note)
+        if mode != "disabled":
+            trackers.append(WandbTracker(cfg, mode=mode, run_dir=run_dir, config=config, warn=say))
     return MultiTracker(trackers, warn=say)

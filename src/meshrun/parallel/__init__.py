@@ -36,8 +36,8 @@ class LocalModel:
     def __init__(self, part: nn.Module, wrapped: nn.Module, *, loss: MicrobatchLoss, amp: AmpContext) -> None:
         self.parts, self.wrapped, self.loss, self.amp = [part], wrapped, loss, amp
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, measure: bool = False) -> torch.Tensor:
-        """Accumulate gradients of the whole local batch; returns its (unscaled) loss (no pipeline: nothing to measure)."""
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Accumulate gradients of the whole local batch; returns its (unscaled) loss."""
         n, losses = self.loss.num_microbatches, []
         ddp = isinstance(self.wrapped, DistributedDataParallel)
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):

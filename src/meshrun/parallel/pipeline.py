@@ -14,19 +14,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from torch.autograd.profiler import record_function
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.config import Config
 from meshrun.distributed import Mesh
+from meshrun.parallel.timeline import STEP_MARK, MarkedStage
 from meshrun.plan import stage_ids, stages_per_rank, static_split
-from meshrun.parallel.timeline import ActionTimer
 from meshrun.training.loss import MicrobatchLoss
 
 SCHEDULES = {
@@ -78,7 +78,7 @@ class PipelineModel:
         self.parts, self.wrapped, self.loss, self.amp, self.plan = parts, wrapped, loss, amp, plan
         self.device = mesh.device
         self.stages = [
-            PipelineStage(module, index, plan.num_stages, mesh.device, group=mesh.pp_group)
+            MarkedStage(module, index, plan.num_stages, mesh.device, group=mesh.pp_group)
             for module, index in zip(wrapped, plan.local_stages)
         ]
         schedule_cls = SCHEDULES[cfg.parallel.schedule]
@@ -89,24 +89,21 @@ class PipelineModel:
             loss_fn=loss,
             scale_grads=False,  # MicrobatchLoss already divides by the microbatch count
         )
-        self.timer = ActionTimer(self.stages, mesh.device)
         self.has_first = 0 in plan.local_stages
         self.has_last = plan.num_stages - 1 in plan.local_stages
 
     def _inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
         return ((x,) if self.has_first else ()), (y if self.has_last else None)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, measure: bool = False) -> torch.Tensor:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Run the schedule; returns the local batch's (unscaled) loss on the last stage, else 0.
 
-        `measure` records this step's action timeline (see timeline.py) in `self.timer.current`.
+        The step and each stage action are marked for the profiler (see timeline.py).
         """
         args, target = self._inputs(x, y)
         losses: list[torch.Tensor] = []
-        self.timer.begin(measure)
-        with self._ddp_no_sync(), self.amp():
+        with record_function(STEP_MARK), self._ddp_no_sync(), self.amp():
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        self.timer.end()
         return self._total(losses)
 
     def _ddp_no_sync(self) -> contextlib.ExitStack:

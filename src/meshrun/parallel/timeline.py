@@ -1,21 +1,49 @@
-"""Measured pipeline timelines: when each stage ran which microbatch's forward and backward.
+"""Pipeline timelines read from profiler records: when each stage ran which microbatch's F and B.
 
-The timer wraps the public action methods of this rank's PipelineStage objects. Only steps
-marked for measurement are timed (on CUDA each timed action is bracketed by a synchronise,
-which is why it is not on for every step). Busy time is the sum of action durations; the
-rest of the step's wall time is the bubble (waiting for neighbours, including transfers).
+`MarkedStage` names every action it computes with a `torch.profiler.record_function` mark
+(`meshrun.pp:0F3` = stage 0, forward, microbatch 3), and the pipeline names the whole step
+(`meshrun.pp:step`). The marks cost nothing unless a profiler is running; a profiled step's
+marks are both in its Chrome trace and, read back by `step_timeline`, the timeline picture.
+
+Why our own marks and not the schedules': in torch 2.13, Schedule1F1B marks nothing, and the
+marks of ScheduleGPipe and of the runtime schedules (`PP:0F3`) include the wait for the
+neighbour's activations, which is exactly the bubble to be measured. Busy time is the sum of
+the marked computations; the rest of the step's wall time is the bubble.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
+from torch.autograd.profiler import record_function
+from torch.distributed.pipelining import PipelineStage
 
-# PipelineStage method -> action letter (I = input-grad half of a split backward, W = weight half)
-_ACTIONS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
+STEP_MARK = "meshrun.pp:step"
+_ACTION_MARK = re.compile(r"^meshrun\.pp:(\d+)([FBIW])(\d+)$")
+
+
+def action_mark(stage: int, kind: str, microbatch: int) -> str:
+    """The profiler name of one action (kind: F, B, I = input half of a split backward, W = weight half)."""
+    return f"meshrun.pp:{stage}{kind}{microbatch}"
+
+
+class MarkedStage(PipelineStage):
+    """A PipelineStage whose computations show up, named, in profiler traces."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with record_function(action_mark(self.stage_index, "F", fwd_chunk_id)):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        kind = "B" if kwargs.get("full_backward", True) else "I"
+        with record_function(action_mark(self.stage_index, kind, bwd_chunk_id)):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        with record_function(action_mark(self.stage_index, "W", bwd_chunk_id)):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 @dataclass
@@ -40,42 +68,23 @@ class StepTimeline:
         return max(0.0, 1.0 - busy / self.wall) if self.wall else 0.0
 
 
-class ActionTimer:
-    def __init__(self, stages: list, device: torch.device) -> None:
-        self.device, self.enabled = device, False
-        self.current = StepTimeline()
-        self.origin = 0.0
-        for stage in stages:
-            for name, kind in _ACTIONS.items():
-                if hasattr(stage, name):
-                    setattr(stage, name, self._timed(getattr(stage, name), stage.stage_index, kind))
+def step_timeline(events: list[tuple[str, float, float, bool]]) -> StepTimeline:
+    """The timeline in profiler events given as (name, start_us, end_us, on_device).
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _timed(self, action: Callable, stage: int, kind: str) -> Callable:
-        def run(microbatch: int, *args, **kwargs):
-            if not self.enabled:
-                return action(microbatch, *args, **kwargs)
-            self._sync()
-            start = time.perf_counter() - self.origin
-            out = action(microbatch, *args, **kwargs)
-            self._sync()
-            split = kind == "B" and kwargs.get("full_backward", True) is False
-            self.current.actions.append(Action(stage, "I" if split else kind, microbatch, start, time.perf_counter() - self.origin))
-            return out
-
-        return run
-
-    def begin(self, enabled: bool) -> None:
-        self.enabled = enabled
-        if enabled:
-            self._sync()
-            self.current, self.origin = StepTimeline(), time.perf_counter()
-
-    def end(self) -> None:
-        if self.enabled:
-            self._sync()
-            self.current.wall = time.perf_counter() - self.origin
-            self.enabled = False
+    Spans are the device's where the profiler recorded one (on CUDA a mark's kernels run after
+    their launch: the host's span would time the launches), else the host's (CPU).
+    """
+    by_device = sorted(events, key=lambda e: e[3])  # device spans come last and win
+    steps = [(start, end) for name, start, end, _ in by_device if name == STEP_MARK]
+    if not steps:
+        return StepTimeline()
+    origin, end_of_step = steps[-1]
+    spans: dict[tuple[int, str, int], tuple[float, float]] = {}
+    for name, start, end, _ in by_device:
+        if (match := _ACTION_MARK.match(name)) and origin <= start <= end_of_step:
+            spans[(int(match[1]), match[2], int(match[3]))] = (start, end)
+    actions = [
+        Action(stage, kind, microbatch, (start - origin) / 1e6, (end - origin) / 1e6)
+        for (stage, kind, microbatch), (start, end) in spans.items()
+    ]
+    return StepTimeline(sorted(actions, key=lambda a: a.start), (end_of_step - origin) / 1e6)

@@ -17,7 +17,8 @@ from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.distributed import Mesh
 from meshrun.errors import RunError
 from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throughput
-from meshrun.metrics.report import RunReport, say
+from meshrun.metrics.profile import StepProfiler
+from meshrun.metrics.report import RunReport, run_facts, say
 from meshrun.metrics.trackers import Tracker, open_trackers
 from meshrun.models import build_model
 from meshrun.parallel import parallelize
@@ -90,8 +91,10 @@ class Trainer:
         self.report = RunReport(
             self.run_dir, steps=cfg.train.steps, tracker=self._open_tracker(),
             timeline_title=f"{par.schedule}, dp={par.dp} pp={par.pp}, {cfg.accumulation_steps} microbatches:",
+            start_step=self.start_step,
         )
         self.requests = Requests(self.run_dir, is_rank0=mesh.rank == 0)
+        self.profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=mesh.rank, device=self.device)
 
     def _open_tracker(self) -> Tracker | None:
         """Rank 0 only: the run directory, its resolved config, and trackers continuing the run."""
@@ -103,7 +106,7 @@ class Trainer:
         if self.start_step < self.cfg.train.steps:
             (self.run_dir / "summary.json").unlink(missing_ok=True)  # written again when this run completes
         truncate_metrics(self.run_dir / "metrics.jsonl", after_step=self.start_step)
-        return open_trackers(self.cfg.tracker, run_dir=self.run_dir, config=resolved)
+        return open_trackers(self.cfg.tracker, run_dir=self.run_dir, config=resolved, start_step=self.start_step)
 
     def resume(self) -> int:
         """Load the newest loadable checkpoint (falling back past ones that fail); returns its step.
@@ -150,11 +153,13 @@ class Trainer:
         if note := mfu_note(self.device, self.peak):
             self.report.note(note)
         for step in range(self.start_step, cfg.steps):
-            window.loss = window.loss + self.train_step(step)
-            window.steps += 1
             done = step + 1
-            requested, stop = self.requests.poll()  # asked for before this step: every rank acts now
             log_due = done % cfg.log_interval == 0 or done == cfg.steps
+            with self.profiler.step(done, measure=self.mesh.pp > 1 and log_due):  # the timeline of a logged step
+                window.loss = window.loss + self.train_step(step)
+            window.steps += 1
+            self.report.tick(done)
+            requested, stop = self.requests.poll()  # asked for before this step: every rank acts now
             eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
             save_due = requested or self._checkpoint_due(done)
             if log_due or eval_due or save_due:
@@ -231,8 +236,7 @@ class Trainer:
         self.lr = self.optimizers.set_lr(step)
         self.model.train()
         self.loss.scaler = self.scaler
-        last_of_window = (step + 1) % self.cfg.train.log_interval == 0 or step + 1 == self.cfg.train.steps
-        loss = self.model.forward_backward(x, y, measure=self.mesh.pp > 1 and last_of_window)
+        loss = self.model.forward_backward(x, y)
         self.model.tied.sync_gradients()  # both copies of a tied embedding get the summed gradient
         if self.scaler is not None:
             self.optimizers.unscale_(self.scaler)  # all-reduces found_inf over the pipeline stages
@@ -301,16 +305,18 @@ class Trainer:
         if self.scaler is not None:
             row.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped_steps)
         if self.mesh.pp > 1:
-            row["bubble"] = self._gather_timeline()
+            row["bubble"] = self._gather_timeline(done)
         self.report.log(done, row)
         return row
 
-    def _gather_timeline(self) -> float:
+    def _gather_timeline(self, done: int) -> float:
         """Every rank's measured step to rank 0 (kept for the timeline picture); mean bubble fraction."""
         timelines: list = [None] * dist.get_world_size()
-        dist.all_gather_object(timelines, self.model.timer.current)
-        self.report.timeline = {rank // self.mesh.dp: t for rank, t in enumerate(timelines) if rank % self.mesh.dp == 0}
-        return sum(t.bubble for t in timelines) / len(timelines)
+        dist.all_gather_object(timelines, self.profiler.measured())
+        bubble = sum(t.bubble for t in timelines) / len(timelines)
+        by_stage = {rank // self.mesh.dp: t for rank, t in enumerate(timelines) if rank % self.mesh.dp == 0}
+        self.report.keep_timeline(done, by_stage, bubble=bubble)
+        return bubble
 
     def _summary(self, row: dict, tokens: int, seconds: float) -> dict:
         summary = {
@@ -322,6 +328,7 @@ class Trainer:
                 world_size=self.cfg.world_size, peak=self.peak,
             ),
             "peak_memory_gb": row["memory_gb"],
+            **run_facts(self.cfg, row),
             "run_dir": str(self.run_dir.resolve()),
         }
         if self.scaler is not None:

@@ -1,0 +1,107 @@
+"""`meshrun report RUN [RUN ...]`: runs side by side, read from their run directories.
+
+The table is each run's summary.json (written when the run completed) beside its layout; the
+picture overlays the runs' loss curves from metrics.jsonl against tokens seen, the axis on
+which two layouts (or a resumed and an uninterrupted run) of the same job must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshrun.errors import ConfigError
+
+COLUMNS = ("run", "layout", "precision", "tokens/s", "MFU", "peak GB per stage", "bubble", "final loss", "val loss")
+
+
+@dataclass
+class RunRecord:
+    name: str
+    config: dict[str, Any]
+    summary: dict[str, Any] | None  # None: the run has not completed
+    rows: list[dict[str, Any]]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config["train"]["global_batch"] * self.config["model"]["seq_len"]
+
+
+def read_run(path: Path) -> RunRecord:
+    """A run directory's config, summary and metric rows; one-line errors for what is not one."""
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a meshrun run directory (no config.json); pass the run_dir of a training job")
+    try:
+        config = json.loads((path / "config.json").read_text())
+        summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else None
+        metrics = path / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.is_file() else []
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read run {path}: {exc}") from None
+    return RunRecord(path.name or str(path), config, summary, rows)
+
+
+def _number(value: Any, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, fmt)
+
+
+def table_row(run: RunRecord) -> list[str]:
+    """One run's cells; '-' where the run did not measure a value (no MFU on CPU, no pipeline)."""
+    s = run.summary or {}
+    par = run.config["parallel"]
+    layout = s.get("layout") or f"dp{par['dp']} x pp{par['pp']}"
+    memory = s.get("peak_memory_gb_per_stage") or ([s["peak_memory_gb"]] if "peak_memory_gb" in s else [])
+    return [
+        run.name + ("" if run.summary else " (not finished)"),
+        layout,
+        s.get("precision") or run.config["precision"],
+        _number(s.get("tokens_per_s"), ".1f"),
+        _number(s["mfu"] * 100, ".2f") + "%" if "mfu" in s else "-",
+        " / ".join(format(gb, ".3f") for gb in memory) or "-",
+        _number(s["bubble"] * 100, ".2f") + "%" if "bubble" in s else "-",
+        _number(s.get("final_loss"), ".5f"),
+        _number(s.get("final_val_loss"), ".5f"),
+    ]
+
+
+def format_table(runs: list[RunRecord]) -> str:
+    """A Markdown table: aligned in a terminal, pasteable into an issue."""
+    cells = [list(COLUMNS), *(table_row(run) for run in runs)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def plot_losses(runs: list[RunRecord], path: Path) -> None:
+    """Train (lines) and validation (markers) loss of every run against tokens seen."""
+    from meshrun.metrics.plots import plt  # matplotlib, headless
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    for index, run in enumerate(runs):
+        colour = f"C{index % 10}"
+        for key, style in (("loss", "-"), ("val_loss", "o--")):
+            points = [(row["step"] * run.tokens_per_step, row[key]) for row in run.rows if key in row]
+            if points:
+                ax.plot(*zip(*points), style, color=colour, label=f"{run.name} {key.replace('_', ' ')}")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(paths: list[str], *, out: str) -> str:
+    """The table for these run directories; writes the loss picture to `out`."""
+    runs = [read_run(Path(p)) for p in paths]
+    target = Path(out)
+    if target.is_dir():
+        raise ConfigError(f"--out {out} is a folder; name a .png file")
+    plot_losses(runs, target)
+    return format_table(runs) + f"\n\nloss curves: {target}"

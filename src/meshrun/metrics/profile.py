@@ -1,0 +1,84 @@
+"""Profiled steps: torch.profiler traces (`profile.steps` x `profile.ranks`), CUDA memory
+snapshots, and the pipeline timeline of measured steps, all from one profiler per step.
+
+`torch.autograd.profiler.profile` (the engine beneath `torch.profiler.profile`) is used
+directly: `torch.profiler.profile` first imports torch._inductor, which took 6-16 s per
+process on a loaded 2-core machine, for nothing we use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.autograd.profiler import profile
+from torch.profiler import DeviceType
+
+from meshrun.config import ProfileConfig
+from meshrun.metrics.report import say
+from meshrun.parallel.timeline import StepTimeline, step_timeline
+
+
+class StepProfiler:
+    """Decides, per step, whether to run the profiler, and keeps what it recorded.
+
+    A step is profiled when this rank traces it (written to RUN_DIR/profile/) or when the
+    pipeline timeline is measured (every rank measures the same steps).
+    """
+
+    def __init__(self, cfg: ProfileConfig, *, run_dir: Path, rank: int, device: torch.device) -> None:
+        self.steps = set(cfg.steps) if cfg.ranks is None or rank in cfg.ranks else set()
+        self.snapshot = cfg.memory_snapshot and device.type == "cuda"
+        if cfg.memory_snapshot and not self.snapshot and rank == 0:
+            say(f"profile.memory_snapshot: snapshots are of CUDA memory; none on {device.type}")
+        self.folder, self.rank, self.device = run_dir / "profile", rank, device
+        self.timeline = StepTimeline()  # of the last measured step
+        self._recorded: profile | None = None  # the last measured step's profiler, read on demand
+
+    @contextlib.contextmanager
+    def step(self, done: int, *, measure: bool) -> Iterator[None]:
+        """Around optimizer step `done` (1-based); `measure`: keep its pipeline timeline."""
+        trace = done in self.steps
+        if not (trace or measure):
+            yield
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        # Kineto prints two "USDT: profiler_start/stop" lines per profiled step unless its log
+        # level is above all its levels (read when the profiler first starts; a user's wins).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        snapshot = trace and self.snapshot
+        prof = profile(use_kineto=True, use_device="cuda" if self.device.type == "cuda" else None)
+        with prof:
+            if snapshot:
+                _record_memory_history(True)
+            yield
+            if snapshot:
+                _dump_memory_snapshot(self.folder / f"step{done}-rank{self.rank}-memory.pickle")
+                _record_memory_history(False)
+        if trace:
+            prof.export_chrome_trace(str(self.folder / f"step{done}-rank{self.rank}.json"))
+        if measure:
+            self._recorded = prof
+
+    def measured(self) -> StepTimeline:
+        """The timeline of the last measured step, read from its profiler events (once: reading
+        them costs tens of milliseconds, which the trainer spends after timing its window)."""
+        if self._recorded is not None:
+            events = [(e.name, e.time_range.start, e.time_range.end, e.device_type != DeviceType.CPU)
+                      for e in self._recorded.function_events or []]
+            self.timeline, self._recorded = step_timeline(events), None
+        return self.timeline
+
+
+def _record_memory_history(enabled: bool) -> None:
+    """Start / stop recording CUDA allocations. torch has no public API for snapshots yet: the
+    documented `torch.cuda.memory._record_memory_history` is the one private call, kept here."""
+    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=100_000)
+
+
+def _dump_memory_snapshot(path: Path) -> None:
+    """A pickle for https://pytorch.org/memory_viz (documented, but private, like the above)."""
+    torch.cuda.memory._dump_snapshot(str(path))
