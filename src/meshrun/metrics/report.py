@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshrun.metrics.plots import plot_loss, plot_timeline
 from meshrun.metrics.trackers import NullTracker, Tracker
 
 if TYPE_CHECKING:
@@ -110,6 +109,8 @@ class RunReport:
             self.bar.close()
             self.bar = None
         self.tracker.summarize(summary)
+        from meshrun.metrics.plots import plot_loss  # matplotlib: only rank 0 draws, and only at the end
+
         plot_loss(self.rows, self.run_dir / "loss.png")
         if self.timeline:
             self._save_timeline(**self.timeline)
@@ -119,6 +120,8 @@ class RunReport:
 
     def _save_timeline(self, *, step: int, bubble: float, stages: dict[int, Any]) -> None:
         """pipeline_timeline.png and the numbers it is drawn from (pipeline_timeline.json)."""
+        from meshrun.metrics.plots import plot_timeline
+
         plot_timeline(stages, self.run_dir / "pipeline_timeline.png", title=f"{self.timeline_title} step {step},",
                       bubble=bubble)
         record = {"step": step, "bubble": bubble,
