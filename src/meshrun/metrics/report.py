@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshrun.metrics.plots import plot_loss, plot_timeline
 from meshrun.metrics.trackers import NullTracker, Tracker
 
 
@@ -59,6 +58,8 @@ class RunReport:
         if not self.active:
             return
         self.tracker.summarize(summary)
+        from meshrun.metrics.plots import plot_loss, plot_timeline  # matplotlib: ~1.5 s of CPU, rank 0 only
+
         plot_loss(self.rows, self.run_dir / "loss.png")
         if self.timeline:
             plot_timeline(self.timeline, self.run_dir / "pipeline_timeline.png", title=self.timeline_title)
