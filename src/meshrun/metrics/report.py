@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
+from meshrun.metrics.console import say
 from meshrun.metrics.trackers import NullTracker, Tracker
-
-
-def say(message: str) -> None:
-    print(f"[meshrun] {message}", file=sys.stderr, flush=True)
 
 
 def _fmt(row: dict[str, Any]) -> str:
@@ -58,7 +54,8 @@ class RunReport:
         if not self.active:
             return
         self.tracker.summarize(summary)
-        from meshrun.metrics.plots import plot_loss, plot_timeline  # matplotlib: ~1.5 s of CPU, rank 0 only
+        # matplotlib costs about 1.5 s of CPU to import: only the rank that plots, only here
+        from meshrun.metrics.plots import plot_loss, plot_timeline
 
         plot_loss(self.rows, self.run_dir / "loss.png")
         if self.timeline:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from meshrun.config import TrackerConfig
+from meshrun.metrics import console
 
 
 class Tracker(Protocol):
@@ -169,8 +170,7 @@ class MultiTracker:
 
 def open_trackers(cfg: TrackerConfig, *, run_dir: Path, config: dict[str, Any],
                   say: Callable[[str], None] | None = None) -> MultiTracker:
-    if say is None:
-        from meshrun.metrics.report import say  # here, not at the top: report imports this module
+    say = say or console.say
     trackers: list[Tracker] = [JsonlTracker(run_dir / "metrics.jsonl")]
     mode, note = wandb_mode(cfg)
     if note:

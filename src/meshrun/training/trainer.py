@@ -17,7 +17,8 @@ from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.distributed import Mesh
 from meshrun.errors import RunError
 from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throughput
-from meshrun.metrics.report import RunReport, say
+from meshrun.metrics.console import say
+from meshrun.metrics.report import RunReport
 from meshrun.metrics.trackers import Tracker, open_trackers
 from meshrun.models import build_model
 from meshrun.parallel import parallelize
