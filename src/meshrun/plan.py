@@ -86,6 +86,11 @@ def stage_ids(pp_rank: int, pp: int, per_rank: int, *, schedule: str) -> list[in
     return [pp_rank + v * pp for v in range(per_rank)]
 
 
+def rank_of_stage(stage: int, pp: int, *, schedule: str) -> int:
+    """The pipeline rank that holds `stage` (the inverse of stage_ids)."""
+    return min(stage, 2 * pp - 1 - stage) if schedule in V_SCHEDULES else stage % pp
+
+
 def check_microbatches(schedule: str, num_microbatches: int, pp: int) -> None:
     """A fast, torch-free answer to the microbatch rule of torch's schedule constructor, stated
     as torch states it. The constructor at worker start stays the authority; test_schedules_from_torch

@@ -29,6 +29,7 @@ from meshrun.plan import (
     SINGLE_STAGE_SCHEDULES,
     TORCH_SCHEDULE_NAMES,
     check_microbatches,
+    rank_of_stage,
     stage_ids,
     stages_per_rank,
 )
@@ -43,6 +44,16 @@ def test_every_schedule_name_is_a_torch_schedule() -> None:
     for name in config_names:
         single = issubclass(schedule_class(name), PipelineScheduleSingle)
         assert single == (name in SINGLE_STAGE_SCHEDULES), f"{name}: one stage per rank is torch's to say"
+
+
+@pytest.mark.parametrize("name", list(TORCH_SCHEDULE_NAMES))
+def test_every_stage_has_one_rank(name: str) -> None:
+    """stage_ids and rank_of_stage agree (the tied-embedding group needs the last stage's rank)."""
+    per_rank = stages_per_rank(name, None)
+    for pp in (2, 3, 4):
+        held = {stage: rank for rank in range(pp) for stage in stage_ids(rank, pp, per_rank, schedule=name)}
+        assert sorted(held) == list(range(pp * per_rank))
+        assert all(rank_of_stage(stage, pp, schedule=name) == rank for stage, rank in held.items())
 
 
 def torch_refuses(name: str, pp: int, num_microbatches: int) -> bool:

@@ -26,6 +26,7 @@ from meshrun.models import build_model
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.recompute import apply_recompute
 from meshrun.parallel.tied import TiedEmbeddings
+from meshrun.plan import rank_of_stage
 
 if TYPE_CHECKING:
     from meshrun.parallel.pipeline import PipelineModel
@@ -103,5 +104,6 @@ def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> Lo
         for i in plan.local_stages
     ]
     model = PipelineModel(cfg, mesh, plan, parts, [wrap_ddp(p, mesh) for p in parts], loss=loss, amp=amp)
-    model.tied = TiedEmbeddings(parts, plan.local_stages, num_stages=plan.num_stages, mesh=mesh)
+    last_pp_rank = rank_of_stage(plan.num_stages - 1, mesh.pp, schedule=cfg.parallel.schedule)
+    model.tied = TiedEmbeddings(parts, plan.local_stages, num_stages=plan.num_stages, mesh=mesh, last_pp_rank=last_pp_rank)
     return model
