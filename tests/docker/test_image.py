@@ -39,6 +39,10 @@ from conftest import REPO, read_metrics
 if os.environ.get("MESHRUN_SKIP_CONTAINER_TESTS") == "1":
     pytest.skip("MESHRUN_SKIP_CONTAINER_TESTS=1: container tests opted out", allow_module_level=True)
 
+# A cold image build takes minutes on a loaded 2-core machine and counts against the test that
+# first needs the image: give that room. Every podman call keeps its own timeout.
+pytestmark = pytest.mark.timeout(1200)
+
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 WRAPPER = REPO / "launch" / "docker-run.sh"
 TORCH_BASE_DOCKERFILE = Path(__file__).with_name("torch-base.Dockerfile")
