@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Start meshrun workers with torchrun yourself, on one node or many.
+# Start meshrun workers with torchrun on one node or many, configured by environment variables
+# (e.g. under your own scheduler).
 #
-# `meshrun train CONFIG --nnodes ...` builds this same command from the config; use this script
-# when you want torchrun's own command line (e.g. under your own scheduler). Inside torchrun,
-# `python -m meshrun train` sees RANK/WORLD_SIZE and runs as a worker, so the config must say
-# parallel.dp x parallel.pp = NNODES x NPROC_PER_NODE.
+# The variables become `meshrun train`'s multi-node flags: meshrun checks the job, then starts
+# torchrun with the command line it builds in one place (meshrun.launcher.torchrun; printed as
+# "starting N workers: ..."). The config must say parallel.dp x parallel.pp = NNODES x NPROC_PER_NODE.
 #
 # One node, 4 workers:
 #   NPROC_PER_NODE=4 launch/torchrun.sh configs/default.yaml --set parallel.dp=2 --set parallel.pp=2
@@ -36,14 +36,15 @@ if [[ "$NNODES" != 1 && -z "${RDZV_ENDPOINT:-}" ]]; then
 fi
 
 args=(--nproc-per-node="$NPROC_PER_NODE" --max-restarts="${MAX_RESTARTS:-0}")
-if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
-    args+=(--standalone)  # one node: private rendezvous on a free port
-else
-    args+=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-meshrun}")
-    [[ -n "${IS_HOST:-}" ]] && args+=(--rdzv-conf="is_host=$IS_HOST")
+if [[ -n "${RDZV_ENDPOINT:-}" ]]; then  # else one node: a private rendezvous on a free port
+    args+=(--nnodes="$NNODES" --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-meshrun}")
+    case "${IS_HOST:-}" in
+        1) args+=(--host-node) ;;
+        0) args+=(--no-host-node) ;;
+        "") ;;
+        *) echo "launch/torchrun.sh: IS_HOST must be 1 or 0, not '$IS_HOST'" >&2; exit 2 ;;
+    esac
     [[ -n "${LOCAL_ADDR:-}" ]] && args+=(--local-addr="$LOCAL_ADDR")
 fi
 
-# After a restart, a TCPStore shared with the agent keeps stale addresses (pytorch #135712).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-exec "${PYTHON:-python3}" -m torch.distributed.run "${args[@]}" -m meshrun train "$@"
+exec "${PYTHON:-python3}" -m meshrun train "$@" "${args[@]}"

@@ -43,7 +43,7 @@ Int = Annotated[int, BeforeValidator(_no_bool)]
 Float = Annotated[float, BeforeValidator(_no_bool)]
 Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(_lower)]
-Schedule = Annotated[Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"], BeforeValidator(_lower)]
+Schedule = Annotated[Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"], BeforeValidator(_lower)]
 Balance = Annotated[Literal["even", "time", "size"], BeforeValidator(_lower)]
 TrackerMode = Annotated[Literal["online", "offline", "disabled"], BeforeValidator(_lower)]
 Backend = Annotated[Literal["wandb", "tensorboard", "jsonl"], BeforeValidator(_lower)]
@@ -148,7 +148,7 @@ class ParallelConfig(_Section):
     schedule: Schedule = "1f1b"
     """Pipeline schedule from torch.distributed.pipelining (used when pp > 1)."""
     virtual_stages: Int | None = Field(None, ge=1)
-    """Stages per rank: 1 for gpipe/1f1b; default 2 for interleaved-1f1b and zero-bubble."""
+    """Stages per rank: 1 for gpipe/1f1b; 2 for zbv; default 2 for interleaved-1f1b, looped-bfs and zero-bubble."""
     stage_layers: list[list[Int]] | None = None
     """Explicit blocks per stage, e.g. [[0, 1, 2], [3]]; overrides `balance`."""
     balance: Balance = "even"

@@ -25,7 +25,7 @@ from meshrun.distributed import (
 from meshrun.errors import RunError
 from meshrun.hf_config import hf_dir, vocab_key, vocab_size
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
-from meshrun.metrics.report import say
+from meshrun.metrics.console import say
 from meshrun.models import build_model
 from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.precheck import data_dir, in_launched_worker
@@ -81,7 +81,7 @@ def describe_split(cfg: Config) -> list[str] | None:
     if split is None:
         return None
     per_rank = stages_per_rank(par.schedule, par.virtual_stages)
-    return [" + ".join(str(split[s]) for s in stage_ids(rank, par.pp, per_rank)) for rank in range(par.pp)]
+    return [" + ".join(str(split[s]) for s in stage_ids(rank, par.pp, per_rank, schedule=par.schedule)) for rank in range(par.pp)]
 
 
 def describe(cfg: Config) -> str:

@@ -11,7 +11,20 @@ from meshrun.config import Config
 from meshrun.errors import ConfigError
 from meshrun.hf_config import is_hf, num_layers
 
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+# parallel.schedule -> the name torch.distributed.pipelining.get_schedule_class knows it by. The
+# classes and their rules are torch's (meshrun.parallel.pipeline); what the planner needs before
+# torch is imported is below, and tests/parallel/test_schedules_from_torch.py holds it to torch's.
+TORCH_SCHEDULE_NAMES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "looped-bfs": "LoopedBFS",
+    "zero-bubble": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+}
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: one stage per rank
+V_SCHEDULES = ("zbv",)  # exactly two stages per rank, placed in a V: rank r holds r and 2 pp - 1 - r
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")  # weight gradients apart from DDP's hooks
 
 
 def stages_per_rank(schedule: str, requested: int | None) -> int:
@@ -19,6 +32,8 @@ def stages_per_rank(schedule: str, requested: int | None) -> int:
         if requested not in (None, 1):
             raise ConfigError(f"parallel.virtual_stages must be 1 for schedule {schedule}; use interleaved-1f1b for more")
         return 1
+    if schedule in V_SCHEDULES and requested not in (None, 2):
+        raise ConfigError(f"parallel.virtual_stages must be 2 for schedule {schedule} (two stages per rank, in a V)")
     return requested or 2
 
 
@@ -63,23 +78,34 @@ def sizes_to_split(sizes: list[int]) -> list[list[int]]:
     return split
 
 
-def stage_ids(pp_rank: int, pp: int, per_rank: int) -> list[int]:
-    """Stages held by a rank: loop style (rank r holds r, r + pp, ...) for interleaved schedules."""
+def stage_ids(pp_rank: int, pp: int, per_rank: int, *, schedule: str) -> list[int]:
+    """Stages held by a rank: loop style (rank r holds r, r + pp, ...) for interleaved schedules,
+    a V (r and 2 pp - 1 - r) for zbv."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(per_rank)]
 
 
+def rank_of_stage(stage: int, pp: int, *, schedule: str) -> int:
+    """The pipeline rank that holds `stage` (the inverse of stage_ids)."""
+    return min(stage, 2 * pp - 1 - stage) if schedule in V_SCHEDULES else stage % pp
+
+
 def check_microbatches(schedule: str, num_microbatches: int, pp: int) -> None:
-    """Refuse microbatch counts a schedule cannot run, stating its rule."""
+    """A fast, torch-free answer to the microbatch rule of torch's schedule constructor, stated
+    as torch states it. The constructor at worker start stays the authority; test_schedules_from_torch
+    checks over a grid that this refuses exactly what torch refuses."""
+    rounds = max(1, num_microbatches // pp)
     if schedule == "1f1b" and num_microbatches < pp:
-        raise ConfigError(
-            f"schedule 1f1b needs at least parallel.pp = {pp} microbatches, got {num_microbatches} "
-            "(microbatches = train.global_batch / (train.micro_batch x parallel.dp))"
-        )
-    if schedule in ("interleaved-1f1b", "zero-bubble") and num_microbatches % pp:
-        raise ConfigError(
-            f"schedule {schedule} needs microbatches to be a multiple of parallel.pp = {pp}, got {num_microbatches} "
-            "(microbatches = train.global_batch / (train.micro_batch x parallel.dp))"
-        )
+        rule = f"at least parallel.pp = {pp} microbatches"
+    elif schedule in ("interleaved-1f1b", "zero-bubble") and num_microbatches % rounds:
+        rule = f"a multiple of the number of rounds (microbatches // parallel.pp = {rounds}) of microbatches"
+    else:
+        return
+    raise ConfigError(
+        f"schedule {schedule} needs {rule}, got {num_microbatches} "
+        "(microbatches = train.global_batch / (train.micro_batch x parallel.dp))"
+    )
 
 
 def static_split(cfg: Config) -> list[list[int]] | None:
@@ -102,8 +128,8 @@ def validate_layout(cfg: Config) -> None:
         return
     static_split(cfg)
     check_microbatches(par.schedule, cfg.accumulation_steps, par.pp)
-    if par.schedule == "zero-bubble" and par.dp > 1:
+    if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.dp > 1:
         raise ConfigError(
-            "schedule zero-bubble with parallel.dp > 1 is refused: its split weight-gradient backward bypasses "
+            f"schedule {par.schedule} with parallel.dp > 1 is refused: its split weight-gradient backward bypasses "
             "DDP's all-reduce hooks (pytorch #144530); use interleaved-1f1b or set parallel.dp=1"
         )

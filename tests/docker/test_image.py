@@ -5,8 +5,9 @@ No registry is reachable here, so the base image is made on this machine: deboot
 Debian with Python, import it, and install the host's CPU torch into it from a wheelhouse filled
 on the host (a stand-in for pytorch/pytorch: Python + torch, no meshrun). The base images, the
 wheelhouse and podman's storage live in a cache folder outside git and are reused across runs
-(first run: a few minutes; later runs: the image build and the jobs only). The meshrun image is
-built fresh each session and removed afterwards, as are the containers.
+(first run: a few minutes; later runs: the jobs only). The meshrun image is tagged with a hash
+of its inputs (Dockerfile, sources, base, wheels) and kept: it is rebuilt only when one of them
+changes. Containers are removed after each test.
 
 Needs root and apt (CI: a fresh Debian machine) to install podman, debootstrap and runc when they
 are missing. MESHRUN_SKIP_CONTAINER_TESTS=1 opts out; nothing else skips. MESHRUN_TEST_CACHE
@@ -38,10 +39,15 @@ from conftest import REPO, read_metrics
 if os.environ.get("MESHRUN_SKIP_CONTAINER_TESTS") == "1":
     pytest.skip("MESHRUN_SKIP_CONTAINER_TESTS=1: container tests opted out", allow_module_level=True)
 
+# A cold image build takes minutes on a loaded 2-core machine and counts against the test that
+# first needs the image: give that room. Every podman call keeps its own timeout.
+pytestmark = pytest.mark.timeout(1200)
+
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 WRAPPER = REPO / "launch" / "docker-run.sh"
 TORCH_BASE_DOCKERFILE = Path(__file__).with_name("torch-base.Dockerfile")
 IMAGE_UID = 1000  # docker/Dockerfile's USER_UID default
+KEPT_IMAGES = 4  # meshrun images kept in the cache, newest first
 SECRET = "wandb-secret-" + uuid.uuid4().hex  # must never show up in output
 
 # The settings measured to work on these machines (ENVIRONMENT.md): crun and systemd cgroups fail,
@@ -201,18 +207,42 @@ def torch_base(podman: Podman, python_base: str, wheelhouse: Path) -> str:
     return name
 
 
+def build_inputs_key(torch_base: str, podman: Podman, wheelhouse: Path) -> str:
+    """A hash of everything the meshrun image is built from: the Dockerfile, the build context
+    .dockerignore lets in (pyproject.toml, src/, an optional wheelhouse/), the base image's id and
+    the wheels offered. Equal keys build equal images, so a kept image can stand in for a build."""
+    digest = hashlib.sha256()
+    base_id = podman("image", "inspect", "--format", "{{.Id}}", torch_base, timeout=60).stdout.strip()
+    digest.update(f"base {base_id}\n".encode())
+    digest.update(f"wheels {sorted(p.name for p in wheelhouse.iterdir())}\n".encode())
+    context = [DOCKERFILE, REPO / ".dockerignore", REPO / "pyproject.toml",
+               *sorted((REPO / "src").rglob("*")), *sorted((REPO / "wheelhouse").rglob("*"))]
+    for path in context:
+        if path.is_file() and "__pycache__" not in path.parts and not path.name.endswith(".pyc") \
+                and not any(part.endswith(".egg-info") for part in path.parts):
+            digest.update(f"{path.relative_to(REPO)} {path.stat().st_size}\n".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
-def image(podman: Podman, torch_base: str, wheelhouse: Path) -> Iterator[str]:
-    """The meshrun image, built from this checkout with docker/Dockerfile; removed after the session."""
-    name = f"localhost/meshrun-test/meshrun:{uuid.uuid4().hex[:12]}"
-    try:
+def image(podman: Podman, torch_base: str, wheelhouse: Path) -> str:
+    """The meshrun image built from this checkout with docker/Dockerfile, tagged with the hash of
+    its inputs and kept in the cache: an unchanged checkout reuses it (a build takes minutes here),
+    any change to the Dockerfile, sources, base or wheels builds afresh (the newest few are kept:
+    checkouts on several branches share the cache)."""
+    repository = "localhost/meshrun-test/meshrun"
+    name = f"{repository}:{build_inputs_key(torch_base, podman, wheelhouse)}"
+    if not podman.image_exists(name):
         # --layers=false: nothing cached between builds (no stale layers, no leftover images).
         podman("build", "--pull=never", "--layers=false", "-f", str(DOCKERFILE),
                "--build-arg", f"BASE_IMAGE={torch_base}", "--build-arg", "WHEELHOUSE=/wheels",
                "--volume", f"{wheelhouse}:/wheels:ro", "-t", name, str(REPO), timeout=900)
-        yield name
-    finally:
-        podman("rmi", "--force", "--ignore", name, check=False)
+        newest_first = podman("images", "--sort", "created", "--format", "{{.Repository}}:{{.Tag}}", repository,
+                              timeout=60).stdout.split()
+        for stale in [tag for tag in newest_first if tag != name][KEPT_IMAGES - 1:]:
+            podman("rmi", "--force", "--ignore", stale, check=False)
+    return name
 
 
 def wrapper_env(podman: Podman, image: str, **extra: str) -> dict[str, str]:

@@ -14,7 +14,7 @@ import torch
 from conftest import REPO, final_weights, meshrun_env, read_metrics, run_meshrun, tiny
 from meshrun.config import load_config
 from meshrun.errors import ConfigError
-from meshrun.launcher.slurm import render_sbatch, template
+from meshrun.launcher.slurm import BODY_MARKER, render_sbatch, template
 from slurm_cluster import SlurmCluster, free_port, slurm_cluster, wait_until  # noqa: F401 (fixture)
 
 STEPS = 40
@@ -40,7 +40,8 @@ def test_render_splits_workers_over_nodes_and_keeps_site_settings_optional(tmp_p
     assert f"MESHRUN_ARGS=({config.resolve()} --set=train.lr=3e-4 --set=launch.max_restarts=2)" in script
     assert "NPROC_PER_NODE=4\n" in script and "MAX_RESTARTS=2\n" in script
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in script
-    assert '--rdzv-backend=c10d --rdzv-endpoint="$HEAD:$PORT" --rdzv-id="$SLURM_JOB_ID"' in script
+    assert '--rdzv-endpoint="$HEAD:$PORT" --rdzv-id="$SLURM_JOB_ID"' in script  # c10d: meshrun.launcher.torchrun
+    assert "torch.distributed.run" not in script  # the torchrun command line is built in one place
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
     site = render_sbatch(cfg, config=None, overrides=[], nodes=8, gpus_per_node=1, partition="gpu", account="proj",
                          time="4:00:00", cpus_per_task=16, signal_seconds=90, sbatch_options=["--qos=high"])
@@ -62,9 +63,12 @@ def test_render_refuses_layouts_that_do_not_fit(nodes: int, gpus: int, message: 
 
 
 def test_launch_script_is_the_rendered_template() -> None:
-    """launch/slurm.sbatch shares its body with `meshrun slurm`; regenerate it with
-    `python -m meshrun.launcher.slurm > launch/slurm.sbatch`."""
+    """launch/slurm.sbatch is the package's template, and `meshrun slurm` scripts end with its job part."""
     assert (REPO / "launch" / "slurm.sbatch").read_text() == template()
+    script = render_sbatch(load_config(None, ["parallel.dp=1", "parallel.pp=2"]), config=None, overrides=[], nodes=2,
+                           gpus_per_node=1)
+    job = template().split(BODY_MARKER, 1)[1]
+    assert len(job.splitlines()) > 50 and script.endswith(job) and BODY_MARKER not in script
 
 
 def test_cli_prints_the_script_and_exits_2_on_bad_layouts(tmp_path: Path) -> None:

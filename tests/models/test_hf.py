@@ -57,6 +57,19 @@ def runs(hf_dirs, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> C
     return get
 
 
+@pytest.fixture(scope="session")
+def weights(runs) -> Callable[[str, str], dict]:
+    """`weights(family, layout)`: final weights of `runs(family, layout)`, loaded once."""
+    loaded: dict[tuple[str, str], dict] = {}
+
+    def get(family: str, layout: str = "one-process") -> dict:
+        if (family, layout) not in loaded:
+            loaded[family, layout] = final_weights(runs(family, layout))
+        return loaded[family, layout]
+
+    return get
+
+
 def test_hf_models_are_really_sharded_and_tied(hf_dirs) -> None:
     assert (hf_dirs["llama"] / "model.safetensors.index.json").is_file()
     assert load_reference(hf_dirs["gpt2"]).config.tie_word_embeddings
@@ -77,24 +90,23 @@ def test_first_step_equals_transformers(family: str, runs, hf_dirs, data_dir: Pa
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_layout_matches_one_process(family: str, layout: str, runs) -> None:
+def test_layout_matches_one_process(family: str, layout: str, runs, weights) -> None:
     run, reference = runs(family, layout), runs(family)
-    assert max_weight_diff(final_weights(run), final_weights(reference)) < 1e-5
+    assert max_weight_diff(weights(family, layout), weights(family)) < 1e-5
     norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, reference)]
     assert len(norms[0]) == 10 and norms[0] == pytest.approx(norms[1], rel=1e-5)
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
 
 
-def test_measured_balance_matches_one_process(runs) -> None:
+def test_measured_balance_matches_one_process(weights) -> None:
     """Llama blocks need rotary embeddings: profiled standalone, the measured split trains like one process."""
-    run, reference = runs("llama", "pp2-balance-time"), runs("llama")
-    assert max_weight_diff(final_weights(run), final_weights(reference)) < 1e-5
+    assert max_weight_diff(weights("llama", "pp2-balance-time"), weights("llama")) < 1e-5
 
 
-def test_tied_matrix_is_saved_once(runs) -> None:
+def test_tied_matrix_is_saved_once(weights) -> None:
     """Both stages hold a copy (checked bit-identical before every save); the checkpoint holds one tensor."""
-    weights = final_weights(runs("gpt2", "dp2-pp2-1f1b"))
-    assert "embed.wte.weight" in weights and not any(k.startswith("head.") for k in weights)
+    saved = weights("gpt2", "dp2-pp2-1f1b")
+    assert "embed.wte.weight" in saved and not any(k.startswith("head.") for k in saved)
 
 
 def interrupted(run: Path, dest: Path, *, at_step: int) -> Path:
@@ -109,14 +121,14 @@ def interrupted(run: Path, dest: Path, *, at_step: int) -> Path:
 
 
 @pytest.mark.parametrize("dp,pp", [(2, 2), (1, 1)])
-def test_tied_resume_and_resharded_resume(dp: int, pp: int, runs, hf_dirs, data_dir: Path, tmp_path: Path) -> None:
+def test_tied_resume_and_resharded_resume(dp: int, pp: int, runs, weights, hf_dirs, data_dir: Path, tmp_path: Path) -> None:
     """Fine-tuned GPT-2 written as dp2 x pp2 at step 5: the same layout resumes bit-identically,
     one process resumes to the same weights (1e-5)."""
     full = runs("gpt2", "dp2-pp2-1f1b")
     run = interrupted(full, tmp_path / "run", at_step=5)
     result = hf_train(data_dir, run, hf_dirs["gpt2"], **{**LAYOUTS["dp2-pp2-1f1b"], "parallel.dp": dp, "parallel.pp": pp})
     assert "resumed from" in result.stderr
-    resumed, reference = final_weights(run), final_weights(full)
+    resumed, reference = final_weights(run), weights("gpt2", "dp2-pp2-1f1b")
     if (dp, pp) == (2, 2):
         assert all(torch.equal(resumed[k], reference[k]) for k in reference)
         assert losses(run) == losses(full)

@@ -9,14 +9,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshrun.metrics.console import say
 from meshrun.metrics.trackers import NullTracker, Tracker
 
 if TYPE_CHECKING:
     from meshrun.config import Config
-
-
-def say(message: str) -> None:
-    print(f"[meshrun] {message}", file=sys.stderr, flush=True)
 
 
 class ProgressBar:
@@ -109,7 +106,9 @@ class RunReport:
             self.bar.close()
             self.bar = None
         self.tracker.summarize(summary)
-        from meshrun.metrics.plots import plot_loss  # matplotlib: only rank 0 draws, and only at the end
+        from meshrun.metrics.plots import (
+            plot_loss,  # matplotlib: only rank 0 draws, and only at the end
+        )
 
         plot_loss(self.rows, self.run_dir / "loss.png")
         if self.timeline:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from meshrun.config import TrackerConfig
+from meshrun.metrics import console
 
 
 class Tracker(Protocol):
@@ -173,7 +174,9 @@ class TensorBoardTracker:
     TensorBoard to drop what the interrupted run logged after the checkpoint (it is logged again)."""
 
     def __init__(self, log_dir: Path, *, config: dict[str, Any], start_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # lazy: only when this backend is chosen
+        from torch.utils.tensorboard import (
+            SummaryWriter,  # lazy: only when this backend is chosen
+        )
 
         self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
         self.writer.add_text("config", f"```json\n{json.dumps(config, indent=2)}\n```", global_step=start_step)
@@ -193,8 +196,7 @@ class TensorBoardTracker:
 
 def open_trackers(cfg: TrackerConfig, *, run_dir: Path, config: dict[str, Any], start_step: int = 0,
                   say: Callable[[str], None] | None = None) -> MultiTracker:
-    if say is None:
-        from meshrun.metrics.report import say  # here, not at the top: report imports this module
+    say = say or console.say
     trackers: list[Tracker] = []
     if "jsonl" in cfg.backends:
         trackers.append(JsonlTracker(run_dir / "metrics.jsonl"))

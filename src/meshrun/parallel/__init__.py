@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,10 +23,13 @@ from torch.nn.parallel import DistributedDataParallel
 from meshrun.config import Config
 from meshrun.distributed import Mesh
 from meshrun.models import build_model
-from meshrun.parallel.pipeline import PipelineModel, plan_for
+from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.recompute import apply_recompute
 from meshrun.parallel.tied import TiedEmbeddings
-from meshrun.training.loss import MicrobatchLoss
+from meshrun.plan import rank_of_stage
+
+if TYPE_CHECKING:
+    from meshrun.parallel.pipeline import PipelineModel
 
 AmpContext = Callable[[], contextlib.AbstractContextManager]
 
@@ -33,7 +37,7 @@ AmpContext = Callable[[], contextlib.AbstractContextManager]
 class LocalModel:
     """pp = 1: gradient accumulation over microbatches, DDP all-reduce only on the last one."""
 
-    def __init__(self, part: nn.Module, wrapped: nn.Module, *, loss: MicrobatchLoss, amp: AmpContext) -> None:
+    def __init__(self, part: nn.Module, wrapped: nn.Module, *, loss: LossFn, amp: AmpContext) -> None:
         self.parts, self.wrapped, self.loss, self.amp = [part], wrapped, loss, amp
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -85,17 +89,21 @@ def wrap_ddp(part: nn.Module, mesh: Mesh) -> nn.Module:
     return DistributedDataParallel(part, process_group=mesh.dp_group, device_ids=device_ids)
 
 
-def parallelize(cfg: Config, mesh: Mesh, *, loss: MicrobatchLoss, amp: AmpContext) -> LocalModel | PipelineModel:
+def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> LocalModel | PipelineModel:
     if mesh.pp == 1:
         part = materialise_part(cfg, mesh.device, layers=None, first=True, last=True)
         local = LocalModel(part, wrap_ddp(part, mesh), loss=loss, amp=amp)
         local.tied = TiedEmbeddings([part], [0], num_stages=1, mesh=mesh)
         return local
+    # torch.distributed.pipelining costs about 1.3 s of CPU to import: only pipelines pay it
+    from meshrun.parallel.pipeline import PipelineModel, plan_for
+
     plan = plan_for(cfg, mesh)
     parts = [
         materialise_part(cfg, mesh.device, layers=plan.split[i], first=i == 0, last=i == plan.num_stages - 1)
         for i in plan.local_stages
     ]
     model = PipelineModel(cfg, mesh, plan, parts, [wrap_ddp(p, mesh) for p in parts], loss=loss, amp=amp)
-    model.tied = TiedEmbeddings(parts, plan.local_stages, num_stages=plan.num_stages, mesh=mesh)
+    last_pp_rank = rank_of_stage(plan.num_stages - 1, mesh.pp, schedule=cfg.parallel.schedule)
+    model.tied = TiedEmbeddings(parts, plan.local_stages, num_stages=plan.num_stages, mesh=mesh, last_pp_rank=last_pp_rank)
     return model

@@ -10,31 +10,62 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    get_schedule_class,
 )
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.config import Config
 from meshrun.distributed import Mesh
-from meshrun.parallel.timeline import STEP_MARK, MarkedStage
-from meshrun.plan import stage_ids, stages_per_rank, static_split
-from meshrun.training.loss import MicrobatchLoss
+from meshrun.errors import ConfigError
+from meshrun.parallel.loss_fn import LossFn
+from meshrun.parallel.timeline import STEP_MARK, action_mark
+from meshrun.plan import TORCH_SCHEDULE_NAMES, stage_ids, stages_per_rank, static_split
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "zero-bubble": ScheduleInterleavedZeroBubble,
-}
+
+def schedule_class(name: str) -> type:
+    """torch's class for a `parallel.schedule` name, from torch's own lookup."""
+    return get_schedule_class(TORCH_SCHEDULE_NAMES[name])
+
+
+def make_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn: Callable):
+    """torch's schedule over this rank's stages; its constructor's microbatch and stage rules are
+    the authority (the torch-free precheck answers the same rules earlier), refused as one line."""
+    cls = schedule_class(name)
+    try:
+        return cls(
+            stages[0] if issubclass(cls, PipelineScheduleSingle) else stages,
+            n_microbatches=n_microbatches,
+            loss_fn=loss_fn,
+            scale_grads=False,  # the loss already divides by the microbatch count
+        )
+    except ValueError as exc:
+        raise ConfigError(f"parallel.schedule {name} with {n_microbatches} microbatches: torch refuses it: {exc}") from None
+
+
+class MarkedStage(PipelineStage):
+    """A PipelineStage whose computations show up, named, in profiler traces."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with record_function(action_mark(self.stage_index, "F", fwd_chunk_id)):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        kind = "B" if kwargs.get("full_backward", True) else "I"
+        with record_function(action_mark(self.stage_index, kind, bwd_chunk_id)):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        with record_function(action_mark(self.stage_index, "W", bwd_chunk_id)):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -53,12 +84,14 @@ def plan_for(cfg: Config, mesh: Mesh) -> StagePlan:
     per_rank = stages_per_rank(par.schedule, par.virtual_stages)
     split = static_split(cfg)
     if split is None:
-        from meshrun.parallel.balance import measured_split  # fairscale: only when asked for
+        from meshrun.parallel.balance import (
+            measured_split,  # fairscale: only when asked for
+        )
 
         box = [measured_split(cfg, par.pp * per_rank, by=par.balance) if mesh.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         split = box[0]
-    return StagePlan(split=split, local_stages=stage_ids(mesh.pp_rank, par.pp, per_rank))
+    return StagePlan(split=split, local_stages=stage_ids(mesh.pp_rank, par.pp, per_rank, schedule=par.schedule))
 
 
 class PipelineModel:
@@ -72,7 +105,7 @@ class PipelineModel:
         parts: list[nn.Module],
         wrapped: list[nn.Module],
         *,
-        loss: MicrobatchLoss,
+        loss: LossFn,
         amp: Callable[[], contextlib.AbstractContextManager],
     ) -> None:
         self.parts, self.wrapped, self.loss, self.amp, self.plan = parts, wrapped, loss, amp, plan
@@ -81,14 +114,7 @@ class PipelineModel:
             MarkedStage(module, index, plan.num_stages, mesh.device, group=mesh.pp_group)
             for module, index in zip(wrapped, plan.local_stages)
         ]
-        schedule_cls = SCHEDULES[cfg.parallel.schedule]
-        single = cfg.parallel.schedule in ("gpipe", "1f1b")
-        self.schedule = schedule_cls(
-            self.stages[0] if single else self.stages,
-            n_microbatches=loss.num_microbatches,
-            loss_fn=loss,
-            scale_grads=False,  # MicrobatchLoss already divides by the microbatch count
-        )
+        self.schedule = make_schedule(cfg.parallel.schedule, self.stages, n_microbatches=loss.num_microbatches, loss_fn=loss)
         self.has_first = 0 in plan.local_stages
         self.has_last = plan.num_stages - 1 in plan.local_stages
 

@@ -20,7 +20,8 @@ from meshrun.errors import RunError
 
 
 class TiedEmbeddings:
-    def __init__(self, parts: list[nn.Module], stage_ids: list[int], *, num_stages: int, mesh: Mesh) -> None:
+    def __init__(self, parts: list[nn.Module], stage_ids: list[int], *, num_stages: int, mesh: Mesh,
+                 last_pp_rank: int | None = None) -> None:
         """Collective when the model is tied and pipelined: every rank builds every pair's group."""
         self.copies: list[nn.Parameter] = []  # this rank's copies (0, 1 or 2)
         self.duplicates: list[nn.Parameter] = []  # copies left out of the gradient norm (not on stage 0)
@@ -33,7 +34,8 @@ class TiedEmbeddings:
                 self.copies.append(part.get_parameter(name))
                 if stage != 0:
                     self.duplicates.append(self.copies[-1])
-        last_pp_rank = (num_stages - 1) % mesh.pp  # stages are assigned loop style: stage s on pp rank s % pp
+        if last_pp_rank is None:  # loop style: stage s on pp rank s % pp
+            last_pp_rank = (num_stages - 1) % mesh.pp
         if last_pp_rank == 0:
             return  # one rank runs both stages: summed locally
         for dp_rank in range(mesh.dp):

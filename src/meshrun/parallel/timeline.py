@@ -1,6 +1,6 @@
 """Pipeline timelines read from profiler records: when each stage ran which microbatch's F and B.
 
-`MarkedStage` names every action it computes with a `torch.profiler.record_function` mark
+`pipeline.MarkedStage` names every action it computes with a `torch.profiler.record_function` mark
 (`meshrun.pp:0F3` = stage 0, forward, microbatch 3), and the pipeline names the whole step
 (`meshrun.pp:step`). The marks cost nothing unless a profiler is running; a profiled step's
 marks are both in its Chrome trace and, read back by `step_timeline`, the timeline picture.
@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
-
-from torch.autograd.profiler import record_function
-from torch.distributed.pipelining import PipelineStage
 
 STEP_MARK = "meshrun.pp:step"
 _ACTION_MARK = re.compile(r"^meshrun\.pp:(\d+)([FBIW])(\d+)$")
@@ -27,23 +23,6 @@ _ACTION_MARK = re.compile(r"^meshrun\.pp:(\d+)([FBIW])(\d+)$")
 def action_mark(stage: int, kind: str, microbatch: int) -> str:
     """The profiler name of one action (kind: F, B, I = input half of a split backward, W = weight half)."""
     return f"meshrun.pp:{stage}{kind}{microbatch}"
-
-
-class MarkedStage(PipelineStage):
-    """A PipelineStage whose computations show up, named, in profiler traces."""
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with record_function(action_mark(self.stage_index, "F", fwd_chunk_id)):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
-        kind = "B" if kwargs.get("full_backward", True) else "I"
-        with record_function(action_mark(self.stage_index, kind, bwd_chunk_id)):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
-        with record_function(action_mark(self.stage_index, "W", bwd_chunk_id)):
-            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 @dataclass

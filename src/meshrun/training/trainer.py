@@ -16,9 +16,10 @@ from meshrun.config import Config
 from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.distributed import Mesh
 from meshrun.errors import RunError
+from meshrun.metrics.console import say
 from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throughput
 from meshrun.metrics.profile import StepProfiler
-from meshrun.metrics.report import RunReport, run_facts, say
+from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.trackers import Tracker, open_trackers
 from meshrun.models import build_model
 from meshrun.parallel import parallelize
