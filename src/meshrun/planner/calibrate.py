@@ -1,0 +1,107 @@
+"""`meshrun plan --calibrate`: time real training steps here and fit the cost model's constants.
+
+Each probe is a one-process layout (different micro_batch, microbatch count and recompute) run
+through meshrun's own `parallelize` and fused AdamW on random tokens; the median step time of
+a few steps after a warm-up is fitted by least squares as
+    step = FLOPs / achieved_flops + actions x action_s + step_s
+(actions = a forward and a backward per microbatch). The result is saved as JSON per device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from meshrun.config import Config
+from meshrun.planner.cost import Efficiency
+from meshrun.planner.search import stage_profiles, with_layout
+
+PROBES = ((1, "none"), (2, "none"), (4, "none"), (1, "full"), (4, "full"))  # (micro_batch, recompute)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def default_path(device: str) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "meshrun" / f"calibration-{'-'.join(device.lower().split())}.json"
+
+
+def time_steps(cfg: Config, *, steps: int, warmup: int = 1) -> float:
+    """Median seconds of one training step (forward, backward, optimizer) of a one-process layout."""
+    from meshrun.distributed import init_mesh, shutdown
+    from meshrun.parallel import parallelize
+    from meshrun.training.loss import MicrobatchLoss
+    from meshrun.training.optim import build_optimizer
+
+    mesh = init_mesh(dp=1, pp=1)
+    try:
+        model = parallelize(cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=contextlib.nullcontext)
+        optimizers = [build_optimizer(part, cfg.train) for part in model.parts]
+        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.model.seq_len + 1),
+                               generator=torch.Generator().manual_seed(0)).to(mesh.device)
+        times = []
+        for step in range(warmup + steps):
+            start = time.perf_counter()
+            model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if mesh.device.type == "cuda":
+                torch.cuda.synchronize(mesh.device)
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    finally:
+        shutdown()
+
+
+def fit(samples: list[tuple[float, int, float]]) -> Efficiency:
+    """Least squares of (step FLOPs, actions, seconds) samples -> achieved FLOP/s and fixed costs (kept >= 0)."""
+    a = torch.tensor([[flops, actions, 1.0] for flops, actions, _ in samples], dtype=torch.float64)
+    b = torch.tensor([[seconds] for *_, seconds in samples], dtype=torch.float64)
+    per_flop, action_s, step_s = torch.linalg.lstsq(a, b).solution.flatten().tolist()
+    if per_flop <= 0 or action_s < 0 or step_s < 0:  # noise: fall back to compute + a per-step constant
+        a2 = a[:, [0, 2]]
+        per_flop, step_s = torch.linalg.lstsq(a2, b).solution.flatten().tolist()
+        action_s = 0.0
+    return Efficiency(achieved_flops=1.0 / max(per_flop, 1e-30), action_s=action_s, step_s=max(step_s, 0.0))
+
+
+def calibrate(cfg: Config, *, precision: str, steps: int = 3) -> tuple[Efficiency, list[dict]]:
+    """Time the probes on this machine's first device and fit; also returns the probes' rows."""
+    samples, rows = [], []
+    batch = cfg.train.global_batch
+    for micro_batch, recompute in PROBES:
+        if batch % micro_batch:
+            continue
+        probe = with_layout(cfg, dp=1, pp=1, schedule="1f1b", micro_batch=micro_batch, recompute=recompute)
+        flops = sum(s.flops_per_token for s in stage_profiles(probe, precision)) * probe.tokens_per_step
+        actions = 2 * probe.accumulation_steps
+        seconds = time_steps(probe, steps=steps)
+        samples.append((flops, actions, seconds))
+        rows.append({"micro_batch": micro_batch, "recompute": recompute, "flops": flops, "seconds": seconds})
+    return fit(samples), rows
+
+
+def save(path: Path, device: str, precision: str, eff: Efficiency, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"device": device, "precision": precision, "achieved_flops": eff.achieved_flops,
+              "action_s": eff.action_s, "step_s": eff.step_s, "probes": rows}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
+def load(path: Path) -> tuple[str, Efficiency]:
+    """(device, constants) saved by `save`."""
+    record = json.loads(path.read_text())
+    return record["device"], Efficiency(achieved_flops=record["achieved_flops"], action_s=record["action_s"],
+                                        step_s=record["step_s"])
