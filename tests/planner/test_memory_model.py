@@ -12,8 +12,8 @@ import json
 
 import pytest
 import torch.multiprocessing as mp
-
 from measure_memory import layout_config, worker
+
 from meshrun.planner.layout import layout_memory
 
 TWO_RANKS = {

@@ -15,7 +15,9 @@ from collections.abc import Iterable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+)
 
 
 class SavedBytes:
@@ -30,10 +32,10 @@ class SavedBytes:
     def hooks(self) -> saved_tensors_hooks:
         return saved_tensors_hooks(self.pack, _unpack)
 
-    def pack(self, tensor: torch.Tensor) -> "_Held":
+    def pack(self, tensor: torch.Tensor) -> _Held:
         return _Held(self, tensor, counted=self.active)
 
-    def hold(self, tensor: torch.Tensor) -> "_Held":
+    def hold(self, tensor: torch.Tensor) -> _Held:
         """Count a tensor kept alive outside autograd's saved tensors (e.g. a checkpoint's input)."""
         return _Held(self, tensor, counted=True)
 
@@ -75,7 +77,7 @@ class SavedBytes:
 
 
 class _Held:
-    __slots__ = ("tensor", "storage", "counter", "key", "nbytes", "counted")
+    __slots__ = ("counted", "counter", "key", "nbytes", "storage", "tensor")
 
     def __init__(self, counter: SavedBytes, tensor: torch.Tensor, *, counted: bool) -> None:
         self.storage = tensor.untyped_storage()  # held: its id stays this storage's while counted
