@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from meshrun.config import Config
+from meshrun.metrics.devices import find_device
 from meshrun.planner.cost import Efficiency
 from meshrun.planner.search import stage_profiles, with_layout
 
@@ -26,7 +27,13 @@ PROBES = ((1, "none"), (2, "none"), (4, "none"), (1, "full"), (4, "full"))  # (m
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    """The name plans use for this device: the GPU table's key when known (so `--gpu h100` finds
+    an H100's calibration), else the CUDA name; `cpu` for CPUs."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    spec = find_device(name)
+    return spec.key if spec is not None else name
 
 
 def default_path(device: str) -> Path:

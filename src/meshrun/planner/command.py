@@ -20,23 +20,26 @@ from meshrun.planner.search import Prediction, predict, rank_layouts
 GIB = 1024**3
 
 
-def hardware(args: argparse.Namespace, precision: str) -> Hardware:
-    """The device named by --gpu (or the calibrated one), with --memory-gb / link overrides."""
+def hardware(args: argparse.Namespace, requested: str) -> tuple[Hardware, str]:
+    """The device named by --gpu (or the calibrated one) with --memory-gb / link overrides, and the
+    precision planned on it (`auto`: bf16 where the device has it, else fp16; fp32 on a CPU)."""
     name = args.gpu or _calibrated_device(args)
     per_node = max(1, args.gpus // args.nodes)
     if name.lower() == "cpu":
-        memory = (args.memory_gb * GIB) if args.memory_gb else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / args.gpus
-        return Hardware("cpu", memory, None, args.intra_gbs or 10.0, args.inter_gbs or 1.25, per_node)
+        memory = args.memory_gb * GIB if args.memory_gb else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / args.gpus
+        precision = "fp32" if requested == "auto" else requested
+        return Hardware("cpu", memory, None, args.intra_gbs or 10.0, args.inter_gbs or 1.25, per_node), precision
     try:
         spec = device_by_short_name(name)
     except KeyError as exc:
         raise ConfigError(f"--gpu: {exc.args[0]}, or cpu; for another device pass --memory-gb and calibrate") from None
-    intra, inter = links_gbs(spec)
+    precision = ("bf16" if spec.bf16_tflops else "fp16") if requested == "auto" else requested
     peak = spec.peak(precision)
     if peak is None:
         raise ConfigError(f"--gpu {name}: {spec.key} has no dense {precision} peak; set precision=fp16 or fp32")
+    intra, inter = links_gbs(spec)
     memory = args.memory_gb * GIB if args.memory_gb else spec.memory_gib * GIB
-    return Hardware(spec.key, memory, peak * 1e12, args.intra_gbs or intra, args.inter_gbs or inter, per_node)
+    return Hardware(spec.key, memory, peak * 1e12, args.intra_gbs or intra, args.inter_gbs or inter, per_node), precision
 
 
 def _calibration_path(args: argparse.Namespace, device: str) -> Path:
@@ -55,17 +58,11 @@ def efficiency(args: argparse.Namespace, hw: Hardware) -> tuple[Efficiency, str]
     path = _calibration_path(args, hw.name)
     if path.is_file():
         device, eff = calibration.load(path)
-        if device in (hw.name, "cpu" if hw.name == "cpu" else None) or args.calibration:
+        if device == hw.name or args.calibration:  # a file named explicitly is the user's choice
             return eff, f"calibrated ({path})"
     if hw.peak_flops is None:
         raise ConfigError(f"no peak FLOP/s for {hw.name}: run `meshrun plan --calibrate CONFIG` here first")
     return Efficiency(), f"default efficiency {Efficiency().flops_fraction:.0%} of peak (not calibrated)"
-
-
-def planned_precision(cfg: Config, hw_name: str) -> str:
-    if cfg.precision != "auto":
-        return cfg.precision
-    return "fp32" if hw_name == "cpu" else "bf16"
 
 
 def _gib(n: float) -> str:
@@ -102,9 +99,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return _calibrate(args, cfg)
     if args.run:
         return compare_run(args)
-    base_hw = hardware(args, "bf16" if cfg.precision == "auto" else cfg.precision)
-    precision = planned_precision(cfg, base_hw.name)
-    hw = hardware(args, precision)
+    hw, precision = hardware(args, cfg.precision)
     eff, source = efficiency(args, hw)
     ranked = rank_layouts(cfg, args.gpus, hw, eff, precision=precision, margin=args.margin)
     if not ranked:
@@ -128,7 +123,7 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
     from meshrun.distributed import local_device
 
     device = calibration.device_name(local_device())
-    precision = planned_precision(cfg, "cpu" if device == "cpu" else device)
+    precision = ("fp32" if device == "cpu" else "bf16") if cfg.precision == "auto" else cfg.precision
     if device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     eff, rows = calibration.calibrate(cfg, precision=precision, steps=args.steps)
@@ -154,8 +149,7 @@ def compare_run(args: argparse.Namespace) -> int:
     bubbles = [r["bubble"] for r in timed if "bubble" in r]
     measured_bubble = sum(bubbles) / len(bubbles) if bubbles else None
     args.gpus = cfg.world_size
-    hw = hardware(args, planned_precision(cfg, args.gpu or "cpu"))
-    precision = planned_precision(cfg, hw.name)
+    hw, precision = hardware(args, cfg.precision)
     eff, source = efficiency(args, hw)
     formula = predict(cfg, hw, eff, precision=precision, margin=args.margin)
     with_bubble = predict(cfg, hw, eff, precision=precision, margin=args.margin, measured_bubble=measured_bubble)
