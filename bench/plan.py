@@ -1,6 +1,6 @@
 """Does `meshrun plan` rank layouts the way real runs do? (issue 12's step-time proof)
 
-    python bench/plan.py [--steps 9] [--log-interval 3] [--timeout 300]
+    python bench/plan.py [--steps 6] [--log-interval 2] [--timeout 900]
 
 1. `meshrun plan --calibrate` (the real CLI) on this machine with the bench model, saved to a
    temporary calibration file (one thread, like every worker below).
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pipeline import log, run
 
-MODEL = {"model.num_layers": 4, "model.dim": 128, "model.num_heads": 4, "model.seq_len": 128, "model.dropout": 0.0,
+MODEL = {"model.num_layers": 4, "model.dim": 64, "model.num_heads": 4, "model.seq_len": 64, "model.dropout": 0.0,
          "train.global_batch": 8, "precision": "fp32"}
 LAYOUTS = {  # name -> (dp, pp, schedule, micro_batch, recompute)
     "1 rank, mb 8": (1, 1, "1f1b", 8, "none"),
@@ -74,9 +74,9 @@ def predict_all(calibration: Path) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=9)
-    p.add_argument("--log-interval", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--log-interval", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900)
     args = p.parse_args()
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp_name:

@@ -3,7 +3,8 @@ parameter, gradient and optimizer bytes exactly, and the activation bytes kept f
 (measured with saved-tensor hooks in a real step) within 10%.
 
 Layouts with two ranks run in one torch.multiprocessing gloo job (shared by all of them), the
-one-rank layouts in this process; the model is the tiny GPT of measure_memory.py (fp32).
+one-rank layouts in this process; the model is the tiny GPT of measure_memory.py (fp32), and
+once a tiny Hugging Face Llama (GQA; rotary embeddings recomputed on each stage).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ ONE_RANK = {
     "single-mb2-m2": ["train.global_batch=4", "train.micro_batch=2"],
     "single-mb4-full": ["train.global_batch=4", "train.micro_batch=4", "recompute=full"],
     "single-mb1-every2": ["train.global_batch=2", "train.micro_batch=1", "recompute=every:2"],
+    "hf-llama-single-mb2": ["model.hf_config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+                            "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 64}",
+                            "train.global_batch=4", "train.micro_batch=2"],
 }
 
 
