@@ -1,8 +1,8 @@
 """`meshrun plan --calibrate`: time real training steps here and fit the cost model's constants.
 
 Each probe is a one-process layout (different micro_batch, microbatch count and recompute) run
-through meshrun's own `parallelize` and fused AdamW on random tokens; the median step time of
-a few steps after a warm-up is fitted by least squares as
+through meshrun's own `parallelize` and fused AdamW on random tokens; the step time of
+a few steps after a warm-up (the fastest) is fitted by least squares as
     step = FLOPs / achieved_flops + actions x action_s + step_s
 (actions = a forward and a backward per microbatch). The result is saved as JSON per device.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -42,7 +41,8 @@ def default_path(device: str) -> Path:
 
 
 def time_steps(cfg: Config, *, steps: int, warmup: int = 1) -> float:
-    """Median seconds of one training step (forward, backward, optimizer) of a one-process layout."""
+    """Fastest of `steps` timed training steps (forward, backward, optimizer) of a one-process layout:
+    other processes on a shared machine only ever add time, so the minimum is the least noisy."""
     from meshrun.distributed import init_mesh, shutdown
     from meshrun.parallel import parallelize
     from meshrun.training.loss import MicrobatchLoss
@@ -65,7 +65,7 @@ def time_steps(cfg: Config, *, steps: int, warmup: int = 1) -> float:
                 torch.cuda.synchronize(mesh.device)
             if step >= warmup:
                 times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return min(times)
     finally:
         shutdown()
 
