@@ -10,6 +10,7 @@ a few steps after a warm-up (the fastest) is fitted by least squares as
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import time
@@ -71,15 +72,27 @@ def time_steps(cfg: Config, *, steps: int, warmup: int = 1) -> float:
 
 
 def fit(samples: list[tuple[float, int, float]]) -> Efficiency:
-    """Least squares of (step FLOPs, actions, seconds) samples -> achieved FLOP/s and fixed costs (kept >= 0)."""
+    """Non-negative least squares of (step FLOPs, actions, seconds) samples -> seconds per FLOP,
+    per action and per step: every subset of the three terms is solved and the best fit whose
+    constants are all >= 0 wins (three unknowns: eight small solves)."""
     a = torch.tensor([[flops, actions, 1.0] for flops, actions, _ in samples], dtype=torch.float64)
     b = torch.tensor([[seconds] for *_, seconds in samples], dtype=torch.float64)
-    per_flop, action_s, step_s = torch.linalg.lstsq(a, b).solution.flatten().tolist()
-    if per_flop <= 0 or action_s < 0 or step_s < 0:  # noise: fall back to compute + a per-step constant
-        a2 = a[:, [0, 2]]
-        per_flop, step_s = torch.linalg.lstsq(a2, b).solution.flatten().tolist()
-        action_s = 0.0
-    return Efficiency(achieved_flops=1.0 / max(per_flop, 1e-30), action_s=action_s, step_s=max(step_s, 0.0))
+    best, best_error = (0.0, 0.0, 0.0), float("inf")
+    for terms in itertools.product((0, 1), repeat=3):
+        columns = [i for i, used in enumerate(terms) if used]
+        if 0 not in columns:  # compute must cost something
+            continue
+        solution = torch.linalg.lstsq(a[:, columns], b).solution.flatten().tolist()
+        if min(solution) < 0:
+            continue
+        full = [0.0, 0.0, 0.0]
+        for column, value in zip(columns, solution):
+            full[column] = value
+        error = float(((a @ torch.tensor(full, dtype=torch.float64).unsqueeze(1) - b) ** 2).sum())
+        if error < best_error:
+            best, best_error = tuple(full), error
+    per_flop, action_s, step_s = best
+    return Efficiency(achieved_flops=1.0 / max(per_flop, 1e-30), action_s=action_s, step_s=step_s)
 
 
 def calibrate(cfg: Config, *, precision: str, steps: int = 3) -> tuple[Efficiency, list[dict]]:
@@ -94,7 +107,8 @@ def calibrate(cfg: Config, *, precision: str, steps: int = 3) -> tuple[Efficienc
         actions = 2 * probe.accumulation_steps
         seconds = time_steps(probe, steps=steps)
         samples.append((flops, actions, seconds))
-        rows.append({"micro_batch": micro_batch, "recompute": recompute, "flops": flops, "seconds": seconds})
+        rows.append({"micro_batch": micro_batch, "recompute": recompute, "flops": flops, "actions": actions,
+                     "seconds": seconds})
     return fit(samples), rows
 
 
