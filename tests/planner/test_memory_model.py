@@ -62,6 +62,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[s
     return get
 
 
+@pytest.mark.timeout(480)  # the two-rank group's spawn took 257 s at load average 24 (24 s of CPU in all)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_predicted_memory_matches_a_real_step(name: str, measured: Callable[[str], dict[str, list[dict]]]) -> None:
     group, overrides = LAYOUTS[name]
