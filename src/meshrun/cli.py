@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
+from meshrun.metrics.devices import SHORT_NAMES
 from meshrun.precheck import check_job
 from meshrun.versions import check_torch_version, installed_torch_version
 
@@ -108,6 +109,8 @@ def _check_plan_args(args: argparse.Namespace) -> None:
     for flag, value in (("--memory-gb", args.memory_gb), ("--intra-gbs", args.intra_gbs), ("--inter-gbs", args.inter_gbs)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{flag} must be a positive number, got {value}")
+    if args.gpu and args.gpu.lower() != "cpu" and args.gpu.lower() not in SHORT_NAMES:
+        raise ConfigError(f"--gpu: unknown GPU {args.gpu!r}: use one of {', '.join(SHORT_NAMES)}, or cpu")
     if args.write and Path(args.write).exists():
         raise ConfigError(f"--write {args.write} already exists; choose a new file name (plan never overwrites)")
     if args.run and not (Path(args.run) / "config.json").is_file():
