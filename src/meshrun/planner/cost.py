@@ -1,7 +1,8 @@
 """Predicted step time of a layout: compute + pipeline bubble + dp all-reduce + pp transfers.
 
-Compute per microbatch and stage = its training FLOPs / achieved FLOP/s, plus a fixed cost per
-forward or backward action (kernel launches, Python, the schedule's bookkeeping). The pipeline
+Compute per microbatch and stage = its training FLOPs / achieved FLOP/s, plus the fixed cost of
+a forward and a backward (kernel launches, Python) in proportion to the stage's share of the
+model's FLOPs: a stage of half the blocks launches about half the kernels. The pipeline
 runs m microbatches through p stages; the slowest rank sets the pace and the schedule adds its
 bubble: GPipe and 1F1B (p - 1) slots, interleaved (p - 1) / v, zero bubble a third of that
 (the weight backwards fill most of it). When a run is given, its measured bubble replaces the
@@ -32,7 +33,7 @@ class Efficiency:
 
     flops_fraction: float = 0.45  # achieved / peak FLOP/s in the model's compute
     achieved_flops: float | None = None  # measured FLOP/s per device (wins over the fraction; CPUs have no peak)
-    action_s: float = 0.0  # fixed seconds per stage forward or backward
+    action_s: float = 0.0  # fixed seconds per forward or backward of one microbatch through the whole model
     step_s: float = 0.0  # fixed seconds per optimizer step (optimizer, clipping, bookkeeping)
 
     def flops_per_s(self, hw: Hardware) -> float:
@@ -78,8 +79,10 @@ def step_time(stages: list[StageProfile], local: list[list[int]], *, schedule: s
     """`local[r]`: the stage indices pp rank r holds."""
     pp, v = len(local), len(local[0])
     flops_per_s = eff.flops_per_s(hw)
-    per_rank = [sum(stages[i].flops_per_token * tokens_per_microbatch / flops_per_s + 2 * eff.action_s for i in held)
-                for held in local]
+    total_flops = sum(s.flops_per_token for s in stages)
+    # the fixed cost of a whole-model forward and backward, shared by each stage's share of the work
+    per_rank = [sum(stages[i].flops_per_token * (tokens_per_microbatch / flops_per_s + 2 * eff.action_s / total_flops)
+                    for i in held) for held in local]
     slowest = max(per_rank)
     compute = m * slowest
     if measured_bubble is not None and pp > 1:
