@@ -132,7 +132,7 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
     for row in rows:
         print(f"micro_batch {row['micro_batch']} recompute {row['recompute']:<5} {row['flops'] / 1e9:8.3f} GFLOP "
               f"{row['seconds'] * 1e3:9.2f} ms/step")
-    print(f"{device}: {eff.achieved_flops / 1e9:.2f} GFLOP/s achieved, {eff.action_s * 1e3:.3f} ms per stage action, "
+    print(f"{device}: {eff.achieved_flops / 1e9:.2f} GFLOP/s achieved, {eff.action_s * 1e3:.3f} ms per forward or backward (whole model), "
           f"{eff.step_s * 1e3:.3f} ms per step; saved to {path}")
     return 0
 
