@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
+from meshrun.metrics.devices import SHORT_NAMES
 from meshrun.precheck import check_job
 from meshrun.versions import check_torch_version, installed_torch_version
 
@@ -57,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--train-tokenizer", metavar="bpe:VOCAB", help="train a byte-level BPE on the sources and use it")
     data.add_argument("--workers", type=int, help="tokenizer processes (default: all cores)")
     data.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (shards end at documents)")
+    _plan_parser(sub)
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
     export.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
     target = export.add_mutually_exclusive_group(required=True)
@@ -75,6 +77,54 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each a training job's run_dir)")
     compare.add_argument("--out", default="report.png", help="the loss-curves picture (PNG; default report.png)")
     return parser
+
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="rank dp x pp x schedule x micro_batch x recompute layouts by predicted memory and speed")
+    plan.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key (repeatable)")
+    plan.add_argument("--gpus", type=int, default=1, help="devices in the job (dp x pp of every layout)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
+    plan.add_argument("--gpu", help="device type: h100, h200, a100-40g, a100-80g, l40s, l4, ... or cpu (calibrated)")
+    plan.add_argument("--memory-gb", type=float, help="memory per device in GiB (default: the device table's)")
+    plan.add_argument("--margin", type=float, default=0.1, help="share of device memory kept free (default 0.1)")
+    plan.add_argument("--intra-gbs", type=float, help="link GB/s within a node (default per device type)")
+    plan.add_argument("--inter-gbs", type=float, help="link GB/s between nodes (default per device type)")
+    plan.add_argument("--top", type=int, default=10, help="fitting (and non-fitting) layouts to show")
+    plan.add_argument("--write", metavar="OUT.yaml", help="write the best fitting layout's config here (new file)")
+    plan.add_argument("--calibration", metavar="FILE", help="calibration JSON (default: per device in the cache)")
+    mode = plan.add_mutually_exclusive_group()
+    mode.add_argument("--calibrate", action="store_true", help="time real steps on this machine and save the fit")
+    mode.add_argument("--run", metavar="RUN_DIR", help="compare a finished run's metrics with the prediction")
+    plan.add_argument("--steps", type=int, default=3, help="--calibrate: timed steps per probe")
+
+
+def _check_plan_args(args: argparse.Namespace) -> None:
+    """`plan` arguments, checked before torch is imported."""
+    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--top", args.top), ("--steps", args.steps)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if args.gpus % args.nodes:
+        raise ConfigError(f"--nodes ({args.nodes}) must divide --gpus ({args.gpus}); change one of them")
+    if not 0 <= args.margin < 1:
+        raise ConfigError(f"--margin must be in [0, 1) (a share of device memory), got {args.margin}")
+    for flag, value in (("--memory-gb", args.memory_gb), ("--intra-gbs", args.intra_gbs), ("--inter-gbs", args.inter_gbs)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} must be a positive number, got {value}")
+    if args.gpu and args.gpu.lower() != "cpu" and args.gpu.lower() not in SHORT_NAMES:
+        raise ConfigError(f"--gpu: unknown GPU {args.gpu!r}: use one of {', '.join(SHORT_NAMES)}, or cpu")
+    if args.write and Path(args.write).exists():
+        raise ConfigError(f"--write {args.write} already exists; choose a new file name (plan never overwrites)")
+    if args.run and not (Path(args.run) / "config.json").is_file():
+        raise ConfigError(f"--run {args.run} holds no config.json; pass a meshrun run directory")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    _check_plan_args(args)
+    from meshrun.planner.command import run_plan  # imports torch: after the checks
+
+    return run_plan(args)
 
 
 def _trust_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             return _use_checkpoint(args)
         if args.command == "slurm":
             return _slurm(args)
+        if args.command == "plan":
+            return _plan(args)
         overrides = [*args.overrides, *_launch_overrides(args)]
         cfg = load_config(args.config, overrides)
         check_job(cfg)

@@ -65,3 +65,37 @@ def find_device(name: str) -> DeviceSpec | None:
     normalised = " ".join(name.split())
     matches = [spec for spec in DEVICES if any(re.fullmatch(p, normalised) for p in spec.patterns)]
     return matches[0] if len(matches) == 1 else None
+
+
+# Short names for `meshrun plan --gpu` (lower case), each naming one entry above.
+SHORT_NAMES: dict[str, str] = {
+    "b200": "B200", "h200": "H200", "h200-nvl": "H200 NVL", "gh200": "GH200", "h100": "H100 SXM",
+    "h100-pcie": "H100 PCIe", "h100-nvl": "H100 NVL", "a100-40g": "A100 40GB", "a100-80g": "A100 80GB",
+    "a10": "A10", "l40s": "L40S", "l40": "L40", "l4": "L4", "rtx4090": "RTX 4090", "rtx3090": "RTX 3090",
+    "v100-16g": "V100 SXM2 16GB", "v100-32g": "V100 SXM2 32GB", "t4": "T4",
+}
+
+# Link bandwidth defaults in GB/s per GPU and direction: (within a node, between nodes). Within a
+# node: NVLink where the SXM boards have it (H100/H200 450, A100 300, V100 150, B200 900), else
+# PCIe (Gen5 x16 64, Gen4 32, Gen3 16). Between nodes: one NIC per GPU of the usual cluster
+# build (400 Gb/s InfiniBand for Hopper/Blackwell, 200 Gb/s for A100, 100 Gb/s otherwise).
+# These are defaults for planning only; `meshrun plan --intra-gbs/--inter-gbs` override them.
+LINKS_GBS: dict[str, tuple[float, float]] = {
+    "B200": (900, 50), "H200": (450, 50), "H200 NVL": (450, 50), "GH200": (450, 50), "H100 SXM": (450, 50),
+    "H100 PCIe": (64, 50), "H100 NVL": (300, 50), "A100 40GB": (300, 25), "A100 80GB": (300, 25),
+    "V100 SXM2 16GB": (150, 12.5), "V100 SXM2 32GB": (150, 12.5), "T4": (16, 12.5),
+}
+PCIE4_LINKS_GBS = (32.0, 12.5)
+
+
+def device_by_short_name(name: str) -> DeviceSpec:
+    """The entry for a `--gpu` short name; unknown names are a KeyError listing the known ones."""
+    key = SHORT_NAMES.get(name.lower())
+    if key is None:
+        raise KeyError(f"unknown GPU {name!r}: use one of {', '.join(SHORT_NAMES)}")
+    return next(spec for spec in DEVICES if spec.key == key)
+
+
+def links_gbs(spec: DeviceSpec) -> tuple[float, float]:
+    """(intra-node, inter-node) GB/s defaults for this device."""
+    return LINKS_GBS.get(spec.key, PCIE4_LINKS_GBS)

@@ -63,8 +63,8 @@ class LocalModel:
         self.wrapped.train(mode)
 
 
-def materialise_part(cfg: Config, device: torch.device, *, layers: list[int] | None, first: bool, last: bool) -> nn.Module:
-    """Steps 1-4 for one stage (layers=None: the whole model)."""
+def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: bool) -> nn.Module:
+    """Steps 1-2 for one stage (layers=None: the whole model), on the meta device (the planner sizes these)."""
     with torch.device("meta"):
         part = build_model(cfg.model)
     if layers is not None:
@@ -76,6 +76,12 @@ def materialise_part(cfg: Config, device: torch.device, *, layers: list[int] | N
         else:
             part.embed = part.embed if first else None
             part.norm, part.head = (part.norm, part.head) if last else (None, None)
+    return part
+
+
+def materialise_part(cfg: Config, device: torch.device, *, layers: list[int] | None, first: bool, last: bool) -> nn.Module:
+    """Steps 1-4 for one stage (layers=None: the whole model)."""
+    part = build_stage(cfg, layers=layers, first=first, last=last)
     part.to_empty(device=device)
     part.init_weights(cfg.train.seed)
     apply_recompute(part.blocks, cfg.recompute)

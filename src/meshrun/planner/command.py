@@ -1,0 +1,167 @@
+"""`meshrun plan`: the ranked table, `--write`, `--calibrate` and `--run` (argument checks that need
+no torch live in cli.py and run first)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import yaml
+
+from meshrun.config import Config, load_config
+from meshrun.errors import ConfigError
+from meshrun.metrics.devices import device_by_short_name, links_gbs
+from meshrun.planner import calibrate as calibration
+from meshrun.planner.cost import Efficiency, Hardware
+from meshrun.planner.search import Prediction, predict, rank_layouts
+
+GIB = 1024**3
+
+
+def hardware(args: argparse.Namespace, requested: str) -> tuple[Hardware, str]:
+    """The device named by --gpu (or the calibrated one) with --memory-gb / link overrides, and the
+    precision planned on it (`auto`: bf16 where the device has it, else fp16; fp32 on a CPU)."""
+    name = args.gpu or _calibrated_device(args)
+    per_node = max(1, args.gpus // args.nodes)
+    if name.lower() == "cpu":
+        memory = args.memory_gb * GIB if args.memory_gb else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / args.gpus
+        precision = "fp32" if requested == "auto" else requested
+        return Hardware("cpu", memory, None, args.intra_gbs or 10.0, args.inter_gbs or 1.25, per_node), precision
+    try:
+        spec = device_by_short_name(name)
+    except KeyError as exc:
+        raise ConfigError(f"--gpu: {exc.args[0]}, or cpu; for another device pass --memory-gb and calibrate") from None
+    precision = ("bf16" if spec.bf16_tflops else "fp16") if requested == "auto" else requested
+    peak = spec.peak(precision)
+    if peak is None:
+        raise ConfigError(f"--gpu {name}: {spec.key} has no dense {precision} peak; set precision=fp16 or fp32")
+    intra, inter = links_gbs(spec)
+    memory = args.memory_gb * GIB if args.memory_gb else spec.memory_gib * GIB
+    return Hardware(spec.key, memory, peak * 1e12, args.intra_gbs or intra, args.inter_gbs or inter, per_node), precision
+
+
+def _calibration_path(args: argparse.Namespace, device: str) -> Path:
+    return Path(args.calibration) if args.calibration else calibration.default_path(device)
+
+
+def _calibrated_device(args: argparse.Namespace) -> str:
+    path = _calibration_path(args, "cpu")
+    if path.is_file():
+        return calibration.load(path)[0]
+    raise ConfigError("pass --gpu (e.g. --gpu h100), or run `meshrun plan --calibrate CONFIG` on this machine first")
+
+
+def efficiency(args: argparse.Namespace, hw: Hardware) -> tuple[Efficiency, str]:
+    """Calibrated constants for this device when saved, else the defaults (and where they came from)."""
+    path = _calibration_path(args, hw.name)
+    if path.is_file():
+        device, eff = calibration.load(path)
+        if device == hw.name or args.calibration:  # a file named explicitly is the user's choice
+            return eff, f"calibrated ({path})"
+    if hw.peak_flops is None:
+        raise ConfigError(f"no peak FLOP/s for {hw.name}: run `meshrun plan --calibrate CONFIG` here first")
+    return Efficiency(), f"default efficiency {Efficiency().flops_fraction:.0%} of peak (not calibrated)"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3g}"
+
+
+def table(predictions: list[Prediction], top: int) -> str:
+    head = (f"{'#':>3} {'dp':>3} {'pp':>3} {'schedule':<20} {'mb':>3} {'m':>3} {'recompute':<9} "
+            f"{'param':>7} {'grad':>7} {'optim':>7} {'act':>7} {'total GiB':>9} {'fits':<4} "
+            f"{'step s':>9} {'bubble':>6} {'tok/s':>10} {'MFU':>6}")
+    lines = [head, "-" * len(head)]
+    shown = [p for p in predictions if p.fits][:top] + [p for p in predictions if not p.fits][:top]
+    for i, p in enumerate(shown, 1):
+        lab, mem = p.label, p.memory
+        mfu = f"{p.mfu:.1%}" if p.mfu is not None else "-"
+        lines.append(
+            f"{i:>3} {lab['dp']:>3} {lab['pp']:>3} {lab['schedule']:<20} {lab['micro_batch']:>3} {lab['microbatches']:>3} "
+            f"{lab['recompute']:<9} {_gib(mem.params):>7} {_gib(mem.grads):>7} {_gib(mem.optimizer):>7} "
+            f"{_gib(mem.activations):>7} {_gib(mem.total):>9} {'yes' if p.fits else 'NO':<4} {p.time.total:>9.4g} "
+            f"{p.time.bubble_fraction:>6.1%} {p.tokens_per_s:>10.4g} {mfu:>6}")
+    return "\n".join(lines)
+
+
+def write_config(prediction: Prediction, out: Path) -> None:
+    text = yaml.safe_dump(prediction.cfg.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("x") as f:  # never overwrite (checked before, refused here too)
+        f.write(text)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.calibrate:
+        return _calibrate(args, cfg)
+    if args.run:
+        return compare_run(args)
+    hw, precision = hardware(args, cfg.precision)
+    eff, source = efficiency(args, hw)
+    ranked = rank_layouts(cfg, args.gpus, hw, eff, precision=precision, margin=args.margin)
+    if not ranked:
+        raise ConfigError(f"no layout of {args.gpus} devices divides train.global_batch ({cfg.train.global_batch}) "
+                          "and the model's blocks; change --gpus or train.global_batch")
+    print(f"meshrun plan: {args.gpus} x {hw.name} ({args.nodes} node(s)), {hw.memory_bytes / GIB:.1f} GiB per device "
+          f"with a {args.margin:.0%} margin, {precision}, global batch {cfg.train.global_batch}; {source}")
+    print(table(ranked, args.top))
+    fitting = [p for p in ranked if p.fits]
+    if args.write:
+        if not fitting:
+            raise ConfigError("no layout fits in memory, nothing written; add devices or raise --memory-gb")
+        write_config(fitting[0], Path(args.write))
+        print(f"wrote {args.write}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
+    import torch
+
+    from meshrun.distributed import local_device
+
+    device = calibration.device_name(local_device())
+    precision = ("fp32" if device == "cpu" else "bf16") if cfg.precision == "auto" else cfg.precision
+    if device == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    eff, rows = calibration.calibrate(cfg, precision=precision, steps=args.steps)
+    path = _calibration_path(args, device)
+    calibration.save(path, device, precision, eff, rows)
+    for row in rows:
+        print(f"micro_batch {row['micro_batch']} recompute {row['recompute']:<5} {row['flops'] / 1e9:8.3f} GFLOP "
+              f"{row['seconds'] * 1e3:9.2f} ms/step")
+    print(f"{device}: {eff.achieved_flops / 1e9:.2f} GFLOP/s achieved, {eff.action_s * 1e3:.3f} ms per forward or backward (whole model), "
+          f"{eff.step_s * 1e3:.3f} ms per step; saved to {path}")
+    return 0
+
+
+def compare_run(args: argparse.Namespace) -> int:
+    """A finished run's measured step time, bubble and throughput next to the prediction for its layout."""
+    run = Path(args.run)
+    cfg = Config.model_validate(json.loads((run / "config.json").read_text()))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    timed = [r for r in rows if "step_time_s" in r][1:] or [r for r in rows if "step_time_s" in r]
+    if not timed:
+        raise ConfigError(f"--run {run}: metrics.jsonl has no step_time_s rows yet; let the run log a window first")
+    measured_time = sum(r["step_time_s"] for r in timed) / len(timed)
+    bubbles = [r["bubble"] for r in timed if "bubble" in r]
+    measured_bubble = sum(bubbles) / len(bubbles) if bubbles else None
+    args.gpus = cfg.world_size
+    hw, precision = hardware(args, cfg.precision)
+    eff, source = efficiency(args, hw)
+    formula = predict(cfg, hw, eff, precision=precision, margin=args.margin)
+    with_bubble = predict(cfg, hw, eff, precision=precision, margin=args.margin, measured_bubble=measured_bubble)
+    print(f"run {run}: dp {cfg.parallel.dp} x pp {cfg.parallel.pp} {cfg.parallel.schedule}, micro_batch "
+          f"{cfg.train.micro_batch}, recompute {cfg.recompute} on {hw.name}; {source}")
+    print(f"{'':<28}{'predicted':>12}{'measured':>12}{'ratio':>8}")
+    for name, predicted, measured in (
+        ("step time s (bubble formula)", formula.time.total, measured_time),
+        ("step time s (measured bubble)", with_bubble.time.total, measured_time),
+        ("bubble", formula.time.bubble_fraction, measured_bubble),
+        ("tokens/s", formula.tokens_per_s, cfg.tokens_per_step / measured_time),
+    ):
+        shown = f"{measured:>12.4g}{predicted / measured:>8.3f}" if measured else f"{'-':>12}{'-':>8}"
+        print(f"{name:<28}{predicted:>12.4g}{shown}")
+    return 0

@@ -1,0 +1,85 @@
+"""Measured memory of real training steps, for comparison with the planner's model.
+
+Each layout runs meshrun's own `parallelize` (the trainer's stage building, recompute, DDP,
+PipelineStage and schedule) and AdamW, on every rank of a real gloo process group. Per rank:
+parameter, gradient and optimizer-state bytes after a step (from the tensors themselves), and
+the peak bytes autograd keeps for backward during the second step (saved-tensor hooks plus
+checkpointed blocks' inputs), above what was live when that step began (the first step's
+shape inference leaves one forward graph alive on the first stage for the whole run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from meshrun.config import Config, load_config
+from meshrun.distributed import Mesh
+from meshrun.parallel import parallelize
+from meshrun.planner.saved_bytes import SavedBytes
+from meshrun.training.loss import MicrobatchLoss
+from meshrun.training.optim import build_optimizer
+
+MODEL = ["model.num_layers=4", "model.dim=32", "model.num_heads=4", "model.seq_len=16", "precision=fp32",
+         "parallel.dp=1", "parallel.pp=1", "recompute=none", "model.dropout=0.0"]
+
+
+def layout_config(overrides: list[str]) -> Config:
+    return load_config(None, [*MODEL, *overrides])
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def measure(cfg: Config, mesh: Mesh) -> dict[str, int]:
+    """One layout on this rank: state bytes and the second step's peak saved bytes."""
+    torch.manual_seed(0)
+    model = parallelize(cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=contextlib.nullcontext)
+    optimizers = [build_optimizer(part, cfg.train) for part in model.parts]
+    params = [p for part in model.parts for p in part.parameters()]
+    counter = SavedBytes(exclude=params)
+    for part in model.parts:
+        counter.count_checkpoint_inputs(part)
+    local = cfg.train.global_batch // cfg.parallel.dp
+    tokens = torch.randint(0, cfg.model.vocab_size, (local, cfg.model.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    peak = 0
+    for _ in range(2):
+        counter.reset_peak()
+        start = counter.live
+        with counter.hooks():
+            model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+        peak = counter.peak - start
+        for optimizer in optimizers:
+            optimizer.step()
+    return {
+        "params": _tensor_bytes(params),
+        "grads": _tensor_bytes(p.grad for p in params),
+        "optimizer": sum(_tensor_bytes(state.values()) for o in optimizers for state in o.state.values()),
+        "activations": peak,
+        "pp_rank": mesh.pp_rank,
+    }
+
+
+def worker(rank: int, world: int, store_dir: str, layouts: list[list[str]], out: str) -> None:
+    """torch.multiprocessing target: every layout (dp x pp = world) on this rank, results to OUT/rank{R}.json."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    store = dist.FileStore(str(Path(store_dir) / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        results = []
+        for overrides in layouts:
+            cfg = layout_config(overrides)
+            dp, pp = cfg.parallel.dp, cfg.parallel.pp
+            device_mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+            results.append(measure(cfg, Mesh(device=torch.device("cpu"), device_mesh=device_mesh, dp=dp, pp=pp)))
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,81 @@
+"""`meshrun plan` through the real CLI: the ranked table, `--write`, bad input (exit 2, one
+line, nothing written), `--calibrate` on this machine and `--run` against a finished run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import read_metrics, run_meshrun, tiny
+
+from meshrun.config import load_config
+from meshrun.metrics.devices import SHORT_NAMES, device_by_short_name
+
+TINY_MODEL = ["--set=model.num_layers=2", "--set=model.dim=32", "--set=model.num_heads=2", "--set=model.seq_len=16",
+              "--set=train.global_batch=4", "--set=precision=fp32"]
+
+
+def plan(tmp_path: Path, *args: str, check: bool = True):
+    return run_meshrun(["plan", *TINY_MODEL, *args], tmp_path=tmp_path, timeout=180, check=check)
+
+
+def test_table_ranks_layouts_and_writes_the_best(tmp_path: Path) -> None:
+    out = tmp_path / "best.yaml"
+    done = plan(tmp_path, "--gpus=2", "--gpu=h100", f"--write={out}", "--top=50")
+    rows = [line.split() for line in done.stdout.splitlines() if line[:3].strip().isdigit()]
+    assert rows and all(row[12] == "yes" for row in rows)  # 2 x 80 GiB holds every layout of a tiny model
+    assert {(row[1], row[2]) for row in rows} == {("1", "2"), ("2", "1")}
+    times = [float(row[13]) for row in rows]
+    assert times == sorted(times)
+    best = load_config(out)
+    first = rows[0]
+    assert (best.parallel.dp, best.parallel.pp, best.train.micro_batch, best.recompute) == (
+        int(first[1]), int(first[2]), int(first[4]), first[6])
+    assert best.train.global_batch == 4 and best.model.dim == 32
+
+
+def test_layouts_that_do_not_fit_are_marked_and_not_written(tmp_path: Path) -> None:
+    out = tmp_path / "best.yaml"
+    done = plan(tmp_path, "--gpu=h100", "--memory-gb=0.0001", f"--write={out}", check=False)
+    assert done.returncode == 2 and "no layout fits" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert " NO " in done.stdout and not out.exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gpu=h900"], "unknown GPU 'h900'"),
+    (["--gpus=3", "--nodes=2", "--gpu=h100"], "--nodes (2) must divide --gpus (3)"),
+    (["--margin=1.5", "--gpu=h100"], "--margin must be in [0, 1)"),
+])
+def test_bad_arguments_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    done = plan(tmp_path, *args, check=False)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_write_never_overwrites(tmp_path: Path) -> None:
+    out = tmp_path / "keep.yaml"
+    out.write_text("mine\n")
+    done = plan(tmp_path, "--gpu=h100", f"--write={out}", check=False)
+    assert done.returncode == 2 and "already exists" in done.stderr and out.read_text() == "mine\n"
+
+
+def test_every_short_name_is_one_table_entry() -> None:
+    assert {device_by_short_name(name).key for name in SHORT_NAMES} == set(SHORT_NAMES.values())
+    with pytest.raises(KeyError, match="unknown GPU"):
+        device_by_short_name("tpu")
+
+
+def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -> None:
+    calibration = tmp_path / "cal.json"
+    done = plan(tmp_path, "--calibrate", f"--calibration={calibration}", "--steps=1")
+    record = json.loads(calibration.read_text())
+    assert record["device"] == "cpu" and record["achieved_flops"] > 0 and len(record["probes"]) >= 3
+    assert "GFLOP/s achieved" in done.stdout
+    run_dir = tmp_path / "run"
+    run_meshrun(["train", *tiny(data_dir, run_dir)], tmp_path=tmp_path)
+    measured = [row["step_time_s"] for row in read_metrics(run_dir) if "step_time_s" in row][1:]
+    done = run_meshrun(["plan", "--run", str(run_dir), f"--calibration={calibration}"], tmp_path=tmp_path)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("step time s (bubble formula)"))
+    predicted, shown, ratio = (float(x) for x in line.split()[-3:])
+    assert shown == pytest.approx(sum(measured) / len(measured), rel=1e-3)
+    assert predicted > 0 and ratio == pytest.approx(predicted / shown, rel=1e-2)
