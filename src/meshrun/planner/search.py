@@ -85,7 +85,7 @@ def predict(cfg: Config, hw: Hardware, eff: Efficiency, *, precision: str, margi
     par = cfg.parallel
     stages = stage_profiles(cfg, precision)
     v = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
-    local = [stage_ids(r, par.pp, v) for r in range(par.pp)]
+    local = [stage_ids(r, par.pp, v, schedule=par.schedule) for r in range(par.pp)]
     m = cfg.accumulation_steps
     ranks = [rank_memory(stages, held, schedule=par.schedule, rank=r, pp=par.pp, dp=par.dp, m=m)
              for r, held in enumerate(local)]
