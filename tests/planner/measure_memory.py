@@ -21,12 +21,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from meshrun.config import Config, load_config
 from meshrun.distributed import Mesh
+from meshrun.hf_config import vocab_size
 from meshrun.parallel import parallelize
 from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import build_optimizer
 
-MODEL = ["model.num_layers=4", "model.dim=32", "model.num_heads=4", "model.seq_len=16", "precision=fp32",
+MODEL = ["model.vocab_size=256", "model.num_layers=4", "model.dim=32", "model.num_heads=4", "model.seq_len=16", "precision=fp32",
          "parallel.dp=1", "parallel.pp=1", "recompute=none", "model.dropout=0.0"]
 
 
@@ -48,7 +49,7 @@ def measure(cfg: Config, mesh: Mesh) -> dict[str, int]:
     for part in model.parts:
         counter.count_checkpoint_inputs(part)
     local = cfg.train.global_batch // cfg.parallel.dp
-    tokens = torch.randint(0, cfg.model.vocab_size, (local, cfg.model.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, vocab_size(cfg.model), (local, cfg.model.seq_len + 1), generator=torch.Generator().manual_seed(1))
     peak = 0
     for _ in range(2):
         counter.reset_peak()

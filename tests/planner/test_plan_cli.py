@@ -13,7 +13,7 @@ from meshrun.config import load_config
 from meshrun.metrics.devices import SHORT_NAMES, device_by_short_name
 
 TINY_MODEL = ["--set=model.num_layers=2", "--set=model.dim=32", "--set=model.num_heads=2", "--set=model.seq_len=16",
-              "--set=train.global_batch=4", "--set=precision=fp32"]
+              "--set=train.global_batch=4", "--set=train.micro_batch=1", "--set=precision=fp32"]
 
 
 def plan(tmp_path: Path, *args: str, check: bool = True):
