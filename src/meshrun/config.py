@@ -131,6 +131,8 @@ class DataConfig(_Section):
     """Files or globs to prepare when `dir` is empty; empty = the Python standard library's .py files."""
     val_fraction: Float = Field(0.05, gt=0.0, lt=0.5)
     """Share of documents held out for validation (prepare; and the tail of a Megatron dataset)."""
+    pairs: bool = False
+    """Prepare `sources` as seq2seq text pairs (one .jsonl with source/target fields, or two aligned text files); no sources = the built-in example."""
 
     @model_validator(mode="after")
     def _dir_or_mixture(self) -> DataConfig:

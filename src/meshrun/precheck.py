@@ -24,7 +24,7 @@ def data_dir(cfg: Config) -> Path:
     if cfg.data.dir is not None:
         return Path(cfg.data.dir)
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "meshrun" / "stdlib-bytes"
+    return cache / "meshrun" / ("stdlib-camelcase" if cfg.data.pairs else "stdlib-bytes")
 
 
 def check_job(cfg: Config) -> None:

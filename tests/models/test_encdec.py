@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from encdec_reference import TorchEncDec, lopsided_pairs, plain_step
+
 from meshrun.config import load_config
 from meshrun.data.pairs import PairsDataset, prepare_pairs
 from meshrun.data.storage import read_meta

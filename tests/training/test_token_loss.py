@@ -8,14 +8,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    final_weights,
+    losses,
+    max_weight_diff,
+    read_metrics,
+    run_meshrun,
+    tiny,
+)
+from encdec_reference import (
+    lopsided_pairs,
+    mean_of_microbatch_means,
+    plain_step,
+    token_loss,
+)
+from plain_reference import config_from_set_args
 
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
-from encdec_reference import lopsided_pairs, mean_of_microbatch_means, plain_step, token_loss
 from meshrun.data.dataset import open_dataset
 from meshrun.data.pairs import prepare_pairs
 from meshrun.parallel import materialise_part
 from meshrun.training.loss import IGNORE, MicrobatchLoss
-from plain_reference import config_from_set_args
 
 DECODER = {"model.num_layers": 4, "model.seq_len": 96, "model.vocab_size": 260, "train.global_batch": 16,
            "train.micro_batch": 2, "train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5}

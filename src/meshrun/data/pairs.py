@@ -14,7 +14,9 @@ Sample `i` of a split is pair `hash(seed, i) mod num_pairs`, as for token window
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from meshrun.data.dataset import _splitmix64
+from meshrun.data.prepare import _check_out, _commit, _fresh_staging
 from meshrun.data.storage import SPLITS, smallest_dtype
 from meshrun.data.tokenize import Encoder, TokenizerSpec, byte_tokenizer, load_tokenizer
 from meshrun.errors import ConfigError
@@ -29,6 +32,8 @@ from meshrun.training.loss import IGNORE
 
 PAD, BOS, EOS, NUM_SPECIAL = 0, 1, 2, 3
 OFFSET_DTYPE = np.dtype("<u8")
+EXAMPLE_MAX_CHARS = 24  # the example config's model.source_len
+_SNAKE_DEF = re.compile(r"^\s*def ([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\(", re.MULTILINE)
 
 
 def read_pairs(sources: list[str], *, source_field: str = "source", target_field: str = "target") -> list[tuple[str, str]]:
@@ -72,26 +77,26 @@ def prepare_pairs(pairs: list[tuple[str, str]], out: str | Path, *, val_fraction
                   tokenizer: str = "byte") -> dict[str, Any]:
     """Tokenize pairs into a new folder; the last `val_fraction` of them (at least one) are validation."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} is not empty; prepare pairs into a new folder")
+    _check_out(out)
     if len(pairs) < 2:
         raise ConfigError(f"{len(pairs)} pairs are too few to train and validate on; give at least 2")
     spec = byte_tokenizer() if tokenizer == "byte" else load_tokenizer(tokenizer)
-    out.mkdir(parents=True, exist_ok=True)
+    staging = _fresh_staging(out)  # renamed to `out` when complete: an interrupted run leaves no dataset
     dtype = smallest_dtype(spec.vocab_size + NUM_SPECIAL)
     cut = len(pairs) - max(1, round(len(pairs) * val_fraction))
     splits = {}
     for split, chunk in zip(SPLITS, (pairs[:cut], pairs[cut:])):
         for side, texts in (("source", [s for s, _ in chunk]), ("target", [t for _, t in chunk])):
             ids = encode_texts(spec, texts)
-            np.concatenate(ids).astype(dtype).tofile(out / f"{split}.{side}.bin")
-            np.cumsum([0, *map(len, ids)]).astype(OFFSET_DTYPE).tofile(out / f"{split}.{side}.idx")
+            np.concatenate(ids).astype(dtype).tofile(staging / f"{split}.{side}.bin")
+            np.cumsum([0, *map(len, ids)]).astype(OFFSET_DTYPE).tofile(staging / f"{split}.{side}.idx")
         splits[split] = {"pairs": len(chunk)}
     if spec.json_text is not None:
-        (out / "tokenizer.json").write_text(spec.json_text)
+        (staging / "tokenizer.json").write_text(spec.json_text)
     meta = {"format": "pairs", "dtype": dtype.name, "vocab_size": spec.vocab_size + NUM_SPECIAL,
             "tokenizer": spec.describe(), "special_ids": {"pad": PAD, "bos": BOS, "eos": EOS}, "splits": splits}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2))  # last: marks the folder complete
+    (staging / "meta.json").write_text(json.dumps(meta, indent=2))
+    _commit(staging, out)
     return meta
 
 
@@ -160,3 +165,21 @@ class PairsDataset:
 
     def source_counts(self, first: int, count: int) -> dict[str, int]:
         return {}
+
+
+def example_pairs() -> list[tuple[str, str]]:
+    """The no-download seq2seq example: snake_case function names defined in the Python standard
+    library -> the same name in CamelCase (`get_terminal_size` -> `GetTerminalSize`). A rule a
+    small model learns in minutes and can be checked on names it never saw; sorted by a hash so
+    train and val hold different names however the library's files are ordered."""
+    from meshrun.data.sources import default_sources, expand_sources
+
+    names: set[str] = set()
+    for path in expand_sources(default_sources()):
+        try:
+            names.update(_SNAKE_DEF.findall(path.read_text(encoding="utf-8", errors="replace")))
+        except OSError:
+            continue
+    names = {name for name in names if len(name) <= EXAMPLE_MAX_CHARS}
+    ordered = sorted(names, key=lambda name: hashlib.sha256(name.encode()).digest())
+    return [(name, "".join(word.capitalize() for word in name.split("_"))) for name in ordered]
