@@ -9,9 +9,12 @@ the loss and the gradient norm are torch's or written here from their definition
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
+from conftest import final_weights, losses, max_weight_diff, read_metrics
 from torch import nn
 
 from meshrun.models.encdec import EncDec, sinusoids, split_lengths
@@ -111,3 +114,24 @@ def mean_of_microbatch_means(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     with torch.no_grad():
         means = [token_loss(model(xm), ym) for xm, ym in zip(x.split(micro_batch), y.split(micro_batch))]
     return torch.stack(means).mean().item()
+
+
+def assert_step_one_matches(run: Path, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, micro_batch: int) -> None:
+    """The run's logged step-1 loss and pre-clip gradient norm equal `model`'s plain step on the
+    whole global batch (x, y) to 1e-5, on microbatches of very different target-token counts,
+    where a mean of per-microbatch means would be off by far more than that."""
+    counts = [int((ym != -100).sum()) for ym in y.split(micro_batch)]
+    assert max(counts) > 3 * min(counts), counts
+    plain_loss, plain_norm = plain_step(model, x, y)
+    first = read_metrics(run)[0]
+    assert first["loss"] == pytest.approx(plain_loss, rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(plain_norm, rel=1e-5)
+    wrong = mean_of_microbatch_means(model, x, y, micro_batch)
+    assert abs(wrong - plain_loss) > 20 * 1e-5 * plain_loss, "the batch cannot tell the normalisations apart"
+
+
+def assert_same_training(run: Path, reference: Path) -> None:
+    """A layout's 10 clipped steps equal one process's: weights to 1e-5, every logged loss."""
+    assert min(row["grad_norm"] for row in read_metrics(run)) > 0.5, "clipping must be active"
+    assert max_weight_diff(final_weights(run), final_weights(reference)) < 1e-5
+    assert losses(run) == pytest.approx(losses(reference), abs=1e-5)

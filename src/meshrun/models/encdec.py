@@ -23,7 +23,7 @@ from meshrun.data.pairs import PAD
 from meshrun.errors import ConfigError
 from meshrun.hf_config import is_hf
 from meshrun.models.gpt import MLP
-from meshrun.models.init import seeded_normal_
+from meshrun.models.init import init_transformer_
 from meshrun.models.protocol import StagedModel
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -192,18 +192,9 @@ class EncDec(StagedModel):
             return state
         return self.head(self.norm(state))
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Each parameter from its own (seed, name) stream, so any pipeline split starts identical."""
-        std, depth_std = 0.02, 0.02 / (2 * self.cfg.num_layers) ** 0.5
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                seeded_normal_(module.weight, seed, name, std=depth_std if name.endswith(".proj") else std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
+        init_transformer_(self, seed, num_layers=self.cfg.num_layers)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token of seq_len: 6 x matmul params on the tokens they see + attention (PaLM B)."""
