@@ -58,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--train-tokenizer", metavar="bpe:VOCAB", help="train a byte-level BPE on the sources and use it")
     data.add_argument("--workers", type=int, help="tokenizer processes (default: all cores)")
     data.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (shards end at documents)")
+    data.add_argument("--pairs", action="store_true",
+                      help="seq2seq text pairs: one .jsonl (--source-field, --target-field) or two aligned text files; "
+                           "no --source = the built-in example (stdlib snake_case names -> CamelCase)")
+    data.add_argument("--source-field", default="source", help="--pairs: the source text field of .jsonl records")
+    data.add_argument("--target-field", default="target", help="--pairs: the target text field of .jsonl records")
     _plan_parser(sub)
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
     export.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
@@ -72,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed")
+    sample.add_argument("--beam", type=int, default=1, help="encoder-decoder models: beam width (1 = greedy)")
     _trust_arguments(sample)
     compare = sub.add_parser("report", help="compare runs: a table of their summaries and one picture of their loss curves")
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each a training job's run_dir)")
@@ -162,6 +168,8 @@ def _check_checkpoint_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--tokens must be at least 1 (tokens to generate), got {args.tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.beam < 1:
+        raise ConfigError(f"--beam must be at least 1 (1 = greedy), got {args.beam}")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
     try:
@@ -188,7 +196,7 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
             return 0
         model, cfg, _ = load_full_model(args.checkpoint, **trust)
         print(sample(model, cfg, args.prompt, num_tokens=args.tokens, temperature=args.temperature,
-                     top_k=args.top_k or None, seed=args.seed))
+                     top_k=args.top_k or None, seed=args.seed, beam=args.beam))
         return 0
     except CheckpointError as exc:  # a bad path given on the command line
         raise ConfigError(str(exc)) from None
@@ -202,6 +210,10 @@ def _prepare_data(args: argparse.Namespace) -> int:
     for flag, value in (("--workers", args.workers), ("--shard-tokens", args.shard_tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if args.pairs:
+        if args.train_tokenizer:
+            raise ConfigError("--train-tokenizer does not apply to --pairs; pass a trained --tokenizer PATH or bytes")
+        return _prepare_pairs(args)
     try:
         meta = prepare(args.sources or default_sources(), args.out, val_fraction=args.val_fraction, field=args.field,
                        tokenizer=args.tokenizer, train_tokenizer=args.train_tokenizer, workers=args.workers,
@@ -209,6 +221,20 @@ def _prepare_data(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
     print(f"{describe(meta)} to {args.out}")
+    return 0
+
+
+def _prepare_pairs(args: argparse.Namespace) -> int:
+    from meshrun.data.pairs import example_pairs, prepare_pairs, read_pairs
+
+    pairs = (read_pairs(args.sources, source_field=args.source_field, target_field=args.target_field)
+             if args.sources else example_pairs())
+    try:
+        meta = prepare_pairs(pairs, args.out, val_fraction=args.val_fraction, tokenizer=args.tokenizer)
+    except OSError as exc:
+        raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
+    counts = ", ".join(f"{split} {info['pairs']}" for split, info in meta["splits"].items())
+    print(f"prepared text pairs ({counts}; vocabulary {meta['vocab_size']} with pad/bos/eos 0/1/2) to {args.out}")
     return 0
 
 

@@ -85,6 +85,14 @@ class ModelConfig(_Section):
     """Inline Hugging Face config ({model_type: llama, ...}) to build from instead of a directory."""
     init: Literal["auto", "random", "pretrained"] = "auto"
     """Hugging Face models: pretrained = the directory's safetensors, random = seeded per-name init, auto = weights if present."""
+    encoder_layers: Int | None = Field(None, ge=1)
+    """encdec: how many of the num_layers blocks are encoder blocks (the rest decode); None = half."""
+    source_len: Int | None = Field(None, ge=1)
+    """encdec: tokens of seq_len that hold the source (the rest hold the target); None = half."""
+    positions: Literal["learned", "sinusoidal"] = "learned"
+    """encdec: learned position embeddings or fixed sinusoids ("Attention is all you need")."""
+    tie_embeddings: bool = False
+    """encdec: one token embedding matrix for the encoder, the decoder and the output head."""
 
     @model_validator(mode="after")
     def _one_hf_source(self) -> "ModelConfig":
@@ -126,6 +134,8 @@ class DataConfig(_Section):
     """Tokenizer for data `meshrun train` prepares itself (no data.dir, or an empty one): byte (None), bpe:VOCAB (trained on the sources), or a tokenizer.json / model folder."""
     val_fraction: Float = Field(0.05, gt=0.0, lt=0.5)
     """Share of documents held out for validation (prepare; and the tail of a Megatron dataset)."""
+    pairs: bool = False
+    """Prepare `sources` as seq2seq text pairs (one .jsonl with source/target fields, or two aligned text files); no sources = the built-in example."""
 
     @model_validator(mode="after")
     def _dir_or_mixture(self) -> DataConfig:

@@ -20,11 +20,14 @@ from meshrun.checkpoint import (
     verify,
 )
 from meshrun.config import Config
+from meshrun.data.pairs import NUM_SPECIAL
 from meshrun.data.tokenize import text_codec
 from meshrun.errors import ConfigError
 from meshrun.hf_config import vocab_size
 from meshrun.models import build_model
+from meshrun.models.encdec import EncDec
 from meshrun.models.hf_export import load_tokenizer
+from meshrun.models.seq2seq_decode import decode as seq2seq_decode
 
 
 def load_full_model(run_or_checkpoint: str | Path, *, factory: str | None = None,
@@ -77,9 +80,13 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, factory: str | Non
 
 @torch.no_grad()
 def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, temperature: float, top_k: int | None,
-           seed: int) -> str:
-    """Generation with the tokenizer the model was trained with (see `codec`)."""
+           seed: int, beam: int = 1) -> str:
+    """Generation with the tokenizer the model was trained with (see `codec`); an encoder-decoder
+    translates the prompt (greedy, or beam search with `beam` > 1) instead of continuing it."""
     encode, decode, num_ids = codec(cfg)
+    if isinstance(model, EncDec):
+        target = seq2seq_decode(model, [i + NUM_SPECIAL for i in encode(prompt)], beam=beam, max_tokens=num_tokens)
+        return decode([i - NUM_SPECIAL for i in target if i >= NUM_SPECIAL])
     generator = torch.Generator().manual_seed(seed)
     ids, first_allowed = heal_prompt(encode(prompt) or encode("\n"), decode, num_ids or vocab_size(cfg.model))
     tokens = torch.tensor([ids], dtype=torch.long)  # (1, T)

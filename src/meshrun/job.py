@@ -37,7 +37,14 @@ def ensure_data(cfg: Config) -> Path:
     Other formats and mixtures are read in place. (`precheck.check_data_source` has refused a
     `data.dir` with nothing to prepare.)"""
     path = data_dir(cfg)
-    if not reads_in_place(cfg) and not is_prepared(path):
+    if cfg.data.pairs and not reads_in_place(cfg) and not is_prepared(path):
+        from meshrun.data.pairs import example_pairs, prepare_pairs, read_pairs
+
+        say(f"preparing text pairs in {path} (first use)")
+        prepare_pairs(read_pairs(cfg.data.sources) if cfg.data.sources else example_pairs(), path,
+                      val_fraction=cfg.data.val_fraction)
+        check_data_fits(cfg, path)
+    elif not reads_in_place(cfg) and not is_prepared(path):
         tokenizer = cfg.data.tokenizer or "byte"
         say(f"preparing {tokenizer} data in {path} (first use)")
         trained = tokenizer.startswith("bpe:")

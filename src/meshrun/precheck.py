@@ -26,7 +26,8 @@ def data_dir(cfg: Config) -> Path:
     if cfg.data.dir is not None:
         return Path(cfg.data.dir)
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "meshrun" / f"python-stdlib-{_tokenizer_slug(cfg.data.tokenizer)}"
+    name = "stdlib-camelcase" if cfg.data.pairs else f"python-stdlib-{_tokenizer_slug(cfg.data.tokenizer)}"
+    return cache / "meshrun" / name
 
 
 def _tokenizer_slug(tokenizer: str | None) -> str:

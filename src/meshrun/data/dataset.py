@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from meshrun.data.storage import SPLITS, open_split
+from meshrun.data.storage import SPLITS, open_split, read_meta
 from meshrun.errors import ConfigError
 
 if TYPE_CHECKING:
     from meshrun.config import DataConfig
+    from meshrun.data.pairs import PairsDataset
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: i * _GOLDEN mod 2^64 is equidistributed
@@ -72,6 +73,10 @@ class TokenDataset:
         window = torch.from_numpy(np.stack(rows).astype(np.int64)) if rows else torch.empty(0, length, dtype=torch.int64)
         return window[:, :-1], window[:, 1:]
 
+    def target_tokens(self, first: int, count: int) -> int:
+        """Target tokens of samples first .. first+count-1 (windows are never padded)."""
+        return count * self.seq_len
+
     def source_counts(self, first: int, count: int) -> dict[str, int]:
         """Samples per mixture source (none for a single dataset)."""
         return {}
@@ -104,6 +109,9 @@ class MixtureDataset:
                 x[rows], y[rows] = part.windows(index[rows.numpy()])
         return x, y
 
+    def target_tokens(self, first: int, count: int) -> int:
+        return count * self.seq_len
+
     def source_counts(self, first: int, count: int) -> dict[str, int]:
         """Samples first .. first+count-1 drawn from each source (counted in chunks: bounded memory)."""
         totals = np.zeros(len(self.parts), dtype=np.int64)
@@ -119,8 +127,15 @@ def source_names(dirs: Sequence[str]) -> list[str]:
     return [f"{n}.{k}" if names.count(n) > 1 else n for k, n in enumerate(names)]
 
 
-def open_dataset(data: DataConfig, data_dir: Path, split: str, *, seq_len: int, seed: int) -> TokenDataset | MixtureDataset:
-    """The configured data (one folder, or a mixture) for one split."""
+def open_dataset(data: DataConfig, data_dir: Path, split: str, *, seq_len: int, seed: int,
+                 source_len: int | None = None) -> TokenDataset | MixtureDataset | PairsDataset:
+    """The configured data (one folder, or a mixture) for one split; `source_len`: the encoder's
+    share of seq_len when a pairs folder feeds an encoder-decoder (None: decoder-only)."""
+    meta = read_meta(Path(data_dir)) if not data.mixture and data.format == "meshrun" else None
+    if meta is not None and meta.get("format") == "pairs":
+        from meshrun.data.pairs import PairsDataset
+
+        return PairsDataset(data_dir, split, meta, seq_len=seq_len, seed=seed, source_len=source_len)
     if not data.mixture:
         return TokenDataset(data_dir, split, seq_len=seq_len, seed=seed, format=data.format, val_fraction=data.val_fraction)
     parts = [TokenDataset(m.dir, split, seq_len=seq_len, seed=seed + k, format=m.format, val_fraction=data.val_fraction)

@@ -33,9 +33,10 @@ from torch import nn
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.hf_config import is_hf
+from meshrun.models.encdec import EncDec
 from meshrun.models.gpt import GPT
 
-BUILTIN: dict[str, Callable[[ModelConfig], nn.Module]] = {"gpt": GPT}
+BUILTIN: dict[str, Callable[[ModelConfig], nn.Module]] = {"gpt": GPT, "encdec": EncDec}
 PROTOCOL = ("embed", "blocks", "norm", "head", "init_weights", "flops_per_token")
 
 

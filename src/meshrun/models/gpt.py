@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrun.config import ModelConfig
-from meshrun.models.init import seeded_normal_
+from meshrun.models.init import init_transformer_
 from meshrun.models.protocol import StagedModel
 
 
@@ -76,19 +76,9 @@ class GPT(StagedModel):
         # Not tied to the embedding: the two usually live on different pipeline stages.
         self.head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialise the parts present, each from its own seed, so any pipeline split starts identical."""
-        std, depth_std = 0.02, 0.02 / (2 * self.cfg.num_layers) ** 0.5
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                # Residual output projections get the GPT-2 depth-scaled std.
-                seeded_normal_(module.weight, seed, name, std=depth_std if name.endswith(".proj") else std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
+        init_transformer_(self, seed, num_layers=self.cfg.num_layers)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 x matmul params + causal attention (PaLM appendix B)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 
 import torch
+from torch import nn
 
 
 def seeded_normal_(tensor: torch.Tensor, seed: int, name: str, *, std: float) -> None:
@@ -16,3 +17,19 @@ def seeded_normal_(tensor: torch.Tensor, seed: int, name: str, *, std: float) ->
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * std
     tensor.copy_(values)
+
+
+@torch.no_grad()
+def init_transformer_(model: nn.Module, seed: int, *, num_layers: int) -> None:
+    """GPT-2 style init of the parts present, each parameter from its own (seed, name) stream so any
+    pipeline split starts identical: normal(0.02) matrices, depth-scaled residual projections
+    (names ending in `.proj`), zero biases, unit LayerNorms."""
+    std, depth_std = 0.02, 0.02 / (2 * num_layers) ** 0.5
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            seeded_normal_(module.weight, seed, name, std=depth_std if name.endswith(".proj") else std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from meshrun import checkpoint
 from meshrun.config import Config
 from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
+from meshrun.data.pairs import PairsDataset
 from meshrun.distributed import Mesh
 from meshrun.errors import RunError
 from meshrun.metrics.console import say
@@ -22,6 +23,7 @@ from meshrun.metrics.profile import StepProfiler
 from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.trackers import Tracker, open_trackers
 from meshrun.models import build_model
+from meshrun.models.encdec import source_len
 from meshrun.parallel import parallelize
 from meshrun.training.amp import autocast, make_scaler
 from meshrun.training.loss import MicrobatchLoss
@@ -70,15 +72,16 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
         torch.manual_seed(cfg.train.seed + mesh.rank)  # dropout streams; weights and data have their own seeds
-        self.loss = MicrobatchLoss(cfg.accumulation_steps)
+        self.loss = MicrobatchLoss(cfg.accumulation_steps, dp=mesh.dp)
         self.model = parallelize(cfg, mesh, loss=self.loss, amp=partial(autocast, cfg, mesh.device))
         self.params = [p for part in self.model.parts for p in part.parameters()]
         self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
         self.optimizers = Optimizers(self.model.parts, cfg.train)
         self.scaler = make_scaler(cfg, self.device, mesh.pp_group)
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
-        self.train_data = open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed)
-        self.val_data = open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed)
+        pairs_layout = {"source_len": source_len(cfg.model)}  # how pairs data (if any) is batched
+        self.train_data = open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed, **pairs_layout)
+        self.val_data = open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed, **pairs_layout)
         with torch.device("meta"):
             self.flops_per_token = build_model(cfg.model).flops_per_token()
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
@@ -137,8 +140,10 @@ class Trainer:
             raise checkpoint.no_checkpoint_loads(self.run_dir, failures)
         return 0
 
-    def local_batch(self, data: TokenDataset | MixtureDataset, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This dp rank's share of the global batch starting at global sample `position`."""
+    def local_batch(self, data: TokenDataset | MixtureDataset | PairsDataset, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This dp rank's share of the global batch starting at global sample `position`; the loss
+        is told the whole global batch's target-token count (read from the data, no collective)."""
+        self.loss.set_target_tokens(data.target_tokens(position, self.cfg.train.global_batch))
         per_rank = self.cfg.train.global_batch // self.mesh.dp
         x, y = data.batch(position + self.mesh.dp_rank * per_rank, per_rank)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

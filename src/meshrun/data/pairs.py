@@ -1,0 +1,185 @@
+"""Pairs of texts (source -> target) for sequence-to-sequence training, stored and batched with padding.
+
+Layout (meta.json "format": "pairs"): per split, `{split}.source.bin` / `{split}.target.bin`
+(token ids laid end to end, smallest dtype) and `{split}.source.idx` / `{split}.target.idx`
+(little-endian uint64 offsets, one more than pairs). Ids are the tokenizer's ids + 3: 0 is
+padding, 1 starts a target (BOS), 2 ends it (EOS), so one vocabulary serves every tokenizer.
+
+Batches are padded to fixed shapes (pipeline stages infer their buffer shapes once):
+- encdec (`source_len` given): x = [source padded to source_len | BOS target, padded], y =
+  [target EOS, padded with IGNORE]; x is (B, seq_len), y is (B, seq_len - source_len).
+- decoder-only: x = source BOS target, y = the next tokens, the source's positions IGNORE.
+Sample `i` of a split is pair `hash(seed, i) mod num_pairs`, as for token windows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshrun.data.dataset import _splitmix64
+from meshrun.data.prepare import _check_out, _commit, _fresh_staging
+from meshrun.data.storage import SPLITS, smallest_dtype
+from meshrun.data.tokenize import Encoder, TokenizerSpec, byte_tokenizer, load_tokenizer
+from meshrun.errors import ConfigError
+from meshrun.training.loss import IGNORE
+
+PAD, BOS, EOS, NUM_SPECIAL = 0, 1, 2, 3
+OFFSET_DTYPE = np.dtype("<u8")
+EXAMPLE_MAX_CHARS = 24  # the example config's model.source_len
+_SNAKE_DEF = re.compile(r"^\s*def ([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\(", re.MULTILINE)
+
+
+def read_pairs(sources: list[str], *, source_field: str = "source", target_field: str = "target") -> list[tuple[str, str]]:
+    """One .jsonl file (two fields per line) or two aligned text files (line k of each)."""
+    paths = [Path(s) for s in sources]
+    for path in paths:
+        if not path.is_file():
+            raise ConfigError(f"pairs source {path} is not a file; give one .jsonl file or two aligned text files")
+    if len(paths) == 1 and paths[0].suffix == ".jsonl":
+        return [_jsonl_pair(line, paths[0], n, source_field, target_field)
+                for n, line in enumerate(paths[0].read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    if len(paths) == 2:
+        sources_text, targets = (p.read_text(encoding="utf-8").splitlines() for p in paths)
+        if len(sources_text) != len(targets):
+            raise ConfigError(f"{paths[0]} has {len(sources_text)} lines but {paths[1]} has {len(targets)}; "
+                              "aligned text files need one target line per source line")
+        return list(zip(sources_text, targets))
+    raise ConfigError("pairs need one .jsonl file (with --source-field / --target-field) or two aligned text files")
+
+
+def _jsonl_pair(line: str, path: Path, number: int, source_field: str, target_field: str) -> tuple[str, str]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{number} is not valid JSON ({exc.msg}); fix the line") from None
+    texts = [record.get(field) if isinstance(record, dict) else None for field in (source_field, target_field)]
+    for field, text in zip((source_field, target_field), texts):
+        if not isinstance(text, str):
+            raise ConfigError(f"{path}:{number} has no text field {field!r}; pass --source-field / --target-field")
+    return texts[0], texts[1]
+
+
+def encode_texts(spec: TokenizerSpec, texts: list[str]) -> list[np.ndarray]:
+    """Each text's token ids shifted past the special ids (the document EOS the encoder adds is dropped)."""
+    tokens, lengths = Encoder(spec)(list(texts))
+    ends, eos = np.cumsum(lengths), len(spec.eos_ids)
+    return [tokens[end - length : end - eos].astype(np.int64) + NUM_SPECIAL for end, length in zip(ends, lengths)]
+
+
+def prepare_pairs(pairs: list[tuple[str, str]], out: str | Path, *, val_fraction: float = 0.05,
+                  tokenizer: str = "byte") -> dict[str, Any]:
+    """Tokenize pairs into a new folder; the last `val_fraction` of them (at least one) are validation."""
+    out = Path(out)
+    _check_out(out)
+    if len(pairs) < 2:
+        raise ConfigError(f"{len(pairs)} pairs are too few to train and validate on; give at least 2")
+    spec = byte_tokenizer() if tokenizer == "byte" else load_tokenizer(tokenizer)
+    staging = _fresh_staging(out)  # renamed to `out` when complete: an interrupted run leaves no dataset
+    dtype = smallest_dtype(spec.vocab_size + NUM_SPECIAL)
+    cut = len(pairs) - max(1, round(len(pairs) * val_fraction))
+    splits = {}
+    for split, chunk in zip(SPLITS, (pairs[:cut], pairs[cut:])):
+        for side, texts in (("source", [s for s, _ in chunk]), ("target", [t for _, t in chunk])):
+            ids = encode_texts(spec, texts)
+            np.concatenate(ids).astype(dtype).tofile(staging / f"{split}.{side}.bin")
+            np.cumsum([0, *map(len, ids)]).astype(OFFSET_DTYPE).tofile(staging / f"{split}.{side}.idx")
+        splits[split] = {"pairs": len(chunk)}
+    if spec.json_text is not None:
+        (staging / "tokenizer.json").write_text(spec.json_text)
+    meta = {"format": "pairs", "dtype": dtype.name, "vocab_size": spec.vocab_size + NUM_SPECIAL,
+            "tokenizer": spec.describe(), "special_ids": {"pad": PAD, "bos": BOS, "eos": EOS}, "splits": splits}
+    (staging / "meta.json").write_text(json.dumps(meta, indent=2))
+    _commit(staging, out)
+    return meta
+
+
+class _Side:
+    """One side (source or target) of a split: ragged token rows."""
+
+    def __init__(self, folder: Path, split: str, side: str, dtype: np.dtype) -> None:
+        try:
+            self.offsets = np.fromfile(folder / f"{split}.{side}.idx", dtype=OFFSET_DTYPE).astype(np.int64)
+            self.tokens = np.memmap(folder / f"{split}.{side}.bin", dtype=dtype, mode="r") if self.offsets[-1] else np.zeros(0, dtype)
+        except (OSError, IndexError) as exc:
+            raise ConfigError(f"{folder}: {split}.{side} cannot be read ({exc}); prepare the pairs again") from None
+        self.lengths = np.diff(self.offsets)
+
+    def row(self, k: int) -> np.ndarray:
+        return np.asarray(self.tokens[self.offsets[k] : self.offsets[k + 1]], dtype=np.int64)
+
+
+class PairsDataset:
+    """Padded (x, y) batches of pairs; `target_tokens` counts a batch's non-pad targets without reading tokens."""
+
+    def __init__(self, data_dir: str | Path, split: str, meta: dict[str, Any], *, seq_len: int, seed: int,
+                 source_len: int | None) -> None:
+        folder = Path(data_dir)
+        dtype = np.dtype(meta["dtype"])
+        self.source, self.target = (_Side(folder, split, side, dtype) for side in ("source", "target"))
+        self.num_pairs = len(self.source.lengths)
+        if not self.num_pairs or self.num_pairs != len(self.target.lengths):
+            raise ConfigError(f"{folder} ({split}) holds {self.num_pairs} sources and {len(self.target.lengths)} targets; "
+                              "prepare the pairs again")
+        self.vocab_size, self.tokenizer, self.where = int(meta["vocab_size"]), meta.get("tokenizer"), f"{folder} ({split})"
+        self.seq_len, self.source_len = seq_len, source_len
+        self.salt = np.uint64((seed * 2 + SPLITS.index(split)) & 0xFFFFFFFF) << np.uint64(32)
+
+    def pairs(self, first: int, count: int) -> np.ndarray:
+        index = np.arange(first, first + count, dtype=np.uint64)
+        return (_splitmix64(index ^ self.salt) % np.uint64(self.num_pairs)).astype(np.int64)
+
+    def _visible_targets(self, which: np.ndarray) -> np.ndarray:
+        """Target tokens (target + EOS) that fit each sample: the loss counts exactly these."""
+        wanted = self.target.lengths[which] + 1
+        if self.source_len is not None:
+            return np.minimum(wanted, self.seq_len - self.source_len)
+        return np.clip(self.seq_len - self.source.lengths[which], 0, wanted)
+
+    def target_tokens(self, first: int, count: int) -> int:
+        return int(self._visible_targets(self.pairs(first, count)).sum())
+
+    def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        which = self.pairs(first, count)
+        target_len = self.seq_len - (self.source_len or 0)
+        x = np.full((count, self.seq_len), PAD, dtype=np.int64)
+        y = np.full((count, target_len), IGNORE, dtype=np.int64)
+        for row, (k, visible) in enumerate(zip(which, self._visible_targets(which))):
+            source, target = self.source.row(k), np.concatenate([[BOS], self.target.row(k), [EOS]])
+            if self.source_len is not None:
+                source = source[: self.source_len]
+                x[row, : len(source)] = source
+                x[row, self.source_len : self.source_len + visible] = target[:visible]
+                y[row, :visible] = target[1 : visible + 1]
+            else:
+                sequence = np.concatenate([source, target])[: self.seq_len + 1]
+                x[row, : len(sequence) - 1] = sequence[:-1]
+                y[row, len(source) : len(source) + visible] = target[1 : visible + 1]
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def source_counts(self, first: int, count: int) -> dict[str, int]:
+        return {}
+
+
+def example_pairs() -> list[tuple[str, str]]:
+    """The no-download seq2seq example: snake_case function names defined in the Python standard
+    library -> the same name in CamelCase (`get_terminal_size` -> `GetTerminalSize`). A rule a
+    small model learns in minutes and can be checked on names it never saw; sorted by a hash so
+    train and val hold different names however the library's files are ordered."""
+    from meshrun.data.sources import default_sources, expand_sources
+
+    names: set[str] = set()
+    for path in expand_sources(default_sources()):
+        try:
+            names.update(_SNAKE_DEF.findall(path.read_text(encoding="utf-8", errors="replace")))
+        except OSError:
+            continue
+    names = {name for name in names if len(name) <= EXAMPLE_MAX_CHARS}
+    ordered = sorted(names, key=lambda name: hashlib.sha256(name.encode()).digest())
+    return [(name, "".join(word.capitalize() for word in name.split("_"))) for name in ordered]

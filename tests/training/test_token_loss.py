@@ -1,0 +1,68 @@
+"""Loss normalisation by tokens: a step's loss is the sum of token losses over the global batch /
+the global count of non-pad targets, whatever the (dp, pp, microbatch) split. Shown here for a
+decoder-only GPT on padded pairs (source, then the target it learns to continue with)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_meshrun, tiny
+from encdec_reference import (
+    assert_same_training,
+    assert_step_one_matches,
+    lopsided_pairs,
+    token_loss,
+)
+from plain_reference import config_from_set_args
+
+from meshrun.data.dataset import open_dataset
+from meshrun.data.pairs import prepare_pairs
+from meshrun.parallel import materialise_part
+from meshrun.training.loss import IGNORE, MicrobatchLoss
+
+DECODER = {"model.num_layers": 4, "model.seq_len": 96, "model.vocab_size": 260, "train.global_batch": 16,
+           "train.micro_batch": 2, "train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5}
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_microbatch_losses_add_up_to_the_global_token_mean(dp: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 6, 11, generator=generator)
+    targets = torch.randint(0, 11, (8, 6), generator=generator)
+    for row, length in enumerate([6, 1, 0, 2, 6, 5, 1, 3]):  # padded rows of very different lengths
+        targets[row, length:] = IGNORE
+    loss = MicrobatchLoss(num_microbatches=8 // (2 * dp), dp=dp)
+    loss.set_target_tokens(int((targets != IGNORE).sum()))
+    per_rank = [sum(loss(lm, tm) for lm, tm in zip(l.split(2), t.split(2))) for l, t in zip(logits.chunk(dp), targets.chunk(dp))]
+    torch.testing.assert_close(sum(per_rank) / dp, token_loss(logits, targets), rtol=1e-6, atol=0)  # DDP averages ranks
+
+
+@pytest.fixture(scope="module")
+def pairs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pairs") / "reverse"
+    prepare_pairs(lopsided_pairs(200, seed=1), out, val_fraction=0.1)
+    return out
+
+
+def train(pairs_dir: Path, run: Path, **overrides: object) -> Path:
+    run_meshrun(["train", *tiny(pairs_dir, run, **{**DECODER, **overrides})], tmp_path=run.parent)
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(pairs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train(pairs_dir, tmp_path_factory.mktemp("ref") / "run")
+
+
+def test_decoder_only_padded_step_one_equals_plain_torch(reference: Path, pairs_dir: Path) -> None:
+    cfg = config_from_set_args(tiny(pairs_dir, "unused", **DECODER))
+    model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
+    x, y = open_dataset(cfg.data, pairs_dir, "train", seq_len=96, seed=cfg.train.seed).batch(0, 16)
+    assert_step_one_matches(reference, model, x, y, micro_batch=2)
+
+
+def test_decoder_only_dp2xpp2_matches_one_process(reference: Path, pairs_dir: Path, tmp_path: Path) -> None:
+    run = train(pairs_dir, tmp_path / "run", **{"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "gpipe"})
+    assert_same_training(run, reference)
