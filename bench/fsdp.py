@@ -60,7 +60,7 @@ def run_side(args: argparse.Namespace, data_dir: Path, run_dir: Path, extra: lis
     """One run; its median step time (after the first step) and per-rank memory."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "meshrun", "train", *settings(args, data_dir, run_dir), *extra]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{' '.join(extra)} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

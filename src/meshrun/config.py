@@ -160,7 +160,7 @@ class ParallelConfig(_Section):
     """fsdp/hsdp: dtype gradients are reduce-scattered in (fp32 sums exactly as ddp's all-reduce does)."""
 
     @model_validator(mode="after")
-    def _shard_divides_dp(self) -> "ParallelConfig":
+    def _shard_divides_dp(self) -> ParallelConfig:
         if self.dp_mode != "hsdp":
             if self.dp_shard is not None:
                 raise ValueError(f"parallel.dp_shard is for dp_mode hsdp (dp_mode is {self.dp_mode}); remove it or set parallel.dp_mode=hsdp")

@@ -28,7 +28,9 @@ ROWS = {
     "fsdp-dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp",
                           "parallel.schedule": "1f1b", "recompute": "every:2"},
     "hsdp-2x2-pp1": {"parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2, "recompute": "selective"},
-    "ddp-dp2-pp1": {"parallel.dp": 2, "recompute": "full"},  # the resume source and the memory baseline
+    "fsdp-dp2-pp2-zero-bubble": {"parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp",
+                                 "parallel.schedule": "zero-bubble"},  # refused under ddp (its hooks are bypassed)
+    "ddp-dp2-pp1": {"parallel.dp": 2},  # the resume source and the memory baseline
 }
 
 
@@ -37,7 +39,7 @@ def grad_norms(run: Path) -> list[float]:
 
 
 def train(data_dir: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data_dir, run, **{**BASE, **overrides})], tmp_path=run.parent)
+    run_meshrun(["train", *tiny(data_dir, run, **{**BASE, **overrides})], tmp_path=run.parent, timeout=420)
     return run
 
 
@@ -60,6 +62,7 @@ def rows(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[
     return get
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("row", [r for r in ROWS if not r.startswith("ddp")])
 def test_sharded_layout_matches_one_process(row: str, rows, reference: Path, plain_reference) -> None:
     run = rows(row)
@@ -76,6 +79,7 @@ RESUMES = [  # (written by, resumed as)
 ]
 
 
+@pytest.mark.timeout(600)  # may train its source row too (2 runs)
 @pytest.mark.parametrize("source,resumed_as", RESUMES, ids=["ddp-to-fsdp", "fsdp-to-ddp", "fsdp-dp2xpp2-to-hsdp-dp4"])
 def test_resume_in_another_data_parallel_mode(source: str, resumed_as: dict, rows, reference: Path, data_dir: Path,
                                               tmp_path: Path) -> None:
@@ -88,7 +92,37 @@ def test_resume_in_another_data_parallel_mode(source: str, resumed_as: dict, row
     assert losses(run)[5:] == pytest.approx(losses(rows(source))[5:], abs=1e-5)
 
 
+@pytest.mark.timeout(600)
 def test_fsdp_holds_about_half_of_ddps_training_state(rows) -> None:
     """Params + grads + AdamW moments on the largest rank, measured after the first step."""
     fsdp, ddp = (read_metrics(rows(name))[0]["state_bytes"] for name in ("fsdp-dp2-pp1", "ddp-dp2-pp1"))
     assert ddp > 0 and fsdp <= 0.55 * ddp, (fsdp, ddp)
+
+
+def test_dry_run_shows_the_data_mesh_and_per_rank_bytes(data_dir: Path, tmp_path: Path) -> None:
+    """Estimated from the meta model: fsdp over 2 ranks holds half of ddp's bytes per rank."""
+    def per_rank_lines(**overrides: object) -> list[str]:
+        args = ["train", "--dry-run", *tiny(data_dir, tmp_path / "run", **{"train.global_batch": 16, **overrides})]
+        out = run_meshrun(args, tmp_path=tmp_path).stdout
+        return out.split("\ndata parallel:\n")[1].split("\nprecision:")[0].splitlines()
+
+    ddp = per_rank_lines(**{"parallel.dp": 2})
+    hsdp = per_rank_lines(**{"parallel.dp": 4, "parallel.pp": 2, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2})
+    assert "ddp: 2 full replicas per stage (shard 1 x replicate 2)" in ddp[0]
+    assert "hsdp: shard 2 x replicate 2" in hsdp[0]
+    assert "reshard after forward: False" in hsdp[1]  # the default under pipelining
+    assert [line.split(":")[0] for line in hsdp[2:]] == ["  pipeline rank 0", "  pipeline rank 1"]
+
+    def total_mib(line: str) -> float:
+        return float(line.rsplit("= ", 1)[1].removesuffix(" MiB"))
+
+    whole = total_mib(ddp[1])
+    assert whole > 0 and total_mib(hsdp[2]) + total_mib(hsdp[3]) == pytest.approx(whole / 2, abs=0.02)
+
+
+def test_hsdp_needs_a_shard_size_that_divides_dp(data_dir: Path, tmp_path: Path) -> None:
+    args = ["train", *tiny(data_dir, tmp_path / "run", **{"parallel.dp": 4, "parallel.dp_mode": "hsdp",
+                                                           "parallel.dp_shard": 3})]
+    result = run_meshrun(args, tmp_path=tmp_path, check=False)
+    assert result.returncode == 2 and "parallel.dp_shard" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / "run").exists()

@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.config import Config
 from meshrun.distributed import Mesh
-from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.models import build_model
+from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.pipeline import PipelineModel, plan_for
 from meshrun.parallel.recompute import apply_recompute
 from meshrun.parallel.tied import TiedEmbeddings

@@ -255,7 +255,8 @@ class Trainer:
         return loss
 
     def clip_gradients(self) -> torch.Tensor:
-        """Global norm over all stages (dp replicas already agree after DDP's all-reduce)."""
+        """Global norm over all stages (dp replicas already agree after DDP's all-reduce; fsdp
+        shards are summed over the data mesh first)."""
         grads = [p.grad for p in self.norm_params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
         norm = full_norm(norm)  # fsdp/hsdp: summed over the gradient shards
