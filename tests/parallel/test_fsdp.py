@@ -62,7 +62,7 @@ def rows(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[
     return get
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("row", [r for r in ROWS if not r.startswith("ddp")])
 def test_sharded_layout_matches_one_process(row: str, rows, reference: Path, plain_reference) -> None:
     run = rows(row)
@@ -79,7 +79,7 @@ RESUMES = [  # (written by, resumed as)
 ]
 
 
-@pytest.mark.timeout(600)  # may train its source row too (2 runs)
+@pytest.mark.timeout(900)  # may train its source row too (2 runs); generous for loaded machines
 @pytest.mark.parametrize("source,resumed_as", RESUMES, ids=["ddp-to-fsdp", "fsdp-to-ddp", "fsdp-dp2xpp2-to-hsdp-dp4"])
 def test_resume_in_another_data_parallel_mode(source: str, resumed_as: dict, rows, reference: Path, data_dir: Path,
                                               tmp_path: Path) -> None:
@@ -92,7 +92,7 @@ def test_resume_in_another_data_parallel_mode(source: str, resumed_as: dict, row
     assert losses(run)[5:] == pytest.approx(losses(rows(source))[5:], abs=1e-5)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_fsdp_holds_about_half_of_ddps_training_state(rows) -> None:
     """Params + grads + AdamW moments on the largest rank, measured after the first step."""
     fsdp, ddp = (read_metrics(rows(name))[0]["state_bytes"] for name in ("fsdp-dp2-pp1", "ddp-dp2-pp1"))
