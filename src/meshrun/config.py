@@ -45,6 +45,8 @@ Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(_lower)]
 Schedule = Annotated[Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"], BeforeValidator(_lower)]
 Balance = Annotated[Literal["even", "time", "size"], BeforeValidator(_lower)]
+DpMode = Annotated[Literal["ddp", "fsdp", "hsdp"], BeforeValidator(_lower)]
+ShardDtype = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(_lower)]
 TrackerMode = Annotated[Literal["online", "offline", "disabled"], BeforeValidator(_lower)]
 Backend = Annotated[Literal["wandb", "tensorboard", "jsonl"], BeforeValidator(_lower)]
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:[1-9][0-9]*)$")
@@ -152,7 +154,7 @@ class DataConfig(_Section):
 
 class ParallelConfig(_Section):
     dp: Int = Field(1, ge=1)
-    """Data-parallel degree (DDP replicas)."""
+    """Data-parallel degree (ranks per pipeline stage; see dp_mode)."""
     pp: Int = Field(1, ge=1)
     """Pipeline-parallel degree (stages over Transformer blocks)."""
     schedule: Schedule = "1f1b"
@@ -163,6 +165,29 @@ class ParallelConfig(_Section):
     """Explicit blocks per stage, e.g. [[0, 1, 2], [3]]; overrides `balance`."""
     balance: Balance = "even"
     """How to split blocks: even (embedding and head weigh one block each), or measured time / size (fairscale)."""
+    dp_mode: DpMode = "ddp"
+    """Data parallelism: ddp (full replicas), fsdp (FSDP2: params, grads, optimizer state sharded over dp), hsdp (sharded within dp_shard ranks, replicated across)."""
+    dp_shard: Int | None = Field(None, ge=1)
+    """hsdp only: ranks one copy is sharded over (a divisor of dp, e.g. GPUs per node); dp / dp_shard replicas."""
+    fsdp_reshard_after_forward: bool | None = None
+    """fsdp/hsdp: free gathered params after each forward; None = yes without a pipeline, no under pp (gather once per step)."""
+    fsdp_param_dtype: ShardDtype = "fp32"
+    """fsdp/hsdp: dtype params are all-gathered and computed in (fp32 = autocast alone decides, as with ddp)."""
+    fsdp_reduce_dtype: ShardDtype = "fp32"
+    """fsdp/hsdp: dtype gradients are reduce-scattered in (fp32 sums exactly as ddp's all-reduce does)."""
+
+    @model_validator(mode="after")
+    def _shard_divides_dp(self) -> ParallelConfig:
+        if self.dp_mode != "hsdp":
+            if self.dp_shard is not None:
+                raise ValueError(f"parallel.dp_shard is for dp_mode hsdp (dp_mode is {self.dp_mode}); remove it or set parallel.dp_mode=hsdp")
+            return self
+        if self.dp_shard is None or self.dp % self.dp_shard or not 1 < self.dp_shard < self.dp:
+            raise ValueError(
+                f"dp_mode hsdp needs parallel.dp_shard, a divisor of parallel.dp ({self.dp}) between 2 and dp/2 "
+                f"(got {self.dp_shard}); set it, or use dp_mode fsdp to shard over all dp ranks"
+            )
+        return self
 
 
 class TrainConfig(_Section):

@@ -101,6 +101,7 @@ class Mesh:
     device_mesh: DeviceMesh
     dp: int
     pp: int
+    data_mesh: DeviceMesh | None = None  # fsdp: the dp axis; hsdp: (dp_replicate, dp_shard); ddp: None
 
     @property
     def rank(self) -> int:
@@ -127,7 +128,7 @@ class Mesh:
         return self.pp_rank == self.pp - 1
 
 
-def init_mesh(*, dp: int, pp: int) -> Mesh:
+def init_mesh(*, dp: int, pp: int, dp_mode: str = "ddp", dp_shard: int | None = None) -> Mesh:
     """Join (or, for a lone process, create) the process group and build the mesh."""
     device, backend = pick_device()
     if in_launched_worker():
@@ -142,7 +143,14 @@ def init_mesh(*, dp: int, pp: int) -> Mesh:
             "launch dp*pp processes or change parallel.dp / parallel.pp"
         )
     device_mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
-    return Mesh(device=device, device_mesh=device_mesh, dp=dp, pp=pp)
+    data_mesh = None
+    if dp_mode == "fsdp":
+        data_mesh = device_mesh["dp"]
+    elif dp_mode == "hsdp" and dp_shard:
+        # dp_rank = replica * dp_shard + shard: a copy is sharded over neighbouring ranks (one node's fast links)
+        hybrid = init_device_mesh(device.type, (pp, dp // dp_shard, dp_shard), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        data_mesh = hybrid["dp_replicate", "dp_shard"]
+    return Mesh(device=device, device_mesh=device_mesh, dp=dp, pp=pp, data_mesh=data_mesh)
 
 
 def shutdown() -> None:

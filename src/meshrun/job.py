@@ -27,6 +27,8 @@ from meshrun.hf_config import hf_dir, vocab_key, vocab_size
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.console import say
 from meshrun.models import build_model
+from meshrun.parallel import build_stage
+from meshrun.parallel.fsdp import describe_data_parallel
 from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.precheck import data_dir, in_launched_worker
 from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
@@ -91,6 +93,22 @@ def describe_split(cfg: Config) -> list[str] | None:
     return [" + ".join(str(split[s]) for s in stage_ids(rank, par.pp, per_rank, schedule=par.schedule)) for rank in range(par.pp)]
 
 
+def parameters_per_pipeline_rank(cfg: Config) -> list[int]:
+    """Parameters each pipeline rank holds (its stages built on the meta device); empty when
+    the split is measured at start."""
+    par = cfg.parallel
+    split = static_split(cfg) if par.pp > 1 else [None]
+    if split is None:
+        return []
+    per_rank = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
+    counts = []
+    for rank in range(par.pp):
+        stages = stage_ids(rank, par.pp, per_rank)
+        parts = [build_stage(cfg, layers=split[s], first=s == 0, last=s == len(split) - 1) for s in stages]
+        counts.append(sum(p.numel() for part in parts for p in part.parameters()))
+    return counts
+
+
 def describe(cfg: Config) -> str:
     """The resolved config, the process layout and the batch maths (for --dry-run)."""
     par, train = cfg.parallel, cfg.train
@@ -106,6 +124,7 @@ def describe(cfg: Config) -> str:
         f"x accumulation steps {cfg.accumulation_steps}",
         f"  tokens per step {cfg.tokens_per_step} (seq_len {cfg.model.seq_len})",
     ]
+    lines += describe_data_parallel(cfg, parameters_per_pipeline_rank(cfg))
     choice = resolve_precision(cfg.precision, local_device())
     lines += ["precision:", f"  {choice.reason}"] + ([f"  warning: {choice.warning}"] if choice.warning else [])
     return "\n".join(lines)
@@ -158,7 +177,8 @@ def outcome(cfg: Config, code: int) -> int:
 def run_worker(cfg: Config) -> int:
     from meshrun.training.trainer import Trainer  # heavy imports only in workers
 
-    mesh = init_mesh(dp=cfg.parallel.dp, pp=cfg.parallel.pp)
+    par = cfg.parallel
+    mesh = init_mesh(dp=par.dp, pp=par.pp, dp_mode=par.dp_mode, dp_shard=par.dp_shard)
     trainer = None
     try:
         torch.distributed.barrier()  # data prepared by every node's local rank 0

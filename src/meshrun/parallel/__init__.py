@@ -5,7 +5,8 @@
   2. keep only this rank's pipeline stage(s) (embedding first, norm + head last);
   3. materialise on the device and initialise (per-parameter seeds: layout independent);
   4. wrap blocks for activation recompute;
-  5. wrap each stage in DDP over the dp group (when dp > 1);
+  5. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp)
+     fully_shard per block + the stage root (fsdp.py);
   6. pp > 1: PipelineStage + a torch.distributed.pipelining schedule;
   7. tied embeddings: the group that sums the first and last stage's gradients (tied.py).
 """
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshrun.config import Config
 from meshrun.distributed import Mesh
 from meshrun.models import build_model
+from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.recompute import apply_recompute
 from meshrun.parallel.tied import TiedEmbeddings
@@ -45,6 +47,7 @@ class LocalModel:
         n, losses = self.loss.num_microbatches, []
         ddp = isinstance(self.wrapped, DistributedDataParallel)
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
+            set_gradient_sync(self.wrapped, i == n - 1)  # fsdp: reduce-scatter once, after the last
             with self.wrapped.no_sync() if ddp and i < n - 1 else contextlib.nullcontext():
                 with self.amp():
                     logits = self.wrapped(xm)
@@ -88,9 +91,11 @@ def materialise_part(cfg: Config, device: torch.device, *, layers: list[int] | N
     return part
 
 
-def wrap_ddp(part: nn.Module, mesh: Mesh) -> nn.Module:
+def wrap_data_parallel(part: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
     if mesh.dp == 1:
         return part
+    if mesh.data_mesh is not None:
+        return wrap_fsdp(part, mesh, cfg.parallel)
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     return DistributedDataParallel(part, process_group=mesh.dp_group, device_ids=device_ids)
 
@@ -98,7 +103,7 @@ def wrap_ddp(part: nn.Module, mesh: Mesh) -> nn.Module:
 def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> LocalModel | PipelineModel:
     if mesh.pp == 1:
         part = materialise_part(cfg, mesh.device, layers=None, first=True, last=True)
-        local = LocalModel(part, wrap_ddp(part, mesh), loss=loss, amp=amp)
+        local = LocalModel(part, wrap_data_parallel(part, mesh, cfg), loss=loss, amp=amp)
         local.tied = TiedEmbeddings([part], [0], num_stages=1, mesh=mesh)
         return local
     # torch.distributed.pipelining costs about 1.3 s of CPU to import: only pipelines pay it
@@ -109,7 +114,7 @@ def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> Lo
         materialise_part(cfg, mesh.device, layers=plan.split[i], first=i == 0, last=i == plan.num_stages - 1)
         for i in plan.local_stages
     ]
-    model = PipelineModel(cfg, mesh, plan, parts, [wrap_ddp(p, mesh) for p in parts], loss=loss, amp=amp)
+    model = PipelineModel(cfg, mesh, plan, parts, [wrap_data_parallel(p, mesh, cfg) for p in parts], loss=loss, amp=amp)
     last_pp_rank = rank_of_stage(plan.num_stages - 1, mesh.pp, schedule=cfg.parallel.schedule)
     model.tied = TiedEmbeddings(parts, plan.local_stages, num_stages=plan.num_stages, mesh=mesh, last_pp_rank=last_pp_rank)
     return model

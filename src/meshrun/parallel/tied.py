@@ -17,6 +17,7 @@ from torch import nn
 
 from meshrun.distributed import Mesh
 from meshrun.errors import RunError
+from meshrun.parallel.fsdp import local
 
 
 class TiedEmbeddings:
@@ -48,19 +49,20 @@ class TiedEmbeddings:
         """Sum the embedding and head gradients into both copies (call after backward, before unscale/clip)."""
         if not self.copies:
             return
-        total = self.copies[0].grad if len(self.copies) == 1 else self.copies[0].grad + self.copies[1].grad
+        grads = [local(p.grad) for p in self.copies]  # fsdp: both copies are sharded alike over dp
+        total = grads[0] if len(grads) == 1 else grads[0] + grads[1]
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
-        for param in self.copies:
-            if param.grad is not total:
-                param.grad.copy_(total)
+        for grad in grads:
+            if grad is not total:
+                grad.copy_(total)
 
     @torch.no_grad()
     def check_identical(self) -> None:
         """Prove the copies are still bit-identical (called before each checkpoint, which saves one)."""
         if not self.copies:
             return
-        values = [p.detach() for p in self.copies]
+        values = [local(p.detach()) for p in self.copies]
         if self.group is not None:
             low, high = values[0].clone(), values[0].clone()
             dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)

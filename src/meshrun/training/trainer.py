@@ -25,6 +25,7 @@ from meshrun.metrics.trackers import Tracker, open_trackers
 from meshrun.models import build_model
 from meshrun.models.encdec import source_len
 from meshrun.parallel import parallelize
+from meshrun.parallel.fsdp import full_norm, state_bytes
 from meshrun.training.amp import autocast, make_scaler
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import Optimizers
@@ -77,7 +78,8 @@ class Trainer:
         self.params = [p for part in self.model.parts for p in part.parameters()]
         self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
         self.optimizers = Optimizers(self.model.parts, cfg.train)
-        self.scaler = make_scaler(cfg, self.device, mesh.pp_group)
+        # fsdp/hsdp: each rank checks only its gradient shards, so every rank must agree on found_inf
+        self.scaler = make_scaler(cfg, self.device, mesh.pp_group if mesh.data_mesh is None else dist.group.WORLD)
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
         pairs_layout = {"source_len": source_len(cfg.model)}  # how pairs data (if any) is batched
         self.train_data = open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed, **pairs_layout)
@@ -87,6 +89,7 @@ class Trainer:
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
         self.run_dir = Path(cfg.run_dir)
         self.skipped_steps = 0
+        self.state_bytes = 0  # params + grads + optimizer state on this rank, measured after the first step
         self.nonfinite = NonFiniteSteps(self.device)
         self.samples_seen = 0  # data position in global samples: survives a change of dp
         self.newer_checkpoints: tuple[Path, ...] = ()  # than the one resumed from: never deleted
@@ -256,13 +259,17 @@ class Trainer:
             self.skipped_steps += self.scaler.get_scale() < scale
         else:
             self.optimizers.step_unless(self.nonfinite.skip(self.grad_norm, step))
+        if step == self.start_step:
+            self.state_bytes = state_bytes(self.params, self.optimizers.optimizers)
         self.optimizers.zero_grad()
         return loss
 
     def clip_gradients(self) -> torch.Tensor:
-        """Global norm over all stages (dp replicas already agree after DDP's all-reduce)."""
+        """Global norm over all stages (dp replicas already agree after DDP's all-reduce; fsdp
+        shards are summed over the data mesh first)."""
         grads = [p.grad for p in self.norm_params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
+        norm = full_norm(norm)  # fsdp/hsdp: summed over the gradient shards
         if self.mesh.pp > 1:
             squared = norm.to(torch.float32) ** 2
             dist.all_reduce(squared, group=self.mesh.pp_group)
@@ -281,10 +288,13 @@ class Trainer:
         return self._mean_over_replicas(total / self.cfg.train.eval_batches)[0]
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> tuple[float, list[float]]:
-        """Loss averaged over dp (it lives on the last stage) and every rank's peak memory."""
-        mine = torch.stack([loss.float(), torch.tensor(peak_memory_gb(self.device), device=self.device)])
+        """Loss averaged over dp (it lives on the last stage) and every rank's peak memory
+        (also keeps the largest rank's training-state bytes in `self.max_state_bytes`)."""
+        extra = torch.tensor([peak_memory_gb(self.device), self.state_bytes], dtype=torch.float64, device=self.device)
+        mine = torch.cat([loss.double().reshape(1), extra])
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
+        self.max_state_bytes = int(max(g[2].item() for g in gathered))
         return sum(g[0].item() for g in gathered) / self.mesh.dp, [g[1].item() for g in gathered]
 
     def _log_window(self, window: Window, done: int) -> dict:
@@ -306,6 +316,7 @@ class Trainer:
             "step_time_s": seconds / window.steps,
             **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.samples_seen).items()},
             "memory_gb": max(memory),
+            "state_bytes": self.max_state_bytes,
             **{f"memory_gb/stage{s}": max(memory[s * self.mesh.dp : (s + 1) * self.mesh.dp]) for s in range(self.mesh.pp)},
         }
         if self.scaler is not None:

@@ -1,0 +1,117 @@
+"""FSDP2 / HSDP as the data-parallel dimension (`parallel.dp_mode: fsdp | hsdp`).
+
+Each Transformer block, then the stage's root module (embedding, final norm, head), is wrapped
+with `torch.distributed.fsdp.fully_shard` over the data mesh (distributed.py: the dp axis, or
+(dp_replicate, dp_shard) for hsdp). Parameters become DTensors sharded on dim 0; gradients and
+AdamW moments follow, so a rank holds 1/dp_shard of its stage's training state.
+
+When gradients are reduced and parameters resharded:
+- pp = 1 (LocalModel): gradients reduce-scatter only after the last microbatch
+  (`set_requires_gradient_sync`), as DDP's no_sync does: one reduction per step, not one per
+  microbatch.
+- pp > 1: torch's PipelineStage turns off gradient sync and reshard-after-backward for every
+  microbatch's backward and reduces + reshards once after the last (`perform_reduce_grad`).
+  Resharding after each forward as well would all-gather every block once more per microbatch
+  in its backward (2 x microbatches gathers instead of 1); hence `fsdp_reshard_after_forward`
+  defaults to off under pipelining: the gathered stage stays resident for the step, a stage is
+  only 1/pp of the model.
+
+Mixed precision: by default FSDP casts nothing (autocast computes in bf16/fp16 exactly as
+with ddp) and reduces in fp32, so fsdp and ddp run the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from meshrun.config import Config, ParallelConfig
+from meshrun.distributed import Mesh
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32 (the step counters are negligible)
+
+
+def reshard_after_forward(par: ParallelConfig) -> bool:
+    """The configured value, or: yes without a pipeline, no under pp (see the module docstring)."""
+    if par.fsdp_reshard_after_forward is not None:
+        return par.fsdp_reshard_after_forward
+    return par.pp == 1
+
+
+def mixed_precision(par: ParallelConfig) -> MixedPrecisionPolicy:
+    """fp32 params = no cast at all (autocast alone picks compute dtypes, as under ddp)."""
+    param_dtype = None if par.fsdp_param_dtype == "fp32" else _DTYPES[par.fsdp_param_dtype]
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[par.fsdp_reduce_dtype])
+
+
+def wrap_fsdp(part: nn.Module, mesh: Mesh, par: ParallelConfig) -> nn.Module:
+    """fully_shard every block (one all-gather per block: overlaps with the previous block's
+    compute, and bounds what is gathered at once), then the stage root for the rest."""
+    options = {"mesh": mesh.data_mesh, "reshard_after_forward": reshard_after_forward(par), "mp_policy": mixed_precision(par)}
+    for block in part.blocks.values():
+        fully_shard(block, **options)
+    fully_shard(part, **options)
+    return part
+
+
+def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
+    """FSDP2's no_sync: keep unsharded gradients locally until the microbatch that reduces them."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A norm computed over sharded gradients is a partial DTensor: reduce it over the data mesh."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def state_bytes(params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes this rank holds of parameters, their gradients and optimizer state (local shards)."""
+    total = 0
+    for param in params:
+        total += local(param.detach()).nbytes
+        if param.grad is not None:
+            total += local(param.grad).nbytes
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            total += sum(local(v).nbytes for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def shard_degree(par: ParallelConfig) -> int:
+    """Ranks one copy of a stage's training state is split over."""
+    return {"ddp": 1, "fsdp": par.dp, "hsdp": par.dp_shard or 1}[par.dp_mode]
+
+
+def describe_data_parallel(cfg: Config, stage_params: list[int]) -> list[str]:
+    """--dry-run lines: the data mesh and per-rank bytes of params + grads + AdamW state per stage
+    (fp32; FSDP pads each parameter's dim 0 to a multiple of the shard degree, ignored here)."""
+    par = cfg.parallel
+    shard = shard_degree(par)
+    mesh = {
+        "ddp": f"  ddp: {par.dp} full replicas per stage (shard 1 x replicate {par.dp})",
+        "fsdp": f"  fsdp: each stage sharded over its {par.dp} dp ranks (shard {par.dp} x replicate 1)",
+        "hsdp": f"  hsdp: shard {shard} x replicate {par.dp // shard} (a copy is sharded over neighbouring ranks)",
+    }[par.dp_mode]
+    lines = ["data parallel:", mesh]
+    if par.dp_mode != "ddp":
+        lines.append(f"  reshard after forward: {reshard_after_forward(par)}; "
+                     f"param dtype {par.fsdp_param_dtype}, reduce dtype {par.fsdp_reduce_dtype}")
+    for stage, count in enumerate(stage_params):
+        params = count * 4 // shard
+        optim = count * ADAMW_BYTES_PER_PARAM // shard
+        lines.append(f"  pipeline rank {stage}: per rank params {_mib(params)} + grads {_mib(params)} + "
+                     f"optimizer {_mib(optim)} = {_mib(2 * params + optim)}")
+    return lines
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
