@@ -187,15 +187,9 @@ def recompute_bytes(args: argparse.Namespace, data: Path) -> dict[str, dict[str,
     attention outputs its policy caches.
     """
     import torch
-    from torch.utils._pytree import tree_leaves
 
-    sys.path.insert(0, str(BENCH))
-    from _saved_bytes import SavedBytes
-
-    import meshrun.parallel.recompute as recompute_module
     from meshrun.config import load_config
     from meshrun.data.dataset import TokenDataset
-    from meshrun.parallel import materialise_part
 
     torch.set_num_threads(1)
     b = 2 * args.micro_batch
@@ -207,42 +201,57 @@ def recompute_bytes(args: argparse.Namespace, data: Path) -> dict[str, dict[str,
             f"model.seq_len={args.seq_len}", "model.dropout=0.0", "parallel.dp=1", "parallel.pp=1",
             f"recompute={policy}", "precision=fp32",
         ])
-        caches: list = []  # selective checkpoint contexts: their caching mode holds the saved op outputs
-        original = recompute_module.create_selective_checkpoint_contexts
-
-        def recording(*a, **kw):
-            contexts = original(*a, **kw)
-            caches.append(contexts[0])
-            return contexts
-
-        recompute_module.create_selective_checkpoint_contexts = recording
-        try:
-            model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
-            counter = SavedBytes(exclude=list(model.parameters()))
-            counter.active = False
-            inputs_held = []
-
-            def enter(module, inputs):
-                counter.active = True
-                if policy != "none":  # the checkpoint's input, kept alive by its recompute closure
-                    inputs_held.extend(counter.hold(t) for t in inputs if isinstance(t, torch.Tensor))
-
-            def leave(module, inputs, output):
-                counter.active = False
-
-            for block in model.blocks.values():
-                block.register_forward_pre_hook(enter)
-                block.register_forward_hook(leave)
-            with counter.hooks():
-                logits = model(x)
-                cached = [counter.hold(leaf.val if hasattr(leaf, "val") else leaf)
-                          for cache in caches for leaf in tree_leaves(dict(cache.storage))
-                          if isinstance(getattr(leaf, "val", leaf), torch.Tensor)]
-            results[policy] = {"block_bytes": counter.live, "cached": len(cached), "blocks": len(model.blocks)}
-            del logits, cached, inputs_held
-        finally:
-            recompute_module.create_selective_checkpoint_contexts = original
+        results[policy] = _block_bytes_one_forward(cfg, policy, x)
     return results
+
+
+def _block_bytes_one_forward(cfg, policy: str, x) -> dict[str, int]:
+    """One forward of the whole GPT under `policy`; what recompute_bytes reports for that policy."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    sys.path.insert(0, str(BENCH))
+    from _saved_bytes import SavedBytes
+
+    import meshrun.parallel.recompute as recompute_module
+    from meshrun.parallel import materialise_part
+
+    caches: list = []  # selective checkpoint contexts: their caching mode holds the saved op outputs
+    original = recompute_module.create_selective_checkpoint_contexts
+
+    def recording(*a, **kw):
+        contexts = original(*a, **kw)
+        caches.append(contexts[0])
+        return contexts
+
+    recompute_module.create_selective_checkpoint_contexts = recording
+    try:
+        model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
+        counter = SavedBytes(exclude=list(model.parameters()))
+        counter.active = False
+        inputs_held = []
+
+        def enter(module, inputs):
+            counter.active = True
+            if policy != "none":  # the checkpoint's input, kept alive by its recompute closure
+                inputs_held.extend(counter.hold(t) for t in inputs if isinstance(t, torch.Tensor))
+
+        def leave(module, inputs, output):
+            counter.active = False
+
+        for block in model.blocks.values():
+            block.register_forward_pre_hook(enter)
+            block.register_forward_hook(leave)
+        with counter.hooks():
+            logits = model(x)
+            cached = [counter.hold(leaf.val if hasattr(leaf, "val") else leaf)
+                      for cache in caches for leaf in tree_leaves(dict(cache.storage))
+                      if isinstance(getattr(leaf, "val", leaf), torch.Tensor)]
+        result = {"block_bytes": counter.live, "cached": len(cached), "blocks": len(model.blocks)}
+        del logits, cached  # alive until measured: the graph holds the saved tensors
+        return result
+    finally:
+        recompute_module.create_selective_checkpoint_contexts = original
 
 
 # --- report ---------------------------------------------------------------------------------

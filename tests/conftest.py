@@ -7,6 +7,7 @@ timeout, and returns the completed process for assertions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,13 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from meshrun.data.prepare import prepare
 from plain_reference import Reference, config_from_set_args, train_plain
 
+from meshrun.data.prepare import prepare
+
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ("the model trains on bytes of text while every stage of the pipeline holds a few blocks and "
-         "replicas average their gradients so that one process and many agree def return import class for in").split()
+WORDS = ["the", "model", "trains", "on", "bytes", "of", "text", "while", "every", "stage", "of", "the", "pipeline", "holds", "a", "few", "blocks", "and", "replicas", "average", "their", "gradients", "so", "that", "one", "process", "and", "many", "agree", "def", "return", "import", "class", "for", "in"]
 
 
 def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -67,10 +67,8 @@ def descendants(root: int) -> list[int]:
 def kill_tree(root: int) -> None:
     """SIGKILL a launcher and everything it started."""
     for pid in [root, *descendants(root)]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def finish_meshrun(proc: subprocess.Popen, *, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from safetensors.torch import load_file
 
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 
 def layout(dp: int, pp: int) -> dict[str, object]:
     return {"parallel.dp": dp, "parallel.pp": pp}
@@ -119,7 +119,7 @@ def test_metadata_is_never_unpickled_freely(full_runs, tmp_path: Path) -> None:
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["files"][".metadata"] = {"bytes": len(evil), "crc32": _crc32(ckpt / ".metadata")}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="refusing to load builtins.print"):
+    with pytest.raises(CheckpointError, match=r"refusing to load builtins\.print"):
         full_model_state(torch.nn.Linear(1, 1), ckpt)
 
 

@@ -160,7 +160,7 @@ def test_another_versions_checkpoint_is_told_apart_from_a_corrupt_one(finished: 
     with pytest.raises(ConfigError, match=r"written by torch 2\.99\.0 / meshrun 9\.0\.0, this is torch 2\.13"):
         check_resumable(run, "auto", meta_model(run))
     truncate(run / "checkpoints" / CKPTS[-1] / ".metadata")
-    with pytest.raises(ConfigError, match="step-00000012, does not: checkpoint file .*truncated") as damaged:
+    with pytest.raises(ConfigError, match=r"step-00000012, does not: checkpoint file .*truncated") as damaged:
         check_resumable(run, "auto", meta_model(run))
     assert "written by" not in str(damaged.value)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-
 from conftest import REPO, run_meshrun, tiny
 
 

@@ -21,7 +21,7 @@ def test_a_trailing_space_is_healed_into_the_next_token() -> None:
     assert healed == ids[:-1] and allowed is not None
     choices = torch.nonzero(allowed).flatten().tolist()
     assert encode(" area")[0] in choices and encode("def")[0] not in choices
-    assert all(decode(healed + [i]).startswith("def ") for i in choices)  # the prompt's text is kept
+    assert all(decode([*healed, i]).startswith("def ") for i in choices)  # the prompt's text is kept
 
 
 def test_nothing_to_heal_in_a_one_token_prompt() -> None:

@@ -258,7 +258,7 @@ def _slurm(args: argparse.Namespace) -> int:
         print(script, end="")
         return 0
     try:
-        done = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
+        done = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, check=False)
     except FileNotFoundError:
         raise ConfigError("sbatch not found; run on a Slurm login node, or drop --submit and save the script") from None
     if done.returncode != 0:

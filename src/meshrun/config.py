@@ -97,13 +97,13 @@ class ModelConfig(_Section):
     """encdec: one token embedding matrix for the encoder, the decoder and the output head."""
 
     @model_validator(mode="after")
-    def _one_hf_source(self) -> "ModelConfig":
+    def _one_hf_source(self) -> ModelConfig:
         if self.hf is not None and self.hf_config is not None:
             raise ValueError("set model.hf (a directory) or model.hf_config (inline), not both")
         return self
 
     @model_validator(mode="after")
-    def _heads_divide_dim(self) -> "ModelConfig":
+    def _heads_divide_dim(self) -> ModelConfig:
         if self.dim % self.num_heads:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must divide model.dim ({self.dim}); change one of these keys"
@@ -261,7 +261,7 @@ class LaunchConfig(_Section):
     """Whether this node hosts the rendezvous store (c10d is_host); None = torchrun guesses from rdzv_endpoint."""
 
     @model_validator(mode="after")
-    def _multi_node_needs_endpoint(self) -> "LaunchConfig":
+    def _multi_node_needs_endpoint(self) -> LaunchConfig:
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(
                 f"launch.nnodes is {self.nnodes}, so launch.rdzv_endpoint (HOST:PORT on the host node) is needed; "

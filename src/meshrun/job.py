@@ -120,8 +120,8 @@ def describe(cfg: Config) -> str:
         lines.append(f"  pipeline rank {stage}: ranks {ranks}" + (f", blocks {split[stage]}" if split else ""))
     lines += [
         "batch:",
-        f"  global batch {train.global_batch} samples = micro batch {train.micro_batch} x dp {par.dp} "
-        f"x accumulation steps {cfg.accumulation_steps}",
+        (f"  global batch {train.global_batch} samples = micro batch {train.micro_batch} x dp {par.dp} "
+         f"x accumulation steps {cfg.accumulation_steps}"),
         f"  tokens per step {cfg.tokens_per_step} (seq_len {cfg.model.seq_len})",
     ]
     lines += describe_data_parallel(cfg, parameters_per_pipeline_rank(cfg))

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import WORDS, losses, meshrun_env, tiny
 from tokenizers import Tokenizer
 
-from conftest import WORDS, losses, meshrun_env, tiny
 from meshrun import cli, job
 from meshrun.data.prepare import prepare
 from meshrun.export import load_full_model

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import WORDS, final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from test_checkpoint import interrupted_copy
+
 from meshrun.data.dataset import MixtureDataset, TokenDataset
 from meshrun.data.prepare import prepare
-from test_checkpoint import interrupted_copy
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ def test_bad_pairs_are_one_line_errors(files: dict[str, str], message: str, tmp_
 def test_prepare_refuses_a_folder_with_files(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep me")
-    with pytest.raises(ConfigError, match="mine.txt"):
+    with pytest.raises(ConfigError, match=r"mine\.txt"):
         prepare_pairs([("a", "b"), ("c", "d")], tmp_path / "out")
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep me"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import shutil
@@ -14,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_meshrun
+
 from meshrun.data.dataset import TokenDataset
 from meshrun.data.prepare import _spread_sample, default_sources, expand_sources, prepare
 from meshrun.data.sources import find_sources
@@ -172,7 +173,7 @@ def test_a_bpe_is_trained_on_an_even_sample_of_a_large_corpus(tmp_path: Path) ->
     sample = list(_spread_sample(found, "text", budget=10_000))
     assert 9_000 <= sum(map(len, sample)) <= 11_000
     picked = sorted(int(doc[:2]) for doc in sample)
-    assert picked[0] < 5 and picked[-1] >= 45 and max(b - a for a, b in zip(picked, picked[1:])) <= 6  # evenly spread
+    assert picked[0] < 5 and picked[-1] >= 45 and max(b - a for a, b in itertools.pairwise(picked)) <= 6  # evenly spread
     assert sum(map(len, _spread_sample(found, "text", budget=10**9))) == 50_000  # small corpora: all of it
 
 

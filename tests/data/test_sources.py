@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import WORDS, finish_meshrun, kill_tree, meshrun_env, start_meshrun
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import WORDS, finish_meshrun, kill_tree, meshrun_env, start_meshrun
 from meshrun import cli
 from meshrun.data.prepare import prepare
 
@@ -100,7 +100,7 @@ def assert_documents_in_order(out: Path, expected: list[list[int]]) -> None:
 
 
 def hf_expected(tokenizer: Tokenizer, docs: list[str], eos: str) -> list[list[int]]:
-    return [e.ids + [tokenizer.token_to_id(eos)] for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
+    return [[*e.ids, tokenizer.token_to_id(eos)] for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
 
 
 KINDS = ["text", "jsonl", "jsonl.gz", "parquet", "hf"]

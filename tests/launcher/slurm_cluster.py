@@ -35,7 +35,7 @@ class SlurmCluster:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def run(self, *argv: str, timeout: float = 60, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        done = subprocess.run(argv, env=kw.pop("env", self.env), capture_output=True, text=True, timeout=timeout, **kw)
+        done = subprocess.run(argv, env=kw.pop("env", self.env), capture_output=True, text=True, timeout=timeout, check=False, **kw)
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
         return done
@@ -60,7 +60,7 @@ def ensure_installed() -> None:
         pytest.fail(f"Slurm tests need {', '.join(PACKAGES)}; install them (apt-get as root) - refusing to skip")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
         if done.returncode != 0:
             pytest.fail(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
 
@@ -118,8 +118,8 @@ def wait_until(check, *, timeout: float, what: str, cluster: SlurmCluster | None
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{cluster.log_tails() if cluster else ''}")
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="session", name="slurm_cluster")  # named apart so a test's parameter does not shadow the import
+def slurm_cluster_fixture(tmp_path_factory: pytest.TempPathFactory):
     ensure_installed()
     root = tmp_path_factory.mktemp("slurm")
     # munged refuses sockets in folders others can reach into unsafely, and runs as `munge`:
@@ -145,7 +145,9 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
         start(["slurmctld", "-D", "-i"])
         for node in NODES:
             start(["slurmd", "-D", "-N", node])
-        idle = lambda: set(cluster.run("sinfo", "-h", "-N", "-t", "idle", "-o", "%N", check=False).stdout.split()) >= set(NODES)
+        def idle() -> bool:
+            return set(cluster.run("sinfo", "-h", "-N", "-t", "idle", "-o", "%N", check=False).stdout.split()) >= set(NODES)
+
         wait_until(idle, timeout=60, what=f"nodes {NODES} idle", cluster=cluster)
         yield cluster
     finally:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, final_weights, meshrun_env, read_metrics, run_meshrun, tiny
+from slurm_cluster import SlurmCluster, free_port, slurm_cluster_fixture, wait_until  # noqa: F401 (registers the slurm_cluster fixture)
+
 from meshrun.config import load_config
 from meshrun.errors import ConfigError
 from meshrun.launcher.slurm import BODY_MARKER, render_sbatch, template
-from slurm_cluster import SlurmCluster, free_port, slurm_cluster, wait_until  # noqa: F401 (fixture)
 
 STEPS = 40
 LAYOUT = {"parallel.dp": 1, "parallel.pp": 2, "train.steps": STEPS, "train.lr": 3e-3}  # a pipeline stage per node
@@ -49,7 +49,7 @@ def test_render_splits_workers_over_nodes_and_keeps_site_settings_optional(tmp_p
             "--qos=high"} <= set(header(site))
     assert "MESHRUN_ARGS=()" in site  # no config: the packaged default
     for text in (script, site, template()):
-        assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+        assert subprocess.run(["bash", "-n"], input=text, text=True, check=False).returncode == 0
 
 
 @pytest.mark.parametrize("nodes,gpus,message", [
@@ -139,7 +139,9 @@ def test_usr1_checkpoints_requeues_and_resumes_bit_identical(
         wait_until(lambda: (run_dir / "metrics.jsonl").exists() and len(loss_steps(run_dir)) >= 3, timeout=180,
                    what="the first steps", cluster=slurm_cluster)
         slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
-        finished = lambda: slurm_cluster.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+        def finished() -> bool:
+            return slurm_cluster.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+
         wait_until(finished, timeout=360, what=f"job {job} to finish after requeue", cluster=slurm_cluster)
     finally:
         slurm_cluster.run("scancel", job, check=False)

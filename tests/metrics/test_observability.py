@@ -195,8 +195,8 @@ def test_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     ("tracker.backends=[wandb,tb]", "invalid tracker.backends[1]: use 'wandb', 'tensorboard' or 'jsonl' (got \"tb\")"),
     ("tracker.backends=[jsonl,jsonl]", "invalid tracker.backends: name each backend once (got ['jsonl', 'jsonl'])"),
     ("profile.steps=[0]", "invalid profile.steps[0]: Input should be greater than or equal to 1 (got 0)"),
-    ("profile.memory_snapshot=true", "invalid profile: profile.memory_snapshot needs profile.steps (the steps to "
-                                     "snapshot), e.g. [5]"),
+    ("profile.memory_snapshot=true", ("invalid profile: profile.memory_snapshot needs profile.steps (the steps to "
+                                      "snapshot), e.g. [5]")),
 ])
 def test_observability_settings_are_checked(override: str, message: str) -> None:
     from meshrun.config import load_config

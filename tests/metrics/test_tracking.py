@@ -70,7 +70,7 @@ def test_wandb_file_holds_the_logged_metrics(offline_job) -> None:
     _, run_dir, _ = offline_job
     rows = metrics_by_step(run_dir)
     for step, row in rows.items():
-        assert TRAIN_KEYS <= row.keys(), f"step {step} lacks {TRAIN_KEYS - row.keys()}"
+        assert row.keys() >= TRAIN_KEYS, f"step {step} lacks {TRAIN_KEYS - row.keys()}"
         assert ("val_loss" in row) == (step % EVAL_INTERVAL == 0), f"val_loss at step {step}"
     assert_file_matches_jsonl(run_dir)
 
@@ -224,8 +224,8 @@ def test_credentials_are_found_by_wandb_itself(tmp_path: Path) -> None:
     """An identity token file is a credential (no API key): online is attempted, not skipped."""
     token = tmp_path / "token"
     token.write_text("header.payload.signature\n")
-    probe = "from meshrun.config import TrackerConfig; from meshrun.metrics.trackers import wandb_mode; " \
-            "print(wandb_mode(TrackerConfig(mode='online')))"
+    probe = ("from meshrun.config import TrackerConfig; from meshrun.metrics.trackers import wandb_mode; "
+             "print(wandb_mode(TrackerConfig(mode='online')))")
     env = env_for(tmp_path, WANDB_BASE_URL=UNREACHABLE)
     found = subprocess.run([sys.executable, "-c", probe], env={**env, "WANDB_IDENTITY_TOKEN_FILE": str(token)},
                            capture_output=True, text=True, timeout=60, check=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import final_weights, losses, max_weight_diff, meshrun_env, run_meshrun, tiny
 
 HERE = Path(__file__).parent

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from plain_reference import assert_grad_norms_match
 from test_checkpoint import interrupted_copy

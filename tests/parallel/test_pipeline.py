@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import final_weights, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
 from plain_reference import assert_grad_norms_match
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import losses, meshrun_env, read_metrics, run_meshrun, tiny
 
 FAULTY = str(Path(__file__).parents[1] / "parallel")  # faulty_gpt.py, dtype_probe_gpt.py

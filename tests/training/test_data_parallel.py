@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from plain_reference import assert_grad_norms_match
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny
+from plain_reference import config_from_set_args
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import tiny
 from meshrun.distributed import init_mesh, shutdown
 from meshrun.training.trainer import NonFiniteLossError, Trainer
-from plain_reference import config_from_set_args
 
 FAULTY = str(Path(__file__).parents[1] / "parallel")
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import descendants, final_weights, finish_meshrun, kill_tree, losses, run_meshrun, start_meshrun, tiny
 
 # Long enough (150 steps) that a signal sent after the first checkpoint always lands mid-run.
@@ -126,7 +125,7 @@ def test_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(data
         run = tmp_path / f"run{attempt}"
         root = run / "checkpoints"
         proc = start(data_dir, run, **big)
-        wait_for(lambda: len(complete_checkpoints(run)) >= 2, timeout=180, what="two complete checkpoints")
+        wait_for(lambda: len(complete_checkpoints(run)) >= 2, timeout=180, what="two complete checkpoints")  # noqa: B023 (called before the loop moves on)
         deadline = time.monotonic() + 60
         while not any(root.glob("*.tmp")) and time.monotonic() < deadline:
             pass

@@ -35,7 +35,7 @@ def test_microbatch_losses_add_up_to_the_global_token_mean(dp: int) -> None:
         targets[row, length:] = IGNORE
     loss = MicrobatchLoss(num_microbatches=8 // (2 * dp), dp=dp)
     loss.set_target_tokens(int((targets != IGNORE).sum()))
-    per_rank = [sum(loss(lm, tm) for lm, tm in zip(l.split(2), t.split(2))) for l, t in zip(logits.chunk(dp), targets.chunk(dp))]
+    per_rank = [sum(loss(lm, tm) for lm, tm in zip(rank_logits.split(2), t.split(2))) for rank_logits, t in zip(logits.chunk(dp), targets.chunk(dp))]
     torch.testing.assert_close(sum(per_rank) / dp, token_loss(logits, targets), rtol=1e-6, atol=0)  # DDP averages ranks
 
 

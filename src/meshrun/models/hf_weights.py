@@ -68,7 +68,7 @@ def check_shapes(module: nn.Module, hf_names: Callable[[str], list[str]], model_
 
     for file, entries in _by_file(module, hf_names, model_dir).items():
         with safe_open(file, "pt", device="cpu") as f:
-            for name, key, tensor in entries:
+            for _name, key, tensor in entries:
                 shape = tuple(f.get_slice(key).get_shape())
                 if shape != tuple(tensor.shape):
                     raise ConfigError(

@@ -33,7 +33,7 @@ def decode(model: EncDec, source: list[int], *, beam: int = 1, max_tokens: int |
         candidates = []
         for row, (ids, score) in enumerate(beams):
             values, tokens = logprobs[row].topk(beam)
-            candidates += [(ids + [int(t)], score + float(v)) for v, t in zip(values, tokens)]
+            candidates += [([*ids, int(t)], score + float(v)) for v, t in zip(values, tokens)]
         candidates.sort(key=lambda c: c[1], reverse=True)
         beams = []
         for ids, score in candidates[: beam]:
