@@ -67,17 +67,17 @@ class ModelConfig(_Section):
     """Built-in model to train (see `meshrun.models.BUILTIN`); ignored when `factory` is set."""
     factory: str | None = None
     """`package.module:function` that builds your own model from this section (see models/__init__.py)."""
-    num_layers: Int = Field(4, ge=1)
+    num_layers: Int = Field(default=4, ge=1)
     """Number of Transformer blocks."""
-    dim: Int = Field(128, ge=1)
+    dim: Int = Field(default=128, ge=1)
     """Hidden width."""
-    num_heads: Int = Field(4, ge=1)
+    num_heads: Int = Field(default=4, ge=1)
     """Attention heads; must divide `dim`."""
-    seq_len: Int = Field(128, ge=2)
+    seq_len: Int = Field(default=128, ge=2)
     """Tokens per sample (context length)."""
-    vocab_size: Int = Field(256, ge=2)
+    vocab_size: Int = Field(default=256, ge=2)
     """Vocabulary size; 256 for the byte-level datasets made by `meshrun prepare-data`."""
-    dropout: Float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: Float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout probability (0 keeps runs deterministic across layouts)."""
     options: dict[str, Any] = {}
     """Free-form extra arguments for a custom `factory`."""
@@ -87,9 +87,9 @@ class ModelConfig(_Section):
     """Inline Hugging Face config ({model_type: llama, ...}) to build from instead of a directory."""
     init: Literal["auto", "random", "pretrained"] = "auto"
     """Hugging Face models: pretrained = the directory's safetensors, random = seeded per-name init, auto = weights if present."""
-    encoder_layers: Int | None = Field(None, ge=1)
+    encoder_layers: Int | None = Field(default=None, ge=1)
     """encdec: how many of the num_layers blocks are encoder blocks (the rest decode); None = half."""
-    source_len: Int | None = Field(None, ge=1)
+    source_len: Int | None = Field(default=None, ge=1)
     """encdec: tokens of seq_len that hold the source (the rest hold the target); None = half."""
     positions: Literal["learned", "sinusoidal"] = "learned"
     """encdec: learned position embeddings or fixed sinusoids ("Attention is all you need")."""
@@ -134,7 +134,7 @@ class DataConfig(_Section):
     """Files or globs to prepare when `dir` is empty; empty = the Python standard library's .py files."""
     tokenizer: str | None = None
     """Tokenizer for data `meshrun train` prepares itself (no data.dir, or an empty one): byte (None), bpe:VOCAB (trained on the sources), or a tokenizer.json / model folder."""
-    val_fraction: Float = Field(0.05, gt=0.0, lt=0.5)
+    val_fraction: Float = Field(default=0.05, gt=0.0, lt=0.5)
     """Share of documents held out for validation (prepare; and the tail of a Megatron dataset)."""
     pairs: bool = False
     """Prepare `sources` as seq2seq text pairs (one .jsonl with source/target fields, or two aligned text files); no sources = the built-in example."""
@@ -153,13 +153,13 @@ class DataConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    dp: Int = Field(1, ge=1)
+    dp: Int = Field(default=1, ge=1)
     """Data-parallel degree (ranks per pipeline stage; see dp_mode)."""
-    pp: Int = Field(1, ge=1)
+    pp: Int = Field(default=1, ge=1)
     """Pipeline-parallel degree (stages over Transformer blocks)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule from torch.distributed.pipelining (used when pp > 1)."""
-    virtual_stages: Int | None = Field(None, ge=1)
+    virtual_stages: Int | None = Field(default=None, ge=1)
     """Stages per rank: 1 for gpipe/1f1b; 2 for zbv; default 2 for interleaved-1f1b, looped-bfs and zero-bubble."""
     stage_layers: list[list[Int]] | None = None
     """Explicit blocks per stage, e.g. [[0, 1, 2], [3]]; overrides `balance`."""
@@ -167,7 +167,7 @@ class ParallelConfig(_Section):
     """How to split blocks: even (embedding and head weigh one block each), or measured time / size (fairscale)."""
     dp_mode: DpMode = "ddp"
     """Data parallelism: ddp (full replicas), fsdp (FSDP2: params, grads, optimizer state sharded over dp), hsdp (sharded within dp_shard ranks, replicated across)."""
-    dp_shard: Int | None = Field(None, ge=1)
+    dp_shard: Int | None = Field(default=None, ge=1)
     """hsdp only: ranks one copy is sharded over (a divisor of dp, e.g. GPUs per node); dp / dp_shard replicas."""
     fsdp_reshard_after_forward: bool | None = None
     """fsdp/hsdp: free gathered params after each forward; None = yes without a pipeline, no under pp (gather once per step)."""
@@ -191,29 +191,29 @@ class ParallelConfig(_Section):
 
 
 class TrainConfig(_Section):
-    global_batch: Int = Field(8, ge=1)
+    global_batch: Int = Field(default=8, ge=1)
     """Samples per optimizer step, summed over all data-parallel ranks and micro-steps."""
-    micro_batch: Int = Field(2, ge=1)
+    micro_batch: Int = Field(default=2, ge=1)
     """Samples per forward/backward on one rank; accumulation = global_batch / (micro_batch * dp)."""
-    steps: Int = Field(50, ge=1)
+    steps: Int = Field(default=50, ge=1)
     """Optimizer steps to run."""
-    lr: Float = Field(1e-3, gt=0.0)
+    lr: Float = Field(default=1e-3, gt=0.0)
     """Peak learning rate (AdamW)."""
-    min_lr_ratio: Float = Field(0.1, ge=0.0, le=1.0)
+    min_lr_ratio: Float = Field(default=0.1, ge=0.0, le=1.0)
     """Cosine decay floor as a fraction of `lr`."""
-    warmup_steps: Int = Field(5, ge=0)
+    warmup_steps: Int = Field(default=5, ge=0)
     """Linear warmup steps before cosine decay."""
-    weight_decay: Float = Field(0.1, ge=0.0)
+    weight_decay: Float = Field(default=0.1, ge=0.0)
     """AdamW weight decay (not applied to norms and biases)."""
     betas: tuple[Beta, Beta] = (0.9, 0.95)
     """AdamW betas (beta1, beta2), each in [0, 1)."""
-    grad_clip: Float = Field(1.0, ge=0.0)
+    grad_clip: Float = Field(default=1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
-    eval_interval: Int = Field(25, ge=0)
+    eval_interval: Int = Field(default=25, ge=0)
     """Run validation every N steps and at the end; 0 disables validation."""
-    eval_batches: Int = Field(2, ge=1)
+    eval_batches: Int = Field(default=2, ge=1)
     """Global batches of validation data per evaluation."""
-    log_interval: Int = Field(5, ge=1)
+    log_interval: Int = Field(default=5, ge=1)
     """Log metrics every N steps."""
     seed: Int = 1337
     """Seed for weights (per layer, so any layout starts identical) and data order."""
@@ -229,27 +229,27 @@ class TrainConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    interval: Int = Field(0, ge=0)
+    interval: Int = Field(default=0, ge=0)
     """Save a checkpoint every N steps (0: only at the end); saves are atomic."""
-    keep: Int = Field(3, ge=1)
+    keep: Int = Field(default=3, ge=1)
     """Keep the newest K complete checkpoints."""
     at_end: bool = True
     """Save a checkpoint when training finishes."""
 
 
 class AmpConfig(_Section):
-    init_scale: Float = Field(2.0**16, gt=0.0)
+    init_scale: Float = Field(default=2.0**16, gt=0.0)
     """fp16 GradScaler initial loss scale."""
-    growth_interval: Int = Field(2000, ge=1)
+    growth_interval: Int = Field(default=2000, ge=1)
     """fp16 GradScaler: steps without overflow before the scale grows."""
 
 
 class LaunchConfig(_Section):
-    max_restarts: Int = Field(0, ge=0)
+    max_restarts: Int = Field(default=0, ge=0)
     """torchrun restarts of the whole worker group after a failure; each restart resumes from the newest checkpoint."""
-    nnodes: Int = Field(1, ge=1)
+    nnodes: Int = Field(default=1, ge=1)
     """Nodes in the job, one torchrun agent (one `meshrun train`) each; > 1 needs `rdzv_endpoint`."""
-    nproc_per_node: Int | None = Field(None, ge=1)
+    nproc_per_node: Int | None = Field(default=None, ge=1)
     """Workers on each node; None = parallel.dp x parallel.pp / nnodes."""
     rdzv_endpoint: str | None = None
     """HOST[:PORT] of the c10d rendezvous on the host node (port default 29400); None on one node = a free local port."""
@@ -279,7 +279,7 @@ class TrackerConfig(_Section):
     """wandb run name; None = the run directory's name."""
     entity: str | None = None
     """wandb entity (team or user)."""
-    init_timeout: float = Field(15.0, gt=0)
+    init_timeout: float = Field(default=15.0, gt=0)
     """Seconds `online` waits for the wandb server before logging offline instead (WANDB_INIT_TIMEOUT wins)."""
     backends: list[Backend] = ["wandb", "jsonl"]
     """Where metric rows go: any of wandb, tensorboard (RUN_DIR/tensorboard), jsonl (RUN_DIR/metrics.jsonl)."""
@@ -293,7 +293,7 @@ class TrackerConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    peak_tflops: Float | None = Field(None, gt=0.0)
+    peak_tflops: Float | None = Field(default=None, gt=0.0)
     """Peak TFLOP/s of one device for MFU; None = look the GPU up in a table (unknown on CPU)."""
 
 
