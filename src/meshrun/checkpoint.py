@@ -20,8 +20,9 @@ import re
 import shutil
 import warnings
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -100,11 +101,11 @@ def model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Model-wide names -> tensors for this rank's parts (wrappers stripped by DCP's helpers)."""
     state: dict[str, torch.Tensor] = {}
     for part in parts:
-        state.update(get_model_state_dict(part))
+        state.update(cast(dict[str, torch.Tensor], get_model_state_dict(part)))  # a model state holds tensors only
     return state
 
 
-def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
+def optimizer_state(parts: list[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
     """Flattened per-parameter optimizer tensors (`state.<param>.<exp_avg|exp_avg_sq|step>`).
 
     Hyper-parameters (param_groups) are left out: they come from the config and the step.
@@ -112,11 +113,11 @@ def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimiz
     state: dict[str, torch.Tensor] = {}
     for part, optimizer in zip(parts, optimizers):
         flat = get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS)
-        state.update({k: v for k, v in flat.items() if k.startswith("state.")})
+        state.update({k: cast(torch.Tensor, v) for k, v in flat.items() if k.startswith("state.")})  # flattened: tensors
     return state
 
 
-def load_optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], loaded: dict) -> None:
+def load_optimizer_state(parts: list[nn.Module], optimizers: Sequence[torch.optim.Optimizer], loaded: dict) -> None:
     for part, optimizer in zip(parts, optimizers):
         flat = get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS)
         flat.update({k: loaded[k] for k in flat if k in loaded})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -22,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from meshrun.errors import ConfigError
 from meshrun.safe_yaml import parse_document, read_config_file
@@ -391,7 +393,7 @@ def default_config_text() -> str:
     return resources.files("meshrun").joinpath("configs/default.yaml").read_text()
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """YAML file (or the packaged default) + `key.path=value` overrides -> validated Config."""
     if path is None:
         text, where = default_config_text(), "default config"
@@ -435,7 +437,7 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         node[leaf] = text  # not YAML (e.g. `a: b: c`): the text itself, validated as such
 
 
-def _explain(error: dict[str, Any]) -> str:
+def _explain(error: ErrorDetails) -> str:
     """One pydantic error -> one line in config words (dotted keys, no class names)."""
     loc = error["loc"]
     key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "config"
@@ -457,7 +459,7 @@ def _explain(error: dict[str, Any]) -> str:
     return f"invalid {key}: {message} (got {got})"
 
 
-def _suggest(error: dict[str, Any]) -> str:
+def _suggest(error: ErrorDetails) -> str:
     """' ; did you mean X?' for a misspelt choice (`off` for a mode means `disabled`)."""
     choices = re.findall(r"'([^']*)'", error.get("ctx", {}).get("expected", ""))
     given = str(error.get("input")).lower()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -72,18 +72,19 @@ def _load(hf: str | None, inline: str | None) -> Any:
         fields = json.loads(inline)
         model_type, key = fields.pop("model_type", None), "model.hf_config"
         _check_family(model_type, key)
+        load = partial(AutoConfig.for_model, model_type, **fields)
     else:
         path = hf_dir(ModelConfig(hf=hf))
+        assert path is not None  # without an inline config, model.hf is set
         key = f"model.hf {hf}"
         try:
             model_type = json.loads((path / "config.json").read_text()).get("model_type")
         except (OSError, ValueError, AttributeError) as exc:
             raise ConfigError(f"{key}: config.json is not readable JSON ({exc})") from None
         _check_family(model_type, key)
+        load = partial(AutoConfig.from_pretrained, path, local_files_only=True)
     try:
-        if inline is not None:
-            return AutoConfig.for_model(model_type, **fields)
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return load()
     except Exception as exc:  # noqa: BLE001 - transformers validates fields: report its reason in one line
         raise ConfigError(f"{key}: transformers cannot build this config: {type(exc).__name__}: {exc}") from None
 

@@ -62,8 +62,8 @@ def preflight(cfg: Config) -> nn.Module:
     built on the meta device, for checks that need its parameter names."""
     with torch.device("meta"):
         model = build_model(cfg.model)
-    if hasattr(model, "check_weights"):  # pretrained weights: present, and shaped as the config says
-        model.check_weights()
+    if (check_weights := getattr(model, "check_weights", None)) is not None:  # pretrained weights: present, shaped as the config says
+        check_weights()
     if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
         check_data_fits(cfg, data_dir(cfg))
     return model
@@ -103,7 +103,7 @@ def parameters_per_pipeline_rank(cfg: Config) -> list[int]:
     per_rank = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
     counts = []
     for rank in range(par.pp):
-        stages = stage_ids(rank, par.pp, per_rank)
+        stages = stage_ids(rank, par.pp, per_rank, schedule=par.schedule)
         parts = [build_stage(cfg, layers=split[s], first=s == 0, last=s == len(split) - 1) for s in stages]
         counts.append(sum(p.numel() for part in parts for p in part.parameters()))
     return counts

@@ -30,7 +30,7 @@ _BOOL_TAG = "tag:yaml.org,2002:bool"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-class ConfigLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser when present: 50x faster
+class ConfigLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # pyright: ignore[reportGeneralTypeIssues] (libyaml's parser when present: 50x faster)
     """SafeLoader with YAML 1.2 booleans (true/false only)."""
 
 

@@ -59,10 +59,12 @@ def _jsonl_pair(line: str, path: Path, number: int, source_field: str, target_fi
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{number} is not valid JSON ({exc.msg}); fix the line") from None
-    texts = [record.get(field) if isinstance(record, dict) else None for field in (source_field, target_field)]
-    for field, text in zip((source_field, target_field), texts):
+    texts: list[str] = []
+    for field in (source_field, target_field):
+        text = record.get(field) if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise ConfigError(f"{path}:{number} has no text field {field!r}; pass --source-field / --target-field")
+        texts.append(text)
     return texts[0], texts[1]
 
 

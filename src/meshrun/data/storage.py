@@ -157,7 +157,7 @@ def _flat(folder: Path, split: str, dtype: type, *, vocab_size: int | None, hint
     if path.stat().st_size % itemsize:
         raise ConfigError(f"{path} is {path.stat().st_size} bytes, not a whole number of {np.dtype(dtype).name} tokens; "
                           "check data.format")
-    segments = [np.memmap(path, dtype=dtype, mode="r")] if path.stat().st_size else []
+    segments: list[np.ndarray] = [np.memmap(path, dtype=dtype, mode="r")] if path.stat().st_size else []
     return TokenSplit(segments, vocab_size, None, str(path))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def render_sbatch(
     cpus_per_task: int | None = None,
     job_name: str = "meshrun",
     signal_seconds: int = 300,
-    sbatch_options: list[str] = (),
+    sbatch_options: Sequence[str] = (),
 ) -> str:
     """The sbatch script that trains `cfg` (loaded from `config` + `overrides`) on `nodes` nodes."""
     world = cfg.world_size

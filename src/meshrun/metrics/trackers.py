@@ -60,6 +60,7 @@ def wandb_credentials() -> tuple[bool, str | None]:
     no prompt. `silent` first, else login prints a greeting that asks the server for the user.
     """
     import wandb
+    import wandb.errors  # named: the package does not declare its submodule to type checkers
 
     wandb.setup(settings=wandb.Settings(silent=True))
     try:
@@ -100,6 +101,7 @@ class WandbTracker:
     def __init__(self, cfg: TrackerConfig, *, mode: str, run_dir: Path, config: dict[str, Any],
                  warn: Callable[[str], None] = print) -> None:
         import wandb  # lazy: importing wandb costs about a second
+        import wandb.errors
 
         # A resumed job continues the same wandb run: its id lives in the run directory.
         id_file = run_dir / "wandb_run_id"
@@ -117,7 +119,7 @@ class WandbTracker:
         # `quiet` still prints the offline banner (3 lines); `silent` prints nothing.
         settings = {"console": "off", "x_disable_stats": True, "silent": True}
         if mode != "online":
-            self.run = wandb.init(mode=mode, settings=wandb.Settings(**settings), **kwargs)
+            self.run = wandb.init(mode=mode, settings=wandb.Settings(**settings), **kwargs)  # pyright: ignore[reportArgumentType] (wandb_mode returns one of wandb's modes)
             return
         timeout = init_timeout(cfg)
         try:

@@ -28,8 +28,8 @@ def init_transformer_(model: nn.Module, seed: int, *, num_layers: int) -> None:
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             seeded_normal_(module.weight, seed, name, std=depth_std if name.endswith(".proj") else std)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+            if (bias := getattr(module, "bias", None)) is not None:
+                bias.zero_()
         elif isinstance(module, nn.LayerNorm):
             module.weight.fill_(1.0)
             module.bias.zero_()

@@ -39,6 +39,8 @@ AmpContext = Callable[[], contextlib.AbstractContextManager]
 class LocalModel:
     """pp = 1: gradient accumulation over microbatches, DDP all-reduce only on the last one."""
 
+    tied: TiedEmbeddings  # set by parallelize
+
     def __init__(self, part: nn.Module, wrapped: nn.Module, *, loss: LossFn, amp: AmpContext) -> None:
         self.parts, self.wrapped, self.loss, self.amp = [part], wrapped, loss, amp
 

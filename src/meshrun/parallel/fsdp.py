@@ -22,6 +22,8 @@ with ddp) and reduces in fp32, so fsdp and ddp run the same arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -73,7 +75,7 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def state_bytes(params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]) -> int:
+def state_bytes(params: list[nn.Parameter], optimizers: Sequence[torch.optim.Optimizer]) -> int:
     """Bytes this rank holds of parameters, their gradients and optimizer state (local shards)."""
     total = 0
     for param in params:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from meshrun.errors import ConfigError
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.timeline import STEP_MARK, action_mark
 from meshrun.plan import TORCH_SCHEDULE_NAMES, stage_ids, stages_per_rank, static_split
+
+if TYPE_CHECKING:
+    from meshrun.parallel.tied import TiedEmbeddings
 
 
 def schedule_class(name: str) -> type:
@@ -91,11 +94,14 @@ def plan_for(cfg: Config, mesh: Mesh) -> StagePlan:
         box = [measured_split(cfg, par.pp * per_rank, by=par.balance) if mesh.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         split = box[0]
+        assert split is not None  # rank 0 measured it and broadcast it to every rank
     return StagePlan(split=split, local_stages=stage_ids(mesh.pp_rank, par.pp, per_rank, schedule=par.schedule))
 
 
 class PipelineModel:
     """pp > 1: one schedule step runs all microbatches' forward and backward on every stage."""
+
+    tied: TiedEmbeddings  # set by parallelize
 
     def __init__(
         self,

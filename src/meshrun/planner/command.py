@@ -129,6 +129,7 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
     eff, rows = calibration.calibrate(cfg, precision=precision, steps=args.steps)
     path = _calibration_path(args, device)
     calibration.save(path, device, precision, eff, rows)
+    assert eff.achieved_flops is not None  # calibrate measures it
     for row in rows:
         print(f"micro_batch {row['micro_batch']} recompute {row['recompute']:<5} {row['flops'] / 1e9:8.3f} GFLOP "
               f"{row['seconds'] * 1e3:9.2f} ms/step")

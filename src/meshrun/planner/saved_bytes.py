@@ -54,8 +54,9 @@ class SavedBytes:
         node = output.grad_fn if isinstance(output, torch.Tensor) else None
         if node is None:
             return
-        node.metadata["meshrun_checkpoint_input"] = [self.hold(t) for t in inputs if isinstance(t, torch.Tensor)]
-        node.register_hook(lambda *_: node.metadata.pop("meshrun_checkpoint_input", None) and None)
+        # torch's stub declares Node.metadata a method; at run time it is the node's dict
+        node.metadata["meshrun_checkpoint_input"] = [self.hold(t) for t in inputs if isinstance(t, torch.Tensor)]  # pyright: ignore[reportIndexIssue]
+        node.register_hook(lambda *_: node.metadata.pop("meshrun_checkpoint_input", None) and None)  # pyright: ignore[reportAttributeAccessIssue]
 
     def reset_peak(self) -> None:
         self.peak = self.live

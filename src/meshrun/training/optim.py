@@ -33,11 +33,12 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     Fused AdamW reads the `found_inf` attribute that torch.amp.GradScaler sets on optimizers
     with `_step_supports_amp_scaling`; torch has no public argument for it, so it lives here only.
     """
-    optimizer.found_inf, optimizer.grad_scale = skip, None
+    # The attributes are GradScaler's protocol with fused AdamW, not declared on Optimizer: hence the ignores.
+    optimizer.found_inf, optimizer.grad_scale = skip, None  # pyright: ignore[reportAttributeAccessIssue]
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf, optimizer.grad_scale
+        del optimizer.found_inf, optimizer.grad_scale  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

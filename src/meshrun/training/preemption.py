@@ -49,6 +49,7 @@ class Requests:
             save, stop = (bool(v) for v in flags.tolist())
             return save or stop, stop
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        assert work is not None  # async_op=True always returns the work handle
         previous, self.pending = self.pending, (work, flags)
         if previous is None:
             return False, False
