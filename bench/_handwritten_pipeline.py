@@ -63,8 +63,10 @@ def main() -> None:
     stage = PipelineStage(model, rank, world, device)
     schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
     params = list(model.parameters())
-    groups = [{"params": [q for q in params if q.ndim >= 2], "weight_decay": 0.1},
-              {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [q for q in params if q.ndim >= 2], "weight_decay": 0.1},
+        {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
     shard = json.loads(Path(args.data, "meta.json").read_text())["splits"]["train"]["shards"][0]["file"]

@@ -37,14 +37,29 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=1)
     args = p.parse_args()
     pp = int(os.environ["WORLD_SIZE"])
-    cfg = load_config(None, [
-        f"model.num_layers={args.layers}", f"model.dim={args.dim}", f"model.num_heads={args.heads}",
-        f"model.seq_len={args.seq_len}", "parallel.dp=1", f"parallel.pp={pp}", f"parallel.schedule={args.schedule}",
-        f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch * args.microbatches}",
-        f"train.steps={args.steps}", f"train.log_interval={args.steps + 1}", "train.eval_interval=0",
-        "precision=fp32", "recompute=none", "tracker.mode=disabled", "checkpoint.at_end=false",
-        f"data.dir={args.data}", f"run_dir={args.run_dir}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.num_layers={args.layers}",
+            f"model.dim={args.dim}",
+            f"model.num_heads={args.heads}",
+            f"model.seq_len={args.seq_len}",
+            "parallel.dp=1",
+            f"parallel.pp={pp}",
+            f"parallel.schedule={args.schedule}",
+            f"train.micro_batch={args.micro_batch}",
+            f"train.global_batch={args.micro_batch * args.microbatches}",
+            f"train.steps={args.steps}",
+            f"train.log_interval={args.steps + 1}",
+            "train.eval_interval=0",
+            "precision=fp32",
+            "recompute=none",
+            "tracker.mode=disabled",
+            "checkpoint.at_end=false",
+            f"data.dir={args.data}",
+            f"run_dir={args.run_dir}",
+        ],
+    )
     mesh = init_mesh(dp=1, pp=pp)
     trainer = None
     try:
@@ -56,8 +71,14 @@ def main() -> None:
             with counter.hooks():
                 trainer.train_step(step)
             peaks.append(counter.peak)
-        result = {"pp_rank": mesh.pp_rank, "pp": pp, "schedule": args.schedule,
-                  "microbatches": args.microbatches, "peaks": peaks, "live_after": counter.live}
+        result = {
+            "pp_rank": mesh.pp_rank,
+            "pp": pp,
+            "schedule": args.schedule,
+            "microbatches": args.microbatches,
+            "peaks": peaks,
+            "live_after": counter.live,
+        }
         (Path(args.run_dir) / f"memory-rank{mesh.rank}.json").write_text(json.dumps(result))
     finally:
         if trainer is not None:

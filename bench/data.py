@@ -39,8 +39,12 @@ def train_tokenizer(files: list[Path], out: Path, vocab: int) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator((f.read_text(errors="replace") for f in files[::4]), trainer=trainer)
     tok.save(str(out))
     return out
@@ -78,23 +82,39 @@ def throughput(tmp: Path, rounds: int, workers: int) -> None:
     tokenizer = train_tokenizer(files, tmp / "tokenizer.json", vocab=8192)
     ratios = []
     for r in range(rounds):  # alternate who goes first
-        order = [("raw", lambda: raw_tokenizers(files, tokenizer)),
-                 ("meshrun", lambda: meshrun_prepare(sources, tokenizer, tmp / "out", workers))]
+        order = [
+            ("raw", lambda: raw_tokenizers(files, tokenizer)),
+            ("meshrun", lambda: meshrun_prepare(sources, tokenizer, tmp / "out", workers)),
+        ]
         times = {name: fn() for name, fn in (order if r % 2 == 0 else order[::-1])}
         ratios.append(times["raw"] / times["meshrun"])
-        print(f"  round {r + 1}: raw tokenizers {megabytes / times['raw']:.2f} MB/s, "
-              f"prepare-data {megabytes / times['meshrun']:.2f} MB/s, ratio {ratios[-1]:.3f}")
+        print(
+            f"  round {r + 1}: raw tokenizers {megabytes / times['raw']:.2f} MB/s, "
+            f"prepare-data {megabytes / times['meshrun']:.2f} MB/s, ratio {ratios[-1]:.3f}"
+        )
     median = statistics.median(ratios)
     verdict = "PASS" if median >= THROUGHPUT_TARGET else "FAIL"
-    print(f"tokenization: {megabytes:.1f} MB, {workers} workers: prepare-data / raw = {median:.3f}x "
-          f"(target >= {THROUGHPUT_TARGET}) {verdict}")
+    print(
+        f"tokenization: {megabytes:.1f} MB, {workers} workers: prepare-data / raw = {median:.3f}x "
+        f"(target >= {THROUGHPUT_TARGET}) {verdict}"
+    )
 
 
 def peak_rss_mb(sources: list[str], out: Path) -> float:
     """Peak RSS of a `meshrun prepare-data` process, in MB, read by /usr/bin/time (a small parent:
     ru_maxrss of a child forked from this large bench process would count our pages too)."""
-    args = ["/usr/bin/time", "-f", "%M", sys.executable, "-m", "meshrun", "prepare-data", "--out", str(out),
-            *(f"--source={s}" for s in sources)]
+    args = [
+        "/usr/bin/time",
+        "-f",
+        "%M",
+        sys.executable,
+        "-m",
+        "meshrun",
+        "prepare-data",
+        "--out",
+        str(out),
+        *(f"--source={s}" for s in sources),
+    ]
     result = subprocess.run(args, capture_output=True, text=True, check=True)
     shutil.rmtree(out)
     return int(result.stderr.split()[-1]) / 1024
@@ -112,8 +132,10 @@ def rss(tmp: Path) -> None:
     size = sum(f.stat().st_size for f in files) / 1e6
     small, large = peak_rss_mb(default_sources(), tmp / "o1"), peak_rss_mb([str(big)], tmp / "o10")
     largest = max(f.stat().st_size for f in files) / 1e6
-    print(f"peak RSS: {size:.0f} MB corpus {small:.0f} MB, {10 * size:.0f} MB corpus {large:.0f} MB "
-          f"(largest file {largest:.1f} MB); growth {large / small:.2f}x")
+    print(
+        f"peak RSS: {size:.0f} MB corpus {small:.0f} MB, {10 * size:.0f} MB corpus {large:.0f} MB "
+        f"(largest file {largest:.1f} MB); growth {large / small:.2f}x"
+    )
 
 
 def assembly(tmp: Path, rounds: int) -> None:
@@ -135,8 +157,10 @@ def assembly(tmp: Path, rounds: int) -> None:
     step = default_job_step_time(tmp)
     for name, seconds in assembly_s.items():
         verdict = "PASS" if seconds / step <= ASSEMBLY_TARGET else "FAIL"
-        print(f"batch assembly ({name}, {per_rank} x {seq} tokens per rank): {seconds * 1e6:.0f} us/step = "
-              f"{seconds / step:.3%} of the default job's {step * 1e3:.0f} ms step (target <= 2%) {verdict}")
+        print(
+            f"batch assembly ({name}, {per_rank} x {seq} tokens per rank): {seconds * 1e6:.0f} us/step = "
+            f"{seconds / step:.3%} of the default job's {step * 1e3:.0f} ms step (target <= 2%) {verdict}"
+        )
 
 
 def default_job_step_time(tmp: Path) -> float:
@@ -145,9 +169,22 @@ def default_job_step_time(tmp: Path) -> float:
 
     run = tmp / "run"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "WANDB_MODE": "disabled"}
-    subprocess.run([sys.executable, "-m", "meshrun", "train", f"--set=run_dir={run}", "--set=train.steps=30",
-                    "--set=train.log_interval=10", "--set=train.eval_interval=0", f"--set=data.dir={tmp / 'stdlib'}"],
-                   env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshrun",
+            "train",
+            f"--set=run_dir={run}",
+            "--set=train.steps=30",
+            "--set=train.log_interval=10",
+            "--set=train.eval_interval=0",
+            f"--set=data.dir={tmp / 'stdlib'}",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["step_time_s"] for r in rows[1:] if "step_time_s" in r)
 

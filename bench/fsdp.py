@@ -39,19 +39,35 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--precision", default="fp32")
-    p.add_argument("--reshard-check", action="store_true",
-                   help="compare fsdp pp=2 with reshard_after_forward on (B) and off (A) instead of fsdp vs ddp")
+    p.add_argument(
+        "--reshard-check",
+        action="store_true",
+        help="compare fsdp pp=2 with reshard_after_forward on (B) and off (A) instead of fsdp vs ddp",
+    )
     return p.parse_args()
 
 
 def settings(args: argparse.Namespace, data_dir: Path, run_dir: Path) -> list[str]:
     pp = 2 if args.reshard_check else 1
     values = {
-        "model.num_layers": args.layers, "model.dim": args.dim, "model.num_heads": args.heads,
-        "model.seq_len": args.seq_len, "train.global_batch": args.global_batch, "train.micro_batch": args.micro_batch,
-        "train.steps": args.steps, "train.log_interval": 1, "train.eval_interval": 0, "train.warmup_steps": 1,
-        "precision": args.precision, "recompute": "none", "parallel.dp": 2, "parallel.pp": pp,
-        "tracker.mode": "disabled", "checkpoint.at_end": "false", "data.dir": data_dir, "run_dir": run_dir,
+        "model.num_layers": args.layers,
+        "model.dim": args.dim,
+        "model.num_heads": args.heads,
+        "model.seq_len": args.seq_len,
+        "train.global_batch": args.global_batch,
+        "train.micro_batch": args.micro_batch,
+        "train.steps": args.steps,
+        "train.log_interval": 1,
+        "train.eval_interval": 0,
+        "train.warmup_steps": 1,
+        "precision": args.precision,
+        "recompute": "none",
+        "parallel.dp": 2,
+        "parallel.pp": pp,
+        "tracker.mode": "disabled",
+        "checkpoint.at_end": "false",
+        "data.dir": data_dir,
+        "run_dir": run_dir,
     }
     return [f"--set={k}={v}" for k, v in values.items()]
 
@@ -76,9 +92,13 @@ def run_side(args: argparse.Namespace, data_dir: Path, run_dir: Path, extra: lis
 def main() -> None:
     args = parse_args()
     if args.reshard_check:
-        sides = {"A": ("fsdp, reshard after forward off (default under pp)", ["--set=parallel.dp_mode=fsdp"]),
-                 "B": ("fsdp, reshard after forward on", ["--set=parallel.dp_mode=fsdp",
-                                                          "--set=parallel.fsdp_reshard_after_forward=true"])}
+        sides = {
+            "A": ("fsdp, reshard after forward off (default under pp)", ["--set=parallel.dp_mode=fsdp"]),
+            "B": (
+                "fsdp, reshard after forward on",
+                ["--set=parallel.dp_mode=fsdp", "--set=parallel.fsdp_reshard_after_forward=true"],
+            ),
+        }
     else:
         sides = {"A": ("ddp", ["--set=parallel.dp_mode=ddp"]), "B": ("fsdp", ["--set=parallel.dp_mode=fsdp"])}
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,17 +106,24 @@ def main() -> None:
         prepare(default_sources()[:60], data_dir, val_fraction=0.05)
         results: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
         for round_ in range(args.rounds):
-            for side in ("AB" if round_ % 2 == 0 else "BA"):
+            for side in "AB" if round_ % 2 == 0 else "BA":
                 results[side].append(run_side(args, data_dir, Path(tmp) / f"{side}{round_}", sides[side][1]))
                 r = results[side][-1]
-                print(f"round {round_ + 1} {sides[side][0]:>8}: {r['step_s'] * 1e3:8.1f} ms/step, "
-                      f"state {r['state_mb']:.1f} MiB, peak {r['peak_gb']:.3f} GB, loss {r['final_loss']:.5f}", flush=True)
+                print(
+                    f"round {round_ + 1} {sides[side][0]:>8}: {r['step_s'] * 1e3:8.1f} ms/step, "
+                    f"state {r['state_mb']:.1f} MiB, peak {r['peak_gb']:.3f} GB, loss {r['final_loss']:.5f}",
+                    flush=True,
+                )
     ratios = [b["step_s"] / a["step_s"] for a, b in zip(results["A"], results["B"])]
     a0, b0 = results["A"][0], results["B"][0]
-    print(f"\n{sides['B'][0]} / {sides['A'][0]} step time: median ratio {statistics.median(ratios):.3f} "
-          f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
-    print(f"per-rank training state: {b0['state_mb']:.1f} vs {a0['state_mb']:.1f} MiB "
-          f"({b0['state_mb'] / a0['state_mb']:.3f}x); peak memory per rank: {b0['peak_gb']:.3f} vs {a0['peak_gb']:.3f} GB")
+    print(
+        f"\n{sides['B'][0]} / {sides['A'][0]} step time: median ratio {statistics.median(ratios):.3f} "
+        f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
+    print(
+        f"per-rank training state: {b0['state_mb']:.1f} vs {a0['state_mb']:.1f} MiB "
+        f"({b0['state_mb'] / a0['state_mb']:.3f}x); peak memory per rank: {b0['peak_gb']:.3f} vs {a0['peak_gb']:.3f} GB"
+    )
     same = all(abs(a["final_loss"] - b["final_loss"]) < 1e-4 for a, b in zip(results["A"], results["B"]))
     print("final losses agree" if same else "FINAL LOSSES DIFFER")
     sys.exit(0 if same else 1)

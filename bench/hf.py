@@ -34,10 +34,24 @@ sys.path.insert(0, str(Path(__file__).parent))
 import overhead
 
 STEP_TARGET, MEMORY_TARGET = 1.05, 1.2
-SMALL = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "vocab_size": 256, "max_position_embeddings": 256}
-LARGE = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-             "vocab_size": 32000, "max_position_embeddings": 512}
+SMALL = {
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+}
+LARGE = {
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 512,
+}
 
 
 def save_llama(fields: dict, out: Path) -> Path:
@@ -73,12 +87,26 @@ def step_time(args: argparse.Namespace) -> int:
         data_dir = tmp / "data"
         prepare([str(Path(torch.__file__).parent / "nn" / "modules" / "*.py")], data_dir)
         total = args.warmup + args.rounds * args.steps
-        cfg = load_config(None, [
-            f"model.hf={model_dir}", f"model.seq_len={args.seq_len}", f"precision={args.precision}",
-            f"train.global_batch={args.global_batch}", f"train.micro_batch={args.micro_batch}", f"train.steps={total}",
-            "train.eval_interval=0", f"train.log_interval={total}", "recompute=none", "parallel.dp=1", "parallel.pp=1",
-            "tracker.mode=disabled", "checkpoint.at_end=false", f"data.dir={data_dir}", f"run_dir={tmp / 'run'}",
-        ])
+        cfg = load_config(
+            None,
+            [
+                f"model.hf={model_dir}",
+                f"model.seq_len={args.seq_len}",
+                f"precision={args.precision}",
+                f"train.global_batch={args.global_batch}",
+                f"train.micro_batch={args.micro_batch}",
+                f"train.steps={total}",
+                "train.eval_interval=0",
+                f"train.log_interval={total}",
+                "recompute=none",
+                "parallel.dp=1",
+                "parallel.pp=1",
+                "tracker.mode=disabled",
+                "checkpoint.at_end=false",
+                f"data.dir={data_dir}",
+                f"run_dir={tmp / 'run'}",
+            ],
+        )
         mesh = init_mesh(dp=1, pp=1)
         try:
             trainer = Trainer(cfg, mesh, data_dir)
@@ -133,20 +161,39 @@ def memory(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="meshrun-bench-hf-") as tmp_name:
         model_dir = save_llama(LARGE, Path(tmp_name) / "llama")
         whole = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
-        print(f"Llama {LARGE['num_hidden_layers']}L d{LARGE['hidden_size']} vocab {LARGE['vocab_size']}: "
-              f"{whole:.1f} MiB of fp32 safetensors; pp={args.pp}, one fresh process per stage\n")
+        print(
+            f"Llama {LARGE['num_hidden_layers']}L d{LARGE['hidden_size']} vocab {LARGE['vocab_size']}: "
+            f"{whole:.1f} MiB of fp32 safetensors; pp={args.pp}, one fresh process per stage\n"
+        )
         print(f"{'stage':>5} {'layers':>14} {'share MiB':>10} {'peak MiB':>9} {'ratio':>6}")
         worst = 0.0
         for stage in range(args.pp):
-            out = subprocess.run([sys.executable, __file__, "--measure-stage", str(stage), "--pp", str(args.pp),
-                                  "--model-dir", str(model_dir)], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--measure-stage",
+                    str(stage),
+                    "--pp",
+                    str(args.pp),
+                    "--model-dir",
+                    str(model_dir),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             row = json.loads(out.stdout.strip().splitlines()[-1])
             ratio = row["peak_growth_mb"] / row["share_mb"]
             worst = max(worst, ratio)
-            print(f"{stage:>5} {row['layers']!s:>14} {row['share_mb']:>10.1f} {row['peak_growth_mb']:>9.1f} {ratio:>6.2f}")
+            print(
+                f"{stage:>5} {row['layers']!s:>14} {row['share_mb']:>10.1f} {row['peak_growth_mb']:>9.1f} {ratio:>6.2f}"
+            )
     verdict = worst <= MEMORY_TARGET
-    print(f"\n{'PASS' if verdict else 'FAIL'}: worst stage peak / its share {worst:.2f}x (target <= {MEMORY_TARGET}x; "
-          f"whole model {whole:.1f} MiB)")
+    print(
+        f"\n{'PASS' if verdict else 'FAIL'}: worst stage peak / its share {worst:.2f}x (target <= {MEMORY_TARGET}x; "
+        f"whole model {whole:.1f} MiB)"
+    )
     return 0 if verdict else 1
 
 

@@ -42,12 +42,25 @@ def parse_args() -> argparse.Namespace:
 
 def check(precision: str, args: argparse.Namespace, tmp: Path, data_dir: Path) -> bool:
     """True when `args.steps` steps ran with no device->host sync."""
-    cfg = load_config(None, [
-        "model.num_layers=4", "model.dim=256", "model.num_heads=4", "model.seq_len=256",
-        "train.global_batch=16", "train.micro_batch=4", f"train.steps={args.warmup + args.steps}",
-        "train.eval_interval=0", f"train.log_interval={args.warmup + args.steps}", f"precision={precision}",
-        "tracker.mode=disabled", "checkpoint.at_end=false", f"data.dir={data_dir}", f"run_dir={tmp / precision}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "model.num_layers=4",
+            "model.dim=256",
+            "model.num_heads=4",
+            "model.seq_len=256",
+            "train.global_batch=16",
+            "train.micro_batch=4",
+            f"train.steps={args.warmup + args.steps}",
+            "train.eval_interval=0",
+            f"train.log_interval={args.warmup + args.steps}",
+            f"precision={precision}",
+            "tracker.mode=disabled",
+            "checkpoint.at_end=false",
+            f"data.dir={data_dir}",
+            f"run_dir={tmp / precision}",
+        ],
+    )
     mesh = init_mesh(dp=1, pp=1)
     trainer = None
     try:
@@ -67,8 +80,10 @@ def check(precision: str, args: argparse.Namespace, tmp: Path, data_dir: Path) -
             return False
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        print(f"{precision}: PASS, {args.steps} steps on {torch.cuda.get_device_name()} without a device->host sync "
-              f"(mean loss {float(window) / (args.warmup + args.steps):.4f})")
+        print(
+            f"{precision}: PASS, {args.steps} steps on {torch.cuda.get_device_name()} without a device->host sync "
+            f"(mean loss {float(window) / (args.warmup + args.steps):.4f})"
+        )
         return True
     finally:
         if trainer is not None:

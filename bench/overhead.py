@@ -45,8 +45,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", choices=list(DTYPES), default="fp32")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side per round")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds (the verdict is their median ratio)")
-    p.add_argument("--chunk", type=int, default=None,
-                   help="steps per turn (default: 1 on CPU; 10 on CUDA, so syncs inside a step are not hidden by ours)")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="steps per turn (default: 1 on CPU; 10 on CUDA, so syncs inside a step are not hidden by ours)",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per side before the first round")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads, the same for both sides")
     p.add_argument("--layers", type=int, default=4)
@@ -55,22 +59,41 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--source", nargs="+", default=None,
-                   help="text files/globs to train on (default: the stdlib's top-level *.py files)")
+    p.add_argument(
+        "--source",
+        nargs="+",
+        default=None,
+        help="text files/globs to train on (default: the stdlib's top-level *.py files)",
+    )
     return p.parse_args()
 
 
 def make_config(args: argparse.Namespace, tmp: Path, data_dir: Path) -> Config:
     total_steps = args.warmup + args.rounds * args.steps
-    return load_config(None, [
-        f"model.num_layers={args.layers}", f"model.dim={args.dim}", f"model.num_heads={args.heads}",
-        f"model.seq_len={args.seq_len}", "model.dropout=0.0",
-        f"train.global_batch={args.global_batch}", f"train.micro_batch={args.micro_batch}",
-        f"train.steps={total_steps}", "train.eval_interval=0", f"train.log_interval={total_steps}",
-        f"precision={args.precision}", "recompute=none", "parallel.dp=1", "parallel.pp=1",
-        "tracker.mode=disabled", "checkpoint.at_end=false", "checkpoint.interval=0",
-        f"data.dir={data_dir}", f"run_dir={tmp / 'run'}",
-    ])
+    return load_config(
+        None,
+        [
+            f"model.num_layers={args.layers}",
+            f"model.dim={args.dim}",
+            f"model.num_heads={args.heads}",
+            f"model.seq_len={args.seq_len}",
+            "model.dropout=0.0",
+            f"train.global_batch={args.global_batch}",
+            f"train.micro_batch={args.micro_batch}",
+            f"train.steps={total_steps}",
+            "train.eval_interval=0",
+            f"train.log_interval={total_steps}",
+            f"precision={args.precision}",
+            "recompute=none",
+            "parallel.dp=1",
+            "parallel.pp=1",
+            "tracker.mode=disabled",
+            "checkpoint.at_end=false",
+            "checkpoint.interval=0",
+            f"data.dir={data_dir}",
+            f"run_dir={tmp / 'run'}",
+        ],
+    )
 
 
 class HandLoop:
@@ -91,7 +114,11 @@ class HandLoop:
         self.data = TokenDataset(data_dir, "train", seq_len=cfg.model.seq_len, seed=t.seed)
         self.accum = t.global_batch // t.micro_batch
         dtype = DTYPES[cfg.precision]
-        self.ctx = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else (lambda: torch.autocast(device.type, enabled=False))
+        self.ctx = (
+            (lambda: torch.autocast(device.type, dtype=dtype))
+            if dtype
+            else (lambda: torch.autocast(device.type, enabled=False))
+        )
 
     def get_lr(self, step: int) -> float:
         t = self.cfg.train
@@ -123,7 +150,9 @@ class HandLoop:
         return total
 
 
-def timed(step_fn: Callable[[int], torch.Tensor], first: int, count: int, *, device: torch.device) -> tuple[float, torch.Tensor]:
+def timed(
+    step_fn: Callable[[int], torch.Tensor], first: int, count: int, *, device: torch.device
+) -> tuple[float, torch.Tensor]:
     """Seconds per step over `count` steps from optimizer step `first`, and the last loss."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
@@ -157,12 +186,16 @@ def main() -> int:
 def run(args: argparse.Namespace, cfg: Config, trainer: Trainer, hand: HandLoop, device: torch.device) -> int:
     sides = {"meshrun": trainer.train_step, "hand": hand.train_step}
     chunk = args.chunk or (10 if device.type == "cuda" else 1)
-    print(f"meshrun overhead bench: {cfg.model.num_layers}L d{cfg.model.dim} h{cfg.model.num_heads} "
-          f"T{cfg.model.seq_len}, global batch {cfg.train.global_batch} = {cfg.accumulation_steps} x "
-          f"micro {cfg.train.micro_batch}, {cfg.precision}, device {device}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
-    print(f"warm-up {args.warmup} steps per side, then {args.rounds} rounds x {args.steps} timed steps per side, "
-          f"taking turns every {chunk} step(s)\n")
+    print(
+        f"meshrun overhead bench: {cfg.model.num_layers}L d{cfg.model.dim} h{cfg.model.num_heads} "
+        f"T{cfg.model.seq_len}, global batch {cfg.train.global_batch} = {cfg.accumulation_steps} x "
+        f"micro {cfg.train.micro_batch}, {cfg.precision}, device {device}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}"
+    )
+    print(
+        f"warm-up {args.warmup} steps per side, then {args.rounds} rounds x {args.steps} timed steps per side, "
+        f"taking turns every {chunk} step(s)\n"
+    )
     losses = {}
     for name, fn in sides.items():
         _, losses[name] = timed(fn, 0, args.warmup, device=device)
@@ -177,7 +210,7 @@ def run(args: argparse.Namespace, cfg: Config, trainer: Trainer, hand: HandLoop,
         times: dict[str, list[float]] = {name: [] for name in sides}
         for k, begin in enumerate(range(step, step + args.steps, chunk)):
             n = min(chunk, step + args.steps - begin)
-            for name in (list(sides) if k % 2 == 0 else list(reversed(sides))):
+            for name in list(sides) if k % 2 == 0 else list(reversed(sides)):
                 seconds, losses[name] = timed(sides[name], begin, n, device=device)
                 times[name].append(seconds)
         step += args.steps
@@ -192,11 +225,15 @@ def run(args: argparse.Namespace, cfg: Config, trainer: Trainer, hand: HandLoop,
     a, b = float(losses["meshrun"]), float(losses["hand"])
     tolerance = 1e-4 if cfg.precision == "fp32" else 2e-2
     same = abs(a - b) <= tolerance * max(1.0, abs(b))
-    print(f"\nloss after step {step}: meshrun {a:.6f}, hand {b:.6f}, |diff| {abs(a - b):.2e} "
-          f"(tolerance {tolerance:g}): {'same' if same else 'DIFFERENT'}")
+    print(
+        f"\nloss after step {step}: meshrun {a:.6f}, hand {b:.6f}, |diff| {abs(a - b):.2e} "
+        f"(tolerance {tolerance:g}): {'same' if same else 'DIFFERENT'}"
+    )
     verdict = same and median <= TARGET
-    print(f"{'PASS' if verdict else 'FAIL'}: meshrun/hand median {median:.3f}x (target <= {TARGET:.2f}x)"
-          + ("" if same else "; losses differ, so the two loops do not compute the same thing"))
+    print(
+        f"{'PASS' if verdict else 'FAIL'}: meshrun/hand median {median:.3f}x (target <= {TARGET:.2f}x)"
+        + ("" if same else "; losses differ, so the two loops do not compute the same thing")
+    )
     return 0 if verdict else 1
 
 

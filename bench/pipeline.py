@@ -41,8 +41,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one round, fewer steps (~2 minutes)")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds for timings (default 3; quick 1)")
-    p.add_argument("--log-interval", type=int, default=None,
-                   help="steps per metrics window; the first window is warm-up and left out (default 2)")
+    p.add_argument(
+        "--log-interval",
+        type=int,
+        default=None,
+        help="steps per metrics window; the first window is warm-up and left out (default 2)",
+    )
     p.add_argument("--windows", type=int, default=None, help="timed windows per run (default 2; quick 1)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--layers", type=int, default=8)
@@ -63,16 +67,32 @@ def log(message: str) -> None:
 
 
 def bench_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        WANDB_MODE="disabled",
+        PYTHONUNBUFFERED="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     return env
 
 
 def run(argv: list[str], *, timeout: float, cwd: Path) -> str:
     """Run argv in its own process group; kill the whole group on timeout or interrupt."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=bench_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=bench_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:  # timeout, Ctrl-C: leave no workers behind
@@ -94,6 +114,7 @@ def read_json(folder: Path, pattern: str) -> list[dict]:
 
 # --- 1 and 4: step times -------------------------------------------------------------------
 
+
 class Runs:
     def __init__(self, args: argparse.Namespace, tmp: Path, data: Path) -> None:
         self.args, self.tmp, self.data, self.count = args, tmp, data, 0
@@ -106,14 +127,31 @@ class Runs:
         self.count += 1
         run_dir = self.tmp / f"run{self.count}"
         settings = {
-            "data.dir": self.data, "run_dir": run_dir, "parallel.dp": 1, "parallel.pp": pp, "parallel.schedule": "1f1b",
-            "model.num_layers": a.layers, "model.dim": a.dim, "model.num_heads": a.heads, "model.seq_len": a.seq_len,
-            "model.dropout": 0.0, "train.micro_batch": a.micro_batch, "train.global_batch": a.micro_batch * m,
-            "train.steps": self.steps, "train.log_interval": a.log_interval, "train.eval_interval": 0,
-            "precision": "fp32", "recompute": "none", "tracker.mode": "disabled", "checkpoint.at_end": "false",
+            "data.dir": self.data,
+            "run_dir": run_dir,
+            "parallel.dp": 1,
+            "parallel.pp": pp,
+            "parallel.schedule": "1f1b",
+            "model.num_layers": a.layers,
+            "model.dim": a.dim,
+            "model.num_heads": a.heads,
+            "model.seq_len": a.seq_len,
+            "model.dropout": 0.0,
+            "train.micro_batch": a.micro_batch,
+            "train.global_batch": a.micro_batch * m,
+            "train.steps": self.steps,
+            "train.log_interval": a.log_interval,
+            "train.eval_interval": 0,
+            "precision": "fp32",
+            "recompute": "none",
+            "tracker.mode": "disabled",
+            "checkpoint.at_end": "false",
         }
-        run([sys.executable, "-m", "meshrun", "train", *(f"--set={k}={v}" for k, v in settings.items())],
-            timeout=a.timeout, cwd=self.tmp)
+        run(
+            [sys.executable, "-m", "meshrun", "train", *(f"--set={k}={v}" for k, v in settings.items())],
+            timeout=a.timeout,
+            cwd=self.tmp,
+        )
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         timed = [row for row in rows if "step_time_s" in row][1:]
         bubble = statistics.fmean(row["bubble"] for row in timed) if pp > 1 else None
@@ -125,12 +163,25 @@ class Runs:
         self.count += 1
         out = self.tmp / f"hand{self.count}"
         out.mkdir()
-        run([*torchrun(2), str(BENCH / "_handwritten_pipeline.py"), f"--data={self.data}", f"--out={out}",
-                   f"--microbatches={m}", f"--steps={self.steps}", f"--layers={a.layers}", f"--dim={a.dim}",
-                   f"--heads={a.heads}", f"--seq-len={a.seq_len}", f"--micro-batch={a.micro_batch}"],
-                  timeout=a.timeout, cwd=self.tmp)
+        run(
+            [
+                *torchrun(2),
+                str(BENCH / "_handwritten_pipeline.py"),
+                f"--data={self.data}",
+                f"--out={out}",
+                f"--microbatches={m}",
+                f"--steps={self.steps}",
+                f"--layers={a.layers}",
+                f"--dim={a.dim}",
+                f"--heads={a.heads}",
+                f"--seq-len={a.seq_len}",
+                f"--micro-batch={a.micro_batch}",
+            ],
+            timeout=a.timeout,
+            cwd=self.tmp,
+        )
         times = next(r for r in read_json(out, "rank*.json") if r["rank"] == 0)["step_times"]
-        return statistics.fmean(times[a.log_interval:])
+        return statistics.fmean(times[a.log_interval :])
 
 
 def time_pipelines(args: argparse.Namespace, runs: Runs) -> tuple[dict, list[tuple[float, float]]]:
@@ -163,20 +214,35 @@ def time_pipelines(args: argparse.Namespace, runs: Runs) -> tuple[dict, list[tup
 
 # --- 2: 1F1B vs GPipe memory ---------------------------------------------------------------
 
+
 def pipeline_memory(args: argparse.Namespace, tmp: Path, data: Path, layouts: list[tuple[int, int]]) -> list[dict]:
     results = []
     for pp, m in layouts:
         for schedule in ("gpipe", "1f1b"):
             run_dir = tmp / f"mem-{schedule}-{pp}-{m}"
-            run([*torchrun(pp), str(BENCH / "_pipeline_memory.py"), f"--data={data}", f"--run-dir={run_dir}",
-                 f"--schedule={schedule}", f"--microbatches={m}", "--layers=8", "--dim=128", "--heads=4", "--seq-len=128"],
-                timeout=args.timeout, cwd=tmp)
+            run(
+                [
+                    *torchrun(pp),
+                    str(BENCH / "_pipeline_memory.py"),
+                    f"--data={data}",
+                    f"--run-dir={run_dir}",
+                    f"--schedule={schedule}",
+                    f"--microbatches={m}",
+                    "--layers=8",
+                    "--dim=128",
+                    "--heads=4",
+                    "--seq-len=128",
+                ],
+                timeout=args.timeout,
+                cwd=tmp,
+            )
             results += read_json(run_dir, "memory-rank*.json")
             log(f"memory: pp={pp} m={m} {schedule} done")
     return results
 
 
 # --- 3: recompute ---------------------------------------------------------------------------
+
 
 def recompute_bytes(args: argparse.Namespace, data: Path) -> dict[str, dict[str, int]]:
     """Block activation bytes kept for backward after one forward of the whole GPT, per policy.
@@ -196,11 +262,20 @@ def recompute_bytes(args: argparse.Namespace, data: Path) -> dict[str, dict[str,
     x, _ = TokenDataset(data, "train", seq_len=args.seq_len, seed=0).batch(0, b)
     results = {}
     for policy in ("none", "full", "selective"):
-        cfg = load_config(None, [
-            f"model.num_layers={args.layers}", f"model.dim={args.dim}", f"model.num_heads={args.heads}",
-            f"model.seq_len={args.seq_len}", "model.dropout=0.0", "parallel.dp=1", "parallel.pp=1",
-            f"recompute={policy}", "precision=fp32",
-        ])
+        cfg = load_config(
+            None,
+            [
+                f"model.num_layers={args.layers}",
+                f"model.dim={args.dim}",
+                f"model.num_heads={args.heads}",
+                f"model.seq_len={args.seq_len}",
+                "model.dropout=0.0",
+                "parallel.dp=1",
+                "parallel.pp=1",
+                f"recompute={policy}",
+                "precision=fp32",
+            ],
+        )
         results[policy] = _block_bytes_one_forward(cfg, policy, x)
     return results
 
@@ -244,9 +319,12 @@ def _block_bytes_one_forward(cfg, policy: str, x) -> dict[str, int]:
             block.register_forward_hook(leave)
         with counter.hooks():
             logits = model(x)
-            cached = [counter.hold(leaf.val if hasattr(leaf, "val") else leaf)
-                      for cache in caches for leaf in tree_leaves(dict(cache.storage))
-                      if isinstance(getattr(leaf, "val", leaf), torch.Tensor)]
+            cached = [
+                counter.hold(leaf.val if hasattr(leaf, "val") else leaf)
+                for cache in caches
+                for leaf in tree_leaves(dict(cache.storage))
+                if isinstance(getattr(leaf, "val", leaf), torch.Tensor)
+            ]
         result = {"block_bytes": counter.live, "cached": len(cached), "blocks": len(model.blocks)}
         del logits, cached  # alive until measured: the graph holds the saved tensors
         return result
@@ -256,21 +334,36 @@ def _block_bytes_one_forward(cfg, policy: str, x) -> dict[str, int]:
 
 # --- report ---------------------------------------------------------------------------------
 
+
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-def report(args: argparse.Namespace, times: dict, bubbles: dict, versus: list, memory: list[dict], recompute: dict,
-           load: tuple[tuple, tuple], elapsed: float) -> list[str]:
+def report(
+    args: argparse.Namespace,
+    times: dict,
+    bubbles: dict,
+    versus: list,
+    memory: list[dict],
+    recompute: dict,
+    load: tuple[tuple, tuple],
+    elapsed: float,
+) -> list[str]:
     out: list[str] = []
     say = out.append
     a = args
     say("meshrun pipeline benchmark (bench/pipeline.py)" + (" --quick" if a.quick else ""))
-    say(f"machine: {os.cpu_count()} CPU cores, torch threads per process 1 (OMP_NUM_THREADS=1); "
-        f"load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end (shared machine)")
-    say(f"model: GPT {a.layers} layers, dim {a.dim}, {a.heads} heads, seq_len {a.seq_len}, fp32, micro batch {a.micro_batch}")
-    say(f"timings: {a.rounds} alternating round(s); each run {a.log_interval * (a.windows + 1)} steps, "
-        f"the first {a.log_interval} (warm-up) left out; verdicts use the median of per-round ratios")
+    say(
+        f"machine: {os.cpu_count()} CPU cores, torch threads per process 1 (OMP_NUM_THREADS=1); "
+        f"load average {load[0][0]:.1f} at start, {load[1][0]:.1f} at end (shared machine)"
+    )
+    say(
+        f"model: GPT {a.layers} layers, dim {a.dim}, {a.heads} heads, seq_len {a.seq_len}, fp32, micro batch {a.micro_batch}"
+    )
+    say(
+        f"timings: {a.rounds} alternating round(s); each run {a.log_interval * (a.windows + 1)} steps, "
+        f"the first {a.log_interval} (warm-up) left out; verdicts use the median of per-round ratios"
+    )
     verdicts = []
 
     say("")
@@ -278,16 +371,19 @@ def report(args: argparse.Namespace, times: dict, bubbles: dict, versus: list, m
     say("   ideal speed-up 2m/(m+1) assumes each of the 2 stages has a core of its own and free p2p;")
     say("   pp=1 is one process on one core, pp=2 two processes on the machine's 2 cores.")
     say("   bubble: pp=2 idle share measured by meshrun (rank mean) vs the 1F1B theory (p-1)/(m+p-1).")
-    say(f"   {'m':>3} {'pp1 s/step':>11} {'pp2 s/step':>11} {'speed-up':>9} {'ideal':>6} {'% ideal':>8} "
-        f"{'bubble':>7} {'theory':>7}  per-round speed-ups")
+    say(
+        f"   {'m':>3} {'pp1 s/step':>11} {'pp2 s/step':>11} {'speed-up':>9} {'ideal':>6} {'% ideal':>8} "
+        f"{'bubble':>7} {'theory':>7}  per-round speed-ups"
+    )
     for m, pairs in times.items():
         ratios = [t1 / t2 for t1, t2 in pairs]
         speedup, ideal = statistics.median(ratios), 2 * m / (m + 1)
         t1, t2 = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
         bubble = statistics.median(bubbles[m])
-        say(f"   {m:>3} {t1:>11.3f} {t2:>11.3f} {speedup:>9.2f} {ideal:>6.2f} {speedup / ideal:>8.1%} "
-            f"{bubble:>7.1%} {1 / (m + 1):>7.1%}  "
-            + " ".join(f"{r:.2f}" for r in ratios))
+        say(
+            f"   {m:>3} {t1:>11.3f} {t2:>11.3f} {speedup:>9.2f} {ideal:>6.2f} {speedup / ideal:>8.1%} "
+            f"{bubble:>7.1%} {1 / (m + 1):>7.1%}  " + " ".join(f"{r:.2f}" for r in ratios)
+        )
     m_top = max(times)
     share = statistics.median(t1 / t2 for t1, t2 in times[m_top]) / (2 * m_top / (m_top + 1))
     ok = share >= TARGET_SPEEDUP
@@ -300,8 +396,10 @@ def report(args: argparse.Namespace, times: dict, bubbles: dict, versus: list, m
     say("   'held' = bytes still saved when the step starts: on stage 0 torch.distributed.pipelining's first-step")
     say("   shape inference keeps one forward graph alive for the whole run, the same under both schedules;")
     say("   'per step' = peak - held. Theory: 1F1B holds (p - rank) microbatches in flight, GPipe all m.")
-    say(f"   {'pp':>3} {'m':>3} {'rank':>4} {'gpipe MB':>9} {'1f1b MB':>8} {'held MB':>8} {'ratio':>6} "
-        f"{'ratio/step':>10} {'theory':>7}")
+    say(
+        f"   {'pp':>3} {'m':>3} {'rank':>4} {'gpipe MB':>9} {'1f1b MB':>8} {'held MB':>8} {'ratio':>6} "
+        f"{'ratio/step':>10} {'theory':>7}"
+    )
     stage0_ok = []
     for pp, m in sorted({(r["pp"], r["microbatches"]) for r in memory}):
         for rank in range(pp):
@@ -310,17 +408,25 @@ def report(args: argparse.Namespace, times: dict, bubbles: dict, versus: list, m
             held = row["1f1b"]["live_after"]
             ratio, per_step = f / g, (f - held) / (g - row["gpipe"]["live_after"])
             theory = min(pp - rank, m) / m
-            say(f"   {pp:>3} {m:>3} {rank:>4} {g / 1e6:>9.2f} {f / 1e6:>8.2f} {held / 1e6:>8.2f} {ratio:>6.3f} "
-                f"{per_step:>10.3f} {theory:>7.3f}")
+            say(
+                f"   {pp:>3} {m:>3} {rank:>4} {g / 1e6:>9.2f} {f / 1e6:>8.2f} {held / 1e6:>8.2f} {ratio:>6.3f} "
+                f"{per_step:>10.3f} {theory:>7.3f}"
+            )
             if rank == 0:
                 stage0_ok.append(abs(per_step - theory) <= 0.1 * theory)
-    say(f"   stage 0 per-step ratio within 10% of p/m in every row: {'yes' if all(stage0_ok) else 'no'} (no target set)")
+    say(
+        f"   stage 0 per-step ratio within 10% of p/m in every row: {'yes' if all(stage0_ok) else 'no'} (no target set)"
+    )
 
     say("")
-    say(f"3. activation recompute: block activation bytes kept after one forward (batch {2 * a.micro_batch}, "
-        f"{recompute['none']['blocks']} blocks, model of section 1)")
+    say(
+        f"3. activation recompute: block activation bytes kept after one forward (batch {2 * a.micro_batch}, "
+        f"{recompute['none']['blocks']} blocks, model of section 1)"
+    )
     say("   counted with saved-tensor hooks inside blocks, plus what checkpointing keeps outside them: every")
-    say("   checkpointed block's input (non-reentrant checkpoint) and, for selective, the cached matmul/attention outputs.")
+    say(
+        "   checkpointed block's input (non-reentrant checkpoint) and, for selective, the cached matmul/attention outputs."
+    )
     base = recompute["none"]["block_bytes"]
     say(f"   {'policy':>10} {'MB kept':>8} {'saved':>7}")
     for policy, row in recompute.items():
@@ -334,8 +440,11 @@ def report(args: argparse.Namespace, times: dict, bubbles: dict, versus: list, m
     say(f"4. meshrun pp=2 vs hand-written torch.distributed.pipelining (bench/_handwritten_pipeline.py), m={m_top}:")
     say("   same GPT, even split, Schedule1F1B, AdamW + global-norm clipping, fp32; rounds alternate the order")
     ratios = [tm / th for tm, th in versus]
-    say(f"   meshrun {statistics.median(t for t, _ in versus):.3f} s/step, hand-written "
-        f"{statistics.median(t for _, t in versus):.3f} s/step; per-round ratios " + " ".join(f"{r:.3f}" for r in ratios))
+    say(
+        f"   meshrun {statistics.median(t for t, _ in versus):.3f} s/step, hand-written "
+        f"{statistics.median(t for _, t in versus):.3f} s/step; per-round ratios "
+        + " ".join(f"{r:.3f}" for r in ratios)
+    )
     ratio = statistics.median(ratios)
     ok = ratio <= TARGET_OVERHEAD
     verdicts.append(ok)
@@ -362,7 +471,9 @@ def main() -> int:
         memory = pipeline_memory(args, tmp, data, layouts)
         log("sections 1 and 4: step times (alternating runs)")
         times, bubbles, versus = time_pipelines(args, Runs(args, tmp, data))
-        lines = report(args, times, bubbles, versus, memory, recompute, (load_start, os.getloadavg()), time.perf_counter() - start)
+        lines = report(
+            args, times, bubbles, versus, memory, recompute, (load_start, os.getloadavg()), time.perf_counter() - start
+        )
     print("\n".join(lines))
     return 0
 

@@ -25,8 +25,15 @@ from pathlib import Path
 
 from pipeline import log, run
 
-MODEL = {"model.num_layers": 4, "model.dim": 64, "model.num_heads": 4, "model.seq_len": 64, "model.dropout": 0.0,
-         "train.global_batch": 8, "precision": "fp32"}
+MODEL = {
+    "model.num_layers": 4,
+    "model.dim": 64,
+    "model.num_heads": 4,
+    "model.seq_len": 64,
+    "model.dropout": 0.0,
+    "train.global_batch": 8,
+    "precision": "fp32",
+}
 LAYOUTS = {  # name -> (dp, pp, schedule, micro_batch, recompute)
     "1 rank, mb 8": (1, 1, "1f1b", 8, "none"),
     "1 rank, mb 2": (1, 1, "1f1b", 2, "none"),
@@ -41,17 +48,33 @@ LAYOUTS = {  # name -> (dp, pp, schedule, micro_batch, recompute)
 
 
 def layout_settings(dp: int, pp: int, schedule: str, micro_batch: int, recompute: str) -> dict[str, object]:
-    return {**MODEL, "parallel.dp": dp, "parallel.pp": pp, "parallel.schedule": schedule,
-            "train.micro_batch": micro_batch, "recompute": recompute}
+    return {
+        **MODEL,
+        "parallel.dp": dp,
+        "parallel.pp": pp,
+        "parallel.schedule": schedule,
+        "train.micro_batch": micro_batch,
+        "recompute": recompute,
+    }
 
 
 def measure(tmp: Path, data: Path, name: str, layout: tuple, args: argparse.Namespace) -> float:
     run_dir = tmp / f"run-{list(LAYOUTS).index(name)}"
-    settings = {**layout_settings(*layout), "data.dir": data, "run_dir": run_dir, "train.steps": args.steps,
-                "train.log_interval": args.log_interval, "train.eval_interval": 0, "tracker.mode": "disabled",
-                "checkpoint.at_end": "false"}
-    run([sys.executable, "-m", "meshrun", "train", *(f"--set={k}={v}" for k, v in settings.items())],
-        timeout=args.timeout, cwd=tmp)
+    settings = {
+        **layout_settings(*layout),
+        "data.dir": data,
+        "run_dir": run_dir,
+        "train.steps": args.steps,
+        "train.log_interval": args.log_interval,
+        "train.eval_interval": 0,
+        "tracker.mode": "disabled",
+        "checkpoint.at_end": "false",
+    }
+    run(
+        [sys.executable, "-m", "meshrun", "train", *(f"--set={k}={v}" for k, v in settings.items())],
+        timeout=args.timeout,
+        cwd=tmp,
+    )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [row for row in rows if "step_time_s" in row][1:]
     return min(row["step_time_s"] for row in timed)  # others' processes only add time: the fastest window
@@ -87,9 +110,22 @@ def main() -> int:
         prepare([str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")], data)
         calibration = tmp / "calibration.json"
         log("calibrating")
-        print(run([sys.executable, "-m", "meshrun", "plan", "--calibrate", f"--calibration={calibration}",
-                   *(f"--set={k}={v}" for k, v in {**MODEL, "parallel.dp": 1, "parallel.pp": 1}.items())],
-                  timeout=args.timeout, cwd=tmp), end="")
+        print(
+            run(
+                [
+                    sys.executable,
+                    "-m",
+                    "meshrun",
+                    "plan",
+                    "--calibrate",
+                    f"--calibration={calibration}",
+                    *(f"--set={k}={v}" for k, v in {**MODEL, "parallel.dp": 1, "parallel.pp": 1}.items()),
+                ],
+                timeout=args.timeout,
+                cwd=tmp,
+            ),
+            end="",
+        )
         measured = {}
         for name, layout in LAYOUTS.items():
             log(f"running {name}")
@@ -101,11 +137,15 @@ def main() -> int:
     by_predicted = sorted(LAYOUTS, key=predicted.get)
     print(f"\n{'layout':<24}{'predicted s':>12}{'measured s':>12}{'ratio':>7}{'pred rank':>10}{'meas rank':>10}")
     for name in by_measured:
-        print(f"{name:<24}{predicted[name]:>12.4f}{measured[name]:>12.4f}{predicted[name] / measured[name]:>7.2f}"
-              f"{by_predicted.index(name) + 1:>10}{by_measured.index(name) + 1:>10}")
+        print(
+            f"{name:<24}{predicted[name]:>12.4f}{measured[name]:>12.4f}{predicted[name] / measured[name]:>7.2f}"
+            f"{by_predicted.index(name) + 1:>10}{by_measured.index(name) + 1:>10}"
+        )
     share = agree / len(pairs)
-    print(f"\npairs ordered alike: {agree}/{len(pairs)} = {share:.0%} (target >= 80%): {'PASS' if share >= 0.8 else 'FAIL'}"
-          f"  [{time.time() - started:.0f} s]")
+    print(
+        f"\npairs ordered alike: {agree}/{len(pairs)} = {share:.0%} (target >= 80%): {'PASS' if share >= 0.8 else 'FAIL'}"
+        f"  [{time.time() - started:.0f} s]"
+    )
     return 0 if share >= 0.8 else 1
 
 

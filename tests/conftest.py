@@ -23,15 +23,57 @@ from plain_reference import Reference, config_from_set_args, train_plain
 from meshrun.data.prepare import prepare
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ["the", "model", "trains", "on", "bytes", "of", "text", "while", "every", "stage", "of", "the", "pipeline", "holds", "a", "few", "blocks", "and", "replicas", "average", "their", "gradients", "so", "that", "one", "process", "and", "many", "agree", "def", "return", "import", "class", "for", "in"]
+WORDS = [
+    "the",
+    "model",
+    "trains",
+    "on",
+    "bytes",
+    "of",
+    "text",
+    "while",
+    "every",
+    "stage",
+    "of",
+    "the",
+    "pipeline",
+    "holds",
+    "a",
+    "few",
+    "blocks",
+    "and",
+    "replicas",
+    "average",
+    "their",
+    "gradients",
+    "so",
+    "that",
+    "one",
+    "process",
+    "and",
+    "many",
+    "agree",
+    "def",
+    "return",
+    "import",
+    "class",
+    "for",
+    "in",
+]
 
 
 def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """Environment for a test run: private cache, no inherited launcher or WANDB_* variables
     (the config's tracker.mode decides; `tiny` turns wandb off)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+    }
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if "PYTHONPATH" in extra and os.environ.get("PYTHONPATH"):  # test helpers first, the checkout under test still found
+    if "PYTHONPATH" in extra and os.environ.get(
+        "PYTHONPATH"
+    ):  # test helpers first, the checkout under test still found
         extra["PYTHONPATH"] = f"{extra['PYTHONPATH']}{os.pathsep}{os.environ['PYTHONPATH']}"
     env.update(extra)
     return env
@@ -40,8 +82,13 @@ def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 def start_meshrun(args: list[str], *, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `python -m meshrun ARGS` (its own session, away from pytest's signals)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "meshrun", *args], cwd=tmp_path, env=env or meshrun_env(tmp_path),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [sys.executable, "-m", "meshrun", *args],
+        cwd=tmp_path,
+        env=env or meshrun_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -85,8 +132,9 @@ def finish_meshrun(proc: subprocess.Popen, *, timeout: float = 240, check: bool 
     return result
 
 
-def run_meshrun(args: list[str], *, tmp_path: Path, timeout: float = 240, env: dict[str, str] | None = None,
-                check: bool = True) -> subprocess.CompletedProcess:
+def run_meshrun(
+    args: list[str], *, tmp_path: Path, timeout: float = 240, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run `python -m meshrun ARGS` to the end (see start_meshrun / finish_meshrun)."""
     return finish_meshrun(start_meshrun(args, tmp_path=tmp_path, env=env), timeout=timeout, check=check)
 
@@ -111,10 +159,24 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny(data_dir: Path, run_dir: Path | str, **overrides: object) -> list[str]:
     """`--set` arguments for a tiny fp32 job on the test dataset (overrides win)."""
     settings: dict[str, object] = {
-        "data.dir": data_dir, "run_dir": run_dir, "model.vocab_size": 256, "model.num_layers": 4, "model.dim": 32, "model.num_heads": 2,
-        "model.seq_len": 16, "parallel.dp": 1, "parallel.pp": 1, "train.global_batch": 8, "train.micro_batch": 2, "train.steps": 4,
-        "train.warmup_steps": 1, "train.eval_interval": 0, "train.log_interval": 1, "precision": "fp32",
-        "recompute": "none", "tracker.mode": "disabled",
+        "data.dir": data_dir,
+        "run_dir": run_dir,
+        "model.vocab_size": 256,
+        "model.num_layers": 4,
+        "model.dim": 32,
+        "model.num_heads": 2,
+        "model.seq_len": 16,
+        "parallel.dp": 1,
+        "parallel.pp": 1,
+        "train.global_batch": 8,
+        "train.micro_batch": 2,
+        "train.steps": 4,
+        "train.warmup_steps": 1,
+        "train.eval_interval": 0,
+        "train.log_interval": 1,
+        "precision": "fp32",
+        "recompute": "none",
+        "tracker.mode": "disabled",
     }
     settings.update(overrides)
     return [f"--set={key}={value}" for key, value in settings.items()]

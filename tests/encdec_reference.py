@@ -41,8 +41,15 @@ class TorchEncDec(nn.Module):
         self.emb = nn.Embedding(c.vocab_size, c.dim)
         self.pos = nn.Embedding(max(split_lengths(c)), c.dim) if c.positions == "learned" else None
         self.transformer = nn.Transformer(
-            c.dim, c.num_heads, model.num_encoder, c.num_layers - model.num_encoder, dim_feedforward=4 * c.dim,
-            dropout=0.0, activation="gelu", batch_first=True, norm_first=True,
+            c.dim,
+            c.num_heads,
+            model.num_encoder,
+            c.num_layers - model.num_encoder,
+            dim_feedforward=4 * c.dim,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
         )
         self.head = None if self.tied else nn.Linear(c.dim, c.vocab_size, bias=False)
         self.load_from(model)
@@ -59,8 +66,13 @@ class TorchEncDec(nn.Module):
         for i in range(model.num_encoder):
             self._layer(enc.layers[i], w, f"blocks.{i}.", {"norm1": "ln1", "norm2": "ln2"}, {"self_attn": "attn"})
         for j, layer in enumerate(dec.layers):
-            self._layer(layer, w, f"blocks.{model.num_encoder + j}.", {"norm1": "ln1", "norm2": "ln2", "norm3": "ln3"},
-                        {"self_attn": "attn", "multihead_attn": "cross"})
+            self._layer(
+                layer,
+                w,
+                f"blocks.{model.num_encoder + j}.",
+                {"norm1": "ln1", "norm2": "ln2", "norm3": "ln3"},
+                {"self_attn": "attn", "multihead_attn": "cross"},
+            )
         self._copy(enc.norm, w, f"blocks.{model.num_encoder - 1}.out_norm.")
         self._copy(dec.norm, w, "norm.")
 
@@ -89,8 +101,14 @@ class TorchEncDec(nn.Module):
         source, target = x[:, : self.source_len], x[:, self.source_len :]
         pad = source == 0  # key_padding_mask: True = ignore
         causal = nn.Transformer.generate_square_subsequent_mask(target.shape[1])
-        h = self.transformer(self._embed(source), self._embed(target), tgt_mask=causal, src_key_padding_mask=pad,
-                             memory_key_padding_mask=pad, tgt_is_causal=True)
+        h = self.transformer(
+            self._embed(source),
+            self._embed(target),
+            tgt_mask=causal,
+            src_key_padding_mask=pad,
+            memory_key_padding_mask=pad,
+            tgt_is_causal=True,
+        )
         return F.linear(h, self.emb.weight) if self.tied else self.head(h)
 
 

@@ -49,9 +49,13 @@ def train_plain(cfg: Config, data_dir: Path) -> Reference:
     model.init_weights(train.seed)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=train.lr, betas=train.betas, foreach=False,
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=train.lr,
+        betas=train.betas,
+        foreach=False,
     )
     data = TokenDataset(data_dir, "train", seq_len=cfg.model.seq_len, seed=train.seed)
     losses, norms = [], []

@@ -66,7 +66,9 @@ def planted(finished: Path, tmp_path: Path) -> tuple[Path, Path]:
     ckpt = tmp_path / "ckpt"
     shutil.copytree(finished / "checkpoints" / CKPTS[-1], ckpt)
     marker = tmp_path / "code-ran"
-    (ckpt / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\nfrom meshrun.models.gpt import GPT as build\n")
+    (ckpt / "planted.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nfrom meshrun.models.gpt import GPT as build\n"
+    )
     config = json.loads((ckpt / "config.json").read_text())
     config["model"]["factory"] = "planted:build"
     (ckpt / "config.json").write_text(json.dumps(config))
@@ -85,7 +87,9 @@ def test_checkpoint_named_factory_is_not_imported(command: list[str], planted: t
 
 def test_factory_runs_when_the_user_names_it(planted: tuple[Path, Path]) -> None:
     ckpt, marker = planted
-    result = run_meshrun(["sample", ".", "--tokens", "4", "--set", "model.factory=planted:build"], tmp_path=ckpt, timeout=120)
+    result = run_meshrun(
+        ["sample", ".", "--tokens", "4", "--set", "model.factory=planted:build"], tmp_path=ckpt, timeout=120
+    )
     assert marker.exists() and result.stdout.startswith("def ")
 
 
@@ -138,8 +142,15 @@ def test_workers_under_torchrun_stop_too(finished: Path, data_dir: Path, tmp_pat
     run = broken_copy(finished, tmp_path)
     before = snapshot(run)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "meshrun"]
-    result = subprocess.run([*torchrun, "train", *tiny(data_dir, run, **STEPS)], cwd=tmp_path, env=meshrun_env(tmp_path),
-                            capture_output=True, text=True, timeout=240, check=False)
+    result = subprocess.run(
+        [*torchrun, "train", *tiny(data_dir, run, **STEPS)],
+        cwd=tmp_path,
+        env=meshrun_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert result.returncode != 0
     assert "meshrun: error: none of the 3 checkpoints" in result.stderr and "step-00000012" in result.stderr
     assert snapshot(run) == before

@@ -17,10 +17,20 @@ def _split(stdout: str) -> tuple[dict, str]:
 
 def test_dry_run_prints_config_layout_and_batch_maths(data_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = tiny(data_dir, run_dir, **{
-        "parallel.dp": 2, "parallel.pp": 2, "train.global_batch": 16, "train.micro_batch": 2, "model.seq_len": 32,
-        "train.lr": 4.2e-4, "recompute": "every:2", "tracker.name": 2024,
-    })
+    args = tiny(
+        data_dir,
+        run_dir,
+        **{
+            "parallel.dp": 2,
+            "parallel.pp": 2,
+            "train.global_batch": 16,
+            "train.micro_batch": 2,
+            "model.seq_len": 32,
+            "train.lr": 4.2e-4,
+            "recompute": "every:2",
+            "tracker.name": 2024,
+        },
+    )
     result = run_meshrun(["train", *args, "--dry-run"], tmp_path=tmp_path, timeout=60)
     resolved, plan = _split(result.stdout)
 
@@ -70,12 +80,21 @@ def test_dry_run_accepts_both_set_spellings_and_the_last_one_wins(tmp_path: Path
     config = tmp_path / "job.yaml"
     config.write_text("train:\n  lr: 0.01\n  steps: 3\nrun_dir: from-yaml\n")
     result = run_meshrun(
-        ["train", str(config), "--set", "train.lr=0.02", "--set=train.lr=0.03", "--set", "run_dir=from-set", "--dry-run"],
-        tmp_path=tmp_path, timeout=60,
+        [
+            "train",
+            str(config),
+            "--set",
+            "train.lr=0.02",
+            "--set=train.lr=0.03",
+            "--set",
+            "run_dir=from-set",
+            "--dry-run",
+        ],
+        tmp_path=tmp_path,
+        timeout=60,
     )
     resolved, _ = _split(result.stdout)
     assert resolved["train"]["lr"] == 0.03
     assert resolved["train"]["steps"] == 3  # from the file
     assert resolved["run_dir"] == "from-set"
     assert not (tmp_path / "from-set").exists() and not (tmp_path / "from-yaml").exists()
-

@@ -99,210 +99,622 @@ def _sample(*args: str) -> Callable[[Ctx], list[str]]:
 
 CASES = [
     # --- YAML and overrides ---
-    Case("yaml-malformed", lambda c: ["train", str(c.write("bad.yaml", "model:\n  dim: 32\n  num_heads: [2,\n")), *c.set()],
-         ("bad.yaml is not valid YAML at line 4",), subprocess=True, torch_free=True),
-    Case("yaml-tab", lambda c: ["train", str(c.write("tab.yaml", "train:\n\tlr: 1\n")), *c.set()],
-         ("tab.yaml is not valid YAML at line 2",), subprocess=True, torch_free=True),
-    Case("yaml-list", lambda c: ["train", str(c.write("list.yaml", "- model\n- train\n")), *c.set()],
-         ("list.yaml must be a YAML mapping",), subprocess=True, torch_free=True),
-    Case("config-missing", lambda c: ["train", str(c.tmp / "nope.yaml"), *c.set()],
-         ("cannot read config file", "nope.yaml", "No such file"), subprocess=True, torch_free=True),
-    Case("set-without-equals", lambda c: ["train", *c.set(), "--set", "train.lr"],
-         ("--set 'train.lr' must look like key.path=value",), subprocess=True, torch_free=True),
-    Case("set-empty-key", lambda c: ["train", *c.set(), "--set", "=3"],
-         ("must look like key.path=value",), subprocess=True, torch_free=True),
-    Case("set-into-scalar", lambda c: ["train", *c.set(), "--set", "precision.dtype=bf16"],
-         ("--set precision.dtype: precision is not a section",), subprocess=True, torch_free=True),
+    Case(
+        "yaml-malformed",
+        lambda c: ["train", str(c.write("bad.yaml", "model:\n  dim: 32\n  num_heads: [2,\n")), *c.set()],
+        ("bad.yaml is not valid YAML at line 4",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "yaml-tab",
+        lambda c: ["train", str(c.write("tab.yaml", "train:\n\tlr: 1\n")), *c.set()],
+        ("tab.yaml is not valid YAML at line 2",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "yaml-list",
+        lambda c: ["train", str(c.write("list.yaml", "- model\n- train\n")), *c.set()],
+        ("list.yaml must be a YAML mapping",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "config-missing",
+        lambda c: ["train", str(c.tmp / "nope.yaml"), *c.set()],
+        ("cannot read config file", "nope.yaml", "No such file"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "set-without-equals",
+        lambda c: ["train", *c.set(), "--set", "train.lr"],
+        ("--set 'train.lr' must look like key.path=value",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "set-empty-key",
+        lambda c: ["train", *c.set(), "--set", "=3"],
+        ("must look like key.path=value",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "set-into-scalar",
+        lambda c: ["train", *c.set(), "--set", "precision.dtype=bf16"],
+        ("--set precision.dtype: precision is not a section",),
+        subprocess=True,
+        torch_free=True,
+    ),
     # --- unknown keys ---
-    Case("unknown-top-level", lambda c: ["train", *c.set(), "--set", "trian.lr=1e-3"],
-         ("unknown config key trian", "did you mean train?"), subprocess=True, torch_free=True),
-    Case("unknown-nested", lambda c: ["train", *c.set(), "--set", "train.lrr=1e-3"],
-         ("unknown config key train.lrr", "did you mean train.lr?"), subprocess=True, torch_free=True),
-    Case("unknown-nested-in-yaml", lambda c: ["train", str(c.write("typo.yaml", "model:\n  num_layer: 2\n")), *c.set()],
-         ("unknown config key model.num_layer", "did you mean model.num_layers?"), subprocess=True, torch_free=True),
-    Case("unknown-no-close-match", lambda c: ["train", *c.set(), "--set", "tracker.zzzz=1"],
-         ("unknown config key tracker.zzzz", "known keys: mode, project"), subprocess=True, torch_free=True),
+    Case(
+        "unknown-top-level",
+        lambda c: ["train", *c.set(), "--set", "trian.lr=1e-3"],
+        ("unknown config key trian", "did you mean train?"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "unknown-nested",
+        lambda c: ["train", *c.set(), "--set", "train.lrr=1e-3"],
+        ("unknown config key train.lrr", "did you mean train.lr?"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "unknown-nested-in-yaml",
+        lambda c: ["train", str(c.write("typo.yaml", "model:\n  num_layer: 2\n")), *c.set()],
+        ("unknown config key model.num_layer", "did you mean model.num_layers?"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "unknown-no-close-match",
+        lambda c: ["train", *c.set(), "--set", "tracker.zzzz=1"],
+        ("unknown config key tracker.zzzz", "known keys: mode, project"),
+        subprocess=True,
+        torch_free=True,
+    ),
     # --- types and ranges ---
-    Case("lr-not-a-number", lambda c: ["train", *c.set(train__lr="abc")],
-         ("invalid train.lr", "valid number", '"abc"'), subprocess=True, torch_free=True),
-    Case("layers-fractional", lambda c: ["train", *c.set(model__num_layers=2.5)],
-         ("invalid model.num_layers", "valid integer", "2.5"), subprocess=True, torch_free=True),
-    Case("steps-negative", lambda c: ["train", *c.set(train__steps=-1)],
-         ("invalid train.steps", "greater than or equal to 1", "-1"), subprocess=True, torch_free=True),
-    Case("micro-batch-zero", lambda c: ["train", *c.set(train__micro_batch=0)],
-         ("invalid train.micro_batch", "greater than or equal to 1"), subprocess=True, torch_free=True),
-    Case("lr-zero", lambda c: ["train", *c.set(train__lr=0)],
-         ("invalid train.lr", "greater than 0"), subprocess=True, torch_free=True),
-    Case("section-not-mapping", lambda c: ["train", *c.set(), "--set", "train=3"],
-         ("invalid train", "expected a section of keys", "(got 3)"), subprocess=True, torch_free=True),
-    Case("heads-do-not-divide-dim", lambda c: ["train", *c.set(model__dim=32, model__num_heads=3)],
-         ("model.num_heads (3) must divide model.dim (32)", "change one of these keys"), subprocess=True, torch_free=True),
-    Case("precision-unknown", lambda c: ["train", *c.set(precision="fp8")],
-         ("invalid precision", "'fp32', 'bf16' or 'fp16'", '"fp8"'), subprocess=True, torch_free=True),
-    Case("recompute-every-0", lambda c: ["train", *c.set(recompute="every:0")],
-         ("invalid recompute", "every:N with N >= 1", "'every:0'"), subprocess=True, torch_free=True),
-    Case("recompute-foo", lambda c: ["train", *c.set(recompute="foo")],
-         ("invalid recompute", "none, full, selective", "'foo'"), subprocess=True, torch_free=True),
-    Case("schedule-unknown", lambda c: ["train", *c.set(parallel__schedule="pipedream")],
-         ("invalid parallel.schedule", "'1f1b'"), subprocess=True, torch_free=True),
-    Case("batch-not-divisible", lambda c: ["train", *c.set(train__global_batch=10, train__micro_batch=2, parallel__dp=2)],
-         ("train.global_batch (10) must be a multiple of train.micro_batch x parallel.dp", "2 x 2 = 4"), subprocess=True, torch_free=True),
+    Case(
+        "lr-not-a-number",
+        lambda c: ["train", *c.set(train__lr="abc")],
+        ("invalid train.lr", "valid number", '"abc"'),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "layers-fractional",
+        lambda c: ["train", *c.set(model__num_layers=2.5)],
+        ("invalid model.num_layers", "valid integer", "2.5"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "steps-negative",
+        lambda c: ["train", *c.set(train__steps=-1)],
+        ("invalid train.steps", "greater than or equal to 1", "-1"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "micro-batch-zero",
+        lambda c: ["train", *c.set(train__micro_batch=0)],
+        ("invalid train.micro_batch", "greater than or equal to 1"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "lr-zero",
+        lambda c: ["train", *c.set(train__lr=0)],
+        ("invalid train.lr", "greater than 0"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "section-not-mapping",
+        lambda c: ["train", *c.set(), "--set", "train=3"],
+        ("invalid train", "expected a section of keys", "(got 3)"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "heads-do-not-divide-dim",
+        lambda c: ["train", *c.set(model__dim=32, model__num_heads=3)],
+        ("model.num_heads (3) must divide model.dim (32)", "change one of these keys"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "precision-unknown",
+        lambda c: ["train", *c.set(precision="fp8")],
+        ("invalid precision", "'fp32', 'bf16' or 'fp16'", '"fp8"'),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "recompute-every-0",
+        lambda c: ["train", *c.set(recompute="every:0")],
+        ("invalid recompute", "every:N with N >= 1", "'every:0'"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "recompute-foo",
+        lambda c: ["train", *c.set(recompute="foo")],
+        ("invalid recompute", "none, full, selective", "'foo'"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "schedule-unknown",
+        lambda c: ["train", *c.set(parallel__schedule="pipedream")],
+        ("invalid parallel.schedule", "'1f1b'"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "batch-not-divisible",
+        lambda c: ["train", *c.set(train__global_batch=10, train__micro_batch=2, parallel__dp=2)],
+        ("train.global_batch (10) must be a multiple of train.micro_batch x parallel.dp", "2 x 2 = 4"),
+        subprocess=True,
+        torch_free=True,
+    ),
     # --- model (job layer) ---
-    Case("model-name-unknown", lambda c: ["train", *c.set(model__name="llama")],
-         ("invalid model.name 'llama'", "choose one of gpt", "model.factory")),
-    Case("factory-raises", lambda c: ["train", *c.set(model__factory="torch.nn:Linear")],
-         ("model.factory torch.nn:Linear failed: TypeError",)),
-    Case("factory-no-colon", lambda c: ["train", *c.set(model__factory="mymodels.build")],
-         ("invalid model.factory 'mymodels.build'", "package.module:function")),
-    Case("factory-module-missing", lambda c: ["train", *c.set(model__factory="no_such_module_xyz:build")],
-         ("invalid model.factory 'no_such_module_xyz:build'", "No module named 'no_such_module_xyz'"), subprocess=True),
-    Case("factory-function-missing", lambda c: ["train", *c.set(model__factory="json:no_such_function")],
-         ("invalid model.factory 'json:no_such_function'", "no_such_function"),),
-    Case("factory-not-protocol", lambda c: (c.write("mt_factory.py", FACTORY_MODULE), ["train", *c.set(model__factory="mt_factory:not_a_protocol_model")])[1],
-         ("model from mt_factory:not_a_protocol_model does not follow the model protocol", "embed", "blocks"),
-         subprocess=True),
+    Case(
+        "model-name-unknown",
+        lambda c: ["train", *c.set(model__name="llama")],
+        ("invalid model.name 'llama'", "choose one of gpt", "model.factory"),
+    ),
+    Case(
+        "factory-raises",
+        lambda c: ["train", *c.set(model__factory="torch.nn:Linear")],
+        ("model.factory torch.nn:Linear failed: TypeError",),
+    ),
+    Case(
+        "factory-no-colon",
+        lambda c: ["train", *c.set(model__factory="mymodels.build")],
+        ("invalid model.factory 'mymodels.build'", "package.module:function"),
+    ),
+    Case(
+        "factory-module-missing",
+        lambda c: ["train", *c.set(model__factory="no_such_module_xyz:build")],
+        ("invalid model.factory 'no_such_module_xyz:build'", "No module named 'no_such_module_xyz'"),
+        subprocess=True,
+    ),
+    Case(
+        "factory-function-missing",
+        lambda c: ["train", *c.set(model__factory="json:no_such_function")],
+        ("invalid model.factory 'json:no_such_function'", "no_such_function"),
+    ),
+    Case(
+        "factory-not-protocol",
+        lambda c: (
+            c.write("mt_factory.py", FACTORY_MODULE),
+            ["train", *c.set(model__factory="mt_factory:not_a_protocol_model")],
+        )[1],
+        ("model from mt_factory:not_a_protocol_model does not follow the model protocol", "embed", "blocks"),
+        subprocess=True,
+    ),
     # --- pipeline layout (job layer) ---
-    Case("pp-more-than-layers", _pp(parallel__pp=8, train__global_batch=16, train__micro_batch=2),
-         ("8 pipeline stages", "model.num_layers is 4", "parallel.pp"), torch_free=True),
-    Case("stage-layers-missing-block", _pp(parallel__pp=2, parallel__stage_layers="[[0],[1,2]]"),
-         ("parallel.stage_layers must list blocks 0..3 each exactly once",), torch_free=True),
-    Case("stage-layers-duplicate", _pp(parallel__pp=2, parallel__stage_layers="[[0,1],[1,2,3]]"),
-         ("parallel.stage_layers must list blocks 0..3 each exactly once", "[[0, 1], [1, 2, 3]]"), torch_free=True),
-    Case("stage-layers-wrong-count", _pp(parallel__pp=2, parallel__stage_layers="[[0],[1],[2,3]]"),
-         ("parallel.stage_layers has 3 stages but the pipeline has 2",), torch_free=True),
-    Case("1f1b-too-few-microbatches", _pp(parallel__pp=4, train__global_batch=4, train__micro_batch=2),
-         ("schedule 1f1b needs at least parallel.pp = 4 microbatches, got 2", "train.global_batch"), torch_free=True),
+    Case(
+        "pp-more-than-layers",
+        _pp(parallel__pp=8, train__global_batch=16, train__micro_batch=2),
+        ("8 pipeline stages", "model.num_layers is 4", "parallel.pp"),
+        torch_free=True,
+    ),
+    Case(
+        "stage-layers-missing-block",
+        _pp(parallel__pp=2, parallel__stage_layers="[[0],[1,2]]"),
+        ("parallel.stage_layers must list blocks 0..3 each exactly once",),
+        torch_free=True,
+    ),
+    Case(
+        "stage-layers-duplicate",
+        _pp(parallel__pp=2, parallel__stage_layers="[[0,1],[1,2,3]]"),
+        ("parallel.stage_layers must list blocks 0..3 each exactly once", "[[0, 1], [1, 2, 3]]"),
+        torch_free=True,
+    ),
+    Case(
+        "stage-layers-wrong-count",
+        _pp(parallel__pp=2, parallel__stage_layers="[[0],[1],[2,3]]"),
+        ("parallel.stage_layers has 3 stages but the pipeline has 2",),
+        torch_free=True,
+    ),
+    Case(
+        "1f1b-too-few-microbatches",
+        _pp(parallel__pp=4, train__global_batch=4, train__micro_batch=2),
+        ("schedule 1f1b needs at least parallel.pp = 4 microbatches, got 2", "train.global_batch"),
+        torch_free=True,
+    ),
     # torch's rule (issue 15): a multiple of the rounds, microbatches // pp; 3 on pp 2 runs (test_schedules_from_torch)
-    Case("interleaved-not-multiple-of-rounds", _pp(parallel__pp=2, parallel__schedule="interleaved-1f1b", model__num_layers=8,
-                                                   train__global_batch=10, train__micro_batch=2),
-         ("schedule interleaved-1f1b needs a multiple of the number of rounds (microbatches // parallel.pp = 2)", "got 5"),
-         torch_free=True),
-    Case("virtual-stages-with-1f1b", _pp(parallel__pp=2, parallel__virtual_stages=2),
-         ("parallel.virtual_stages must be 1 for schedule 1f1b",), torch_free=True),
-    Case("zero-bubble-with-dp", _pp(parallel__pp=2, parallel__dp=2, parallel__schedule="zero-bubble", model__num_layers=4,
-                                    train__global_batch=8, train__micro_batch=2),
-         ("zero-bubble with parallel.dp > 1 is refused", "parallel.dp=1"), subprocess=True, torch_free=True),
+    Case(
+        "interleaved-not-multiple-of-rounds",
+        _pp(
+            parallel__pp=2,
+            parallel__schedule="interleaved-1f1b",
+            model__num_layers=8,
+            train__global_batch=10,
+            train__micro_batch=2,
+        ),
+        (
+            "schedule interleaved-1f1b needs a multiple of the number of rounds (microbatches // parallel.pp = 2)",
+            "got 5",
+        ),
+        torch_free=True,
+    ),
+    Case(
+        "virtual-stages-with-1f1b",
+        _pp(parallel__pp=2, parallel__virtual_stages=2),
+        ("parallel.virtual_stages must be 1 for schedule 1f1b",),
+        torch_free=True,
+    ),
+    Case(
+        "zero-bubble-with-dp",
+        _pp(
+            parallel__pp=2,
+            parallel__dp=2,
+            parallel__schedule="zero-bubble",
+            model__num_layers=4,
+            train__global_batch=8,
+            train__micro_batch=2,
+        ),
+        ("zero-bubble with parallel.dp > 1 is refused", "parallel.dp=1"),
+        subprocess=True,
+        torch_free=True,
+    ),
     # --- data (job layer, only on the real training path) ---
-    Case("data-dir-empty", lambda c: ["train", *c.set(data__dir=c.folder("empty"))],
-         ("holds no prepared dataset", "meshrun prepare-data --out"), subprocess=True, torch_free=True),
-    Case("data-dir-missing", lambda c: ["train", *c.set(data__dir=c.tmp / "nowhere")],
-         ("data.dir", "nowhere holds no prepared dataset", "prepare-data"), torch_free=True),
-    Case("data-smaller-than-seq-len",
-         lambda c: ["train", *c.set(model__seq_len=json.loads((c.data_dir / "meta.json").read_text())["train_tokens"])],
-         ("(train) holds", "fewer than model.seq_len + 1", "prepare more text or lower model.seq_len")),
-    Case("data-empty-files", lambda c: (c.write("zero/train.bin", b""), c.write("zero/val.bin", b""),
-                                        ["train", *c.set(data__dir=c.tmp / "zero")])[-1],
-         ("train.bin holds 0 tokens", "model.seq_len + 1")),
+    Case(
+        "data-dir-empty",
+        lambda c: ["train", *c.set(data__dir=c.folder("empty"))],
+        ("holds no prepared dataset", "meshrun prepare-data --out"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "data-dir-missing",
+        lambda c: ["train", *c.set(data__dir=c.tmp / "nowhere")],
+        ("data.dir", "nowhere holds no prepared dataset", "prepare-data"),
+        torch_free=True,
+    ),
+    Case(
+        "data-smaller-than-seq-len",
+        lambda c: ["train", *c.set(model__seq_len=json.loads((c.data_dir / "meta.json").read_text())["train_tokens"])],
+        ("(train) holds", "fewer than model.seq_len + 1", "prepare more text or lower model.seq_len"),
+    ),
+    Case(
+        "data-empty-files",
+        lambda c: (
+            c.write("zero/train.bin", b""),
+            c.write("zero/val.bin", b""),
+            ["train", *c.set(data__dir=c.tmp / "zero")],
+        )[-1],
+        ("train.bin holds 0 tokens", "model.seq_len + 1"),
+    ),
     # --- run dir and world size ---
-    Case("run-dir-is-a-file", lambda c: (c.write("run", "not a folder"), ["train", *c.set()])[1],
-         ("run_dir", "is a file, not a folder",), torch_free=True),
-    Case("world-size-mismatch", lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1)],
-         ("world size 3 does not match parallel.dp x parallel.pp = 1 x 1", "launch 1 processes"),
-         subprocess=True, env={"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}, torch_free=True),
-    Case("stray-rank-without-master", _pp(parallel__dp=2, parallel__pp=2),
-         ("RANK and WORLD_SIZE are set, so meshrun took this process for a torchrun worker", "MASTER_ADDR",
-          "unset RANK and WORLD_SIZE"), subprocess=True, env={"RANK": "0", "WORLD_SIZE": "4"}, torch_free=True),
-    Case("stray-world-size-not-a-number", _pp(),
-         ("took this process for a torchrun worker", "WORLD_SIZE='four' is not a number"),
-         env={"RANK": "0", "WORLD_SIZE": "four"}, torch_free=True),
+    Case(
+        "run-dir-is-a-file",
+        lambda c: (c.write("run", "not a folder"), ["train", *c.set()])[1],
+        (
+            "run_dir",
+            "is a file, not a folder",
+        ),
+        torch_free=True,
+    ),
+    Case(
+        "world-size-mismatch",
+        lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1)],
+        ("world size 3 does not match parallel.dp x parallel.pp = 1 x 1", "launch 1 processes"),
+        subprocess=True,
+        env={"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"},
+        torch_free=True,
+    ),
+    Case(
+        "stray-rank-without-master",
+        _pp(parallel__dp=2, parallel__pp=2),
+        (
+            "RANK and WORLD_SIZE are set, so meshrun took this process for a torchrun worker",
+            "MASTER_ADDR",
+            "unset RANK and WORLD_SIZE",
+        ),
+        subprocess=True,
+        env={"RANK": "0", "WORLD_SIZE": "4"},
+        torch_free=True,
+    ),
+    Case(
+        "stray-world-size-not-a-number",
+        _pp(),
+        ("took this process for a torchrun worker", "WORLD_SIZE='four' is not a number"),
+        env={"RANK": "0", "WORLD_SIZE": "four"},
+        torch_free=True,
+    ),
     # --- config files that are not YAML configs ---
-    Case("config-binary", _file("model.bin", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"),
-         ("config file", "model.bin is not UTF-8 text", "byte 0x89 at offset 0"), subprocess=True, torch_free=True),
-    Case("config-latin1", _file("latin.yaml", "tracker:\n  name: caf\xe9\n".encode("latin-1")),
-         ("latin.yaml is not UTF-8 text", "byte 0xe9"), torch_free=True),
-    Case("config-nul-bytes", _file("nul.yaml", b"train:\n  lr: 0.1\x00\n"), ("nul.yaml holds NUL bytes",), torch_free=True),
-    Case("config-dev-zero", lambda c: ["train", "/dev/zero", *c.set()],
-         ("config file /dev/zero is larger than 64 KiB",), subprocess=True, torch_free=True),
-    Case("config-huge", _file("huge.yaml", "train:\n" + "  # padding\n" * 10_000), ("huge.yaml is larger than 64 KiB",),
-         torch_free=True),
-    Case("config-is-a-folder", lambda c: ["train", str(c.folder("configs")), *c.set()],
-         ("cannot read config file", "configs: Is a directory"), torch_free=True),
-    Case("config-empty", _file("empty.yaml", ""), ("empty.yaml is empty (no keys)", "leave out the file"), torch_free=True),
-    Case("config-comment-only", _file("comments.yaml", "# train:\n#   lr: 0.1\n\n"),
-         ("comments.yaml is empty (no keys)",), torch_free=True),
-    Case("yaml-recursive-anchor", _file("loop.yaml", "train: &t\n  lr: *t\n"),
-         ("loop.yaml", "contains itself", "recursive YAML anchor", "remove the alias"), subprocess=True, torch_free=True),
-    Case("yaml-alias-bomb", _file("bomb.yaml", ALIAS_BOMB), ("bomb.yaml holds more than 10000 values", "alias bomb"), torch_free=True),
+    Case(
+        "config-binary",
+        _file("model.bin", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"),
+        ("config file", "model.bin is not UTF-8 text", "byte 0x89 at offset 0"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "config-latin1",
+        _file("latin.yaml", "tracker:\n  name: caf\xe9\n".encode("latin-1")),
+        ("latin.yaml is not UTF-8 text", "byte 0xe9"),
+        torch_free=True,
+    ),
+    Case(
+        "config-nul-bytes",
+        _file("nul.yaml", b"train:\n  lr: 0.1\x00\n"),
+        ("nul.yaml holds NUL bytes",),
+        torch_free=True,
+    ),
+    Case(
+        "config-dev-zero",
+        lambda c: ["train", "/dev/zero", *c.set()],
+        ("config file /dev/zero is larger than 64 KiB",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "config-huge",
+        _file("huge.yaml", "train:\n" + "  # padding\n" * 10_000),
+        ("huge.yaml is larger than 64 KiB",),
+        torch_free=True,
+    ),
+    Case(
+        "config-is-a-folder",
+        lambda c: ["train", str(c.folder("configs")), *c.set()],
+        ("cannot read config file", "configs: Is a directory"),
+        torch_free=True,
+    ),
+    Case(
+        "config-empty",
+        _file("empty.yaml", ""),
+        ("empty.yaml is empty (no keys)", "leave out the file"),
+        torch_free=True,
+    ),
+    Case(
+        "config-comment-only",
+        _file("comments.yaml", "# train:\n#   lr: 0.1\n\n"),
+        ("comments.yaml is empty (no keys)",),
+        torch_free=True,
+    ),
+    Case(
+        "yaml-recursive-anchor",
+        _file("loop.yaml", "train: &t\n  lr: *t\n"),
+        ("loop.yaml", "contains itself", "recursive YAML anchor", "remove the alias"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "yaml-alias-bomb",
+        _file("bomb.yaml", ALIAS_BOMB),
+        ("bomb.yaml holds more than 10000 values", "alias bomb"),
+        torch_free=True,
+    ),
     Case("yaml-deep-nesting", _file("deep.yaml", "[" * 60_000), ("deep.yaml is nested too deeply",), torch_free=True),
-    Case("yaml-duplicate-key", _file("dup.yaml", "train:\n  lr: 0.1\n  steps: 3\n  lr: 0.2\n"),
-         ("dup.yaml: key train.lr appears twice (lines 2 and 4); keep one",), subprocess=True, torch_free=True),
-    Case("yaml-duplicate-section", _file("dupsec.yaml", "train:\n  lr: 0.1\nmodel:\n  dim: 32\ntrain:\n  steps: 3\n"),
-         ("key train appears twice (lines 1 and 5)",), torch_free=True),
-    Case("yaml-off-is-a-word", lambda c: ["train", str(c.write("off.yaml", "tracker:\n  mode: off\n")),
-                                          *(a for a in c.set() if "tracker.mode" not in a)],
-         ("invalid tracker.mode", "'online', 'offline' or 'disabled'", '(got "off")', "did you mean disabled?"),
-         subprocess=True, torch_free=True),
-    Case("set-mode-off", lambda c: ["train", *c.set(tracker__mode="off")], ("did you mean disabled?",), torch_free=True),
-    Case("set-mode-no", lambda c: ["train", *c.set(tracker__mode="no")], ('(got "no")', "did you mean disabled?"),
-         torch_free=True),
+    Case(
+        "yaml-duplicate-key",
+        _file("dup.yaml", "train:\n  lr: 0.1\n  steps: 3\n  lr: 0.2\n"),
+        ("dup.yaml: key train.lr appears twice (lines 2 and 4); keep one",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "yaml-duplicate-section",
+        _file("dupsec.yaml", "train:\n  lr: 0.1\nmodel:\n  dim: 32\ntrain:\n  steps: 3\n"),
+        ("key train appears twice (lines 1 and 5)",),
+        torch_free=True,
+    ),
+    Case(
+        "yaml-off-is-a-word",
+        lambda c: [
+            "train",
+            str(c.write("off.yaml", "tracker:\n  mode: off\n")),
+            *(a for a in c.set() if "tracker.mode" not in a),
+        ],
+        ("invalid tracker.mode", "'online', 'offline' or 'disabled'", '(got "off")', "did you mean disabled?"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "set-mode-off", lambda c: ["train", *c.set(tracker__mode="off")], ("did you mean disabled?",), torch_free=True
+    ),
+    Case(
+        "set-mode-no",
+        lambda c: ["train", *c.set(tracker__mode="no")],
+        ('(got "no")', "did you mean disabled?"),
+        torch_free=True,
+    ),
     # --- values: choices, numbers, names ---
-    Case("precision-misspelt", lambda c: ["train", *c.set(precision="bf61")],
-         ("invalid precision", "'auto', 'fp32', 'bf16' or 'fp16'", "did you mean bf16?"), torch_free=True),
-    Case("schedule-misspelt", lambda c: ["train", *c.set(parallel__schedule="1FB1")],
-         ("invalid parallel.schedule", "did you mean 1f1b?"), torch_free=True),
-    Case("betas-one-or-more", lambda c: ["train", *c.set(train__betas="[0.9,1.0]")],
-         ("invalid train.betas[1]", "less than 1", "1.0"), torch_free=True),
-    Case("betas-negative", lambda c: ["train", *c.set(train__betas="[-0.1,0.95]")],
-         ("invalid train.betas[0]", "greater than or equal to 0"), torch_free=True),
-    Case("betas-one-value", lambda c: ["train", *c.set(train__betas="[0.9]")],
-         ("invalid train.betas", "give two numbers [beta1, beta2], each in [0, 1)"), torch_free=True),
-    Case("betas-not-a-list", lambda c: ["train", *c.set(train__betas="0.9")], ("invalid train.betas", "give two numbers"),
-         torch_free=True),
-    Case("lr-infinite", lambda c: ["train", *c.set(train__lr=".inf")],
-         ("invalid train.lr", "finite number"), subprocess=True, torch_free=True),
-    Case("lr-nan", lambda c: ["train", *c.set(train__lr=".nan")], ("invalid train.lr", "finite number"), torch_free=True),
-    Case("grad-clip-infinite", lambda c: ["train", *c.set(train__grad_clip="inf")], ("invalid train.grad_clip", "finite"),
-         torch_free=True),
-    Case("steps-true", lambda c: ["train", *c.set(train__steps="true")],
-         ("invalid train.steps", "expected a number, got true"), subprocess=True, torch_free=True),
-    Case("dp-false", lambda c: ["train", *c.set(parallel__dp="false")], ("invalid parallel.dp", "got false"),
-         torch_free=True),
+    Case(
+        "precision-misspelt",
+        lambda c: ["train", *c.set(precision="bf61")],
+        ("invalid precision", "'auto', 'fp32', 'bf16' or 'fp16'", "did you mean bf16?"),
+        torch_free=True,
+    ),
+    Case(
+        "schedule-misspelt",
+        lambda c: ["train", *c.set(parallel__schedule="1FB1")],
+        ("invalid parallel.schedule", "did you mean 1f1b?"),
+        torch_free=True,
+    ),
+    Case(
+        "betas-one-or-more",
+        lambda c: ["train", *c.set(train__betas="[0.9,1.0]")],
+        ("invalid train.betas[1]", "less than 1", "1.0"),
+        torch_free=True,
+    ),
+    Case(
+        "betas-negative",
+        lambda c: ["train", *c.set(train__betas="[-0.1,0.95]")],
+        ("invalid train.betas[0]", "greater than or equal to 0"),
+        torch_free=True,
+    ),
+    Case(
+        "betas-one-value",
+        lambda c: ["train", *c.set(train__betas="[0.9]")],
+        ("invalid train.betas", "give two numbers [beta1, beta2], each in [0, 1)"),
+        torch_free=True,
+    ),
+    Case(
+        "betas-not-a-list",
+        lambda c: ["train", *c.set(train__betas="0.9")],
+        ("invalid train.betas", "give two numbers"),
+        torch_free=True,
+    ),
+    Case(
+        "lr-infinite",
+        lambda c: ["train", *c.set(train__lr=".inf")],
+        ("invalid train.lr", "finite number"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "lr-nan", lambda c: ["train", *c.set(train__lr=".nan")], ("invalid train.lr", "finite number"), torch_free=True
+    ),
+    Case(
+        "grad-clip-infinite",
+        lambda c: ["train", *c.set(train__grad_clip="inf")],
+        ("invalid train.grad_clip", "finite"),
+        torch_free=True,
+    ),
+    Case(
+        "steps-true",
+        lambda c: ["train", *c.set(train__steps="true")],
+        ("invalid train.steps", "expected a number, got true"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "dp-false",
+        lambda c: ["train", *c.set(parallel__dp="false")],
+        ("invalid parallel.dp", "got false"),
+        torch_free=True,
+    ),
     Case("lr-true", lambda c: ["train", *c.set(train__lr="true")], ("invalid train.lr", "got true"), torch_free=True),
-    Case("run-dir-empty", lambda c: ["train", *c.set(), "--set", 'run_dir=""'],
-         ("invalid run_dir", "is empty", "current directory"), subprocess=True, torch_free=True),
-    Case("run-dir-blank", lambda c: ["train", *c.set(), "--set", "run_dir='  '"], ("invalid run_dir", "is empty"), torch_free=True),
-    Case("section-null", _file("null.yaml", "checkpoint:\ntrain:\n  lr: 0.1\n"),
-         ("invalid checkpoint", "expected a section of keys", "got null"), torch_free=True),
+    Case(
+        "run-dir-empty",
+        lambda c: ["train", *c.set(), "--set", 'run_dir=""'],
+        ("invalid run_dir", "is empty", "current directory"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "run-dir-blank",
+        lambda c: ["train", *c.set(), "--set", "run_dir='  '"],
+        ("invalid run_dir", "is empty"),
+        torch_free=True,
+    ),
+    Case(
+        "section-null",
+        _file("null.yaml", "checkpoint:\ntrain:\n  lr: 0.1\n"),
+        ("invalid checkpoint", "expected a section of keys", "got null"),
+        torch_free=True,
+    ),
     # --- dry run checks what a run checks ---
-    Case("dry-run-data-dir-missing", lambda c: ["train", *c.set(data__dir="/nonexistent"), "--dry-run"],
-         ("data.dir /nonexistent holds no prepared dataset",), subprocess=True, torch_free=True),
-    Case("dry-run-layout", lambda c: ["train", *c.set(parallel__pp=8), "--dry-run"], ("8 pipeline stages",),
-         torch_free=True),
-    Case("dry-run-data-too-small", lambda c: ["train", *c.set(model__seq_len=json.loads((c.data_dir / "meta.json").read_text())["train_tokens"]),
-                                               "--dry-run"],
-         ("fewer than model.seq_len + 1",)),
+    Case(
+        "dry-run-data-dir-missing",
+        lambda c: ["train", *c.set(data__dir="/nonexistent"), "--dry-run"],
+        ("data.dir /nonexistent holds no prepared dataset",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "dry-run-layout",
+        lambda c: ["train", *c.set(parallel__pp=8), "--dry-run"],
+        ("8 pipeline stages",),
+        torch_free=True,
+    ),
+    Case(
+        "dry-run-data-too-small",
+        lambda c: [
+            "train",
+            *c.set(model__seq_len=json.loads((c.data_dir / "meta.json").read_text())["train_tokens"]),
+            "--dry-run",
+        ],
+        ("fewer than model.seq_len + 1",),
+    ),
     # --- data prepared on first use ---
-    Case("data-tokenizer-misspelt", lambda c: ["train", *c.set(data__tokenizer="bpe2048")],
-         ("invalid data", "data.tokenizer 'bpe2048'", "use bpe:VOCAB"), torch_free=True),
-    Case("data-sources-without-dir", lambda c: ["train", *c.set(), "--set", "data.dir=null", "--set", "data.sources=[a.txt]"],
-         ("data.sources needs data.dir",), torch_free=True),
+    Case(
+        "data-tokenizer-misspelt",
+        lambda c: ["train", *c.set(data__tokenizer="bpe2048")],
+        ("invalid data", "data.tokenizer 'bpe2048'", "use bpe:VOCAB"),
+        torch_free=True,
+    ),
+    Case(
+        "data-sources-without-dir",
+        lambda c: ["train", *c.set(), "--set", "data.dir=null", "--set", "data.sources=[a.txt]"],
+        ("data.sources needs data.dir",),
+        torch_free=True,
+    ),
     # --- the user's model factory ---
-    Case("factory-syntax-error", _module("mt_syntax", "def build(cfg)\n    return None\n", "mt_syntax:build"),
-         ("invalid model.factory 'mt_syntax:build'", "SyntaxError in", "mt_syntax.py line 1", "fix the module"),
-         subprocess=True),
-    Case("factory-import-raises", _module("mt_boom", "raise RuntimeError('no GPU here')\n", "mt_boom:build"),
-         ("invalid model.factory 'mt_boom:build'", "importing mt_boom raised RuntimeError: no GPU here",)),
-    Case("factory-sys-exit", _module("mt_exit", "import sys\n\ndef build(cfg):\n    sys.exit(3)\n", "mt_exit:build"),
-         ("model.factory mt_exit:build called sys.exit(3) while building the model", "raise an exception"),
-         subprocess=True),
-    Case("factory-sys-exit-on-import", _module("mt_exit_import", "import sys\nsys.exit('bye')\n", "mt_exit_import:build"),
-         ("invalid model.factory 'mt_exit_import:build'", "called sys.exit('bye')")),
-    Case("factory-in-current-directory",
-         _module("mt_here", "def build(cfg):\n    return None\n", "mt_here:build", folder="workdir"),
-         ("No module named 'mt_here'", "mt_here.py is in the current directory", "PYTHONPATH=."), cwd="workdir"),
+    Case(
+        "factory-syntax-error",
+        _module("mt_syntax", "def build(cfg)\n    return None\n", "mt_syntax:build"),
+        ("invalid model.factory 'mt_syntax:build'", "SyntaxError in", "mt_syntax.py line 1", "fix the module"),
+        subprocess=True,
+    ),
+    Case(
+        "factory-import-raises",
+        _module("mt_boom", "raise RuntimeError('no GPU here')\n", "mt_boom:build"),
+        (
+            "invalid model.factory 'mt_boom:build'",
+            "importing mt_boom raised RuntimeError: no GPU here",
+        ),
+    ),
+    Case(
+        "factory-sys-exit",
+        _module("mt_exit", "import sys\n\ndef build(cfg):\n    sys.exit(3)\n", "mt_exit:build"),
+        ("model.factory mt_exit:build called sys.exit(3) while building the model", "raise an exception"),
+        subprocess=True,
+    ),
+    Case(
+        "factory-sys-exit-on-import",
+        _module("mt_exit_import", "import sys\nsys.exit('bye')\n", "mt_exit_import:build"),
+        ("invalid model.factory 'mt_exit_import:build'", "called sys.exit('bye')"),
+    ),
+    Case(
+        "factory-in-current-directory",
+        _module("mt_here", "def build(cfg):\n    return None\n", "mt_here:build", folder="workdir"),
+        ("No module named 'mt_here'", "mt_here.py is in the current directory", "PYTHONPATH=."),
+        cwd="workdir",
+    ),
     # --- sample and export arguments ---
     Case("sample-tokens-negative", _sample("--tokens", "-5"), ("--tokens must be at least 1", "-5"), torch_free=True),
-    Case("sample-temperature-nan", _sample("--temperature", "nan"), ("--temperature must be a finite number >= 0",),
-         torch_free=True),
+    Case(
+        "sample-temperature-nan",
+        _sample("--temperature", "nan"),
+        ("--temperature must be a finite number >= 0",),
+        torch_free=True,
+    ),
     Case("sample-temperature-negative", _sample("--temperature", "-1"), ("--temperature", "got -1.0"), torch_free=True),
     Case("sample-top-k-negative", _sample("--top-k", "-3"), ("--top-k must be >= 0", "-3"), torch_free=True),
-    Case("sample-prompt-not-utf8", _sample("--prompt", "def \udcff"), ("--prompt is not valid UTF-8",),
-         subprocess=True, torch_free=True),
-    Case("sample-checkpoint-missing", lambda c: ["sample", str(c.tmp / "no-run")], ("no-run does not exist",),
-         torch_free=True),
-    Case("export-out-under-a-file", lambda c: (c.write("afile", "x"), ["export", str(c.folder("ckpt")), "--out",
-                                                                          str(c.tmp / "afile" / "m.safetensors")])[1],
-         ("--out", "afile is a file, not a folder", "choose another --out"), subprocess=True, torch_free=True),
+    Case(
+        "sample-prompt-not-utf8",
+        _sample("--prompt", "def \udcff"),
+        ("--prompt is not valid UTF-8",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "sample-checkpoint-missing",
+        lambda c: ["sample", str(c.tmp / "no-run")],
+        ("no-run does not exist",),
+        torch_free=True,
+    ),
+    Case(
+        "export-out-under-a-file",
+        lambda c: (
+            c.write("afile", "x"),
+            ["export", str(c.folder("ckpt")), "--out", str(c.tmp / "afile" / "m.safetensors")],
+        )[1],
+        ("--out", "afile is a file, not a folder", "choose another --out"),
+        subprocess=True,
+        torch_free=True,
+    ),
 ]
 
 
@@ -353,8 +765,14 @@ def test_table_is_large_enough() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
-def test_refused_in_process(case: Case, data_dir: Path, tmp_path: Path, no_workers: None,
-                            capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refused_in_process(
+    case: Case,
+    data_dir: Path,
+    tmp_path: Path,
+    no_workers: None,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     ctx = Ctx(data_dir, tmp_path)
     argv = case.argv(ctx)
     for name in ("MASTER_ADDR", "MASTER_PORT"):
@@ -405,8 +823,15 @@ def test_torch_free_rows_are_refused_before_torch_is_imported(data_dir: Path, tm
         ctx = Ctx(data_dir, tmp_path / case.id)
         ctx.folder(case.cwd)
         rows.append({"id": case.id, "argv": case.argv(ctx), "env": case.env, "cwd": str(ctx.tmp / case.cwd)})
-    done = subprocess.run([sys.executable, "-c", TORCH_FREE_RUNNER], input=json.dumps(rows), env=meshrun_env(tmp_path),
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_RUNNER],
+        input=json.dumps(rows),
+        env=meshrun_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
     assert [r["id"] for r in results] == [row["id"] for row in rows], f"stopped after {results[-1]}"
@@ -414,16 +839,19 @@ def test_torch_free_rows_are_refused_before_torch_is_imported(data_dir: Path, tm
     assert [r["id"] for r in results if r["rc"] != 2] == []
 
 
-@pytest.mark.parametrize("override,key,value", [
-    ("precision=BF16", "precision", "bf16"),
-    ("parallel.schedule=1F1B", "parallel.schedule", "1f1b"),
-    ("parallel.balance=Even", "parallel.balance", "even"),
-    ("tracker.mode=Disabled", "tracker.mode", "disabled"),
-    ("recompute=EVERY:2", "recompute", "every:2"),
-    ("checkpoint.at_end=no", "checkpoint.at_end", False),  # a word for a yes/no key is still fine
-    ("tracker.name=off", "tracker.name", "off"),  # YAML 1.1 would have made this False
-    ("train.steps=12", "train.steps", 12),
-])
+@pytest.mark.parametrize(
+    "override,key,value",
+    [
+        ("precision=BF16", "precision", "bf16"),
+        ("parallel.schedule=1F1B", "parallel.schedule", "1f1b"),
+        ("parallel.balance=Even", "parallel.balance", "even"),
+        ("tracker.mode=Disabled", "tracker.mode", "disabled"),
+        ("recompute=EVERY:2", "recompute", "every:2"),
+        ("checkpoint.at_end=no", "checkpoint.at_end", False),  # a word for a yes/no key is still fine
+        ("tracker.name=off", "tracker.name", "off"),  # YAML 1.1 would have made this False
+        ("train.steps=12", "train.steps", 12),
+    ],
+)
 def test_accepted_spellings(override: str, key: str, value: object) -> None:
     cfg = load_config(None, [override])
     section, _, leaf = key.rpartition(".")
@@ -439,8 +867,11 @@ def test_yaml_anchors_and_merge_keys_still_work(tmp_path: Path) -> None:
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[str, int]]:
-    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_existing_run_is_refused_and_untouched(data_dir: Path, tmp_path: Path) -> None:
@@ -450,19 +881,29 @@ def test_existing_run_is_refused_and_untouched(data_dir: Path, tmp_path: Path) -
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     before = _snapshot(run_dir)
     result = run_meshrun(["train", *tiny(data_dir, run_dir)], tmp_path=tmp_path, timeout=60, check=False)
-    _assert_refused(result.returncode, result.stderr, ("run_dir", "already holds files that are not a meshrun run",
-                                                       "set run_dir to a new folder"))
+    _assert_refused(
+        result.returncode,
+        result.stderr,
+        ("run_dir", "already holds files that are not a meshrun run", "set run_dir to a new folder"),
+    )
     assert _snapshot(run_dir) == before
 
 
-@pytest.mark.parametrize("override,fragments", [
-    ("train.resume=none", ("already holds a run", "set train.resume=auto to continue it, or a new run_dir")),
-    ("model.dim=64", ("holds a run of a different model", "model.dim is 32 there, 64 here")),
-])
-def test_existing_run_is_not_continued_wrongly(override: str, fragments: tuple[str, ...], data_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "override,fragments",
+    [
+        ("train.resume=none", ("already holds a run", "set train.resume=auto to continue it, or a new run_dir")),
+        ("model.dim=64", ("holds a run of a different model", "model.dim is 32 there, 64 here")),
+    ],
+)
+def test_existing_run_is_not_continued_wrongly(
+    override: str, fragments: tuple[str, ...], data_dir: Path, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     run_meshrun(["train", *tiny(data_dir, run_dir, **{"train.steps": 1})], tmp_path=tmp_path)
     before = _snapshot(run_dir)
-    result = run_meshrun(["train", *tiny(data_dir, run_dir), f"--set={override}"], tmp_path=tmp_path, timeout=60, check=False)
+    result = run_meshrun(
+        ["train", *tiny(data_dir, run_dir), f"--set={override}"], tmp_path=tmp_path, timeout=60, check=False
+    )
     _assert_refused(result.returncode, result.stderr, fragments)
     assert _snapshot(run_dir) == before

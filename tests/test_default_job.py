@@ -47,16 +47,19 @@ def python_structure_problems(text: str) -> list[str]:
 def _stdlib_snippet() -> str:
     source = (Path(sysconfig.get_paths()["stdlib"]) / "fractions.py").read_text()
     start = source.index("    def limit_denominator")
-    return source[start:start + 600]
+    return source[start : start + 600]
 
 
-@pytest.mark.parametrize("make,looks_like_python", [
-    (lambda: _stdlib_snippet(), True),  # real Python passes
-    (lambda: "".join(random.Random(0).sample(_stdlib_snippet(), 600)), False),  # its characters, shuffled
-    (lambda: "".join(random.Random(1).choices(string.printable, k=600)), False),  # printable noise
-    (lambda: random.Random(2).randbytes(600).decode("utf-8", errors="replace"), False),  # byte noise
-    (lambda: "def self if for in return\n" * 3, False),  # keywords without indentation
-])
+@pytest.mark.parametrize(
+    "make,looks_like_python",
+    [
+        (lambda: _stdlib_snippet(), True),  # real Python passes
+        (lambda: "".join(random.Random(0).sample(_stdlib_snippet(), 600)), False),  # its characters, shuffled
+        (lambda: "".join(random.Random(1).choices(string.printable, k=600)), False),  # printable noise
+        (lambda: random.Random(2).randbytes(600).decode("utf-8", errors="replace"), False),  # byte noise
+        (lambda: "def self if for in return\n" * 3, False),  # keywords without indentation
+    ],
+)
 def test_the_python_check_tells_python_from_noise(make, looks_like_python: bool) -> None:
     assert (python_structure_problems(make()) == []) == looks_like_python
 

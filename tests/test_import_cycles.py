@@ -37,7 +37,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = "open"
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                return [*path[path.index(nxt):], node, nxt] if nxt in path else [node, nxt]
+                return [*path[path.index(nxt) :], node, nxt] if nxt in path else [node, nxt]
             if nxt not in state and (cycle := visit(nxt, [*path, node])):
                 return cycle
         state[node] = "done"
@@ -62,8 +62,10 @@ def test_the_checker_finds_a_cycle() -> None:
 def test_no_module_imports_itself_through_others() -> None:
     """E.g. metrics.trackers prints with metrics.console, not with report (which builds on trackers).
     A module may use its own package's API (the package __init__, which imports the module)."""
-    graph = {module: {other for other in imported if other != module.rsplit(".", 1)[0]}
-             for module, imported in import_graph().items()}
+    graph = {
+        module: {other for other in imported if other != module.rsplit(".", 1)[0]}
+        for module, imported in import_graph().items()
+    }
     assert find_cycle(graph) is None
 
 
@@ -72,5 +74,6 @@ def test_no_package_imports_itself_through_others() -> None:
     packages: dict[str, set[str]] = {}
     for module, imported in import_graph().items():
         packages.setdefault(package_of(module), set()).update(
-            package_of(other) for other in imported if package_of(other) != package_of(module))
+            package_of(other) for other in imported if package_of(other) != package_of(module)
+        )
     assert find_cycle(packages) is None

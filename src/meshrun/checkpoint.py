@@ -58,8 +58,14 @@ class DamagedCheckpointError(CheckpointError):
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
-        "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -97,6 +103,7 @@ class SafeReader(dcp.FileSystemReader):
 
 # -- state ---------------------------------------------------------------------------------------
 
+
 def model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Model-wide names -> tensors for this rank's parts (wrappers stripped by DCP's helpers)."""
     state: dict[str, torch.Tensor] = {}
@@ -113,7 +120,9 @@ def optimizer_state(parts: list[nn.Module], optimizers: Sequence[torch.optim.Opt
     state: dict[str, torch.Tensor] = {}
     for part, optimizer in zip(parts, optimizers):
         flat = get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS)
-        state.update({k: cast(torch.Tensor, v) for k, v in flat.items() if k.startswith("state.")})  # flattened: tensors
+        state.update(
+            {k: cast(torch.Tensor, v) for k, v in flat.items() if k.startswith("state.")}
+        )  # flattened: tensors
     return state
 
 
@@ -132,6 +141,7 @@ def load_model_state(parts: list[nn.Module], loaded: dict[str, torch.Tensor]) ->
 
 # -- files ---------------------------------------------------------------------------------------
 
+
 def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
@@ -141,12 +151,21 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and p.is_dir() and (p / MANIFEST).is_file()]
+    found = [
+        p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and p.is_dir() and (p / MANIFEST).is_file()
+    ]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep: int, config: dict,
-         protected: tuple[Path, ...] = ()) -> Path:
+def save(
+    state: dict[str, torch.Tensor],
+    run_dir: str | Path,
+    step: int,
+    *,
+    keep: int,
+    config: dict,
+    protected: tuple[Path, ...] = (),
+) -> Path:
     """Collective: every rank calls it with its own tensors. Returns the final folder.
 
     `protected`: checkpoints newer than the one this run resumed from (ones that failed to load,
@@ -166,8 +185,15 @@ def save(state: dict[str, torch.Tensor], run_dir: str | Path, step: int, *, keep
     sums = _gather({p.name: _crc32(p) for p in tmp.glob(f"__{_rank()}_*")})
     if rank0:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
-        files = {name: {"bytes": (tmp / name).stat().st_size, "crc32": crc} for part in sums for name, crc in part.items()}
-        files.update({name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)} for name in (".metadata", CONFIG)})
+        files = {
+            name: {"bytes": (tmp / name).stat().st_size, "crc32": crc} for part in sums for name, crc in part.items()
+        }
+        files.update(
+            {
+                name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)}
+                for name in (".metadata", CONFIG)
+            }
+        )
         manifest = {"step": step, "files": files, "versions": installed_versions()}
         _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
         if final in protected:
@@ -188,18 +214,24 @@ def verify(path: Path) -> None:
     for name, expected in manifest["files"].items():
         file = path / name
         if name != Path(name).name or name in ("", ".", "..") or file.is_symlink():
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} names {name!r}, which is not a file inside the folder")
+            raise CheckpointError(
+                f"checkpoint {path}: {MANIFEST} names {name!r}, which is not a file inside the folder"
+            )
         if not file.is_file():
             raise DamagedCheckpointError(f"checkpoint file {file} is missing")
         size = file.stat().st_size
         if size != expected["bytes"]:
-            raise DamagedCheckpointError(f"checkpoint file {file} is truncated or changed ({size} of {expected['bytes']} bytes)")
+            raise DamagedCheckpointError(
+                f"checkpoint file {file} is truncated or changed ({size} of {expected['bytes']} bytes)"
+            )
         if _crc32(file) != expected["crc32"]:
             raise DamagedCheckpointError(f"checkpoint file {file} is corrupt (checksum mismatch)")
     metadata = SafeReader(path).read_metadata()  # refuses anything but DCP's own classes
     stray = {str(info.relative_path) for info in metadata.storage_data.values()} - manifest["files"].keys()
     if stray:
-        raise CheckpointError(f"checkpoint index {path / '.metadata'} names files its {MANIFEST} does not list: {min(stray)!r}")
+        raise CheckpointError(
+            f"checkpoint index {path / '.metadata'} names files its {MANIFEST} does not list: {min(stray)!r}"
+        )
 
 
 def read_manifest(path: Path) -> dict:
@@ -238,7 +270,9 @@ def load(state: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Te
     except CheckpointError:
         raise
     except (Exception, dcp.CheckpointException) as exc:  # DCP's own derives from BaseException
-        raise CheckpointError(f"cannot load checkpoint {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+        raise CheckpointError(
+            f"cannot load checkpoint {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from exc
     return state
 
 
@@ -267,9 +301,13 @@ def unloadable_reason(path: Path, error: CheckpointError) -> str:
     if isinstance(error, DamagedCheckpointError):
         return str(error)
     if isinstance(written, dict) and written != here:
+
         def show(v: dict) -> str:
             return f"torch {v.get('torch')} / meshrun {v.get('meshrun')}"
-        return f"it was written by {show(written)}, this is {show(here)} ({error}); resume with the versions that wrote it"
+
+        return (
+            f"it was written by {show(written)}, this is {show(here)} ({error}); resume with the versions that wrote it"
+        )
     if written is None:
         return f"{error} (written by an older meshrun that recorded no versions)"
     return str(error)
@@ -296,7 +334,9 @@ def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> None:
             saved = SafeReader(path).read_metadata().state_dict_metadata
             for name, shape in shapes.items():
                 if name not in saved or tuple(getattr(saved[name], "size", ())) != shape:
-                    raise CheckpointError(f"checkpoint {path} holds no {name} of shape {list(shape)}; it is of another model")
+                    raise CheckpointError(
+                        f"checkpoint {path} holds no {name} of shape {list(shape)}; it is of another model"
+                    )
             return
         except CheckpointError as exc:
             failures.append((path, exc))

@@ -19,8 +19,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training job (starts torchrun itself when needed)")
     train.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.lr=3e-4 (repeatable)",
+    )
     train.add_argument("--dry-run", action="store_true", help="validate and print the plan, start nothing")
     nodes = train.add_argument_group("multi-node (each flag sets the launch.* key of the same name)")
     nodes.add_argument("--nnodes", type=int, help="nodes in the job; run the same command on each")
@@ -28,50 +34,95 @@ def _parser() -> argparse.ArgumentParser:
     nodes.add_argument("--rdzv-endpoint", metavar="HOST[:PORT]", help="c10d rendezvous on the host node")
     nodes.add_argument("--rdzv-id", help="job id shared by all nodes (e.g. $SLURM_JOB_ID)")
     nodes.add_argument("--local-addr", help="this node's address as the other nodes reach it")
-    nodes.add_argument("--host-node", action=argparse.BooleanOptionalAction, default=None,
-                       help="this node hosts the rendezvous store (default: guessed from --rdzv-endpoint)")
+    nodes.add_argument(
+        "--host-node",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="this node hosts the rendezvous store (default: guessed from --rdzv-endpoint)",
+    )
     nodes.add_argument("--max-restarts", type=int, help="torchrun restarts of the worker group after a failure")
     slurm = sub.add_parser("slurm", help="write (or submit) the sbatch script that trains a config on Slurm")
     slurm.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
-    slurm.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key (repeatable); passed on to the job")
-    slurm.add_argument("--nodes", type=int, required=True, help="nodes; parallel.dp x parallel.pp workers are split over them")
-    slurm.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (= workers) per node; 0 for CPU-only nodes")
+    slurm.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (repeatable); passed on to the job",
+    )
+    slurm.add_argument(
+        "--nodes", type=int, required=True, help="nodes; parallel.dp x parallel.pp workers are split over them"
+    )
+    slurm.add_argument(
+        "--gpus-per-node", type=int, required=True, help="GPUs (= workers) per node; 0 for CPU-only nodes"
+    )
     slurm.add_argument("--partition", help="Slurm partition")
     slurm.add_argument("--account", help="Slurm account")
     slurm.add_argument("--time", help="time limit, e.g. 4:00:00")
     slurm.add_argument("--cpus-per-task", type=int, help="CPUs for each node's torchrun agent and its workers")
     slurm.add_argument("--job-name", default="meshrun", help="Slurm job name")
-    slurm.add_argument("--signal-seconds", type=int, default=300,
-                       help="USR1 this many seconds before the time limit: checkpoint, requeue, resume")
-    slurm.add_argument("--sbatch", dest="sbatch_options", action="append", default=[], metavar="OPTION",
-                       help="any other sbatch option for the script header, e.g. --sbatch=--qos=high (repeatable)")
+    slurm.add_argument(
+        "--signal-seconds",
+        type=int,
+        default=300,
+        help="USR1 this many seconds before the time limit: checkpoint, requeue, resume",
+    )
+    slurm.add_argument(
+        "--sbatch",
+        dest="sbatch_options",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="any other sbatch option for the script header, e.g. --sbatch=--qos=high (repeatable)",
+    )
     slurm.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
     data = sub.add_parser("prepare-data", help="tokenize text, jsonl, parquet or datasets folders into token shards")
-    data.add_argument("--source", dest="sources", action="append", default=[], metavar="PATH_OR_GLOB",
-                      help="files, folders, globs or save_to_disk folders (repeatable); default: the Python standard library")
+    data.add_argument(
+        "--source",
+        dest="sources",
+        action="append",
+        default=[],
+        metavar="PATH_OR_GLOB",
+        help="files, folders, globs or save_to_disk folders (repeatable); default: the Python standard library",
+    )
     data.add_argument("--out", required=True, help="output folder (new or empty; never overwritten)")
     data.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out for validation")
     data.add_argument("--field", default="text", help="text field of .jsonl records / column of .parquet and datasets")
-    data.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
-                      help="byte (vocab 256), a tokenizer.json, or a model folder with tokenizer files")
+    data.add_argument(
+        "--tokenizer",
+        default="byte",
+        metavar="byte|PATH",
+        help="byte (vocab 256), a tokenizer.json, or a model folder with tokenizer files",
+    )
     data.add_argument("--train-tokenizer", metavar="bpe:VOCAB", help="train a byte-level BPE on the sources and use it")
     data.add_argument("--workers", type=int, help="tokenizer processes (default: all cores)")
-    data.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (shards end at documents)")
-    data.add_argument("--pairs", action="store_true",
-                      help="seq2seq text pairs: one .jsonl (--source-field, --target-field) or two aligned text files; "
-                           "no --source = the built-in example (stdlib snake_case names -> CamelCase)")
+    data.add_argument(
+        "--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (shards end at documents)"
+    )
+    data.add_argument(
+        "--pairs",
+        action="store_true",
+        help="seq2seq text pairs: one .jsonl (--source-field, --target-field) or two aligned text files; "
+        "no --source = the built-in example (stdlib snake_case names -> CamelCase)",
+    )
     data.add_argument("--source-field", default="source", help="--pairs: the source text field of .jsonl records")
     data.add_argument("--target-field", default="target", help="--pairs: the target text field of .jsonl records")
     _plan_parser(sub)
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
-    export.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
+    export.add_argument(
+        "checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder"
+    )
     target = export.add_mutually_exclusive_group(required=True)
     target.add_argument("--out", help="output file: .safetensors or .pt")
     target.add_argument("--hf", metavar="OUT_DIR", help="Hugging Face models: a folder from_pretrained loads")
     _trust_arguments(export)
-    sample = sub.add_parser("sample", help="generate text from a checkpoint (decoded with the training data's tokenizer)")
-    sample.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder")
+    sample = sub.add_parser(
+        "sample", help="generate text from a checkpoint (decoded with the training data's tokenizer)"
+    )
+    sample.add_argument(
+        "checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder"
+    )
     sample.add_argument("--prompt", default="def ", help="text to continue")
     sample.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -79,17 +130,27 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0, help="sampling seed")
     sample.add_argument("--beam", type=int, default=1, help="encoder-decoder models: beam width (1 = greedy)")
     _trust_arguments(sample)
-    compare = sub.add_parser("report", help="compare runs: a table of their summaries and one picture of their loss curves")
+    compare = sub.add_parser(
+        "report", help="compare runs: a table of their summaries and one picture of their loss curves"
+    )
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each a training job's run_dir)")
     compare.add_argument("--out", default="report.png", help="the loss-curves picture (PNG; default report.png)")
     return parser
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
-    plan = sub.add_parser("plan", help="rank dp x pp x schedule x micro_batch x recompute layouts by predicted memory and speed")
+    plan = sub.add_parser(
+        "plan", help="rank dp x pp x schedule x micro_batch x recompute layouts by predicted memory and speed"
+    )
     plan.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
-    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a config key (repeatable)")
+    plan.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (repeatable)",
+    )
     plan.add_argument("--gpus", type=int, default=1, help="devices in the job (dp x pp of every layout)")
     plan.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
     plan.add_argument("--gpu", help="device type: h100, h200, a100-40g, a100-80g, l40s, l4, ... or cpu (calibrated)")
@@ -115,7 +176,11 @@ def _check_plan_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--nodes ({args.nodes}) must divide --gpus ({args.gpus}); change one of them")
     if not 0 <= args.margin < 1:
         raise ConfigError(f"--margin must be in [0, 1) (a share of device memory), got {args.margin}")
-    for flag, value in (("--memory-gb", args.memory_gb), ("--intra-gbs", args.intra_gbs), ("--inter-gbs", args.inter_gbs)):
+    for flag, value in (
+        ("--memory-gb", args.memory_gb),
+        ("--intra-gbs", args.intra_gbs),
+        ("--inter-gbs", args.inter_gbs),
+    ):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{flag} must be a positive number, got {value}")
     if args.gpu and args.gpu.lower() != "cpu" and args.gpu.lower() not in SHORT_NAMES:
@@ -135,10 +200,17 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _trust_arguments(parser: argparse.ArgumentParser) -> None:
     """A checkpoint's config.json may name a model.factory: code that runs only if the user says so."""
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.factory=MODULE:FUNCTION",
-                        help="build the model with this factory (the only key export and sample take)")
-    parser.add_argument("--trust-code", action="store_true",
-                        help="import the model.factory named by the checkpoint's config.json")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="model.factory=MODULE:FUNCTION",
+        help="build the model with this factory (the only key export and sample take)",
+    )
+    parser.add_argument(
+        "--trust-code", action="store_true", help="import the model.factory named by the checkpoint's config.json"
+    )
 
 
 def _factory_override(overrides: list[str]) -> str | None:
@@ -195,8 +267,18 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
             print(f"wrote {export(args.checkpoint, args.out, **trust)}")
             return 0
         model, cfg, _ = load_full_model(args.checkpoint, **trust)
-        print(sample(model, cfg, args.prompt, num_tokens=args.tokens, temperature=args.temperature,
-                     top_k=args.top_k or None, seed=args.seed, beam=args.beam))
+        print(
+            sample(
+                model,
+                cfg,
+                args.prompt,
+                num_tokens=args.tokens,
+                temperature=args.temperature,
+                top_k=args.top_k or None,
+                seed=args.seed,
+                beam=args.beam,
+            )
+        )
         return 0
     except CheckpointError as exc:  # a bad path given on the command line
         raise ConfigError(str(exc)) from None
@@ -215,9 +297,16 @@ def _prepare_data(args: argparse.Namespace) -> int:
             raise ConfigError("--train-tokenizer does not apply to --pairs; pass a trained --tokenizer PATH or bytes")
         return _prepare_pairs(args)
     try:
-        meta = prepare(args.sources or default_sources(), args.out, val_fraction=args.val_fraction, field=args.field,
-                       tokenizer=args.tokenizer, train_tokenizer=args.train_tokenizer, workers=args.workers,
-                       shard_tokens=args.shard_tokens)
+        meta = prepare(
+            args.sources or default_sources(),
+            args.out,
+            val_fraction=args.val_fraction,
+            field=args.field,
+            tokenizer=args.tokenizer,
+            train_tokenizer=args.train_tokenizer,
+            workers=args.workers,
+            shard_tokens=args.shard_tokens,
+        )
     except OSError as exc:
         raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
     print(f"{describe(meta)} to {args.out}")
@@ -227,8 +316,11 @@ def _prepare_data(args: argparse.Namespace) -> int:
 def _prepare_pairs(args: argparse.Namespace) -> int:
     from meshrun.data.pairs import example_pairs, prepare_pairs, read_pairs
 
-    pairs = (read_pairs(args.sources, source_field=args.source_field, target_field=args.target_field)
-             if args.sources else example_pairs())
+    pairs = (
+        read_pairs(args.sources, source_field=args.source_field, target_field=args.target_field)
+        if args.sources
+        else example_pairs()
+    )
     try:
         meta = prepare_pairs(pairs, args.out, val_fraction=args.val_fraction, tokenizer=args.tokenizer)
     except OSError as exc:
@@ -246,9 +338,18 @@ def _slurm(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     script = render_sbatch(
-        cfg, config=args.config, overrides=args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-        partition=args.partition, account=args.account, time=args.time, cpus_per_task=args.cpus_per_task,
-        job_name=args.job_name, signal_seconds=args.signal_seconds, sbatch_options=args.sbatch_options,
+        cfg,
+        config=args.config,
+        overrides=args.overrides,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        partition=args.partition,
+        account=args.account,
+        time=args.time,
+        cpus_per_task=args.cpus_per_task,
+        job_name=args.job_name,
+        signal_seconds=args.signal_seconds,
+        sbatch_options=args.sbatch_options,
     )
     check_job(cfg)  # the same checks as `meshrun train`, before the job waits for nodes
     from meshrun import job  # imports torch: after the checks that need none
@@ -273,8 +374,11 @@ _LAUNCH_FLAGS = ("nnodes", "nproc_per_node", "rdzv_endpoint", "rdzv_id", "local_
 def _launch_overrides(args: argparse.Namespace) -> list[str]:
     """Multi-node flags as `launch.*` overrides: validated like config keys, passed on to workers."""
     values = {name: getattr(args, name, None) for name in _LAUNCH_FLAGS}
-    return [f"launch.{name}={str(value).lower() if isinstance(value, bool) else value}"
-            for name, value in values.items() if value is not None]
+    return [
+        f"launch.{name}={str(value).lower() if isinstance(value, bool) else value}"
+        for name, value in values.items()
+        if value is not None
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,9 @@ Int = Annotated[int, BeforeValidator(_no_bool)]
 Float = Annotated[float, BeforeValidator(_no_bool)]
 Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(_lower)]
-Schedule = Annotated[Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"], BeforeValidator(_lower)]
+Schedule = Annotated[
+    Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"], BeforeValidator(_lower)
+]
 Balance = Annotated[Literal["even", "time", "size"], BeforeValidator(_lower)]
 DpMode = Annotated[Literal["ddp", "fsdp", "hsdp"], BeforeValidator(_lower)]
 ShardDtype = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(_lower)]
@@ -59,7 +61,10 @@ _OFF_WORDS = {"off": "disabled", "no": "disabled", "false": "disabled", "none": 
 class _Section(BaseModel):
     # coerce_numbers_to_str: `--set run_dir=2024` or `tracker.name=42` are names, not numbers
     model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, coerce_numbers_to_str=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+        coerce_numbers_to_str=True,
         allow_inf_nan=False,
     )
 
@@ -182,7 +187,9 @@ class ParallelConfig(_Section):
     def _shard_divides_dp(self) -> ParallelConfig:
         if self.dp_mode != "hsdp":
             if self.dp_shard is not None:
-                raise ValueError(f"parallel.dp_shard is for dp_mode hsdp (dp_mode is {self.dp_mode}); remove it or set parallel.dp_mode=hsdp")
+                raise ValueError(
+                    f"parallel.dp_shard is for dp_mode hsdp (dp_mode is {self.dp_mode}); remove it or set parallel.dp_mode=hsdp"
+                )
             return self
         if self.dp_shard is None or self.dp % self.dp_shard or not 1 < self.dp_shard < self.dp:
             raise ValueError(
@@ -401,8 +408,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         text, where = read_config_file(path), f"config file {path}"
     data = parse_document(text, where)
     if data is None:  # refused rather than silently training the built-in defaults
-        raise ConfigError(f"{where} is empty (no keys); write at least one section (e.g. train:), "
-                          "or leave out the file to use the packaged default")
+        raise ConfigError(
+            f"{where} is empty (no keys); write at least one section (e.g. train:), "
+            "or leave out the file to use the packaged default"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a YAML mapping of sections (model:, train:, ...)")
     for item in overrides:

@@ -148,7 +148,9 @@ def init_mesh(*, dp: int, pp: int, dp_mode: str = "ddp", dp_shard: int | None = 
         data_mesh = device_mesh["dp"]
     elif dp_mode == "hsdp" and dp_shard:
         # dp_rank = replica * dp_shard + shard: a copy is sharded over neighbouring ranks (one node's fast links)
-        hybrid = init_device_mesh(device.type, (pp, dp // dp_shard, dp_shard), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        hybrid = init_device_mesh(
+            device.type, (pp, dp // dp_shard, dp_shard), mesh_dim_names=("pp", "dp_replicate", "dp_shard")
+        )
         data_mesh = hybrid["dp_replicate", "dp_shard"]
     return Mesh(device=device, device_mesh=device_mesh, dp=dp, pp=pp, data_mesh=data_mesh)
 

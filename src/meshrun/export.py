@@ -30,8 +30,9 @@ from meshrun.models.hf_export import load_tokenizer
 from meshrun.models.seq2seq_decode import decode as seq2seq_decode
 
 
-def load_full_model(run_or_checkpoint: str | Path, *, factory: str | None = None,
-                    trust_code: bool = False) -> tuple[nn.Module, Config, Path]:
+def load_full_model(
+    run_or_checkpoint: str | Path, *, factory: str | None = None, trust_code: bool = False
+) -> tuple[nn.Module, Config, Path]:
     """The whole model on the CPU with the checkpoint's weights, its config and the folder used.
 
     The folder is verified against its manifest before anything in it is used. A
@@ -58,7 +59,9 @@ def load_full_model(run_or_checkpoint: str | Path, *, factory: str | None = None
     return model.eval(), cfg, folder
 
 
-def export(run_or_checkpoint: str | Path, out: str | Path, *, factory: str | None = None, trust_code: bool = False) -> Path:
+def export(
+    run_or_checkpoint: str | Path, out: str | Path, *, factory: str | None = None, trust_code: bool = False
+) -> Path:
     """Write one file: `.safetensors` (config in its metadata) or `.pt` (a plain dict, weights_only-loadable)."""
     out = Path(out)
     if out.exists():
@@ -79,8 +82,17 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, factory: str | Non
 
 
 @torch.no_grad()
-def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, temperature: float, top_k: int | None,
-           seed: int, beam: int = 1) -> str:
+def sample(
+    model: nn.Module,
+    cfg: Config,
+    prompt: str,
+    *,
+    num_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    beam: int = 1,
+) -> str:
     """Generation with the tokenizer the model was trained with (see `codec`); an encoder-decoder
     translates the prompt (greedy, or beam search with `beam` > 1) instead of continuing it."""
     encode, decode, num_ids = codec(cfg)
@@ -107,7 +119,9 @@ def sample(model: nn.Module, cfg: Config, prompt: str, *, num_tokens: int, tempe
     return decode(tokens[0].tolist())
 
 
-def heal_prompt(ids: list[int], decode: Callable[[list[int]], str], num_ids: int) -> tuple[list[int], torch.Tensor | None]:
+def heal_prompt(
+    ids: list[int], decode: Callable[[list[int]], str], num_ids: int
+) -> tuple[list[int], torch.Tensor | None]:
     """Token healing: a prompt's last token is often a fragment the model never saw at the end
     of a text (with a BPE, "def " ends in a lone space that training text always glues to the
     next word), so sampling from it starts with noise. Drop that token and let the first sampled
@@ -131,8 +145,10 @@ def codec(cfg: Config) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
     if (data / "tokenizer.json").is_file():
         return (*text_codec(data, vocab), None)
     if vocab < 256:
-        raise ConfigError(f"this model has {vocab} token ids and no tokenizer (beside its data or in model.hf); "
-                          "byte-level sampling needs at least 256")
+        raise ConfigError(
+            f"this model has {vocab} token ids and no tokenizer (beside its data or in model.hf); "
+            "byte-level sampling needs at least 256"
+        )
     return (*text_codec(None, 256), None if vocab == 256 else 256)
 
 

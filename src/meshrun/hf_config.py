@@ -101,7 +101,9 @@ def check_fits(cfg: ModelConfig) -> None:
     config = load_hf_config(cfg)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
-        raise ConfigError(f"model.seq_len {cfg.seq_len} exceeds the model's max_position_embeddings ({limit}); lower model.seq_len")
+        raise ConfigError(
+            f"model.seq_len {cfg.seq_len} exceeds the model's max_position_embeddings ({limit}); lower model.seq_len"
+        )
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or []
     sliding = "sliding_attention" in layer_types or (config.model_type == "mistral" and window is not None)

@@ -43,15 +43,23 @@ def ensure_data(cfg: Config) -> Path:
         from meshrun.data.pairs import example_pairs, prepare_pairs, read_pairs
 
         say(f"preparing text pairs in {path} (first use)")
-        prepare_pairs(read_pairs(cfg.data.sources) if cfg.data.sources else example_pairs(), path,
-                      val_fraction=cfg.data.val_fraction)
+        prepare_pairs(
+            read_pairs(cfg.data.sources) if cfg.data.sources else example_pairs(),
+            path,
+            val_fraction=cfg.data.val_fraction,
+        )
         check_data_fits(cfg, path)
     elif not reads_in_place(cfg) and not is_prepared(path):
         tokenizer = cfg.data.tokenizer or "byte"
         say(f"preparing {tokenizer} data in {path} (first use)")
         trained = tokenizer.startswith("bpe:")
-        prepare(cfg.data.sources or default_sources(), path, val_fraction=cfg.data.val_fraction,
-                tokenizer="byte" if trained else tokenizer, train_tokenizer=tokenizer if trained else None)
+        prepare(
+            cfg.data.sources or default_sources(),
+            path,
+            val_fraction=cfg.data.val_fraction,
+            tokenizer="byte" if trained else tokenizer,
+            train_tokenizer=tokenizer if trained else None,
+        )
         check_data_fits(cfg, path)  # data that was already there was checked by `preflight`
     return path
 
@@ -62,7 +70,9 @@ def preflight(cfg: Config) -> nn.Module:
     built on the meta device, for checks that need its parameter names."""
     with torch.device("meta"):
         model = build_model(cfg.model)
-    if (check_weights := getattr(model, "check_weights", None)) is not None:  # pretrained weights: present, shaped as the config says
+    if (
+        check_weights := getattr(model, "check_weights", None)
+    ) is not None:  # pretrained weights: present, shaped as the config says
         check_weights()
     if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
         check_data_fits(cfg, data_dir(cfg))
@@ -79,8 +89,14 @@ def check_data_fits(cfg: Config, path: Path) -> None:
     it was tokenized with the model folder's tokenizer when both have one."""
     model_dir = hf_dir(cfg.model)
     tokenizer = model_dir / "tokenizer.json" if model_dir and (model_dir / "tokenizer.json").is_file() else None
-    check_data(cfg.data, path, seq_len=cfg.model.seq_len, model_vocab_size=vocab_size(cfg.model),
-               vocab_key=vocab_key(cfg.model), model_tokenizer=tokenizer)
+    check_data(
+        cfg.data,
+        path,
+        seq_len=cfg.model.seq_len,
+        model_vocab_size=vocab_size(cfg.model),
+        vocab_key=vocab_key(cfg.model),
+        model_tokenizer=tokenizer,
+    )
 
 
 def describe_split(cfg: Config) -> list[str] | None:
@@ -90,7 +106,10 @@ def describe_split(cfg: Config) -> list[str] | None:
     if split is None:
         return None
     per_rank = stages_per_rank(par.schedule, par.virtual_stages)
-    return [" + ".join(str(split[s]) for s in stage_ids(rank, par.pp, per_rank, schedule=par.schedule)) for rank in range(par.pp)]
+    return [
+        " + ".join(str(split[s]) for s in stage_ids(rank, par.pp, per_rank, schedule=par.schedule))
+        for rank in range(par.pp)
+    ]
 
 
 def parameters_per_pipeline_rank(cfg: Config) -> list[int]:
@@ -120,8 +139,10 @@ def describe(cfg: Config) -> str:
         lines.append(f"  pipeline rank {stage}: ranks {ranks}" + (f", blocks {split[stage]}" if split else ""))
     lines += [
         "batch:",
-        (f"  global batch {train.global_batch} samples = micro batch {train.micro_batch} x dp {par.dp} "
-         f"x accumulation steps {cfg.accumulation_steps}"),
+        (
+            f"  global batch {train.global_batch} samples = micro batch {train.micro_batch} x dp {par.dp} "
+            f"x accumulation steps {cfg.accumulation_steps}"
+        ),
         f"  tokens per step {cfg.tokens_per_step} (seq_len {cfg.model.seq_len})",
     ]
     lines += describe_data_parallel(cfg, parameters_per_pipeline_rank(cfg))

@@ -30,7 +30,9 @@ SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")  # weight gradients apart from
 def stages_per_rank(schedule: str, requested: int | None) -> int:
     if schedule in SINGLE_STAGE_SCHEDULES:
         if requested not in (None, 1):
-            raise ConfigError(f"parallel.virtual_stages must be 1 for schedule {schedule}; use interleaved-1f1b for more")
+            raise ConfigError(
+                f"parallel.virtual_stages must be 1 for schedule {schedule}; use interleaved-1f1b for more"
+            )
         return 1
     if schedule in V_SCHEDULES and requested not in (None, 2):
         raise ConfigError(f"parallel.virtual_stages must be 2 for schedule {schedule} (two stages per rank, in a V)")

@@ -54,12 +54,16 @@ def check_job(cfg: Config) -> None:
 def check_observability(cfg: Config) -> None:
     """The tensorboard package for that backend; profiled ranks that exist."""
     if "tensorboard" in cfg.tracker.backends and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("tracker.backends names tensorboard, but the tensorboard package is not installed; "
-                          "pip install tensorboard, or remove it from tracker.backends")
+        raise ConfigError(
+            "tracker.backends names tensorboard, but the tensorboard package is not installed; "
+            "pip install tensorboard, or remove it from tracker.backends"
+        )
     stray = [rank for rank in cfg.profile.ranks or [] if rank >= cfg.world_size]
     if stray:
-        raise ConfigError(f"profile.ranks {stray} do not exist: ranks are 0 to {cfg.world_size - 1} "
-                          f"(parallel.dp x parallel.pp = {cfg.world_size}); change profile.ranks")
+        raise ConfigError(
+            f"profile.ranks {stray} do not exist: ranks are 0 to {cfg.world_size - 1} "
+            f"(parallel.dp x parallel.pp = {cfg.world_size}); change profile.ranks"
+        )
 
 
 def check_worker_env(cfg: Config) -> None:
@@ -78,8 +82,10 @@ def check_worker_env(cfg: Config) -> None:
         )
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
-        raise ConfigError(f"{took}, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set "
-                          f"(torchrun sets them); {advice}")
+        raise ConfigError(
+            f"{took}, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set "
+            f"(torchrun sets them); {advice}"
+        )
 
 
 def check_run_dir(cfg: Config) -> None:
@@ -90,7 +96,9 @@ def check_run_dir(cfg: Config) -> None:
     existing = run_dir / "config.json"
     if existing.exists():
         if cfg.train.resume == "none":
-            raise ConfigError(f"run_dir {cfg.run_dir} already holds a run; set train.resume=auto to continue it, or a new run_dir")
+            raise ConfigError(
+                f"run_dir {cfg.run_dir} already holds a run; set train.resume=auto to continue it, or a new run_dir"
+            )
         check_same_model(existing, cfg)
     if cfg.train.resume not in ("auto", "none") and not (Path(cfg.train.resume) / "manifest.json").is_file():
         raise ConfigError(f"train.resume {cfg.train.resume} is not a complete checkpoint folder (no manifest.json)")
@@ -125,8 +133,10 @@ def check_writable(run_dir: Path) -> None:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
-        raise ConfigError(f"run_dir {run_dir} is not writable ({existing}: {exc.strerror}); "
-                          "fix its permissions or set run_dir to a writable folder") from None
+        raise ConfigError(
+            f"run_dir {run_dir} is not writable ({existing}: {exc.strerror}); "
+            "fix its permissions or set run_dir to a writable folder"
+        ) from None
 
 
 def check_readable(path: Path) -> None:
@@ -139,8 +149,10 @@ def check_readable(path: Path) -> None:
                 with entry.open("rb") as f:
                     f.read(1)
     except OSError as exc:
-        raise ConfigError(f"data.dir {path} is not readable ({exc.filename}: {exc.strerror}); "
-                          "fix its permissions or point data.dir at a readable copy") from None
+        raise ConfigError(
+            f"data.dir {path} is not readable ({exc.filename}: {exc.strerror}); "
+            "fix its permissions or point data.dir at a readable copy"
+        ) from None
 
 
 def check_data_source(cfg: Config) -> None:

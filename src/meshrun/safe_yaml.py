@@ -49,7 +49,9 @@ def read_config_file(path: str | Path) -> str:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path} is larger than 64 KiB, so it is not a meshrun config; pass a YAML config file")
+        raise ConfigError(
+            f"config file {path} is larger than 64 KiB, so it is not a meshrun config; pass a YAML config file"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -107,7 +109,9 @@ def _check_values(root: Node, where: str) -> None:
             )
         if id(node) in ancestors:
             line = node.start_mark.line + 1
-            raise ConfigError(f"{where}: {path or 'the document'} contains itself (recursive YAML anchor at line {line}); remove the alias")
+            raise ConfigError(
+                f"{where}: {path or 'the document'} contains itself (recursive YAML anchor at line {line}); remove the alias"
+            )
         inside = ancestors | {id(node)}
         if isinstance(node, SequenceNode):
             todo += [(item, f"{path}[{i}]", inside) for i, item in enumerate(node.value)]
@@ -115,7 +119,9 @@ def _check_values(root: Node, where: str) -> None:
             todo += _mapping_children(node, path, inside, where)
 
 
-def _mapping_children(node: MappingNode, path: str, inside: frozenset[int], where: str) -> list[tuple[Node, str, frozenset[int]]]:
+def _mapping_children(
+    node: MappingNode, path: str, inside: frozenset[int], where: str
+) -> list[tuple[Node, str, frozenset[int]]]:
     first_line: dict[str, int] = {}
     children = []
     for key, value in node.value:

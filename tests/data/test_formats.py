@@ -27,7 +27,9 @@ def bpe_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Generated text prepared with a BPE of 300 tokens trained on it (uint16 shards)."""
     rng, corpus = random.Random(1), tmp_path_factory.mktemp("bpe-corpus")
     for i in range(16):
-        (corpus / f"doc{i:02d}.txt").write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(40)))
+        (corpus / f"doc{i:02d}.txt").write_text(
+            "\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(40))
+        )
     out = tmp_path_factory.mktemp("bpe") / "ds"
     prepare([str(corpus)], out, train_tokenizer=f"bpe:{VOCAB}", val_fraction=0.2, workers=1, progress=False)
     return out
@@ -103,7 +105,9 @@ def test_nanogpt_and_megatron_files_train_like_meshrun_shards(bpe_data: Path, tm
     share = len(val_docs) / (len(train_docs) + len(val_docs))  # Megatron validates on its last documents
     reference = first_loss(bpe_data, tmp_path / "meshrun")
     assert first_loss(nanogpt, tmp_path / "nano", **{"data.format": "nanogpt"}) == reference
-    assert first_loss(megatron, tmp_path / "mega", **{"data.format": "megatron", "data.val_fraction": share}) == reference
+    assert (
+        first_loss(megatron, tmp_path / "mega", **{"data.format": "megatron", "data.val_fraction": share}) == reference
+    )
     shifted = write_nanogpt(tmp_path / "shifted", train[1:], val)  # other tokens: another loss
     assert first_loss(shifted, tmp_path / "other", **{"data.format": "nanogpt"}) != reference
 
@@ -134,30 +138,57 @@ def _megatron_bad(tmp: Path, idx: bytes) -> Path:
 GOOD_HEADER = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 4, 5)
 NANOGPT, MEGATRON = {"data.format": "nanogpt"}, {"data.format": "megatron"}
 REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of the one error line)
-    "vocab-larger-than-model": (lambda d, b, t: {"data.dir": b}, ("vocabulary of 300 tokens", "model.vocab_size", "at least 300")),
-    "nanogpt-odd-bytes": (lambda d, b, t: {**NANOGPT, "data.dir": _nanogpt_files(t, b"\0" * 99, b"\0" * 100)},
-                          ("train.bin is 99 bytes, not a whole number of uint16 tokens", "data.format")),
-    "nanogpt-missing-val": (lambda d, b, t: {**NANOGPT, "data.dir": _nanogpt_files(t, b"\0" * 100, None)},
-                            ("has no val.bin", "nanoGPT data folder")),
-    "megatron-no-header": (lambda d, b, t: {**MEGATRON, "data.dir": _megatron_bad(t, b"GARBAGE" * 8)},
-                           ("m.idx is not a Megatron index (no MMIDIDX header)",)),
-    "megatron-truncated-index": (lambda d, b, t: {**MEGATRON, "data.dir": _megatron_bad(t, GOOD_HEADER + b"\0" * 8)},
-                                 ("m.idx does not parse as a Megatron index", "4 sequences")),
-    "megatron-missing-files": (lambda d, b, t: {**MEGATRON, "data.dir": t / "nothing"}, ("no nothing.bin", "Megatron PREFIX")),
-    "shard-damaged": (lambda d, b, t: {"data.dir": _damaged_shard(b, t), "model.vocab_size": VOCAB},
-                      ("train-00000.bin is", "meta.json says", "prepare it again")),
-    "mixture-weight-zero": (lambda d, b, t: {"data.dir": None, "data.mixture": f"[{{dir: {d}, weight: 0}}]"},
-                            ("invalid data.mixture[0].weight", "greater than 0")),
-    "mixture-and-dir": (lambda d, b, t: {"data.mixture": f"[{{dir: {d}, weight: 1}}]"}, ("set data.dir or data.mixture, not both",)),
-    "mixture-different-tokenizers": (lambda d, b, t: {"data.dir": None, "model.vocab_size": VOCAB,
-                                                      "data.mixture": f"[{{dir: {d}, weight: 1}}, {{dir: {b}, weight: 1}}]"},
-                                     ("data.mixture sources were tokenized differently", "bpe:300", "byte")),
+    "vocab-larger-than-model": (
+        lambda d, b, t: {"data.dir": b},
+        ("vocabulary of 300 tokens", "model.vocab_size", "at least 300"),
+    ),
+    "nanogpt-odd-bytes": (
+        lambda d, b, t: {**NANOGPT, "data.dir": _nanogpt_files(t, b"\0" * 99, b"\0" * 100)},
+        ("train.bin is 99 bytes, not a whole number of uint16 tokens", "data.format"),
+    ),
+    "nanogpt-missing-val": (
+        lambda d, b, t: {**NANOGPT, "data.dir": _nanogpt_files(t, b"\0" * 100, None)},
+        ("has no val.bin", "nanoGPT data folder"),
+    ),
+    "megatron-no-header": (
+        lambda d, b, t: {**MEGATRON, "data.dir": _megatron_bad(t, b"GARBAGE" * 8)},
+        ("m.idx is not a Megatron index (no MMIDIDX header)",),
+    ),
+    "megatron-truncated-index": (
+        lambda d, b, t: {**MEGATRON, "data.dir": _megatron_bad(t, GOOD_HEADER + b"\0" * 8)},
+        ("m.idx does not parse as a Megatron index", "4 sequences"),
+    ),
+    "megatron-missing-files": (
+        lambda d, b, t: {**MEGATRON, "data.dir": t / "nothing"},
+        ("no nothing.bin", "Megatron PREFIX"),
+    ),
+    "shard-damaged": (
+        lambda d, b, t: {"data.dir": _damaged_shard(b, t), "model.vocab_size": VOCAB},
+        ("train-00000.bin is", "meta.json says", "prepare it again"),
+    ),
+    "mixture-weight-zero": (
+        lambda d, b, t: {"data.dir": None, "data.mixture": f"[{{dir: {d}, weight: 0}}]"},
+        ("invalid data.mixture[0].weight", "greater than 0"),
+    ),
+    "mixture-and-dir": (
+        lambda d, b, t: {"data.mixture": f"[{{dir: {d}, weight: 1}}]"},
+        ("set data.dir or data.mixture, not both",),
+    ),
+    "mixture-different-tokenizers": (
+        lambda d, b, t: {
+            "data.dir": None,
+            "model.vocab_size": VOCAB,
+            "data.mixture": f"[{{dir: {d}, weight: 1}}, {{dir: {b}, weight: 1}}]",
+        },
+        ("data.mixture sources were tokenized differently", "bpe:300", "byte"),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(REFUSALS))
-def test_bad_data_is_refused_before_spawning(name: str, data_dir: Path, bpe_data: Path, tmp_path: Path,
-                                             no_workers: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_data_is_refused_before_spawning(
+    name: str, data_dir: Path, bpe_data: Path, tmp_path: Path, no_workers: None, capsys: pytest.CaptureFixture[str]
+) -> None:
     make, fragments = REFUSALS[name]
     overrides = make(data_dir, bpe_data, tmp_path)
     args = [a for a in tiny(data_dir, tmp_path / "run", **overrides) if not a.endswith("=None")]
@@ -169,8 +200,9 @@ def test_bad_data_is_refused_before_spawning(name: str, data_dir: Path, bpe_data
     assert not (tmp_path / "run").exists()
 
 
-def test_sample_decodes_with_the_datasets_tokenizer(bpe_data: Path, tmp_path: Path, clean_env: None,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_sample_decodes_with_the_datasets_tokenizer(
+    bpe_data: Path, tmp_path: Path, clean_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`meshrun sample` on a BPE-trained model: the prompt encoded and the continuation decoded
     with the tokenizer.json beside the data (checked against a greedy loop written here)."""
     run = tmp_path / "run"

@@ -21,7 +21,9 @@ def other_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second byte-level dataset with other text (reversed words: other windows)."""
     rng, corpus = random.Random(5), tmp_path_factory.mktemp("other-corpus")
     for i in range(10):
-        (corpus / f"t{i}.txt").write_text("\n".join(" ".join(rng.choice(WORDS)[::-1] for _ in range(9)) for _ in range(60)))
+        (corpus / f"t{i}.txt").write_text(
+            "\n".join(" ".join(rng.choice(WORDS)[::-1] for _ in range(9)) for _ in range(60))
+        )
     out = tmp_path_factory.mktemp("other") / "other"
     prepare([str(corpus)], out, val_fraction=0.2, progress=False)
     return out
@@ -59,8 +61,14 @@ def test_samples_are_a_function_of_the_global_index(data_dir: Path, other_data: 
 
 def _mixture_args(data_dir: Path, other_data: Path, run: Path, **overrides: object) -> list[str]:
     spec = f"[{{dir: {data_dir}, weight: 0.7}}, {{dir: {other_data}, weight: 0.3}}]"
-    settings = {"data.dir": "null", "data.mixture": spec, "train.steps": 8, "checkpoint.interval": 4, "train.lr": 3e-3,
-                **overrides}
+    settings = {
+        "data.dir": "null",
+        "data.mixture": spec,
+        "train.steps": 8,
+        "checkpoint.interval": 4,
+        "train.lr": 3e-3,
+        **overrides,
+    }
     return ["train", *tiny(data_dir, run, **settings)]
 
 
@@ -73,8 +81,12 @@ def test_resume_with_another_dp_continues_the_mixture(data_dir: Path, other_data
     result = run_meshrun(_mixture_args(data_dir, other_data, run, **{"parallel.dp": 1}), tmp_path=tmp_path)
     assert "resumed from" in result.stderr and "step 4" in result.stderr
     counts = [{k: v for k, v in row.items() if k.startswith("samples/")} for row in read_metrics(full) if "loss" in row]
-    assert counts == [{k: v for k, v in row.items() if k.startswith("samples/")} for row in read_metrics(run) if "loss" in row]
+    assert counts == [
+        {k: v for k, v in row.items() if k.startswith("samples/")} for row in read_metrics(run) if "loss" in row
+    ]
     assert list(counts[-1]) == [f"samples/{data_dir.name}", f"samples/{other_data.name}"]
-    assert sum(counts[-1].values()) == 8 * 8 and counts[-1][f"samples/{data_dir.name}"] == pytest.approx(0.7 * 64, abs=2)
+    assert sum(counts[-1].values()) == 8 * 8 and counts[-1][f"samples/{data_dir.name}"] == pytest.approx(
+        0.7 * 64, abs=2
+    )
     assert losses(run) == pytest.approx(losses(full), abs=1e-5)
     assert max_weight_diff(final_weights(run), final_weights(full)) < 1e-5

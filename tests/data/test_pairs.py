@@ -29,8 +29,23 @@ def ids(text: str) -> list[int]:
 def test_cli_prepares_jsonl_pairs_with_named_fields(tmp_path: Path) -> None:
     records = [{"q": f"question {i}", "a": "yes" if i % 2 else "no", "other": 1} for i in range(20)]
     (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = run_meshrun(["prepare-data", "--pairs", "--source", "qa.jsonl", "--source-field", "q", "--target-field", "a",
-                          "--val-fraction", "0.1", "--out", "qa"], tmp_path=tmp_path)
+    result = run_meshrun(
+        [
+            "prepare-data",
+            "--pairs",
+            "--source",
+            "qa.jsonl",
+            "--source-field",
+            "q",
+            "--target-field",
+            "a",
+            "--val-fraction",
+            "0.1",
+            "--out",
+            "qa",
+        ],
+        tmp_path=tmp_path,
+    )
     assert "train 18, val 2" in result.stdout
     data = PairsDataset(tmp_path / "qa", "val", read_meta(tmp_path / "qa"), seq_len=20, seed=0, source_len=12)
     x, y = data.batch(0, 8)
@@ -58,11 +73,14 @@ def test_aligned_text_files_and_decoder_only_batches(tmp_path: Path) -> None:
     assert data.target_tokens(0, 16) == int((y != IGNORE).sum())
 
 
-@pytest.mark.parametrize("files,message", [
-    ({"a.txt": "x\ny\n", "b.txt": "X\n"}, "has 2 lines but"),
-    ({"a.jsonl": '{"source": "x"}\n'}, "has no text field 'target'"),
-    ({"a.jsonl": "{not json\n"}, "is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "files,message",
+    [
+        ({"a.txt": "x\ny\n", "b.txt": "X\n"}, "has 2 lines but"),
+        ({"a.jsonl": '{"source": "x"}\n'}, "has no text field 'target'"),
+        ({"a.jsonl": "{not json\n"}, "is not valid JSON"),
+    ],
+)
 def test_bad_pairs_are_one_line_errors(files: dict[str, str], message: str, tmp_path: Path) -> None:
     for name, text in files.items():
         (tmp_path / name).write_text(text)

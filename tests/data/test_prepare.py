@@ -41,8 +41,11 @@ def _prepare(tmp_path: Path, *args: str, check: bool = True):
 
 
 def _snapshot(folder: Path, *, times: bool = True) -> dict[str, tuple[str, int]]:
-    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns if times else 0)
-            for p in sorted(folder.iterdir()) if p.is_file()}
+    return {
+        p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns if times else 0)
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    }
 
 
 def _assert_one_line_error(result, *fragments: str) -> None:
@@ -74,8 +77,15 @@ def _assert_same_bytes(out: Path, files: list[Path]) -> None:
 def test_prepare_writes_exact_byte_memmaps(tmp_path: Path) -> None:
     files = _corpus(tmp_path / "corpus")
     out = tmp_path / "ds"
-    result = _prepare(tmp_path, "--source", str(tmp_path / "corpus" / "sub0"),
-                      "--source", str(tmp_path / "corpus" / "sub[12]" / "*.txt"), "--out", str(out))
+    result = _prepare(
+        tmp_path,
+        "--source",
+        str(tmp_path / "corpus" / "sub0"),
+        "--source",
+        str(tmp_path / "corpus" / "sub[12]" / "*.txt"),
+        "--out",
+        str(out),
+    )
     names = {"train-00000.bin", "val-00000.bin", "train.docs.bin", "val.docs.bin", "meta.json"}
     assert {p.name for p in out.iterdir()} == names  # no temp files left behind
     assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
@@ -85,7 +95,10 @@ def test_prepare_writes_exact_byte_memmaps(tmp_path: Path) -> None:
         tokens = np.memmap(out / f"{split}-00000.bin", dtype=np.uint8, mode="r")
         assert tokens.size == meta[f"{split}_tokens"]
     _assert_same_bytes(out, files)
-    assert f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {len(files)} files" in result.stdout
+    assert (
+        f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {len(files)} files"
+        in result.stdout
+    )
 
 
 def test_prepare_is_deterministic(tmp_path: Path) -> None:
@@ -130,11 +143,15 @@ def test_refuses_to_overwrite_a_users_own_file(tmp_path: Path) -> None:
     assert _snapshot(out) == before
 
 
-@pytest.mark.parametrize(("args", "fragments"), [
-    (["--source", "{tmp}/nothing-here/*.txt"], ("no files match --source", "nothing-here")),
-    (["--source", "{tmp}/corpus", "--val-fraction", "0.7"], ("--val-fraction must be in (0, 0.5)", "0.7")),
-    (["--source", "{tmp}/corpus", "--val-fraction", "0"], ("--val-fraction must be in (0, 0.5)",)),
-], ids=["no-match", "val-fraction-too-big", "val-fraction-zero"])
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--source", "{tmp}/nothing-here/*.txt"], ("no files match --source", "nothing-here")),
+        (["--source", "{tmp}/corpus", "--val-fraction", "0.7"], ("--val-fraction must be in (0, 0.5)", "0.7")),
+        (["--source", "{tmp}/corpus", "--val-fraction", "0"], ("--val-fraction must be in (0, 0.5)",)),
+    ],
+    ids=["no-match", "val-fraction-too-big", "val-fraction-zero"],
+)
 def test_bad_prepare_arguments(tmp_path: Path, args: list[str], fragments: tuple[str, ...]) -> None:
     _corpus(tmp_path / "corpus")
     out = tmp_path / "ds"
@@ -173,7 +190,9 @@ def test_a_bpe_is_trained_on_an_even_sample_of_a_large_corpus(tmp_path: Path) ->
     sample = list(_spread_sample(found, "text", budget=10_000))
     assert 9_000 <= sum(map(len, sample)) <= 11_000
     picked = sorted(int(doc[:2]) for doc in sample)
-    assert picked[0] < 5 and picked[-1] >= 45 and max(b - a for a, b in itertools.pairwise(picked)) <= 6  # evenly spread
+    assert (
+        picked[0] < 5 and picked[-1] >= 45 and max(b - a for a, b in itertools.pairwise(picked)) <= 6
+    )  # evenly spread
     assert sum(map(len, _spread_sample(found, "text", budget=10**9))) == 50_000  # small corpora: all of it
 
 
@@ -233,11 +252,15 @@ def test_batch_is_deterministic_and_independent_of_the_split(data_dir: Path) -> 
     assert not torch.equal(TokenDataset(data_dir, "val", seq_len=16, seed=7).batch(0, 8)[0], x)
 
 
-@pytest.mark.parametrize(("train_bytes", "fragment"), [
-    (None, "has no train.bin; run `meshrun prepare-data"),
-    (b"", "holds 0 tokens, fewer than model.seq_len + 1 = 17"),
-    (b"x" * 16, "holds 16 tokens, fewer than model.seq_len + 1 = 17"),
-], ids=["missing", "empty", "one-token-short"])
+@pytest.mark.parametrize(
+    ("train_bytes", "fragment"),
+    [
+        (None, "has no train.bin; run `meshrun prepare-data"),
+        (b"", "holds 0 tokens, fewer than model.seq_len + 1 = 17"),
+        (b"x" * 16, "holds 16 tokens, fewer than model.seq_len + 1 = 17"),
+    ],
+    ids=["missing", "empty", "one-token-short"],
+)
 def test_dataset_refuses_missing_or_small_data(tmp_path: Path, train_bytes: bytes | None, fragment: str) -> None:
     if train_bytes is not None:
         (tmp_path / "train.bin").write_bytes(train_bytes)

@@ -41,8 +41,12 @@ def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=[EOS, "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=[EOS, "</s>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(make_documents(200, seed=9), trainer=trainer)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
@@ -57,7 +61,9 @@ def write_source(kind: str, folder: Path, docs: list[str], field: str = "text") 
             (folder / f"doc{i:03d}.txt").write_text(doc, encoding="utf-8")
         return folder
     if kind in ("jsonl", "jsonl.gz"):
-        lines = "".join(json.dumps({field: doc, "id": i}) + "\n" + ("\n" if i == 2 else "") for i, doc in enumerate(docs))
+        lines = "".join(
+            json.dumps({field: doc, "id": i}) + "\n" + ("\n" if i == 2 else "") for i, doc in enumerate(docs)
+        )
         path = folder / f"docs.{kind}"
         path.write_bytes(gzip.compress(lines.encode()) if kind.endswith(".gz") else lines.encode())
         return path
@@ -71,7 +77,9 @@ def write_source(kind: str, folder: Path, docs: list[str], field: str = "text") 
     import datasets
 
     path = folder / "hf"
-    datasets.Dataset.from_dict({field: docs, "id": list(range(len(docs)))}).save_to_disk(str(path), max_shard_size="2KB")
+    datasets.Dataset.from_dict({field: docs, "id": list(range(len(docs)))}).save_to_disk(
+        str(path), max_shard_size="2KB"
+    )
     return path
 
 
@@ -110,8 +118,16 @@ KINDS = ["text", "jsonl", "jsonl.gz", "parquet", "hf"]
 def test_tokens_equal_the_tokenizers_own_encoding(kind: str, tokenizer_file: Path, tmp_path: Path) -> None:
     source = write_source(kind, tmp_path / "src", DOCS, field="body")
     out = tmp_path / "out"
-    meta = prepare([str(source)], out, tokenizer=str(tokenizer_file), field="body", val_fraction=0.2,
-                   workers=2 if kind == "hf" else 1, shard_tokens=300, progress=False)
+    meta = prepare(
+        [str(source)],
+        out,
+        tokenizer=str(tokenizer_file),
+        field="body",
+        val_fraction=0.2,
+        workers=2 if kind == "hf" else 1,
+        shard_tokens=300,
+        progress=False,
+    )
     assert_documents_in_order(out, hf_expected(Tokenizer.from_file(str(tokenizer_file)), DOCS, EOS))
     assert meta["vocab_size"] == 320 and meta["dtype"] == "uint16" and meta["documents"] == len(DOCS)
     assert meta["tokenizer"]["sha256"] == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
@@ -123,7 +139,9 @@ def test_model_folder_tokenizer_uses_its_configured_eos(tokenizer_file: Path, tm
     from transformers import PreTrainedTokenizerFast
 
     model_dir = tmp_path / "model"
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer_file)), eos_token="</s>").save_pretrained(model_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_file(str(tokenizer_file)), eos_token="</s>"
+    ).save_pretrained(model_dir)
     source = write_source("jsonl", tmp_path / "src", DOCS)
     prepare([str(source)], tmp_path / "out", tokenizer=str(model_dir), val_fraction=0.2, workers=1, progress=False)
     assert_documents_in_order(tmp_path / "out", hf_expected(Tokenizer.from_file(str(tokenizer_file)), DOCS, "</s>"))
@@ -134,7 +152,9 @@ def test_trained_bpe_is_saved_beside_the_data_and_used(tmp_path: Path) -> None:
     out = tmp_path / "out"
     meta = prepare([str(source)], out, train_tokenizer="bpe:300", val_fraction=0.2, workers=1, progress=False)
     trained = Tokenizer.from_file(str(out / "tokenizer.json"))
-    assert trained.get_vocab_size() == meta["vocab_size"] == 300 and json.loads(trained.to_str())["model"]["type"] == "BPE"
+    assert (
+        trained.get_vocab_size() == meta["vocab_size"] == 300 and json.loads(trained.to_str())["model"]["type"] == "BPE"
+    )
     assert_documents_in_order(out, hf_expected(trained, DOCS, EOS))
     assert trained.decode(stored_documents(out, "train")[0][:-1]) in DOCS  # decodes back to a whole document
 
@@ -155,9 +175,14 @@ REFUSED = {  # name: (write the source into folder -> path, fragments of the err
     "no-documents": (lambda f: _write(f / "empty.jsonl", ""), ("holds no documents", "--field")),
     "too-small": (lambda f: _write(f / "a.txt", "hi"), ("only 4 tokens, too few to train", "add more text")),
     "bad-json": (lambda f: _write(f / "b.jsonl", '{"text": "ok"}\n{oops\n'), ("b.jsonl:2 is not valid JSON",)),
-    "missing-field": (lambda f: _write(f / "c.jsonl", '{"body": "x"}\n'),
-                      ("c.jsonl:1 has no text field 'text'", "--field NAME")),
-    "missing-column": (lambda f: write_source("parquet", f, DOCS, field="body"), ("has no column 'text'", "columns: id, body")),
+    "missing-field": (
+        lambda f: _write(f / "c.jsonl", '{"body": "x"}\n'),
+        ("c.jsonl:1 has no text field 'text'", "--field NAME"),
+    ),
+    "missing-column": (
+        lambda f: write_source("parquet", f, DOCS, field="body"),
+        ("has no column 'text'", "columns: id, body"),
+    ),
     "not-gzip": (lambda f: _write(f / "d.jsonl.gz", "plain text"), ("cannot read source", "d.jsonl.gz")),
     "not-parquet": (lambda f: _write(f / "e.parquet", "plain text"), ("cannot read source", "e.parquet")),
 }
@@ -188,8 +213,17 @@ def test_interrupted_preparation_reruns_to_the_same_files(tokenizer_file: Path, 
     for i in range(15):  # 2 MB in 15 files: ~100 shards of 10,000 tokens
         (tmp_path / "corpus").mkdir(exist_ok=True)
         (tmp_path / "corpus" / f"part{i:02d}.jsonl").write_text(lines)
-    args = ["prepare-data", "--source", str(tmp_path / "corpus"), "--tokenizer", str(tokenizer_file),
-            "--workers", "1", "--shard-tokens", "10000"]
+    args = [
+        "prepare-data",
+        "--source",
+        str(tmp_path / "corpus"),
+        "--tokenizer",
+        str(tokenizer_file),
+        "--workers",
+        "1",
+        "--shard-tokens",
+        "10000",
+    ]
     out, staging = tmp_path / "out", tmp_path / ".out.partial"
     proc = start_meshrun([*args, "--out", str(out)], tmp_path=tmp_path, env=meshrun_env(tmp_path))
     deadline = time.monotonic() + 120
@@ -203,8 +237,14 @@ def test_interrupted_preparation_reruns_to_the_same_files(tokenizer_file: Path, 
     finish_meshrun(start_meshrun([*args, "--out", str(out)], tmp_path=tmp_path), timeout=300)
     assert not staging.exists()
     reference = tmp_path / "reference"  # the same preparation, uninterrupted (in this process: quicker)
-    prepare([str(tmp_path / "corpus")], reference, tokenizer=str(tokenizer_file), workers=1, shard_tokens=10_000,
-            progress=False)
+    prepare(
+        [str(tmp_path / "corpus")],
+        reference,
+        tokenizer=str(tokenizer_file),
+        workers=1,
+        shard_tokens=10_000,
+        progress=False,
+    )
     assert _files(out) == _files(reference)
     assert len(json.loads((out / "meta.json").read_text())["splits"]["train"]["shards"]) > 50
     assert os.access(out / "meta.json", os.R_OK)

@@ -71,15 +71,26 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshrun-test"
 
 
-def run(argv: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None,
-        check: bool = True, stdin: int | None = None) -> subprocess.CompletedProcess:
+def run(
+    argv: list[str],
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    check: bool = True,
+    stdin: int | None = None,
+) -> subprocess.CompletedProcess:
     """subprocess.run with a timeout that fails the test (with the command's output) instead of hanging."""
     try:
-        result = subprocess.run(argv, env=env, cwd=cwd, stdin=stdin, capture_output=True, text=True, timeout=timeout, check=False)
+        result = subprocess.run(
+            argv, env=env, cwd=cwd, stdin=stdin, capture_output=True, text=True, timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{' '.join(map(str, argv[:6]))} ... timed out after {timeout}s\n{exc.stderr or ''}"[-6000:])
     if check and result.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, argv))} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        pytest.fail(
+            f"{' '.join(map(str, argv))} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return result
 
 
@@ -109,8 +120,10 @@ def ensure_tools() -> None:
     if all(shutil.which(tool) for tool in needed):
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.fail(f"missing {[t for t in needed if not shutil.which(t)]}: install podman buildah debootstrap runc, "
-                    "or set MESHRUN_SKIP_CONTAINER_TESTS=1 to opt out of the container tests")
+        pytest.fail(
+            f"missing {[t for t in needed if not shutil.which(t)]}: install podman buildah debootstrap runc, "
+            "or set MESHRUN_SKIP_CONTAINER_TESTS=1 to opt out of the container tests"
+        )
     apt_env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     run(["apt-get", "update", "-qq"], timeout=600, env=apt_env)
     run(["apt-get", "install", "-y", "-qq", "podman", "buildah", "debootstrap", "runc"], timeout=900, env=apt_env)
@@ -153,8 +166,16 @@ def python_base(podman: Podman, cache: Path) -> str:
         return name
     rootfs = cache / f"rootfs-{host_codename()}"
     shutil.rmtree(rootfs, ignore_errors=True)  # a half-made one from an interrupted run
-    run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,python3-pip", host_codename(), str(rootfs)],
-        timeout=900)
+    run(
+        [
+            "debootstrap",
+            "--variant=minbase",
+            "--include=python3,python3-venv,python3-pip",
+            host_codename(),
+            str(rootfs),
+        ],
+        timeout=900,
+    )
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
     try:
         podman("import", "-", name, stdin=tar.stdout, timeout=600)
@@ -194,15 +215,38 @@ def torch_base(podman: Podman, python_base: str, wheelhouse: Path) -> str:
     tag = re.sub(r"[^a-zA-Z0-9_.-]", "-", torch.__version__)
     name = f"localhost/meshrun-test/torch-base:{host_codename()}-{tag}"
     if not podman.image_exists(name):
-        podman("build", "--pull=never", "--layers=false", "-f", str(TORCH_BASE_DOCKERFILE),
-               "--build-arg", f"BASE_IMAGE={python_base}", "--build-arg", f"TORCH_VERSION={torch.__version__}",
-               "-t", name, str(wheelhouse), timeout=900)
-    container_python = podman("run", "--rm", "--pull=never", "--entrypoint", "python", name, "-c",
-                              "import sys; print('%d.%d' % sys.version_info[:2])", timeout=120).stdout.strip()
+        podman(
+            "build",
+            "--pull=never",
+            "--layers=false",
+            "-f",
+            str(TORCH_BASE_DOCKERFILE),
+            "--build-arg",
+            f"BASE_IMAGE={python_base}",
+            "--build-arg",
+            f"TORCH_VERSION={torch.__version__}",
+            "-t",
+            name,
+            str(wheelhouse),
+            timeout=900,
+        )
+    container_python = podman(
+        "run",
+        "--rm",
+        "--pull=never",
+        "--entrypoint",
+        "python",
+        name,
+        "-c",
+        "import sys; print('%d.%d' % sys.version_info[:2])",
+        timeout=120,
+    ).stdout.strip()
     host_python = sysconfig.get_python_version()
     if container_python != host_python:
-        pytest.fail(f"the base image has Python {container_python} but the wheelhouse is for {host_python}: "
-                    f"run the tests with the system Python's venv, or set MESHRUN_TEST_CACHE to a fresh folder")
+        pytest.fail(
+            f"the base image has Python {container_python} but the wheelhouse is for {host_python}: "
+            f"run the tests with the system Python's venv, or set MESHRUN_TEST_CACHE to a fresh folder"
+        )
     return name
 
 
@@ -214,11 +258,20 @@ def build_inputs_key(torch_base: str, podman: Podman, wheelhouse: Path) -> str:
     base_id = podman("image", "inspect", "--format", "{{.Id}}", torch_base, timeout=60).stdout.strip()
     digest.update(f"base {base_id}\n".encode())
     digest.update(f"wheels {sorted(p.name for p in wheelhouse.iterdir())}\n".encode())
-    context = [DOCKERFILE, REPO / ".dockerignore", REPO / "pyproject.toml",
-               *sorted((REPO / "src").rglob("*")), *sorted((REPO / "wheelhouse").rglob("*"))]
+    context = [
+        DOCKERFILE,
+        REPO / ".dockerignore",
+        REPO / "pyproject.toml",
+        *sorted((REPO / "src").rglob("*")),
+        *sorted((REPO / "wheelhouse").rglob("*")),
+    ]
     for path in context:
-        if path.is_file() and "__pycache__" not in path.parts and not path.name.endswith(".pyc") \
-                and not any(part.endswith(".egg-info") for part in path.parts):
+        if (
+            path.is_file()
+            and "__pycache__" not in path.parts
+            and not path.name.endswith(".pyc")
+            and not any(part.endswith(".egg-info") for part in path.parts)
+        ):
             digest.update(f"{path.relative_to(REPO)} {path.stat().st_size}\n".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -234,20 +287,43 @@ def image(podman: Podman, torch_base: str, wheelhouse: Path) -> str:
     name = f"{repository}:{build_inputs_key(torch_base, podman, wheelhouse)}"
     if not podman.image_exists(name):
         # --layers=false: nothing cached between builds (no stale layers, no leftover images).
-        podman("build", "--pull=never", "--layers=false", "-f", str(DOCKERFILE),
-               "--build-arg", f"BASE_IMAGE={torch_base}", "--build-arg", "WHEELHOUSE=/wheels",
-               "--volume", f"{wheelhouse}:/wheels:ro", "-t", name, str(REPO), timeout=900)
-        newest_first = podman("images", "--sort", "created", "--format", "{{.Repository}}:{{.Tag}}", repository,
-                              timeout=60).stdout.split()
-        for stale in [tag for tag in newest_first if tag != name][KEPT_IMAGES - 1:]:
+        podman(
+            "build",
+            "--pull=never",
+            "--layers=false",
+            "-f",
+            str(DOCKERFILE),
+            "--build-arg",
+            f"BASE_IMAGE={torch_base}",
+            "--build-arg",
+            "WHEELHOUSE=/wheels",
+            "--volume",
+            f"{wheelhouse}:/wheels:ro",
+            "-t",
+            name,
+            str(REPO),
+            timeout=900,
+        )
+        newest_first = podman(
+            "images", "--sort", "created", "--format", "{{.Repository}}:{{.Tag}}", repository, timeout=60
+        ).stdout.split()
+        for stale in [tag for tag in newest_first if tag != name][KEPT_IMAGES - 1 :]:
             podman("rmi", "--force", "--ignore", stale, check=False)
     return name
 
 
 def wrapper_env(podman: Podman, image: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in podman.env.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env.update(MESHRUN_ENGINE=" ".join(podman.global_args), MESHRUN_IMAGE=image, MESHRUN_DOCKER_ARGS="--pull=never",
-               WANDB_API_KEY=SECRET)
+    env = {
+        k: v
+        for k, v in podman.env.items()
+        if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+    }
+    env.update(
+        MESHRUN_ENGINE=" ".join(podman.global_args),
+        MESHRUN_IMAGE=image,
+        MESHRUN_DOCKER_ARGS="--pull=never",
+        WANDB_API_KEY=SECRET,
+    )
     env.update(extra)
     return env
 
@@ -271,11 +347,33 @@ def test_wrapper_prints_gpu_mounts_and_env_by_name(tmp_path: Path) -> None:
     config = tmp_path / "my job.yaml"
     config.write_text("train:\n  steps: 3\n")
     env = {**os.environ, "WANDB_API_KEY": SECRET, "MASTER_ADDR": "10.0.0.1"}
-    podman_cmd = run([str(WRAPPER), "--print", "--gpus", "0,1", "--runs", str(tmp_path / "runs"), "--data", str(tmp_path),
-                      "--cache", str(tmp_path / "cache"), "train", str(config), "--set", "train.lr=1e-3"],
-                     timeout=30, env={**env, "MESHRUN_ENGINE": "podman"}, cwd=tmp_path).stdout
-    docker_cmd = run([str(WRAPPER), "--print", "--gpus", "0,1", "--ipc-host", "train"],
-                     timeout=30, env={**env, "MESHRUN_ENGINE": "docker"}, cwd=tmp_path).stdout
+    podman_cmd = run(
+        [
+            str(WRAPPER),
+            "--print",
+            "--gpus",
+            "0,1",
+            "--runs",
+            str(tmp_path / "runs"),
+            "--data",
+            str(tmp_path),
+            "--cache",
+            str(tmp_path / "cache"),
+            "train",
+            str(config),
+            "--set",
+            "train.lr=1e-3",
+        ],
+        timeout=30,
+        env={**env, "MESHRUN_ENGINE": "podman"},
+        cwd=tmp_path,
+    ).stdout
+    docker_cmd = run(
+        [str(WRAPPER), "--print", "--gpus", "0,1", "--ipc-host", "train"],
+        timeout=30,
+        env={**env, "MESHRUN_ENGINE": "docker"},
+        cwd=tmp_path,
+    ).stdout
     assert SECRET not in podman_cmd + docker_cmd
     assert "--env WANDB_API_KEY " in podman_cmd and "--env MASTER_ADDR " in podman_cmd
     assert "--device nvidia.com/gpu=0 --device nvidia.com/gpu=1" in podman_cmd
@@ -285,16 +383,24 @@ def test_wrapper_prints_gpu_mounts_and_env_by_name(tmp_path: Path) -> None:
     # The host's config file is mounted read-only and the argument points at the mounted copy.
     assert "/config/my\\ job.yaml:ro" in podman_cmd
     assert podman_cmd.rstrip().endswith("train /config/my\\ job.yaml --set train.lr=1e-3")
-    bad = run([str(WRAPPER), "--print", "train", str(tmp_path / "missing.yaml")], timeout=30,
-              env={**env, "MESHRUN_ENGINE": "podman"}, check=False)
+    bad = run(
+        [str(WRAPPER), "--print", "train", str(tmp_path / "missing.yaml")],
+        timeout=30,
+        env={**env, "MESHRUN_ENGINE": "podman"},
+        check=False,
+    )
     assert bad.returncode == 2 and "missing.yaml not found" in bad.stderr
 
 
 def test_image_keeps_the_base_torch_and_runs_as_non_root(podman: Podman, image: str) -> None:
     probe = "import os, torch, meshrun; print(torch.__version__, os.getuid(), os.getcwd(), os.environ['HOME'])"
-    out = podman("run", "--rm", "--pull=never", "--entrypoint", "python", image, "-c", probe, timeout=120).stdout.split()
+    out = podman(
+        "run", "--rm", "--pull=never", "--entrypoint", "python", image, "-c", probe, timeout=120
+    ).stdout.split()
     assert out == [torch.__version__, str(IMAGE_UID), "/workspace", "/home/meshrun"]
-    entrypoint = podman("image", "inspect", "--format", "{{json .Config.Entrypoint}} {{json .Config.Cmd}}", image).stdout
+    entrypoint = podman(
+        "image", "inspect", "--format", "{{json .Config.Entrypoint}} {{json .Config.Cmd}}", image
+    ).stdout
     assert entrypoint.split() == ['["meshrun"]', '["train"]']
 
 
@@ -302,9 +408,24 @@ def test_build_refuses_a_base_without_torch(podman: Podman, python_base: str, wh
     """The Dockerfile never installs torch itself (that would pull a CUDA build): it says so."""
     name = f"localhost/meshrun-test/no-torch:{uuid.uuid4().hex[:12]}"
     try:
-        result = podman("build", "--pull=never", "--layers=false", "-f", str(DOCKERFILE),
-                        "--build-arg", f"BASE_IMAGE={python_base}", "--build-arg", "WHEELHOUSE=/wheels",
-                        "--volume", f"{wheelhouse}:/wheels:ro", "-t", name, str(REPO), timeout=300, check=False)
+        result = podman(
+            "build",
+            "--pull=never",
+            "--layers=false",
+            "-f",
+            str(DOCKERFILE),
+            "--build-arg",
+            f"BASE_IMAGE={python_base}",
+            "--build-arg",
+            "WHEELHOUSE=/wheels",
+            "--volume",
+            f"{wheelhouse}:/wheels:ro",
+            "-t",
+            name,
+            str(REPO),
+            timeout=300,
+            check=False,
+        )
     finally:
         podman("rmi", "--force", "--ignore", name, check=False)
     assert result.returncode != 0
@@ -316,18 +437,38 @@ def test_default_job_runs_in_the_image(podman: Podman, image: str, tmp_path: Pat
     runs, cache = writable_dir(tmp_path / "runs"), writable_dir(tmp_path / "cache")
     name = f"meshrun-test-{uuid.uuid4().hex[:8]}"
     try:
-        result = run([str(WRAPPER), "--gpus", "none", "--name", name, "--runs", str(runs), "--cache", str(cache),
-                      "train", "--set", "train.steps=3"], timeout=480, env=wrapper_env(podman, image))
+        result = run(
+            [
+                str(WRAPPER),
+                "--gpus",
+                "none",
+                "--name",
+                name,
+                "--runs",
+                str(runs),
+                "--cache",
+                str(cache),
+                "train",
+                "--set",
+                "train.steps=3",
+            ],
+            timeout=480,
+            env=wrapper_env(podman, image),
+        )
     finally:
         podman.remove_container(name)
     output = result.stdout + result.stderr
     assert SECRET not in output
     run_dir = runs / "default"  # configs/default.yaml's run_dir, relative to the image's /workspace
-    assert [row["step"] for row in read_metrics(run_dir) if "loss" in row][-1:] == [3], output  # logs every 20 steps, and at the last
+    assert [row["step"] for row in read_metrics(run_dir) if "loss" in row][-1:] == [3], (
+        output
+    )  # logs every 20 steps, and at the last
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["run_dir"] == "/workspace/runs/default"
     assert (run_dir / "summary.json").stat().st_uid == IMAGE_UID  # written by the image's non-root user
-    assert list((cache / "meshrun" / "python-stdlib-bpe2048").iterdir()), "default dataset not prepared in the cache mount"
+    assert list((cache / "meshrun" / "python-stdlib-bpe2048").iterdir()), (
+        "default dataset not prepared in the cache mount"
+    )
     assert not [p for p in run_dir.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
 
 
@@ -346,18 +487,54 @@ def test_containers_join_as_torchrun_workers(podman: Podman, image: str, data_di
     for path in [shared_data, *shared_data.iterdir()]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     port = free_port()
-    job = ["train", "--set=data.dir=/data", "--set=run_dir=runs/workers", "--set=parallel.dp=1", "--set=parallel.pp=2",
-           "--set=model.num_layers=4", "--set=model.dim=32", "--set=model.num_heads=2", "--set=model.seq_len=16",
-           "--set=train.global_batch=8", "--set=train.micro_batch=2", "--set=train.steps=3", "--set=train.log_interval=1",
-           "--set=train.eval_interval=0", "--set=precision=fp32", "--set=recompute=none", "--set=tracker.mode=disabled"]
+    job = [
+        "train",
+        "--set=data.dir=/data",
+        "--set=run_dir=runs/workers",
+        "--set=parallel.dp=1",
+        "--set=parallel.pp=2",
+        "--set=model.num_layers=4",
+        "--set=model.dim=32",
+        "--set=model.num_heads=2",
+        "--set=model.seq_len=16",
+        "--set=train.global_batch=8",
+        "--set=train.micro_batch=2",
+        "--set=train.steps=3",
+        "--set=train.log_interval=1",
+        "--set=train.eval_interval=0",
+        "--set=precision=fp32",
+        "--set=recompute=none",
+        "--set=tracker.mode=disabled",
+    ]
     names = [f"meshrun-test-{uuid.uuid4().hex[:8]}-rank{rank}" for rank in range(2)]
     procs = []
     try:
         for rank, name in enumerate(names):
-            env = wrapper_env(podman, image, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-            argv = [str(WRAPPER), "--gpus", "none", "--host-network", "--name", name, "--runs", str(runs),
-                    "--data", str(shared_data), "--cache", str(writable_dir(tmp_path / f"cache{rank}")), *job]
+            env = wrapper_env(
+                podman,
+                image,
+                RANK=str(rank),
+                LOCAL_RANK="0",
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                GLOO_SOCKET_IFNAME="lo",
+            )
+            argv = [
+                str(WRAPPER),
+                "--gpus",
+                "none",
+                "--host-network",
+                "--name",
+                name,
+                "--runs",
+                str(runs),
+                "--data",
+                str(shared_data),
+                "--cache",
+                str(writable_dir(tmp_path / f"cache{rank}")),
+                *job,
+            ]
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = []
         for proc in procs:
@@ -373,7 +550,9 @@ def test_containers_join_as_torchrun_workers(podman: Podman, image: str, data_di
         for name in names:
             podman.remove_container(name)
     assert [proc.returncode for proc in procs] == [0, 0], "\n\n".join(o[-4000:] for o in outputs)
-    assert not any("starting 2 workers" in o for o in outputs), "a container launched torchrun instead of being a worker"
+    assert not any("starting 2 workers" in o for o in outputs), (
+        "a container launched torchrun instead of being a worker"
+    )
     run_dir = runs / "workers"
     assert [row["step"] for row in read_metrics(run_dir) if "loss" in row] == [1, 2, 3]
     assert json.loads((run_dir / "config.json").read_text())["parallel"]["pp"] == 2

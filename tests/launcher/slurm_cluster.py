@@ -35,7 +35,9 @@ class SlurmCluster:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def run(self, *argv: str, timeout: float = 60, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        done = subprocess.run(argv, env=kw.pop("env", self.env), capture_output=True, text=True, timeout=timeout, check=False, **kw)
+        done = subprocess.run(
+            argv, env=kw.pop("env", self.env), capture_output=True, text=True, timeout=timeout, check=False, **kw
+        )
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
         return done
@@ -98,8 +100,10 @@ def write_conf(root: Path, munge_socket: Path) -> Path:
         "ReturnToService=2",
         "MinJobAge=300",  # keep finished jobs visible to `scontrol show job`
         "KillWait=30",
-        *(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs=2 RealMemory=2000"
-          for n, p in zip(NODES, node_ports)),
+        *(
+            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs=2 RealMemory=2000"
+            for n, p in zip(NODES, node_ports)
+        ),
         f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP",
     ]
     for sub in ("state", *(f"spool/{n}" for n in NODES)):
@@ -134,19 +138,36 @@ def slurm_cluster_fixture(tmp_path_factory: pytest.TempPathFactory):
     procs: list[subprocess.Popen] = []
 
     def start(argv: list[str]) -> None:
-        procs.append(subprocess.Popen(argv, env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                argv, env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
+        )
 
     try:
-        start(["runuser", "-u", "munge", "--", "munged", "--foreground", f"--socket={munge_socket}",
-               f"--pid-file={munge_dir}/munged.pid", f"--log-file={munge_dir}/munged.log",
-               f"--seed-file={munge_dir}/munged.seed"])
+        start(
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                "munged",
+                "--foreground",
+                f"--socket={munge_socket}",
+                f"--pid-file={munge_dir}/munged.pid",
+                f"--log-file={munge_dir}/munged.log",
+                f"--seed-file={munge_dir}/munged.seed",
+            ]
+        )
         wait_until(munge_socket.exists, timeout=30, what="munged", cluster=cluster)
         start(["slurmctld", "-D", "-i"])
         for node in NODES:
             start(["slurmd", "-D", "-N", node])
+
         def idle() -> bool:
-            return set(cluster.run("sinfo", "-h", "-N", "-t", "idle", "-o", "%N", check=False).stdout.split()) >= set(NODES)
+            return set(cluster.run("sinfo", "-h", "-N", "-t", "idle", "-o", "%N", check=False).stdout.split()) >= set(
+                NODES
+            )
 
         wait_until(idle, timeout=60, what=f"nodes {NODES} idle", cluster=cluster)
         yield cluster

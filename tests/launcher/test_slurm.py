@@ -32,10 +32,18 @@ def test_render_splits_workers_over_nodes_and_keeps_site_settings_optional(tmp_p
     config = tmp_path / "job.yaml"
     config.write_text("parallel:\n  dp: 4\n  pp: 2\n")
     cfg = load_config(config, ["train.lr=3e-4", "launch.max_restarts=2"])
-    script = render_sbatch(cfg, config=config, overrides=["train.lr=3e-4", "launch.max_restarts=2"], nodes=2, gpus_per_node=4)
+    script = render_sbatch(
+        cfg, config=config, overrides=["train.lr=3e-4", "launch.max_restarts=2"], nodes=2, gpus_per_node=4
+    )
     assert header(script) == [
-        "--job-name=meshrun", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--signal=B:USR1@300",
-        "--requeue", "--open-mode=append", "--output=slurm-%x-%j.out",
+        "--job-name=meshrun",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=4",
+        "--signal=B:USR1@300",
+        "--requeue",
+        "--open-mode=append",
+        "--output=slurm-%x-%j.out",
     ]
     assert f"MESHRUN_ARGS=({config.resolve()} --set=train.lr=3e-4 --set=launch.max_restarts=2)" in script
     assert "NPROC_PER_NODE=4\n" in script and "MAX_RESTARTS=2\n" in script
@@ -43,19 +51,39 @@ def test_render_splits_workers_over_nodes_and_keeps_site_settings_optional(tmp_p
     assert '--rdzv-endpoint="$HEAD:$PORT" --rdzv-id="$SLURM_JOB_ID"' in script  # c10d: meshrun.launcher.torchrun
     assert "torch.distributed.run" not in script  # the torchrun command line is built in one place
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
-    site = render_sbatch(cfg, config=None, overrides=[], nodes=8, gpus_per_node=1, partition="gpu", account="proj",
-                         time="4:00:00", cpus_per_task=16, signal_seconds=90, sbatch_options=["--qos=high"])
-    assert {"--partition=gpu", "--account=proj", "--time=4:00:00", "--cpus-per-task=16", "--signal=B:USR1@90",
-            "--qos=high"} <= set(header(site))
+    site = render_sbatch(
+        cfg,
+        config=None,
+        overrides=[],
+        nodes=8,
+        gpus_per_node=1,
+        partition="gpu",
+        account="proj",
+        time="4:00:00",
+        cpus_per_task=16,
+        signal_seconds=90,
+        sbatch_options=["--qos=high"],
+    )
+    assert {
+        "--partition=gpu",
+        "--account=proj",
+        "--time=4:00:00",
+        "--cpus-per-task=16",
+        "--signal=B:USR1@90",
+        "--qos=high",
+    } <= set(header(site))
     assert "MESHRUN_ARGS=()" in site  # no config: the packaged default
     for text in (script, site, template()):
         assert subprocess.run(["bash", "-n"], input=text, text=True, check=False).returncode == 0
 
 
-@pytest.mark.parametrize("nodes,gpus,message", [
-    (3, 0, "--nodes 3 must divide parallel.dp x parallel.pp"),
-    (2, 2, "4 per node, but --gpus-per-node is 2"),
-])
+@pytest.mark.parametrize(
+    "nodes,gpus,message",
+    [
+        (3, 0, "--nodes 3 must divide parallel.dp x parallel.pp"),
+        (2, 2, "4 per node, but --gpus-per-node is 2"),
+    ],
+)
 def test_render_refuses_layouts_that_do_not_fit(nodes: int, gpus: int, message: str) -> None:
     cfg = load_config(None, ["parallel.dp=4", "parallel.pp=2"])
     with pytest.raises(ConfigError, match=message):
@@ -65,18 +93,26 @@ def test_render_refuses_layouts_that_do_not_fit(nodes: int, gpus: int, message: 
 def test_launch_script_is_the_rendered_template() -> None:
     """launch/slurm.sbatch is the package's template, and `meshrun slurm` scripts end with its job part."""
     assert (REPO / "launch" / "slurm.sbatch").read_text() == template()
-    script = render_sbatch(load_config(None, ["parallel.dp=1", "parallel.pp=2"]), config=None, overrides=[], nodes=2,
-                           gpus_per_node=1)
+    script = render_sbatch(
+        load_config(None, ["parallel.dp=1", "parallel.pp=2"]), config=None, overrides=[], nodes=2, gpus_per_node=1
+    )
     job = template().split(BODY_MARKER, 1)[1]
     assert len(job.splitlines()) > 50 and script.endswith(job) and BODY_MARKER not in script
 
 
 def test_cli_prints_the_script_and_exits_2_on_bad_layouts(tmp_path: Path) -> None:
-    ok = run_meshrun(["slurm", "--set=parallel.dp=1", "--set=parallel.pp=2", "--nodes=2", "--gpus-per-node=1", "--partition=p1"],
-                     tmp_path=tmp_path, timeout=60)
+    ok = run_meshrun(
+        ["slurm", "--set=parallel.dp=1", "--set=parallel.pp=2", "--nodes=2", "--gpus-per-node=1", "--partition=p1"],
+        tmp_path=tmp_path,
+        timeout=60,
+    )
     assert ok.stdout.startswith("#!/usr/bin/env bash") and "#SBATCH --partition=p1" in ok.stdout
-    bad = run_meshrun(["slurm", "--set=parallel.dp=1", "--set=parallel.pp=2", "--nodes=4", "--gpus-per-node=1"], tmp_path=tmp_path,
-                      timeout=60, check=False)
+    bad = run_meshrun(
+        ["slurm", "--set=parallel.dp=1", "--set=parallel.pp=2", "--nodes=4", "--gpus-per-node=1"],
+        tmp_path=tmp_path,
+        timeout=60,
+        check=False,
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--nodes 4 must divide" in bad.stderr
 
 
@@ -86,8 +122,13 @@ def test_cli_prints_the_script_and_exits_2_on_bad_layouts(tmp_path: Path) -> Non
 def job_env(cluster: SlurmCluster, tmp_path: Path) -> dict[str, str]:
     """What the test submits with: sbatch passes it on to the job. Node names n1/n2 do not resolve
     here, so the rendezvous goes to 127.0.0.1 (on a real cluster: the first node's name)."""
-    return meshrun_env(tmp_path, SLURM_CONF=str(cluster.conf), MESHRUN_RDZV_HOST="127.0.0.1",
-                       MESHRUN_RDZV_PORT=str(free_port()), MESHRUN_PYTHON=sys.executable)
+    return meshrun_env(
+        tmp_path,
+        SLURM_CONF=str(cluster.conf),
+        MESHRUN_RDZV_HOST="127.0.0.1",
+        MESHRUN_RDZV_PORT=str(free_port()),
+        MESHRUN_PYTHON=sys.executable,
+    )
 
 
 def slurm_args(data_dir: Path, run_dir: Path) -> list[str]:
@@ -109,8 +150,16 @@ def uninterrupted(slurm_cluster: SlurmCluster, data_dir: Path, tmp_path_factory:
     script = tmp / "job.sbatch"
     script.write_text(run_meshrun(slurm_args(data_dir, tmp / "run"), tmp_path=tmp, timeout=60).stdout)
     try:
-        done = slurm_cluster.run("sbatch", "--wait", "--parsable", str(script), env=job_env(slurm_cluster, tmp),
-                                 cwd=tmp, timeout=300, check=False)
+        done = slurm_cluster.run(
+            "sbatch",
+            "--wait",
+            "--parsable",
+            str(script),
+            env=job_env(slurm_cluster, tmp),
+            cwd=tmp,
+            timeout=300,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"sbatch --wait timed out\n{job_log(tmp)}\n{slurm_cluster.log_tails()}")
     assert done.returncode == 0, f"job failed: {done.stderr}\n{job_log(tmp)}\n{slurm_cluster.log_tails()}"
@@ -136,9 +185,14 @@ def test_usr1_checkpoints_requeues_and_resumes_bit_identical(
     assert job.isdigit(), submitted.stdout
     try:
         # signal mid-run: after a few steps are logged, well before the last
-        wait_until(lambda: (run_dir / "metrics.jsonl").exists() and len(loss_steps(run_dir)) >= 3, timeout=180,
-                   what="the first steps", cluster=slurm_cluster)
+        wait_until(
+            lambda: (run_dir / "metrics.jsonl").exists() and len(loss_steps(run_dir)) >= 3,
+            timeout=180,
+            what="the first steps",
+            cluster=slurm_cluster,
+        )
         slurm_cluster.run("scancel", "--signal=USR1", "--batch", job)
+
         def finished() -> bool:
             return slurm_cluster.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 

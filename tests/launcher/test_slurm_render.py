@@ -24,23 +24,29 @@ def refused(args: list[str], tmp_path: Path) -> str:
     return result.stderr
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--partition", "gpu" + INJECTED, "--partition"),
-    ("--account", "lab" + INJECTED, "--account"),
-    ("--time", "banana", "--time \"banana\" is not valid"),
-    ("--job-name", "train" + INJECTED, "--job-name"),
-    ("--sbatch", "--qos=high" + INJECTED, "--sbatch"),
-    ("--cpus-per-task", "-4", "--cpus-per-task must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--partition", "gpu" + INJECTED, "--partition"),
+        ("--account", "lab" + INJECTED, "--account"),
+        ("--time", "banana", "--time \"banana\" is not valid"),
+        ("--job-name", "train" + INJECTED, "--job-name"),
+        ("--sbatch", "--qos=high" + INJECTED, "--sbatch"),
+        ("--cpus-per-task", "-4", "--cpus-per-task must be >= 1"),
+    ],
+)
 def test_cli_refuses_values_that_would_escape_the_header(flag: str, value: str, message: str, tmp_path: Path) -> None:
     assert message in refused([*BASE, f"{flag}={value}"], tmp_path)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model.num_layers=1"], "model.num_layers"),
-    (["model.factory=no_such_module:build"], "model.factory"),
-    (["run_dir=a_file"], "run_dir"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.num_layers=1"], "model.num_layers"),
+        (["model.factory=no_such_module:build"], "model.factory"),
+        (["run_dir=a_file"], "run_dir"),
+    ],
+)
 def test_cli_runs_the_train_preflight(overrides: list[str], message: str, tmp_path: Path) -> None:
     (tmp_path / "a_file").write_text("not a folder\n")
     assert message in refused([*BASE, *(f"--set={o}" for o in overrides)], tmp_path)
@@ -52,20 +58,42 @@ def render(**options: object) -> str:
 
 
 def test_valid_values_render_one_line_each() -> None:
-    script = render(partition="gpu,debug", account="lab-1", time="1-12:00:00", cpus_per_task=8,
-                    job_name="my run", sbatch_options=["--qos=high", "--constraint=a100&ib", "--exclusive"])
+    script = render(
+        partition="gpu,debug",
+        account="lab-1",
+        time="1-12:00:00",
+        cpus_per_task=8,
+        job_name="my run",
+        sbatch_options=["--qos=high", "--constraint=a100&ib", "--exclusive"],
+    )
     header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
-    for expected in ("--partition=gpu,debug", "--account=lab-1", "--time=1-12:00:00", "--cpus-per-task=8",
-                     '--job-name="my run"', "--qos=high", "--constraint=a100&ib", "--exclusive"):
+    for expected in (
+        "--partition=gpu,debug",
+        "--account=lab-1",
+        "--time=1-12:00:00",
+        "--cpus-per-task=8",
+        '--job-name="my run"',
+        "--qos=high",
+        "--constraint=a100&ib",
+        "--exclusive",
+    ):
         assert f"#SBATCH {expected}" in header
     assert "--wrap" not in "\n".join(header)  # the run_dir's newline stays escaped in its comment
 
 
-@pytest.mark.parametrize("options", [
-    {"time": "4:00:00\n#SBATCH --wrap=id"}, {"time": ""}, {"partition": "a b"}, {"account": "x;y"},
-    {"job_name": 'say "hi"'}, {"sbatch_options": ["-q high"]}, {"sbatch_options": ["--comment=a b"]},
-    {"cpus_per_task": 0},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"time": "4:00:00\n#SBATCH --wrap=id"},
+        {"time": ""},
+        {"partition": "a b"},
+        {"account": "x;y"},
+        {"job_name": 'say "hi"'},
+        {"sbatch_options": ["-q high"]},
+        {"sbatch_options": ["--comment=a b"]},
+        {"cpus_per_task": 0},
+    ],
+)
 def test_render_refuses_bad_values(options: dict) -> None:
     with pytest.raises(ConfigError, match="--"):
         render(**options)

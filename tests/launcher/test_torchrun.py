@@ -26,21 +26,44 @@ def test_one_node_uses_a_private_rendezvous() -> None:
     cfg = load_config(None, ["parallel.dp=2", "parallel.pp=2", "launch.max_restarts=3"])
     argv = torchrun_argv(cfg, ["train", "--set=parallel.dp=2"])
     assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert argv[3:] == ["--standalone", "--nproc-per-node=4", "--max-restarts=3", "-m", "meshrun", "train", "--set=parallel.dp=2"]
+    assert argv[3:] == [
+        "--standalone",
+        "--nproc-per-node=4",
+        "--max-restarts=3",
+        "-m",
+        "meshrun",
+        "train",
+        "--set=parallel.dp=2",
+    ]
 
 
 def test_multi_node_uses_c10d_rendezvous_with_workers_split_over_nodes() -> None:
-    cfg = load_config(None, ["parallel.dp=4", "parallel.pp=2", "launch.nnodes=2", "launch.rdzv_endpoint=head:29400",
-                             "launch.rdzv_id=77"])
+    cfg = load_config(
+        None,
+        ["parallel.dp=4", "parallel.pp=2", "launch.nnodes=2", "launch.rdzv_endpoint=head:29400", "launch.rdzv_id=77"],
+    )
     argv = torchrun_argv(cfg, ["train"])
     assert argv[3:] == [
-        "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=head:29400", "--rdzv-id=77",
-        "--nproc-per-node=4", "--max-restarts=0", "-m", "meshrun", "train",
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=head:29400",
+        "--rdzv-id=77",
+        "--nproc-per-node=4",
+        "--max-restarts=0",
+        "-m",
+        "meshrun",
+        "train",
     ]
 
 
 def test_host_node_and_local_address_reach_torchrun() -> None:
-    base = ["parallel.dp=1", "parallel.pp=2", "launch.nnodes=2", "launch.rdzv_endpoint=10.0.0.1:1234", "launch.local_addr=10.0.0.2"]
+    base = [
+        "parallel.dp=1",
+        "parallel.pp=2",
+        "launch.nnodes=2",
+        "launch.rdzv_endpoint=10.0.0.1:1234",
+        "launch.local_addr=10.0.0.2",
+    ]
     guest = torchrun_argv(load_config(None, [*base, "launch.host_node=false"]), ["train"])
     assert "--rdzv-conf=is_host=0" in guest and "--local-addr=10.0.0.2" in guest and "--nproc-per-node=1" in guest
     host = torchrun_argv(load_config(None, [*base, "launch.host_node=true"]), ["train"])
@@ -53,24 +76,45 @@ def test_one_node_with_an_endpoint_still_uses_it() -> None:
     assert "--standalone" not in argv and "--nnodes=1" in argv and "--rdzv-endpoint=127.0.0.1:2000" in argv
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--nnodes=3", "--rdzv-endpoint=h:1"], "launch.nnodes (3) must divide parallel.dp x parallel.pp (2 x 2 = 4)"),
-    (["--nnodes=2"], "launch.rdzv_endpoint"),
-    (["--nnodes=2", "--rdzv-endpoint=h:1", "--nproc-per-node=4"], "launch.nnodes x launch.nproc_per_node (2 x 4)"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--nnodes=3", "--rdzv-endpoint=h:1"], "launch.nnodes (3) must divide parallel.dp x parallel.pp (2 x 2 = 4)"),
+        (["--nnodes=2"], "launch.rdzv_endpoint"),
+        (["--nnodes=2", "--rdzv-endpoint=h:1", "--nproc-per-node=4"], "launch.nnodes x launch.nproc_per_node (2 x 4)"),
+    ],
+)
 def test_bad_node_layouts_exit_2_with_one_line(flags: list[str], message: str, tmp_path: Path) -> None:
-    result = run_meshrun(["train", "--set=parallel.dp=2", "--set=parallel.pp=2", *flags, "--dry-run"],
-                         tmp_path=tmp_path, timeout=60, check=False)
+    result = run_meshrun(
+        ["train", "--set=parallel.dp=2", "--set=parallel.pp=2", *flags, "--dry-run"],
+        tmp_path=tmp_path,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
 
 
 def test_flags_land_in_the_launch_section(tmp_path: Path) -> None:
-    result = run_meshrun(["train", "--set=parallel.dp=2", "--nnodes=2", "--rdzv-endpoint=h:5", "--rdzv-id=j1",
-                          "--local-addr=10.1.1.1", "--no-host-node", "--max-restarts=2", "--dry-run"],
-                         tmp_path=tmp_path, timeout=60)
-    assert ("nnodes: 2\n  nproc_per_node: null\n  rdzv_endpoint: h:5\n  rdzv_id: j1\n  local_addr: 10.1.1.1\n"
-            "  host_node: false") in result.stdout
+    result = run_meshrun(
+        [
+            "train",
+            "--set=parallel.dp=2",
+            "--nnodes=2",
+            "--rdzv-endpoint=h:5",
+            "--rdzv-id=j1",
+            "--local-addr=10.1.1.1",
+            "--no-host-node",
+            "--max-restarts=2",
+            "--dry-run",
+        ],
+        tmp_path=tmp_path,
+        timeout=60,
+    )
+    assert (
+        "nnodes: 2\n  nproc_per_node: null\n  rdzv_endpoint: h:5\n  rdzv_id: j1\n  local_addr: 10.1.1.1\n"
+        "  host_node: false"
+    ) in result.stdout
     assert "max_restarts: 2" in result.stdout
 
 
@@ -87,8 +131,9 @@ def run_nodes(nodes: list[tuple[list[str], dict[str, str]]], *, cwd: Path, timeo
     """Start one agent command per node at once; all must exit 0. Every process group is killed on
     timeout or failure, so no worker outlives the test."""
     procs = [
-        subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+        subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         for argv, env in nodes
     ]
     outputs: list[str] = []
@@ -126,24 +171,41 @@ def assert_same_as_one_node(run: Path, one_node: Path) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_two_agents_over_loopback_with_meshrun_train(data_dir: Path, tmp_path: Path,
-                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_two_agents_over_loopback_with_meshrun_train(
+    data_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """dp1 x pp2: one pipeline stage per node, activations cross the node boundary."""
     endpoint, job = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    args = ["train", *tiny(data_dir, tmp_path / "run", **STEPS, **{"parallel.dp": 1, "parallel.pp": 2}),
-            "--nnodes=2", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}"]
+    args = [
+        "train",
+        *tiny(data_dir, tmp_path / "run", **STEPS, **{"parallel.dp": 1, "parallel.pp": 2}),
+        "--nnodes=2",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={job}",
+    ]
     node = ([sys.executable, "-m", "meshrun", *args], meshrun_env(tmp_path))
     run_nodes([node, node], cwd=tmp_path)
     assert_same_as_one_node(tmp_path / "run", reference(data_dir, tmp_path_factory, 1, 2))
 
 
 @pytest.mark.timeout(400)
-def test_two_agents_over_loopback_with_launch_script(data_dir: Path, tmp_path: Path,
-                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_two_agents_over_loopback_with_launch_script(
+    data_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """dp2 x pp1 through launch/torchrun.sh: gradient all-reduce crosses the node boundary."""
-    env = meshrun_env(tmp_path, NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
-                      RDZV_ID=uuid.uuid4().hex[:8], PYTHON=sys.executable)
-    argv = ["bash", str(REPO / "launch" / "torchrun.sh"), *tiny(data_dir, tmp_path / "run", **STEPS, **{"parallel.dp": 2, "parallel.pp": 1})]
+    env = meshrun_env(
+        tmp_path,
+        NNODES="2",
+        NPROC_PER_NODE="1",
+        RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
+        RDZV_ID=uuid.uuid4().hex[:8],
+        PYTHON=sys.executable,
+    )
+    argv = [
+        "bash",
+        str(REPO / "launch" / "torchrun.sh"),
+        *tiny(data_dir, tmp_path / "run", **STEPS, **{"parallel.dp": 2, "parallel.pp": 1}),
+    ]
     run_nodes([(argv, env), (argv, env)], cwd=tmp_path)
     assert_same_as_one_node(tmp_path / "run", reference(data_dir, tmp_path_factory, 2, 1))
 
@@ -188,17 +250,33 @@ def two_hosts():
 
 
 @pytest.mark.timeout(400)
-def test_two_hosts_in_network_namespaces(two_hosts, data_dir: Path, tmp_path: Path,
-                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_two_hosts_in_network_namespaces(
+    two_hosts, data_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """dp1 x pp2 across two network namespaces with their own addresses: the host node binds the
     rendezvous store on its address, each node names its own address and interface."""
     host_addr = two_hosts[0][2]
-    common = ["train", *tiny(data_dir, tmp_path / "run", **STEPS, **{"parallel.dp": 1, "parallel.pp": 2}),
-              "--nnodes=2", f"--rdzv-endpoint={host_addr}:29400", f"--rdzv-id={uuid.uuid4().hex[:8]}"]
+    common = [
+        "train",
+        *tiny(data_dir, tmp_path / "run", **STEPS, **{"parallel.dp": 1, "parallel.pp": 2}),
+        "--nnodes=2",
+        f"--rdzv-endpoint={host_addr}:29400",
+        f"--rdzv-id={uuid.uuid4().hex[:8]}",
+    ]
     nodes = []
     for i, (ns, veth, addr) in enumerate(two_hosts):
-        argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "meshrun", *common,
-                f"--local-addr={addr}", "--host-node" if i == 0 else "--no-host-node"]
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            sys.executable,
+            "-m",
+            "meshrun",
+            *common,
+            f"--local-addr={addr}",
+            "--host-node" if i == 0 else "--no-host-node",
+        ]
         nodes.append((argv, meshrun_env(tmp_path, GLOO_SOCKET_IFNAME=veth)))
     run_nodes(nodes, cwd=tmp_path)
     assert_same_as_one_node(tmp_path / "run", reference(data_dir, tmp_path_factory, 1, 2))

@@ -34,8 +34,18 @@ CUDA_NAMES = {
     "V100 PCIe 32GB": ["Tesla V100-PCIE-32GB"],
     "T4": ["Tesla T4"],
 }
-UNKNOWN = ["NVIDIA A10G", "NVIDIA L4 Ti", "NVIDIA H100", "NVIDIA GeForce RTX 4090 D", "NVIDIA A100", "AMD Instinct MI300X",
-           "NVIDIA L40SX", "Tesla T40", "NVIDIA A800-SXM4-80GB", ""]
+UNKNOWN = [
+    "NVIDIA A10G",
+    "NVIDIA L4 Ti",
+    "NVIDIA H100",
+    "NVIDIA GeForce RTX 4090 D",
+    "NVIDIA A100",
+    "AMD Instinct MI300X",
+    "NVIDIA L40SX",
+    "Tesla T40",
+    "NVIDIA A800-SXM4-80GB",
+    "",
+]
 
 
 def test_every_entry_has_a_named_device_here() -> None:

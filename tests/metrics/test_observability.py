@@ -25,9 +25,16 @@ pytestmark = pytest.mark.timeout(1200)
 RUN_TIMEOUT = 600
 
 SETTINGS = {
-    "model.num_layers": 2, "parallel.pp": 2, "train.steps": 4, "train.log_interval": 2, "train.eval_interval": 2,
-    "checkpoint.interval": 2, "tracker.mode": "offline", "tracker.backends": "[tensorboard,jsonl]",
-    "metrics.peak_tflops": 0.001, "profile.steps": "[4]",
+    "model.num_layers": 2,
+    "parallel.pp": 2,
+    "train.steps": 4,
+    "train.log_interval": 2,
+    "train.eval_interval": 2,
+    "checkpoint.interval": 2,
+    "tracker.mode": "offline",
+    "tracker.backends": "[tensorboard,jsonl]",
+    "metrics.peak_tflops": 0.001,
+    "profile.steps": "[4]",
 }
 
 
@@ -43,8 +50,12 @@ def resumed_run(data_dir: Path, profiled_run: Path, tmp_path_factory: pytest.Tem
     tmp_path = tmp_path_factory.mktemp("resumed")
     run = tmp_path / "run"
     shutil.copytree(profiled_run, run)
-    resume = {**SETTINGS, "train.resume": run / "checkpoints" / "step-00000002", "profile.steps": "[3]",
-              "profile.ranks": "[1]"}
+    resume = {
+        **SETTINGS,
+        "train.resume": run / "checkpoints" / "step-00000002",
+        "profile.steps": "[3]",
+        "profile.ranks": "[1]",
+    }
     run_meshrun(["train", *tiny(data_dir, run, **resume)], tmp_path=tmp_path, timeout=RUN_TIMEOUT)
     return run
 
@@ -68,7 +79,16 @@ def scalar_rows(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def assert_same_scalars(run_dir: Path, steps: range) -> None:
     events = read_tensorboard(run_dir)
     expected = scalar_rows(run_dir)
-    assert {"loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "memory_gb/stage1"} <= expected.keys()
+    assert {
+        "loss",
+        "val_loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+        "bubble",
+        "memory_gb/stage1",
+    } <= expected.keys()
     assert sorted(events.Tags()["scalars"]) == sorted(expected)
     for tag, rows in expected.items():
         logged = [(event.step, event.value) for event in events.Scalars(tag)]
@@ -86,7 +106,8 @@ def test_tensorboard_holds_the_resolved_config(profiled_run: Path) -> None:
     markdown = text.tensor_proto.string_val[0].decode()
     assert markdown.startswith("```json\n") and markdown.endswith("\n```")
     assert json.loads(markdown.removeprefix("```json\n").removesuffix("\n```")) == json.loads(
-        (profiled_run / "config.json").read_text())
+        (profiled_run / "config.json").read_text()
+    )
 
 
 def test_resumed_run_continues_the_log_without_duplicate_steps(resumed_run: Path) -> None:
@@ -123,7 +144,8 @@ def test_only_the_chosen_ranks_and_steps_are_traced(resumed_run: Path) -> None:
     traces = sorted(p.name for p in (resumed_run / "profile").iterdir())
     assert traces == ["step3-rank1.json", "step4-rank0.json", "step4-rank1.json"]  # the last two: the first run's
     assert {f"meshrun.pp:1{kind}{mb}" for kind in "FB" for mb in range(4)} <= trace_marks(
-        resumed_run / "profile" / "step3-rank1.json").keys()
+        resumed_run / "profile" / "step3-rank1.json"
+    ).keys()
 
 
 def test_timeline_picture_shows_the_logged_bubble_of_its_step(profiled_run: Path) -> None:
@@ -140,7 +162,8 @@ def test_timeline_picture_shows_the_logged_bubble_of_its_step(profiled_run: Path
         from_traces.append(1 - busy / (end - start))
         drawn = timeline["stages"][str(stage)]
         assert sorted(f"{a['kind']}{a['microbatch']}" for a in drawn["actions"]) == sorted(
-            f"{kind}{mb}" for kind in "FB" for mb in range(4))
+            f"{kind}{mb}" for kind in "FB" for mb in range(4)
+        )
         assert abs(drawn["wall"] * 1e6 - (end - start)) < 0.01  # microseconds: the trace rounds to ns
     assert abs(sum(from_traces) / 2 - timeline["bubble"]) < 1e-6
     assert 0.0 < timeline["bubble"] < 1.0
@@ -186,18 +209,27 @@ def test_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     proc = run_meshrun(["report", "empty"], tmp_path=tmp_path, timeout=60, check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("meshrun: error: empty is not a meshrun run directory (no config.json); "
-                                   "pass the run_dir of a training job")
+    assert proc.stderr.strip() == (
+        "meshrun: error: empty is not a meshrun run directory (no config.json); pass the run_dir of a training job"
+    )
     assert not (tmp_path / "report.png").exists()
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("tracker.backends=[wandb,tb]", "invalid tracker.backends[1]: use 'wandb', 'tensorboard' or 'jsonl' (got \"tb\")"),
-    ("tracker.backends=[jsonl,jsonl]", "invalid tracker.backends: name each backend once (got ['jsonl', 'jsonl'])"),
-    ("profile.steps=[0]", "invalid profile.steps[0]: Input should be greater than or equal to 1 (got 0)"),
-    ("profile.memory_snapshot=true", ("invalid profile: profile.memory_snapshot needs profile.steps (the steps to "
-                                      "snapshot), e.g. [5]")),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "tracker.backends=[wandb,tb]",
+            "invalid tracker.backends[1]: use 'wandb', 'tensorboard' or 'jsonl' (got \"tb\")",
+        ),
+        ("tracker.backends=[jsonl,jsonl]", "invalid tracker.backends: name each backend once (got ['jsonl', 'jsonl'])"),
+        ("profile.steps=[0]", "invalid profile.steps[0]: Input should be greater than or equal to 1 (got 0)"),
+        (
+            "profile.memory_snapshot=true",
+            ("invalid profile: profile.memory_snapshot needs profile.steps (the steps to snapshot), e.g. [5]"),
+        ),
+    ],
+)
 def test_observability_settings_are_checked(override: str, message: str) -> None:
     from meshrun.config import load_config
     from meshrun.errors import ConfigError

@@ -26,8 +26,15 @@ def run_on_terminal(args: list[str], *, tmp_path: Path, timeout: float = 600) ->
     """`python -m meshrun ARGS` with stdout and stderr on a pseudo-terminal; what it displayed."""
     master, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns, as a real one
-    proc = subprocess.Popen([sys.executable, "-m", "meshrun", *args], cwd=tmp_path, env=meshrun_env(tmp_path),
-                            stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshrun", *args],
+        cwd=tmp_path,
+        env=meshrun_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=terminal,
+        start_new_session=True,
+    )
     os.close(terminal)
     shown, deadline = b"", time.monotonic() + timeout
     try:
@@ -52,7 +59,9 @@ def run_on_terminal(args: list[str], *, tmp_path: Path, timeout: float = 600) ->
 def test_terminal_shows_a_live_bar_with_loss_throughput_and_eta(data_dir: Path, tmp_path: Path) -> None:
     settings = {"train.steps": STEPS, "train.eval_interval": STEPS}
     shown = run_on_terminal(["train", *tiny(data_dir, tmp_path / "run", **settings)], tmp_path=tmp_path)
-    frames = re.findall(rf"\[meshrun\] step (\d)/{STEPS} \|[^|]*\| ETA [0-9:?]+(, loss [0-9.]+, [0-9.]+k tok/s)?", shown)
+    frames = re.findall(
+        rf"\[meshrun\] step (\d)/{STEPS} \|[^|]*\| ETA [0-9:?]+(, loss [0-9.]+, [0-9.]+k tok/s)?", shown
+    )
     drawn = [int(step) for step, postfix in frames if postfix]
     assert list(dict.fromkeys(drawn)) == list(range(1, STEPS + 1)), shown  # redrawn after each step, in order
     assert "\r" in shown  # drawn over itself, not one line per step

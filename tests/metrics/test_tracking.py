@@ -101,8 +101,13 @@ def test_reader_agrees_with_wandb_own_inspector(offline_job) -> None:
     _, run_dir, _ = offline_job
     [wandb_file] = offline_runs(run_dir)
     wandb_cli = Path(sys.executable).with_name("wandb")
-    out = subprocess.run([str(wandb_cli), "leet", "inspect", "--json", str(wandb_file)],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [str(wandb_cli), "leet", "inspect", "--json", str(wandb_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     theirs = [json.loads(line)["history"]["item"] for line in out.splitlines() if '"type":"history"' in line]
     assert theirs == read_run(wandb_file).history
 
@@ -159,8 +164,9 @@ def test_wandb_mode_env_overrides_the_config(data_dir: Path, tmp_path: Path) -> 
 def test_wandb_env_variables_are_honoured(data_dir: Path, tmp_path: Path) -> None:
     wandb_dir = tmp_path / "elsewhere"
     wandb_dir.mkdir()
-    env = env_for(tmp_path, WANDB_MODE="offline", WANDB_PROJECT="envproject", WANDB_NAME="envname",
-                  WANDB_DIR=str(wandb_dir))
+    env = env_for(
+        tmp_path, WANDB_MODE="offline", WANDB_PROJECT="envproject", WANDB_NAME="envname", WANDB_DIR=str(wandb_dir)
+    )
     run_dir, _ = train(data_dir, tmp_path, env=env, **{"tracker.project": "cfgproject", "tracker.name": "cfgname"})
     assert not (run_dir / "wandb").exists()
     [wandb_file] = offline_runs(wandb_dir)
@@ -224,11 +230,21 @@ def test_credentials_are_found_by_wandb_itself(tmp_path: Path) -> None:
     """An identity token file is a credential (no API key): online is attempted, not skipped."""
     token = tmp_path / "token"
     token.write_text("header.payload.signature\n")
-    probe = ("from meshrun.config import TrackerConfig; from meshrun.metrics.trackers import wandb_mode; "
-             "print(wandb_mode(TrackerConfig(mode='online')))")
+    probe = (
+        "from meshrun.config import TrackerConfig; from meshrun.metrics.trackers import wandb_mode; "
+        "print(wandb_mode(TrackerConfig(mode='online')))"
+    )
     env = env_for(tmp_path, WANDB_BASE_URL=UNREACHABLE)
-    found = subprocess.run([sys.executable, "-c", probe], env={**env, "WANDB_IDENTITY_TOKEN_FILE": str(token)},
-                           capture_output=True, text=True, timeout=60, check=False)
+    found = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**env, "WANDB_IDENTITY_TOKEN_FILE": str(token)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert found.stdout.strip() == "('online', None)", found.stderr
-    missing = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=False)
+    missing = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
     assert missing.stdout.startswith("('offline', 'wandb: no API key found"), missing.stderr

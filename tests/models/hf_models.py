@@ -11,13 +11,29 @@ SEQ_LEN = 16
 # 8 layers so dp1 x pp4 with 2 virtual stages (8 stages) fits; hidden 32: each run takes seconds.
 CONFIGS = {
     "llama": {  # GQA (4 query heads, 2 kv heads), untied head, sharded safetensors
-        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 8,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
-        "bos_token_id": 0, "eos_token_id": 1,
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
     },
     "gpt2": {  # learned positions, tied embeddings, no dropout so layouts can agree
-        "model_type": "gpt2", "n_embd": 32, "n_layer": 8, "n_head": 2, "vocab_size": 256, "n_positions": 64, "bos_token_id": 0,
-        "eos_token_id": 1, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0,
+        "model_type": "gpt2",
+        "n_embd": 32,
+        "n_layer": 8,
+        "n_head": 2,
+        "vocab_size": 256,
+        "n_positions": 64,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "attn_pdrop": 0.0,
     },
 }
 
@@ -40,7 +56,9 @@ def load_reference(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
 
 
-def reference_loss_and_grad_norm(model_dir: Path, x: torch.Tensor, y: torch.Tensor, *, num_microbatches: int) -> tuple[float, float]:
+def reference_loss_and_grad_norm(
+    model_dir: Path, x: torch.Tensor, y: torch.Tensor, *, num_microbatches: int
+) -> tuple[float, float]:
     """Plain transformers, no meshrun code: `model(input_ids=window, labels=window)` on the whole
     window (x plus its last target; HF shifts the labels itself, and causality keeps the extra
     position out of the other logits), one backward per microbatch."""
@@ -61,7 +79,8 @@ def bpe_json(texts: list[str], vocab: int) -> str:
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer.to_str()

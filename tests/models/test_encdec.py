@@ -26,8 +26,16 @@ def pairs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def encdec_config(**overrides: object):
-    settings = {"model.name": "encdec", "model.num_layers": 4, "model.dim": 32, "model.num_heads": 2,
-                "model.seq_len": 80, "model.vocab_size": 260, "precision": "fp32", **overrides}
+    settings = {
+        "model.name": "encdec",
+        "model.num_layers": 4,
+        "model.dim": 32,
+        "model.num_heads": 2,
+        "model.seq_len": 80,
+        "model.vocab_size": 260,
+        "precision": "fp32",
+        **overrides,
+    }
     return load_config(None, [f"{k}={v}" for k, v in settings.items()])
 
 
@@ -51,7 +59,10 @@ def test_stages_chained_equal_the_whole_model(num_stages: int, pairs_dir: Path) 
     cfg = encdec_config(**{"model.tie_embeddings": True})
     whole = materialise_part(cfg, CPU, layers=None, first=True, last=True)
     split = even_split(4, num_stages)
-    parts = [materialise_part(cfg, CPU, layers=blocks, first=i == 0, last=i == num_stages - 1) for i, blocks in enumerate(split)]
+    parts = [
+        materialise_part(cfg, CPU, layers=blocks, first=i == 0, last=i == num_stages - 1)
+        for i, blocks in enumerate(split)
+    ]
     assert "embed.tok.weight" in dict(parts[-1].named_parameters()) and parts[-1].embed.pos is None
     x, _ = PairsDataset(pairs_dir, "train", read_meta(pairs_dir), seq_len=80, seed=0, source_len=40).batch(0, 4)
     state = x
@@ -62,12 +73,16 @@ def test_stages_chained_equal_the_whole_model(num_stages: int, pairs_dir: Path) 
 
 def test_flops_per_token_counts_both_stacks() -> None:
     small = materialise_part(encdec_config(), CPU, layers=None, first=True, last=True).flops_per_token()
-    deeper = materialise_part(encdec_config(**{"model.num_layers": 6}), CPU, layers=None, first=True, last=True).flops_per_token()
+    deeper = materialise_part(
+        encdec_config(**{"model.num_layers": 6}), CPU, layers=None, first=True, last=True
+    ).flops_per_token()
     assert 0 < small < deeper
 
 
-@pytest.mark.parametrize("overrides,key", [({"model.encoder_layers": 4}, "model.encoder_layers"),
-                                           ({"model.source_len": 80}, "model.source_len")])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [({"model.encoder_layers": 4}, "model.encoder_layers"), ({"model.source_len": 80}, "model.source_len")],
+)
 def test_impossible_split_names_the_key(overrides: dict, key: str) -> None:
     from meshrun.models import build_model
 

@@ -50,7 +50,9 @@ def runs(hf_dirs, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> C
     def get(family: str, layout: str = "one-process") -> Path:
         if (family, layout) not in done:
             run = root / f"{family}-{layout}"
-            hf_train(data_dir, run, hf_dirs[family], **{**LAYOUTS, **MEASURED}.get(layout, {}), **{"checkpoint.interval": 5})
+            hf_train(
+                data_dir, run, hf_dirs[family], **{**LAYOUTS, **MEASURED}.get(layout, {}), **{"checkpoint.interval": 5}
+            )
             done[family, layout] = run
         return done[family, layout]
 
@@ -121,12 +123,16 @@ def interrupted(run: Path, dest: Path, *, at_step: int) -> Path:
 
 
 @pytest.mark.parametrize("dp,pp", [(2, 2), (1, 1)])
-def test_tied_resume_and_resharded_resume(dp: int, pp: int, runs, weights, hf_dirs, data_dir: Path, tmp_path: Path) -> None:
+def test_tied_resume_and_resharded_resume(
+    dp: int, pp: int, runs, weights, hf_dirs, data_dir: Path, tmp_path: Path
+) -> None:
     """Fine-tuned GPT-2 written as dp2 x pp2 at step 5: the same layout resumes bit-identically,
     one process resumes to the same weights (1e-5)."""
     full = runs("gpt2", "dp2-pp2-1f1b")
     run = interrupted(full, tmp_path / "run", at_step=5)
-    result = hf_train(data_dir, run, hf_dirs["gpt2"], **{**LAYOUTS["dp2-pp2-1f1b"], "parallel.dp": dp, "parallel.pp": pp})
+    result = hf_train(
+        data_dir, run, hf_dirs["gpt2"], **{**LAYOUTS["dp2-pp2-1f1b"], "parallel.dp": dp, "parallel.pp": pp}
+    )
     assert "resumed from" in result.stderr
     resumed, reference = final_weights(run), weights("gpt2", "dp2-pp2-1f1b")
     if (dp, pp) == (2, 2):

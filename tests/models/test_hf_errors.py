@@ -36,11 +36,22 @@ def dry_run(data_dir: Path, tmp_path: Path, **model: object) -> list[str]:
     [
         ({"model.hf": "/nonexistent/model"}, "model.hf /nonexistent/model is not a directory"),
         ({"model.hf": "meta-llama/Llama-3.2-1B"}, "meshrun downloads nothing"),
-        ({"model.hf_config": "{model_type: bert, hidden_size: 32}"},
-         "model_type 'bert' is not supported; supported: gpt2, llama, mistral, qwen2, qwen3"),
-        ({"model.hf_config": LLAMA, "parallel.pp": 4, "train.global_batch": 8}, "need at least as many blocks, but the Hugging Face config's num_hidden_layers is 2"),
-        ({"model.hf_config": LLAMA, "model.init": "pretrained"}, "model.init is pretrained but model.hf_config has no weights"),
-        ({"model.hf_config": LLAMA.replace("}", ", max_position_embeddings: 8}")}, "exceeds the model's max_position_embeddings"),
+        (
+            {"model.hf_config": "{model_type: bert, hidden_size: 32}"},
+            "model_type 'bert' is not supported; supported: gpt2, llama, mistral, qwen2, qwen3",
+        ),
+        (
+            {"model.hf_config": LLAMA, "parallel.pp": 4, "train.global_batch": 8},
+            "need at least as many blocks, but the Hugging Face config's num_hidden_layers is 2",
+        ),
+        (
+            {"model.hf_config": LLAMA, "model.init": "pretrained"},
+            "model.init is pretrained but model.hf_config has no weights",
+        ),
+        (
+            {"model.hf_config": LLAMA.replace("}", ", max_position_embeddings: 8}")},
+            "exceeds the model's max_position_embeddings",
+        ),
     ],
     ids=["missing", "hub-id", "model-type", "stages", "no-weights", "context"],
 )
@@ -63,7 +74,6 @@ def test_vocab_smaller_than_byte_data(data_dir: Path, tmp_path: Path, capsys) ->
     assert "vocabulary of 256 tokens but the model has 128 (vocab_size in model.hf_config)" in err
 
 
-
 def test_data_tokenized_with_another_tokenizer_than_the_models(data_dir: Path, tmp_path: Path, capsys) -> None:
     """A model folder with its tokenizer.json and data prepared with a different tokenizer: refused;
     the same data prepared with the model's own tokenizer (or byte-level data) is accepted."""
@@ -73,17 +83,24 @@ def test_data_tokenized_with_another_tokenizer_than_the_models(data_dir: Path, t
 
     texts = [f"def f{i}(self, x):\n    return x * {i}\n" for i in range(200)]
     model_dir = tmp_path / "model"
-    AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         vocab_size=512).save_pretrained(model_dir)  # config only: random init
+    AutoConfig.for_model(
+        "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512
+    ).save_pretrained(model_dir)  # config only: random init
     (model_dir / "tokenizer.json").write_text(bpe_json(texts, 300))
     (tmp_path / "corpus").mkdir()
     for i in range(8):
-        (tmp_path / "corpus" / f"doc{i}.py").write_text("".join(texts[i * 25:(i + 1) * 25]))
+        (tmp_path / "corpus" / f"doc{i}.py").write_text("".join(texts[i * 25 : (i + 1) * 25]))
     other = tmp_path / "other.json"
     other.write_text(bpe_json(texts[::-1] + ["class C:\n    pass\n"] * 50, 290))
     for name, tokenizer in (("theirs", other), ("ours", model_dir)):
-        prepare([str(tmp_path / "corpus")], tmp_path / name, tokenizer=str(tokenizer), val_fraction=0.25, workers=1,
-                progress=False)
+        prepare(
+            [str(tmp_path / "corpus")],
+            tmp_path / name,
+            tokenizer=str(tokenizer),
+            val_fraction=0.25,
+            workers=1,
+            progress=False,
+        )
     args = lambda data: dry_run(data, tmp_path, **{"model.hf": model_dir, "data.dir": data})  # noqa: E731
     err = error_of(args(tmp_path / "theirs"), capsys)
     assert f"the data was tokenized with {other}, not with the model's {model_dir / 'tokenizer.json'}" in err

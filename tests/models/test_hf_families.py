@@ -8,16 +8,49 @@ from pathlib import Path
 import pytest
 
 FAMILY_CONFIGS = {
-    "qwen2": {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64},
-    "qwen3": {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "head_dim": 16,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64},
-    "mistral": {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
-                "sliding_window": 32},
-    "llama-tied": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-                   "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 64,
-                   "tie_word_embeddings": True},
+    "qwen2": {
+        "model_type": "qwen2",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+    },
+    "qwen3": {
+        "model_type": "qwen3",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+    },
+    "mistral": {
+        "model_type": "mistral",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "sliding_window": 32,
+    },
+    "llama-tied": {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -36,8 +69,10 @@ def test_stages_chained_equal_transformers(family: str, tmp_path: Path) -> None:
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     reference.save_pretrained(tmp_path / "model")
     cfg = validate({"model": {"hf": str(tmp_path / "model"), "seq_len": 16}})
-    stages = [materialise_part(cfg, torch.device("cpu"), layers=layers, first=i == 0, last=i == 1).eval()
-              for i, layers in enumerate([[0, 1], [2, 3]])]
+    stages = [
+        materialise_part(cfg, torch.device("cpu"), layers=layers, first=i == 0, last=i == 1).eval()
+        for i, layers in enumerate([[0, 1], [2, 3]])
+    ]
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = stages[1](stages[0](tokens))

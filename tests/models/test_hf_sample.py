@@ -18,13 +18,14 @@ def test_sample_decodes_with_the_data_or_the_model_tokenizer(tmp_path: Path) -> 
 
     texts = [f"def f{i}(self, x):\n    return x * {i}\n" for i in range(200)]
     model_dir = tmp_path / "model"
-    AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         vocab_size=320).save_pretrained(model_dir)  # config only: random init
+    AutoConfig.for_model(
+        "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=320
+    ).save_pretrained(model_dir)  # config only: random init
     tokenizer = Tokenizer.from_str(bpe_json(texts, 300))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(model_dir)
     (tmp_path / "corpus").mkdir()
     for i in range(8):
-        (tmp_path / "corpus" / f"doc{i}.py").write_text("".join(texts[i * 25:(i + 1) * 25]))
+        (tmp_path / "corpus" / f"doc{i}.py").write_text("".join(texts[i * 25 : (i + 1) * 25]))
     data = tmp_path / "data"
     prepare([str(tmp_path / "corpus")], data, tokenizer=str(model_dir), val_fraction=0.25, workers=1, progress=False)
     run = tmp_path / "run"

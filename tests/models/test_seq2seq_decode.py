@@ -13,8 +13,19 @@ SOURCE = [ord(c) + 3 for c in "get_terminal_size"]
 
 
 def model_with_seed(seed: int):
-    cfg = load_config(None, ["model.name=encdec", "model.num_layers=2", "model.dim=32", "model.num_heads=2",
-                             "model.seq_len=24", "model.source_len=18", "model.vocab_size=259", f"train.seed={seed}"])
+    cfg = load_config(
+        None,
+        [
+            "model.name=encdec",
+            "model.num_layers=2",
+            "model.dim=32",
+            "model.num_heads=2",
+            "model.seq_len=24",
+            "model.source_len=18",
+            "model.vocab_size=259",
+            f"train.seed={seed}",
+        ],
+    )
     return materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True).eval()
 
 

@@ -35,7 +35,9 @@ class ToyLM(StagedModel):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleDict({str(i): ConvBlock(cfg.dim, cfg.options.get("kernel", 3)) for i in range(cfg.num_layers)})
+        self.blocks = nn.ModuleDict(
+            {str(i): ConvBlock(cfg.dim, cfg.options.get("kernel", 3)) for i in range(cfg.num_layers)}
+        )
         self.norm = nn.RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 

@@ -25,9 +25,20 @@ from meshrun.models.encdec import source_len
 from meshrun.parallel import materialise_part
 
 # Tied embeddings (one matrix on the first and last stage), sinusoids; clipping active every step.
-ENCDEC = {"model.name": "encdec", "model.num_layers": 4, "model.seq_len": 80, "model.source_len": 40,
-          "model.vocab_size": 260, "model.tie_embeddings": True, "model.positions": "sinusoidal",
-          "train.global_batch": 16, "train.micro_batch": 2, "train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5}
+ENCDEC = {
+    "model.name": "encdec",
+    "model.num_layers": 4,
+    "model.seq_len": 80,
+    "model.source_len": 40,
+    "model.vocab_size": 260,
+    "model.tie_embeddings": True,
+    "model.positions": "sinusoidal",
+    "train.global_batch": 16,
+    "train.micro_batch": 2,
+    "train.steps": 10,
+    "train.lr": 3e-3,
+    "train.grad_clip": 0.5,
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +66,19 @@ def test_one_process_step_one_equals_torch_transformer(reference: Path, pairs_di
     assert_step_one_matches(reference, TorchEncDec(model), x, y, micro_batch=2)
 
 
-@pytest.mark.parametrize("dp,pp,schedule,recompute", [(2, 2, "1f1b", "full"), (1, 4, "gpipe", "selective")],
-                         ids=["dp2xpp2-1f1b-full", "dp1xpp4-gpipe-selective"])
-def test_layout_matches_one_process(dp: int, pp: int, schedule: str, recompute: str, reference: Path,
-                                    pairs_dir: Path, tmp_path: Path) -> None:
-    run = train(pairs_dir, tmp_path / "run",
-                **{"parallel.dp": dp, "parallel.pp": pp, "parallel.schedule": schedule, "recompute": recompute})
+@pytest.mark.parametrize(
+    "dp,pp,schedule,recompute",
+    [(2, 2, "1f1b", "full"), (1, 4, "gpipe", "selective")],
+    ids=["dp2xpp2-1f1b-full", "dp1xpp4-gpipe-selective"],
+)
+def test_layout_matches_one_process(
+    dp: int, pp: int, schedule: str, recompute: str, reference: Path, pairs_dir: Path, tmp_path: Path
+) -> None:
+    run = train(
+        pairs_dir,
+        tmp_path / "run",
+        **{"parallel.dp": dp, "parallel.pp": pp, "parallel.schedule": schedule, "recompute": recompute},
+    )
     assert_same_training(run, reference)
 
 

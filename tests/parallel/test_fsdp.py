@@ -19,16 +19,24 @@ from test_checkpoint import interrupted_copy
 
 # Accumulation: global 16 / micro 2 = 8 microbatches in one process, 4 per rank at dp 2, 2 at dp 4.
 # lr/clip chosen so clipping is active every step (a wrong scale would show in the weights too).
-BASE = {"train.global_batch": 16, "train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5,
-        "checkpoint.interval": 5}
+BASE = {"train.global_batch": 16, "train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5, "checkpoint.interval": 5}
 
 ROWS = {
     "fsdp-dp2-pp1": {"parallel.dp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
-    "fsdp-dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp",
-                          "parallel.schedule": "1f1b", "recompute": "every:2"},
+    "fsdp-dp2-pp2-1f1b": {
+        "parallel.dp": 2,
+        "parallel.pp": 2,
+        "parallel.dp_mode": "fsdp",
+        "parallel.schedule": "1f1b",
+        "recompute": "every:2",
+    },
     "hsdp-2x2-pp1": {"parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2, "recompute": "selective"},
-    "fsdp-dp2-pp2-zero-bubble": {"parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp",
-                                 "parallel.schedule": "zero-bubble"},  # refused under ddp (its hooks are bypassed)
+    "fsdp-dp2-pp2-zero-bubble": {
+        "parallel.dp": 2,
+        "parallel.pp": 2,
+        "parallel.dp_mode": "fsdp",
+        "parallel.schedule": "zero-bubble",
+    },  # refused under ddp (its hooks are bypassed)
     "ddp-dp2-pp1": {"parallel.dp": 2},  # the resume source and the memory baseline
 }
 
@@ -80,8 +88,9 @@ RESUMES = [  # (written by, resumed as)
 
 @pytest.mark.timeout(900)  # may train its source row too (2 runs); generous for loaded machines
 @pytest.mark.parametrize("source,resumed_as", RESUMES, ids=["ddp-to-fsdp", "fsdp-to-ddp", "fsdp-dp2xpp2-to-hsdp-dp4"])
-def test_resume_in_another_data_parallel_mode(source: str, resumed_as: dict, rows, reference: Path, data_dir: Path,
-                                              tmp_path: Path) -> None:
+def test_resume_in_another_data_parallel_mode(
+    source: str, resumed_as: dict, rows, reference: Path, data_dir: Path, tmp_path: Path
+) -> None:
     """Checkpoints are layout-free: the second half in another mode continues the same run."""
     run = interrupted_copy(rows(source), tmp_path / "run", at_step=5)
     train(data_dir, run, **{**ROWS[source], "parallel.pp": 1, **resumed_as})
@@ -100,6 +109,7 @@ def test_fsdp_holds_about_half_of_ddps_training_state(rows) -> None:
 
 def test_dry_run_shows_the_data_mesh_and_per_rank_bytes(data_dir: Path, tmp_path: Path) -> None:
     """Estimated from the meta model: fsdp over 2 ranks holds half of ddp's bytes per rank."""
+
     def per_rank_lines(**overrides: object) -> list[str]:
         args = ["train", "--dry-run", *tiny(data_dir, tmp_path / "run", **{"train.global_batch": 16, **overrides})]
         out = run_meshrun(args, tmp_path=tmp_path).stdout
@@ -120,8 +130,10 @@ def test_dry_run_shows_the_data_mesh_and_per_rank_bytes(data_dir: Path, tmp_path
 
 
 def test_hsdp_needs_a_shard_size_that_divides_dp(data_dir: Path, tmp_path: Path) -> None:
-    args = ["train", *tiny(data_dir, tmp_path / "run", **{"parallel.dp": 4, "parallel.dp_mode": "hsdp",
-                                                           "parallel.dp_shard": 3})]
+    args = [
+        "train",
+        *tiny(data_dir, tmp_path / "run", **{"parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 3}),
+    ]
     result = run_meshrun(args, tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and "parallel.dp_shard" in result.stderr and len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "run").exists()

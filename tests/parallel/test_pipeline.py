@@ -68,10 +68,20 @@ MATRIX = [  # dp, pp, schedule, recompute; micro_batch 2 -> accumulation 8 / dp
 
 
 @pytest.mark.parametrize("dp,pp,schedule,recompute", MATRIX, ids=lambda v: str(v))
-def test_layout_matches_one_process(dp, pp, schedule, recompute, reference: Path, reference_weights: dict, data_dir: Path,
-                                    tmp_path: Path, plain_reference) -> None:
+def test_layout_matches_one_process(
+    dp,
+    pp,
+    schedule,
+    recompute,
+    reference: Path,
+    reference_weights: dict,
+    data_dir: Path,
+    tmp_path: Path,
+    plain_reference,
+) -> None:
     run = train(
-        data_dir, tmp_path / "run",
+        data_dir,
+        tmp_path / "run",
         **{"parallel.dp": dp, "parallel.pp": pp, "parallel.schedule": schedule, "recompute": recompute},
     )
     assert min(grad_norms(run)) > 0.5, "clipping must be active for the test to mean anything"
@@ -81,10 +91,13 @@ def test_layout_matches_one_process(dp, pp, schedule, recompute, reference: Path
 
 
 @pytest.mark.parametrize("pp,recompute", [(2, "none"), (4, "full")])
-def test_zero_bubble_without_dp_matches_one_process(pp, recompute, reference: Path, reference_weights: dict, data_dir: Path,
-                                                    tmp_path: Path, plain_reference) -> None:
+def test_zero_bubble_without_dp_matches_one_process(
+    pp, recompute, reference: Path, reference_weights: dict, data_dir: Path, tmp_path: Path, plain_reference
+) -> None:
     """Split input/weight backward (I + W actions); refused with dp > 1 (see test_config)."""
-    run = train(data_dir, tmp_path / "run", **{"parallel.pp": pp, "parallel.schedule": "zero-bubble", "recompute": recompute})
+    run = train(
+        data_dir, tmp_path / "run", **{"parallel.pp": pp, "parallel.schedule": "zero-bubble", "recompute": recompute}
+    )
     assert_grad_norms_match(grad_norms(run), plain_reference(**BASE).grad_norms)
     assert max_weight_diff(final_weights(run), reference_weights) < 1e-5
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
@@ -106,18 +119,25 @@ def seven_block_weights(seven_block_reference: Path) -> dict:
         {"model.num_layers": 7, "parallel.pp": 2},  # uneven: 7 blocks (+ embedding, head) over 2 stages
         {"model.num_layers": 7, "parallel.pp": 4, "parallel.dp": 1},  # uneven over 4
         {"parallel.pp": 2, "parallel.stage_layers": "[[0],[1,2,3,4,5,6,7]]"},  # explicit, lopsided
-        {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "parallel.stage_layers": "[[0,1,2],[3],[4,5],[6,7]]"},
+        {
+            "parallel.pp": 2,
+            "parallel.schedule": "interleaved-1f1b",
+            "parallel.stage_layers": "[[0,1,2],[3],[4,5],[6,7]]",
+        },
         {"parallel.pp": 2, "parallel.balance": "time"},  # fairscale balance_by_time on rank 0
         {"parallel.pp": 2, "parallel.balance": "size"},
     ],
     ids=["uneven-7-over-2", "uneven-7-over-4", "explicit", "explicit-interleaved", "balance-time", "balance-size"],
 )
-def test_every_block_trained_exactly_once(overrides, request: pytest.FixtureRequest, data_dir: Path, tmp_path: Path,
-                                          plain_reference) -> None:
+def test_every_block_trained_exactly_once(
+    overrides, request: pytest.FixtureRequest, data_dir: Path, tmp_path: Path, plain_reference
+) -> None:
     seven = overrides.get("model.num_layers") == 7
     ref = request.getfixturevalue("seven_block_reference" if seven else "reference")
     run = train(data_dir, tmp_path / "run", **overrides)
-    assert_grad_norms_match(grad_norms(run), plain_reference(**{**BASE, **({"model.num_layers": 7} if seven else {})}).grad_norms)
+    assert_grad_norms_match(
+        grad_norms(run), plain_reference(**{**BASE, **({"model.num_layers": 7} if seven else {})}).grad_norms
+    )
     got, want = final_weights(run), request.getfixturevalue("seven_block_weights" if seven else "reference_weights")
     assert sorted(k for k in got if k.startswith("blocks.")) == sorted(k for k in want if k.startswith("blocks."))
     assert max_weight_diff(got, want) < 1e-5
@@ -127,8 +147,13 @@ def test_every_block_trained_exactly_once(overrides, request: pytest.FixtureRequ
 def test_fp16_overflow_in_one_stage_makes_every_stage_skip(data_dir: Path, tmp_path: Path) -> None:
     """Inf gradients appear only in stage 0 (the embedding) at step 3. Every stage must skip that
     step (its weights stay bit-identical across it) and back off the scale together."""
-    fp16 = {"precision": "fp16", "model.factory": "faulty_gpt:build", "train.steps": 6, "checkpoint.interval": 1,
-            "checkpoint.keep": 10}
+    fp16 = {
+        "precision": "fp16",
+        "model.factory": "faulty_gpt:build",
+        "train.steps": 6,
+        "checkpoint.interval": 1,
+        "checkpoint.keep": 10,
+    }
     microbatches = 8  # global 16 / micro 2, dp 1
     env = meshrun_env(tmp_path, PYTHONPATH=str(HERE), MESHRUN_TEST_INF_AT=str(2 * microbatches + 1))  # step 3
 
@@ -157,11 +182,19 @@ def test_bf16_pipeline_tracks_fp32(reference: Path, data_dir: Path, tmp_path: Pa
     probe = tmp_path / "dtypes"
     probe.mkdir()
     run = tmp_path / "run"
-    settings = {**BASE, "parallel.pp": 2, "parallel.dp": 2, "precision": "bf16", "model.factory": "dtype_probe_gpt:build"}
+    settings = {
+        **BASE,
+        "parallel.pp": 2,
+        "parallel.dp": 2,
+        "precision": "bf16",
+        "model.factory": "dtype_probe_gpt:build",
+    }
     env = meshrun_env(tmp_path, PYTHONPATH=str(HERE), MESHRUN_TEST_DTYPES=str(probe))
     run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=tmp_path, env=env)
     dtypes = recorded(probe)
-    assert len(dtypes) == 4 and all(seen == {"torch.bfloat16"} for seen in dtypes.values()), dtypes  # autocast ran on every rank
+    assert len(dtypes) == 4 and all(seen == {"torch.bfloat16"} for seen in dtypes.values()), (
+        dtypes
+    )  # autocast ran on every rank
     for got, want in zip(losses(run), losses(reference), strict=True):
         assert abs(got - want) / want < 0.02
 
@@ -181,8 +214,15 @@ def test_measured_bubble_is_the_schedules(data_dir: Path, tmp_path: Path) -> Non
     Measured on the loaded 2-core dev machine: 0.146-0.170 (GPipe 0.164-0.241); the band is
     [theory/2, theory + 0.15]. Stuck at 0 or 1, or missing the F (0.73) or B (0.47) actions, fails."""
     run = tmp_path / "run"
-    slow = {"model.factory": "slow_gpt:build", "model.num_layers": 4, "train.global_batch": 8, "train.micro_batch": 2,
-            "train.steps": 4, "parallel.pp": 2, "parallel.schedule": "1f1b"}
+    slow = {
+        "model.factory": "slow_gpt:build",
+        "model.num_layers": 4,
+        "train.global_batch": 8,
+        "train.micro_batch": 2,
+        "train.steps": 4,
+        "parallel.pp": 2,
+        "parallel.schedule": "1f1b",
+    }
     env = meshrun_env(tmp_path, PYTHONPATH=str(HERE))
     run_meshrun(["train", *tiny(data_dir, run, **slow)], tmp_path=tmp_path, env=env)
     bubbles = [row["bubble"] for row in read_metrics(run) if "bubble" in row][1:]  # step 1 also infers shapes

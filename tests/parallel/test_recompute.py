@@ -11,8 +11,17 @@ from meshrun.training.loss import MicrobatchLoss
 
 
 def gradients(policy: str) -> dict[str, torch.Tensor]:
-    cfg = load_config(None, ["model.num_layers=4", "model.dim=32", "model.num_heads=2", "model.seq_len=16",
-                             "precision=fp32", f"recompute={policy}"])
+    cfg = load_config(
+        None,
+        [
+            "model.num_layers=4",
+            "model.dim=32",
+            "model.num_heads=2",
+            "model.seq_len=16",
+            "precision=fp32",
+            f"recompute={policy}",
+        ],
+    )
     model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     MicrobatchLoss(1)(model(tokens[:, :-1]), tokens[:, 1:]).backward()

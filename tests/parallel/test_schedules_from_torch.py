@@ -61,13 +61,26 @@ def torch_refuses(name: str, pp: int, num_microbatches: int) -> bool:
     constructors read); True when a constructor refuses the count."""
     per_rank = stages_per_rank(name, None)
     for rank in range(pp):
-        stages = [SimpleNamespace(group_size=pp, group_rank=rank, num_stages=pp * per_rank, stage_index=index,
-                                  is_first=index == 0, is_last=index == pp * per_rank - 1, submod=torch.nn.Identity())
-                  for index in stage_ids(rank, pp, per_rank, schedule=name)]
+        stages = [
+            SimpleNamespace(
+                group_size=pp,
+                group_rank=rank,
+                num_stages=pp * per_rank,
+                stage_index=index,
+                is_first=index == 0,
+                is_last=index == pp * per_rank - 1,
+                submod=torch.nn.Identity(),
+            )
+            for index in stage_ids(rank, pp, per_rank, schedule=name)
+        ]
         cls = schedule_class(name)
         try:
-            cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, n_microbatches=num_microbatches,
-                loss_fn=lambda out, target: out, scale_grads=False)
+            cls(
+                stages[0] if issubclass(cls, PipelineScheduleSingle) else stages,
+                n_microbatches=num_microbatches,
+                loss_fn=lambda out, target: out,
+                scale_grads=False,
+            )
         except ValueError:
             return True
     return False
@@ -83,7 +96,9 @@ def torch_free_refuses(name: str, pp: int, num_microbatches: int) -> bool:
 
 @pytest.mark.parametrize("name", list(TORCH_SCHEDULE_NAMES))
 def test_torch_free_check_refuses_exactly_what_torch_refuses(name: str) -> None:
-    verdicts = {(pp, n): (torch_free_refuses(name, pp, n), torch_refuses(name, pp, n)) for pp in (2, 3, 4) for n in range(1, 13)}
+    verdicts = {
+        (pp, n): (torch_free_refuses(name, pp, n), torch_refuses(name, pp, n)) for pp in (2, 3, 4) for n in range(1, 13)
+    }
     assert {key for key, (ours, theirs) in verdicts.items() if ours != theirs} == set()
     if name == "interleaved-1f1b":
         assert not verdicts[4, 6][1] and verdicts[2, 5][1]  # the grid holds both answers
@@ -105,9 +120,14 @@ def references(data_dir: Path, tmp_path_factory: pytest.TempPathFactory, plain_r
     return get
 
 
-@pytest.mark.parametrize("schedule,global_batch", [("looped-bfs", 8), ("zbv", 8), ("interleaved-1f1b", 6)],
-                         ids=["looped-bfs", "zbv", "interleaved-3-microbatches-on-pp2"])
-def test_schedule_matches_one_process(schedule: str, global_batch: int, references, data_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "schedule,global_batch",
+    [("looped-bfs", 8), ("zbv", 8), ("interleaved-1f1b", 6)],
+    ids=["looped-bfs", "zbv", "interleaved-3-microbatches-on-pp2"],
+)
+def test_schedule_matches_one_process(
+    schedule: str, global_batch: int, references, data_dir: Path, tmp_path: Path
+) -> None:
     weights, reference_losses, plain_norms = references(global_batch)
     run = tmp_path / "run"
     settings = {**BASE, "train.global_batch": global_batch, "parallel.pp": 2, "parallel.schedule": schedule}

@@ -13,8 +13,17 @@ from meshrun.errors import RunError
 from meshrun.parallel import materialise_part
 from meshrun.parallel.tied import TiedEmbeddings
 
-GPT2 = {"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 2, "vocab_size": 256, "n_positions": 32,
-        "embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}
+GPT2 = {
+    "model_type": "gpt2",
+    "n_embd": 16,
+    "n_layer": 2,
+    "n_head": 2,
+    "vocab_size": 256,
+    "n_positions": 32,
+    "embd_pdrop": 0.0,
+    "resid_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
 
 
 @pytest.fixture
@@ -30,13 +39,17 @@ def test_first_and_last_stage_on_one_rank(mesh) -> None:
     first, last = (materialise_part(cfg, torch.device("cpu"), layers=[i], first=i == 0, last=i == 1) for i in (0, 1))
     tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     for model in (whole, last):
-        torch.nn.functional.cross_entropy(model(first(tokens) if model is last else tokens).flatten(0, 1), tokens.flatten()).backward()
+        torch.nn.functional.cross_entropy(
+            model(first(tokens) if model is last else tokens).flatten(0, 1), tokens.flatten()
+        ).backward()
     tied = TiedEmbeddings([first, last], [0, 1], num_stages=2, mesh=mesh)
     assert tied.group is None and dist.get_world_size() == 1  # no process group: a local sum
     tied.sync_gradients()
     copies = [first.embed.wte.weight, last.embed.wte.weight]
     assert torch.equal(copies[0].grad, copies[1].grad)
-    assert torch.allclose(copies[0].grad, whole.embed.wte.weight.grad, atol=1e-6)  # embedding + head, as one tied matrix
+    assert torch.allclose(
+        copies[0].grad, whole.embed.wte.weight.grad, atol=1e-6
+    )  # embedding + head, as one tied matrix
     params = [*first.parameters(), *last.parameters()]
     assert len(tied.counted_once(params)) == len(params) - 1 and any(p is copies[0] for p in tied.counted_once(params))
     tied.check_identical()

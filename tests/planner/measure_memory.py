@@ -27,8 +27,18 @@ from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import build_optimizer
 
-MODEL = ["model.vocab_size=256", "model.num_layers=4", "model.dim=32", "model.num_heads=4", "model.seq_len=16", "precision=fp32",
-         "parallel.dp=1", "parallel.pp=1", "recompute=none", "model.dropout=0.0"]
+MODEL = [
+    "model.vocab_size=256",
+    "model.num_layers=4",
+    "model.dim=32",
+    "model.num_heads=4",
+    "model.seq_len=16",
+    "precision=fp32",
+    "parallel.dp=1",
+    "parallel.pp=1",
+    "recompute=none",
+    "model.dropout=0.0",
+]
 
 
 def layout_config(overrides: list[str]) -> Config:
@@ -49,7 +59,9 @@ def measure(cfg: Config, mesh: Mesh) -> dict[str, int]:
     for part in model.parts:
         counter.count_checkpoint_inputs(part)
     local = cfg.train.global_batch // cfg.parallel.dp
-    tokens = torch.randint(0, vocab_size(cfg.model), (local, cfg.model.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, vocab_size(cfg.model), (local, cfg.model.seq_len + 1), generator=torch.Generator().manual_seed(1)
+    )
     peak = 0
     for _ in range(2):
         counter.reset_peak()

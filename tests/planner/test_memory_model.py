@@ -21,10 +21,19 @@ from meshrun.planner.layout import layout_memory
 TWO_RANKS = {
     "pp2-gpipe-m4": ["parallel.pp=2", "parallel.schedule=gpipe", "train.global_batch=4", "train.micro_batch=1"],
     "pp2-1f1b-m4": ["parallel.pp=2", "parallel.schedule=1f1b", "train.global_batch=4", "train.micro_batch=1"],
-    "pp2-1f1b-mb2-full": ["parallel.pp=2", "parallel.schedule=1f1b", "train.global_batch=8", "train.micro_batch=2",
-                          "recompute=full"],
-    "pp2-interleaved-m4": ["parallel.pp=2", "parallel.schedule=interleaved-1f1b", "train.global_batch=4",
-                           "train.micro_batch=1"],
+    "pp2-1f1b-mb2-full": [
+        "parallel.pp=2",
+        "parallel.schedule=1f1b",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "recompute=full",
+    ],
+    "pp2-interleaved-m4": [
+        "parallel.pp=2",
+        "parallel.schedule=interleaved-1f1b",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+    ],
     "dp2-mb2-every2": ["parallel.dp=2", "train.global_batch=8", "train.micro_batch=2", "recompute=every:2"],
 }
 ONE_RANK = {
@@ -33,9 +42,14 @@ ONE_RANK = {
     "single-mb1-every2": ["train.global_batch=2", "train.micro_batch=1", "recompute=every:2"],
 }
 HF = {
-    "hf-llama-single-mb2": [("model.hf_config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
-                            "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 64}"),
-                            "train.global_batch=4", "train.micro_batch=2"],
+    "hf-llama-single-mb2": [
+        (
+            "model.hf_config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+            "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 64}"
+        ),
+        "train.global_batch=4",
+        "train.micro_batch=2",
+    ],
 }
 GROUPS = {"two-ranks": (TWO_RANKS, 2), "one-rank": (ONE_RANK, 1), "hf": (HF, 1)}  # measured once per group
 LAYOUTS = {name: (group, overrides) for group, (layouts, _) in GROUPS.items() for name, overrides in layouts.items()}

@@ -12,8 +12,15 @@ from conftest import read_metrics, run_meshrun, tiny
 from meshrun.config import load_config
 from meshrun.metrics.devices import SHORT_NAMES, device_by_short_name
 
-TINY_MODEL = ["--set=model.num_layers=2", "--set=model.dim=32", "--set=model.num_heads=2", "--set=model.seq_len=16",
-              "--set=train.global_batch=4", "--set=train.micro_batch=1", "--set=precision=fp32"]
+TINY_MODEL = [
+    "--set=model.num_layers=2",
+    "--set=model.dim=32",
+    "--set=model.num_heads=2",
+    "--set=model.seq_len=16",
+    "--set=train.global_batch=4",
+    "--set=train.micro_batch=1",
+    "--set=precision=fp32",
+]
 
 
 def plan(tmp_path: Path, *args: str, check: bool = True):
@@ -31,7 +38,11 @@ def test_table_ranks_layouts_and_writes_the_best(tmp_path: Path) -> None:
     best = load_config(out)
     first = rows[0]
     assert (best.parallel.dp, best.parallel.pp, best.train.micro_batch, best.recompute) == (
-        int(first[1]), int(first[2]), int(first[4]), first[6])
+        int(first[1]),
+        int(first[2]),
+        int(first[4]),
+        first[6],
+    )
     assert best.train.global_batch == 4 and best.model.dim == 32
 
 
@@ -42,11 +53,14 @@ def test_layouts_that_do_not_fit_are_marked_and_not_written(tmp_path: Path) -> N
     assert " NO " in done.stdout and not out.exists()
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--gpu=h900"], "unknown GPU 'h900'"),
-    (["--gpus=3", "--nodes=2", "--gpu=h100"], "--nodes (2) must divide --gpus (3)"),
-    (["--margin=1.5", "--gpu=h100"], "--margin must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpu=h900"], "unknown GPU 'h900'"),
+        (["--gpus=3", "--nodes=2", "--gpu=h100"], "--nodes (2) must divide --gpus (3)"),
+        (["--margin=1.5", "--gpu=h100"], "--margin must be in [0, 1)"),
+    ],
+)
 def test_bad_arguments_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     done = plan(tmp_path, *args, check=False)
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1

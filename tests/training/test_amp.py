@@ -21,8 +21,9 @@ def fp32(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_low_precision_tracks_fp32(precision: str, fp32: list[float], data_dir: Path, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_low_precision_tracks_fp32(
+    precision: str, fp32: list[float], data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(FAULTY)
     from dtype_probe_gpt import recorded
 

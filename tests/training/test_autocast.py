@@ -18,15 +18,29 @@ from meshrun.training.loss import MicrobatchLoss
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("precision,dtype,recompute", [
-    ("bf16", torch.bfloat16, "none"),
-    ("bf16", torch.bfloat16, "full"),  # recomputed forwards run under autocast too
-    ("fp16", torch.float16, "none"),
-    ("fp32", torch.float32, "none"),
-])
+@pytest.mark.parametrize(
+    "precision,dtype,recompute",
+    [
+        ("bf16", torch.bfloat16, "none"),
+        ("bf16", torch.bfloat16, "full"),  # recomputed forwards run under autocast too
+        ("fp16", torch.float16, "none"),
+        ("fp32", torch.float32, "none"),
+    ],
+)
 def test_matmuls_run_in_the_configured_precision(precision: str, dtype: torch.dtype, recompute: str) -> None:
-    cfg = load_config(None, ["model.num_layers=2", "model.dim=32", "model.num_heads=2", "model.seq_len=16",
-                             "train.global_batch=4", "train.micro_batch=2", f"precision={precision}", f"recompute={recompute}"])
+    cfg = load_config(
+        None,
+        [
+            "model.num_layers=2",
+            "model.dim=32",
+            "model.num_heads=2",
+            "model.seq_len=16",
+            "train.global_batch=4",
+            "train.micro_batch=2",
+            f"precision={precision}",
+            f"recompute={recompute}",
+        ],
+    )
     part = materialise_part(cfg, CPU, layers=None, first=True, last=True)
     # The trainer builds its step exactly so: LocalModel with amp=partial(autocast, cfg, device).
     model = LocalModel(part, part, loss=MicrobatchLoss(cfg.accumulation_steps), amp=partial(autocast, cfg, CPU))
@@ -39,4 +53,6 @@ def test_matmuls_run_in_the_configured_precision(precision: str, dtype: torch.dt
     assert len(seen) == len(linears) == 2 * 4 + 1  # qkv, proj, fc, proj per block; the head
     assert all(dtypes == {dtype} for dtypes in seen.values()), seen
     assert loss.dtype == torch.float32 and torch.isfinite(loss)  # cross-entropy in fp32
-    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in part.parameters())  # fp32 master weights
+    assert all(
+        p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in part.parameters()
+    )  # fp32 master weights

@@ -35,8 +35,13 @@ def test_one_process_matches_plain_torch(reference: Path, plain_reference) -> No
     assert max_weight_diff(final_weights(reference), plain.weights) < 1e-5
 
 
-def test_dp2_with_accumulation_matches_one_process(reference: Path, data_dir: Path, tmp_path: Path, plain_reference) -> None:
-    run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **STEPS, **{"parallel.dp": 2, "train.micro_batch": 2})], tmp_path=tmp_path)
+def test_dp2_with_accumulation_matches_one_process(
+    reference: Path, data_dir: Path, tmp_path: Path, plain_reference
+) -> None:
+    run_meshrun(
+        ["train", *tiny(data_dir, tmp_path / "run", **STEPS, **{"parallel.dp": 2, "train.micro_batch": 2})],
+        tmp_path=tmp_path,
+    )
     run = tmp_path / "run"
     assert min(grad_norms(run)) > 0.5, "clipping must be active on every step for this test to mean anything"
     assert_grad_norms_match(grad_norms(run), plain_reference(**STEPS).grad_norms)

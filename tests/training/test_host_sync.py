@@ -71,18 +71,26 @@ def test_counter_sees_the_reads_it_must_catch() -> None:
     assert len(reads.where) == 1
 
 
-def test_non_finite_step_is_never_applied_and_is_named_at_the_next_log(data_dir: Path, tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_non_finite_step_is_never_applied_and_is_named_at_the_next_log(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(FAULTY)
     import faulty_gpt
 
     # 4 microbatches per step: the 9th backward from now is step 3's first.
     monkeypatch.setenv("MESHRUN_TEST_INF_AT", str(faulty_gpt._calls["backward"] + 9))
-    faulty = {"model.factory": "faulty_gpt:build", "train.steps": 6, "train.log_interval": 2, "checkpoint.at_end": False}
+    faulty = {
+        "model.factory": "faulty_gpt:build",
+        "train.steps": 6,
+        "train.log_interval": 2,
+        "checkpoint.at_end": False,
+    }
     with in_process_trainer(data_dir, tmp_path / "bad", **faulty) as trainer:
         with pytest.raises(NonFiniteLossError, match="non-finite loss/gradients at step 3; "):
             trainer.train()
-        assert trainer.report.rows and [row["step"] for row in trainer.report.rows] == [2]  # raised before logging step 4
+        assert trainer.report.rows and [row["step"] for row in trainer.report.rows] == [
+            2
+        ]  # raised before logging step 4
         got = {k: v.clone() for k, v in trainer.model.parts[0].state_dict().items()}
         moments = [s["exp_avg"].clone() for s in trainer.optimizers.optimizers[0].state.values()]
         counters = {int(s["step"]) for s in trainer.optimizers.optimizers[0].state.values()}

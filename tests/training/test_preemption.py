@@ -64,7 +64,9 @@ def assert_same_run(run: Path, reference: Path) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_signal_to_one_rank_checkpoints_all_and_resume_completes(sig, uninterrupted, data_dir: Path, tmp_path: Path) -> None:
+def test_signal_to_one_rank_checkpoints_all_and_resume_completes(
+    sig, uninterrupted, data_dir: Path, tmp_path: Path
+) -> None:
     run = tmp_path / "run"
     proc = start(data_dir, run)
     wait_for(lambda: (run / "checkpoints" / "latest").exists(), timeout=180, what="the first checkpoint")

@@ -22,8 +22,16 @@ from meshrun.data.pairs import prepare_pairs
 from meshrun.parallel import materialise_part
 from meshrun.training.loss import IGNORE, MicrobatchLoss
 
-DECODER = {"model.num_layers": 4, "model.seq_len": 96, "model.vocab_size": 260, "train.global_batch": 16,
-           "train.micro_batch": 2, "train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5}
+DECODER = {
+    "model.num_layers": 4,
+    "model.seq_len": 96,
+    "model.vocab_size": 260,
+    "train.global_batch": 16,
+    "train.micro_batch": 2,
+    "train.steps": 10,
+    "train.lr": 3e-3,
+    "train.grad_clip": 0.5,
+}
 
 
 @pytest.mark.parametrize("dp", [1, 2])
@@ -35,7 +43,10 @@ def test_microbatch_losses_add_up_to_the_global_token_mean(dp: int) -> None:
         targets[row, length:] = IGNORE
     loss = MicrobatchLoss(num_microbatches=8 // (2 * dp), dp=dp)
     loss.set_target_tokens(int((targets != IGNORE).sum()))
-    per_rank = [sum(loss(lm, tm) for lm, tm in zip(rank_logits.split(2), t.split(2))) for rank_logits, t in zip(logits.chunk(dp), targets.chunk(dp))]
+    per_rank = [
+        sum(loss(lm, tm) for lm, tm in zip(rank_logits.split(2), t.split(2)))
+        for rank_logits, t in zip(logits.chunk(dp), targets.chunk(dp))
+    ]
     torch.testing.assert_close(sum(per_rank) / dp, token_loss(logits, targets), rtol=1e-6, atol=0)  # DDP averages ranks
 
 

@@ -40,17 +40,34 @@ class TokenDataset:
     """Read-only view of one split of any stored format; `batch(first, count)` returns inputs
     and next-token targets. Windows never cross from one shard to the next."""
 
-    def __init__(self, data_dir: str | Path, split: str, *, seq_len: int, seed: int, format: str = "meshrun",
-                 val_fraction: float = 0.05) -> None:
+    def __init__(
+        self,
+        data_dir: str | Path,
+        split: str,
+        *,
+        seq_len: int,
+        seed: int,
+        format: str = "meshrun",
+        val_fraction: float = 0.05,
+    ) -> None:
         tokens = open_split(data_dir, split, format=format, val_fraction=val_fraction)
         if tokens.num_tokens < seq_len + 1:
-            raise ConfigError(f"{tokens.where} holds {tokens.num_tokens} tokens, fewer than model.seq_len + 1 = "
-                              f"{seq_len + 1}; prepare more text or lower model.seq_len")
+            raise ConfigError(
+                f"{tokens.where} holds {tokens.num_tokens} tokens, fewer than model.seq_len + 1 = "
+                f"{seq_len + 1}; prepare more text or lower model.seq_len"
+            )
         starts = [max(0, len(segment) - seq_len) for segment in tokens.segments]
         if not sum(starts):
-            raise ConfigError(f"{tokens.where}: no shard holds model.seq_len + 1 = {seq_len + 1} tokens; "
-                              "prepare with larger --shard-tokens or lower model.seq_len")
-        self.segments, self.vocab_size, self.tokenizer, self.where = tokens.segments, tokens.vocab_size, tokens.tokenizer, tokens.where
+            raise ConfigError(
+                f"{tokens.where}: no shard holds model.seq_len + 1 = {seq_len + 1} tokens; "
+                "prepare with larger --shard-tokens or lower model.seq_len"
+            )
+        self.segments, self.vocab_size, self.tokenizer, self.where = (
+            tokens.segments,
+            tokens.vocab_size,
+            tokens.tokenizer,
+            tokens.where,
+        )
         self.first_start = np.cumsum([0, *starts[:-1]])
         self.num_starts = sum(starts)
         self.seq_len = seq_len
@@ -70,7 +87,9 @@ class TokenDataset:
             which = np.searchsorted(self.first_start, starts, side="right") - 1
             local = starts - self.first_start[which]
             rows = [self.segments[w][s : s + length] for w, s in zip(which, local)]
-        window = torch.from_numpy(np.stack(rows).astype(np.int64)) if rows else torch.empty(0, length, dtype=torch.int64)
+        window = (
+            torch.from_numpy(np.stack(rows).astype(np.int64)) if rows else torch.empty(0, length, dtype=torch.int64)
+        )
         return window[:, :-1], window[:, 1:]
 
     def target_tokens(self, first: int, count: int) -> int:
@@ -127,8 +146,9 @@ def source_names(dirs: Sequence[str]) -> list[str]:
     return [f"{n}.{k}" if names.count(n) > 1 else n for k, n in enumerate(names)]
 
 
-def open_dataset(data: DataConfig, data_dir: Path, split: str, *, seq_len: int, seed: int,
-                 source_len: int | None = None) -> TokenDataset | MixtureDataset | PairsDataset:
+def open_dataset(
+    data: DataConfig, data_dir: Path, split: str, *, seq_len: int, seed: int, source_len: int | None = None
+) -> TokenDataset | MixtureDataset | PairsDataset:
     """The configured data (one folder, or a mixture) for one split; `source_len`: the encoder's
     share of seq_len when a pairs folder feeds an encoder-decoder (None: decoder-only)."""
     meta = read_meta(Path(data_dir)) if not data.mixture and data.format == "meshrun" else None
@@ -137,9 +157,13 @@ def open_dataset(data: DataConfig, data_dir: Path, split: str, *, seq_len: int, 
 
         return PairsDataset(data_dir, split, meta, seq_len=seq_len, seed=seed, source_len=source_len)
     if not data.mixture:
-        return TokenDataset(data_dir, split, seq_len=seq_len, seed=seed, format=data.format, val_fraction=data.val_fraction)
-    parts = [TokenDataset(m.dir, split, seq_len=seq_len, seed=seed + k, format=m.format, val_fraction=data.val_fraction)
-             for k, m in enumerate(data.mixture)]
+        return TokenDataset(
+            data_dir, split, seq_len=seq_len, seed=seed, format=data.format, val_fraction=data.val_fraction
+        )
+    parts = [
+        TokenDataset(m.dir, split, seq_len=seq_len, seed=seed + k, format=m.format, val_fraction=data.val_fraction)
+        for k, m in enumerate(data.mixture)
+    ]
     return MixtureDataset(parts, [m.weight for m in data.mixture], source_names([m.dir for m in data.mixture]))
 
 
@@ -147,12 +171,21 @@ def check_vocab(data_vocab: int | None, model_vocab_size: int, where: str, *, ke
     """Token ids must fit the model's embedding. `model_vocab_size` is the built-in model's
     model.vocab_size or a Hugging Face config's vocab_size; `key` says where it is set."""
     if data_vocab is not None and data_vocab > model_vocab_size:
-        raise ConfigError(f"{where} was tokenized with a vocabulary of {data_vocab} tokens but the model has "
-                          f"{model_vocab_size} ({key}); set {key} to at least {data_vocab}")
+        raise ConfigError(
+            f"{where} was tokenized with a vocabulary of {data_vocab} tokens but the model has "
+            f"{model_vocab_size} ({key}); set {key} to at least {data_vocab}"
+        )
 
 
-def check_data(data: DataConfig, data_dir: Path, *, seq_len: int, model_vocab_size: int,
-               vocab_key: str = "model.vocab_size", model_tokenizer: Path | None = None) -> None:
+def check_data(
+    data: DataConfig,
+    data_dir: Path,
+    *,
+    seq_len: int,
+    model_vocab_size: int,
+    vocab_key: str = "model.vocab_size",
+    model_tokenizer: Path | None = None,
+) -> None:
     """Fail early (before spawning) on missing, unparsable, empty or too-small data, a vocabulary
     larger than the model's, mixture sources tokenized differently, and data tokenized with
     another tokenizer than the `model_tokenizer` (tokenizer.json) the model ships."""
@@ -164,8 +197,10 @@ def check_data(data: DataConfig, data_dir: Path, *, seq_len: int, model_vocab_si
             if part.tokenizer:
                 tokenizers.add((part.tokenizer["name"], part.tokenizer["sha256"]))
     if len(tokenizers) > 1:
-        raise ConfigError(f"data.mixture sources were tokenized differently ({', '.join(sorted(n for n, _ in tokenizers))}); "
-                          "prepare them with the same tokenizer")
+        raise ConfigError(
+            f"data.mixture sources were tokenized differently ({', '.join(sorted(n for n, _ in tokenizers))}); "
+            "prepare them with the same tokenizer"
+        )
     if model_tokenizer is not None and tokenizers:
         check_same_tokenizer(tokenizers.pop(), model_tokenizer)
 
@@ -180,5 +215,7 @@ def check_same_tokenizer(data_tokenizer: tuple[str, str], model_tokenizer: Path)
     if name == "byte":
         return
     if hashlib.sha256(Tokenizer.from_file(str(model_tokenizer)).to_str().encode()).hexdigest() != sha256:
-        raise ConfigError(f"the data was tokenized with {name}, not with the model's {model_tokenizer}; "
-                          f"prepare it again with `meshrun prepare-data --tokenizer {model_tokenizer.parent} ...`")
+        raise ConfigError(
+            f"the data was tokenized with {name}, not with the model's {model_tokenizer}; "
+            f"prepare it again with `meshrun prepare-data --tokenizer {model_tokenizer.parent} ...`"
+        )

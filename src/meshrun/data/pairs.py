@@ -36,20 +36,27 @@ EXAMPLE_MAX_CHARS = 24  # the example config's model.source_len
 _SNAKE_DEF = re.compile(r"^\s*def ([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\(", re.MULTILINE)
 
 
-def read_pairs(sources: list[str], *, source_field: str = "source", target_field: str = "target") -> list[tuple[str, str]]:
+def read_pairs(
+    sources: list[str], *, source_field: str = "source", target_field: str = "target"
+) -> list[tuple[str, str]]:
     """One .jsonl file (two fields per line) or two aligned text files (line k of each)."""
     paths = [Path(s) for s in sources]
     for path in paths:
         if not path.is_file():
             raise ConfigError(f"pairs source {path} is not a file; give one .jsonl file or two aligned text files")
     if len(paths) == 1 and paths[0].suffix == ".jsonl":
-        return [_jsonl_pair(line, paths[0], n, source_field, target_field)
-                for n, line in enumerate(paths[0].read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+        return [
+            _jsonl_pair(line, paths[0], n, source_field, target_field)
+            for n, line in enumerate(paths[0].read_text(encoding="utf-8").splitlines(), 1)
+            if line.strip()
+        ]
     if len(paths) == 2:
         sources_text, targets = (p.read_text(encoding="utf-8").splitlines() for p in paths)
         if len(sources_text) != len(targets):
-            raise ConfigError(f"{paths[0]} has {len(sources_text)} lines but {paths[1]} has {len(targets)}; "
-                              "aligned text files need one target line per source line")
+            raise ConfigError(
+                f"{paths[0]} has {len(sources_text)} lines but {paths[1]} has {len(targets)}; "
+                "aligned text files need one target line per source line"
+            )
         return list(zip(sources_text, targets))
     raise ConfigError("pairs need one .jsonl file (with --source-field / --target-field) or two aligned text files")
 
@@ -75,8 +82,9 @@ def encode_texts(spec: TokenizerSpec, texts: list[str]) -> list[np.ndarray]:
     return [tokens[end - length : end - eos].astype(np.int64) + NUM_SPECIAL for end, length in zip(ends, lengths)]
 
 
-def prepare_pairs(pairs: list[tuple[str, str]], out: str | Path, *, val_fraction: float = 0.05,
-                  tokenizer: str = "byte") -> dict[str, Any]:
+def prepare_pairs(
+    pairs: list[tuple[str, str]], out: str | Path, *, val_fraction: float = 0.05, tokenizer: str = "byte"
+) -> dict[str, Any]:
     """Tokenize pairs into a new folder; the last `val_fraction` of them (at least one) are validation."""
     out = Path(out)
     _check_out(out)
@@ -95,8 +103,14 @@ def prepare_pairs(pairs: list[tuple[str, str]], out: str | Path, *, val_fraction
         splits[split] = {"pairs": len(chunk)}
     if spec.json_text is not None:
         (staging / "tokenizer.json").write_text(spec.json_text)
-    meta = {"format": "pairs", "dtype": dtype.name, "vocab_size": spec.vocab_size + NUM_SPECIAL,
-            "tokenizer": spec.describe(), "special_ids": {"pad": PAD, "bos": BOS, "eos": EOS}, "splits": splits}
+    meta = {
+        "format": "pairs",
+        "dtype": dtype.name,
+        "vocab_size": spec.vocab_size + NUM_SPECIAL,
+        "tokenizer": spec.describe(),
+        "special_ids": {"pad": PAD, "bos": BOS, "eos": EOS},
+        "splits": splits,
+    }
     (staging / "meta.json").write_text(json.dumps(meta, indent=2))
     _commit(staging, out)
     return meta
@@ -108,7 +122,11 @@ class _Side:
     def __init__(self, folder: Path, split: str, side: str, dtype: np.dtype) -> None:
         try:
             self.offsets = np.fromfile(folder / f"{split}.{side}.idx", dtype=OFFSET_DTYPE).astype(np.int64)
-            self.tokens = np.memmap(folder / f"{split}.{side}.bin", dtype=dtype, mode="r") if self.offsets[-1] else np.zeros(0, dtype)
+            self.tokens = (
+                np.memmap(folder / f"{split}.{side}.bin", dtype=dtype, mode="r")
+                if self.offsets[-1]
+                else np.zeros(0, dtype)
+            )
         except (OSError, IndexError) as exc:
             raise ConfigError(f"{folder}: {split}.{side} cannot be read ({exc}); prepare the pairs again") from None
         self.lengths = np.diff(self.offsets)
@@ -120,16 +138,23 @@ class _Side:
 class PairsDataset:
     """Padded (x, y) batches of pairs; `target_tokens` counts a batch's non-pad targets without reading tokens."""
 
-    def __init__(self, data_dir: str | Path, split: str, meta: dict[str, Any], *, seq_len: int, seed: int,
-                 source_len: int | None) -> None:
+    def __init__(
+        self, data_dir: str | Path, split: str, meta: dict[str, Any], *, seq_len: int, seed: int, source_len: int | None
+    ) -> None:
         folder = Path(data_dir)
         dtype = np.dtype(meta["dtype"])
         self.source, self.target = (_Side(folder, split, side, dtype) for side in ("source", "target"))
         self.num_pairs = len(self.source.lengths)
         if not self.num_pairs or self.num_pairs != len(self.target.lengths):
-            raise ConfigError(f"{folder} ({split}) holds {self.num_pairs} sources and {len(self.target.lengths)} targets; "
-                              "prepare the pairs again")
-        self.vocab_size, self.tokenizer, self.where = int(meta["vocab_size"]), meta.get("tokenizer"), f"{folder} ({split})"
+            raise ConfigError(
+                f"{folder} ({split}) holds {self.num_pairs} sources and {len(self.target.lengths)} targets; "
+                "prepare the pairs again"
+            )
+        self.vocab_size, self.tokenizer, self.where = (
+            int(meta["vocab_size"]),
+            meta.get("tokenizer"),
+            f"{folder} ({split})",
+        )
         self.seq_len, self.source_len = seq_len, source_len
         self.salt = np.uint64((seed * 2 + SPLITS.index(split)) & 0xFFFFFFFF) << np.uint64(32)
 

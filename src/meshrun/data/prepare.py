@@ -52,9 +52,18 @@ def is_prepared(out: str | Path) -> bool:
     return (out / "meta.json").is_file() or all((out / f"{split}.bin").is_file() for split in SPLITS)
 
 
-def prepare(sources: list[str], out: str | Path, *, val_fraction: float = 0.05, tokenizer: str = "byte",
-            train_tokenizer: str | None = None, field: str = "text", workers: int | None = None,
-            shard_tokens: int = SHARD_TOKENS, progress: bool = True) -> dict[str, Any]:
+def prepare(
+    sources: list[str],
+    out: str | Path,
+    *,
+    val_fraction: float = 0.05,
+    tokenizer: str = "byte",
+    train_tokenizer: str | None = None,
+    field: str = "text",
+    workers: int | None = None,
+    shard_tokens: int = SHARD_TOKENS,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Tokenize `sources` into a new dataset folder `out`; returns its meta.json content.
 
     Each document goes wholly to train or val by a hash of its path below the corpus root (and
@@ -143,15 +152,25 @@ def _spread_sample(found: list[Source], field: str, budget: int) -> Iterator[str
                 yield doc
 
 
-def _tasks(found: list[Source], root: Path, *, field: str, val_fraction: float, records: list[dict[str, Any]],
-           progress: bool) -> Iterator[tuple[list[str], list[str | bytes]]]:
+def _tasks(
+    found: list[Source], root: Path, *, field: str, val_fraction: float, records: list[dict[str, Any]], progress: bool
+) -> Iterator[tuple[list[str], list[str | bytes]]]:
     """Batches of about TASK_BYTES of documents, tagged with each document's split."""
     from tqdm import tqdm
 
     total = sum(source.size() for source in found)
     # On a terminal only (disable=None), and cleared when done: logs and errors stay one line each.
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, mininterval=0.5,
-               disable=None if progress else True, leave=False, dynamic_ncols=True)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="tokenizing",
+        file=sys.stderr,
+        mininterval=0.5,
+        disable=None if progress else True,
+        leave=False,
+        dynamic_ncols=True,
+    )
     splits: list[str] = []
     docs: list[str | bytes] = []
     size = 0
@@ -190,8 +209,10 @@ def _check_enough(writers: dict[str, SplitWriter], sources: list[str]) -> None:
     if not sum(w.num_docs for w in writers.values()):
         raise ConfigError(f"--source {' '.join(sources)} holds no documents; check the files (and --field)")
     if tokens < MIN_TOKENS:
-        raise ConfigError(f"--source {' '.join(sources)} gives only {tokens} tokens, too few to train "
-                          f"(at least {MIN_TOKENS}); add more text")
+        raise ConfigError(
+            f"--source {' '.join(sources)} gives only {tokens} tokens, too few to train "
+            f"(at least {MIN_TOKENS}); add more text"
+        )
 
 
 def _balance_splits(writers: dict[str, SplitWriter], val_fraction: float) -> None:
@@ -211,8 +232,13 @@ def _balance_splits(writers: dict[str, SplitWriter], val_fraction: float) -> Non
         return
 
 
-def _meta(spec: TokenizerSpec, dtype: Any, splits: dict[str, dict[str, Any]], records: list[dict[str, Any]],
-          sources: list[str]) -> dict[str, Any]:
+def _meta(
+    spec: TokenizerSpec,
+    dtype: Any,
+    splits: dict[str, dict[str, Any]],
+    records: list[dict[str, Any]],
+    sources: list[str],
+) -> dict[str, Any]:
     return {
         "format": "meshrun",
         "version": 2,
@@ -231,5 +257,7 @@ def _meta(spec: TokenizerSpec, dtype: Any, splits: dict[str, dict[str, Any]], re
 
 def describe(meta: dict[str, Any]) -> str:
     """The one line `prepare-data` prints."""
-    return (f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {meta['num_files']} files "
-            f"({meta['documents']} documents, {meta['tokenizer']['name']} tokenizer, vocab {meta['vocab_size']}, {meta['dtype']})")
+    return (
+        f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {meta['num_files']} files "
+        f"({meta['documents']} documents, {meta['tokenizer']['name']} tokenizer, vocab {meta['vocab_size']}, {meta['dtype']})"
+    )

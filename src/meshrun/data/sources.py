@@ -58,7 +58,9 @@ def default_sources() -> list[str]:
 
 
 def is_hf_dataset(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
 
 
 def kind_of(path: Path) -> str:
@@ -125,7 +127,9 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{number} is not valid JSON ({exc.msg}); fix the line or drop the file") from None
+                raise ConfigError(
+                    f"{path}:{number} is not valid JSON ({exc.msg}); fix the line or drop the file"
+                ) from None
             text = record.get(field) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise ConfigError(f"{path}:{number} has no text field {field!r}; pass --field NAME")
@@ -135,7 +139,9 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
 def _column(batches: Iterator, path: Path, field: str) -> Iterator[str]:
     for batch in batches:
         if field not in batch.schema.names:
-            raise ConfigError(f"{path} has no column {field!r} (columns: {', '.join(batch.schema.names)}); pass --field NAME")
+            raise ConfigError(
+                f"{path} has no column {field!r} (columns: {', '.join(batch.schema.names)}); pass --field NAME"
+            )
         for text in batch.column(field).to_pylist():
             if text is not None:
                 yield text

@@ -26,7 +26,16 @@ FORMATS = ("meshrun", "nanogpt", "megatron")
 DOC_DTYPE = np.dtype("<u8")
 MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 # Megatron-LM's DType codes (megatron/core/datasets/indexed_dataset.py)
-MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+MEGATRON_DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 
 
 @dataclass
@@ -117,8 +126,12 @@ class SplitWriter:
     def close(self) -> dict[str, Any]:
         self._close_shard()
         self._docs.close()
-        return {"tokens": self.num_tokens, "documents": self.num_docs, "shards": self.shards,
-                "documents_file": f"{self.split}.docs.bin"}
+        return {
+            "tokens": self.num_tokens,
+            "documents": self.num_docs,
+            "shards": self.shards,
+            "documents_file": f"{self.split}.docs.bin",
+        }
 
 
 # -- readers ------------------------------------------------------------------------------------
@@ -131,7 +144,9 @@ def read_meta(folder: Path) -> dict[str, Any] | None:
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path} cannot be read ({exc}); prepare the data again with `meshrun prepare-data`") from None
+        raise ConfigError(
+            f"{path} cannot be read ({exc}); prepare the data again with `meshrun prepare-data`"
+        ) from None
     if not isinstance(meta, dict):
         raise ConfigError(f"{path} is not a meshrun dataset description; prepare the data again")
     return meta
@@ -140,7 +155,9 @@ def read_meta(folder: Path) -> dict[str, Any] | None:
 def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fraction: float = 0.05) -> TokenSplit:
     path = Path(path)
     if format == "nanogpt":
-        return _flat(path, split, np.uint16, vocab_size=None, hint="point data.dir at a nanoGPT data folder (train.bin, val.bin)")
+        return _flat(
+            path, split, np.uint16, vocab_size=None, hint="point data.dir at a nanoGPT data folder (train.bin, val.bin)"
+        )
     if format == "megatron":
         return _megatron(path, split, val_fraction)
     meta = read_meta(path)
@@ -155,8 +172,10 @@ def _flat(folder: Path, split: str, dtype: type, *, vocab_size: int | None, hint
         raise ConfigError(f"data.dir {folder} has no {path.name}; {hint}")
     itemsize = np.dtype(dtype).itemsize
     if path.stat().st_size % itemsize:
-        raise ConfigError(f"{path} is {path.stat().st_size} bytes, not a whole number of {np.dtype(dtype).name} tokens; "
-                          "check data.format")
+        raise ConfigError(
+            f"{path} is {path.stat().st_size} bytes, not a whole number of {np.dtype(dtype).name} tokens; "
+            "check data.format"
+        )
     segments: list[np.ndarray] = [np.memmap(path, dtype=dtype, mode="r")] if path.stat().st_size else []
     return TokenSplit(segments, vocab_size, None, str(path))
 
@@ -168,15 +187,21 @@ def _shards(folder: Path, split: str, meta: dict[str, Any]) -> TokenSplit:
         for shard in info["shards"]:
             path = folder / shard["file"]
             if path.stat().st_size != shard["tokens"] * dtype.itemsize:
-                raise ConfigError(f"{path} is {path.stat().st_size} bytes but meta.json says {shard['tokens']} "
-                                  f"{dtype.name} tokens; the dataset is damaged: prepare it again")
+                raise ConfigError(
+                    f"{path} is {path.stat().st_size} bytes but meta.json says {shard['tokens']} "
+                    f"{dtype.name} tokens; the dataset is damaged: prepare it again"
+                )
             if shard["tokens"]:
                 segments.append(np.memmap(path, dtype=dtype, mode="r"))
         return TokenSplit(segments, int(meta["vocab_size"]), meta.get("tokenizer"), f"{folder} ({split})")
     except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{folder / 'meta.json'} is incomplete ({type(exc).__name__}: {exc}); prepare the data again") from None
+        raise ConfigError(
+            f"{folder / 'meta.json'} is incomplete ({type(exc).__name__}: {exc}); prepare the data again"
+        ) from None
     except FileNotFoundError as exc:
-        raise ConfigError(f"{exc.filename} is missing; the dataset in {folder} is incomplete: prepare it again") from None
+        raise ConfigError(
+            f"{exc.filename} is missing; the dataset in {folder} is incomplete: prepare it again"
+        ) from None
 
 
 def megatron_prefix(path: Path) -> Path:
@@ -184,12 +209,16 @@ def megatron_prefix(path: Path) -> Path:
     if path.is_dir():
         pairs = sorted(p.with_suffix("") for p in path.glob("*.idx") if p.with_suffix(".bin").is_file())
         if len(pairs) != 1:
-            raise ConfigError(f"data.dir {path} holds {len(pairs)} Megatron .bin/.idx pairs; point data.dir at one PREFIX")
+            raise ConfigError(
+                f"data.dir {path} holds {len(pairs)} Megatron .bin/.idx pairs; point data.dir at one PREFIX"
+            )
         return pairs[0]
     prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
     for suffix in (".bin", ".idx"):
         if not prefix.with_name(prefix.name + suffix).is_file():
-            raise ConfigError(f"data.dir {path}: no {prefix.name + suffix}; point data.dir at a Megatron PREFIX (PREFIX.bin + PREFIX.idx)")
+            raise ConfigError(
+                f"data.dir {path}: no {prefix.name + suffix}; point data.dir at a Megatron PREFIX (PREFIX.bin + PREFIX.idx)"
+            )
     return prefix
 
 
@@ -198,10 +227,16 @@ def read_megatron_index(idx: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np
     raw = idx.read_bytes()
     if raw[:9] != MEGATRON_HEADER or len(raw) < 34:
         raise ConfigError(f"{idx} is not a Megatron index (no MMIDIDX header); check data.format")
-    (version,), (code,), (num_seqs, num_docs) = struct.unpack_from("<Q", raw, 9), struct.unpack_from("<B", raw, 17), struct.unpack_from("<QQ", raw, 18)
+    (version,), (code,), (num_seqs, num_docs) = (
+        struct.unpack_from("<Q", raw, 9),
+        struct.unpack_from("<B", raw, 17),
+        struct.unpack_from("<QQ", raw, 18),
+    )
     if version != 1 or code not in MEGATRON_DTYPES or 34 + num_seqs * 12 + num_docs * 8 > len(raw):
-        raise ConfigError(f"{idx} does not parse as a Megatron index (version {version}, dtype code {code}, "
-                          f"{num_seqs} sequences, {num_docs} document indices in {len(raw)} bytes)")
+        raise ConfigError(
+            f"{idx} does not parse as a Megatron index (version {version}, dtype code {code}, "
+            f"{num_seqs} sequences, {num_docs} document indices in {len(raw)} bytes)"
+        )
     lengths = np.frombuffer(raw, np.int32, num_seqs, 34)
     pointers = np.frombuffer(raw, np.int64, num_seqs, 34 + 4 * num_seqs)
     documents = np.frombuffer(raw, np.int64, num_docs, 34 + 12 * num_seqs)
@@ -217,7 +252,9 @@ def _megatron(path: Path, split: str, val_fraction: float) -> TokenSplit:
         raise ConfigError(f"{prefix}.idx holds {len(lengths)} sequences of {dtype.name}; need integer tokens")
     total = int(pointers[-1]) // dtype.itemsize + int(lengths[-1])
     if bin_path.stat().st_size < total * dtype.itemsize:
-        raise ConfigError(f"{bin_path} is shorter than its index says ({total} {dtype.name} tokens); the pair does not match")
+        raise ConfigError(
+            f"{bin_path} is shorter than its index says ({total} {dtype.name} tokens); the pair does not match"
+        )
     seq_start = np.append(pointers // dtype.itemsize, total)  # token offset of each sequence, then the end
     doc_start = seq_start[np.asarray(documents, dtype=np.int64)]  # token offset of each document boundary
     num_docs = len(doc_start) - 1

@@ -81,8 +81,12 @@ def train_bpe(texts: Iterable[str | bytes], spec_text: str) -> TokenizerSpec:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=int(vocab), special_tokens=[BPE_EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=int(vocab),
+        special_tokens=[BPE_EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator((as_text(t) for t in texts), trainer=trainer)
     return _spec(spec_text, tokenizer, BPE_EOS)
 
@@ -91,8 +95,10 @@ def _spec(name: str, tokenizer: Any, eos: str | None) -> TokenizerSpec:
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     eos = eos or next((t for t in _EOS_NAMES if t in vocab), None)
     if eos is None or eos not in vocab:
-        raise ConfigError(f"--tokenizer {name} has no end-of-document token (looked for {eos or ', '.join(_EOS_NAMES)}); "
-                          "add one to the tokenizer, or set eos_token in its tokenizer_config.json")
+        raise ConfigError(
+            f"--tokenizer {name} has no end-of-document token (looked for {eos or ', '.join(_EOS_NAMES)}); "
+            "add one to the tokenizer, or set eos_token in its tokenizer_config.json"
+        )
     return TokenizerSpec(name, tokenizer.get_vocab_size(with_added_tokens=True), (vocab[eos],), tokenizer.to_str())
 
 
@@ -157,8 +163,9 @@ def _encode_in_worker(docs: list[str | bytes]) -> tuple[np.ndarray, np.ndarray]:
     return _worker_encoder(docs)
 
 
-def encode_ordered(spec: TokenizerSpec, tasks: Iterable[tuple[Any, list[str | bytes]]], *,
-                   workers: int) -> Iterator[tuple[Any, tuple[np.ndarray, np.ndarray]]]:
+def encode_ordered(
+    spec: TokenizerSpec, tasks: Iterable[tuple[Any, list[str | bytes]]], *, workers: int
+) -> Iterator[tuple[Any, tuple[np.ndarray, np.ndarray]]]:
     """(tag, documents) -> (tag, encoded), in input order, at most 2 x workers batches in flight
     (bounded memory: reading never runs far ahead of tokenizing)."""
     if workers <= 1 or spec.json_text is None:  # bytes need no tokenizing: one process is fastest
@@ -215,6 +222,7 @@ def text_codec(data_dir: Path | None, vocab_size: int) -> tuple[Callable[[str], 
         return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode
     if vocab_size == 256:
         return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
-    raise ConfigError(f"no tokenizer.json beside the data ({data_dir}) for this {vocab_size}-token model; "
-                      "put the tokenizer.json the data was made with there")
-
+    raise ConfigError(
+        f"no tokenizer.json beside the data ({data_dir}) for this {vocab_size}-token model; "
+        "put the tokenizer.json the data was made with there"
+    )

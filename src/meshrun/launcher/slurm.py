@@ -49,7 +49,10 @@ _FORMATS = {
     "--partition": (r"[\w.-]+(,[\w.-]+)*", "partition names of letters, digits, _ . -, separated by commas"),
     "--account": (r"[\w.-]+", "letters, digits, _ . -"),
     "--job-name": (r"[\w.+@:,= -]+", "letters, digits, spaces and _ . + @ : , = -"),
-    "--sbatch": (r"--[a-z][a-z0-9-]*(=((?![\"'\\])[!-~])+)?", "one long option with no spaces or quotes, e.g. --sbatch=--qos=high"),
+    "--sbatch": (
+        r"--[a-z][a-z0-9-]*(=((?![\"'\\])[!-~])+)?",
+        "one long option with no spaces or quotes, e.g. --sbatch=--qos=high",
+    ),
 }
 
 
@@ -112,8 +115,10 @@ def render_sbatch(
     train_args = [*([str(Path(config).resolve())] if config is not None else []), *(f"--set={o}" for o in overrides)]
     head = [
         "#!/usr/bin/env bash",
-        (f"# meshrun job rendered by `meshrun slurm`: run_dir {json.dumps(str(cfg.run_dir))}, {world} workers (dp {cfg.parallel.dp} x "
-         f"pp {cfg.parallel.pp}) = {nodes} nodes x {nproc}."),
+        (
+            f"# meshrun job rendered by `meshrun slurm`: run_dir {json.dumps(str(cfg.run_dir))}, {world} workers (dp {cfg.parallel.dp} x "
+            f"pp {cfg.parallel.pp}) = {nodes} nodes x {nproc}."
+        ),
         "# Submit with `sbatch THIS_FILE`; see launch/slurm.sbatch for the environment it reads.",
         *(f"#SBATCH {option}" for option in options),
         "",

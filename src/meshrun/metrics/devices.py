@@ -39,14 +39,23 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec("B200", (r"NVIDIA B200",), 180, 2250, 2250, 75, "https://www.nvidia.com/en-us/data-center/hgx/"),
     DeviceSpec("H200", (r"NVIDIA H200",), 141, 989, 989, 67, "https://www.nvidia.com/en-us/data-center/h200/"),
     DeviceSpec("H200 NVL", (r"NVIDIA H200 NVL",), 141, 835, 835, 60, "https://www.nvidia.com/en-us/data-center/h200/"),
-    DeviceSpec("GH200", (r"NVIDIA GH200 480GB",), 96, 989, 989, 67,
-               "https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip"),
+    DeviceSpec(
+        "GH200",
+        (r"NVIDIA GH200 480GB",),
+        96,
+        989,
+        989,
+        67,
+        "https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip",
+    ),
     DeviceSpec("H100 SXM", (r"NVIDIA H100 80GB HBM3",), 80, 989, 989, 67, _H100),
     DeviceSpec("H100 PCIe", (r"NVIDIA H100 PCIe",), 80, 756, 756, 51, _H100),
     DeviceSpec("H100 NVL", (r"NVIDIA H100 NVL",), 94, 835, 835, 60, _H100),
     DeviceSpec("A100 40GB", (r"NVIDIA A100-(SXM4|PCIE)-40GB",), 40, 312, 312, 19.5, _A100),
     DeviceSpec("A100 80GB", (r"NVIDIA A100-SXM4-80GB", r"NVIDIA A100 80GB PCIe"), 80, 312, 312, 19.5, _A100),
-    DeviceSpec("A10", (r"NVIDIA A10",), 24, 125, 125, 31.2, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/"),
+    DeviceSpec(
+        "A10", (r"NVIDIA A10",), 24, 125, 125, 31.2, "https://www.nvidia.com/en-us/data-center/products/a10-gpu/"
+    ),
     DeviceSpec("L40S", (r"NVIDIA L40S",), 48, 362, 362, 91.6, "https://www.nvidia.com/en-us/data-center/l40s/"),
     DeviceSpec("L40", (r"NVIDIA L40",), 48, 181, 181, 90.5, "https://www.nvidia.com/en-us/data-center/l40/"),
     DeviceSpec("L4", (r"NVIDIA L4",), 24, 121, 121, 30.3, "https://www.nvidia.com/en-us/data-center/l4/"),
@@ -69,10 +78,24 @@ def find_device(name: str) -> DeviceSpec | None:
 
 # Short names for `meshrun plan --gpu` (lower case), each naming one entry above.
 SHORT_NAMES: dict[str, str] = {
-    "b200": "B200", "h200": "H200", "h200-nvl": "H200 NVL", "gh200": "GH200", "h100": "H100 SXM",
-    "h100-pcie": "H100 PCIe", "h100-nvl": "H100 NVL", "a100-40g": "A100 40GB", "a100-80g": "A100 80GB",
-    "a10": "A10", "l40s": "L40S", "l40": "L40", "l4": "L4", "rtx4090": "RTX 4090", "rtx3090": "RTX 3090",
-    "v100-16g": "V100 SXM2 16GB", "v100-32g": "V100 SXM2 32GB", "t4": "T4",
+    "b200": "B200",
+    "h200": "H200",
+    "h200-nvl": "H200 NVL",
+    "gh200": "GH200",
+    "h100": "H100 SXM",
+    "h100-pcie": "H100 PCIe",
+    "h100-nvl": "H100 NVL",
+    "a100-40g": "A100 40GB",
+    "a100-80g": "A100 80GB",
+    "a10": "A10",
+    "l40s": "L40S",
+    "l40": "L40",
+    "l4": "L4",
+    "rtx4090": "RTX 4090",
+    "rtx3090": "RTX 3090",
+    "v100-16g": "V100 SXM2 16GB",
+    "v100-32g": "V100 SXM2 32GB",
+    "t4": "T4",
 }
 
 # Link bandwidth defaults in GB/s per GPU and direction: (within a node, between nodes). Within a
@@ -81,9 +104,18 @@ SHORT_NAMES: dict[str, str] = {
 # build (400 Gb/s InfiniBand for Hopper/Blackwell, 200 Gb/s for A100, 100 Gb/s otherwise).
 # These are defaults for planning only; `meshrun plan --intra-gbs/--inter-gbs` override them.
 LINKS_GBS: dict[str, tuple[float, float]] = {
-    "B200": (900, 50), "H200": (450, 50), "H200 NVL": (450, 50), "GH200": (450, 50), "H100 SXM": (450, 50),
-    "H100 PCIe": (64, 50), "H100 NVL": (300, 50), "A100 40GB": (300, 25), "A100 80GB": (300, 25),
-    "V100 SXM2 16GB": (150, 12.5), "V100 SXM2 32GB": (150, 12.5), "T4": (16, 12.5),
+    "B200": (900, 50),
+    "H200": (450, 50),
+    "H200 NVL": (450, 50),
+    "GH200": (450, 50),
+    "H100 SXM": (450, 50),
+    "H100 PCIe": (64, 50),
+    "H100 NVL": (300, 50),
+    "A100 40GB": (300, 25),
+    "A100 80GB": (300, 25),
+    "V100 SXM2 16GB": (150, 12.5),
+    "V100 SXM2 32GB": (150, 12.5),
+    "T4": (16, 12.5),
 }
 PCIE4_LINKS_GBS = (32.0, 12.5)
 

@@ -39,8 +39,15 @@ def plot_timeline(timeline: dict[int, Any], path: Path, *, title: str, bubble: f
         for action in timeline[rank].actions:
             width = (action.end - action.start) * 1e3
             ax.barh(rank, width, left=action.start * 1e3, color=_COLOURS[action.kind], edgecolor="white", height=0.8)
-            ax.text(action.start * 1e3 + width / 2, rank, f"{action.kind}{action.microbatch}", ha="center",
-                    va="center", fontsize=7, color="white")
+            ax.text(
+                action.start * 1e3 + width / 2,
+                rank,
+                f"{action.kind}{action.microbatch}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(ranks[-1] + 0.5, ranks[0] - 0.5)  # rank 0 on top, no empty band below the last rank
     ax.set_xlim(0, max(t.wall for t in timeline.values()) * 1e3)  # the whole step: idle ends are bubble too
@@ -49,7 +56,8 @@ def plot_timeline(timeline: dict[int, Any], path: Path, *, title: str, bubble: f
     kinds = sorted({a.kind for t in timeline.values() for a in t.actions}, key="FBIW".index)
     names = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)"}
     handles = [plt.Rectangle((0, 0), 1, 1, color=_COLOURS[k]) for k in kinds]
-    ax.legend(handles, [names[k] for k in kinds], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
-              frameon=False)  # beside the bars: never over them or the axis label
+    ax.legend(
+        handles, [names[k] for k in kinds], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
+    )  # beside the bars: never over them or the axis label
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -67,8 +67,10 @@ class StepProfiler:
         """The timeline of the last measured step, read from its profiler events (once: reading
         them costs tens of milliseconds, which the trainer spends after timing its window)."""
         if self._recorded is not None:
-            events = [(e.name, e.time_range.start, e.time_range.end, e.device_type != DeviceType.CPU)
-                      for e in self._recorded.function_events or []]
+            events = [
+                (e.name, e.time_range.start, e.time_range.end, e.device_type != DeviceType.CPU)
+                for e in self._recorded.function_events or []
+            ]
             self.timeline, self._recorded = step_timeline(events), None
         return self.timeline
 

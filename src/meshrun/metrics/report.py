@@ -23,8 +23,13 @@ class ProgressBar:
     def __init__(self, *, steps: int, start_step: int) -> None:
         from tqdm import tqdm  # lazy: only rank 0 on a terminal draws one
 
-        self.bar = tqdm(total=steps, initial=start_step, file=sys.stderr, dynamic_ncols=True,
-                        bar_format="[meshrun] step {n_fmt}/{total_fmt} |{bar:20}| ETA {remaining}{postfix}")
+        self.bar = tqdm(
+            total=steps,
+            initial=start_step,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            bar_format="[meshrun] step {n_fmt}/{total_fmt} |{bar:20}| ETA {remaining}{postfix}",
+        )
         self.write = tqdm.write
 
     def say(self, message: str) -> None:
@@ -56,8 +61,9 @@ def _fmt(row: dict[str, Any]) -> str:
 class RunReport:
     """Collects rows; only the logging rank (rank 0) writes anything."""
 
-    def __init__(self, run_dir: Path, *, steps: int, tracker: Tracker | None, timeline_title: str = "",
-                 start_step: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, *, steps: int, tracker: Tracker | None, timeline_title: str = "", start_step: int = 0
+    ) -> None:
         self.run_dir, self.steps = run_dir, steps
         self.tracker: Tracker = tracker or NullTracker()
         self.active = tracker is not None
@@ -121,10 +127,14 @@ class RunReport:
         """pipeline_timeline.png and the numbers it is drawn from (pipeline_timeline.json)."""
         from meshrun.metrics.plots import plot_timeline
 
-        plot_timeline(stages, self.run_dir / "pipeline_timeline.png", title=f"{self.timeline_title} step {step},",
-                      bubble=bubble)
-        record = {"step": step, "bubble": bubble,
-                  "stages": {rank: {"wall": t.wall, "actions": [vars(a) for a in t.actions]} for rank, t in stages.items()}}
+        plot_timeline(
+            stages, self.run_dir / "pipeline_timeline.png", title=f"{self.timeline_title} step {step},", bubble=bubble
+        )
+        record = {
+            "step": step,
+            "bubble": bubble,
+            "stages": {rank: {"wall": t.wall, "actions": [vars(a) for a in t.actions]} for rank, t in stages.items()},
+        }
         (self.run_dir / "pipeline_timeline.json").write_text(json.dumps(record, indent=1))
 
     def close(self) -> None:
@@ -143,7 +153,9 @@ def run_facts(cfg: Config, row: dict[str, Any]) -> dict[str, Any]:
     """What `meshrun report` compares runs by, beside the throughput: layout, precision, peak
     memory per pipeline stage and the last measured bubble (from the last logged row)."""
     par = cfg.parallel
-    stages = sorted((k for k in row if k.startswith("memory_gb/stage")), key=lambda k: int(k.removeprefix("memory_gb/stage")))
+    stages = sorted(
+        (k for k in row if k.startswith("memory_gb/stage")), key=lambda k: int(k.removeprefix("memory_gb/stage"))
+    )
     facts = {
         "layout": f"dp{par.dp} x pp{par.pp}" + (f" {par.schedule}" if par.pp > 1 else ""),
         "microbatches": cfg.accumulation_steps,

@@ -98,14 +98,23 @@ class WandbTracker:
     reads on its own.
     """
 
-    def __init__(self, cfg: TrackerConfig, *, mode: str, run_dir: Path, config: dict[str, Any],
-                 warn: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        cfg: TrackerConfig,
+        *,
+        mode: str,
+        run_dir: Path,
+        config: dict[str, Any],
+        warn: Callable[[str], None] = print,
+    ) -> None:
         import wandb  # lazy: importing wandb costs about a second
         import wandb.errors
 
         # A resumed job continues the same wandb run: its id lives in the run directory.
         id_file = run_dir / "wandb_run_id"
-        run_id = os.environ.get("WANDB_RUN_ID") or (id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8])
+        run_id = os.environ.get("WANDB_RUN_ID") or (
+            id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        )
         id_file.write_text(run_id + "\n")
         kwargs = {
             "id": run_id,
@@ -128,8 +137,10 @@ class WandbTracker:
             wandb.teardown()  # the failed attempt still holds the run id in wandb's service
             self.run = wandb.init(mode="offline", settings=wandb.Settings(**settings), **kwargs)
             reason = " ".join(str(exc).splitlines()[0].split()) if str(exc) else type(exc).__name__
-            warn(f"warning: wandb online failed within {timeout:g} s ({reason}); logging offline in "
-                 f"{self.run.settings.sync_dir}, sync later with `wandb sync {self.run.settings.sync_dir}`")
+            warn(
+                f"warning: wandb online failed within {timeout:g} s ({reason}); logging offline in "
+                f"{self.run.settings.sync_dir}, sync later with `wandb sync {self.run.settings.sync_dir}`"
+            )
 
     def log(self, row: dict[str, Any], step: int) -> None:
         # Not committed here: validation rows arrive later for the same step and join its row.
@@ -158,7 +169,9 @@ class MultiTracker:
                 call(tracker)
             except Exception as exc:  # noqa: BLE001 - any tracker failure, by design
                 self.trackers.remove(tracker)
-                self.warn(f"warning: {type(tracker).__name__} failed ({type(exc).__name__}: {exc}); it is off for the rest of the run")
+                self.warn(
+                    f"warning: {type(tracker).__name__} failed ({type(exc).__name__}: {exc}); it is off for the rest of the run"
+                )
 
     def log(self, row: dict[str, Any], step: int) -> None:
         self._each(lambda tracker: tracker.log(row, step))
@@ -196,8 +209,14 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-def open_trackers(cfg: TrackerConfig, *, run_dir: Path, config: dict[str, Any], start_step: int = 0,
-                  say: Callable[[str], None] | None = None) -> MultiTracker:
+def open_trackers(
+    cfg: TrackerConfig,
+    *,
+    run_dir: Path,
+    config: dict[str, Any],
+    start_step: int = 0,
+    say: Callable[[str], None] | None = None,
+) -> MultiTracker:
     say = say or console.say
     trackers: list[Tracker] = []
     if "jsonl" in cfg.backends:

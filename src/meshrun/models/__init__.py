@@ -48,7 +48,9 @@ def resolve_factory(cfg: ModelConfig) -> Callable[[ModelConfig], nn.Module]:
         return HFCausalLM
     if cfg.factory is None:
         if cfg.name not in BUILTIN:
-            raise ConfigError(f"invalid model.name {cfg.name!r}: choose one of {', '.join(BUILTIN)} or set model.factory")
+            raise ConfigError(
+                f"invalid model.name {cfg.name!r}: choose one of {', '.join(BUILTIN)} or set model.factory"
+            )
         return BUILTIN[cfg.name]
     module_name, sep, attr = cfg.factory.partition(":")
     if not sep or not module_name or not attr:
@@ -68,12 +70,20 @@ def _import_factory_module(factory: str, module_name: str) -> ModuleType:
     try:
         return importlib.import_module(module_name)
     except SyntaxError as exc:
-        raise ConfigError(f"{where}: SyntaxError in {exc.filename} line {exc.lineno}: {exc.msg}; fix the module") from None
+        raise ConfigError(
+            f"{where}: SyntaxError in {exc.filename} line {exc.lineno}: {exc.msg}; fix the module"
+        ) from None
     except ModuleNotFoundError as exc:
         top = module_name.split(".")[0]
         here = [name for name in (f"{top}.py", top) if exc.name == top and (Path.cwd() / name).exists()]
-        hint = (f"; {here[0]} is in the current directory, which is not on the Python path here: "
-                "run with PYTHONPATH=. (workers inherit it) or install the module") if here else ""
+        hint = (
+            (
+                f"; {here[0]} is in the current directory, which is not on the Python path here: "
+                "run with PYTHONPATH=. (workers inherit it) or install the module"
+            )
+            if here
+            else ""
+        )
         raise ConfigError(f"{where}: {exc}{hint}") from None
     except SystemExit as exc:
         raise ConfigError(f"{where}: importing {module_name} called sys.exit({exc.code!r}); remove that call") from None
@@ -90,8 +100,10 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     except ConfigError:
         raise
     except SystemExit as exc:  # a factory must return or raise, never end the process
-        raise ConfigError(f"{source} called sys.exit({exc.code!r}) while building the model; "
-                          "make it return the model or raise an exception") from None
+        raise ConfigError(
+            f"{source} called sys.exit({exc.code!r}) while building the model; "
+            "make it return the model or raise an exception"
+        ) from None
     except Exception as exc:  # the user's constructor: report it as a config problem, in one line
         raise ConfigError(f"{source} failed: {type(exc).__name__}: {exc}") from exc
     missing = [name for name in PROTOCOL if not hasattr(model, name)]

@@ -33,7 +33,9 @@ def split_lengths(cfg: ModelConfig) -> tuple[int, int]:
     """(source tokens S, target tokens T) of model.seq_len."""
     source = cfg.source_len or cfg.seq_len // 2
     if not 1 <= source < cfg.seq_len:
-        raise ConfigError(f"model.source_len ({source}) must be below model.seq_len ({cfg.seq_len}): the rest is the target")
+        raise ConfigError(
+            f"model.source_len ({source}) must be below model.seq_len ({cfg.seq_len}): the rest is the target"
+        )
     return source, cfg.seq_len - source
 
 
@@ -83,12 +85,15 @@ class Attention(nn.Module):
         self.kv = nn.Linear(cfg.dim, 2 * cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, *, keep: torch.Tensor | None = None,
-                causal: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, memory: torch.Tensor, *, keep: torch.Tensor | None = None, causal: bool = False
+    ) -> torch.Tensor:
         b, t, c = x.shape
         heads = (b, -1, self.num_heads, c // self.num_heads)
         q = self.q(x).view(heads).transpose(1, 2)  # (B, H, T, D)
-        k, v = self.kv(memory).view(b, -1, 2, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)  # (B, H, S, D)
+        k, v = (
+            self.kv(memory).view(b, -1, 2, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
+        )  # (B, H, S, D)
         mask = keep.bool()[:, None, None, :] if keep is not None else None  # (B, 1, 1, S): True = attend
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p)
@@ -154,17 +159,23 @@ class EncDec(StagedModel):
         super().__init__()
         num_encoder = cfg.encoder_layers or cfg.num_layers // 2
         if not 1 <= num_encoder < cfg.num_layers:
-            raise ConfigError(f"model.encoder_layers ({num_encoder}) must be at least 1 and below model.num_layers "
-                              f"({cfg.num_layers}): the remaining blocks decode")
+            raise ConfigError(
+                f"model.encoder_layers ({num_encoder}) must be at least 1 and below model.num_layers "
+                f"({cfg.num_layers}): the remaining blocks decode"
+            )
         self.cfg, self.num_encoder = cfg, num_encoder
         self.embeds_input = True  # False on pipeline stages after the first (they receive the state)
         self.embed: nn.Module | None = Embedding(cfg)
-        self.blocks = nn.ModuleDict({
-            str(i): EncoderBlock(cfg, last=i == num_encoder - 1) if i < num_encoder else DecoderBlock(cfg)
-            for i in range(cfg.num_layers)
-        })
+        self.blocks = nn.ModuleDict(
+            {
+                str(i): EncoderBlock(cfg, last=i == num_encoder - 1) if i < num_encoder else DecoderBlock(cfg)
+                for i in range(cfg.num_layers)
+            }
+        )
         self.norm: nn.Module | None = DecoderNorm(cfg.dim)
-        self.head: nn.Module | None = TiedHead(self.embed.tok) if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.head: nn.Module | None = (
+            TiedHead(self.embed.tok) if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        )
 
     @property
     def tied_weight(self) -> str | None:

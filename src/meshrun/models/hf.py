@@ -34,8 +34,18 @@ from meshrun.models.protocol import StagedModel
 
 # meshrun name prefix -> Hugging Face name prefix, per family layout
 HF_NAMES = {
-    "llama": (("embed.", "model.embed_tokens."), ("blocks.", "model.layers."), ("norm.", "model.norm."), ("head.", "lm_head.")),
-    "gpt2": (("embed.", "transformer."), ("blocks.", "transformer.h."), ("norm.", "transformer.ln_f."), ("head.", "lm_head.")),
+    "llama": (
+        ("embed.", "model.embed_tokens."),
+        ("blocks.", "model.layers."),
+        ("norm.", "model.norm."),
+        ("head.", "lm_head."),
+    ),
+    "gpt2": (
+        ("embed.", "transformer."),
+        ("blocks.", "transformer.h."),
+        ("norm.", "transformer.ln_f."),
+        ("head.", "lm_head."),
+    ),
 }
 TIED_WEIGHT = {"llama": "embed.weight", "gpt2": "embed.wte.weight"}
 
@@ -148,7 +158,7 @@ class HFCausalLM(StagedModel):
     def hf_names(self, name: str) -> list[str]:
         """Hugging Face keys for one of our tensor names, most likely first."""
         ours, theirs = next((o, t) for o, t in HF_NAMES[self.family] if name.startswith(o))
-        key = theirs + name[len(ours):]
+        key = theirs + name[len(ours) :]
         base = "model." if self.family == "llama" else "transformer."
         keys = [key, *(["lm_head.weight"] if name == self.tied_weight else [])]
         return keys + [k.removeprefix(base) for k in keys if k.startswith(base)]

@@ -52,7 +52,9 @@ def _locate(name: str, candidates: list[str], index: dict[str, Path], model_dir:
     )
 
 
-def _by_file(module: nn.Module, hf_names: Callable[[str], list[str]], model_dir: Path) -> dict[Path, list[tuple[str, str, torch.Tensor]]]:
+def _by_file(
+    module: nn.Module, hf_names: Callable[[str], list[str]], model_dir: Path
+) -> dict[Path, list[tuple[str, str, torch.Tensor]]]:
     """(local name, file key, tensor) grouped by file, for every tensor `module` holds."""
     index = weight_index(model_dir)
     grouped: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}

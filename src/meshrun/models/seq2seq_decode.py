@@ -36,7 +36,7 @@ def decode(model: EncDec, source: list[int], *, beam: int = 1, max_tokens: int |
             candidates += [([*ids, int(t)], score + float(v)) for v, t in zip(values, tokens)]
         candidates.sort(key=lambda c: c[1], reverse=True)
         beams = []
-        for ids, score in candidates[: beam]:
+        for ids, score in candidates[:beam]:
             (finished if ids[-1] == EOS else beams).append((ids, score))
         if not beams or (finished and max(s for _, s in finished) >= beams[0][1]):
             break  # scores only fall as tokens are added: no open beam can overtake the best finished one

@@ -84,7 +84,9 @@ def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: boo
     return part
 
 
-def materialise_part(cfg: Config, device: torch.device, *, layers: list[int] | None, first: bool, last: bool) -> nn.Module:
+def materialise_part(
+    cfg: Config, device: torch.device, *, layers: list[int] | None, first: bool, last: bool
+) -> nn.Module:
     """Steps 1-4 for one stage (layers=None: the whole model)."""
     part = build_stage(cfg, layers=layers, first=first, last=last)
     part.to_empty(device=device)
@@ -118,5 +120,7 @@ def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> Lo
     ]
     model = PipelineModel(cfg, mesh, plan, parts, [wrap_data_parallel(p, mesh, cfg) for p in parts], loss=loss, amp=amp)
     last_pp_rank = rank_of_stage(plan.num_stages - 1, mesh.pp, schedule=cfg.parallel.schedule)
-    model.tied = TiedEmbeddings(parts, plan.local_stages, num_stages=plan.num_stages, mesh=mesh, last_pp_rank=last_pp_rank)
+    model.tied = TiedEmbeddings(
+        parts, plan.local_stages, num_stages=plan.num_stages, mesh=mesh, last_pp_rank=last_pp_rank
+    )
     return model

@@ -52,7 +52,11 @@ def mixed_precision(par: ParallelConfig) -> MixedPrecisionPolicy:
 def wrap_fsdp(part: nn.Module, mesh: Mesh, par: ParallelConfig) -> nn.Module:
     """fully_shard every block (one all-gather per block: overlaps with the previous block's
     compute, and bounds what is gathered at once), then the stage root for the rest."""
-    options = {"mesh": mesh.data_mesh, "reshard_after_forward": reshard_after_forward(par), "mp_policy": mixed_precision(par)}
+    options = {
+        "mesh": mesh.data_mesh,
+        "reshard_after_forward": reshard_after_forward(par),
+        "mp_policy": mixed_precision(par),
+    }
     for block in part.blocks.values():
         fully_shard(block, **options)
     fully_shard(part, **options)
@@ -105,13 +109,17 @@ def describe_data_parallel(cfg: Config, stage_params: list[int]) -> list[str]:
     }[par.dp_mode]
     lines = ["data parallel:", mesh]
     if par.dp_mode != "ddp":
-        lines.append(f"  reshard after forward: {reshard_after_forward(par)}; "
-                     f"param dtype {par.fsdp_param_dtype}, reduce dtype {par.fsdp_reduce_dtype}")
+        lines.append(
+            f"  reshard after forward: {reshard_after_forward(par)}; "
+            f"param dtype {par.fsdp_param_dtype}, reduce dtype {par.fsdp_reduce_dtype}"
+        )
     for stage, count in enumerate(stage_params):
         params = count * 4 // shard
         optim = count * ADAMW_BYTES_PER_PARAM // shard
-        lines.append(f"  pipeline rank {stage}: per rank params {_mib(params)} + grads {_mib(params)} + "
-                     f"optimizer {_mib(optim)} = {_mib(2 * params + optim)}")
+        lines.append(
+            f"  pipeline rank {stage}: per rank params {_mib(params)} + grads {_mib(params)} + "
+            f"optimizer {_mib(optim)} = {_mib(2 * params + optim)}"
+        )
     return lines
 
 

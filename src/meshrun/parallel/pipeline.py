@@ -51,7 +51,9 @@ def make_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn: Call
             scale_grads=False,  # the loss already divides by the microbatch count
         )
     except ValueError as exc:
-        raise ConfigError(f"parallel.schedule {name} with {n_microbatches} microbatches: torch refuses it: {exc}") from None
+        raise ConfigError(
+            f"parallel.schedule {name} with {n_microbatches} microbatches: torch refuses it: {exc}"
+        ) from None
 
 
 class MarkedStage(PipelineStage):
@@ -120,7 +122,9 @@ class PipelineModel:
             MarkedStage(module, index, plan.num_stages, mesh.device, group=mesh.pp_group)
             for module, index in zip(wrapped, plan.local_stages)
         ]
-        self.schedule = make_schedule(cfg.parallel.schedule, self.stages, n_microbatches=loss.num_microbatches, loss_fn=loss)
+        self.schedule = make_schedule(
+            cfg.parallel.schedule, self.stages, n_microbatches=loss.num_microbatches, loss_fn=loss
+        )
         self.has_first = 0 in plan.local_stages
         self.has_last = plan.num_stages - 1 in plan.local_stages
 

@@ -46,7 +46,9 @@ def wants_recompute(policy: str, layer: int) -> bool:
 
 def apply_recompute(blocks: nn.ModuleDict, policy: str) -> None:
     """Wrap the blocks the policy selects with non-reentrant torch.utils.checkpoint."""
-    extra = {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls)} if policy == "selective" else {}
+    extra = (
+        {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls)} if policy == "selective" else {}
+    )
     for key in list(blocks.keys()):
         if wants_recompute(policy, int(key)):
             blocks[key] = checkpoint_wrapper(blocks[key], preserve_rng_state=True, **extra)

@@ -21,8 +21,15 @@ from meshrun.parallel.fsdp import local
 
 
 class TiedEmbeddings:
-    def __init__(self, parts: list[nn.Module], stage_ids: list[int], *, num_stages: int, mesh: Mesh,
-                 last_pp_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        stage_ids: list[int],
+        *,
+        num_stages: int,
+        mesh: Mesh,
+        last_pp_rank: int | None = None,
+    ) -> None:
         """Collective when the model is tied and pipelined: every rank builds every pair's group."""
         self.copies: list[nn.Parameter] = []  # this rank's copies (0, 1 or 2)
         self.duplicates: list[nn.Parameter] = []  # copies left out of the gradient norm (not on stage 0)

@@ -53,8 +53,12 @@ def time_steps(cfg: Config, *, steps: int, warmup: int = 1) -> float:
     try:
         model = parallelize(cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=contextlib.nullcontext)
         optimizers = [build_optimizer(part, cfg.train) for part in model.parts]
-        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.model.seq_len + 1),
-                               generator=torch.Generator().manual_seed(0)).to(mesh.device)
+        tokens = torch.randint(
+            0,
+            cfg.model.vocab_size,
+            (cfg.train.global_batch, cfg.model.seq_len + 1),
+            generator=torch.Generator().manual_seed(0),
+        ).to(mesh.device)
         times = []
         for step in range(warmup + steps):
             start = time.perf_counter()
@@ -107,15 +111,22 @@ def calibrate(cfg: Config, *, precision: str, steps: int = 3) -> tuple[Efficienc
         actions = 2 * probe.accumulation_steps
         seconds = time_steps(probe, steps=steps)
         samples.append((flops, actions, seconds))
-        rows.append({"micro_batch": micro_batch, "recompute": recompute, "flops": flops, "actions": actions,
-                     "seconds": seconds})
+        rows.append(
+            {"micro_batch": micro_batch, "recompute": recompute, "flops": flops, "actions": actions, "seconds": seconds}
+        )
     return fit(samples), rows
 
 
 def save(path: Path, device: str, precision: str, eff: Efficiency, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"device": device, "precision": precision, "achieved_flops": eff.achieved_flops,
-              "action_s": eff.action_s, "step_s": eff.step_s, "probes": rows}
+    record = {
+        "device": device,
+        "precision": precision,
+        "achieved_flops": eff.achieved_flops,
+        "action_s": eff.action_s,
+        "step_s": eff.step_s,
+        "probes": rows,
+    }
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
@@ -124,5 +135,6 @@ def save(path: Path, device: str, precision: str, eff: Efficiency, rows: list[di
 def load(path: Path) -> tuple[str, Efficiency]:
     """(device, constants) saved by `save`."""
     record = json.loads(path.read_text())
-    return record["device"], Efficiency(achieved_flops=record["achieved_flops"], action_s=record["action_s"],
-                                        step_s=record["step_s"])
+    return record["device"], Efficiency(
+        achieved_flops=record["achieved_flops"], action_s=record["action_s"], step_s=record["step_s"]
+    )

@@ -26,7 +26,11 @@ def hardware(args: argparse.Namespace, requested: str) -> tuple[Hardware, str]:
     name = args.gpu or _calibrated_device(args)
     per_node = max(1, args.gpus // args.nodes)
     if name.lower() == "cpu":
-        memory = args.memory_gb * GIB if args.memory_gb else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / args.gpus
+        memory = (
+            args.memory_gb * GIB
+            if args.memory_gb
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / args.gpus
+        )
         precision = "fp32" if requested == "auto" else requested
         return Hardware("cpu", memory, None, args.intra_gbs or 10.0, args.inter_gbs or 1.25, per_node), precision
     try:
@@ -39,7 +43,9 @@ def hardware(args: argparse.Namespace, requested: str) -> tuple[Hardware, str]:
         raise ConfigError(f"--gpu {name}: {spec.key} has no dense {precision} peak; set precision=fp16 or fp32")
     intra, inter = links_gbs(spec)
     memory = args.memory_gb * GIB if args.memory_gb else spec.memory_gib * GIB
-    return Hardware(spec.key, memory, peak * 1e12, args.intra_gbs or intra, args.inter_gbs or inter, per_node), precision
+    return Hardware(
+        spec.key, memory, peak * 1e12, args.intra_gbs or intra, args.inter_gbs or inter, per_node
+    ), precision
 
 
 def _calibration_path(args: argparse.Namespace, device: str) -> Path:
@@ -70,9 +76,11 @@ def _gib(n: float) -> str:
 
 
 def table(predictions: list[Prediction], top: int) -> str:
-    head = (f"{'#':>3} {'dp':>3} {'pp':>3} {'schedule':<20} {'mb':>3} {'m':>3} {'recompute':<9} "
-            f"{'param':>7} {'grad':>7} {'optim':>7} {'act':>7} {'total GiB':>9} {'fits':<4} "
-            f"{'step s':>9} {'bubble':>6} {'tok/s':>10} {'MFU':>6}")
+    head = (
+        f"{'#':>3} {'dp':>3} {'pp':>3} {'schedule':<20} {'mb':>3} {'m':>3} {'recompute':<9} "
+        f"{'param':>7} {'grad':>7} {'optim':>7} {'act':>7} {'total GiB':>9} {'fits':<4} "
+        f"{'step s':>9} {'bubble':>6} {'tok/s':>10} {'MFU':>6}"
+    )
     lines = [head, "-" * len(head)]
     shown = [p for p in predictions if p.fits][:top] + [p for p in predictions if not p.fits][:top]
     for i, p in enumerate(shown, 1):
@@ -82,7 +90,8 @@ def table(predictions: list[Prediction], top: int) -> str:
             f"{i:>3} {lab['dp']:>3} {lab['pp']:>3} {lab['schedule']:<20} {lab['micro_batch']:>3} {lab['microbatches']:>3} "
             f"{lab['recompute']:<9} {_gib(mem.params):>7} {_gib(mem.grads):>7} {_gib(mem.optimizer):>7} "
             f"{_gib(mem.activations):>7} {_gib(mem.total):>9} {'yes' if p.fits else 'NO':<4} {p.time.total:>9.4g} "
-            f"{p.time.bubble_fraction:>6.1%} {p.tokens_per_s:>10.4g} {mfu:>6}")
+            f"{p.time.bubble_fraction:>6.1%} {p.tokens_per_s:>10.4g} {mfu:>6}"
+        )
     return "\n".join(lines)
 
 
@@ -103,10 +112,14 @@ def run_plan(args: argparse.Namespace) -> int:
     eff, source = efficiency(args, hw)
     ranked = rank_layouts(cfg, args.gpus, hw, eff, precision=precision, margin=args.margin)
     if not ranked:
-        raise ConfigError(f"no layout of {args.gpus} devices divides train.global_batch ({cfg.train.global_batch}) "
-                          "and the model's blocks; change --gpus or train.global_batch")
-    print(f"meshrun plan: {args.gpus} x {hw.name} ({args.nodes} node(s)), {hw.memory_bytes / GIB:.1f} GiB per device "
-          f"with a {args.margin:.0%} margin, {precision}, global batch {cfg.train.global_batch}; {source}")
+        raise ConfigError(
+            f"no layout of {args.gpus} devices divides train.global_batch ({cfg.train.global_batch}) "
+            "and the model's blocks; change --gpus or train.global_batch"
+        )
+    print(
+        f"meshrun plan: {args.gpus} x {hw.name} ({args.nodes} node(s)), {hw.memory_bytes / GIB:.1f} GiB per device "
+        f"with a {args.margin:.0%} margin, {precision}, global batch {cfg.train.global_batch}; {source}"
+    )
     print(table(ranked, args.top))
     fitting = [p for p in ranked if p.fits]
     if args.write:
@@ -131,10 +144,14 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
     calibration.save(path, device, precision, eff, rows)
     assert eff.achieved_flops is not None  # calibrate measures it
     for row in rows:
-        print(f"micro_batch {row['micro_batch']} recompute {row['recompute']:<5} {row['flops'] / 1e9:8.3f} GFLOP "
-              f"{row['seconds'] * 1e3:9.2f} ms/step")
-    print(f"{device}: {eff.achieved_flops / 1e9:.2f} GFLOP/s achieved, {eff.action_s * 1e3:.3f} ms per forward or backward (whole model), "
-          f"{eff.step_s * 1e3:.3f} ms per step; saved to {path}")
+        print(
+            f"micro_batch {row['micro_batch']} recompute {row['recompute']:<5} {row['flops'] / 1e9:8.3f} GFLOP "
+            f"{row['seconds'] * 1e3:9.2f} ms/step"
+        )
+    print(
+        f"{device}: {eff.achieved_flops / 1e9:.2f} GFLOP/s achieved, {eff.action_s * 1e3:.3f} ms per forward or backward (whole model), "
+        f"{eff.step_s * 1e3:.3f} ms per step; saved to {path}"
+    )
     return 0
 
 
@@ -154,8 +171,10 @@ def compare_run(args: argparse.Namespace) -> int:
     eff, source = efficiency(args, hw)
     formula = predict(cfg, hw, eff, precision=precision, margin=args.margin)
     with_bubble = predict(cfg, hw, eff, precision=precision, margin=args.margin, measured_bubble=measured_bubble)
-    print(f"run {run}: dp {cfg.parallel.dp} x pp {cfg.parallel.pp} {cfg.parallel.schedule}, micro_batch "
-          f"{cfg.train.micro_batch}, recompute {cfg.recompute} on {hw.name}; {source}")
+    print(
+        f"run {run}: dp {cfg.parallel.dp} x pp {cfg.parallel.pp} {cfg.parallel.schedule}, micro_batch "
+        f"{cfg.train.micro_batch}, recompute {cfg.recompute} on {hw.name}; {source}"
+    )
     print(f"{'':<28}{'predicted':>12}{'measured':>12}{'ratio':>8}")
     for name, predicted, measured in (
         ("step time s (bubble formula)", formula.time.total, measured_time),

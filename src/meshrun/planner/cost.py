@@ -73,16 +73,30 @@ def bubble_slots(schedule: str, pp: int, v: int) -> float:
     return (pp - 1.0) / (3.0 * v)
 
 
-def step_time(stages: list[StageProfile], local: list[list[int]], *, schedule: str, dp: int, m: int,
-              tokens_per_microbatch: int, hw: Hardware, eff: Efficiency, measured_bubble: float | None = None
-              ) -> StepTime:
+def step_time(
+    stages: list[StageProfile],
+    local: list[list[int]],
+    *,
+    schedule: str,
+    dp: int,
+    m: int,
+    tokens_per_microbatch: int,
+    hw: Hardware,
+    eff: Efficiency,
+    measured_bubble: float | None = None,
+) -> StepTime:
     """`local[r]`: the stage indices pp rank r holds."""
     pp, v = len(local), len(local[0])
     flops_per_s = eff.flops_per_s(hw)
     total_flops = sum(s.flops_per_token for s in stages)
     # the fixed cost of a whole-model forward and backward, shared by each stage's share of the work
-    per_rank = [sum(stages[i].flops_per_token * (tokens_per_microbatch / flops_per_s + 2 * eff.action_s / total_flops)
-                    for i in held) for held in local]
+    per_rank = [
+        sum(
+            stages[i].flops_per_token * (tokens_per_microbatch / flops_per_s + 2 * eff.action_s / total_flops)
+            for i in held
+        )
+        for held in local
+    ]
     slowest = max(per_rank)
     compute = m * slowest
     if measured_bubble is not None and pp > 1:

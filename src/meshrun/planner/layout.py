@@ -36,8 +36,15 @@ def layout_memory(cfg: Config, precision: str) -> LayoutMemory:
     stages = profile_stages(cfg, split, cfg.train.micro_batch, precision)
     per_rank = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
     ranks = [
-        rank_memory(stages, stage_ids(r, par.pp, per_rank, schedule=par.schedule), schedule=par.schedule, rank=r, pp=par.pp, dp=par.dp,
-                    m=cfg.accumulation_steps)
+        rank_memory(
+            stages,
+            stage_ids(r, par.pp, per_rank, schedule=par.schedule),
+            schedule=par.schedule,
+            rank=r,
+            pp=par.pp,
+            dp=par.dp,
+            m=cfg.accumulation_steps,
+        )
         for r in range(par.pp)
     ]
     return LayoutMemory(stages=stages, ranks=ranks)

@@ -69,8 +69,9 @@ def in_flight_bytes(schedule: str, activations: list[int], *, rank: int, pp: int
     return _interleaved_peak(activations, rank=rank, pp=pp, m=m, zero_bubble=schedule == "zero-bubble")
 
 
-def rank_memory(stages: list[StageProfile], local: list[int], *, schedule: str, rank: int, pp: int, dp: int,
-                m: int) -> RankMemory:
+def rank_memory(
+    stages: list[StageProfile], local: list[int], *, schedule: str, rank: int, pp: int, dp: int, m: int
+) -> RankMemory:
     """Memory of the rank at pp position `rank`, holding stages `local` (indices into `stages`)."""
     held = [stages[i] for i in local]
     grads = sum(s.grad_bytes for s in held)

@@ -68,6 +68,7 @@ def stage_flops_per_token(cfg: Config, part: nn.Module, whole: nn.Module) -> tup
     """The whole model's `flops_per_token()` shared out: 6 FLOPs per matmul parameter to the stage
     that holds it (embeddings are lookups: none), the rest (attention) evenly over blocks;
     recomputed blocks add their forward again (a third of their training FLOPs)."""
+
     def matmul_params(module: nn.Module) -> int:
         embed = {id(p) for p in module.embed.parameters()} if module.embed is not None else set()
         return sum(p.numel() for p in module.parameters() if id(p) not in embed)
@@ -75,8 +76,11 @@ def stage_flops_per_token(cfg: Config, part: nn.Module, whole: nn.Module) -> tup
     total, layers = whole.flops_per_token(), len(whole.blocks)
     attention_per_block = max(0.0, total - 6.0 * matmul_params(whole)) / layers
     useful = 6.0 * matmul_params(part) + attention_per_block * len(part.blocks)
-    extra = sum((6.0 * sum(p.numel() for p in block.parameters()) + attention_per_block) / 3
-                for key, block in part.blocks.items() if wants_recompute(cfg.recompute, int(key)))
+    extra = sum(
+        (6.0 * sum(p.numel() for p in block.parameters()) + attention_per_block) / 3
+        for key, block in part.blocks.items()
+        if wants_recompute(cfg.recompute, int(key))
+    )
     return useful + extra, useful
 
 
@@ -84,8 +88,10 @@ def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precis
     """Every stage of `split` (blocks per stage, pipeline order) for one microbatch of `micro_batch`."""
     whole = build_stage(cfg, layers=None, first=True, last=True)
     num_stages = len(split)
-    parts = [build_stage(cfg, layers=layers if num_stages > 1 else None, first=i == 0, last=i == num_stages - 1)
-             for i, layers in enumerate(split)]  # on meta, outside the fake mode (it converts them)
+    parts = [
+        build_stage(cfg, layers=layers if num_stages > 1 else None, first=i == 0, last=i == num_stages - 1)
+        for i, layers in enumerate(split)
+    ]  # on meta, outside the fake mode (it converts them)
     profiles = []
     with _fake_mode():
         x: torch.Tensor = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
@@ -100,10 +106,15 @@ def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precis
             with counter.hooks(), _amp(precision):
                 out = part(x)
                 loss = MicrobatchLoss(1)(out, targets) if last else None  # its saved log-softmax counts
-            profiles.append(StageProfile(
-                *state_bytes(part), activation_bytes=counter.live, flops_per_token=flops, model_flops_per_token=useful,
-                boundary_bytes=0 if last else out.numel() * out.element_size(),
-            ))
+            profiles.append(
+                StageProfile(
+                    *state_bytes(part),
+                    activation_bytes=counter.live,
+                    flops_per_token=flops,
+                    model_flops_per_token=useful,
+                    boundary_bytes=0 if last else out.numel() * out.element_size(),
+                )
+            )
             x = out.detach().requires_grad_(True)
             del out, loss
     return profiles

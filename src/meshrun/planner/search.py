@@ -30,9 +30,14 @@ class Prediction:
     def label(self) -> dict[str, object]:
         par = self.cfg.parallel
         v = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
-        return {"dp": par.dp, "pp": par.pp, "schedule": (par.schedule + (f"/v{v}" if v > 1 else "")) if par.pp > 1 else "-",
-                "micro_batch": self.cfg.train.micro_batch, "microbatches": self.cfg.accumulation_steps,
-                "recompute": self.cfg.recompute}
+        return {
+            "dp": par.dp,
+            "pp": par.pp,
+            "schedule": (par.schedule + (f"/v{v}" if v > 1 else "")) if par.pp > 1 else "-",
+            "micro_batch": self.cfg.train.micro_batch,
+            "microbatches": self.cfg.accumulation_steps,
+            "recompute": self.cfg.recompute,
+        }
 
 
 def with_layout(cfg: Config, *, dp: int, pp: int, schedule: str, micro_batch: int, recompute: str) -> Config:
@@ -57,8 +62,9 @@ def candidates(cfg: Config, num_devices: int) -> list[Config]:
             for micro_batch in [b for b in range(1, per_dp + 1) if per_dp % b == 0]:
                 for recompute in RECOMPUTE:
                     try:
-                        layout = with_layout(cfg, dp=dp, pp=pp, schedule=schedule, micro_batch=micro_batch,
-                                             recompute=recompute)
+                        layout = with_layout(
+                            cfg, dp=dp, pp=pp, schedule=schedule, micro_batch=micro_batch, recompute=recompute
+                        )
                         validate_layout(layout)
                     except ConfigError:
                         continue
@@ -67,8 +73,9 @@ def candidates(cfg: Config, num_devices: int) -> list[Config]:
 
 
 @functools.lru_cache(maxsize=256)
-def _profiles(cfg_json: str, split: tuple[tuple[int, ...], ...], micro_batch: int, precision: str
-              ) -> tuple[StageProfile, ...]:
+def _profiles(
+    cfg_json: str, split: tuple[tuple[int, ...], ...], micro_batch: int, precision: str
+) -> tuple[StageProfile, ...]:
     cfg = Config.model_validate_json(cfg_json)
     return tuple(profile_stages(cfg, [list(s) for s in split], micro_batch, precision))
 
@@ -80,28 +87,46 @@ def stage_profiles(cfg: Config, precision: str) -> list[StageProfile]:
     return list(_profiles(key, split, cfg.train.micro_batch, precision))
 
 
-def predict(cfg: Config, hw: Hardware, eff: Efficiency, *, precision: str, margin: float,
-            measured_bubble: float | None = None) -> Prediction:
+def predict(
+    cfg: Config, hw: Hardware, eff: Efficiency, *, precision: str, margin: float, measured_bubble: float | None = None
+) -> Prediction:
     par = cfg.parallel
     stages = stage_profiles(cfg, precision)
     v = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
     local = [stage_ids(r, par.pp, v, schedule=par.schedule) for r in range(par.pp)]
     m = cfg.accumulation_steps
-    ranks = [rank_memory(stages, held, schedule=par.schedule, rank=r, pp=par.pp, dp=par.dp, m=m)
-             for r, held in enumerate(local)]
+    ranks = [
+        rank_memory(stages, held, schedule=par.schedule, rank=r, pp=par.pp, dp=par.dp, m=m)
+        for r, held in enumerate(local)
+    ]
     worst = max(ranks, key=lambda rank: rank.total)
-    time = step_time(stages, local, schedule=par.schedule, dp=par.dp, m=m,
-                     tokens_per_microbatch=cfg.train.micro_batch * cfg.model.seq_len, hw=hw, eff=eff,
-                     measured_bubble=measured_bubble)
+    time = step_time(
+        stages,
+        local,
+        schedule=par.schedule,
+        dp=par.dp,
+        m=m,
+        tokens_per_microbatch=cfg.train.micro_batch * cfg.model.seq_len,
+        hw=hw,
+        eff=eff,
+        measured_bubble=measured_bubble,
+    )
     tokens_per_s = cfg.tokens_per_step / time.total
     model_flops = sum(s.model_flops_per_token for s in stages)
     mfu = tokens_per_s * model_flops / (cfg.world_size * hw.peak_flops) if hw.peak_flops else None
-    return Prediction(cfg=cfg, memory=worst, time=time, tokens_per_s=tokens_per_s, mfu=mfu,
-                      fits=worst.total <= hw.memory_bytes * (1.0 - margin))
+    return Prediction(
+        cfg=cfg,
+        memory=worst,
+        time=time,
+        tokens_per_s=tokens_per_s,
+        mfu=mfu,
+        fits=worst.total <= hw.memory_bytes * (1.0 - margin),
+    )
 
 
-def rank_layouts(cfg: Config, num_devices: int, hw: Hardware, eff: Efficiency, *, precision: str,
-                 margin: float) -> list[Prediction]:
+def rank_layouts(
+    cfg: Config, num_devices: int, hw: Hardware, eff: Efficiency, *, precision: str, margin: float
+) -> list[Prediction]:
     """Fitting layouts first, fastest first; then the ones that do not fit, smallest first."""
     predictions = [predict(c, hw, eff, precision=precision, margin=margin) for c in candidates(cfg, num_devices)]
     return sorted(predictions, key=lambda p: (not p.fits, p.time.total if p.fits else p.memory.total, p.memory.total))

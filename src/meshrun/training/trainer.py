@@ -96,7 +96,9 @@ class Trainer:
         self.start_step = self.resume()
         par = cfg.parallel
         self.report = RunReport(
-            self.run_dir, steps=cfg.train.steps, tracker=self._open_tracker(),
+            self.run_dir,
+            steps=cfg.train.steps,
+            tracker=self._open_tracker(),
             timeline_title=f"{par.schedule}, dp={par.dp} pp={par.pp}, {cfg.accumulation_steps} microbatches:",
             start_step=self.start_step,
         )
@@ -143,7 +145,9 @@ class Trainer:
             raise checkpoint.no_checkpoint_loads(self.run_dir, failures)
         return 0
 
-    def local_batch(self, data: TokenDataset | MixtureDataset | PairsDataset, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_batch(
+        self, data: TokenDataset | MixtureDataset | PairsDataset, position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's share of the global batch starting at global sample `position`; the loss
         is told the whole global batch's target-token count (read from the data, no collective)."""
         self.loss.set_target_tokens(data.target_tokens(position, self.cfg.train.global_batch))
@@ -227,15 +231,24 @@ class Trainer:
             torch.cuda.set_rng_state(state[f"rng.{self.mesh.rank}.cuda"], self.device)
         if self.scaler is not None:
             self.scaler.load_state_dict(
-                {**self.scaler.state_dict(), "scale": float(state["scaler.scale"]),
-                 "_growth_tracker": int(state["scaler.growth_tracker"])}
+                {
+                    **self.scaler.state_dict(),
+                    "scale": float(state["scaler.scale"]),
+                    "_growth_tracker": int(state["scaler.growth_tracker"]),
+                }
             )
 
     def save(self, step: int) -> None:
         self.model.tied.check_identical()  # the checkpoint keeps one of the two copies
         config = self.cfg.model_dump(mode="json")
-        path = checkpoint.save(self.state_dict(step), self.run_dir, step, keep=self.cfg.checkpoint.keep, config=config,
-                               protected=self.newer_checkpoints)
+        path = checkpoint.save(
+            self.state_dict(step),
+            self.run_dir,
+            step,
+            keep=self.cfg.checkpoint.keep,
+            config=config,
+            protected=self.newer_checkpoints,
+        )
         self.report.note(f"saved checkpoint {path}")
 
     def train_step(self, step: int) -> torch.Tensor:
@@ -317,7 +330,10 @@ class Trainer:
             **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.samples_seen).items()},
             "memory_gb": max(memory),
             "state_bytes": self.max_state_bytes,
-            **{f"memory_gb/stage{s}": max(memory[s * self.mesh.dp : (s + 1) * self.mesh.dp]) for s in range(self.mesh.pp)},
+            **{
+                f"memory_gb/stage{s}": max(memory[s * self.mesh.dp : (s + 1) * self.mesh.dp])
+                for s in range(self.mesh.pp)
+            },
         }
         if self.scaler is not None:
             row.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped_steps)
@@ -341,8 +357,11 @@ class Trainer:
             "final_loss": row.get("loss"),
             "final_val_loss": row.get("val_loss"),
             **throughput(
-                tokens=tokens, seconds=seconds, flops_per_token=self.flops_per_token,
-                world_size=self.cfg.world_size, peak=self.peak,
+                tokens=tokens,
+                seconds=seconds,
+                flops_per_token=self.flops_per_token,
+                world_size=self.cfg.world_size,
+                peak=self.peak,
             ),
             "peak_memory_gb": row["memory_gb"],
             **run_facts(self.cfg, row),
