@@ -17,9 +17,8 @@ from meshrun.data.pairs import (
     prepare_pairs,
     read_pairs,
 )
-from meshrun.data.storage import read_meta
+from meshrun.data.storage import IGNORE, read_meta
 from meshrun.errors import ConfigError
-from meshrun.training.loss import IGNORE
 
 
 def ids(text: str) -> list[int]:

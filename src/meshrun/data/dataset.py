@@ -17,23 +17,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from meshrun.data.hashing import GOLDEN, splitmix64
 from meshrun.data.storage import SPLITS, open_split, read_meta
 from meshrun.errors import ConfigError
 
 if TYPE_CHECKING:
     from meshrun.config import DataConfig
     from meshrun.data.pairs import PairsDataset
-
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: i * _GOLDEN mod 2^64 is equidistributed
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        x = (x + _GOLDEN) & _MASK
-        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
-        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
-        return x ^ (x >> np.uint64(31))
 
 
 class TokenDataset:
@@ -79,7 +69,7 @@ class TokenDataset:
 
     def windows(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples with these global indices, as (x, y)."""
-        starts = (_splitmix64(index.astype(np.uint64) ^ self.salt) % np.uint64(self.num_starts)).astype(np.int64)
+        starts = (splitmix64(index.astype(np.uint64) ^ self.salt) % np.uint64(self.num_starts)).astype(np.int64)
         length = self.seq_len + 1
         if len(self.segments) == 1:
             rows = [self.segments[0][s : s + length] for s in starts]
@@ -114,7 +104,7 @@ class MixtureDataset:
 
     def sources(self, index: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
-            position = index.astype(np.uint64) * _GOLDEN
+            position = index.astype(np.uint64) * GOLDEN
         return np.searchsorted(self.thresholds, position, side="right")
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

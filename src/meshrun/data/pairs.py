@@ -23,12 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshrun.data.dataset import _splitmix64
+from meshrun.data.hashing import splitmix64
 from meshrun.data.prepare import _check_out, _commit, _fresh_staging
-from meshrun.data.storage import SPLITS, smallest_dtype
+from meshrun.data.storage import IGNORE, SPLITS, smallest_dtype
 from meshrun.data.tokenize import Encoder, TokenizerSpec, byte_tokenizer, load_tokenizer
 from meshrun.errors import ConfigError
-from meshrun.training.loss import IGNORE
 
 PAD, BOS, EOS, NUM_SPECIAL = 0, 1, 2, 3
 OFFSET_DTYPE = np.dtype("<u8")
@@ -160,7 +159,7 @@ class PairsDataset:
 
     def pairs(self, first: int, count: int) -> np.ndarray:
         index = np.arange(first, first + count, dtype=np.uint64)
-        return (_splitmix64(index ^ self.salt) % np.uint64(self.num_pairs)).astype(np.int64)
+        return (splitmix64(index ^ self.salt) % np.uint64(self.num_pairs)).astype(np.int64)
 
     def _visible_targets(self, which: np.ndarray) -> np.ndarray:
         """Target tokens (target + EOS) that fit each sample: the loss counts exactly these."""

@@ -22,6 +22,7 @@ import numpy as np
 from meshrun.errors import ConfigError
 
 SPLITS = ("train", "val")
+IGNORE = -100  # target id of padding: the loss skips it (F.cross_entropy's default ignore_index)
 FORMATS = ("meshrun", "nanogpt", "megatron")
 DOC_DTYPE = np.dtype("<u8")
 MEGATRON_HEADER = b"MMIDIDX\x00\x00"

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.amp import GradScaler
 
-IGNORE = -100  # target id of padding (F.cross_entropy's default ignore_index)
+from meshrun.data.storage import IGNORE
 
 
 class MicrobatchLoss:
