@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -198,10 +199,15 @@ def example_pairs() -> list[tuple[str, str]]:
     library -> the same name in CamelCase (`get_terminal_size` -> `GetTerminalSize`). A rule a
     small model learns in minutes and can be checked on names it never saw; sorted by a hash so
     train and val hold different names however the library's files are ordered."""
-    from meshrun.data.sources import default_sources, expand_sources
+    from meshrun.data.sources import expand_sources
 
+    # every .py file of the library below its top-level folders (their own test suites included:
+    # more names, and the example was measured on this set), site-packages and `test` left out
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    folders = sorted(d for d in stdlib.iterdir() if d.is_dir() and d.name not in skip)
     names: set[str] = set()
-    for path in expand_sources(default_sources()):
+    for path in expand_sources([str(stdlib / "*.py")] + [str(d / "**" / "*.py") for d in folders]):
         try:
             names.update(_SNAKE_DEF.findall(path.read_text(encoding="utf-8", errors="replace")))
         except OSError:
