@@ -121,6 +121,14 @@ class ModelConfig(_Section):
 DataFormat = Literal["meshrun", "nanogpt", "megatron"]
 
 
+def bpe_vocab(spec_text: str, *, key: str) -> int:
+    """The VOCAB of a `bpe:VOCAB` setting; `key` names where it was set (flag or config key)."""
+    kind, _, vocab = spec_text.partition(":")
+    if kind != "bpe" or not vocab.isdigit() or int(vocab) < 257:
+        raise ConfigError(f"{key} {spec_text!r}: use bpe:VOCAB with VOCAB >= 257 (256 bytes + end of text)")
+    return int(vocab)
+
+
 class MixtureSource(_Section):
     dir: str
     """A dataset folder (or, for megatron, a PREFIX of PREFIX.bin + PREFIX.idx)."""
@@ -154,8 +162,8 @@ class DataConfig(_Section):
             raise ValueError(f"data.format {self.format} reads existing files: set data.dir to them")
         if self.sources and self.dir is None:
             raise ValueError("data.sources needs data.dir: the folder to prepare them into")
-        if self.tokenizer and self.tokenizer.startswith("bpe") and not re.fullmatch(r"bpe:\d+", self.tokenizer):
-            raise ValueError(f"data.tokenizer {self.tokenizer!r}: use bpe:VOCAB, e.g. bpe:2048")
+        if self.tokenizer and self.tokenizer.startswith("bpe"):
+            bpe_vocab(self.tokenizer, key="data.tokenizer")
         return self
 
 

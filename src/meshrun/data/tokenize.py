@@ -75,14 +75,14 @@ def train_bpe(texts: Iterable[str | bytes], spec_text: str) -> TokenizerSpec:
     """`bpe:VOCAB`: a byte-level BPE (GPT-2 style) trained on the documents, with `<|endoftext|>`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    kind, _, vocab = spec_text.partition(":")
-    if kind != "bpe" or not vocab.isdigit() or int(vocab) < 257:
-        raise ConfigError(f"--train-tokenizer {spec_text!r}: use bpe:VOCAB with VOCAB >= 257 (256 bytes + end of text)")
+    from meshrun.config import bpe_vocab
+
+    vocab = bpe_vocab(spec_text, key="--train-tokenizer")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=int(vocab),
+        vocab_size=vocab,
         special_tokens=[BPE_EOS],
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
