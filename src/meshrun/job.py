@@ -13,7 +13,6 @@ from torch import nn
 
 from meshrun.checkpoint import check_resumable
 from meshrun.config import Config
-from meshrun.data.dataset import check_data
 from meshrun.data.prepare import default_sources, is_prepared, prepare
 from meshrun.distributed import (
     Mesh,
@@ -23,20 +22,18 @@ from meshrun.distributed import (
     shutdown,
 )
 from meshrun.errors import RunError
-from meshrun.hf_config import hf_dir, vocab_key, vocab_size
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.console import say
-from meshrun.models import build_model
 from meshrun.parallel import build_stage
 from meshrun.parallel.fsdp import describe_data_parallel
 from meshrun.plan import stage_ids, stages_per_rank, static_split
-from meshrun.precheck import data_dir, in_launched_worker
+from meshrun.preflight import check_data_fits, data_dir, in_launched_worker, reads_in_place
 from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
 
 
 def ensure_data(cfg: Config) -> Path:
     """Prepare the embedded corpus (or `data.sources`) on first use; never touch existing data.
-    Other formats and mixtures are read in place. (`precheck.check_data_source` has refused a
+    Other formats and mixtures are read in place. (`preflight.check_data_source` has refused a
     `data.dir` with nothing to prepare.)"""
     path = data_dir(cfg)
     if cfg.data.pairs and not reads_in_place(cfg) and not is_prepared(path):
@@ -62,41 +59,6 @@ def ensure_data(cfg: Config) -> Path:
         )
         check_data_fits(cfg, path)  # data that was already there was checked by `preflight`
     return path
-
-
-def preflight(cfg: Config) -> nn.Module:
-    """The checks that need torch (the torch-free ones ran in `precheck.check_job`): the model
-    builds and follows the protocol; data already prepared fits the model. Returns the model,
-    built on the meta device, for checks that need its parameter names."""
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    if (
-        check_weights := getattr(model, "check_weights", None)
-    ) is not None:  # pretrained weights: present, shaped as the config says
-        check_weights()
-    if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
-        check_data_fits(cfg, data_dir(cfg))
-    return model
-
-
-def reads_in_place(cfg: Config) -> bool:
-    """Mixtures and other tools' formats are read as they are; nothing is prepared for them."""
-    return bool(cfg.data.mixture) or cfg.data.format != "meshrun"
-
-
-def check_data_fits(cfg: Config, path: Path) -> None:
-    """The data parses, holds enough tokens for a sample, its ids fit the model's vocabulary, and
-    it was tokenized with the model folder's tokenizer when both have one."""
-    model_dir = hf_dir(cfg.model)
-    tokenizer = model_dir / "tokenizer.json" if model_dir and (model_dir / "tokenizer.json").is_file() else None
-    check_data(
-        cfg.data,
-        path,
-        seq_len=cfg.model.seq_len,
-        model_vocab_size=vocab_size(cfg.model),
-        vocab_key=vocab_key(cfg.model),
-        model_tokenizer=tokenizer,
-    )
 
 
 def describe_split(cfg: Config) -> list[str] | None:
@@ -151,8 +113,8 @@ def describe(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def train(cfg: Config, worker_args: list[str]) -> int:
-    model = preflight(cfg)
+def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
+    """Be a worker (under torchrun) or launch them; `model` is the one `preflight` built (meta)."""
     if in_launched_worker():
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             ensure_data(cfg)
