@@ -267,7 +267,13 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _layout_runs(self) -> Config:
-        check_layout(self)  # workers over nodes, the batch over ranks, blocks over stages
+        check_layout(  # the batch over ranks, workers over nodes, profiled ranks that exist
+            self.parallel,
+            self.launch,
+            global_batch=self.train.global_batch,
+            micro_batch=self.train.micro_batch,
+            profiled_ranks=self.profile.ranks or [],
+        )
         return self
 
     @property

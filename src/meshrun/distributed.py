@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshrun.preflight import in_launched_worker
+from meshrun.launcher.torchrun import in_launched_worker
 
 
 def local_device() -> torch.device:

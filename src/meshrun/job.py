@@ -23,13 +23,13 @@ from meshrun.distributed import (
     shutdown,
 )
 from meshrun.errors import RunError
-from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
+from meshrun.launcher.torchrun import WORKER_ENV, in_launched_worker, torchrun_argv
 from meshrun.metrics.console import say
 from meshrun.outcome import Outcome, clear_record, launcher_exit_code, read_record, write_record
 from meshrun.parallel import build_stage
 from meshrun.parallel.fsdp import describe_data_parallel
 from meshrun.plan import stage_ids, stages_per_rank, static_split
-from meshrun.preflight import check_data_fits, data_dir, in_launched_worker, reads_in_place
+from meshrun.preflight import check_data_fits, data_dir, reads_in_place
 from meshrun.training.preemption import STOP_SIGNALS
 
 

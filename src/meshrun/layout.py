@@ -9,15 +9,13 @@ model's depth, maybe read from a Hugging Face folder: `preflight` checks that (w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from collections.abc import Sequence
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
 from meshrun.config_fields import Int, Section, lowercase
 from meshrun.errors import ConfigError
-
-if TYPE_CHECKING:
-    from meshrun.config import Config
 
 Schedule = Annotated[
     Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"], BeforeValidator(lowercase)
@@ -93,49 +91,49 @@ class LaunchConfig(Section):
         return self
 
 
-def check_layout(cfg: Config) -> None:
+def check_layout(
+    par: ParallelConfig, launch: LaunchConfig, *, global_batch: int, micro_batch: int, profiled_ranks: Sequence[int]
+) -> None:
     """Every rule over several sections that needs only the config's numbers."""
-    check_batch_maths(cfg)
-    check_nodes(cfg)
-    check_profiled_ranks(cfg)
+    check_batch_maths(par, global_batch=global_batch, micro_batch=micro_batch)
+    check_nodes(par, launch)
+    check_profiled_ranks(par, profiled_ranks)
 
 
-def check_batch_maths(cfg: Config) -> None:
+def check_batch_maths(par: ParallelConfig, *, global_batch: int, micro_batch: int) -> None:
     """Refuse batch sizes that do not split evenly over data-parallel ranks and micro-steps."""
-    t, dp = cfg.train, cfg.parallel.dp
-    if t.global_batch % (t.micro_batch * dp):
+    if global_batch % (micro_batch * par.dp):
         raise ConfigError(
-            f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch x parallel.dp "
-            f"({t.micro_batch} x {dp} = {t.micro_batch * dp}); change one of these keys"
+            f"train.global_batch ({global_batch}) must be a multiple of train.micro_batch x parallel.dp "
+            f"({micro_batch} x {par.dp} = {micro_batch * par.dp}); change one of these keys"
         )
 
 
-def check_nodes(cfg: Config) -> None:
+def check_nodes(par: ParallelConfig, launch: LaunchConfig) -> None:
     """Refuse node counts that do not split dp x pp workers evenly."""
-    launch = cfg.launch
     if launch.nproc_per_node is None:
-        workers_per_node(cfg, launch.nnodes, named=f"launch.nnodes ({launch.nnodes})", change="--nnodes")
-    elif launch.nnodes * launch.nproc_per_node != cfg.world_size:
-        par = cfg.parallel
+        workers_per_node(par, launch.nnodes, named=f"launch.nnodes ({launch.nnodes})", change="--nnodes")
+    elif launch.nnodes * launch.nproc_per_node != par.dp * par.pp:
         raise ConfigError(
             f"launch.nnodes x launch.nproc_per_node ({launch.nnodes} x {launch.nproc_per_node}) must equal "
-            f"parallel.dp x parallel.pp ({par.dp} x {par.pp} = {cfg.world_size}); change one of these keys"
+            f"parallel.dp x parallel.pp ({par.dp} x {par.pp} = {par.dp * par.pp}); change one of these keys"
         )
 
 
-def check_profiled_ranks(cfg: Config) -> None:
+def check_profiled_ranks(par: ParallelConfig, ranks: Sequence[int]) -> None:
     """profile.ranks name ranks of this layout."""
-    stray = [rank for rank in cfg.profile.ranks or [] if rank >= cfg.world_size]
+    world = par.dp * par.pp
+    stray = [rank for rank in ranks if rank >= world]
     if stray:
         raise ConfigError(
-            f"profile.ranks {stray} do not exist: ranks are 0 to {cfg.world_size - 1} "
-            f"(parallel.dp x parallel.pp = {cfg.world_size}); change profile.ranks"
+            f"profile.ranks {stray} do not exist: ranks are 0 to {world - 1} "
+            f"(parallel.dp x parallel.pp = {world}); change profile.ranks"
         )
 
 
-def workers_per_node(cfg: Config, nodes: int, *, named: str, change: str) -> int:
+def workers_per_node(par: ParallelConfig, nodes: int, *, named: str, change: str) -> int:
     """dp x pp workers split evenly over `nodes` (`named` and `change` say where the count was set)."""
-    par, world = cfg.parallel, cfg.world_size
+    world = par.dp * par.pp
     if nodes < 1 or world % nodes:
         raise ConfigError(
             f"{named} must divide parallel.dp x parallel.pp ({par.dp} x {par.pp} = {world}); "

@@ -23,6 +23,7 @@ from meshrun.config import Config
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
 from meshrun.hf_config import hf_dir, vocab_key, vocab_size
+from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.metrics.devices import SHORT_NAMES
 from meshrun.plan import validate_layout
 
@@ -49,11 +50,6 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))
     return model
-
-
-def in_launched_worker() -> bool:
-    """True inside torchrun / Slurm-started workers (they export RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def data_dir(cfg: Config) -> Path:

@@ -82,7 +82,7 @@ def render_sbatch(
 ) -> str:
     """The sbatch script that trains `cfg` (loaded from `config` + `overrides`) on `nodes` nodes."""
     world = cfg.world_size
-    nproc = workers_per_node(cfg, nodes, named=f"--nodes {nodes}", change="--nodes")
+    nproc = workers_per_node(cfg.parallel, nodes, named=f"--nodes {nodes}", change="--nodes")
     if gpus_per_node and gpus_per_node != nproc:
         raise ConfigError(
             f"{world} workers (parallel.dp x parallel.pp) on {nodes} nodes is {nproc} per node, but --gpus-per-node is "
