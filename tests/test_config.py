@@ -628,6 +628,42 @@ CASES = [
         ("8 pipeline stages",),
         torch_free=True,
     ),
+    # --- one preflight: slurm and plan refuse what train refuses, before torch is imported ---
+    Case(
+        "slurm-pp-more-than-layers",
+        lambda c: ["slurm", *c.set(parallel__pp=8, train__global_batch=16), "--nodes=2", "--gpus-per-node=4"],
+        ("8 pipeline stages", "model.num_layers is 4"),
+        torch_free=True,
+    ),
+    Case(
+        "slurm-data-dir-missing",
+        lambda c: ["slurm", *c.set(data__dir=c.tmp / "nowhere"), "--nodes=1", "--gpus-per-node=1"],
+        ("nowhere holds no prepared dataset",),
+        torch_free=True,
+    ),
+    Case(
+        "profile-ranks-beyond-world",
+        lambda c: ["train", *c.set(parallel__dp=2, profile__ranks="[0,2]")],
+        ("profile.ranks [2] do not exist: ranks are 0 to 1",),
+        torch_free=True,
+    ),
+    Case(
+        "nnodes-do-not-divide-workers",
+        lambda c: ["train", *c.set(parallel__dp=2), "--nnodes=3", "--rdzv-endpoint=127.0.0.1:1"],
+        ("launch.nnodes (3) must divide parallel.dp x parallel.pp (2 x 1 = 2)",),
+        torch_free=True,
+    ),
+    Case(
+        "plan-write-exists",
+        lambda c: ["plan", *c.set(), "--write", str(c.write("best.yaml", "train:\n  lr: 1\n"))],
+        ("--write", "best.yaml already exists"),
+        torch_free=True,
+    ),
+    Case(
+        "plan-factory-missing",
+        lambda c: ["plan", *c.set(model__factory="no_such_module_xyz:build")],
+        ("invalid model.factory 'no_such_module_xyz:build'",),
+    ),
     Case(
         "dry-run-data-too-small",
         lambda c: [

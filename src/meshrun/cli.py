@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
-from meshrun.metrics.devices import SHORT_NAMES
-from meshrun.precheck import check_job
+from meshrun.preflight import check_checkpoint_args, check_plan_args, preflight
 from meshrun.versions import check_torch_version, installed_torch_version
 
 
@@ -167,32 +165,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--steps", type=int, default=3, help="--calibrate: timed steps per probe")
 
 
-def _check_plan_args(args: argparse.Namespace) -> None:
-    """`plan` arguments, checked before torch is imported."""
-    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--top", args.top), ("--steps", args.steps)):
-        if value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}")
-    if args.gpus % args.nodes:
-        raise ConfigError(f"--nodes ({args.nodes}) must divide --gpus ({args.gpus}); change one of them")
-    if not 0 <= args.margin < 1:
-        raise ConfigError(f"--margin must be in [0, 1) (a share of device memory), got {args.margin}")
-    for flag, value in (
-        ("--memory-gb", args.memory_gb),
-        ("--intra-gbs", args.intra_gbs),
-        ("--inter-gbs", args.inter_gbs),
-    ):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{flag} must be a positive number, got {value}")
-    if args.gpu and args.gpu.lower() != "cpu" and args.gpu.lower() not in SHORT_NAMES:
-        raise ConfigError(f"--gpu: unknown GPU {args.gpu!r}: use one of {', '.join(SHORT_NAMES)}, or cpu")
-    if args.write and Path(args.write).exists():
-        raise ConfigError(f"--write {args.write} already exists; choose a new file name (plan never overwrites)")
-    if args.run and not (Path(args.run) / "config.json").is_file():
-        raise ConfigError(f"--run {args.run} holds no config.json; pass a meshrun run directory")
-
-
 def _plan(args: argparse.Namespace) -> int:
-    _check_plan_args(args)
+    check_plan_args(args)
     from meshrun.planner.command import run_plan  # imports torch: after the checks
 
     return run_plan(args)
@@ -224,35 +198,9 @@ def _factory_override(overrides: list[str]) -> str | None:
     return factory
 
 
-def _check_checkpoint_args(args: argparse.Namespace) -> None:
-    """`export` / `sample` arguments, checked before torch is imported."""
-    if not Path(args.checkpoint).exists():
-        raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
-    if args.command == "export":
-        flag, out = ("--hf", args.hf) if args.hf else ("--out", args.out)
-        for folder in Path(out).absolute().parents:
-            if folder.exists():
-                if not folder.is_dir():
-                    raise ConfigError(f"{flag} {out}: {folder} is a file, not a folder; choose another {flag}")
-                break
-        return
-    if args.tokens < 1:
-        raise ConfigError(f"--tokens must be at least 1 (tokens to generate), got {args.tokens}")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if args.beam < 1:
-        raise ConfigError(f"--beam must be at least 1 (1 = greedy), got {args.beam}")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
-        raise ConfigError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
-
-
 def _use_checkpoint(args: argparse.Namespace) -> int:
     """`export` and `sample`: one process, any layout's checkpoint."""
-    _check_checkpoint_args(args)
+    check_checkpoint_args(args)
     from meshrun.checkpoint import CheckpointError
     from meshrun.export import export, load_full_model, sample
 
@@ -351,10 +299,7 @@ def _slurm(args: argparse.Namespace) -> int:
         signal_seconds=args.signal_seconds,
         sbatch_options=args.sbatch_options,
     )
-    check_job(cfg)  # the same checks as `meshrun train`, before the job waits for nodes
-    from meshrun import job  # imports torch: after the checks that need none
-
-    job.preflight(cfg)
+    preflight(cfg)  # the same checks as `meshrun train`, before the job waits for nodes
     if not args.submit:
         print(script, end="")
         return 0
@@ -401,15 +346,14 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         overrides = [*args.overrides, *_launch_overrides(args)]
         cfg = load_config(args.config, overrides)
-        check_job(cfg)
-        from meshrun import job  # imports torch: after every torch-free check, so mistakes fail fast
+        model = preflight(cfg)
+        from meshrun import job  # imports torch (preflight did, after every torch-free check)
 
         if args.dry_run:
-            job.preflight(cfg)
             print(job.describe(cfg))
             return 0
         worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
-        return job.train(cfg, worker_args)
+        return job.train(cfg, worker_args, model)
     except (ConfigError, RunError) as exc:
         print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
         return 2 if isinstance(exc, ConfigError) else 1

@@ -17,7 +17,6 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -25,51 +24,21 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from meshrun.config_fields import Float, Int, Section, lowercase
 from meshrun.errors import ConfigError
+from meshrun.layout import LaunchConfig, ParallelConfig, check_layout
 from meshrun.safe_yaml import parse_document, read_config_file
 
-
-def _no_bool(value: Any) -> Any:
-    """YAML `true` is not the number 1: `steps: true` must not mean one step."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a number, got {str(value).lower()}")  # noqa: TRY004 (pydantic reports ValueError)
-    return value
-
-
-def _lower(value: Any) -> Any:
-    """Choices are matched case-insensitively: `BF16` and `1F1B` mean bf16 and 1f1b."""
-    return value.lower() if isinstance(value, str) else value
-
-
-Int = Annotated[int, BeforeValidator(_no_bool)]
-Float = Annotated[float, BeforeValidator(_no_bool)]
 Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
-Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(_lower)]
-Schedule = Annotated[
-    Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"], BeforeValidator(_lower)
-]
-Balance = Annotated[Literal["even", "time", "size"], BeforeValidator(_lower)]
-DpMode = Annotated[Literal["ddp", "fsdp", "hsdp"], BeforeValidator(_lower)]
-ShardDtype = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(_lower)]
-TrackerMode = Annotated[Literal["online", "offline", "disabled"], BeforeValidator(_lower)]
-Backend = Annotated[Literal["wandb", "tensorboard", "jsonl"], BeforeValidator(_lower)]
+Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(lowercase)]
+TrackerMode = Annotated[Literal["online", "offline", "disabled"], BeforeValidator(lowercase)]
+Backend = Annotated[Literal["wandb", "tensorboard", "jsonl"], BeforeValidator(lowercase)]
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:[1-9][0-9]*)$")
 # words meaning "off" that users write for a mode, mapped to the choice that means it
 _OFF_WORDS = {"off": "disabled", "no": "disabled", "false": "disabled", "none": "disabled"}
 
 
-class _Section(BaseModel):
-    # coerce_numbers_to_str: `--set run_dir=2024` or `tracker.name=42` are names, not numbers
-    model_config = ConfigDict(
-        extra="forbid",
-        use_attribute_docstrings=True,
-        validate_assignment=True,
-        coerce_numbers_to_str=True,
-        allow_inf_nan=False,
-    )
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     name: str = "gpt"
     """Built-in model to train (see `meshrun.models.BUILTIN`); ignored when `factory` is set."""
     factory: str | None = None
@@ -129,7 +98,7 @@ def bpe_vocab(spec_text: str, *, key: str) -> int:
     return int(vocab)
 
 
-class MixtureSource(_Section):
+class MixtureSource(Section):
     dir: str
     """A dataset folder (or, for megatron, a PREFIX of PREFIX.bin + PREFIX.idx)."""
     weight: Float = Field(gt=0.0)
@@ -138,7 +107,7 @@ class MixtureSource(_Section):
     """How this source is stored (see data.format)."""
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     dir: str | None = None
     """Dataset folder from `meshrun prepare-data` (or see `format`); None = a cache folder for the embedded corpus."""
     format: DataFormat = "meshrun"
@@ -167,47 +136,7 @@ class DataConfig(_Section):
         return self
 
 
-class ParallelConfig(_Section):
-    dp: Int = Field(default=1, ge=1)
-    """Data-parallel degree (ranks per pipeline stage; see dp_mode)."""
-    pp: Int = Field(default=1, ge=1)
-    """Pipeline-parallel degree (stages over Transformer blocks)."""
-    schedule: Schedule = "1f1b"
-    """Pipeline schedule from torch.distributed.pipelining (used when pp > 1)."""
-    virtual_stages: Int | None = Field(default=None, ge=1)
-    """Stages per rank: 1 for gpipe/1f1b; 2 for zbv; default 2 for interleaved-1f1b, looped-bfs and zero-bubble."""
-    stage_layers: list[list[Int]] | None = None
-    """Explicit blocks per stage, e.g. [[0, 1, 2], [3]]; overrides `balance`."""
-    balance: Balance = "even"
-    """How to split blocks: even (embedding and head weigh one block each), or measured time / size (fairscale)."""
-    dp_mode: DpMode = "ddp"
-    """Data parallelism: ddp (full replicas), fsdp (FSDP2: params, grads, optimizer state sharded over dp), hsdp (sharded within dp_shard ranks, replicated across)."""
-    dp_shard: Int | None = Field(default=None, ge=1)
-    """hsdp only: ranks one copy is sharded over (a divisor of dp, e.g. GPUs per node); dp / dp_shard replicas."""
-    fsdp_reshard_after_forward: bool | None = None
-    """fsdp/hsdp: free gathered params after each forward; None = yes without a pipeline, no under pp (gather once per step)."""
-    fsdp_param_dtype: ShardDtype = "fp32"
-    """fsdp/hsdp: dtype params are all-gathered and computed in (fp32 = autocast alone decides, as with ddp)."""
-    fsdp_reduce_dtype: ShardDtype = "fp32"
-    """fsdp/hsdp: dtype gradients are reduce-scattered in (fp32 sums exactly as ddp's all-reduce does)."""
-
-    @model_validator(mode="after")
-    def _shard_divides_dp(self) -> ParallelConfig:
-        if self.dp_mode != "hsdp":
-            if self.dp_shard is not None:
-                raise ValueError(
-                    f"parallel.dp_shard is for dp_mode hsdp (dp_mode is {self.dp_mode}); remove it or set parallel.dp_mode=hsdp"
-                )
-            return self
-        if self.dp_shard is None or self.dp % self.dp_shard or not 1 < self.dp_shard < self.dp:
-            raise ValueError(
-                f"dp_mode hsdp needs parallel.dp_shard, a divisor of parallel.dp ({self.dp}) between 2 and dp/2 "
-                f"(got {self.dp_shard}); set it, or use dp_mode fsdp to shard over all dp ranks"
-            )
-        return self
-
-
-class TrainConfig(_Section):
+class TrainConfig(Section):
     global_batch: Int = Field(default=8, ge=1)
     """Samples per optimizer step, summed over all data-parallel ranks and micro-steps."""
     micro_batch: Int = Field(default=2, ge=1)
@@ -245,7 +174,7 @@ class TrainConfig(_Section):
         return value
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     interval: Int = Field(default=0, ge=0)
     """Save a checkpoint every N steps (0: only at the end); saves are atomic."""
     keep: Int = Field(default=3, ge=1)
@@ -254,40 +183,14 @@ class CheckpointConfig(_Section):
     """Save a checkpoint when training finishes."""
 
 
-class AmpConfig(_Section):
+class AmpConfig(Section):
     init_scale: Float = Field(default=2.0**16, gt=0.0)
     """fp16 GradScaler initial loss scale."""
     growth_interval: Int = Field(default=2000, ge=1)
     """fp16 GradScaler: steps without overflow before the scale grows."""
 
 
-class LaunchConfig(_Section):
-    max_restarts: Int = Field(default=0, ge=0)
-    """torchrun restarts of the whole worker group after a failure; each restart resumes from the newest checkpoint."""
-    nnodes: Int = Field(default=1, ge=1)
-    """Nodes in the job, one torchrun agent (one `meshrun train`) each; > 1 needs `rdzv_endpoint`."""
-    nproc_per_node: Int | None = Field(default=None, ge=1)
-    """Workers on each node; None = parallel.dp x parallel.pp / nnodes."""
-    rdzv_endpoint: str | None = None
-    """HOST[:PORT] of the c10d rendezvous on the host node (port default 29400); None on one node = a free local port."""
-    rdzv_id: str = "meshrun"
-    """Id shared by all nodes of one job (e.g. $SLURM_JOB_ID); jobs sharing an endpoint need different ids."""
-    local_addr: str | None = None
-    """This node's address as the other nodes reach it (torchrun --local-addr); None = its host name."""
-    host_node: bool | None = None
-    """Whether this node hosts the rendezvous store (c10d is_host); None = torchrun guesses from rdzv_endpoint."""
-
-    @model_validator(mode="after")
-    def _multi_node_needs_endpoint(self) -> LaunchConfig:
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(
-                f"launch.nnodes is {self.nnodes}, so launch.rdzv_endpoint (HOST:PORT on the host node) is needed; "
-                "pass --rdzv-endpoint"
-            )
-        return self
-
-
-class TrackerConfig(_Section):
+class TrackerConfig(Section):
     mode: TrackerMode = "offline"
     """wandb mode; `online` without an API key falls back to offline. WANDB_MODE overrides it."""
     project: str = "meshrun"
@@ -309,12 +212,12 @@ class TrackerConfig(_Section):
         return value
 
 
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     peak_tflops: Float | None = Field(default=None, gt=0.0)
     """Peak TFLOP/s of one device for MFU; None = look the GPU up in a table (unknown on CPU)."""
 
 
-class ProfileConfig(_Section):
+class ProfileConfig(Section):
     steps: list[Annotated[Int, Field(ge=1)]] = []
     """Optimizer steps (1-based, as logged) to trace with torch.profiler into RUN_DIR/profile/, e.g. [5, 6]."""
     ranks: list[Annotated[Int, Field(ge=0)]] | None = None
@@ -329,7 +232,7 @@ class ProfileConfig(_Section):
         return self
 
 
-class Config(_Section):
+class Config(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -362,6 +265,17 @@ class Config(_Section):
             raise ValueError("is empty, which would write into the current directory; name a folder, e.g. runs/my-job")
         return value
 
+    @model_validator(mode="after")
+    def _layout_runs(self) -> Config:
+        check_layout(  # the batch over ranks, workers over nodes, profiled ranks that exist
+            self.parallel,
+            self.launch,
+            global_batch=self.train.global_batch,
+            micro_batch=self.train.micro_batch,
+            profiled_ranks=self.profile.ranks or [],
+        )
+        return self
+
     @property
     def world_size(self) -> int:
         return self.parallel.dp * self.parallel.pp
@@ -379,29 +293,6 @@ class Config(_Section):
     def nproc_per_node(self) -> int:
         """Workers each torchrun agent starts."""
         return self.launch.nproc_per_node or self.world_size // self.launch.nnodes
-
-    def check_launch(self) -> None:
-        """Refuse node counts that do not split dp x pp workers evenly."""
-        launch, world, par = self.launch, self.world_size, self.parallel
-        if launch.nproc_per_node is None and world % launch.nnodes:
-            raise ConfigError(
-                f"launch.nnodes ({launch.nnodes}) must divide parallel.dp x parallel.pp ({par.dp} x {par.pp} = {world}); "
-                "change --nnodes or the parallel degrees"
-            )
-        if launch.nnodes * self.nproc_per_node != world:
-            raise ConfigError(
-                f"launch.nnodes x launch.nproc_per_node ({launch.nnodes} x {self.nproc_per_node}) must equal "
-                f"parallel.dp x parallel.pp ({par.dp} x {par.pp} = {world}); change one of these keys"
-            )
-
-    def check_batch_maths(self) -> None:
-        """Refuse batch sizes that do not split evenly over data-parallel ranks and micro-steps."""
-        t, dp = self.train, self.parallel.dp
-        if t.global_batch % (t.micro_batch * dp):
-            raise ConfigError(
-                f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch x parallel.dp "
-                f"({t.micro_batch} x {dp} = {t.micro_batch * dp}); change one of these keys"
-            )
 
 
 def default_config_text() -> str:
@@ -424,10 +315,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise ConfigError(f"{where} must be a YAML mapping of sections (model:, train:, ...)")
     for item in overrides:
         _apply_override(data, item)
-    cfg = validate(data)
-    cfg.check_batch_maths()
-    cfg.check_launch()
-    return cfg
+    return validate(data)
 
 
 def validate(data: dict[str, Any]) -> Config:
@@ -471,6 +359,8 @@ def _explain(error: ErrorDetails) -> str:
     if error["type"] == "literal_error":
         return f"invalid {key}: use {error['msg'].removeprefix('Input should be ')} (got {got}){_suggest(error)}"
     message = error["msg"].removeprefix("Value error, ")
+    if not loc and error["type"] == "value_error":  # a rule over several sections names its keys itself
+        return message
     if error["type"].startswith("value_error") or error["type"] == "assertion_error":
         return f"invalid {key}: {message}"
     return f"invalid {key}: {message} (got {got})"

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshrun.precheck import in_launched_worker
+from meshrun.launcher.torchrun import in_launched_worker
 
 
 def local_device() -> torch.device:
@@ -129,19 +129,13 @@ class Mesh:
 
 
 def init_mesh(*, dp: int, pp: int, dp_mode: str = "ddp", dp_shard: int | None = None) -> Mesh:
-    """Join (or, for a lone process, create) the process group and build the mesh."""
+    """Join (or, for a lone process, create) the process group and build the mesh (the world
+    size was checked against dp x pp by `preflight.check_worker_env` before workers started)."""
     device, backend = pick_device()
     if in_launched_worker():
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:  # one process started directly: no ports, no rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if dist.get_world_size() != dp * pp:
-        world = dist.get_world_size()
-        dist.destroy_process_group()
-        raise RuntimeError(
-            f"world size {world} does not match parallel.dp x parallel.pp = {dp} x {pp}; "
-            "launch dp*pp processes or change parallel.dp / parallel.pp"
-        )
     device_mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
     data_mesh = None
     if dp_mode == "fsdp":

@@ -24,10 +24,10 @@ from meshrun.data.pairs import NUM_SPECIAL
 from meshrun.data.tokenize import text_codec
 from meshrun.errors import ConfigError
 from meshrun.hf_config import vocab_size
-from meshrun.models import build_model
 from meshrun.models.encdec import EncDec
 from meshrun.models.hf_export import load_tokenizer
 from meshrun.models.seq2seq_decode import decode as seq2seq_decode
+from meshrun.preflight import data_dir, preflight
 
 
 def load_full_model(
@@ -52,8 +52,7 @@ def load_full_model(
             f"checkpoint {folder} names model.factory {cfg.model.factory!r}, code meshrun does not import on a "
             f"checkpoint's word: pass --set model.factory={cfg.model.factory} (the factory you mean) or --trust-code"
         )
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = preflight(cfg, scope="model")  # built on the meta device
     model.to_empty(device="cpu")
     model.load_state_dict(full_model_state(model, folder))
     return model.eval(), cfg, folder
@@ -154,6 +153,4 @@ def codec(cfg: Config) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
 
 def training_data_dir(cfg: Config) -> Path:
     """The folder the model was trained on (a mixture's first source)."""
-    from meshrun.precheck import data_dir
-
     return Path(cfg.data.mixture[0].dir) if cfg.data.mixture else data_dir(cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,7 +14,6 @@ from torch import nn
 
 from meshrun.checkpoint import check_resumable
 from meshrun.config import Config
-from meshrun.data.dataset import check_data
 from meshrun.data.prepare import default_sources, is_prepared, prepare
 from meshrun.distributed import (
     Mesh,
@@ -23,20 +23,19 @@ from meshrun.distributed import (
     shutdown,
 )
 from meshrun.errors import RunError
-from meshrun.hf_config import hf_dir, vocab_key, vocab_size
-from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
+from meshrun.launcher.torchrun import WORKER_ENV, in_launched_worker, torchrun_argv
 from meshrun.metrics.console import say
-from meshrun.models import build_model
+from meshrun.outcome import Outcome, clear_record, launcher_exit_code, read_record, write_record
 from meshrun.parallel import build_stage
 from meshrun.parallel.fsdp import describe_data_parallel
 from meshrun.plan import stage_ids, stages_per_rank, static_split
-from meshrun.precheck import data_dir, in_launched_worker
-from meshrun.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
+from meshrun.preflight import check_data_fits, data_dir, reads_in_place
+from meshrun.training.preemption import STOP_SIGNALS
 
 
 def ensure_data(cfg: Config) -> Path:
     """Prepare the embedded corpus (or `data.sources`) on first use; never touch existing data.
-    Other formats and mixtures are read in place. (`precheck.check_data_source` has refused a
+    Other formats and mixtures are read in place. (`preflight.check_data_source` has refused a
     `data.dir` with nothing to prepare.)"""
     path = data_dir(cfg)
     if cfg.data.pairs and not reads_in_place(cfg) and not is_prepared(path):
@@ -62,41 +61,6 @@ def ensure_data(cfg: Config) -> Path:
         )
         check_data_fits(cfg, path)  # data that was already there was checked by `preflight`
     return path
-
-
-def preflight(cfg: Config) -> nn.Module:
-    """The checks that need torch (the torch-free ones ran in `precheck.check_job`): the model
-    builds and follows the protocol; data already prepared fits the model. Returns the model,
-    built on the meta device, for checks that need its parameter names."""
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    if (
-        check_weights := getattr(model, "check_weights", None)
-    ) is not None:  # pretrained weights: present, shaped as the config says
-        check_weights()
-    if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
-        check_data_fits(cfg, data_dir(cfg))
-    return model
-
-
-def reads_in_place(cfg: Config) -> bool:
-    """Mixtures and other tools' formats are read as they are; nothing is prepared for them."""
-    return bool(cfg.data.mixture) or cfg.data.format != "meshrun"
-
-
-def check_data_fits(cfg: Config, path: Path) -> None:
-    """The data parses, holds enough tokens for a sample, its ids fit the model's vocabulary, and
-    it was tokenized with the model folder's tokenizer when both have one."""
-    model_dir = hf_dir(cfg.model)
-    tokenizer = model_dir / "tokenizer.json" if model_dir and (model_dir / "tokenizer.json").is_file() else None
-    check_data(
-        cfg.data,
-        path,
-        seq_len=cfg.model.seq_len,
-        model_vocab_size=vocab_size(cfg.model),
-        vocab_key=vocab_key(cfg.model),
-        model_tokenizer=tokenizer,
-    )
 
 
 def describe_split(cfg: Config) -> list[str] | None:
@@ -151,20 +115,23 @@ def describe(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def train(cfg: Config, worker_args: list[str]) -> int:
-    model = preflight(cfg)
+def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
+    """Be a worker (under torchrun) or launch them; `model` is the one `preflight` built (meta).
+    Returns the exit code for the run's outcome (see meshrun.outcome)."""
     if in_launched_worker():
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             ensure_data(cfg)
-        return run_worker(cfg)
+        run_worker(cfg)
+        return 0  # stopped on request too: torchrun restarts a group that exits non-zero
     ensure_data(cfg)
     check_resumable(cfg.run_dir, cfg.train.resume, model)  # cannot resume: stop before any worker exists
     if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
-        return outcome(cfg, run_worker(cfg))  # one process needs no torchrun (nor its restarts)
+        return run_worker(cfg).exit_code  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)
     say(f"starting {cfg.world_size} workers: {' '.join(argv[1:])}")
-    code, stop_requested = run_torchrun(argv, env={**os.environ, **WORKER_ENV})
-    return outcome(cfg, 0 if stop_requested else code)
+    clear_record(Path(cfg.run_dir))  # an earlier run's outcome must not be read as this one's
+    code, stop_relayed = run_torchrun(argv, env={**os.environ, **WORKER_ENV})
+    return launcher_exit_code(read_record(Path(cfg.run_dir)), code, stop_relayed=stop_relayed)
 
 
 def run_torchrun(argv: list[str], *, env: dict[str, str]) -> tuple[int, bool]:
@@ -187,30 +154,29 @@ def run_torchrun(argv: list[str], *, env: dict[str, str]) -> tuple[int, bool]:
             signal.signal(sig, handler)
 
 
-def outcome(cfg: Config, code: int) -> int:
-    """Workers that stopped early on request exit 0 (so torchrun does not restart them); tell
-    the caller with PREEMPTED_EXIT_CODE, since only a finished run writes summary.json."""
-    if code == 0 and not (Path(cfg.run_dir) / "summary.json").exists():
-        return PREEMPTED_EXIT_CODE
-    return code
-
-
-def run_worker(cfg: Config) -> int:
+def run_worker(cfg: Config) -> Outcome:
+    """The worker's training entry: trains, and returns and records how the run ended."""
     from meshrun.training.trainer import Trainer  # heavy imports only in workers
 
-    par = cfg.parallel
+    par, run_dir = cfg.parallel, Path(cfg.run_dir)
     mesh = init_mesh(dp=par.dp, pp=par.pp, dp_mode=par.dp_mode, dp_shard=par.dp_shard)
-    trainer = None
+    rank, trainer = mesh.rank, None
     try:
         torch.distributed.barrier()  # data prepared by every node's local rank 0
         cfg = with_resolved_precision(cfg, mesh)
         trainer = Trainer(cfg, mesh, data_dir(cfg))
-        trainer.train()
-        return 0
+        outcome = trainer.train()
+    except Exception:
+        with contextlib.suppress(OSError):  # the error itself matters more than its record
+            write_record(run_dir, Outcome.FAILED)  # any rank that fails says so
+        raise
     finally:
         if trainer is not None:
             trainer.close()
         shutdown()
+    if rank == 0:
+        write_record(run_dir, outcome)
+    return outcome
 
 
 def with_resolved_precision(cfg: Config, mesh: Mesh) -> Config:

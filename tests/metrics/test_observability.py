@@ -242,7 +242,7 @@ def test_observability_settings_are_checked(override: str, message: str) -> None
 def test_profiled_ranks_must_exist(tmp_path: Path) -> None:
     from meshrun.config import load_config
     from meshrun.errors import ConfigError
-    from meshrun.precheck import check_observability
+    from meshrun.preflight import check_observability
 
     with pytest.raises(ConfigError, match=r"^profile.ranks \[4\] do not exist: ranks are 0 to 3 "):
         check_observability(load_config(None, ["profile.ranks=[0,4]", "parallel.dp=2", "parallel.pp=2"]))

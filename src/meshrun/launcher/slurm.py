@@ -26,6 +26,7 @@ from pathlib import Path
 
 from meshrun.config import Config
 from meshrun.errors import ConfigError
+from meshrun.layout import workers_per_node
 
 RDZV_HOST_ENV = "MESHRUN_RDZV_HOST"  # where node names do not resolve (or resolve to the wrong interface)
 # Where the generic script's own header ends and the job every script shares begins.
@@ -81,12 +82,7 @@ def render_sbatch(
 ) -> str:
     """The sbatch script that trains `cfg` (loaded from `config` + `overrides`) on `nodes` nodes."""
     world = cfg.world_size
-    if nodes < 1 or world % nodes:
-        raise ConfigError(
-            f"--nodes {nodes} must divide parallel.dp x parallel.pp ({cfg.parallel.dp} x {cfg.parallel.pp} = {world}); "
-            "change --nodes or the parallel degrees"
-        )
-    nproc = world // nodes
+    nproc = workers_per_node(cfg.parallel, nodes, named=f"--nodes {nodes}", change="--nodes")
     if gpus_per_node and gpus_per_node != nproc:
         raise ConfigError(
             f"{world} workers (parallel.dp x parallel.pp) on {nodes} nodes is {nproc} per node, but --gpus-per-node is "

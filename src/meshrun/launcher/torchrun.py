@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from meshrun.config import Config
@@ -41,3 +42,8 @@ def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
         *worker_args,
     ]
     return argv
+
+
+def in_launched_worker() -> bool:
+    """True inside torchrun / Slurm-started workers (they export RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

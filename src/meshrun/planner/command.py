@@ -16,6 +16,7 @@ from meshrun.metrics.devices import device_by_short_name, links_gbs
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.search import Prediction, predict, rank_layouts
+from meshrun.preflight import preflight
 
 GIB = 1024**3
 
@@ -104,6 +105,7 @@ def write_config(prediction: Prediction, out: Path) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    preflight(cfg, scope="model")  # the model builds, before any layout is profiled
     if args.calibrate:
         return _calibrate(args, cfg)
     if args.run:

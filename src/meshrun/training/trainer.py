@@ -24,6 +24,7 @@ from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.trackers import Tracker, open_trackers
 from meshrun.models import build_model
 from meshrun.models.encdec import source_len
+from meshrun.outcome import Outcome
 from meshrun.parallel import parallelize
 from meshrun.parallel.fsdp import full_norm, state_bytes
 from meshrun.training.amp import autocast, make_scaler
@@ -155,14 +156,14 @@ class Trainer:
         x, y = data.batch(position + self.mesh.dp_rank * per_rank, per_rank)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def train(self) -> dict | None:
-        """Run to train.steps; returns the summary, or None when stopped early (preempted)."""
+    def train(self) -> Outcome:
+        """Run to train.steps (COMPLETED), or until a stop request (STOPPED, a checkpoint written)."""
         cfg = self.cfg.train
         window, timed = Window(start=time.perf_counter()), []
         row: dict = {}
         if self.start_step >= cfg.steps:
             self.report.note(f"run already complete at step {self.start_step}; nothing to do")
-            return {}
+            return Outcome.COMPLETED
         if note := mfu_note(self.device, self.peak):
             self.report.note(note)
         for step in range(self.start_step, cfg.steps):
@@ -190,10 +191,11 @@ class Trainer:
                 window.start = time.perf_counter()
             if stop and done < cfg.steps:
                 self.report.note(f"stop requested: checkpoint at step {done} written; rerun the same command to resume")
-                return None
+                return Outcome.STOPPED
         # The first window pays for warm-up (allocations, pipeline shape inference): leave it out.
         tokens, seconds = map(sum, zip(*(timed[1:] or timed)))
-        return self._summary(row, tokens, seconds)
+        self._summary(row, tokens, seconds)
+        return Outcome.COMPLETED
 
     def _checkpoint_due(self, done: int) -> bool:
         ckpt = self.cfg.checkpoint

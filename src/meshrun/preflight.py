@@ -1,25 +1,55 @@
-"""Checks of a job that need no torch: the CLI runs them before `meshrun.job` (and so torch)
-is imported, so layout, path and environment mistakes are answered in well under a second.
-Checks that need torch (building the model, reading token files) stay in `job.preflight`."""
+"""Every check of a config that needs more than the config itself (the filesystem, the
+environment, the model), in one function, `preflight`, run by `train`, `slurm`, `export`,
+`sample` and `plan` before any work starts. Rules that need only the config are validators on
+the schema (config.py, layout.py), so they hold for every Config however it was built.
+
+This module imports no torch: `preflight` runs the torch-free checks first (layout, paths,
+environment: answered in well under a second), then imports torch to build the model.
+"""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from meshrun.config import Config
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
+from meshrun.hf_config import hf_dir, vocab_key, vocab_size
+from meshrun.launcher.torchrun import in_launched_worker
+from meshrun.metrics.devices import SHORT_NAMES
 from meshrun.plan import validate_layout
 
+if TYPE_CHECKING:
+    from torch import nn
 
-def in_launched_worker() -> bool:
-    """True inside torchrun / Slurm-started workers (they export RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Module:
+    """Refuse what would fail later, one line each (ConfigError). `job` (train, slurm): the
+    environment, layout, run directory and data, then the model builds, its pretrained weights
+    exist and the data fits it. `model` (export, sample, plan: nothing is trained): the model
+    builds. Returns the model, built on the meta device."""
+    if scope == "job":
+        check_job(cfg)
+    import torch  # after every torch-free check, so those mistakes fail fast
+
+    from meshrun.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    if scope == "job":
+        if (check_weights := getattr(model, "check_weights", None)) is not None:
+            check_weights()  # pretrained weights: present, shaped as the config says
+        if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
+            check_data_fits(cfg, data_dir(cfg))
+    return model
 
 
 def data_dir(cfg: Config) -> Path:
@@ -40,9 +70,9 @@ def _tokenizer_slug(tokenizer: str | None) -> str:
 
 
 def check_job(cfg: Config) -> None:
-    """Every torch-free check of `meshrun train` (with or without --dry-run)."""
+    """Every torch-free check of a training job (`train`, with or without --dry-run, and `slurm`)."""
     check_worker_env(cfg)
-    validate_layout(cfg)
+    validate_layout(cfg)  # blocks and microbatches over pipeline stages: needs the model's depth
     check_run_dir(cfg)
     check_writable(Path(cfg.run_dir))
     check_data_source(cfg)
@@ -52,17 +82,11 @@ def check_job(cfg: Config) -> None:
 
 
 def check_observability(cfg: Config) -> None:
-    """The tensorboard package for that backend; profiled ranks that exist."""
+    """The tensorboard package for that backend."""
     if "tensorboard" in cfg.tracker.backends and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
             "tracker.backends names tensorboard, but the tensorboard package is not installed; "
             "pip install tensorboard, or remove it from tracker.backends"
-        )
-    stray = [rank for rank in cfg.profile.ranks or [] if rank >= cfg.world_size]
-    if stray:
-        raise ConfigError(
-            f"profile.ranks {stray} do not exist: ranks are 0 to {cfg.world_size - 1} "
-            f"(parallel.dp x parallel.pp = {cfg.world_size}); change profile.ranks"
         )
 
 
@@ -165,3 +189,75 @@ def check_data_source(cfg: Config) -> None:
         raise ConfigError(
             f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data --out {path}` or set data.sources"
         )
+
+
+def reads_in_place(cfg: Config) -> bool:
+    """Mixtures and other tools' formats are read as they are; nothing is prepared for them."""
+    return bool(cfg.data.mixture) or cfg.data.format != "meshrun"
+
+
+def check_data_fits(cfg: Config, path: Path) -> None:
+    """The data parses, holds enough tokens for a sample, its ids fit the model's vocabulary, and
+    it was tokenized with the model folder's tokenizer when both have one."""
+    from meshrun.data.dataset import check_data  # reads token files with torch
+
+    model_dir = hf_dir(cfg.model)
+    tokenizer = model_dir / "tokenizer.json" if model_dir and (model_dir / "tokenizer.json").is_file() else None
+    check_data(
+        cfg.data,
+        path,
+        seq_len=cfg.model.seq_len,
+        model_vocab_size=vocab_size(cfg.model),
+        vocab_key=vocab_key(cfg.model),
+        model_tokenizer=tokenizer,
+    )
+
+
+def check_plan_args(args: argparse.Namespace) -> None:
+    """`plan` arguments, checked before torch is imported."""
+    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--top", args.top), ("--steps", args.steps)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if args.gpus % args.nodes:
+        raise ConfigError(f"--nodes ({args.nodes}) must divide --gpus ({args.gpus}); change one of them")
+    if not 0 <= args.margin < 1:
+        raise ConfigError(f"--margin must be in [0, 1) (a share of device memory), got {args.margin}")
+    for flag, value in (
+        ("--memory-gb", args.memory_gb),
+        ("--intra-gbs", args.intra_gbs),
+        ("--inter-gbs", args.inter_gbs),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} must be a positive number, got {value}")
+    if args.gpu and args.gpu.lower() != "cpu" and args.gpu.lower() not in SHORT_NAMES:
+        raise ConfigError(f"--gpu: unknown GPU {args.gpu!r}: use one of {', '.join(SHORT_NAMES)}, or cpu")
+    if args.write and Path(args.write).exists():
+        raise ConfigError(f"--write {args.write} already exists; choose a new file name (plan never overwrites)")
+    if args.run and not (Path(args.run) / "config.json").is_file():
+        raise ConfigError(f"--run {args.run} holds no config.json; pass a meshrun run directory")
+
+
+def check_checkpoint_args(args: argparse.Namespace) -> None:
+    """`export` / `sample` arguments, checked before torch is imported."""
+    if not Path(args.checkpoint).exists():
+        raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
+    if args.command == "export":
+        flag, out = ("--hf", args.hf) if args.hf else ("--out", args.out)
+        for folder in Path(out).absolute().parents:
+            if folder.exists():
+                if not folder.is_dir():
+                    raise ConfigError(f"{flag} {out}: {folder} is a file, not a folder; choose another {flag}")
+                break
+        return
+    if args.tokens < 1:
+        raise ConfigError(f"--tokens must be at least 1 (tokens to generate), got {args.tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.beam < 1:
+        raise ConfigError(f"--beam must be at least 1 (1 = greedy), got {args.beam}")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
+        raise ConfigError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None

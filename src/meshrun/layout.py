@@ -1,0 +1,142 @@
+"""How a job is laid out over processes: the `parallel` and `launch` config sections, and the
+rules across sections that need only the config (the batch over ranks and micro-steps, workers
+over nodes, profiled ranks that exist). Pure and torch-free. `Config`'s model validator runs
+`check_layout`, so every Config is checked however it was built (YAML, `--set`, code, a
+checkpoint's config.json); `meshrun slurm` splits its `--nodes` with the same `workers_per_node`.
+Whether the pipeline can be cut (blocks per stage, a schedule's microbatches) depends on the
+model's depth, maybe read from a Hugging Face folder: `preflight` checks that (with `plan.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field, model_validator
+
+from meshrun.config_fields import Int, Section, lowercase
+from meshrun.errors import ConfigError
+
+Schedule = Annotated[
+    Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"], BeforeValidator(lowercase)
+]
+Balance = Annotated[Literal["even", "time", "size"], BeforeValidator(lowercase)]
+DpMode = Annotated[Literal["ddp", "fsdp", "hsdp"], BeforeValidator(lowercase)]
+ShardDtype = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(lowercase)]
+
+
+class ParallelConfig(Section):
+    dp: Int = Field(default=1, ge=1)
+    """Data-parallel degree (ranks per pipeline stage; see dp_mode)."""
+    pp: Int = Field(default=1, ge=1)
+    """Pipeline-parallel degree (stages over Transformer blocks)."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule from torch.distributed.pipelining (used when pp > 1)."""
+    virtual_stages: Int | None = Field(default=None, ge=1)
+    """Stages per rank: 1 for gpipe/1f1b; 2 for zbv; default 2 for interleaved-1f1b, looped-bfs and zero-bubble."""
+    stage_layers: list[list[Int]] | None = None
+    """Explicit blocks per stage, e.g. [[0, 1, 2], [3]]; overrides `balance`."""
+    balance: Balance = "even"
+    """How to split blocks: even (embedding and head weigh one block each), or measured time / size (fairscale)."""
+    dp_mode: DpMode = "ddp"
+    """Data parallelism: ddp (full replicas), fsdp (FSDP2: params, grads, optimizer state sharded over dp), hsdp (sharded within dp_shard ranks, replicated across)."""
+    dp_shard: Int | None = Field(default=None, ge=1)
+    """hsdp only: ranks one copy is sharded over (a divisor of dp, e.g. GPUs per node); dp / dp_shard replicas."""
+    fsdp_reshard_after_forward: bool | None = None
+    """fsdp/hsdp: free gathered params after each forward; None = yes without a pipeline, no under pp (gather once per step)."""
+    fsdp_param_dtype: ShardDtype = "fp32"
+    """fsdp/hsdp: dtype params are all-gathered and computed in (fp32 = autocast alone decides, as with ddp)."""
+    fsdp_reduce_dtype: ShardDtype = "fp32"
+    """fsdp/hsdp: dtype gradients are reduce-scattered in (fp32 sums exactly as ddp's all-reduce does)."""
+
+    @model_validator(mode="after")
+    def _shard_divides_dp(self) -> ParallelConfig:
+        if self.dp_mode != "hsdp":
+            if self.dp_shard is not None:
+                raise ValueError(
+                    f"parallel.dp_shard is for dp_mode hsdp (dp_mode is {self.dp_mode}); remove it or set parallel.dp_mode=hsdp"
+                )
+            return self
+        if self.dp_shard is None or self.dp % self.dp_shard or not 1 < self.dp_shard < self.dp:
+            raise ValueError(
+                f"dp_mode hsdp needs parallel.dp_shard, a divisor of parallel.dp ({self.dp}) between 2 and dp/2 "
+                f"(got {self.dp_shard}); set it, or use dp_mode fsdp to shard over all dp ranks"
+            )
+        return self
+
+
+class LaunchConfig(Section):
+    max_restarts: Int = Field(default=0, ge=0)
+    """torchrun restarts of the whole worker group after a failure; each restart resumes from the newest checkpoint."""
+    nnodes: Int = Field(default=1, ge=1)
+    """Nodes in the job, one torchrun agent (one `meshrun train`) each; > 1 needs `rdzv_endpoint`."""
+    nproc_per_node: Int | None = Field(default=None, ge=1)
+    """Workers on each node; None = parallel.dp x parallel.pp / nnodes."""
+    rdzv_endpoint: str | None = None
+    """HOST[:PORT] of the c10d rendezvous on the host node (port default 29400); None on one node = a free local port."""
+    rdzv_id: str = "meshrun"
+    """Id shared by all nodes of one job (e.g. $SLURM_JOB_ID); jobs sharing an endpoint need different ids."""
+    local_addr: str | None = None
+    """This node's address as the other nodes reach it (torchrun --local-addr); None = its host name."""
+    host_node: bool | None = None
+    """Whether this node hosts the rendezvous store (c10d is_host); None = torchrun guesses from rdzv_endpoint."""
+
+    @model_validator(mode="after")
+    def _multi_node_needs_endpoint(self) -> LaunchConfig:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f"launch.nnodes is {self.nnodes}, so launch.rdzv_endpoint (HOST:PORT on the host node) is needed; "
+                "pass --rdzv-endpoint"
+            )
+        return self
+
+
+def check_layout(
+    par: ParallelConfig, launch: LaunchConfig, *, global_batch: int, micro_batch: int, profiled_ranks: Sequence[int]
+) -> None:
+    """Every rule over several sections that needs only the config's numbers."""
+    check_batch_maths(par, global_batch=global_batch, micro_batch=micro_batch)
+    check_nodes(par, launch)
+    check_profiled_ranks(par, profiled_ranks)
+
+
+def check_batch_maths(par: ParallelConfig, *, global_batch: int, micro_batch: int) -> None:
+    """Refuse batch sizes that do not split evenly over data-parallel ranks and micro-steps."""
+    if global_batch % (micro_batch * par.dp):
+        raise ConfigError(
+            f"train.global_batch ({global_batch}) must be a multiple of train.micro_batch x parallel.dp "
+            f"({micro_batch} x {par.dp} = {micro_batch * par.dp}); change one of these keys"
+        )
+
+
+def check_nodes(par: ParallelConfig, launch: LaunchConfig) -> None:
+    """Refuse node counts that do not split dp x pp workers evenly."""
+    if launch.nproc_per_node is None:
+        workers_per_node(par, launch.nnodes, named=f"launch.nnodes ({launch.nnodes})", change="--nnodes")
+    elif launch.nnodes * launch.nproc_per_node != par.dp * par.pp:
+        raise ConfigError(
+            f"launch.nnodes x launch.nproc_per_node ({launch.nnodes} x {launch.nproc_per_node}) must equal "
+            f"parallel.dp x parallel.pp ({par.dp} x {par.pp} = {par.dp * par.pp}); change one of these keys"
+        )
+
+
+def check_profiled_ranks(par: ParallelConfig, ranks: Sequence[int]) -> None:
+    """profile.ranks name ranks of this layout."""
+    world = par.dp * par.pp
+    stray = [rank for rank in ranks if rank >= world]
+    if stray:
+        raise ConfigError(
+            f"profile.ranks {stray} do not exist: ranks are 0 to {world - 1} "
+            f"(parallel.dp x parallel.pp = {world}); change profile.ranks"
+        )
+
+
+def workers_per_node(par: ParallelConfig, nodes: int, *, named: str, change: str) -> int:
+    """dp x pp workers split evenly over `nodes` (`named` and `change` say where the count was set)."""
+    world = par.dp * par.pp
+    if nodes < 1 or world % nodes:
+        raise ConfigError(
+            f"{named} must divide parallel.dp x parallel.pp ({par.dp} x {par.pp} = {world}); "
+            f"change {change} or the parallel degrees"
+        )
+    return world // nodes

@@ -1,0 +1,38 @@
+"""A GPT that, at its k-th embedding forward, asks to stop (SIGUSR1 to itself) or raises: the three
+ways a run ends, on cue.
+
+Used through `model.factory: interrupting_gpt:build`. MESHRUN_TEST_SIGNAL_AT=k or
+MESHRUN_TEST_RAISE_AT=k (1-based, counted per process); MESHRUN_TEST_ON_RANK=r limits it to one
+rank (RANK, as torchrun sets it; a lone process is rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from meshrun.config import ModelConfig
+from meshrun.models.gpt import GPT, Embedding
+
+_calls = {"forward": 0}
+
+
+class InterruptingEmbedding(Embedding):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _calls["forward"] += 1
+        on_this_rank = os.environ.get("RANK", "0") == os.environ.get(
+            "MESHRUN_TEST_ON_RANK", os.environ.get("RANK", "0")
+        )
+        if on_this_rank and _calls["forward"] == int(os.environ.get("MESHRUN_TEST_SIGNAL_AT", "0")):
+            os.kill(os.getpid(), signal.SIGUSR1)  # what Slurm's warning or a scheduler sends
+        if on_this_rank and _calls["forward"] == int(os.environ.get("MESHRUN_TEST_RAISE_AT", "0")):
+            raise RuntimeError(f"interrupting_gpt: failing on cue at forward {_calls['forward']}")
+        return super().forward(idx)
+
+
+def build(cfg: ModelConfig) -> GPT:
+    model = GPT(cfg)
+    model.embed = InterruptingEmbedding(cfg)  # same parameter names as the plain GPT
+    return model

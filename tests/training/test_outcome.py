@@ -1,0 +1,95 @@
+"""The worker's training entry returns how the run ended (completed / stopped on request / failed)
+and records it; `meshrun train` exits with that outcome's code (0 / 75 / 1), under torchrun too.
+None of it looks at summary.json: a completed run whose summary.json is gone still exits 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import meshrun_env, run_meshrun, tiny
+
+from meshrun import job
+from meshrun.config import load_config
+from meshrun.outcome import STOPPED_EXIT_CODE, Outcome, launcher_exit_code, read_record
+
+HERE = str(Path(__file__).parent)
+# 4 steps of 4 microbatches on one process, 2 per rank with dp=2: a cue at forward 5 (or 3) lands in step 2
+JOB = {"model.factory": "interrupting_gpt:build", "train.steps": 4, "checkpoint.at_end": False}
+
+
+def steps_saved(run: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+
+
+@pytest.fixture
+def cue(monkeypatch: pytest.MonkeyPatch):
+    """`cue(kind, after)`: the in-process model stops or fails at its `after`-th forward from now."""
+    monkeypatch.syspath_prepend(HERE)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    import interrupting_gpt
+
+    def set_cue(kind: str, after: int) -> None:
+        monkeypatch.setenv(f"MESHRUN_TEST_{kind}_AT", str(interrupting_gpt._calls["forward"] + after))
+
+    return set_cue
+
+
+def test_worker_returns_completed_and_records_it(cue, data_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(None, [a.removeprefix("--set=") for a in tiny(data_dir, tmp_path / "run", **JOB)])
+    assert job.run_worker(cfg) is Outcome.COMPLETED
+    assert read_record(tmp_path / "run") is Outcome.COMPLETED
+    (tmp_path / "run" / "summary.json").unlink()  # the outcome is not inferred from it
+    assert job.run_worker(cfg) is Outcome.COMPLETED  # already at train.steps: nothing to do, still complete
+
+
+def test_worker_returns_stopped_after_a_stop_signal_with_a_checkpoint(cue, data_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(None, [a.removeprefix("--set=") for a in tiny(data_dir, tmp_path / "run", **JOB)])
+    cue("SIGNAL", 5)  # SIGUSR1 during step 2: a lone process checkpoints at its end and stops
+    assert job.run_worker(cfg) is Outcome.STOPPED
+    assert read_record(tmp_path / "run") is Outcome.STOPPED
+    assert steps_saved(tmp_path / "run") == [2]
+
+
+def test_worker_records_failed_and_raises(cue, data_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(None, [a.removeprefix("--set=") for a in tiny(data_dir, tmp_path / "run", **JOB)])
+    cue("RAISE", 5)
+    with pytest.raises(RuntimeError, match="failing on cue"):
+        job.run_worker(cfg)
+    assert read_record(tmp_path / "run") is Outcome.FAILED
+
+
+@pytest.mark.parametrize(
+    "recorded,torchrun_code,relayed,exit_code",
+    [
+        (Outcome.COMPLETED, 0, False, 0),
+        (Outcome.COMPLETED, 1, True, 0),  # the stop came after the last step
+        (Outcome.STOPPED, 0, False, STOPPED_EXIT_CODE),  # workers stopped on request exit 0
+        (None, 1, True, STOPPED_EXIT_CODE),  # relayed before any worker could record
+        (Outcome.FAILED, 1, False, 1),
+        (Outcome.FAILED, 1, True, 1),
+        (None, 0, False, 1),  # workers that exit 0 without an outcome did not complete
+        (None, 3, False, 3),
+    ],
+)
+def test_launcher_exit_code_follows_the_recorded_outcome(
+    recorded: Outcome | None, torchrun_code: int, relayed: bool, exit_code: int
+) -> None:
+    assert launcher_exit_code(recorded, torchrun_code, stop_relayed=relayed) == exit_code
+
+
+def test_launcher_acts_on_the_workers_outcome_under_torchrun(data_dir: Path, tmp_path: Path) -> None:
+    """Two ranks: rank 1 asks to stop (exit 75, stopped; torchrun itself saw two workers exit 0), or
+    raises (exit 1, failed). Completed is every other multi-rank test: exit 0 needs the record."""
+    env = {"PYTHONPATH": HERE, "MESHRUN_TEST_ON_RANK": "1"}
+    for cue, code, outcome in (("SIGNAL", STOPPED_EXIT_CODE, Outcome.STOPPED), ("RAISE", 1, Outcome.FAILED)):
+        run = tmp_path / cue
+        args = ["train", *tiny(data_dir, run, **{**JOB, "parallel.dp": 2, "train.steps": 5})]
+        done = run_meshrun(
+            args, tmp_path=tmp_path, env=meshrun_env(tmp_path, **env, **{f"MESHRUN_TEST_{cue}_AT": "3"}), check=False
+        )
+        assert done.returncode == code, done.stderr[-3000:]
+        assert read_record(run) is outcome
+    assert steps_saved(tmp_path / "SIGNAL") == [3]  # asked during step 2, agreed on at the end of step 3
+    assert "failing on cue" in done.stderr
