@@ -27,6 +27,7 @@ from meshrun.hf_config import hf_dir, vocab_key, vocab_size
 from meshrun.launcher.torchrun import WORKER_ENV, torchrun_argv
 from meshrun.metrics.console import say
 from meshrun.models import build_model
+from meshrun.models.encdec import source_len
 from meshrun.parallel import build_stage
 from meshrun.parallel.fsdp import describe_data_parallel
 from meshrun.plan import stage_ids, stages_per_rank, static_split
@@ -96,6 +97,7 @@ def check_data_fits(cfg: Config, path: Path) -> None:
         model_vocab_size=vocab_size(cfg.model),
         vocab_key=vocab_key(cfg.model),
         model_tokenizer=tokenizer,
+        source_len=source_len(cfg.model),
     )
 
 
