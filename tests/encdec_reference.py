@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import final_weights, losses, max_weight_diff, read_metrics
+from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from torch import nn
 
+from meshrun.data.pairs import prepare_pairs
 from meshrun.models.encdec import EncDec, sinusoids, split_lengths
 
 WORDS = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "nobler"]
@@ -31,6 +32,19 @@ def lopsided_pairs(count: int, seed: int = 0) -> list[tuple[str, str]]:
         words = [rng.choice(WORDS) for _ in range(rng.choice([1, 1, 2, 6, 8]))]
         pairs.append((" ".join(words), " ".join(reversed(words))))
     return pairs
+
+
+def prepare_lopsided(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """200 lopsided pairs prepared as a pairs folder (10% validation)."""
+    out = tmp_path_factory.mktemp("pairs") / "reverse"
+    prepare_pairs(lopsided_pairs(200), out, val_fraction=0.1)
+    return out
+
+
+def train_encdec(pairs_dir: Path, run: Path, settings: dict[str, object], **overrides: object) -> Path:
+    """`meshrun train` of the tiny job `settings` describes (overrides win); returns the run folder."""
+    run_meshrun(["train", *tiny(pairs_dir, run, **{**settings, **overrides})], tmp_path=run.parent)
+    return run
 
 
 class TorchEncDec(nn.Module):

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from encdec_reference import lopsided_pairs
+from encdec_reference import prepare_lopsided
 
-from meshrun.data.pairs import BOS, PAD, PairsDataset, prepare_pairs
+from meshrun.data.pairs import BOS, PairsDataset
 from meshrun.data.storage import IGNORE, read_meta
 from meshrun.errors import ConfigError
 
@@ -20,9 +20,7 @@ LAYOUT = {"seq_len": 80, "seed": 3, "source_len": 40, "global_batch": GLOBAL_BAT
 
 @pytest.fixture(scope="module")
 def pairs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pairs") / "reverse"
-    prepare_pairs(lopsided_pairs(200), out, val_fraction=0.1)
-    return out
+    return prepare_lopsided(tmp_path_factory)
 
 
 def dataset(pairs_dir: Path, **overrides: object) -> PairsDataset:
@@ -79,7 +77,10 @@ def test_buckets_save_padding_and_no_buckets_is_unchanged(pairs_dir: Path) -> No
 
 @pytest.mark.parametrize(
     "buckets,source_len,message",
-    [([25], 40, r"data.buckets \[25\] do not split .* use multiples of 2"), ([90], None, "must lie in 2 .. model.seq_len")],
+    [
+        ([25], 40, r"data.buckets \[25\] do not split .* use multiples of 2"),
+        ([90], None, "must lie in 2 .. model.seq_len"),
+    ],
 )
 def test_buckets_that_do_not_fit_are_refused(pairs_dir: Path, buckets, source_len, message) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
-from encdec_reference import TorchEncDec, assert_same_training, lopsided_pairs, plain_step
+from conftest import final_weights, losses, max_weight_diff, read_metrics, tiny
+from encdec_reference import TorchEncDec, assert_same_training, plain_step, prepare_lopsided, train_encdec
 from plain_reference import config_from_set_args
 
 from meshrun.data.dataset import open_dataset
-from meshrun.data.pairs import prepare_pairs
 from meshrun.models.encdec import source_len
 from meshrun.parallel import materialise_part
 
@@ -43,14 +42,11 @@ DP2_PP2 = {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"}
 
 @pytest.fixture(scope="module")
 def pairs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pairs") / "reverse"
-    prepare_pairs(lopsided_pairs(200), out, val_fraction=0.1)
-    return out
+    return prepare_lopsided(tmp_path_factory)
 
 
 def train(pairs_dir: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(pairs_dir, run, **{**BUCKETED, **overrides})], tmp_path=run.parent)
-    return run
+    return train_encdec(pairs_dir, run, BUCKETED, **overrides)
 
 
 @pytest.fixture(scope="module")
