@@ -164,6 +164,6 @@ def assert_step_one_matches(run: Path, model: nn.Module, x: torch.Tensor, y: tor
 
 def assert_same_training(run: Path, reference: Path) -> None:
     """A layout's 10 clipped steps equal one process's: weights to 1e-5, every logged loss."""
-    assert min(row["grad_norm"] for row in read_metrics(run)) > 0.5, "clipping must be active"
+    assert min(row["grad_norm"] for row in read_metrics(run) if "grad_norm" in row) > 0.5, "clipping must be active"
     assert max_weight_diff(final_weights(run), final_weights(reference)) < 1e-5
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5)

@@ -36,6 +36,8 @@ BUCKETED = {
     "train.steps": STEPS,
     "train.lr": 3e-3,
     "train.grad_clip": 0.5,
+    "train.eval_interval": 3,  # validation batches of their own bucket shapes, between training steps
+    "train.eval_batches": 2,
 }
 DP2_PP2 = {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"}
 
@@ -88,8 +90,14 @@ def test_one_process_on_buckets_equals_torch_transformer(reference: Path, pairs_
     assert first["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
+def val_losses(run: Path) -> list[float]:
+    return [row["val_loss"] for row in read_metrics(run) if "val_loss" in row]
+
+
 def test_dp2_pp2_on_buckets_matches_one_process(dp2_pp2: Path, reference: Path) -> None:
     assert_same_training(dp2_pp2, reference)
+    assert len(val_losses(reference)) == 2
+    assert val_losses(dp2_pp2) == pytest.approx(val_losses(reference), abs=1e-5)
 
 
 def test_resumed_as_interleaved_pp2_continues_identically(
@@ -110,6 +118,7 @@ def test_resumed_as_interleaved_pp2_continues_identically(
 def test_zero_bubble_on_buckets_matches_one_process(reference: Path, pairs_dir: Path, tmp_path: Path) -> None:
     run = train(pairs_dir, tmp_path / "run", **{"parallel.pp": 2, "parallel.schedule": "zero-bubble"})
     assert_same_training(run, reference)
+    assert val_losses(run) == pytest.approx(val_losses(reference), abs=1e-5)
 
 
 @pytest.mark.parametrize(
