@@ -33,6 +33,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds (the verdict is their median ratio)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     p.add_argument("--batches", type=int, default=200, help="global batches counted for the padding share")
+    p.add_argument("--dim", type=int, default=64, help="model width (larger: compute, not overhead, dominates)")
     p.add_argument("--seq-len", type=int, default=48)
     p.add_argument("--source-len", type=int, default=24)
     p.add_argument("--buckets", default="20,28,36", help="data.buckets (model.seq_len is always one)")
@@ -45,7 +46,7 @@ def layout(args: argparse.Namespace) -> dict[str, object]:
     return {
         "model.name": "encdec",
         "model.num_layers": 4,
-        "model.dim": 64,
+        "model.dim": args.dim,
         "model.num_heads": 4,
         "model.seq_len": args.seq_len,
         "model.source_len": args.source_len,

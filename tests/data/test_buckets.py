@@ -10,6 +10,8 @@ import pytest
 import torch
 from encdec_reference import prepare_lopsided
 
+from meshrun.config import DataConfig
+from meshrun.data.dataset import check_data
 from meshrun.data.pairs import BOS, PairsDataset
 from meshrun.data.storage import IGNORE, read_meta
 from meshrun.errors import ConfigError
@@ -85,3 +87,8 @@ def test_buckets_save_padding_and_no_buckets_is_unchanged(pairs_dir: Path) -> No
 def test_buckets_that_do_not_fit_are_refused(pairs_dir: Path, buckets, source_len, message) -> None:
     with pytest.raises(ConfigError, match=message):
         dataset(pairs_dir, buckets=buckets, source_len=source_len, seq_len=80)
+
+
+def test_buckets_on_token_windows_are_refused(data_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"data\.buckets needs pairs data"):
+        check_data(DataConfig(dir=str(data_dir), buckets=[8]), data_dir, seq_len=16, model_vocab_size=256)

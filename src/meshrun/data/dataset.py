@@ -201,6 +201,8 @@ def check_data(
     tokenizers = set()
     for split in SPLITS:
         dataset = open_dataset(data, data_dir, split, seq_len=seq_len, seed=0, source_len=source_len)
+        if data.buckets and not hasattr(dataset, "lengths"):
+            raise ConfigError(f"data.buckets needs pairs data, but {data_dir} holds token windows; remove data.buckets")
         for part in getattr(dataset, "parts", [dataset]):
             check_vocab(part.vocab_size, model_vocab_size, part.where, key=vocab_key)
             if part.tokenizer:
