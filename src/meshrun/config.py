@@ -122,6 +122,8 @@ class DataConfig(Section):
     """Share of documents held out for validation (prepare; and the tail of a Megatron dataset)."""
     pairs: bool = False
     """Prepare `sources` as seq2seq text pairs (one .jsonl with source/target fields, or two aligned text files); no sources = the built-in example."""
+    buckets: list[Int] = []
+    """Pairs data: padded sample lengths (e.g. [16, 32]; model.seq_len is always one); each global batch comes from one bucket, padded to its length. Empty = every batch padded to model.seq_len."""
 
     @model_validator(mode="after")
     def _dir_or_mixture(self) -> DataConfig:

@@ -200,6 +200,7 @@ def check_data_fits(cfg: Config, path: Path) -> None:
     """The data parses, holds enough tokens for a sample, its ids fit the model's vocabulary, and
     it was tokenized with the model folder's tokenizer when both have one."""
     from meshrun.data.dataset import check_data  # reads token files with torch
+    from meshrun.models.encdec import source_len
 
     model_dir = hf_dir(cfg.model)
     tokenizer = model_dir / "tokenizer.json" if model_dir and (model_dir / "tokenizer.json").is_file() else None
@@ -210,6 +211,7 @@ def check_data_fits(cfg: Config, path: Path) -> None:
         model_vocab_size=vocab_size(cfg.model),
         vocab_key=vocab_key(cfg.model),
         model_tokenizer=tokenizer,
+        source_len=source_len(cfg.model),
     )
 
 

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_meshrun, tiny
+from conftest import tiny
 from encdec_reference import (
     TorchEncDec,
     assert_same_training,
     assert_step_one_matches,
-    lopsided_pairs,
+    prepare_lopsided,
+    train_encdec,
 )
 from plain_reference import config_from_set_args
 
 from meshrun.data.dataset import open_dataset
-from meshrun.data.pairs import prepare_pairs
 from meshrun.models.encdec import source_len
 from meshrun.parallel import materialise_part
 
@@ -43,14 +43,11 @@ ENCDEC = {
 
 @pytest.fixture(scope="module")
 def pairs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pairs") / "reverse"
-    prepare_pairs(lopsided_pairs(200), out, val_fraction=0.1)
-    return out
+    return prepare_lopsided(tmp_path_factory)
 
 
 def train(pairs_dir: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(pairs_dir, run, **{**ENCDEC, **overrides})], tmp_path=run.parent)
-    return run
+    return train_encdec(pairs_dir, run, ENCDEC, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -137,15 +137,32 @@ def source_names(dirs: Sequence[str]) -> list[str]:
 
 
 def open_dataset(
-    data: DataConfig, data_dir: Path, split: str, *, seq_len: int, seed: int, source_len: int | None = None
+    data: DataConfig,
+    data_dir: Path,
+    split: str,
+    *,
+    seq_len: int,
+    seed: int,
+    source_len: int | None = None,
+    global_batch: int = 1,
 ) -> TokenDataset | MixtureDataset | PairsDataset:
     """The configured data (one folder, or a mixture) for one split; `source_len`: the encoder's
-    share of seq_len when a pairs folder feeds an encoder-decoder (None: decoder-only)."""
+    share of seq_len when a pairs folder feeds an encoder-decoder (None: decoder-only);
+    `global_batch`: the samples that share one length bucket (pairs with data.buckets)."""
     meta = read_meta(Path(data_dir)) if not data.mixture and data.format == "meshrun" else None
     if meta is not None and meta.get("format") == "pairs":
         from meshrun.data.pairs import PairsDataset
 
-        return PairsDataset(data_dir, split, meta, seq_len=seq_len, seed=seed, source_len=source_len)
+        return PairsDataset(
+            data_dir,
+            split,
+            meta,
+            seq_len=seq_len,
+            seed=seed,
+            source_len=source_len,
+            buckets=data.buckets,
+            global_batch=global_batch,
+        )
     if not data.mixture:
         return TokenDataset(
             data_dir, split, seq_len=seq_len, seed=seed, format=data.format, val_fraction=data.val_fraction
@@ -175,13 +192,17 @@ def check_data(
     model_vocab_size: int,
     vocab_key: str = "model.vocab_size",
     model_tokenizer: Path | None = None,
+    source_len: int | None = None,
 ) -> None:
     """Fail early (before spawning) on missing, unparsable, empty or too-small data, a vocabulary
     larger than the model's, mixture sources tokenized differently, and data tokenized with
-    another tokenizer than the `model_tokenizer` (tokenizer.json) the model ships."""
+    another tokenizer than the `model_tokenizer` (tokenizer.json) the model ships, and length
+    buckets that do not fit the model (`source_len`: as for open_dataset)."""
     tokenizers = set()
     for split in SPLITS:
-        dataset = open_dataset(data, data_dir, split, seq_len=seq_len, seed=0)
+        dataset = open_dataset(data, data_dir, split, seq_len=seq_len, seed=0, source_len=source_len)
+        if data.buckets and not hasattr(dataset, "lengths"):
+            raise ConfigError(f"data.buckets needs pairs data, but {data_dir} holds token windows; remove data.buckets")
         for part in getattr(dataset, "parts", [dataset]):
             check_vocab(part.vocab_size, model_vocab_size, part.where, key=vocab_key)
             if part.tokenizer:

@@ -5,19 +5,27 @@ Layout (meta.json "format": "pairs"): per split, `{split}.source.bin` / `{split}
 (little-endian uint64 offsets, one more than pairs). Ids are the tokenizer's ids + 3: 0 is
 padding, 1 starts a target (BOS), 2 ends it (EOS), so one vocabulary serves every tokenizer.
 
-Batches are padded to fixed shapes (pipeline stages infer their buffer shapes once):
-- encdec (`source_len` given): x = [source padded to source_len | BOS target, padded], y =
-  [target EOS, padded with IGNORE]; x is (B, seq_len), y is (B, seq_len - source_len).
+Batches are padded to the length L of their bucket (L = seq_len without `data.buckets`):
+- encdec (`source_len` given): x = [source padded to S | BOS target, padded], y = [target EOS,
+  padded with IGNORE]; x is (B, L), y is (B, L - S), S = L * source_len / seq_len (the model
+  splits x by the same ratio).
 - decoder-only: x = source BOS target, y = the next tokens, the source's positions IGNORE.
-Sample `i` of a split is pair `hash(seed, i) mod num_pairs`, as for token windows.
+Without buckets, sample `i` of a split is pair `hash(seed, i) mod num_pairs`, as for token
+windows. With buckets, each pair belongs to the shortest bucket it fits (else the longest), and
+global batch `b` (samples b*G .. b*G+G-1) draws every sample from one bucket, chosen by
+hash(seed, b) with odds proportional to the bucket's pairs; sample `i` is that bucket's pair
+`hash(seed, i) mod its pairs`. Both are pure functions of the global sample index, so any dp x pp
+split sees the same global batches, and resuming needs only the samples consumed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +124,20 @@ def prepare_pairs(
     return meta
 
 
+def bucket_lengths(buckets: Sequence[int], *, seq_len: int, source_len: int | None) -> list[int]:
+    """Padded sample lengths, ascending, ending at seq_len; encdec lengths must split by source_len / seq_len."""
+    lengths = sorted({*buckets, seq_len})
+    if lengths[0] < 2 or lengths[-1] != seq_len:
+        raise ConfigError(f"data.buckets {list(buckets)} must lie in 2 .. model.seq_len ({seq_len}); change them")
+    uneven = [n for n in lengths if source_len is not None and (n * source_len % seq_len or n * source_len < seq_len)]
+    if uneven:
+        raise ConfigError(
+            f"data.buckets {uneven} do not split into source and target by model.source_len / model.seq_len "
+            f"({source_len}/{seq_len}): use multiples of {seq_len // math.gcd(seq_len, source_len or 1)}"
+        )
+    return lengths
+
+
 class _Side:
     """One side (source or target) of a split: ragged token rows."""
 
@@ -139,7 +161,16 @@ class PairsDataset:
     """Padded (x, y) batches of pairs; `target_tokens` counts a batch's non-pad targets without reading tokens."""
 
     def __init__(
-        self, data_dir: str | Path, split: str, meta: dict[str, Any], *, seq_len: int, seed: int, source_len: int | None
+        self,
+        data_dir: str | Path,
+        split: str,
+        meta: dict[str, Any],
+        *,
+        seq_len: int,
+        seed: int,
+        source_len: int | None,
+        buckets: Sequence[int] = (),
+        global_batch: int = 1,
     ) -> None:
         folder = Path(data_dir)
         dtype = np.dtype(meta["dtype"])
@@ -155,37 +186,72 @@ class PairsDataset:
             meta.get("tokenizer"),
             f"{folder} ({split})",
         )
-        self.seq_len, self.source_len = seq_len, source_len
+        self.seq_len, self.source_len, self.global_batch = seq_len, source_len, global_batch
         self.salt = np.uint64((seed * 2 + SPLITS.index(split)) & 0xFFFFFFFF) << np.uint64(32)
+        self.lengths: Sequence[int] = bucket_lengths(buckets, seq_len=seq_len, source_len=source_len)
+        home = self._home_buckets()
+        members = [np.flatnonzero(home == k) for k in range(len(self.lengths))]
+        self.lengths, self.members = zip(*[(n, m) for n, m in zip(self.lengths, members) if len(m)])  # no empty ones
+        occupied = np.cumsum([len(m) for m in self.members], dtype=np.float64)
+        self.thresholds = np.array([int(c * 2.0**64) for c in occupied[:-1] / occupied[-1]], dtype=np.uint64)
+
+    def _home_buckets(self) -> np.ndarray:
+        """Each pair's bucket: the shortest whose source and target sides hold it whole, else the longest."""
+        source, target = self.source.lengths, self.target.lengths + 1  # BOS target / target EOS
+        if self.source_len is None:
+            fits = [source + target <= length for length in self.lengths]
+        else:
+            fits = [(source <= s) & (target <= length - s) for length, s in zip(self.lengths, self._split())]
+        fits[-1][:] = True
+        return np.argmax(np.stack(fits), axis=0)
+
+    def _split(self) -> list[int]:
+        """Source tokens S of each bucket (encdec: the model.source_len / model.seq_len share of its length)."""
+        return [length * (self.source_len or 0) // self.seq_len for length in self.lengths]
+
+    def bucket(self, first: int) -> int:
+        """The bucket of the global batch holding global sample `first`."""
+        if len(self.lengths) == 1:
+            return 0
+        step = np.array([first // self.global_batch], dtype=np.uint64)
+        return int(np.searchsorted(self.thresholds, splitmix64(splitmix64(step ^ self.salt)), side="right")[0])
 
     def pairs(self, first: int, count: int) -> np.ndarray:
+        """Pair numbers of samples first .. first+count-1, all within one global batch."""
+        bucket = self.bucket(first)
+        if len(self.lengths) > 1 and (first + count - 1) // self.global_batch != first // self.global_batch:
+            raise ValueError(f"samples {first}..{first + count - 1} cross a global batch of {self.global_batch}")
         index = np.arange(first, first + count, dtype=np.uint64)
-        return (splitmix64(index ^ self.salt) % np.uint64(self.num_pairs)).astype(np.int64)
+        members = self.members[bucket]
+        return members[(splitmix64(index ^ self.salt) % np.uint64(len(members))).astype(np.int64)]
 
-    def _visible_targets(self, which: np.ndarray) -> np.ndarray:
+    def _visible_targets(self, which: np.ndarray, length: int, source: int) -> np.ndarray:
         """Target tokens (target + EOS) that fit each sample: the loss counts exactly these."""
         wanted = self.target.lengths[which] + 1
         if self.source_len is not None:
-            return np.minimum(wanted, self.seq_len - self.source_len)
-        return np.clip(self.seq_len - self.source.lengths[which], 0, wanted)
+            return np.minimum(wanted, length - source)
+        return np.clip(length - self.source.lengths[which], 0, wanted)
 
     def target_tokens(self, first: int, count: int) -> int:
-        return int(self._visible_targets(self.pairs(first, count)).sum())
+        bucket = self.bucket(first)
+        which = self.pairs(first, count)
+        return int(self._visible_targets(which, self.lengths[bucket], self._split()[bucket]).sum())
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        which = self.pairs(first, count)
-        target_len = self.seq_len - (self.source_len or 0)
-        x = np.full((count, self.seq_len), PAD, dtype=np.int64)
-        y = np.full((count, target_len), IGNORE, dtype=np.int64)
-        for row, (k, visible) in enumerate(zip(which, self._visible_targets(which))):
+        """Samples first .. first+count-1 as (x, y), padded to their bucket's length."""
+        bucket = self.bucket(first)
+        which, length, source_len = self.pairs(first, count), self.lengths[bucket], self._split()[bucket]
+        x = np.full((count, length), PAD, dtype=np.int64)
+        y = np.full((count, length - source_len), IGNORE, dtype=np.int64)
+        for row, (k, visible) in enumerate(zip(which, self._visible_targets(which, length, source_len))):
             source, target = self.source.row(k), np.concatenate([[BOS], self.target.row(k), [EOS]])
             if self.source_len is not None:
-                source = source[: self.source_len]
+                source = source[:source_len]
                 x[row, : len(source)] = source
-                x[row, self.source_len : self.source_len + visible] = target[:visible]
+                x[row, source_len : source_len + visible] = target[:visible]
                 y[row, :visible] = target[1 : visible + 1]
             else:
-                sequence = np.concatenate([source, target])[: self.seq_len + 1]
+                sequence = np.concatenate([source, target])[: length + 1]
                 x[row, : len(sequence) - 1] = sequence[:-1]
                 y[row, len(source) : len(source) + visible] = target[1 : visible + 1]
         return torch.from_numpy(x), torch.from_numpy(y)

@@ -1,7 +1,8 @@
 """An encoder-decoder Transformer ("Attention is all you need", pre-LN). No distributed code lives here.
 
 Input: token ids (B, seq_len) = [source (B, S) | decoder input (B, T)], S = `source_len`; token 0
-is padding (data/pairs.py makes such batches). Output: logits (B, T, V) for the target.
+is padding (data/pairs.py makes such batches). A shorter batch (B, L) of a length bucket holds
+S = L * source_len / seq_len source tokens. Output: logits (B, T, V) for the target.
 
 Follows the model protocol: blocks "0" .. "E-1" encode, "E" .. "L-1" decode, so a pipeline
 splits encoder blocks first, then decoder blocks, with stages free to hold both kinds. Between
@@ -57,7 +58,7 @@ def sinusoids(length: int, dim: int, device: torch.device) -> torch.Tensor:
 class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.source_len = split_lengths(cfg)[0]
+        self.source_len, self.seq_len = split_lengths(cfg)[0], cfg.seq_len
         self.tok = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos = nn.Embedding(max(split_lengths(cfg)), cfg.dim) if cfg.positions == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
@@ -68,7 +69,8 @@ class Embedding(nn.Module):
         return self.pos(torch.arange(length, device=like.device))
 
     def forward(self, ids: torch.Tensor) -> State:
-        source, target = ids[:, : self.source_len], ids[:, self.source_len :]
+        split = ids.shape[1] * self.source_len // self.seq_len  # a length bucket keeps the source's share
+        source, target = ids[:, :split], ids[:, split:]
         enc, dec = self.tok(source), self.tok(target)
         enc = self.drop(enc + self._positions(source.shape[1], enc))  # (B, S, C)
         dec = self.drop(dec + self._positions(target.shape[1], dec))  # (B, T, C)

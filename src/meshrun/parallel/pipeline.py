@@ -117,29 +117,43 @@ class PipelineModel:
         amp: Callable[[], contextlib.AbstractContextManager],
     ) -> None:
         self.parts, self.wrapped, self.loss, self.amp, self.plan = parts, wrapped, loss, amp, plan
-        self.device = mesh.device
-        self.stages = [
-            MarkedStage(module, index, plan.num_stages, mesh.device, group=mesh.pp_group)
-            for module, index in zip(wrapped, plan.local_stages)
-        ]
-        self.schedule = make_schedule(
-            cfg.parallel.schedule, self.stages, n_microbatches=loss.num_microbatches, loss_fn=loss
-        )
+        self.device, self.pp_group, self.schedule_name = mesh.device, mesh.pp_group, cfg.parallel.schedule
+        self.schedules: dict[tuple, Any] = {}  # one per batch shape, see _schedule_for
         self.has_first = 0 in plan.local_stages
         self.has_last = plan.num_stages - 1 in plan.local_stages
 
-    def _inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
-        return ((x,) if self.has_first else ()), (y if self.has_last else None)
+    def _schedule_for(self, *shapes: tuple[int, ...]) -> Any:
+        """The schedule (and stages) for batches of these shapes, made on first use.
+
+        torch's stages infer their buffer shapes from the first step's batch and keep them, so a
+        batch of another shape (a length bucket) needs its own stages; every rank of the pipeline
+        sees the same global batch shape, so all build the same one at the same step. Buckets
+        are few: one schedule per shape is kept for the run.
+        """
+        if shapes not in self.schedules:
+            stages = [
+                MarkedStage(module, index, self.plan.num_stages, self.device, group=self.pp_group)
+                for module, index in zip(self.wrapped, self.plan.local_stages)
+            ]
+            self.schedules[shapes] = make_schedule(
+                self.schedule_name, stages, n_microbatches=self.loss.num_microbatches, loss_fn=self.loss
+            )
+        return self.schedules[shapes]
+
+    def _inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, tuple, torch.Tensor | None]:
+        """The schedule for this batch's shape, the first stage's inputs and the last stage's targets."""
+        schedule = self._schedule_for(tuple(x.shape), tuple(y.shape))
+        return schedule, ((x,) if self.has_first else ()), (y if self.has_last else None)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Run the schedule; returns the local batch's (unscaled) loss on the last stage, else 0.
 
         The step and each stage action are marked for the profiler (see timeline.py).
         """
-        args, target = self._inputs(x, y)
+        schedule, args, target = self._inputs(x, y)
         losses: list[torch.Tensor] = []
         with record_function(STEP_MARK), self._ddp_no_sync(), self.amp():
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
         return self._total(losses)
 
     def _ddp_no_sync(self) -> contextlib.ExitStack:
@@ -158,10 +172,10 @@ class PipelineModel:
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        args, target = self._inputs(x, y)
+        schedule, args, target = self._inputs(x, y)
         losses: list[torch.Tensor] = []
         with self.amp():
-            self.schedule.eval(*args, target=target, losses=losses)
+            schedule.eval(*args, target=target, losses=losses)
         return self._total(losses)
 
     def _total(self, losses: list[torch.Tensor]) -> torch.Tensor:

@@ -82,7 +82,8 @@ class Trainer:
         # fsdp/hsdp: each rank checks only its gradient shards, so every rank must agree on found_inf
         self.scaler = make_scaler(cfg, self.device, mesh.pp_group if mesh.data_mesh is None else dist.group.WORLD)
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
-        pairs_layout = {"source_len": source_len(cfg.model)}  # how pairs data (if any) is batched
+        # how pairs data (if any) is batched: the encoder's share, the samples sharing a length bucket
+        pairs_layout = {"source_len": source_len(cfg.model), "global_batch": cfg.train.global_batch}
         self.train_data = open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed, **pairs_layout)
         self.val_data = open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed, **pairs_layout)
         with torch.device("meta"):
