@@ -165,11 +165,18 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--calibrate", action="store_true", help="time real steps on this machine and save the fit")
     mode.add_argument("--run", metavar="RUN_DIR", help="compare a finished run's metrics with the prediction")
     plan.add_argument("--steps", type=int, default=3, help="--calibrate: timed steps per probe")
+    plan.add_argument("--rounds", type=int, default=3, help="--calibrate: alternating rounds over the probes (median)")
 
 
 def _check_plan_args(args: argparse.Namespace) -> None:
     """`plan` arguments, checked before torch is imported."""
-    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--top", args.top), ("--steps", args.steps)):
+    for flag, value in (
+        ("--gpus", args.gpus),
+        ("--nodes", args.nodes),
+        ("--top", args.top),
+        ("--steps", args.steps),
+        ("--rounds", args.rounds),
+    ):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     if args.gpus % args.nodes:
