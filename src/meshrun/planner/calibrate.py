@@ -8,9 +8,9 @@ load drifts affects every probe alike. The fit has two stages:
    backward per microbatch);
 2. two-rank probes (dp=2, and pp=2 1F1B at two microbatch counts), with the model of stage 1:
    step = slowdown x (compute + bubble + per-step work) + messages x p2p_s + bandwidth terms.
-   On a CPU the slowdown is how each rank's speed changes when two share the cores (other users'
-   processes, caches, memory bandwidth), saved as parallel_devices = 2 / slowdown: r ranks then
-   compute r / parallel_devices times slower than one alone. GPU ranks each have a device: 1.
+   On a CPU the slowdown (>= 1) is what each rank loses when two share the cores (other users'
+   processes take some), saved as parallel_devices = 2 / slowdown: r ranks then compute
+   max(1, r / parallel_devices) times slower than one alone. GPU ranks each have a device: 1.
    p2p_s is each pipeline message's fixed cost.
 A machine with one GPU runs only stage 1 (p2p_s keeps its default).
 The result is saved as JSON per device.
@@ -118,13 +118,15 @@ def fit(samples: list[tuple[float, float, int, float]]) -> Efficiency:
 
 def fit_parallel(samples: list[tuple[float, int, float]], *, shared_machine: bool) -> tuple[float, float]:
     """Stage 2: (one-rank seconds of a rank's work, pipeline messages, seconds less the bandwidth
-    terms) of two-rank probes -> (slowdown, p2p_s >= 0). The slowdown is fitted only where the ranks
-    share the machine's compute (a CPU's cores; a GPU rank has its device to itself: 1)."""
+    terms) of two-rank probes -> (slowdown >= 1, p2p_s >= 0). The slowdown is fitted only where the
+    ranks share the machine's compute (a CPU's cores; a GPU rank has its device to itself: 1)."""
     if shared_machine:
         a = torch.tensor([[work, messages] for work, messages, _ in samples], dtype=torch.float64)
         b = torch.tensor([[seconds] for *_, seconds in samples], dtype=torch.float64)
         slowdown, p2p_s = _nonnegative_lstsq(a, b, required=0)
-        return max(slowdown, 1e-6), p2p_s
+        if slowdown > 1.0:
+            return slowdown, p2p_s
+    # not slower together (or a device each): the messages' cost is what the pipelines add to the work
     extra = [(seconds - work) / messages for work, messages, seconds in samples if messages]
     return 1.0, max(0.0, statistics.median(extra)) if extra else Efficiency.p2p_s
 
@@ -144,7 +146,7 @@ def fit_constants(
         t = predict(layout, hw, alone, precision=precision, margin=0.0).time
         samples.append((t.compute + t.bubble + t.fixed, t.messages, measured - t.allreduce - t.p2p))
     slowdown, p2p_s = fit_parallel(samples, shared_machine=shared_machine)
-    return dataclasses.replace(eff, p2p_s=p2p_s, parallel_devices=2.0 / slowdown if shared_machine else None)
+    return dataclasses.replace(eff, p2p_s=p2p_s, parallel_devices=2.0 / slowdown if slowdown > 1.0 else None)
 
 
 def _flops(layout: Config, precision: str) -> tuple[float, float]:

@@ -159,7 +159,9 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
             + ", ".join(f"{t * 1e3:.1f}" for t in row["rounds"])
             + ")"
         )
-    shared = f"2 ranks compute {eff.slowdown(2):.2f}x as long as 1" if eff.parallel_devices else "a device per rank"
+    shared = (
+        f"2 ranks compute {eff.slowdown(2):.2f}x as long as 1" if eff.parallel_devices else "2 ranks no slower than 1"
+    )
     print(
         f"{device}: {eff.achieved_flops / 1e9:.2f} GFLOP/s achieved, {eff.action_s * 1e3:.3f} ms per forward or "
         f"backward (whole model), recomputed FLOPs cost {eff.recompute_cost:.2f}x, "

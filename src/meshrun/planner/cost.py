@@ -12,7 +12,8 @@ pp activation transfers run at the link's bandwidth, not overlapped (an upper bo
 pipeline message also costs a fixed `p2p_s` (the schedule's send/receive handling and the link's
 latency). Where ranks share one machine's compute (a CPU's cores, calibrated as `parallel_devices`
 full-speed ranks' worth; GPUs: None, a device per rank), compute, bubble and per-step work take
-ranks / parallel_devices times what they take one rank alone.
+max(1, ranks / parallel_devices) times what they take one rank alone: ranks beyond the cores
+are time-shared.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ class Efficiency:
     def slowdown(self, ranks_per_machine: int) -> float:
         """Each rank's compute time relative to one rank alone when this many share one machine
         (a CPU's cores: they share parallel_devices' worth of full-speed compute)."""
-        if self.parallel_devices is None or ranks_per_machine == 1:
+        if self.parallel_devices is None:
             return 1.0
-        return ranks_per_machine / self.parallel_devices
+        return max(1.0, ranks_per_machine / self.parallel_devices)
 
     def flops_per_s(self, hw: Hardware) -> float:
         if self.achieved_flops is not None:
