@@ -163,6 +163,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--calibrate", action="store_true", help="time real steps on this machine and save the fit")
     mode.add_argument("--run", metavar="RUN_DIR", help="compare a finished run's metrics with the prediction")
     plan.add_argument("--steps", type=int, default=3, help="--calibrate: timed steps per probe")
+    plan.add_argument("--rounds", type=int, default=3, help="--calibrate: alternating rounds over the probes (median)")
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -217,7 +217,13 @@ def check_data_fits(cfg: Config, path: Path) -> None:
 
 def check_plan_args(args: argparse.Namespace) -> None:
     """`plan` arguments, checked before torch is imported."""
-    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--top", args.top), ("--steps", args.steps)):
+    for flag, value in (
+        ("--gpus", args.gpus),
+        ("--nodes", args.nodes),
+        ("--top", args.top),
+        ("--steps", args.steps),
+        ("--rounds", args.rounds),
+    ):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     if args.gpus % args.nodes:

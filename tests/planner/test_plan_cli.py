@@ -81,10 +81,12 @@ def test_every_short_name_is_one_table_entry() -> None:
 
 def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -> None:
     calibration = tmp_path / "cal.json"
-    done = plan(tmp_path, "--calibrate", f"--calibration={calibration}", "--steps=1")
+    done = plan(tmp_path, "--calibrate", f"--calibration={calibration}", "--steps=1", "--rounds=1")
     record = json.loads(calibration.read_text())
-    assert record["device"] == "cpu" and record["achieved_flops"] > 0 and len(record["probes"]) >= 3
-    assert "GFLOP/s achieved" in done.stdout
+    assert record["device"] == "cpu" and record["achieved_flops"] > 0 and record["p2p_s"] >= 0
+    layouts = {(probe["dp"], probe["pp"], probe["microbatches"]) for probe in record["probes"]}
+    assert {(1, 1, 4), (2, 1, 2), (1, 2, 2), (1, 2, 4)} <= layouts  # two-rank probes ran under torchrun
+    assert "GFLOP/s achieved" in done.stdout and "per pipeline message" in done.stdout
     run_dir = tmp_path / "run"
     run_meshrun(["train", *tiny(data_dir, run_dir)], tmp_path=tmp_path)
     measured = [row["step_time_s"] for row in read_metrics(run_dir) if "step_time_s" in row][1:]

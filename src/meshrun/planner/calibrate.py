@@ -1,29 +1,43 @@
 """`meshrun plan --calibrate`: time real training steps here and fit the cost model's constants.
 
-Each probe is a one-process layout (different micro_batch, microbatch count and recompute) run
-through meshrun's own `parallelize` and fused AdamW on random tokens; the step time of
-a few steps after a warm-up (the fastest) is fitted by least squares as
-    step = FLOPs / achieved_flops + actions x action_s + step_s
-(actions = a forward and a backward per microbatch). The result is saved as JSON per device.
+Probes are small layouts of the user's model on random tokens (`probe.py`), timed in alternating
+rounds (every probe once, then again) and summarised by their median, so that a machine whose
+load drifts affects every probe alike. The fit has two stages:
+1. one-rank probes (different micro_batch, microbatch count and recompute), by non-negative least
+   squares: step = FLOPs / achieved_flops + actions x action_s + step_s (actions = a forward and a
+   backward per microbatch);
+2. two-rank probes (dp=2, and pp=2 1F1B at two microbatch counts), with the model of stage 1:
+   step = slowdown x (compute + bubble + per-step work) + messages x p2p_s + bandwidth terms.
+   On a CPU the slowdown (>= 1) is what each rank loses when two share the cores (other users'
+   processes take some), saved as parallel_devices = 2 / slowdown: r ranks then compute
+   max(1, r / parallel_devices) times slower than one alone. GPU ranks each have a device: 1.
+   p2p_s is each pipeline message's fixed cost.
+A machine with one GPU runs only stage 1 (p2p_s keeps its default).
+The result is saved as JSON per device.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import itertools
 import json
 import os
-import time
+import statistics
 from pathlib import Path
 
 import torch
 
 from meshrun.config import Config
+from meshrun.errors import ConfigError
 from meshrun.metrics.devices import find_device
-from meshrun.planner.cost import Efficiency
-from meshrun.planner.search import stage_profiles, with_layout
+from meshrun.plan import validate_layout
+from meshrun.planner.cost import Efficiency, Hardware
+from meshrun.planner.probe import probe_seconds
+from meshrun.planner.search import predict, stage_profiles, with_layout
 
-PROBES = ((1, "none"), (2, "none"), (4, "none"), (1, "full"), (4, "full"))  # (micro_batch, recompute)
+# (micro_batch, recompute, share of the global batch): the half batch tells per-step from per-FLOP costs
+ONE_RANK_PROBES = ((1, "none", 1), (2, "none", 1), (4, "none", 1), (1, "full", 1), (4, "full", 1), (2, "none", 2))
+TWO_RANK_PROBES = ((2, 1, 2), (1, 2, 2), (1, 2, 8))  # (dp, pp, microbatches per rank), 1F1B, no recompute
 
 
 def device_name(device: torch.device) -> str:
@@ -41,80 +55,134 @@ def default_path(device: str) -> Path:
     return cache / "meshrun" / f"calibration-{'-'.join(device.lower().split())}.json"
 
 
-def time_steps(cfg: Config, *, steps: int, warmup: int = 1) -> float:
-    """Fastest of `steps` timed training steps (forward, backward, optimizer) of a one-process layout:
-    other processes on a shared machine only ever add time, so the minimum is the least noisy."""
-    from meshrun.distributed import init_mesh, shutdown
-    from meshrun.parallel import parallelize
-    from meshrun.training.loss import MicrobatchLoss
-    from meshrun.training.optim import build_optimizer
-
-    mesh = init_mesh(dp=1, pp=1)
-    try:
-        model = parallelize(cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=contextlib.nullcontext)
-        optimizers = [build_optimizer(part, cfg.train) for part in model.parts]
-        tokens = torch.randint(
-            0,
-            cfg.model.vocab_size,
-            (cfg.train.global_batch, cfg.model.seq_len + 1),
-            generator=torch.Generator().manual_seed(0),
-        ).to(mesh.device)
-        times = []
-        for step in range(warmup + steps):
-            start = time.perf_counter()
-            model.forward_backward(tokens[:, :-1], tokens[:, 1:])
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if mesh.device.type == "cuda":
-                torch.cuda.synchronize(mesh.device)
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
-        return min(times)
-    finally:
-        shutdown()
+def probe_layouts(cfg: Config, *, max_ranks: int) -> list[Config]:
+    """The probes `cfg`'s model and global batch allow (two-rank ones only where the machine has two devices)."""
+    batch, layouts = cfg.train.global_batch, []
+    for micro_batch, recompute, divisor in ONE_RANK_PROBES:
+        if batch % (micro_batch * divisor) == 0:
+            share = batch // divisor
+            layouts.append(
+                with_layout(
+                    cfg, dp=1, pp=1, schedule="1f1b", micro_batch=micro_batch, recompute=recompute, global_batch=share
+                )
+            )
+    for dp, pp, microbatches in TWO_RANK_PROBES if max_ranks >= 2 else ():
+        microbatches = min(microbatches, batch // dp)
+        if batch % (dp * microbatches):
+            continue
+        try:
+            layout = with_layout(
+                cfg, dp=dp, pp=pp, schedule="1f1b", micro_batch=batch // dp // microbatches, recompute="none"
+            )
+            validate_layout(layout)
+        except ConfigError:  # too few blocks for two stages
+            continue
+        if all(layout != known for known in layouts):
+            layouts.append(layout)
+    return layouts
 
 
-def fit(samples: list[tuple[float, int, float]]) -> Efficiency:
-    """Non-negative least squares of (step FLOPs, actions, seconds) samples -> seconds per FLOP,
-    per action and per step: every subset of the three terms is solved and the best fit whose
-    constants are all >= 0 wins (three unknowns: eight small solves)."""
-    a = torch.tensor([[flops, actions, 1.0] for flops, actions, _ in samples], dtype=torch.float64)
-    b = torch.tensor([[seconds] for *_, seconds in samples], dtype=torch.float64)
-    best, best_error = (0.0, 0.0, 0.0), float("inf")
-    for terms in itertools.product((0, 1), repeat=3):
+def _nonnegative_lstsq(a: torch.Tensor, b: torch.Tensor, *, required: int) -> list[float]:
+    """Least squares of relative errors (a 30 ms probe counts as much as a 300 ms one) with every
+    coefficient >= 0: every subset of columns that keeps column `required` is solved and the best
+    fit whose coefficients are all >= 0 wins (few columns)."""
+    a, b = a / b, torch.ones_like(b)
+    best, best_error = [0.0] * a.shape[1], float("inf")
+    for terms in itertools.product((0, 1), repeat=a.shape[1]):
         columns = [i for i, used in enumerate(terms) if used]
-        if 0 not in columns:  # compute must cost something
+        if required not in columns:
             continue
         solution = torch.linalg.lstsq(a[:, columns], b).solution.flatten().tolist()
         if min(solution) < 0:
             continue
-        full = [0.0, 0.0, 0.0]
+        full = [0.0] * a.shape[1]
         for column, value in zip(columns, solution):
             full[column] = value
         error = float(((a @ torch.tensor(full, dtype=torch.float64).unsqueeze(1) - b) ** 2).sum())
         if error < best_error:
-            best, best_error = tuple(full), error
-    per_flop, action_s, step_s = best
-    return Efficiency(achieved_flops=1.0 / max(per_flop, 1e-30), action_s=action_s, step_s=step_s)
+            best, best_error = full, error
+    return best
 
 
-def calibrate(cfg: Config, *, precision: str, steps: int = 3) -> tuple[Efficiency, list[dict]]:
-    """Time the probes on this machine's first device and fit; also returns the probes' rows."""
-    samples, rows = [], []
-    batch = cfg.train.global_batch
-    for micro_batch, recompute in PROBES:
-        if batch % micro_batch:
-            continue
-        probe = with_layout(cfg, dp=1, pp=1, schedule="1f1b", micro_batch=micro_batch, recompute=recompute)
-        flops = sum(s.flops_per_token for s in stage_profiles(probe, precision)) * probe.tokens_per_step
-        actions = 2 * probe.accumulation_steps
-        seconds = time_steps(probe, steps=steps)
-        samples.append((flops, actions, seconds))
-        rows.append(
-            {"micro_batch": micro_batch, "recompute": recompute, "flops": flops, "actions": actions, "seconds": seconds}
-        )
-    return fit(samples), rows
+def fit(samples: list[tuple[float, float, int, float]]) -> Efficiency:
+    """Stage 1: (step model FLOPs, recomputed FLOPs, actions, seconds) of one-rank probes -> seconds
+    per FLOP, per recomputed FLOP, per action and per step (compute must cost something; a
+    recomputed FLOP costs what another does when no probe recomputes)."""
+    a = torch.tensor([[flops, again, actions, 1.0] for flops, again, actions, _ in samples], dtype=torch.float64)
+    b = torch.tensor([[seconds] for *_, seconds in samples], dtype=torch.float64)
+    per_flop, per_recomputed, action_s, step_s = _nonnegative_lstsq(a, b, required=0)
+    per_flop = max(per_flop, 1e-30)
+    recompute_cost = per_recomputed / per_flop if a[:, 1].any() else 1.0
+    return Efficiency(achieved_flops=1.0 / per_flop, action_s=action_s, step_s=step_s, recompute_cost=recompute_cost)
+
+
+def fit_parallel(samples: list[tuple[float, int, float]], *, shared_machine: bool) -> tuple[float, float]:
+    """Stage 2: (one-rank seconds of a rank's work, pipeline messages, seconds less the bandwidth
+    terms) of two-rank probes -> (slowdown >= 1, p2p_s >= 0). The slowdown is fitted only where the
+    ranks share the machine's compute (a CPU's cores; a GPU rank has its device to itself: 1)."""
+    if shared_machine:
+        a = torch.tensor([[work, messages] for work, messages, _ in samples], dtype=torch.float64)
+        b = torch.tensor([[seconds] for *_, seconds in samples], dtype=torch.float64)
+        slowdown, p2p_s = _nonnegative_lstsq(a, b, required=0)
+        if slowdown > 1.0:
+            return slowdown, p2p_s
+    # not slower together (or a device each): the messages' cost is what the pipelines add to the work
+    extra = [(seconds - work) / messages for work, messages, seconds in samples if messages]
+    return 1.0, max(0.0, statistics.median(extra)) if extra else Efficiency.p2p_s
+
+
+def fit_constants(
+    layouts: list[Config], seconds: list[float], hw: Hardware, *, precision: str, shared_machine: bool
+) -> Efficiency:
+    """Both stages over the probes' median step times."""
+    one_rank = [(layout, s) for layout, s in zip(layouts, seconds) if layout.world_size == 1]
+    eff = fit([(*_flops(layout, precision), 2 * layout.accumulation_steps, s) for layout, s in one_rank])
+    two_rank = [(layout, s) for layout, s in zip(layouts, seconds) if layout.world_size == 2]
+    if not two_rank:
+        return eff
+    alone = dataclasses.replace(eff, p2p_s=0.0, parallel_devices=None)
+    samples = []
+    for layout, measured in two_rank:
+        t = predict(layout, hw, alone, precision=precision, margin=0.0).time
+        samples.append((t.compute + t.bubble + t.fixed, t.messages, measured - t.allreduce - t.p2p))
+    slowdown, p2p_s = fit_parallel(samples, shared_machine=shared_machine)
+    return dataclasses.replace(eff, p2p_s=p2p_s, parallel_devices=2.0 / slowdown if slowdown > 1.0 else None)
+
+
+def _flops(layout: Config, precision: str) -> tuple[float, float]:
+    """(model FLOPs, recomputed FLOPs) of one step."""
+    stages = stage_profiles(layout, precision)
+    tokens = layout.tokens_per_step
+    return sum(s.model_flops_per_token for s in stages) * tokens, sum(
+        s.recompute_flops_per_token for s in stages
+    ) * tokens
+
+
+def calibrate(
+    cfg: Config, hw: Hardware, *, precision: str, steps: int, rounds: int, max_ranks: int, shared_machine: bool
+) -> tuple[Efficiency, list[dict]]:
+    """Time the probes in alternating rounds on this machine and fit; also returns the probes' rows.
+    `shared_machine`: ranks share its compute (CPU cores) rather than each having a device."""
+    layouts = probe_layouts(cfg, max_ranks=max_ranks)
+    timings: list[list[float]] = [[] for _ in layouts]
+    for _ in range(rounds):
+        for times, seconds in zip(timings, probe_seconds(layouts, steps=steps)):
+            times.append(seconds)
+    seconds = [statistics.median(times) for times in timings]
+    rows = [
+        {
+            "dp": layout.parallel.dp,
+            "pp": layout.parallel.pp,
+            "micro_batch": layout.train.micro_batch,
+            "microbatches": layout.accumulation_steps,
+            "recompute": layout.recompute,
+            "flops": sum(_flops(layout, precision)),
+            "seconds": median,
+            "rounds": times,
+        }
+        for layout, median, times in zip(layouts, seconds, timings)
+    ]
+    return fit_constants(layouts, seconds, hw, precision=precision, shared_machine=shared_machine), rows
 
 
 def save(path: Path, device: str, precision: str, eff: Efficiency, rows: list[dict]) -> None:
@@ -125,6 +193,9 @@ def save(path: Path, device: str, precision: str, eff: Efficiency, rows: list[di
         "achieved_flops": eff.achieved_flops,
         "action_s": eff.action_s,
         "step_s": eff.step_s,
+        "recompute_cost": eff.recompute_cost,
+        "p2p_s": eff.p2p_s,
+        "parallel_devices": eff.parallel_devices,
         "probes": rows,
     }
     tmp = path.with_name(path.name + ".tmp")
@@ -136,5 +207,11 @@ def load(path: Path) -> tuple[str, Efficiency]:
     """(device, constants) saved by `save`."""
     record = json.loads(path.read_text())
     return record["device"], Efficiency(
-        achieved_flops=record["achieved_flops"], action_s=record["action_s"], step_s=record["step_s"]
+        achieved_flops=record["achieved_flops"],
+        action_s=record["action_s"],
+        step_s=record["step_s"],
+        # files saved before recompute and two-rank probes: the defaults
+        recompute_cost=record.get("recompute_cost", Efficiency.recompute_cost),
+        p2p_s=record.get("p2p_s", Efficiency.p2p_s),
+        parallel_devices=record.get("parallel_devices"),
     )

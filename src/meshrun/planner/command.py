@@ -12,7 +12,7 @@ import yaml
 
 from meshrun.config import Config, load_config
 from meshrun.errors import ConfigError
-from meshrun.metrics.devices import device_by_short_name, links_gbs
+from meshrun.metrics.devices import PCIE4_LINKS_GBS, device_by_short_name, links_gbs
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.search import Prediction, predict, rank_layouts
@@ -138,23 +138,51 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
     from meshrun.distributed import local_device
 
     device = calibration.device_name(local_device())
-    precision = ("fp32" if device == "cpu" else "bf16") if cfg.precision == "auto" else cfg.precision
     if device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    eff, rows = calibration.calibrate(cfg, precision=precision, steps=args.steps)
+    hw, precision = _probe_hardware(args, device, cfg.precision)
+    max_ranks = torch.cuda.device_count() if torch.cuda.is_available() else 2  # CPU ranks share its cores
+    eff, rows = calibration.calibrate(
+        cfg,
+        hw,
+        precision=precision,
+        steps=args.steps,
+        rounds=args.rounds,
+        max_ranks=max_ranks,
+        shared_machine=device == "cpu",
+    )
     path = _calibration_path(args, device)
     calibration.save(path, device, precision, eff, rows)
     assert eff.achieved_flops is not None  # calibrate measures it
     for row in rows:
         print(
-            f"micro_batch {row['micro_batch']} recompute {row['recompute']:<5} {row['flops'] / 1e9:8.3f} GFLOP "
-            f"{row['seconds'] * 1e3:9.2f} ms/step"
+            f"dp {row['dp']} pp {row['pp']} micro_batch {row['micro_batch']} x {row['microbatches']:<2} recompute "
+            f"{row['recompute']:<5} {row['flops'] / 1e9:8.3f} GFLOP {row['seconds'] * 1e3:9.2f} ms/step (median of "
+            + ", ".join(f"{t * 1e3:.1f}" for t in row["rounds"])
+            + ")"
         )
+    shared = (
+        f"2 ranks compute {eff.slowdown(2):.2f}x as long as 1" if eff.parallel_devices else "2 ranks no slower than 1"
+    )
     print(
-        f"{device}: {eff.achieved_flops / 1e9:.2f} GFLOP/s achieved, {eff.action_s * 1e3:.3f} ms per forward or backward (whole model), "
-        f"{eff.step_s * 1e3:.3f} ms per step; saved to {path}"
+        f"{device}: {eff.achieved_flops / 1e9:.2f} GFLOP/s achieved, {eff.action_s * 1e3:.3f} ms per forward or "
+        f"backward (whole model), recomputed FLOPs cost {eff.recompute_cost:.2f}x, "
+        f"{eff.step_s * 1e3:.3f} ms per step, {eff.p2p_s * 1e3:.3f} ms per pipeline message, "
+        f"{shared}; saved to {path}"
     )
     return 0
+
+
+def _probe_hardware(args: argparse.Namespace, device: str, requested: str) -> tuple[Hardware, str]:
+    """The calibrated device's links (bandwidth terms the fit subtracts) and precision; a GPU the
+    table does not know gets PCIe-class links and is planned later with --memory-gb."""
+    probe_args = argparse.Namespace(**{**vars(args), "gpu": device, "gpus": 2, "nodes": 1, "memory_gb": None})
+    try:
+        return hardware(probe_args, requested)
+    except ConfigError:
+        precision = "bf16" if requested == "auto" else requested
+        intra, inter = PCIE4_LINKS_GBS
+        return Hardware(device, float("inf"), None, args.intra_gbs or intra, args.inter_gbs or inter, 2), precision
 
 
 def compare_run(args: argparse.Namespace) -> int:

@@ -36,6 +36,12 @@ class StageProfile:
     flops_per_token: float  # training FLOPs (forward + backward, recompute's extra forward included)
     model_flops_per_token: float  # the same without recompute: the useful work MFU counts
     boundary_bytes: int  # the hidden state this stage sends to the next one, per microbatch
+    units: int = 1  # blocks + 1 for the embedding (first stage) + 1 for the head (last): what fixed costs scale with
+
+    @property
+    def recompute_flops_per_token(self) -> float:
+        """The extra forward that recompute runs."""
+        return self.flops_per_token - self.model_flops_per_token
 
     @property
     def state_bytes(self) -> int:
@@ -113,6 +119,7 @@ def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precis
                     flops_per_token=flops,
                     model_flops_per_token=useful,
                     boundary_bytes=0 if last else out.numel() * out.element_size(),
+                    units=len(part.blocks) + (index == 0) + last,
                 )
             )
             x = out.detach().requires_grad_(True)

@@ -40,11 +40,14 @@ class Prediction:
         }
 
 
-def with_layout(cfg: Config, *, dp: int, pp: int, schedule: str, micro_batch: int, recompute: str) -> Config:
+def with_layout(
+    cfg: Config, *, dp: int, pp: int, schedule: str, micro_batch: int, recompute: str, global_batch: int | None = None
+) -> Config:
     """`cfg` with another layout (explicit stage_layers are dropped: they belong to one pp)."""
     data = cfg.model_dump(mode="json")
     data["parallel"].update(dp=dp, pp=pp, schedule=schedule, virtual_stages=None, stage_layers=None)
     data["train"]["micro_batch"] = micro_batch
+    data["train"]["global_batch"] = global_batch or cfg.train.global_batch
     data["recompute"] = recompute
     data["launch"]["nproc_per_node"] = None
     return validate(data)
