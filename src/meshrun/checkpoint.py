@@ -104,7 +104,7 @@ class SafeReader(dcp.FileSystemReader):
 # -- state ---------------------------------------------------------------------------------------
 
 
-def model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+def model_state(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     """Model-wide names -> tensors for this rank's parts (wrappers stripped by DCP's helpers)."""
     state: dict[str, torch.Tensor] = {}
     for part in parts:
@@ -112,7 +112,7 @@ def model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     return state
 
 
-def optimizer_state(parts: list[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
+def optimizer_state(parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
     """Flattened per-parameter optimizer tensors (`state.<param>.<exp_avg|exp_avg_sq|step>`).
 
     Hyper-parameters (param_groups) are left out: they come from the config and the step.
@@ -126,14 +126,14 @@ def optimizer_state(parts: list[nn.Module], optimizers: Sequence[torch.optim.Opt
     return state
 
 
-def load_optimizer_state(parts: list[nn.Module], optimizers: Sequence[torch.optim.Optimizer], loaded: dict) -> None:
+def load_optimizer_state(parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], loaded: dict) -> None:
     for part, optimizer in zip(parts, optimizers):
         flat = get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS)
         flat.update({k: loaded[k] for k in flat if k in loaded})
         set_optimizer_state_dict(part, optimizer, flat, options=_OPTIM_OPTIONS)
 
 
-def load_model_state(parts: list[nn.Module], loaded: dict[str, torch.Tensor]) -> None:
+def load_model_state(parts: Sequence[nn.Module], loaded: dict[str, torch.Tensor]) -> None:
     for part in parts:
         own = get_model_state_dict(part)
         set_model_state_dict(part, {k: loaded[k] for k in own})

@@ -41,8 +41,7 @@ def test_microbatch_losses_add_up_to_the_global_token_mean(dp: int) -> None:
     targets = torch.randint(0, 11, (8, 6), generator=generator)
     for row, length in enumerate([6, 1, 0, 2, 6, 5, 1, 3]):  # padded rows of very different lengths
         targets[row, length:] = IGNORE
-    loss = MicrobatchLoss(num_microbatches=8 // (2 * dp), dp=dp)
-    loss.set_target_tokens(int((targets != IGNORE).sum()))
+    loss = MicrobatchLoss.for_batch(8 // (2 * dp), target_tokens=int((targets != IGNORE).sum()), dp=dp)
     per_rank = [
         sum(loss(lm, tm) for lm, tm in zip(rank_logits.split(2), t.split(2)))
         for rank_logits, t in zip(logits.chunk(dp), targets.chunk(dp))

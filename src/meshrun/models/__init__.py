@@ -15,8 +15,9 @@ A model is an `nn.Module` with:
 Optionally `keep_stage(first=, last=)` drops the parts another pipeline stage owns (default:
 embed unless first, norm and head unless last).
 
-Subclassing `meshrun.models.protocol.StagedModel` provides that forward. Built-in models are
-listed in `BUILTIN`; `model.hf` / `model.hf_config` build a Hugging Face model (models/hf.py);
+Subclassing `meshrun.models.protocol.StagedModel` provides that forward; `ModelProtocol` there
+is the protocol as a type, and `build_model` returns a `ProtocolModule` (nn.Module + protocol).
+Built-in models are listed in `BUILTIN`; `model.hf` / `model.hf_config` build a Hugging Face model (models/hf.py);
 `model.factory: "pkg.module:function"` builds your own: the function receives the `ModelConfig` and returns such a module. Build happens on the
 meta device, so constructors must not initialise values themselves.
 """
@@ -27,6 +28,7 @@ import importlib
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import cast
 
 from torch import nn
 
@@ -35,12 +37,15 @@ from meshrun.errors import ConfigError
 from meshrun.hf_config import is_hf
 from meshrun.models.encdec import EncDec
 from meshrun.models.gpt import GPT
+from meshrun.models.protocol import ProtocolModule
 
 BUILTIN: dict[str, Callable[[ModelConfig], nn.Module]] = {"gpt": GPT, "encdec": EncDec}
+# A user's factory may return anything: build_model checks it.
+Factory = Callable[[ModelConfig], object]
 PROTOCOL = ("embed", "blocks", "norm", "head", "init_weights", "flops_per_token")
 
 
-def resolve_factory(cfg: ModelConfig) -> Callable[[ModelConfig], nn.Module]:
+def resolve_factory(cfg: ModelConfig) -> Factory:
     """Find the constructor named by the config; errors name model.name / model.factory."""
     if is_hf(cfg):
         from meshrun.models.hf import HFCausalLM  # transformers: only when asked for
@@ -91,7 +96,7 @@ def _import_factory_module(factory: str, module_name: str) -> ModuleType:
         raise ConfigError(f"{where}: importing {module_name} raised {type(exc).__name__}: {exc}") from exc
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+def build_model(cfg: ModelConfig) -> ProtocolModule:
     """Construct the model (call under `torch.device("meta")`) and check it follows the protocol."""
     factory = resolve_factory(cfg)
     source = f"model.factory {cfg.factory}" if cfg.factory else f"model.name {cfg.name}"
@@ -107,7 +112,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     except Exception as exc:  # the user's constructor: report it as a config problem, in one line
         raise ConfigError(f"{source} failed: {type(exc).__name__}: {exc}") from exc
     missing = [name for name in PROTOCOL if not hasattr(model, name)]
-    if missing or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
-        what = ", ".join(missing) or "blocks as nn.ModuleDict"
-        raise ConfigError(f"model from {cfg.factory or cfg.name} does not follow the model protocol (missing {what})")
-    return model
+    if isinstance(model, nn.Module) and not missing and isinstance(model.blocks, nn.ModuleDict):
+        return cast(ProtocolModule, model)  # checked: an nn.Module with the protocol's parts
+    base = "blocks as nn.ModuleDict" if isinstance(model, nn.Module) else "nn.Module as base class"
+    what = ", ".join(missing) or base
+    raise ConfigError(f"model from {cfg.factory or cfg.name} does not follow the model protocol (missing {what})")

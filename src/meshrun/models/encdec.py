@@ -14,6 +14,7 @@ the decoder's hidden state. The last encoder block applies the encoder's final L
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -141,12 +142,15 @@ class DecoderBlock(nn.Module):
 class DecoderNorm(nn.LayerNorm):
     """The decoder's final LayerNorm: takes the whole state, returns the decoder hidden (B, T, C)."""
 
-    def forward(self, state: State) -> torch.Tensor:  # type: ignore[override]
+    # Takes the state tuple, not LayerNorm's tensor, by design: subclassing keeps LayerNorm's parameter names.
+    def forward(self, state: State) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
         return super().forward(state[1])
 
 
 class TiedHead(nn.Module):
     """Logits from the token embedding matrix; holds the embedding unregistered so the matrix keeps one name."""
+
+    embedding: nn.Embedding
 
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
@@ -191,17 +195,18 @@ class EncDec(StagedModel):
         if first:
             return
         self.embeds_input = False
-        if last and self.cfg.tie_embeddings:
+        if last and self.cfg.tie_embeddings and isinstance(self.embed, Embedding):
             self.embed.pos = None  # the head needs only the token matrix
         else:
             self.embed = None
 
     def forward(self, *inputs: torch.Tensor) -> State | torch.Tensor:
         """Token ids (B, S + T) -> logits (B, T, V); a stage after the first receives the state tuple."""
-        state = self.embed(inputs[0]) if self.embeds_input else inputs
+        # embeds_input: this stage owns the embedding; pruned norm and head go together
+        state = self.embed(inputs[0]) if self.embeds_input and self.embed is not None else cast(State, inputs)
         for block in self.blocks.values():
             state = block(state)
-        if self.norm is None:
+        if self.norm is None or self.head is None:
             return state
         return self.head(self.norm(state))
 

@@ -101,23 +101,22 @@ class HFCausalLM(StagedModel):
         if self.family == "llama":
             base, layers = hf.model, hf.model.layers
             self.embed: nn.Module | None = base.embed_tokens
+            embedding = base.embed_tokens  # the matrix a tied head reads
             self.norm: nn.Module | None = base.norm
             with torch.device("cpu"):  # real buffers even when built on meta; not registered: no state, no DDP sync
                 self._rotary = (type(base.rotary_emb)(config=self.hf_config),)
         else:
             base, layers = hf.transformer, hf.transformer.h
             self.embed = LearnedPositions(base.wte, base.wpe, base.drop)
+            embedding = base.wte
             self.norm = base.ln_f
         self.blocks = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
-        self.head: nn.Module | None = TiedHead(self.input_embedding()) if self.tied else hf.lm_head
+        self.head: nn.Module | None = TiedHead(embedding) if self.tied else hf.lm_head
 
     @property
     def tied_weight(self) -> str | None:
         """Name of the embedding matrix the head shares, when tied (the same name on every stage)."""
         return TIED_WEIGHT[self.family] if self.tied else None
-
-    def input_embedding(self) -> nn.Embedding:
-        return self.embed if self.family == "llama" else self.embed.wte
 
     def keep_stage(self, *, first: bool, last: bool) -> None:
         """Drop the parts another stage owns; a tied last stage keeps only the embedding matrix."""
@@ -126,8 +125,8 @@ class HFCausalLM(StagedModel):
         if first:
             return
         if last and self.tied:
-            if self.family == "gpt2":
-                self.embed.wpe = None
+            if isinstance(self.embed, LearnedPositions):  # gpt2: the head needs only the token matrix
+                self.embed.register_module("wpe", None)
         else:
             self.embed = None
 

@@ -16,6 +16,7 @@ from torch import nn
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.hf_config import hf_dir
+from meshrun.models.hf import HFCausalLM
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -38,7 +39,7 @@ def export_hf(model: nn.Module, out: Path) -> Path:
     """Write `model` (a whole HFCausalLM with trained weights) as a Hugging Face model folder."""
     from safetensors.torch import save_file
 
-    if not hasattr(model, "hf_names"):
+    if not isinstance(model, HFCausalLM):
         raise ConfigError("--hf exports Hugging Face models (model.hf / model.hf_config); use --out FILE for this one")
     if out.exists():
         raise ConfigError(f"{out} already exists; choose another --hf folder")

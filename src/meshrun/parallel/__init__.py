@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshrun.config import Config
 from meshrun.distributed import Mesh
 from meshrun.models import build_model
+from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.recompute import apply_recompute
@@ -41,34 +42,39 @@ class LocalModel:
 
     tied: TiedEmbeddings  # set by parallelize
 
-    def __init__(self, part: nn.Module, wrapped: nn.Module, *, loss: LossFn, amp: AmpContext) -> None:
+    def __init__(self, part: ProtocolModule, wrapped: nn.Module, *, loss: LossFn, amp: AmpContext) -> None:
         self.parts, self.wrapped, self.loss, self.amp = [part], wrapped, loss, amp
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Accumulate gradients of the whole local batch; returns its (unscaled) loss."""
-        n, losses = self.loss.num_microbatches, []
-        ddp = isinstance(self.wrapped, DistributedDataParallel)
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, loss: LossFn | None = None) -> torch.Tensor:
+        """Accumulate gradients of the whole local batch; returns its (unscaled) loss.
+
+        `loss`: this step's (its token divisor and fp16 scale); None: the one given at construction.
+        """
+        loss_fn = self.loss if loss is None else loss
+        n, losses = loss_fn.num_microbatches, []
+        ddp = self.wrapped if isinstance(self.wrapped, DistributedDataParallel) else None
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
             set_gradient_sync(self.wrapped, i == n - 1)  # fsdp: reduce-scatter once, after the last
-            with self.wrapped.no_sync() if ddp and i < n - 1 else contextlib.nullcontext():
+            with ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext():
                 with self.amp():
                     logits = self.wrapped(xm)
-                loss = self.loss(logits, ym)
-                loss.backward()
-            losses.append(loss)
-        return self.loss.unscaled(losses)
+                microbatch_loss = loss_fn(logits, ym)
+                microbatch_loss.backward()
+            losses.append(microbatch_loss)
+        return loss_fn.unscaled(losses)
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        n = self.loss.num_microbatches
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, *, loss: LossFn | None = None) -> torch.Tensor:
+        loss_fn = self.loss if loss is None else loss
+        n = loss_fn.num_microbatches
         with self.amp():
-            return self.loss.unscaled([self.loss(self.wrapped(xm), ym) for xm, ym in zip(x.chunk(n), y.chunk(n))])
+            return loss_fn.unscaled([loss_fn(self.wrapped(xm), ym) for xm, ym in zip(x.chunk(n), y.chunk(n))])
 
     def train(self, mode: bool = True) -> None:
         self.wrapped.train(mode)
 
 
-def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: bool) -> nn.Module:
+def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
     """Steps 1-2 for one stage (layers=None: the whole model), on the meta device (the planner sizes these)."""
     with torch.device("meta"):
         part = build_model(cfg.model)
@@ -76,8 +82,9 @@ def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: boo
         keep = {str(i) for i in layers}
         for key in [k for k in part.blocks if k not in keep]:
             del part.blocks[key]
-        if hasattr(part, "keep_stage"):  # e.g. a tied last stage keeps the embedding matrix for its head
-            part.keep_stage(first=first, last=last)
+        keep_stage = getattr(part, "keep_stage", None)  # optional in the protocol
+        if keep_stage is not None:  # e.g. a tied last stage keeps the embedding matrix for its head
+            keep_stage(first=first, last=last)
         else:
             part.embed = part.embed if first else None
             part.norm, part.head = (part.norm, part.head) if last else (None, None)
@@ -86,7 +93,7 @@ def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: boo
 
 def materialise_part(
     cfg: Config, device: torch.device, *, layers: list[int] | None, first: bool, last: bool
-) -> nn.Module:
+) -> ProtocolModule:
     """Steps 1-4 for one stage (layers=None: the whole model)."""
     part = build_stage(cfg, layers=layers, first=first, last=last)
     part.to_empty(device=device)
@@ -95,7 +102,7 @@ def materialise_part(
     return part
 
 
-def wrap_data_parallel(part: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
+def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Module:
     if mesh.dp == 1:
         return part
     if mesh.data_mesh is not None:

@@ -15,12 +15,14 @@ from torch import nn
 from meshrun.config import Config
 from meshrun.errors import ConfigError
 from meshrun.hf_config import num_layers, vocab_size
+from meshrun.models.protocol import ProtocolModule
 from meshrun.plan import check_split, sizes_to_split
 
 
-def _as_sequence(model: nn.Module) -> nn.Sequential:
+def _as_sequence(model: ProtocolModule) -> nn.Sequential:
     standalone = getattr(model, "standalone_blocks", None)  # blocks that need more than hidden states
     blocks = standalone() if standalone else list(model.blocks.values())
+    assert model.embed is not None and model.norm is not None and model.head is not None  # a whole model
     return nn.Sequential(model.embed, *blocks, nn.Sequential(model.norm, model.head))
 
 

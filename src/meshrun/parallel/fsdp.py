@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrun.config import Config, ParallelConfig
 from meshrun.distributed import Mesh
+from meshrun.models.protocol import ProtocolModule
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32 (the step counters are negligible)
@@ -49,7 +50,7 @@ def mixed_precision(par: ParallelConfig) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[par.fsdp_reduce_dtype])
 
 
-def wrap_fsdp(part: nn.Module, mesh: Mesh, par: ParallelConfig) -> nn.Module:
+def wrap_fsdp(part: ProtocolModule, mesh: Mesh, par: ParallelConfig) -> nn.Module:
     """fully_shard every block (one all-gather per block: overlaps with the previous block's
     compute, and bounds what is gathered at once), then the stage root for the rest."""
     options = {

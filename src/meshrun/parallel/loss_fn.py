@@ -11,8 +11,10 @@ import torch
 
 
 class LossFn(Protocol):
-    num_microbatches: int
-    """The loss of one microbatch is divided by this (schedules run with scale_grads=False)."""
+    @property
+    def num_microbatches(self) -> int:
+        """The loss of one microbatch is divided by this (schedules run with scale_grads=False)."""
+        ...
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 

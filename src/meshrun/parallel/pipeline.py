@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshrun.config import Config
 from meshrun.distributed import Mesh
 from meshrun.errors import ConfigError
+from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.timeline import STEP_MARK, action_mark
 from meshrun.plan import TORCH_SCHEDULE_NAMES, stage_ids, stages_per_rank, static_split
@@ -54,6 +55,11 @@ def make_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn: Call
         raise ConfigError(
             f"parallel.schedule {name} with {n_microbatches} microbatches: torch refuses it: {exc}"
         ) from None
+
+
+def loss_of_step(output: torch.Tensor, target: torch.Tensor, *, loss: LossFn) -> torch.Tensor:
+    """The schedules' loss_fn: each step hands in its own loss through `schedule.step(loss_kwargs=)`."""
+    return loss(output, target)
 
 
 class MarkedStage(PipelineStage):
@@ -110,7 +116,7 @@ class PipelineModel:
         cfg: Config,
         mesh: Mesh,
         plan: StagePlan,
-        parts: list[nn.Module],
+        parts: list[ProtocolModule],
         wrapped: list[nn.Module],
         *,
         loss: LossFn,
@@ -136,7 +142,7 @@ class PipelineModel:
                 for module, index in zip(self.wrapped, self.plan.local_stages)
             ]
             self.schedules[shapes] = make_schedule(
-                self.schedule_name, stages, n_microbatches=self.loss.num_microbatches, loss_fn=self.loss
+                self.schedule_name, stages, n_microbatches=self.loss.num_microbatches, loss_fn=loss_of_step
             )
         return self.schedules[shapes]
 
@@ -145,16 +151,18 @@ class PipelineModel:
         schedule = self._schedule_for(tuple(x.shape), tuple(y.shape))
         return schedule, ((x,) if self.has_first else ()), (y if self.has_last else None)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, loss: LossFn | None = None) -> torch.Tensor:
         """Run the schedule; returns the local batch's (unscaled) loss on the last stage, else 0.
 
+        `loss`: this step's (its token divisor and fp16 scale); None: the one given at construction.
         The step and each stage action are marked for the profiler (see timeline.py).
         """
         schedule, args, target = self._inputs(x, y)
+        loss_fn = self.loss if loss is None else loss
         losses: list[torch.Tensor] = []
         with record_function(STEP_MARK), self._ddp_no_sync(), self.amp():
-            schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        return self._total(losses)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs={"loss": loss_fn})
+        return self._total(losses, loss_fn)
 
     def _ddp_no_sync(self) -> contextlib.ExitStack:
         """Keep DDP from arming its reducer on any forward the stage runs directly.
@@ -171,15 +179,16 @@ class PipelineModel:
         return stack
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, *, loss: LossFn | None = None) -> torch.Tensor:
         schedule, args, target = self._inputs(x, y)
+        loss_fn = self.loss if loss is None else loss
         losses: list[torch.Tensor] = []
         with self.amp():
-            schedule.eval(*args, target=target, losses=losses)
-        return self._total(losses)
+            schedule.eval(*args, target=target, losses=losses, loss_kwargs={"loss": loss_fn})
+        return self._total(losses, loss_fn)
 
-    def _total(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        return self.loss.unscaled(losses) if self.has_last else torch.zeros((), device=self.device)
+    def _total(self, losses: list[torch.Tensor], loss: LossFn) -> torch.Tensor:
+        return loss.unscaled(losses) if self.has_last else torch.zeros((), device=self.device)
 
     def train(self, mode: bool = True) -> None:
         for module in self.wrapped:

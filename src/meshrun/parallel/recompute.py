@@ -8,6 +8,7 @@ state-dict hooks keep parameter names unchanged (checkpoints do not see the wrap
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ def wants_recompute(policy: str, layer: int) -> bool:
 
 def apply_recompute(blocks: nn.ModuleDict, policy: str) -> None:
     """Wrap the blocks the policy selects with non-reentrant torch.utils.checkpoint."""
-    extra = (
+    extra: dict[str, Any] = (
         {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls)} if policy == "selective" else {}
     )
     for key in list(blocks.keys()):

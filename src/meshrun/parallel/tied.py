@@ -11,6 +11,8 @@ copies are saved under one name (DCP writes a name once).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,7 +25,7 @@ from meshrun.parallel.fsdp import local
 class TiedEmbeddings:
     def __init__(
         self,
-        parts: list[nn.Module],
+        parts: Sequence[nn.Module],
         stage_ids: list[int],
         *,
         num_stages: int,
@@ -48,15 +50,18 @@ class TiedEmbeddings:
             return  # one rank runs both stages: summed locally
         for dp_rank in range(mesh.dp):
             group = dist.new_group([dp_rank, last_pp_rank * mesh.dp + dp_rank])
-            if dp_rank == mesh.dp_rank and self.copies:
-                self.group = group
+            if dp_rank == mesh.dp_rank and self.copies and isinstance(group, dist.ProcessGroup):
+                self.group = group  # a member's group (new_group returns a marker to the others)
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Sum the embedding and head gradients into both copies (call after backward, before unscale/clip)."""
         if not self.copies:
             return
-        grads = [local(p.grad) for p in self.copies]  # fsdp: both copies are sharded alike over dp
+        # fsdp: both copies are sharded alike over dp
+        grads = [local(p.grad) for p in self.copies if p.grad is not None]
+        if len(grads) < len(self.copies):
+            raise RunError("a copy of the tied embedding got no gradient in the backward; this is a bug")
         total = grads[0] if len(grads) == 1 else grads[0] + grads[1]
         if self.group is not None:
             dist.all_reduce(total, group=self.group)

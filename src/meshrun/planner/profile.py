@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from meshrun.config import Config
+from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel import build_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
 from meshrun.planner.saved_bytes import SavedBytes
@@ -70,12 +71,12 @@ def _amp(precision: str) -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def stage_flops_per_token(cfg: Config, part: nn.Module, whole: nn.Module) -> tuple[float, float]:
+def stage_flops_per_token(cfg: Config, part: ProtocolModule, whole: ProtocolModule) -> tuple[float, float]:
     """The whole model's `flops_per_token()` shared out: 6 FLOPs per matmul parameter to the stage
     that holds it (embeddings are lookups: none), the rest (attention) evenly over blocks;
     recomputed blocks add their forward again (a third of their training FLOPs)."""
 
-    def matmul_params(module: nn.Module) -> int:
+    def matmul_params(module: ProtocolModule) -> int:
         embed = {id(p) for p in module.embed.parameters()} if module.embed is not None else set()
         return sum(p.numel() for p in module.parameters() if id(p) not in embed)
 

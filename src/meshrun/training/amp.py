@@ -19,7 +19,7 @@ def autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextMan
     return torch.autocast(device.type, dtype=DTYPES[cfg.precision])
 
 
-def make_scaler(cfg: Config, device: torch.device, group: dist.ProcessGroup) -> ShardedGradScaler | None:
+def make_scaler(cfg: Config, device: torch.device, group: dist.ProcessGroup | None) -> ShardedGradScaler | None:
     """fp16 only. The scaler all-reduces found_inf over `group` (the pipeline stages), so when
     one stage overflows every stage skips the same step and backs off the same scale."""
     if cfg.precision != "fp16":

@@ -8,6 +8,7 @@ pure function of the step: nothing to save, nothing to drift on resume.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 class Optimizers:
     """The optimizers of this rank's parts, stepped together (through the fp16 scaler if any)."""
 
-    def __init__(self, parts: list[nn.Module], cfg: TrainConfig) -> None:
+    def __init__(self, parts: Sequence[nn.Module], cfg: TrainConfig) -> None:
         self.parts, self.cfg = parts, cfg
         self.optimizers = [build_optimizer(part, cfg) for part in parts]
 

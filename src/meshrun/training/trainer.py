@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.amp import GradScaler
 
 from meshrun import checkpoint
 from meshrun.config import Config
@@ -66,7 +67,7 @@ class Window:
     """Sums over the steps since the last log line (kept on device: no per-step sync)."""
 
     steps: int = 0
-    loss: torch.Tensor | float = 0.0
+    loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     start: float = 0.0
 
 
@@ -74,8 +75,10 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
         torch.manual_seed(cfg.train.seed + mesh.rank)  # dropout streams; weights and data have their own seeds
-        self.loss = MicrobatchLoss(cfg.accumulation_steps, dp=mesh.dp)
-        self.model = parallelize(cfg, mesh, loss=self.loss, amp=partial(autocast, cfg, mesh.device))
+        # Steps and evaluations pass their own loss (batch_loss); this one only sets the microbatch count.
+        self.model = parallelize(
+            cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=partial(autocast, cfg, mesh.device)
+        )
         self.params = [p for part in self.model.parts for p in part.parameters()]
         self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
         self.optimizers = Optimizers(self.model.parts, cfg.train)
@@ -150,12 +153,22 @@ class Trainer:
     def local_batch(
         self, data: TokenDataset | MixtureDataset | PairsDataset, position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This dp rank's share of the global batch starting at global sample `position`; the loss
-        is told the whole global batch's target-token count (read from the data, no collective)."""
-        self.loss.set_target_tokens(data.target_tokens(position, self.cfg.train.global_batch))
+        """This dp rank's share of the global batch starting at global sample `position`."""
         per_rank = self.cfg.train.global_batch // self.mesh.dp
         x, y = data.batch(position + self.mesh.dp_rank * per_rank, per_rank)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def batch_loss(
+        self, data: TokenDataset | MixtureDataset | PairsDataset, position: int, *, scaler: GradScaler | None
+    ) -> MicrobatchLoss:
+        """The loss of the global batch at `position`: divided by that whole batch's non-pad target
+        tokens (read from the data, no collective) and, fp16, multiplied by the scaler's current scale."""
+        return MicrobatchLoss.for_batch(
+            self.cfg.accumulation_steps,
+            target_tokens=data.target_tokens(position, self.cfg.train.global_batch),
+            dp=self.mesh.dp,
+            grad_scale=None if scaler is None else scaler.scale(torch.ones((), device=self.device)),
+        )
 
     def train(self) -> Outcome:
         """Run to train.steps (COMPLETED), or until a stop request (STOPPED, a checkpoint written)."""
@@ -255,17 +268,25 @@ class Trainer:
         self.report.note(f"saved checkpoint {path}")
 
     def train_step(self, step: int) -> torch.Tensor:
-        """One optimizer step; returns this rank's loss (0 off the last stage), unsynchronised."""
+        """One optimizer step, in order; returns this rank's loss (0 off the last stage), unsynchronised.
+
+        Nothing here reads a tensor on the host (tests/training/test_host_sync.py), fp16's scaler aside.
+        """
+        # What the step needs, fixed before it runs: the batch, the learning rate, and the loss
+        # (this global batch's token count; fp16: the scale every stage multiplies by).
         x, y = self.local_batch(self.train_data, self.samples_seen)
+        loss_fn = self.batch_loss(self.train_data, self.samples_seen, scaler=self.scaler)
         self.samples_seen += self.cfg.train.global_batch
         self.lr = self.optimizers.set_lr(step)
+        # Forward and backward over every microbatch; DDP all-reduces only on the last one.
         self.model.train()
-        self.loss.scaler = self.scaler
-        loss = self.model.forward_backward(x, y)
+        loss = self.model.forward_backward(x, y, loss=loss_fn)
         self.model.tied.sync_gradients()  # both copies of a tied embedding get the summed gradient
+        # fp16: back to real units; found_inf is all-reduced over the pipeline stages.
         if self.scaler is not None:
-            self.optimizers.unscale_(self.scaler)  # all-reduces found_inf over the pipeline stages
-        self.grad_norm = self.clip_gradients()
+            self.optimizers.unscale_(self.scaler)
+        self.grad_norm = self.clip_gradients()  # the global norm, over every stage
+        # Apply the step unless it is non-finite, decided on the device.
         if self.scaler is not None:
             # The norm spans every stage's unscaled gradients: non-finite exactly when the scaler's
             # found_inf (all-reduced over the stages by unscale_) is set; update() then backs off.
@@ -277,7 +298,7 @@ class Trainer:
             self.optimizers.step_unless(self.nonfinite.skip(self.grad_norm, step))
         if step == self.start_step:
             self.state_bytes = state_bytes(self.params, self.optimizers.optimizers)
-        self.optimizers.zero_grad()
+        self.optimizers.zero_grad()  # now, not at the next step: evaluation and checkpoints hold no gradients
         return loss
 
     def clip_gradients(self) -> torch.Tensor:
@@ -298,9 +319,10 @@ class Trainer:
     def evaluate(self) -> float:
         self.model.train(False)
         total = torch.zeros((), device=self.device)
-        self.loss.scaler = None
         for batch in range(self.cfg.train.eval_batches):
-            total += self.model.evaluate(*self.local_batch(self.val_data, batch * self.cfg.train.global_batch))
+            position = batch * self.cfg.train.global_batch
+            loss_fn = self.batch_loss(self.val_data, position, scaler=None)
+            total += self.model.evaluate(*self.local_batch(self.val_data, position), loss=loss_fn)
         return self._mean_over_replicas(total / self.cfg.train.eval_batches)[0]
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> tuple[float, list[float]]:
