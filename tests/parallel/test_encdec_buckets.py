@@ -90,6 +90,16 @@ def test_one_process_on_buckets_equals_torch_transformer(reference: Path, pairs_
     assert first["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
+def test_throughput_counts_each_bucket_at_its_length(reference: Path, pairs_dir: Path) -> None:
+    """tokens/s (and so TFLOP/s and MFU) count the positions each step trained on: a 10-wide batch
+    is a quarter of a 40-wide one, not a full global_batch x seq_len."""
+    widths = [x.shape[1] for x, _ in global_batches(pairs_dir)]
+    rows = [row for row in read_metrics(reference) if "tokens_per_s" in row]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # one row per step
+    for row, width in zip(rows, widths):
+        assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(8 * width, rel=1e-6)
+
+
 def val_losses(run: Path) -> list[float]:
     return [row["val_loss"] for row in read_metrics(run) if "val_loss" in row]
 

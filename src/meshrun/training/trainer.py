@@ -67,6 +67,7 @@ class Window:
     """Sums over the steps since the last log line (kept on device: no per-step sync)."""
 
     steps: int = 0
+    tokens: int = 0  # positions trained on: global batch x its (bucket's) length, summed
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     start: float = 0.0
 
@@ -94,6 +95,7 @@ class Trainer:
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
         self.run_dir = Path(cfg.run_dir)
         self.skipped_steps = 0
+        self.step_tokens = cfg.tokens_per_step  # the last step's; shorter on a length bucket
         self.state_bytes = 0  # params + grads + optimizer state on this rank, measured after the first step
         self.nonfinite = NonFiniteSteps(self.device)
         self.samples_seen = 0  # data position in global samples: survives a change of dp
@@ -186,6 +188,7 @@ class Trainer:
             with self.profiler.step(done, measure=self.mesh.pp > 1 and log_due):  # the timeline of a logged step
                 window.loss = window.loss + self.train_step(step)
             window.steps += 1
+            window.tokens += self.step_tokens
             self.report.tick(done)
             requested, stop = self.requests.poll()  # asked for before this step: every rank acts now
             eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
@@ -194,7 +197,7 @@ class Trainer:
                 self.nonfinite.raise_if_any()  # before anything reads or saves these weights
             if log_due:
                 row = self._log_window(window, done)
-                timed.append((window.steps * self.cfg.tokens_per_step, row["step_time_s"] * window.steps))
+                timed.append((window.tokens, row["step_time_s"] * window.steps))
                 window = Window(start=time.perf_counter())
             if eval_due:
                 row["val_loss"] = self.evaluate()
@@ -276,6 +279,7 @@ class Trainer:
         # (this global batch's token count; fp16: the scale every stage multiplies by).
         x, y = self.local_batch(self.train_data, self.samples_seen)
         loss_fn = self.batch_loss(self.train_data, self.samples_seen, scaler=self.scaler)
+        self.step_tokens = self.cfg.train.global_batch * x.shape[-1]  # a length bucket may be shorter
         self.samples_seen += self.cfg.train.global_batch
         self.lr = self.optimizers.set_lr(step)
         # Forward and backward over every microbatch; DDP all-reduces only on the last one.
@@ -345,7 +349,7 @@ class Trainer:
             "lr": self.lr,
             "grad_norm": self.grad_norm.item(),
             **throughput(
-                tokens=window.steps * self.cfg.tokens_per_step,
+                tokens=window.tokens,
                 seconds=seconds,
                 flops_per_token=self.flops_per_token,
                 world_size=self.cfg.world_size,
