@@ -681,6 +681,16 @@ CASES = [
         torch_free=True,
     ),
     Case(
+        "data-tokenizer-missing-path",
+        lambda c: [
+            "train",
+            *c.set(data__dir=c.tmp / "fresh", data__tokenizer=c.tmp / "no-tokenizer.json"),
+            *("--set", f"data.sources=[{c.write('a.txt', 'text')}]"),
+        ],
+        ("data.tokenizer", "no-tokenizer.json does not exist", "bpe:VOCAB"),
+        torch_free=True,
+    ),
+    Case(
         "data-sources-without-dir",
         lambda c: ["train", *c.set(), "--set", "data.dir=null", "--set", "data.sources=[a.txt]"],
         ("data.sources needs data.dir",),

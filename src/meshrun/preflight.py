@@ -189,6 +189,12 @@ def check_data_source(cfg: Config) -> None:
         raise ConfigError(
             f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data --out {path}` or set data.sources"
         )
+    tokenizer = cfg.data.tokenizer or "byte"
+    named_file = tokenizer != "byte" and not tokenizer.startswith("bpe:")
+    if named_file and not is_prepared(path) and not Path(tokenizer).exists():
+        raise ConfigError(
+            f"data.tokenizer {tokenizer} does not exist; give a tokenizer.json or a model folder, byte, or bpe:VOCAB"
+        )
 
 
 def reads_in_place(cfg: Config) -> bool:
