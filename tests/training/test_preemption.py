@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import descendants, final_weights, finish_meshrun, kill_tree, losses, run_meshrun, start_meshrun, tiny
 
-# Long enough (150 steps) that a signal sent after the first checkpoint always lands mid-run.
-STEPS = {"train.steps": 150, "checkpoint.interval": 10, "parallel.pp": 2, "train.log_interval": 1}
+# Long enough that a signal sent after the first checkpoint (step 10) always lands mid-run: 50
+# more steps at ~0.4 s each on 2 busy cores, against the milliseconds the test takes to send it.
+STEPS = {"train.steps": 60, "checkpoint.interval": 10, "parallel.pp": 2, "train.log_interval": 1}
 
 
 def workers(root_pid: int) -> dict[int, int]:
@@ -63,6 +64,7 @@ def assert_same_run(run: Path, reference: Path) -> None:
     assert losses(run) == losses(reference)
 
 
+@pytest.mark.timeout(600)  # the first row also trains the uninterrupted fixture: 3 runs on loaded cores
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_signal_to_one_rank_checkpoints_all_and_resume_completes(
     sig, uninterrupted, data_dir: Path, tmp_path: Path
@@ -75,7 +77,7 @@ def test_signal_to_one_rank_checkpoints_all_and_resume_completes(
     assert code == 75, err[-3000:]
     assert "stop requested: checkpoint at step" in err
     stopped_at = int((run / "checkpoints" / "latest").read_text().split("-")[1])
-    assert stopped_at < 150 and not (run / "summary.json").exists()
+    assert stopped_at < STEPS["train.steps"] and not (run / "summary.json").exists()
     resumed = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)
     assert f"at step {stopped_at}" in resumed.stderr
     assert_same_run(run, uninterrupted)
