@@ -132,6 +132,24 @@ def test_zero_bubble_on_buckets_matches_one_process(reference: Path, pairs_dir: 
 
 
 @pytest.mark.parametrize(
+    "layout",
+    [
+        {"parallel.dp": 2, "parallel.dp_mode": "fsdp", "parallel.pp": 2, "parallel.schedule": "looped-bfs"},
+        {"parallel.pp": 2, "parallel.schedule": "zbv"},
+    ],
+    ids=["fsdp-dp2xpp2-looped-bfs", "zbv-pp2"],
+)
+def test_fsdp_and_torchs_other_schedules_on_buckets_match_one_process(
+    layout: dict, reference: Path, pairs_dir: Path, tmp_path: Path
+) -> None:
+    """FSDP2 sharding each stage over dp, and the schedules taken from torch beyond the four
+    (looped BFS, the V-shaped zero-bubble), on the same changing batch shapes."""
+    run = train(pairs_dir, tmp_path / "run", **layout)
+    assert_same_training(run, reference)
+    assert val_losses(run) == pytest.approx(val_losses(reference), abs=1e-5)
+
+
+@pytest.mark.parametrize(
     "precision,layout",
     [("fp16", DP2_PP2), ("bf16", {"parallel.pp": 2, "parallel.schedule": "gpipe"})],
     ids=["fp16-dp2xpp2", "bf16-pp2"],

@@ -42,7 +42,7 @@ def schedule_class(name: str) -> type:
 
 def make_schedule(name: str, stages: list, *, n_microbatches: int, loss_fn: Callable):
     """torch's schedule over this rank's stages; its constructor's microbatch and stage rules are
-    the authority (the torch-free precheck answers the same rules earlier), refused as one line."""
+    the authority (the torch-free preflight answers the same rules earlier), refused as one line."""
     cls = schedule_class(name)
     try:
         return cls(
