@@ -22,7 +22,7 @@ from meshrun.distributed import (
     resolve_precision,
     shutdown,
 )
-from meshrun.errors import RunError
+from meshrun.errors import ConfigError, RunError
 from meshrun.launcher.torchrun import WORKER_ENV, in_launched_worker, torchrun_argv
 from meshrun.metrics.console import say
 from meshrun.outcome import Outcome, clear_record, launcher_exit_code, read_record, write_record
@@ -166,6 +166,8 @@ def run_worker(cfg: Config) -> Outcome:
         cfg = with_resolved_precision(cfg, mesh)
         trainer = Trainer(cfg, mesh, data_dir(cfg))
         outcome = trainer.train()
+    except ConfigError:
+        raise  # refused before training (e.g. no checkpoint loads): the run directory stays as it was
     except Exception:
         with contextlib.suppress(OSError):  # the error itself matters more than its record
             write_record(run_dir, Outcome.FAILED)  # any rank that fails says so
