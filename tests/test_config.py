@@ -681,6 +681,12 @@ CASES = [
         torch_free=True,
     ),
     Case(
+        "zbv-with-evaluation",
+        lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=2, parallel__schedule="zbv", train__eval_interval=2)],
+        ("schedule zbv cannot evaluate", "train.eval_interval=0"),
+        torch_free=True,
+    ),
+    Case(
         "data-tokenizer-missing-path",
         lambda c: [
             "train",

@@ -135,3 +135,8 @@ def validate_layout(cfg: Config) -> None:
             f"schedule {par.schedule} with parallel.dp > 1 is refused under ddp: its split weight-gradient backward bypasses "
             "DDP's all-reduce hooks (pytorch #144530); use interleaved-1f1b, parallel.dp_mode=fsdp, or set parallel.dp=1"
         )
+    if par.schedule == "zbv" and cfg.train.eval_interval:
+        raise ConfigError(
+            "schedule zbv cannot evaluate: torch 2.13's zbv eval() fails on the stage without backward "
+            "(\"can't steal_bwd_input\"); set train.eval_interval=0, or use zero-bubble or interleaved-1f1b"
+        )
