@@ -144,6 +144,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def lopsided_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """200 lopsided source/target pairs, prepared once per session for every encdec test file."""
+    from encdec_reference import prepare_lopsided  # it imports this module's helpers
+
+    return prepare_lopsided(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A byte-level dataset prepared once per session from generated text: fixed bytes, so
     numerics tests do not change when the project's sources (or Python's) do."""

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from encdec_reference import prepare_lopsided
 
 from meshrun.config import DataConfig
 from meshrun.data.dataset import check_data
@@ -20,18 +19,13 @@ GLOBAL_BATCH = 8
 LAYOUT = {"seq_len": 80, "seed": 3, "source_len": 40, "global_batch": GLOBAL_BATCH}
 
 
-@pytest.fixture(scope="module")
-def pairs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare_lopsided(tmp_path_factory)
-
-
-def dataset(pairs_dir: Path, **overrides: object) -> PairsDataset:
+def dataset(lopsided_dir: Path, **overrides: object) -> PairsDataset:
     settings = {**LAYOUT, "buckets": [20, 40], **overrides}
-    return PairsDataset(pairs_dir, "train", read_meta(pairs_dir), **settings)  # type: ignore[arg-type]
+    return PairsDataset(lopsided_dir, "train", read_meta(lopsided_dir), **settings)  # type: ignore[arg-type]
 
 
-def test_each_global_batch_is_one_bucket_padded_to_its_length(pairs_dir: Path) -> None:
-    data = dataset(pairs_dir)
+def test_each_global_batch_is_one_bucket_padded_to_its_length(lopsided_dir: Path) -> None:
+    data = dataset(lopsided_dir)
     widths = []
     for step in range(30):
         x, y = data.batch(step * GLOBAL_BATCH, GLOBAL_BATCH)
@@ -47,10 +41,10 @@ def test_each_global_batch_is_one_bucket_padded_to_its_length(pairs_dir: Path) -
     assert set(widths) == {20, 40, 80}, widths  # the buckets all occur, and batches change length
 
 
-def test_dp_slices_and_a_reopened_dataset_give_the_same_batches(pairs_dir: Path) -> None:
+def test_dp_slices_and_a_reopened_dataset_give_the_same_batches(lopsided_dir: Path) -> None:
     """Ranks read slices of the global batch at global sample offsets; a resumed run opens the
     data afresh at its checkpointed sample count: both see exactly the one-process batches."""
-    data = dataset(pairs_dir)
+    data = dataset(lopsided_dir)
     for dp in (2, 4):
         for step in (0, 5):
             whole = data.batch(step * GLOBAL_BATCH, GLOBAL_BATCH)
@@ -58,7 +52,7 @@ def test_dp_slices_and_a_reopened_dataset_give_the_same_batches(pairs_dir: Path)
             slices = [data.batch(step * GLOBAL_BATCH + r * per_rank, per_rank) for r in range(dp)]
             for part in (0, 1):
                 assert torch.equal(torch.cat([s[part] for s in slices]), whole[part])
-    resumed = dataset(pairs_dir)
+    resumed = dataset(lopsided_dir)
     for step in range(6, 12):
         a, b = data.batch(step * GLOBAL_BATCH, GLOBAL_BATCH), resumed.batch(step * GLOBAL_BATCH, GLOBAL_BATCH)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -66,8 +60,8 @@ def test_dp_slices_and_a_reopened_dataset_give_the_same_batches(pairs_dir: Path)
         data.batch(GLOBAL_BATCH - 2, 4)
 
 
-def test_buckets_save_padding_and_no_buckets_is_unchanged(pairs_dir: Path) -> None:
-    bucketed, plain = dataset(pairs_dir), dataset(pairs_dir, buckets=[])
+def test_buckets_save_padding_and_no_buckets_is_unchanged(lopsided_dir: Path) -> None:
+    bucketed, plain = dataset(lopsided_dir), dataset(lopsided_dir, buckets=[])
     padded = [sum(d.batch(s * GLOBAL_BATCH, GLOBAL_BATCH)[0].numel() for s in range(50)) for d in (bucketed, plain)]
     assert padded[0] < 0.7 * padded[1], padded  # 0.62 on this data
     old = np.arange(16, dtype=np.uint64)  # without buckets: pair hash(i) mod num_pairs, as before buckets
@@ -84,9 +78,9 @@ def test_buckets_save_padding_and_no_buckets_is_unchanged(pairs_dir: Path) -> No
         ([90], None, "must lie in 2 .. model.seq_len"),
     ],
 )
-def test_buckets_that_do_not_fit_are_refused(pairs_dir: Path, buckets, source_len, message) -> None:
+def test_buckets_that_do_not_fit_are_refused(lopsided_dir: Path, buckets, source_len, message) -> None:
     with pytest.raises(ConfigError, match=message):
-        dataset(pairs_dir, buckets=buckets, source_len=source_len, seq_len=80)
+        dataset(lopsided_dir, buckets=buckets, source_len=source_len, seq_len=80)
 
 
 def test_buckets_on_token_windows_are_refused(data_dir: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import final_weights, losses, max_weight_diff, read_metrics, tiny
-from encdec_reference import TorchEncDec, assert_same_training, plain_step, prepare_lopsided, train_encdec
+from encdec_reference import TorchEncDec, assert_same_training, plain_step, train_encdec
 from plain_reference import config_from_set_args
 
 from meshrun.data.dataset import open_dataset
@@ -42,30 +42,25 @@ BUCKETED = {
 DP2_PP2 = {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"}
 
 
-@pytest.fixture(scope="module")
-def pairs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare_lopsided(tmp_path_factory)
-
-
-def train(pairs_dir: Path, run: Path, **overrides: object) -> Path:
-    return train_encdec(pairs_dir, run, BUCKETED, **overrides)
+def train(lopsided_dir: Path, run: Path, **overrides: object) -> Path:
+    return train_encdec(lopsided_dir, run, BUCKETED, **overrides)
 
 
 @pytest.fixture(scope="module")
-def reference(pairs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train(pairs_dir, tmp_path_factory.mktemp("ref") / "run")
+def reference(lopsided_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train(lopsided_dir, tmp_path_factory.mktemp("ref") / "run")
 
 
 @pytest.fixture(scope="module")
-def dp2_pp2(pairs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train(pairs_dir, tmp_path_factory.mktemp("dp2pp2") / "run", **DP2_PP2, **{"checkpoint.interval": 3})
+def dp2_pp2(lopsided_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train(lopsided_dir, tmp_path_factory.mktemp("dp2pp2") / "run", **DP2_PP2, **{"checkpoint.interval": 3})
 
 
-def global_batches(pairs_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    cfg = config_from_set_args(tiny(pairs_dir, "unused", **BUCKETED))
+def global_batches(lopsided_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cfg = config_from_set_args(tiny(lopsided_dir, "unused", **BUCKETED))
     data = open_dataset(
         cfg.data,
-        pairs_dir,
+        lopsided_dir,
         "train",
         seq_len=40,
         seed=cfg.train.seed,
@@ -75,11 +70,11 @@ def global_batches(pairs_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [data.batch(step * 8, 8) for step in range(STEPS)]
 
 
-def test_one_process_on_buckets_equals_torch_transformer(reference: Path, pairs_dir: Path) -> None:
+def test_one_process_on_buckets_equals_torch_transformer(reference: Path, lopsided_dir: Path) -> None:
     """Step 1 (a short bucket) equals nn.Transformer on that padded batch: loss and gradient norm."""
-    batches = global_batches(pairs_dir)
+    batches = global_batches(lopsided_dir)
     assert len({x.shape[1] for x, _ in batches}) >= 2, "the run must change batch shape between steps"
-    cfg = config_from_set_args(tiny(pairs_dir, "unused", **BUCKETED))
+    cfg = config_from_set_args(tiny(lopsided_dir, "unused", **BUCKETED))
     torch_model = TorchEncDec(materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True))
     x, y = batches[0]
     assert x.shape[1] < 40
@@ -90,10 +85,10 @@ def test_one_process_on_buckets_equals_torch_transformer(reference: Path, pairs_
     assert first["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
-def test_throughput_counts_each_bucket_at_its_length(reference: Path, pairs_dir: Path) -> None:
+def test_throughput_counts_each_bucket_at_its_length(reference: Path, lopsided_dir: Path) -> None:
     """tokens/s (and so TFLOP/s and MFU) count the positions each step trained on: a 10-wide batch
     is a quarter of a 40-wide one, not a full global_batch x seq_len."""
-    widths = [x.shape[1] for x, _ in global_batches(pairs_dir)]
+    widths = [x.shape[1] for x, _ in global_batches(lopsided_dir)]
     rows = [row for row in read_metrics(reference) if "tokens_per_s" in row]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # one row per step
     for row, width in zip(rows, widths):
@@ -111,13 +106,13 @@ def test_dp2_pp2_on_buckets_matches_one_process(dp2_pp2: Path, reference: Path) 
 
 
 def test_resumed_as_interleaved_pp2_continues_identically(
-    dp2_pp2: Path, reference: Path, pairs_dir: Path, tmp_path: Path
+    dp2_pp2: Path, reference: Path, lopsided_dir: Path, tmp_path: Path
 ) -> None:
     """dp2 x pp2's step-3 checkpoint, resumed as dp1 x pp2 with interleaved 1F1B (4 stages):
     the same data position and weights, so steps 4-6 equal the one-process run."""
     checkpoint = dp2_pp2 / "checkpoints" / "step-00000003"
     run = train(
-        pairs_dir,
+        lopsided_dir,
         tmp_path / "run",
         **{"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "train.resume": checkpoint},
     )
@@ -125,8 +120,8 @@ def test_resumed_as_interleaved_pp2_continues_identically(
     assert losses(run) == pytest.approx(losses(reference)[3:], abs=1e-5)
 
 
-def test_zero_bubble_on_buckets_matches_one_process(reference: Path, pairs_dir: Path, tmp_path: Path) -> None:
-    run = train(pairs_dir, tmp_path / "run", **{"parallel.pp": 2, "parallel.schedule": "zero-bubble"})
+def test_zero_bubble_on_buckets_matches_one_process(reference: Path, lopsided_dir: Path, tmp_path: Path) -> None:
+    run = train(lopsided_dir, tmp_path / "run", **{"parallel.pp": 2, "parallel.schedule": "zero-bubble"})
     assert_same_training(run, reference)
     assert val_losses(run) == pytest.approx(val_losses(reference), abs=1e-5)
 
@@ -140,11 +135,11 @@ def test_zero_bubble_on_buckets_matches_one_process(reference: Path, pairs_dir: 
     ids=["fsdp-dp2xpp2-looped-bfs", "zbv-pp2"],
 )
 def test_fsdp_and_torchs_other_schedules_on_buckets_match_one_process(
-    layout: dict, reference: Path, pairs_dir: Path, tmp_path: Path
+    layout: dict, reference: Path, lopsided_dir: Path, tmp_path: Path
 ) -> None:
     """FSDP2 sharding each stage over dp, and the schedules taken from torch beyond the four
     (looped BFS, the V-shaped zero-bubble), on the same changing batch shapes."""
-    run = train(pairs_dir, tmp_path / "run", **layout)
+    run = train(lopsided_dir, tmp_path / "run", **layout)
     assert_same_training(run, reference)
     if layout.get("train.eval_interval") != 0:
         assert val_losses(run) == pytest.approx(val_losses(reference), abs=1e-5)
@@ -156,9 +151,9 @@ def test_fsdp_and_torchs_other_schedules_on_buckets_match_one_process(
     ids=["fp16-dp2xpp2", "bf16-pp2"],
 )
 def test_mixed_precision_on_buckets_tracks_fp32(
-    precision: str, layout: dict, reference: Path, pairs_dir: Path, tmp_path: Path
+    precision: str, layout: dict, reference: Path, lopsided_dir: Path, tmp_path: Path
 ) -> None:
-    run = train(pairs_dir, tmp_path / "run", precision=precision, **layout)
+    run = train(lopsided_dir, tmp_path / "run", precision=precision, **layout)
     got, fp32 = losses(run), losses(reference)
     assert len(got) == STEPS and got != fp32  # autocast ran (not bit-identical) ...
     assert got == pytest.approx(fp32, rel=0.02)  # ... and tracks fp32 through every bucket shape

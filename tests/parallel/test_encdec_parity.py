@@ -15,7 +15,6 @@ from encdec_reference import (
     TorchEncDec,
     assert_same_training,
     assert_step_one_matches,
-    prepare_lopsided,
     train_encdec,
 )
 from plain_reference import config_from_set_args
@@ -41,24 +40,21 @@ ENCDEC = {
 }
 
 
-@pytest.fixture(scope="module")
-def pairs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare_lopsided(tmp_path_factory)
-
-
-def train(pairs_dir: Path, run: Path, **overrides: object) -> Path:
-    return train_encdec(pairs_dir, run, ENCDEC, **overrides)
+def train(lopsided_dir: Path, run: Path, **overrides: object) -> Path:
+    return train_encdec(lopsided_dir, run, ENCDEC, **overrides)
 
 
 @pytest.fixture(scope="module")
-def reference(pairs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train(pairs_dir, tmp_path_factory.mktemp("ref") / "run")
+def reference(lopsided_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train(lopsided_dir, tmp_path_factory.mktemp("ref") / "run")
 
 
-def test_one_process_step_one_equals_torch_transformer(reference: Path, pairs_dir: Path) -> None:
-    cfg = config_from_set_args(tiny(pairs_dir, "unused", **ENCDEC))
+def test_one_process_step_one_equals_torch_transformer(reference: Path, lopsided_dir: Path) -> None:
+    cfg = config_from_set_args(tiny(lopsided_dir, "unused", **ENCDEC))
     model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
-    data = open_dataset(cfg.data, pairs_dir, "train", seq_len=80, seed=cfg.train.seed, source_len=source_len(cfg.model))
+    data = open_dataset(
+        cfg.data, lopsided_dir, "train", seq_len=80, seed=cfg.train.seed, source_len=source_len(cfg.model)
+    )
     x, y = data.batch(0, 16)
     assert_step_one_matches(reference, TorchEncDec(model), x, y, micro_batch=2)
 
@@ -69,10 +65,10 @@ def test_one_process_step_one_equals_torch_transformer(reference: Path, pairs_di
     ids=["dp2xpp2-1f1b-full", "dp1xpp4-gpipe-selective"],
 )
 def test_layout_matches_one_process(
-    dp: int, pp: int, schedule: str, recompute: str, reference: Path, pairs_dir: Path, tmp_path: Path
+    dp: int, pp: int, schedule: str, recompute: str, reference: Path, lopsided_dir: Path, tmp_path: Path
 ) -> None:
     run = train(
-        pairs_dir,
+        lopsided_dir,
         tmp_path / "run",
         **{"parallel.dp": dp, "parallel.pp": pp, "parallel.schedule": schedule, "recompute": recompute},
     )
