@@ -380,7 +380,7 @@ class Trainer:
         self.report.keep_timeline(done, by_stage, bubble=bubble)
         return bubble
 
-    def _summary(self, row: dict, tokens: int, seconds: float) -> dict:
+    def _summary(self, row: dict, tokens: int, seconds: float) -> None:
         summary = {
             "steps": self.cfg.train.steps,
             "final_loss": row.get("loss"),
@@ -399,7 +399,6 @@ class Trainer:
         if self.scaler is not None:
             summary["skipped_steps"] = self.skipped_steps
         self.report.finish(summary)
-        return summary
 
     def close(self) -> None:
         self.requests.close()
