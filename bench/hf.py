@@ -137,8 +137,7 @@ def measure_stage(model_dir: str, stage: int, num_stages: int) -> dict:
 
     cfg = validate({"model": {"hf": model_dir, "seq_len": 128}, "parallel": {"pp": num_stages, "dp": 1}})
     layers = even_split(LARGE["num_hidden_layers"], num_stages)[stage]
-    with torch.device("meta"):  # imports transformers' modeling code before the baseline: code is not weights
-        build_model(cfg.model)
+    build_model(cfg.model)  # imports transformers' modeling code before the baseline: code is not weights
     torch.nn.Linear(2, 2)(torch.zeros(1, 2))  # allocator warm-up
     baseline, peak, done = rss_anon_bytes(), [0], threading.Event()
 

@@ -53,8 +53,7 @@ def truncate(file: Path) -> None:
 
 def meta_model(run: Path, **model: object) -> torch.nn.Module:
     cfg = Config.model_validate(json.loads((run / "config.json").read_text()))
-    with torch.device("meta"):
-        return build_model(cfg.model.model_copy(update=model))
+    return build_model(cfg.model.model_copy(update=model))
 
 
 # ---- item 2: no code from a checkpoint, nothing read from outside it -------------------------------

@@ -38,12 +38,9 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     builds. Returns the model, built on the meta device."""
     if scope == "job":
         check_job(cfg)
-    import torch  # after every torch-free check, so those mistakes fail fast
+    from meshrun.models import build_model  # imports torch: after every torch-free check, so those fail fast
 
-    from meshrun.models import build_model
-
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = build_model(cfg.model)
     if scope == "job":
         if (check_weights := getattr(model, "check_weights", None)) is not None:
             check_weights()  # pretrained weights: present, shaped as the config says

@@ -246,3 +246,27 @@ def test_profiled_ranks_must_exist(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"^profile.ranks \[4\] do not exist: ranks are 0 to 3 "):
         check_observability(load_config(None, ["profile.ranks=[0,4]", "parallel.dp=2", "parallel.pp=2"]))
+
+
+def test_mark_spans_read_the_profilers_own_events() -> None:
+    """The timeline reads the profiler's raw records (metrics/profile.py: mark_spans), not its event
+    tree: both must give the same marks and times, or a torch upgrade changed the records."""
+    import torch
+    from torch.autograd.profiler import profile, record_function
+
+    from meshrun.metrics.profile import mark_spans
+
+    with profile(use_kineto=True) as prof:
+        for name in ("meshrun.pp:step", "meshrun.pp:0F0", "other"):
+            with record_function(name):
+                torch.ones(8, 8).matmul(torch.ones(8, 8))
+    spans = mark_spans(prof)
+    tree = [
+        (e.name, e.time_range.start, e.time_range.end) for e in prof.function_events if e.name.startswith("meshrun")
+    ]
+    assert [name for name, *_ in spans] == [name for name, *_ in tree] == ["meshrun.pp:step", "meshrun.pp:0F0"]
+    origin, tree_origin = spans[0][1], tree[0][1]  # the tree counts from the profiler's start
+    for (_, start, end, on_device), (_, tree_start, tree_end) in zip(spans, tree):
+        assert not on_device
+        assert abs((start - origin) - (tree_start - tree_origin)) < 0.01  # microseconds
+        assert abs((end - start) - (tree_end - tree_start)) < 0.01

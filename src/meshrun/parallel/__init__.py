@@ -76,8 +76,7 @@ class LocalModel:
 
 def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
     """Steps 1-2 for one stage (layers=None: the whole model), on the meta device (the planner sizes these)."""
-    with torch.device("meta"):
-        part = build_model(cfg.model)
+    part = build_model(cfg.model)
     if layers is not None:
         keep = {str(i) for i in layers}
         for key in [k for k in part.blocks if k not in keep]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-STEP_MARK = "meshrun.pp:step"
+MARK_PREFIX = "meshrun.pp:"
+STEP_MARK = f"{MARK_PREFIX}step"
 _ACTION_MARK = re.compile(r"^meshrun\.pp:(\d+)([FBIW])(\d+)$")
 
 

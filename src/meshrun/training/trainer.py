@@ -90,8 +90,7 @@ class Trainer:
         pairs_layout = {"source_len": source_len(cfg.model), "global_batch": cfg.train.global_batch}
         self.train_data = open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed, **pairs_layout)
         self.val_data = open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed, **pairs_layout)
-        with torch.device("meta"):
-            self.flops_per_token = build_model(cfg.model).flops_per_token()
+        self.flops_per_token = build_model(cfg.model).flops_per_token()
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
         self.run_dir = Path(cfg.run_dir)
         self.skipped_steps = 0
