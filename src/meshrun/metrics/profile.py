@@ -80,6 +80,8 @@ def mark_spans(prof: profile) -> list[tuple[str, float, float, bool]]:
     CPU cores, for the few dozen marks used here. A torch upgrade that renames these record
     accessors fails tests/metrics/test_observability.py::test_mark_spans_read_the_profilers_own_events.
     """
+    if prof.kineto_results is None:  # the profiler recorded nothing
+        return []
     marks = [event for event in prof.kineto_results.events() if event.name().startswith(MARK_PREFIX)]
     origin = min((event.start_ns() for event in marks), default=0)  # integer ns: floats of epoch us lose 0.25 us
     return [
