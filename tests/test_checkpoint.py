@@ -56,7 +56,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["bf16", "dropout"])  # fp32: test_corrupt_checkpoint_falls_back_with_a_warning
 def test_resume_is_bit_identical(variant: str, full_runs, data_dir: Path, tmp_path: Path) -> None:
     full = full_runs[variant]
     run = interrupted_copy(full, tmp_path / "run", at_step=4)
@@ -82,6 +82,8 @@ def test_resharded_resume_continues_the_same_run(dp, pp, full_runs, data_dir: Pa
 
 
 def test_corrupt_checkpoint_falls_back_with_a_warning(full_runs, data_dir: Path, tmp_path: Path) -> None:
+    """Step 8 truncated, step 12 half-written: the fp32 dp2 x pp2 run resumes from step 4 and ends
+    bit-identical to the uninterrupted one (the fp32 row of test_resume_is_bit_identical)."""
     full = full_runs["fp32"]
     run = interrupted_copy(full, tmp_path / "run", at_step=8)
     shard = run / "checkpoints" / "step-00000008" / "__1_0.distcp"
@@ -91,6 +93,9 @@ def test_corrupt_checkpoint_falls_back_with_a_warning(full_runs, data_dir: Path,
     assert "resumed from" in result.stderr and "step-00000004" in result.stderr
     resumed, reference = final_weights(run), final_weights(full)
     assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+    assert losses(run) == losses(full)  # every step logged once, values identical
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 13))
+    assert not (run / "checkpoints" / "step-00000012.tmp").exists()  # the half-written save was cleared
 
 
 def test_explicit_corrupt_checkpoint_is_a_clear_error(full_runs, data_dir: Path, tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import shutil
 import warnings
 import zlib
@@ -36,11 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from meshrun.checkpoint_paths import MANIFEST, checkpoint_root, complete_checkpoints, resume_candidates
 from meshrun.errors import ConfigError, RunError
 from meshrun.versions import installed_versions
 
-CHECKPOINTS = "checkpoints"
-MANIFEST = "manifest.json"  # file sizes and crc32s, written last: its presence marks a complete save
 CONFIG = "config.json"  # the resolved config, so a checkpoint folder is self-describing
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -140,21 +138,6 @@ def load_model_state(parts: Sequence[nn.Module], loaded: dict[str, torch.Tensor]
 
 
 # -- files ---------------------------------------------------------------------------------------
-
-
-def checkpoint_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Finished checkpoints, oldest first (a `.tmp` folder is an interrupted save)."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = [
-        p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and p.is_dir() and (p / MANIFEST).is_file()
-    ]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
 def save(
@@ -280,15 +263,6 @@ def full_model_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tens
     """One process, no process group: the whole model's weights from a checkpoint of any layout."""
     state = {k: v for k, v in model.state_dict().items()}
     return load(state, path)
-
-
-def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
-    """Checkpoints to try, newest first: an explicit path, or the run's complete ones (`auto`)."""
-    if resume == "none":
-        return []
-    if resume != "auto":
-        return [Path(resume)]
-    return complete_checkpoints(run_dir)[::-1]
 
 
 def unloadable_reason(path: Path, error: CheckpointError) -> str:

@@ -12,7 +12,7 @@ import torch
 import yaml
 from torch import nn
 
-from meshrun.checkpoint import check_resumable
+from meshrun.checkpoint_paths import resume_candidates
 from meshrun.config import Config
 from meshrun.data.prepare import default_sources, is_prepared, prepare
 from meshrun.distributed import (
@@ -26,8 +26,6 @@ from meshrun.errors import ConfigError, RunError
 from meshrun.launcher.torchrun import WORKER_ENV, in_launched_worker, torchrun_argv
 from meshrun.metrics.console import say
 from meshrun.outcome import Outcome, clear_record, launcher_exit_code, read_record, write_record
-from meshrun.parallel import build_stage
-from meshrun.parallel.fsdp import describe_data_parallel
 from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.preflight import check_data_fits, data_dir, reads_in_place
 from meshrun.training.preemption import STOP_SIGNALS
@@ -79,6 +77,8 @@ def describe_split(cfg: Config) -> list[str] | None:
 def parameters_per_pipeline_rank(cfg: Config) -> list[int]:
     """Parameters each pipeline rank holds (its stages built on the meta device); empty when
     the split is measured at start."""
+    from meshrun.parallel import build_stage  # torch.distributed.fsdp: --dry-run only, not every launch
+
     par = cfg.parallel
     split = static_split(cfg) if par.pp > 1 else [None]
     if split is None:
@@ -94,6 +94,8 @@ def parameters_per_pipeline_rank(cfg: Config) -> list[int]:
 
 def describe(cfg: Config) -> str:
     """The resolved config, the process layout and the batch maths (for --dry-run)."""
+    from meshrun.parallel.fsdp import describe_data_parallel
+
     par, train = cfg.parallel, cfg.train
     lines = [yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip(), "", "layout:"]
     lines.append(f"  world size {cfg.world_size} = dp {par.dp} x pp {par.pp} (rank = pp_rank * dp + dp_rank)")
@@ -124,7 +126,10 @@ def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
         run_worker(cfg)
         return 0  # stopped on request too: torchrun restarts a group that exits non-zero
     ensure_data(cfg)
-    check_resumable(cfg.run_dir, cfg.train.resume, model)  # cannot resume: stop before any worker exists
+    if resume_candidates(cfg.run_dir, cfg.train.resume):  # cannot resume: stop before any worker exists
+        from meshrun.checkpoint import check_resumable  # torch.distributed.checkpoint: only when there is one
+
+        check_resumable(cfg.run_dir, cfg.train.resume, model)
     if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
         return run_worker(cfg).exit_code  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)

@@ -90,8 +90,11 @@ def test_first_step_equals_transformers(family: str, runs, hf_dirs, data_dir: Pa
     assert first["grad_norm"] > 0.5, "clipping must be active for the parity tests to mean anything"
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", FAMILIES)
+# GPT-2's tied matrix spans the first and last pipeline ranks in dp2 x pp2 as in pp4 interleaved:
+# one row of it suffices (its resume and export tests below reuse that run).
+@pytest.mark.parametrize(
+    "family,layout", [("llama", "dp2-pp2-1f1b"), ("llama", "dp1-pp4-interleaved"), ("gpt2", "dp2-pp2-1f1b")]
+)
 def test_layout_matches_one_process(family: str, layout: str, runs, weights) -> None:
     run, reference = runs(family, layout), runs(family)
     assert max_weight_diff(weights(family, layout), weights(family)) < 1e-5

@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import descendants, final_weights, finish_meshrun, kill_tree, losses, run_meshrun, start_meshrun, tiny
 
-# Long enough that a signal sent after the first checkpoint (step 10) always lands mid-run: 50
-# more steps at ~0.4 s each on 2 busy cores, against the milliseconds the test takes to send it.
-STEPS = {"train.steps": 60, "checkpoint.interval": 10, "parallel.pp": 2, "train.log_interval": 1}
+# Long enough that a signal sent after the first checkpoint (step 5) always lands mid-run: 35
+# more steps at >= 0.1 s each on 2 cores, against the milliseconds the test takes to send it.
+STEPS = {"train.steps": 40, "checkpoint.interval": 5, "parallel.pp": 2, "train.log_interval": 1}
 
 
 def workers(root_pid: int) -> dict[int, int]:
@@ -142,6 +142,9 @@ def test_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(data
     complete = complete_checkpoints(run)
     for folder in complete:
         verify(folder)
-    result = run_meshrun(["train", *tiny(data_dir, run, **{**STEPS, **big})], tmp_path=tmp_path)
+    newest = int(complete[-1].name.split("-")[1])  # one more step: its save replaces the interrupted one
+    result = run_meshrun(
+        ["train", *tiny(data_dir, run, **{**STEPS, **big, "train.steps": newest + 1})], tmp_path=tmp_path
+    )
     assert f"resumed from {complete[-1]} at step" in result.stderr
     assert not any(root.glob("*.tmp"))  # the interrupted save's folder was cleared by the next save

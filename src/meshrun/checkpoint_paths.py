@@ -1,0 +1,35 @@
+"""Where a run's checkpoints are and which are complete: paths only, no torch, so that the
+launcher can see whether there is anything to resume without importing
+torch.distributed.checkpoint (about a second of every launch on 2 CPU cores)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"  # file sizes and crc32s, written last: its presence marks a complete save
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Finished checkpoints, oldest first (a `.tmp` folder is an interrupted save)."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and p.is_dir() and (p / MANIFEST).is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
+    """Checkpoints to try, newest first: an explicit path, or the run's complete ones (`auto`)."""
+    if resume == "none":
+        return []
+    if resume != "auto":
+        return [Path(resume)]
+    return complete_checkpoints(run_dir)[::-1]
