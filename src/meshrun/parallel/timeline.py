@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 MARK_PREFIX = "meshrun.pp:"
 STEP_MARK = f"{MARK_PREFIX}step"
-_ACTION_MARK = re.compile(r"^meshrun\.pp:(\d+)([FBIW])(\d+)$")
+_ACTION_MARK = re.compile(rf"^{re.escape(MARK_PREFIX)}(\d+)([FBIW])(\d+)$")
 
 
 def action_mark(stage: int, kind: str, microbatch: int) -> str:
     """The profiler name of one action (kind: F, B, I = input half of a split backward, W = weight half)."""
-    return f"meshrun.pp:{stage}{kind}{microbatch}"
+    return f"{MARK_PREFIX}{stage}{kind}{microbatch}"
 
 
 @dataclass
