@@ -1,3 +1,3 @@
-from meshrun.cli import main
+from meshrun.cli import run
 
-raise SystemExit(main())
+run()
