@@ -218,7 +218,7 @@ def test_online_without_a_network_waits_briefly_then_logs_offline(data_dir: Path
     env = env_for(tmp_path, WANDB_BASE_URL=UNREACHABLE, WANDB_API_KEY="0123456789abcdef" * 2 + "01234567")
     started = time.monotonic()
     run_dir, proc = train(data_dir, tmp_path, env=env, **{"tracker.mode": "online", "tracker.init_timeout": 3})
-    assert time.monotonic() - started < 60  # wandb's own default waits 90 s before failing
+    assert time.monotonic() - started < 80  # wandb's own default waits 90 s before failing
     warnings = [line for line in proc.stderr.splitlines() if "offline" in line]
     assert len(warnings) == 1 and "warning: wandb online failed within 3 s" in warnings[0], proc.stderr
     assert "wandb sync" in warnings[0] and "Traceback" not in proc.stderr
