@@ -79,3 +79,24 @@ def test_stages_chained_equal_transformers(family: str, tmp_path: Path) -> None:
         assert (ours - reference(input_ids=tokens).logits).abs().max().item() < 1e-5
     if config.tie_word_embeddings:  # the last stage holds its own copy of the tied matrix, same values
         assert torch.equal(stages[0].embed.weight, stages[1].embed.weight)
+
+
+def test_a_folder_saved_in_bf16_trains_fp32_master_weights(tmp_path: Path) -> None:
+    """Released checkpoints say `"dtype": "bfloat16"`: meshrun still holds fp32 parameters (the
+    saved values, exactly), so AdamW's small updates are not rounded away."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from meshrun.config import validate
+    from meshrun.parallel import materialise_part
+
+    fields = dict(FAMILY_CONFIGS["qwen2"])
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, dtype="bfloat16")
+    saved = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    saved.save_pretrained(tmp_path / "model")
+    cfg = validate({"model": {"hf": str(tmp_path / "model"), "seq_len": 16}})
+    model = materialise_part(cfg, torch.device("cpu"), layers=[0, 1, 2, 3], first=True, last=True)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    mine = model.blocks["0"].mlp.down_proj.weight
+    assert torch.equal(mine, saved.model.layers[0].mlp.down_proj.weight.float())
