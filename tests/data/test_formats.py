@@ -150,6 +150,20 @@ REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of t
         lambda d, b, t: {**NANOGPT, "data.dir": _nanogpt_files(t, b"\0" * 100, None)},
         ("has no val.bin", "nanoGPT data folder"),
     ),
+    "nanogpt-id-beyond-the-model": (  # GPT-2-tokenized files for a 256-token model: the last id is 50256
+        lambda d, b, t: {
+            **NANOGPT,
+            "data.dir": write_nanogpt(t / "nano", np.r_[np.arange(300) % 256, 50256], np.arange(100)),
+        },
+        ("train.bin holds token id 50256 but the model has 256 tokens", "model.vocab_size", "at least 50257"),
+    ),
+    "megatron-id-beyond-the-model": (
+        lambda d, b, t: {
+            **MEGATRON,
+            "data.dir": write_megatron(t / "m", [np.arange(200) % 256, np.r_[np.arange(50), 40000]]),
+        },
+        ("holds token id 40000 but the model has 256 tokens", "at least 40001"),
+    ),
     "megatron-no-header": (
         lambda d, b, t: {**MEGATRON, "data.dir": _megatron_bad(t, b"GARBAGE" * 8)},
         ("m.idx is not a Megatron index (no MMIDIDX header)",),

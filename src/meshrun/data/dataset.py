@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from meshrun.data.hashing import GOLDEN, splitmix64
-from meshrun.data.storage import SPLITS, open_split, read_meta
+from meshrun.data.storage import SPLITS, open_split, read_meta, token_range
 from meshrun.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -184,6 +184,18 @@ def check_vocab(data_vocab: int | None, model_vocab_size: int, where: str, *, ke
         )
 
 
+def check_token_ids(part: TokenDataset, model_vocab_size: int, key: str) -> None:
+    """Every id of a format without a recorded vocabulary must index the model's embedding."""
+    low, high = token_range(part.segments)
+    if low < 0:
+        raise ConfigError(f"{part.where} holds token id {low}; token ids cannot be negative: check data.format")
+    if high >= model_vocab_size:
+        raise ConfigError(
+            f"{part.where} holds token id {high} but the model has {model_vocab_size} tokens ({key}); "
+            f"set {key} to at least {high + 1}, or check that data.format and the tokenizer match the model"
+        )
+
+
 def check_data(
     data: DataConfig,
     data_dir: Path,
@@ -205,6 +217,8 @@ def check_data(
             raise ConfigError(f"data.buckets needs pairs data, but {data_dir} holds token windows; remove data.buckets")
         for part in getattr(dataset, "parts", [dataset]):
             check_vocab(part.vocab_size, model_vocab_size, part.where, key=vocab_key)
+            if part.vocab_size is None:  # nanoGPT, Megatron: the ids themselves
+                check_token_ids(part, model_vocab_size, vocab_key)
             if part.tokenizer:
                 tokenizers.add((part.tokenizer["name"], part.tokenizer["sha256"]))
     if len(tokenizers) > 1:
