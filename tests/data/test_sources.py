@@ -248,3 +248,37 @@ def test_interrupted_preparation_reruns_to_the_same_files(tokenizer_file: Path, 
     assert _files(out) == _files(reference)
     assert len(json.loads((out / "meta.json").read_text())["splits"]["train"]["shards"]) > 50
     assert os.access(out / "meta.json", os.R_OK)
+
+
+def test_special_token_text_inside_a_document_is_not_a_boundary(tokenizer_file: Path, tmp_path: Path) -> None:
+    """A document that mentions "<|endoftext|>" keeps it as text: one EOS per document, at its end."""
+    docs = [*DOCS[:6], f"GPT-2 separates documents with {EOS} between them", *DOCS[6:12]]
+    source = write_source("jsonl", tmp_path / "src", docs)
+    prepare([str(source)], tmp_path / "out", tokenizer=str(tokenizer_file), val_fraction=0.2, workers=1, progress=False)
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    eos = tokenizer.token_to_id(EOS)
+    stored = stored_documents(tmp_path / "out", "train") + stored_documents(tmp_path / "out", "val")
+    assert len(stored) == len(docs) and all(doc.count(eos) == 1 and doc[-1] == eos for doc in stored)
+    assert any(tokenizer.decode(doc[:-1]) == docs[6] for doc in stored)  # the mention decodes back as text
+
+
+def test_vocabulary_with_holes_is_sized_by_its_largest_id(tmp_path: Path) -> None:
+    """201 entries with ids up to 301: the shards must hold id 301 (uint16), not wrap it in uint8."""
+    vocab = {f"w{i}": i for i in range(199)} | {"big": 300, EOS: 301}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([EOS])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    docs = [" ".join(["w1", "big", "w2"] * (i + 1)) for i in range(20)]
+    source = write_source("text", tmp_path / "src", docs)
+    meta = prepare(
+        [str(source)],
+        tmp_path / "out",
+        tokenizer=str(tmp_path / "tokenizer.json"),
+        val_fraction=0.2,
+        workers=1,
+        progress=False,
+    )
+    assert meta["vocab_size"] == 302 and meta["dtype"] == "uint16"
+    stored = stored_documents(tmp_path / "out", "train") + stored_documents(tmp_path / "out", "val")
+    assert sorted(stored) == sorted([[1, 300, 2] * (i + 1) + [301] for i in range(20)])

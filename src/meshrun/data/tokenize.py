@@ -99,7 +99,8 @@ def _spec(name: str, tokenizer: Any, eos: str | None) -> TokenizerSpec:
             f"--tokenizer {name} has no end-of-document token (looked for {eos or ', '.join(_EOS_NAMES)}); "
             "add one to the tokenizer, or set eos_token in its tokenizer_config.json"
         )
-    return TokenizerSpec(name, tokenizer.get_vocab_size(with_added_tokens=True), (vocab[eos],), tokenizer.to_str())
+    size = max(vocab.values()) + 1  # ids, not entries: a vocabulary with holes still needs room for its top id
+    return TokenizerSpec(name, size, (vocab[eos],), tokenizer.to_str())
 
 
 def _configured_eos(folder: Path) -> str | None:
@@ -133,6 +134,9 @@ class Encoder:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_str(spec.json_text)
+            # a document that mentions "<|endoftext|>" is text, not a boundary: only the
+            # separator appended below is the EOS id (as tiktoken's disallowed_special guards)
+            self.tokenizer.encode_special_tokens = True
 
     def __call__(self, docs: list[str | bytes]) -> tuple[np.ndarray, np.ndarray]:
         eos = list(self.spec.eos_ids)
