@@ -171,6 +171,22 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
+def _int_parquet(path: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": list(range(100))}), path)
+    return path
+
+
+def _dataset_dict(folder: Path, splits: list[str]) -> Path:
+    import datasets
+
+    parts = {name: datasets.Dataset.from_dict({"text": make_documents(40, seed=k)}) for k, name in enumerate(splits)}
+    datasets.DatasetDict(parts).save_to_disk(str(folder / "dd"))
+    return folder / "dd"
+
+
 REFUSED = {  # name: (write the source into folder -> path, fragments of the error)
     "no-documents": (lambda f: _write(f / "empty.jsonl", ""), ("holds no documents", "--field")),
     "too-small": (lambda f: _write(f / "a.txt", "hi"), ("only 4 tokens, too few to train", "add more text")),
@@ -183,6 +199,14 @@ REFUSED = {  # name: (write the source into folder -> path, fragments of the err
         lambda f: write_source("parquet", f, DOCS, field="body"),
         ("has no column 'text'", "columns: id, body"),
     ),
+    "column-not-text": (
+        lambda f: _int_parquet(f / "ints.parquet"),
+        ("column 'text' holds int64, not text", "--field NAME"),
+    ),
+    "dataset-dict-without-train": (
+        lambda f: _dataset_dict(f, ["validation", "test"]),
+        ("DatasetDict without a 'train' split (splits: validation, test)", "split's folder"),
+    ),
     "not-gzip": (lambda f: _write(f / "d.jsonl.gz", "plain text"), ("cannot read source", "d.jsonl.gz")),
     "not-parquet": (lambda f: _write(f / "e.parquet", "plain text"), ("cannot read source", "e.parquet")),
 }
@@ -193,6 +217,7 @@ def test_bad_sources_are_refused_in_one_line(name: str, tmp_path: Path, capsys: 
     make, fragments = REFUSED[name]
     (tmp_path / "src").mkdir()
     source = make(tmp_path / "src")
+    capsys.readouterr()  # what writing the source printed (datasets' progress bars)
     out = tmp_path / "out"
     assert cli.main(["prepare-data", "--source", str(source), "--out", str(out), "--workers", "1"]) == 2
     err = capsys.readouterr().err.splitlines()
@@ -282,3 +307,19 @@ def test_vocabulary_with_holes_is_sized_by_its_largest_id(tmp_path: Path) -> Non
     assert meta["vocab_size"] == 302 and meta["dtype"] == "uint16"
     stored = stored_documents(tmp_path / "out", "train") + stored_documents(tmp_path / "out", "val")
     assert sorted(stored) == sorted([[1, 300, 2] * (i + 1) + [301] for i in range(20)])
+
+
+def test_a_dataset_dicts_own_held_out_splits_are_not_trained_on(tokenizer_file: Path, tmp_path: Path) -> None:
+    """Of a save_to_disk DatasetDict only `train` is read: its test split's documents appear nowhere."""
+    _dataset_dict(tmp_path, ["train", "test"])
+    prepare(
+        [str(tmp_path / "dd")],
+        tmp_path / "out",
+        tokenizer=str(tokenizer_file),
+        val_fraction=0.2,
+        workers=1,
+        progress=False,
+    )
+    assert_documents_in_order(
+        tmp_path / "out", hf_expected(Tokenizer.from_file(str(tokenizer_file)), make_documents(40, seed=0), EOS)
+    )

@@ -137,12 +137,19 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
 
 
 def _column(batches: Iterator, path: Path, field: str) -> Iterator[str]:
+    import pyarrow as pa
+
     for batch in batches:
         if field not in batch.schema.names:
             raise ConfigError(
                 f"{path} has no column {field!r} (columns: {', '.join(batch.schema.names)}); pass --field NAME"
             )
-        for text in batch.column(field).to_pylist():
+        column = batch.column(field)
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            raise ConfigError(
+                f"{path}: column {field!r} holds {column.type}, not text; pass --field NAME of a text column"
+            )
+        for text in column.to_pylist():
             if text is not None:
                 yield text
 
@@ -155,9 +162,15 @@ def _arrow_batches(path: Path) -> Iterator:
 
 
 def _hf_arrow_files(folder: Path) -> list[Path]:
-    """The Arrow files of a `save_to_disk` folder, in its own order (every split of a DatasetDict)."""
+    """The Arrow files of a `save_to_disk` folder, in its own order. Of a DatasetDict only its
+    `train` split (or its only split): the user's own validation and test splits stay held out."""
     if (folder / "dataset_dict.json").is_file():
         splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
-        return [f for split in splits for f in _hf_arrow_files(folder / split)]
+        if "train" not in splits and len(splits) != 1:
+            raise ConfigError(
+                f"{folder} is a DatasetDict without a 'train' split (splits: {', '.join(splits)}); "
+                "pass the split's folder as --source"
+            )
+        return _hf_arrow_files(folder / ("train" if "train" in splits else splits[0]))
     state = json.loads((folder / "state.json").read_text())
     return [folder / entry["filename"] for entry in state["_data_files"]]
