@@ -204,6 +204,7 @@ def check_data_fits(cfg: Config, path: Path) -> None:
     it was tokenized with the model folder's tokenizer when both have one."""
     from meshrun.data.dataset import check_data  # reads token files with torch
     from meshrun.models.encdec import source_len
+    from meshrun.models.hf_weights import has_weights
 
     model_dir = hf_dir(cfg.model)
     tokenizer = model_dir / "tokenizer.json" if model_dir and (model_dir / "tokenizer.json").is_file() else None
@@ -214,6 +215,7 @@ def check_data_fits(cfg: Config, path: Path) -> None:
         model_vocab_size=vocab_size(cfg.model),
         vocab_key=vocab_key(cfg.model),
         model_tokenizer=tokenizer,
+        pretrained=model_dir is not None and cfg.model.init != "random" and has_weights(model_dir),
         source_len=source_len(cfg.model),
     )
 

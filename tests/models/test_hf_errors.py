@@ -107,3 +107,16 @@ def test_data_tokenized_with_another_tokenizer_than_the_models(data_dir: Path, t
     for accepted in (tmp_path / "ours", data_dir):
         assert main(args(accepted)) == 0, capsys.readouterr().err
         capsys.readouterr()
+    # with weights in the folder the model reads ids as its tokenizer's: byte and pairs ids are refused
+    from transformers import AutoModelForCausalLM
+
+    from meshrun.data.pairs import prepare_pairs
+
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(model_dir)
+    pairs = tmp_path / "pairs"
+    prepare_pairs([(t, t.upper()) for t in texts], pairs, val_fraction=0.25, tokenizer=str(model_dir))
+    capsys.readouterr()  # transformers' progress bar
+    assert "holds byte ids, not the tokens of the pretrained model's" in error_of(args(data_dir), capsys)
+    assert "holds pairs data, whose ids (the tokenizer's + 3" in error_of(args(pairs), capsys)
+    assert main(args(tmp_path / "ours")) == 0, capsys.readouterr().err
+    assert main([*args(data_dir), "--set=model.init=random"]) == 0, capsys.readouterr().err

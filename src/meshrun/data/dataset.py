@@ -196,6 +196,24 @@ def check_token_ids(part: TokenDataset, model_vocab_size: int, key: str) -> None
         )
 
 
+def check_pretrained_reads(part: TokenDataset | PairsDataset, model_tokenizer: Path | None) -> None:
+    """Pretrained weights read ids as their own tokenizer's: pairs ids are shifted past meshrun's
+    pad/BOS/EOS, and byte ids are not the tokens of a model that ships a tokenizer."""
+    from meshrun.data.pairs import PairsDataset
+
+    fix = "or set model.init=random to train the architecture from scratch"
+    if isinstance(part, PairsDataset):
+        raise ConfigError(
+            f"{part.where} holds pairs data, whose ids (the tokenizer's + 3, after pad/BOS/EOS) a pretrained model "
+            f"would misread; fine-tune it on documents (`meshrun prepare-data --tokenizer MODEL_DIR`), {fix}"
+        )
+    if model_tokenizer is not None and part.tokenizer and part.tokenizer["name"] == "byte":
+        raise ConfigError(
+            f"{part.where} holds byte ids, not the tokens of the pretrained model's {model_tokenizer}; prepare it "
+            f"with `meshrun prepare-data --tokenizer {model_tokenizer.parent} ...`, {fix}"
+        )
+
+
 def check_data(
     data: DataConfig,
     data_dir: Path,
@@ -204,12 +222,14 @@ def check_data(
     model_vocab_size: int,
     vocab_key: str = "model.vocab_size",
     model_tokenizer: Path | None = None,
+    pretrained: bool = False,
     source_len: int | None = None,
 ) -> None:
     """Fail early (before spawning) on missing, unparsable, empty or too-small data, a vocabulary
-    larger than the model's, mixture sources tokenized differently, and data tokenized with
-    another tokenizer than the `model_tokenizer` (tokenizer.json) the model ships, and length
-    buckets that do not fit the model (`source_len`: as for open_dataset)."""
+    larger than the model's, mixture sources tokenized differently, data tokenized with another
+    tokenizer than the `model_tokenizer` (tokenizer.json) the model ships, ids a `pretrained`
+    model would misread, and length buckets that do not fit the model (`source_len`: as for
+    open_dataset)."""
     tokenizers = set()
     for split in SPLITS:
         dataset = open_dataset(data, data_dir, split, seq_len=seq_len, seed=0, source_len=source_len)
@@ -219,6 +239,8 @@ def check_data(
             check_vocab(part.vocab_size, model_vocab_size, part.where, key=vocab_key)
             if part.vocab_size is None:  # nanoGPT, Megatron: the ids themselves
                 check_token_ids(part, model_vocab_size, vocab_key)
+            if pretrained:
+                check_pretrained_reads(part, model_tokenizer)
             if part.tokenizer:
                 tokenizers.add((part.tokenizer["name"], part.tokenizer["sha256"]))
     if len(tokenizers) > 1:
