@@ -20,7 +20,8 @@ from meshrun.checkpoint import (
     verify,
 )
 from meshrun.config import Config
-from meshrun.data.pairs import NUM_SPECIAL
+from meshrun.data.pairs import BOS, EOS, NUM_SPECIAL, PAD
+from meshrun.data.storage import read_meta
 from meshrun.data.tokenize import text_codec
 from meshrun.errors import ConfigError
 from meshrun.hf_config import vocab_size
@@ -93,29 +94,53 @@ def sample(
     beam: int = 1,
 ) -> str:
     """Generation with the tokenizer the model was trained with (see `codec`); an encoder-decoder
-    translates the prompt (greedy, or beam search with `beam` > 1) instead of continuing it."""
+    translates the prompt (greedy, or beam search with `beam` > 1) instead of continuing it, and
+    a decoder-only model trained on pairs answers it as it was trained (source BOS -> target EOS)."""
     encode, decode, num_ids = codec(cfg)
     if isinstance(model, EncDec):
         target = seq2seq_decode(model, [i + NUM_SPECIAL for i in encode(prompt)], beam=beam, max_tokens=num_tokens)
         return decode([i - NUM_SPECIAL for i in target if i >= NUM_SPECIAL])
     generator = torch.Generator().manual_seed(seed)
-    ids, first_allowed = heal_prompt(encode(prompt) or encode("\n"), decode, num_ids or vocab_size(cfg.model))
+    pairs = pairs_vocab(cfg)
+    if pairs:  # ids as training saw them: shifted past pad/BOS/EOS, the answer starts after BOS
+        ids, first_allowed = [i + NUM_SPECIAL for i in encode(prompt)] + [BOS], None
+    else:
+        ids, first_allowed = heal_prompt(encode(prompt) or encode("\n"), decode, num_ids or vocab_size(cfg.model))
     tokens = torch.tensor([ids], dtype=torch.long)  # (1, T)
     for step in range(num_tokens):
         logits = model(tokens[:, -cfg.model.seq_len :])[:, -1, :].float()  # (1, V)
-        logits = logits if num_ids is None else logits[:, :num_ids]
+        if pairs:
+            logits = logits[:, :pairs]
+            logits[:, [PAD, BOS]] = float("-inf")
+        elif num_ids is not None:
+            logits = logits[:, :num_ids]
         if step == 0 and first_allowed is not None:
             logits = logits.masked_fill(~first_allowed[: logits.shape[-1]], float("-inf"))
-        if temperature <= 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        nxt = next_token(logits, temperature, top_k, generator)
+        if pairs and nxt.item() == EOS:
+            break
         tokens = torch.cat([tokens, nxt], dim=1)
+    if pairs:
+        return decode([i - NUM_SPECIAL for i in tokens[0, len(ids) :].tolist()])
     return decode(tokens[0].tolist())
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> torch.Tensor:
+    """Greedy at temperature <= 0, else a draw from the tempered (top-k) distribution: (1, 1)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+def pairs_vocab(cfg: Config) -> int | None:
+    """The ids of pairs data (the tokenizer's + 3: source BOS target EOS) when the (still present)
+    training folder holds pairs, else None."""
+    meta = read_meta(training_data_dir(cfg))
+    return int(meta["vocab_size"]) if meta is not None and meta.get("format") == "pairs" else None
 
 
 def heal_prompt(

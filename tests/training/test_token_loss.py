@@ -76,3 +76,25 @@ def test_decoder_only_padded_step_one_equals_plain_torch(reference: Path, pairs_
 def test_decoder_only_dp2xpp2_matches_one_process(reference: Path, pairs_dir: Path, tmp_path: Path) -> None:
     run = train(pairs_dir, tmp_path / "run", **{"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "gpipe"})
     assert_same_training(run, reference)
+
+
+def test_sample_answers_in_the_pairs_training_format(reference: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A decoder-only model trained on pairs is prompted as it was trained (source ids + 3, BOS)
+    and answers until EOS: `meshrun sample` equals a greedy loop over that format written here."""
+    from meshrun import cli
+    from meshrun.export import load_full_model
+
+    assert cli.main(["sample", str(reference), "--prompt", "abc_def", "--tokens", "12", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    model = load_full_model(reference)[0]
+    ids, answer = [b + 3 for b in b"abc_def"] + [1], []
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model(torch.tensor([ids]))[0, -1, :259]
+            logits[:2] = float("-inf")  # pad and BOS never follow
+            nxt = int(logits.argmax())
+            if nxt == 2:  # EOS ends the answer
+                break
+            ids.append(nxt)
+            answer.append(nxt - 3)
+    assert printed == bytes(answer).decode("utf-8", errors="replace")
