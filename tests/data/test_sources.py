@@ -323,3 +323,16 @@ def test_a_dataset_dicts_own_held_out_splits_are_not_trained_on(tokenizer_file: 
     assert_documents_in_order(
         tmp_path / "out", hf_expected(Tokenizer.from_file(str(tokenizer_file)), make_documents(40, seed=0), EOS)
     )
+
+
+def test_adding_sources_never_moves_a_val_document_into_train(tmp_path: Path) -> None:
+    """v2 = v1's folder plus a sibling folder (which widens the corpus root): every v1 val
+    document is still in val, and every v1 train document still in train."""
+    write_source("text", tmp_path / "corpus" / "a", make_documents(60, seed=1))
+    write_source("text", tmp_path / "corpus" / "b", make_documents(20, seed=2))
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    prepare([str(tmp_path / "corpus" / "a")], v1, val_fraction=0.2, workers=1, progress=False)
+    prepare([str(tmp_path / "corpus" / p) for p in "ab"], v2, val_fraction=0.2, workers=1, progress=False)
+    for split in ("train", "val"):
+        before, after = stored_documents(v1, split), stored_documents(v2, split)
+        assert before and all(doc in after for doc in before), split

@@ -66,8 +66,8 @@ def prepare(
 ) -> dict[str, Any]:
     """Tokenize `sources` into a new dataset folder `out`; returns its meta.json content.
 
-    Each document goes wholly to train or val by a hash of its path below the corpus root (and
-    its number within a multi-document file), so the split is stable when files are added.
+    Each document goes wholly to train or val by a hash of its content, so the split is stable
+    when sources are added, moved or renamed.
     """
     out = Path(out)
     _check_out(out)
@@ -178,9 +178,8 @@ def _tasks(
         for source in found:
             rel = source.path.relative_to(root).as_posix()
             num_docs = 0
-            for number, doc in enumerate(documents(source, field=field)):
-                key = rel if source.kind == "text" else f"{rel}#{number}"
-                splits.append("val" if zlib.crc32(key.encode()) % 10_000 < val_fraction * 10_000 else "train")
+            for doc in documents(source, field=field):
+                splits.append("val" if _content_hash(doc) % 10_000 < val_fraction * 10_000 else "train")
                 docs.append(doc)
                 size += len(doc)
                 num_docs += 1
@@ -213,6 +212,12 @@ def _check_enough(writers: dict[str, SplitWriter], sources: list[str]) -> None:
             f"--source {' '.join(sources)} gives only {tokens} tokens, too few to train "
             f"(at least {MIN_TOKENS}); add more text"
         )
+
+
+def _content_hash(doc: str | bytes) -> int:
+    """A document's split follows its content alone: adding, moving or renaming sources never moves
+    a document between train and val, and copies of one text all land in the same split."""
+    return zlib.crc32(doc if isinstance(doc, bytes) else doc.encode("utf-8", "surrogatepass"))
 
 
 def _balance_splits(writers: dict[str, SplitWriter], val_fraction: float) -> None:

@@ -91,8 +91,8 @@ def find_sources(sources: list[str]) -> list[Source]:
 
 
 def corpus_root(sources: list[Source]) -> Path:
-    """The folder all sources sit below: keys are paths relative to it, so a corpus splits the
-    same wherever it lives."""
+    """The folder all sources sit below: meta.json names each source relative to it, so a corpus
+    is described the same wherever it lives."""
     return Path(os.path.commonpath([s.path if s.kind == "hf" else s.path.parent for s in sources]))
 
 
