@@ -99,4 +99,4 @@ def test_peak_for_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
         "MFU omitted: no peak TFLOP/s known for 'NVIDIA A10G' at this precision; set metrics.peak_tflops to report it"
     )
     assert mfu_note(cuda, 125.0) is None
-    assert "mfu" not in throughput(tokens=100, seconds=1.0, flops_per_token=6.0, world_size=1, peak=None)
+    assert "mfu" not in throughput(tokens=100, seconds=1.0, flops=600.0, world_size=1, peak=None)

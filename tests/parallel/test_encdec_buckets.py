@@ -86,13 +86,18 @@ def test_one_process_on_buckets_equals_torch_transformer(reference: Path, lopsid
 
 
 def test_throughput_counts_each_bucket_at_its_length(reference: Path, lopsided_dir: Path) -> None:
-    """tokens/s (and so TFLOP/s and MFU) count the positions each step trained on: a 10-wide batch
-    is a quarter of a 40-wide one, not a full global_batch x seq_len."""
+    """tokens/s and TFLOP/s count the positions each step trained on, priced at their length: a
+    10-wide batch is a quarter of a 40-wide one's tokens, and its attention is cheaper per token."""
+    from meshrun.models import flops_at
+
     widths = [x.shape[1] for x, _ in global_batches(lopsided_dir)]
     rows = [row for row in read_metrics(reference) if "tokens_per_s" in row]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # one row per step
+    cfg = config_from_set_args(tiny(lopsided_dir, "unused", **BUCKETED))
+    model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
     for row, width in zip(rows, widths):
         assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(8 * width, rel=1e-6)
+        assert row["tflops"] * 1e12 * row["step_time_s"] == pytest.approx(8 * width * flops_at(model, width), rel=1e-6)
 
 
 def val_losses(run: Path) -> list[float]:

@@ -37,12 +37,11 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
 
 
-def throughput(
-    *, tokens: int, seconds: float, flops_per_token: float, world_size: int, peak: float | None
-) -> dict[str, float]:
-    """Global tokens/s, achieved TFLOP/s (whole job) and MFU (per-device average) for a window."""
+def throughput(*, tokens: int, seconds: float, flops: float, world_size: int, peak: float | None) -> dict[str, float]:
+    """Global tokens/s, achieved TFLOP/s (whole job) and MFU (per-device average) for a window
+    that trained `tokens` positions with `flops` model FLOPs."""
     tokens_per_s = tokens / seconds
-    tflops = tokens_per_s * flops_per_token / 1e12
+    tflops = flops / seconds / 1e12
     row = {"tokens_per_s": tokens_per_s, "tflops": tflops}
     if peak:
         row["mfu"] = tflops / (peak * world_size)

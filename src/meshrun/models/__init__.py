@@ -10,7 +10,9 @@ A model is an `nn.Module` with:
   parts a stage does not own (None, or removed from `blocks`).
 - `init_weights(seed)`: initialises the parts present; each parameter's values depend only on
   the seed and its name, never on which other parts exist.
-- `flops_per_token()`: training FLOPs per token of the whole model (for MFU).
+- `flops_per_token(length=None)`: training FLOPs per token of the whole model on samples of
+  `length` tokens (None: model.seq_len), for TFLOP/s and MFU. A model that takes no `length`
+  is priced at model.seq_len on every batch (see `flops_at`).
 
 Optionally `keep_stage(first=, last=)` drops the parts another pipeline stage owns (default:
 embed unless first, norm and head unless last).
@@ -25,6 +27,7 @@ meta device, so constructors must not initialise values themselves.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -136,3 +139,11 @@ def build_model(cfg: ModelConfig) -> ProtocolModule:
     base = "blocks as nn.ModuleDict" if isinstance(model, nn.Module) else "nn.Module as base class"
     what = ", ".join(missing) or base
     raise ConfigError(f"model from {cfg.factory or cfg.name} does not follow the model protocol (missing {what})")
+
+
+def flops_at(model: ProtocolModule, length: int) -> float:
+    """The model's training FLOPs per token on `length`-token samples (a length bucket is shorter
+    than model.seq_len); a user's model whose `flops_per_token` takes no length is priced as it says."""
+    if "length" in inspect.signature(model.flops_per_token).parameters:
+        return model.flops_per_token(length=length)
+    return model.flops_per_token()

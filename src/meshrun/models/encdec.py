@@ -214,16 +214,21 @@ class EncDec(StagedModel):
         """Each parameter from its own (seed, name) stream, so any pipeline split starts identical."""
         init_transformer_(self, seed, num_layers=self.cfg.num_layers)
 
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token of seq_len: 6 x matmul params on the tokens they see + attention (PaLM B)."""
+    def flops_per_token(self, length: int | None = None) -> float:
+        """Training FLOPs per token of `length`-token samples (default model.seq_len; a bucket keeps
+        the source's share): 6 x matmul params on the tokens they see (cross-attention's K/V
+        projections see the source) + attention (PaLM appendix B)."""
         c = self.cfg
-        source, target = split_lengths(c)
-        params = {"enc": 0, "dec": 0}
+        length = length or c.seq_len
+        source = length * split_lengths(c)[0] // c.seq_len
+        target = length - source
+        params = {"enc": 0, "dec": 0, "memory": 0}
         for name, p in self.named_parameters():
             if name.startswith("blocks."):
-                params["enc" if int(name.split(".")[1]) < self.num_encoder else "dec"] += p.numel()
+                encoder = int(name.split(".")[1]) < self.num_encoder
+                params["enc" if encoder else "memory" if ".cross.kv." in name else "dec"] += p.numel()
         head = c.dim * c.vocab_size
         num_decoder = c.num_layers - self.num_encoder
-        per_sample = 6.0 * (params["enc"] * source + (params["dec"] + head) * target)
+        per_sample = 6.0 * ((params["enc"] + params["memory"]) * source + (params["dec"] + head) * target)
         per_sample += 12.0 * c.dim * (self.num_encoder * source * source + num_decoder * target * (target + source))
-        return per_sample / c.seq_len
+        return per_sample / length

@@ -82,8 +82,9 @@ class GPT(StagedModel):
         """Initialise the parts present, each from its own seed, so any pipeline split starts identical."""
         init_transformer_(self, seed, num_layers=self.cfg.num_layers)
 
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 x matmul params + causal attention (PaLM appendix B)."""
+    def flops_per_token(self, length: int | None = None) -> float:
+        """Training FLOPs per token of `length`-token samples (default model.seq_len): 6 x matmul
+        params + causal attention, which grows with the length (PaLM appendix B)."""
         matmul_params = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("embed."))
         c = self.cfg
-        return 6.0 * matmul_params + 12.0 * c.num_layers * c.dim * c.seq_len
+        return 6.0 * matmul_params + 12.0 * c.num_layers * c.dim * (length or c.seq_len)

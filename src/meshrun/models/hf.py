@@ -199,10 +199,13 @@ class HFCausalLM(StagedModel):
             else:  # GPT-2 scales its residual output projections by depth, as transformers does
                 seeded_normal_(param, seed, name, std=depth_std if name.endswith("c_proj.weight") else std)
 
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 x matmul params (head included) + causal attention (PaLM appendix B)."""
+    def flops_per_token(self, length: int | None = None) -> float:
+        """Training FLOPs per token of `length`-token samples (default model.seq_len): 6 x matmul
+        params (head included) + causal attention (PaLM appendix B)."""
         c = self.hf_config
         matmul = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("embed."))
         matmul += c.vocab_size * c.hidden_size if self.tied else 0
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 6.0 * matmul + 12.0 * c.num_hidden_layers * c.num_attention_heads * head_dim * self.cfg.seq_len
+        return 6.0 * matmul + 12.0 * c.num_hidden_layers * c.num_attention_heads * head_dim * (
+            length or self.cfg.seq_len
+        )

@@ -23,7 +23,7 @@ from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throug
 from meshrun.metrics.profile import StepProfiler
 from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.trackers import Tracker, open_trackers
-from meshrun.models import build_model
+from meshrun.models import build_model, flops_at
 from meshrun.models.encdec import source_len
 from meshrun.outcome import Outcome
 from meshrun.parallel import parallelize
@@ -68,6 +68,7 @@ class Window:
 
     steps: int = 0
     tokens: int = 0  # positions trained on: global batch x its (bucket's) length, summed
+    flops: float = 0.0  # those tokens x the FLOPs per token at their length
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     start: float = 0.0
 
@@ -90,7 +91,8 @@ class Trainer:
         pairs_layout = {"source_len": source_len(cfg.model), "global_batch": cfg.train.global_batch}
         self.train_data = open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed, **pairs_layout)
         self.val_data = open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed, **pairs_layout)
-        self.flops_per_token = build_model(cfg.model).flops_per_token()
+        self.flops_model = build_model(cfg.model)  # on meta: prices a step's tokens at its length
+        self.flops_by_length: dict[int, float] = {}
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
         self.run_dir = Path(cfg.run_dir)
         self.skipped_steps = 0
@@ -188,6 +190,7 @@ class Trainer:
                 window.loss = window.loss + self.train_step(step)
             window.steps += 1
             window.tokens += self.step_tokens
+            window.flops += self.step_tokens * self.flops_per_token(self.step_tokens // cfg.global_batch)
             self.report.tick(done)
             requested, stop = self.requests.poll()  # asked for before this step: every rank acts now
             eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
@@ -196,7 +199,7 @@ class Trainer:
                 self.nonfinite.raise_if_any()  # before anything reads or saves these weights
             if log_due:
                 row = self._log_window(window, done)
-                timed.append((window.tokens, row["step_time_s"] * window.steps))
+                timed.append((window.tokens, window.flops, row["step_time_s"] * window.steps))
                 window = Window(start=time.perf_counter())
             if eval_due:
                 row["val_loss"] = self.evaluate()
@@ -209,8 +212,8 @@ class Trainer:
                 self.report.note(f"stop requested: checkpoint at step {done} written; rerun the same command to resume")
                 return Outcome.STOPPED
         # The first window pays for warm-up (allocations, pipeline shape inference): leave it out.
-        tokens, seconds = map(sum, zip(*(timed[1:] or timed)))
-        self._summary(row, tokens, seconds)
+        tokens, flops, seconds = map(sum, zip(*(timed[1:] or timed)))
+        self._summary(row, tokens, flops, seconds)
         return Outcome.COMPLETED
 
     def _checkpoint_due(self, done: int) -> bool:
@@ -338,6 +341,12 @@ class Trainer:
         self.max_state_bytes = int(max(g[2].item() for g in gathered))
         return sum(g[0].item() for g in gathered) / self.mesh.dp, [g[1].item() for g in gathered]
 
+    def flops_per_token(self, length: int) -> float:
+        """Training FLOPs per token of `length`-token samples (a length bucket is shorter), per length."""
+        if length not in self.flops_by_length:
+            self.flops_by_length[length] = flops_at(self.flops_model, length)
+        return self.flops_by_length[length]
+
     def _log_window(self, window: Window, done: int) -> dict:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -350,7 +359,7 @@ class Trainer:
             **throughput(
                 tokens=window.tokens,
                 seconds=seconds,
-                flops_per_token=self.flops_per_token,
+                flops=window.flops,
                 world_size=self.cfg.world_size,
                 peak=self.peak,
             ),
@@ -379,7 +388,7 @@ class Trainer:
         self.report.keep_timeline(done, by_stage, bubble=bubble)
         return bubble
 
-    def _summary(self, row: dict, tokens: int, seconds: float) -> None:
+    def _summary(self, row: dict, tokens: int, flops: float, seconds: float) -> None:
         summary = {
             "steps": self.cfg.train.steps,
             "final_loss": row.get("loss"),
@@ -387,7 +396,7 @@ class Trainer:
             **throughput(
                 tokens=tokens,
                 seconds=seconds,
-                flops_per_token=self.flops_per_token,
+                flops=flops,
                 world_size=self.cfg.world_size,
                 peak=self.peak,
             ),
@@ -412,3 +421,4 @@ def truncate_metrics(path: Path, *, after_step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(f"{line}\n" for line in rows))
     tmp.replace(path)
+
