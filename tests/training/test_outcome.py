@@ -52,6 +52,20 @@ def test_worker_returns_stopped_after_a_stop_signal_with_a_checkpoint(cue, data_
     assert steps_saved(tmp_path / "run") == [2]
 
 
+def test_a_row_cut_short_by_a_crash_does_not_block_the_resume(cue, data_dir: Path, tmp_path: Path) -> None:
+    """A run killed mid-write leaves half a metrics row: the resume drops it and logs on."""
+    import json
+
+    cfg = load_config(None, [a.removeprefix("--set=") for a in tiny(data_dir, tmp_path / "run", **JOB)])
+    cue("SIGNAL", 5)
+    assert job.run_worker(cfg) is Outcome.STOPPED
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 3, "loss": 5.4')  # the crash
+    assert job.run_worker(cfg) is Outcome.COMPLETED
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)] == [1, 2, 3, 4]
+
+
 def test_worker_records_failed_and_raises(cue, data_dir: Path, tmp_path: Path) -> None:
     cfg = load_config(None, [a.removeprefix("--set=") for a in tiny(data_dir, tmp_path / "run", **JOB)])
     cue("RAISE", 5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -414,11 +415,19 @@ class Trainer:
 
 
 def truncate_metrics(path: Path, *, after_step: int) -> None:
-    """Drop rows past the resumed step: that stretch is trained again, and logged again."""
+    """Drop rows past the resumed step: that stretch is trained again, and logged again. A row cut
+    short by a crash mid-write (its run was killed there) is dropped too, not a reason to fail."""
     if not path.exists():
         return
-    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= after_step]
+    rows = [line for line in path.read_text().splitlines() if _metrics_step(line) <= after_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(f"{line}\n" for line in rows))
     tmp.replace(path)
 
+
+def _metrics_step(line: str) -> float:
+    """A metrics.jsonl row's step; a partial or foreign row counts as past every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
