@@ -430,6 +430,33 @@ CASES = [
         env={"RANK": "0", "WORLD_SIZE": "four"},
         torch_free=True,
     ),
+    Case(
+        "stray-rank-beyond-the-world",  # hung in init_process_group, waiting for ranks 0-2
+        lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1)],
+        ("took this process for a torchrun worker", "RANK='3' is not a rank below WORLD_SIZE=1"),
+        env={"RANK": "3", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29555"},
+        torch_free=True,
+    ),
+    Case(
+        "stray-master-port-not-a-port",
+        lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1)],
+        ("took this process for a torchrun worker", "MASTER_PORT='abc' is not a port"),
+        env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "abc"},
+        torch_free=True,
+    ),
+    Case(
+        "run-dir-holds-someone-elses-metrics",  # summary.json was deleted, metrics.jsonl truncated
+        lambda c: ["train", *c.set(), f"--set=run_dir={c.write('theirs/metrics.jsonl', '{}').parent}"],
+        ("run_dir", "already holds metrics.jsonl but no meshrun config.json", "new folder"),
+        torch_free=True,
+    ),
+    Case(
+        "wandb-mode-env-not-a-mode",  # wandb raised in every worker, even with tracker.mode disabled
+        lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1, tracker__mode="disabled")],
+        ("WANDB_MODE='Offline' is not a wandb mode", "online, offline or disabled"),
+        env={"WANDB_MODE": "Offline"},
+        torch_free=True,
+    ),
     # --- config files that are not YAML configs ---
     Case(
         "config-binary",

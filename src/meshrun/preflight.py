@@ -78,8 +78,17 @@ def check_job(cfg: Config) -> None:
         check_readable(path)
 
 
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")  # what wandb's settings accept
+
+
 def check_observability(cfg: Config) -> None:
-    """The tensorboard package for that backend."""
+    """The tensorboard package for that backend; a WANDB_MODE wandb would refuse in every worker
+    (it wins over tracker.mode, and wandb reads it even when meshrun disables the tracker)."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode and mode not in WANDB_MODES:
+        raise ConfigError(
+            f"WANDB_MODE={mode!r} is not a wandb mode; set it to online, offline or disabled (lowercase), or unset it"
+        )
     if "tensorboard" in cfg.tracker.backends and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
             "tracker.backends names tensorboard, but the tensorboard package is not installed; "
@@ -101,12 +110,21 @@ def check_worker_env(cfg: Config) -> None:
             f"{took}, but its world size {world} does not match parallel.dp x parallel.pp = {cfg.parallel.dp} x "
             f"{cfg.parallel.pp}; launch {cfg.world_size} processes, change parallel.dp / parallel.pp, or {advice}"
         )
+    rank = os.environ["RANK"]
+    if not rank.isdigit() or int(rank) >= int(world):
+        raise ConfigError(f"{took}, but RANK={rank!r} is not a rank below WORLD_SIZE={world}; {advice}")
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         raise ConfigError(
             f"{took}, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set "
             f"(torchrun sets them); {advice}"
         )
+    port = os.environ["MASTER_PORT"]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{took}, but MASTER_PORT={port!r} is not a port (1-65535); {advice}")
+
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "outcome.json", "checkpoints", "loss.png", "pipeline_timeline.png")
 
 
 def check_run_dir(cfg: Config) -> None:
@@ -115,6 +133,12 @@ def check_run_dir(cfg: Config) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir {cfg.run_dir} is a file, not a folder; set run_dir to a new folder")
     existing = run_dir / "config.json"
+    ours = sorted(name for name in RUN_FILES if (run_dir / name).exists()) if run_dir.is_dir() else []
+    if ours and not existing.exists():  # a run rewrites or deletes these: they are someone else's
+        raise ConfigError(
+            f"run_dir {cfg.run_dir} already holds {', '.join(ours)} but no meshrun config.json, so they are not a "
+            "meshrun run's and would be overwritten; set run_dir to a new folder"
+        )
     if existing.exists():
         if cfg.train.resume == "none":
             raise ConfigError(
