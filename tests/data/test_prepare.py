@@ -186,7 +186,7 @@ def test_a_bpe_is_trained_on_an_even_sample_of_a_large_corpus(tmp_path: Path) ->
     """Documents totalling the budget, drawn from the whole corpus (not its first files)."""
     for i in range(50):
         (tmp_path / f"doc{i:02d}.txt").write_bytes(f"{i:02d}".encode() * 500)
-    found = find_sources([str(tmp_path / "*.txt")])
+    found, _ = find_sources([str(tmp_path / "*.txt")])
     sample = list(_spread_sample(found, "text", budget=10_000))
     assert 9_000 <= sum(map(len, sample)) <= 11_000
     picked = sorted(int(doc[:2]) for doc in sample)

@@ -207,6 +207,10 @@ REFUSED = {  # name: (write the source into folder -> path, fragments of the err
         lambda f: _dataset_dict(f, ["validation", "test"]),
         ("DatasetDict without a 'train' split (splits: validation, test)", "split's folder"),
     ),
+    "binary-file": (
+        lambda f: (f / "shard.bin").write_bytes(bytes(range(256)) * 40) and f / "shard.bin",
+        ("--source", "shard.bin is not text (a NUL byte in its first 8 KB)"),
+    ),
     "not-gzip": (lambda f: _write(f / "d.jsonl.gz", "plain text"), ("cannot read source", "d.jsonl.gz")),
     "not-parquet": (lambda f: _write(f / "e.parquet", "plain text"), ("cannot read source", "e.parquet")),
 }
@@ -336,3 +340,20 @@ def test_adding_sources_never_moves_a_val_document_into_train(tmp_path: Path) ->
     for split in ("train", "val"):
         before, after = stored_documents(v1, split), stored_documents(v2, split)
         assert before and all(doc in after for doc in before), split
+
+
+def test_a_folder_source_skips_hidden_and_binary_files(tmp_path: Path) -> None:
+    """A project folder: its text is read, its .git objects and an old dataset's token shards are
+    not (counted in the one line prepare-data prints)."""
+    from meshrun.data.prepare import describe
+
+    docs = make_documents(20, seed=3)
+    write_source("text", tmp_path / "proj" / "docs", docs)
+    (tmp_path / "proj" / ".git" / "objects").mkdir(parents=True)
+    (tmp_path / "proj" / ".git" / "objects" / "ab12").write_bytes(b"x\x9c" + bytes(100))
+    (tmp_path / "proj" / ".gitignore").write_text("*.bin\n")
+    (tmp_path / "proj" / "train-00000.bin").write_bytes(np.arange(1000, dtype=np.uint16).tobytes())
+    meta = prepare([str(tmp_path / "proj")], tmp_path / "out", val_fraction=0.2, workers=1, progress=False)
+    assert meta["documents"] == len(docs) and meta["skipped_files"] == 3
+    assert describe(meta).endswith("; skipped 3 hidden or binary files")
+    assert_documents_in_order(tmp_path / "out", [list(d.encode() + b"\n\n") for d in docs])

@@ -71,7 +71,7 @@ def prepare(
     """
     out = Path(out)
     _check_out(out)
-    found = find_sources(sources)
+    found, skipped = find_sources(sources)
     if not found:
         raise ConfigError(f"no files match --source {' '.join(sources)}")
     root = corpus_root(found)
@@ -94,6 +94,7 @@ def prepare(
         _check_enough(writers, sources)
         _balance_splits(writers, val_fraction)
         meta = _meta(spec, dtype, {split: w.close() for split, w in writers.items()}, records, sources)
+        meta["skipped_files"] = skipped
         (staging / "meta.json").write_text(json.dumps(meta, indent=2))
     except ConfigError:
         shutil.rmtree(staging)  # a refused input leaves nothing behind
@@ -265,4 +266,5 @@ def describe(meta: dict[str, Any]) -> str:
     return (
         f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {meta['num_files']} files "
         f"({meta['documents']} documents, {meta['tokenizer']['name']} tokenizer, vocab {meta['vocab_size']}, {meta['dtype']})"
+        + (f"; skipped {meta['skipped_files']} hidden or binary files" if meta.get("skipped_files") else "")
     )

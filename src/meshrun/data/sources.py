@@ -72,11 +72,15 @@ def kind_of(path: Path) -> str:
 
 def expand_sources(sources: list[str]) -> list[Path]:
     """Every file the sources name, sorted (a `datasets` folder counts as one entry)."""
-    return [s.path for s in find_sources(sources)]
+    return [s.path for s in find_sources(sources)[0]]
 
 
-def find_sources(sources: list[str]) -> list[Source]:
+def find_sources(sources: list[str]) -> tuple[list[Source], int]:
+    """The inputs the sources name, sorted, and how many files their folders held that were
+    skipped: hidden ones (.git, .cache, ...) and binary ones (a NUL byte in the first 8 KB, as git
+    decides). A binary file named on its own is refused."""
     found: dict[Path, Source] = {}
+    skipped = 0
     for source in sources:
         matches = glob.glob(source, recursive=True) if glob.has_magic(source) else [source]
         for match in matches:
@@ -84,10 +88,24 @@ def find_sources(sources: list[str]) -> list[Source]:
             if path.is_dir() and is_hf_dataset(path):
                 found[path] = Source(path, "hf")
             elif path.is_dir():
-                found.update((p, Source(p, kind_of(p))) for p in path.rglob("*") if p.is_file())
+                for file in (p for p in path.rglob("*") if p.is_file()):
+                    hidden = any(part.startswith(".") for part in file.relative_to(path).parts)
+                    if hidden or (kind_of(file) == "text" and is_binary(file)):
+                        skipped += 1
+                    else:
+                        found[file] = Source(file, kind_of(file))
             elif path.is_file():
+                if kind_of(path) == "text" and is_binary(path):
+                    raise ConfigError(
+                        f"--source {path} is not text (a NUL byte in its first 8 KB); name text, jsonl or parquet files"
+                    )
                 found[path] = Source(path, kind_of(path))
-    return [found[p] for p in sorted(found)]
+    return [found[p] for p in sorted(found)], skipped
+
+
+def is_binary(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
 
 
 def corpus_root(sources: list[Source]) -> Path:
