@@ -121,6 +121,24 @@ CASES = [
         torch_free=True,
     ),
     Case(
+        "set-value-not-utf8",  # a latin-1 path from the shell: a UnicodeEncodeError traceback in libyaml
+        lambda c: ["train", *c.set(), "--set=data.dir=caf\udce9"],
+        ("--set data.dir: the value is not valid UTF-8 text",),
+        torch_free=True,
+    ),
+    Case(
+        "rdzv-endpoint-port-out-of-range",  # torchrun's traceback after "starting workers"
+        lambda c: ["train", *c.set(), "--rdzv-endpoint", "localhost:99999"],
+        ("invalid launch.rdzv_endpoint", "HOST[:PORT] with PORT 1-65535", "'localhost:99999'"),
+        torch_free=True,
+    ),
+    Case(
+        "init-timeout-true",
+        lambda c: ["train", *c.set(tracker__init_timeout=True)],
+        ("invalid tracker.init_timeout", "got true"),
+        torch_free=True,
+    ),
+    Case(
         "config-missing",
         lambda c: ["train", str(c.tmp / "nope.yaml"), *c.set()],
         ("cannot read config file", "nope.yaml", "No such file"),

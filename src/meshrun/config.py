@@ -201,7 +201,7 @@ class TrackerConfig(Section):
     """wandb run name; None = the run directory's name."""
     entity: str | None = None
     """wandb entity (team or user)."""
-    init_timeout: float = Field(default=15.0, gt=0)
+    init_timeout: Float = Field(default=15.0, gt=0)
     """Seconds `online` waits for the wandb server before logging offline instead (WANDB_INIT_TIMEOUT wins)."""
     backends: list[Backend] = ["wandb", "jsonl"]
     """Where metric rows go: any of wandb, tensorboard (RUN_DIR/tensorboard), jsonl (RUN_DIR/metrics.jsonl)."""
@@ -338,6 +338,10 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"--set {key}: {part} is not a section")
         node = child
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a non-UTF-8 byte from the shell, e.g. a latin-1 path
+        raise ConfigError(f"--set {key}: the value is not valid UTF-8 text; give it in UTF-8") from None
     try:
         node[leaf] = parse_document(text, f"--set {key}") if text.strip() else None
     except ConfigError:

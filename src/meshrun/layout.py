@@ -9,10 +9,11 @@ model's depth, maybe read from a Hugging Face folder: `preflight` checks that (w
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from meshrun.config_fields import Int, Section, lowercase
 from meshrun.errors import ConfigError
@@ -80,6 +81,19 @@ class LaunchConfig(Section):
     """This node's address as the other nodes reach it (torchrun --local-addr); None = its host name."""
     host_node: bool | None = None
     """Whether this node hosts the rendezvous store (c10d is_host); None = torchrun guesses from rdzv_endpoint."""
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _host_and_port(cls, endpoint: str | None) -> str | None:
+        """HOST[:PORT] as torchrun parses it, checked here rather than in a torchrun traceback."""
+        if endpoint is None:
+            return None
+        host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+        if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+", host) or (
+            port and not (port.isdigit() and 0 < int(port) < 65536)
+        ):
+            raise ValueError(f"use HOST[:PORT] with PORT 1-65535 (got {endpoint!r})")
+        return endpoint
 
     @model_validator(mode="after")
     def _multi_node_needs_endpoint(self) -> LaunchConfig:

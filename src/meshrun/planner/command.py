@@ -205,13 +205,13 @@ def compare_run(args: argparse.Namespace) -> int:
         f"run {run}: dp {cfg.parallel.dp} x pp {cfg.parallel.pp} {cfg.parallel.schedule}, micro_batch "
         f"{cfg.train.micro_batch}, recompute {cfg.recompute} on {hw.name}; {source}"
     )
-    print(f"{'':<28}{'predicted':>12}{'measured':>12}{'ratio':>8}")
+    print(f"{'':<28}{'predicted':>12}{'measured':>12}{'ratio':>10}")
     for name, predicted, measured in (
         ("step time s (bubble formula)", formula.time.total, measured_time),
         ("step time s (measured bubble)", with_bubble.time.total, measured_time),
         ("bubble", formula.time.bubble_fraction, measured_bubble),
         ("tokens/s", formula.tokens_per_s, cfg.tokens_per_step / measured_time),
     ):
-        shown = f"{measured:>12.4g}{predicted / measured:>8.3f}" if measured else f"{'-':>12}{'-':>8}"
+        shown = f"{measured:>12.4g}{predicted / measured:>10.3g}" if measured else f"{'-':>12}{'-':>10}"
         print(f"{name:<28}{predicted:>12.4g}{shown}")
     return 0
