@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
+from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.preflight import check_checkpoint_args, check_plan_args, preflight
 from meshrun.versions import check_torch_version, installed_torch_version
 
@@ -361,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
         return 2 if isinstance(exc, ConfigError) else 1
     except KeyboardInterrupt:
+        if not in_launched_worker():  # once, from the launcher: Ctrl-C reaches every worker too
+            print(
+                "meshrun: interrupted (Ctrl-C): stopped without writing a checkpoint; rerun the same command to "
+                "resume from the newest one, or stop with SIGTERM/SIGUSR1 to write one first",
+                file=sys.stderr,
+            )
         return 130
 
 

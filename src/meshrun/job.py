@@ -153,16 +153,24 @@ def run_torchrun(argv: list[str], *, env: dict[str, str]) -> tuple[int, bool]:
 
     previous = {sig: signal.signal(sig, relay) for sig in STOP_SIGNALS}
     try:
-        return proc.wait(), bool(relayed)
+        code = proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached torchrun too: let it end its workers before we report
+        proc.wait()
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if code == 128 + signal.SIGINT and not relayed:  # torchrun's Ctrl-C, where this process ignores SIGINT
+        raise KeyboardInterrupt
+    return code, bool(relayed)
 
 
 def run_worker(cfg: Config) -> Outcome:
     """The worker's training entry: trains, and returns and records how the run ended."""
     from meshrun.training.trainer import Trainer  # heavy imports only in workers
 
+    if in_launched_worker():  # Ctrl-C: torchrun passes SIGINT on; end at once, as every rank does,
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # not with tracebacks of peers gone mid-collective
     par, run_dir = cfg.parallel, Path(cfg.run_dir)
     mesh = init_mesh(dp=par.dp, pp=par.pp, dp_mode=par.dp_mode, dp_shard=par.dp_shard)
     rank, trainer = mesh.rank, None

@@ -22,10 +22,25 @@ STEPS = {"train.steps": 6, "train.lr": 3e-3}
 # ---- argv (pure) ---------------------------------------------------------------------------
 
 
+def test_the_agent_is_torchruns_own_main() -> None:
+    """meshrun.launcher.agent imports torchrun's main and its SignalException: a torch upgrade that
+    moves either fails here, not in a preempted job."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "meshrun.launcher.agent", "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "--nproc-per-node" in done.stdout and "--rdzv-endpoint" in done.stdout
+
+
 def test_one_node_uses_a_private_rendezvous() -> None:
     cfg = load_config(None, ["parallel.dp=2", "parallel.pp=2", "launch.max_restarts=3"])
     argv = torchrun_argv(cfg, ["train", "--set=parallel.dp=2"])
-    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert argv[:3] == [sys.executable, "-m", "meshrun.launcher.agent"]  # torchrun, quiet on a stop
     assert argv[3:] == [
         "--standalone",
         "--nproc-per-node=4",

@@ -116,7 +116,21 @@ def test_signal_to_the_launcher_reaches_the_workers(sig, data_dir: Path, tmp_pat
     code, err = finish(proc)
     assert code == 75, err[-3000:]
     assert "stop requested: checkpoint at step" in err
+    assert "Traceback" not in err, err[-3000:]  # torchrun's agent ends quietly on the stop it relayed
     assert not workers(proc.pid)  # nothing left behind
+
+
+def test_ctrl_c_ends_every_process_with_one_line(data_dir: Path, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the launcher's process group: the launcher and torchrun): every rank ends
+    at once, no rank prints a traceback, and the launcher says in one line that nothing was saved."""
+    run = tmp_path / "run"
+    proc = start(data_dir, run)
+    wait_for(lambda: (run / "checkpoints" / "latest").exists(), timeout=180, what="the first checkpoint")
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err = finish(proc)
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "meshrun: interrupted (Ctrl-C): stopped without writing a checkpoint" in err, err
+    assert not workers(proc.pid)
 
 
 def test_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(data_dir: Path, tmp_path: Path) -> None:

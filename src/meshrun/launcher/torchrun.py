@@ -10,6 +10,7 @@ from meshrun.config import Config
 # torchrun's agent shares its TCPStore with the workers by default; after a restart the store
 # keeps stale addresses and gloo fails to connect (pytorch #135712). Not sharing it is reliable.
 WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+AGENT = "meshrun.launcher.agent"
 
 
 def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
@@ -20,7 +21,7 @@ def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
     and `host_node` differ), and torchrun numbers the nodes as they join.
     """
     launch = cfg.launch
-    argv = [sys.executable, "-m", "torch.distributed.run"]
+    argv = [sys.executable, "-m", AGENT]  # torch.distributed.run, without a traceback on a stop
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
         argv.append("--standalone")
     else:

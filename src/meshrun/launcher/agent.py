@@ -1,0 +1,21 @@
+"""torchrun's agent as meshrun starts it: `torch.distributed.run`'s own main, ending on the stop
+signal it passes to the workers (they checkpoint and say so in one line) with the signal's exit
+status instead of a Python traceback in every preempted job's log."""
+
+from __future__ import annotations
+
+import sys
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import main
+
+
+def run() -> None:
+    try:
+        main()
+    except SignalException as stop:
+        sys.exit(128 + int(stop.sigval))
+
+
+if __name__ == "__main__":
+    run()
