@@ -812,6 +812,21 @@ CASES = [
         subprocess=True,
         torch_free=True,
     ),
+    Case(  # these were found only after the whole checkpoint was consolidated
+        "export-out-exists",
+        lambda c: ["export", str(c.folder("ckpt")), "--out", str(c.write("m.pt", "mine"))],
+        ("--out", "m.pt already exists", "choose another --out"),
+        torch_free=True,
+    ),
+    Case(
+        "export-out-wrong-suffix",
+        lambda c: ["export", str(c.folder("ckpt")), "--out", str(c.tmp / "model.bin")],
+        (
+            "--out",
+            "model.bin: use a .safetensors or .pt file name",
+        ),
+        torch_free=True,
+    ),
 ]
 
 

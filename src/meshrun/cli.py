@@ -234,6 +234,10 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
         return 0
     except CheckpointError as exc:  # a bad path given on the command line
         raise ConfigError(str(exc)) from None
+    except OSError as exc:  # export --hf into a place that cannot be written after all
+        raise ConfigError(
+            f"{exc.filename or 'the output'} cannot be written ({exc.strerror}); choose another path"
+        ) from None
 
 
 def _prepare_data(args: argparse.Namespace) -> int:

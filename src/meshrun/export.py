@@ -28,7 +28,7 @@ from meshrun.hf_config import vocab_size
 from meshrun.models.encdec import EncDec
 from meshrun.models.hf_export import load_tokenizer
 from meshrun.models.seq2seq_decode import decode as seq2seq_decode
-from meshrun.preflight import data_dir, preflight
+from meshrun.preflight import check_export_target, data_dir, preflight
 
 
 def load_full_model(
@@ -64,20 +64,23 @@ def export(
 ) -> Path:
     """Write one file: `.safetensors` (config in its metadata) or `.pt` (a plain dict, weights_only-loadable)."""
     out = Path(out)
-    if out.exists():
-        raise ConfigError(f"{out} already exists; choose another --out")
+    check_export_target("--out", str(out))  # again for callers other than the CLI
     model, cfg, folder = load_full_model(run_or_checkpoint, factory=factory, trust_code=trust_code)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     config = json.dumps(cfg.model_dump(mode="json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-        save_file(state, str(out), metadata={"meshrun_config": config, "checkpoint": folder.name})
-    elif out.suffix in (".pt", ".pth"):
-        torch.save({"model": state, "meshrun_config": config}, out)
-    else:
-        raise ConfigError(f"--out {out}: use a .safetensors or .pt file name")
+            save_file(state, str(out), metadata={"meshrun_config": config, "checkpoint": folder.name})
+        else:
+            torch.save({"model": state, "meshrun_config": config}, out)
+    except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error for the same causes
+        out.unlink(missing_ok=True)
+        raise ConfigError(
+            f"--out {out} cannot be written ({' '.join(str(exc).split())}); choose another --out"
+        ) from None
     return out
 
 

@@ -274,17 +274,29 @@ def check_plan_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--run {args.run} holds no config.json; pass a meshrun run directory")
 
 
+def check_export_target(flag: str, out: str) -> None:
+    """Where `export` writes: a new path (never over a file or folder), the right suffix for a
+    file, below a folder this process can write; found before the checkpoint is consolidated."""
+    path = Path(out)
+    if path.exists():
+        raise ConfigError(f"{flag} {out} already exists; choose another {flag}")
+    if flag == "--out" and path.suffix not in (".safetensors", ".pt", ".pth"):
+        raise ConfigError(f"--out {out}: use a .safetensors or .pt file name")
+    for folder in path.absolute().parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(f"{flag} {out}: {folder} is a file, not a folder; choose another {flag}")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise ConfigError(f"{flag} {out}: {folder} is not writable; choose another {flag}")
+            return
+
+
 def check_checkpoint_args(args: argparse.Namespace) -> None:
     """`export` / `sample` arguments, checked before torch is imported."""
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
     if args.command == "export":
-        flag, out = ("--hf", args.hf) if args.hf else ("--out", args.out)
-        for folder in Path(out).absolute().parents:
-            if folder.exists():
-                if not folder.is_dir():
-                    raise ConfigError(f"{flag} {out}: {folder} is a file, not a folder; choose another {flag}")
-                break
+        check_export_target(*(("--hf", args.hf) if args.hf else ("--out", args.out)))
         return
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be at least 1 (tokens to generate), got {args.tokens}")
