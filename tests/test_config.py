@@ -705,6 +705,22 @@ CASES = [
         torch_free=True,
     ),
     Case(
+        "plan-calibration-missing",  # silently fell back to the default fit
+        lambda c: ["plan", *c.set(), "--gpu", "h100", "--calibration", str(c.tmp / "nope.json")],
+        ("--calibration", "nope.json is not a file", "--calibrate"),
+        torch_free=True,
+    ),
+    Case(
+        "plan-calibration-not-a-record",  # a JSONDecodeError traceback
+        lambda c: ["plan", *c.set(), "--gpu", "h100", "--calibration", str(c.write("bad.json", "{"))],
+        ("bad.json is not a calibration record", "meshrun plan --calibrate"),
+    ),
+    Case(
+        "report-run-config-not-a-run",  # a KeyError traceback
+        lambda c: ["report", str(c.write("badrun/config.json", "{}").parent)],
+        ("badrun/config.json is not a meshrun run's resolved config",),
+    ),
+    Case(
         "plan-factory-missing",
         lambda c: ["plan", *c.set(model__factory="no_such_module_xyz:build")],
         ("invalid model.factory 'no_such_module_xyz:build'",),

@@ -10,6 +10,7 @@ environment: answered in well under a second), then imports torch to build the m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -152,7 +153,8 @@ def check_run_dir(cfg: Config) -> None:
 def check_same_model(existing: Path, cfg: Config) -> None:
     """A run directory continues only a meshrun run of the same model (any dp x pp layout)."""
     try:
-        before = Config.model_validate(json.loads(existing.read_text())).model
+        earlier = Config.model_validate(json.loads(existing.read_text()))
+        before = earlier.model
     except ValueError:
         raise ConfigError(
             f"run_dir {cfg.run_dir} already holds files that are not a meshrun run ({existing.name}); "
@@ -164,6 +166,23 @@ def check_same_model(existing: Path, cfg: Config) -> None:
                 f"run_dir {cfg.run_dir} holds a run of a different model (model.{key} is {getattr(before, key)!r} there, "
                 f"{value!r} here); use the same model settings or a new run_dir"
             )
+    then, now = data_tokenizer(earlier), data_tokenizer(cfg)
+    if then and now and then["sha256"] != now["sha256"]:
+        raise ConfigError(
+            f"run_dir {cfg.run_dir} holds a run trained on data tokenized with {then['name']}, but this data was "
+            f"tokenized with {now['name']}: its ids mean other words to the model; use the same tokenizer or a new run_dir"
+        )
+
+
+def data_tokenizer(cfg: Config) -> dict | None:
+    """The tokenizer (name, sha256) the config's training data records, when its folder is there."""
+    from meshrun.data.storage import read_meta
+
+    folder = Path(cfg.data.mixture[0].dir) if cfg.data.mixture else data_dir(cfg)
+    with contextlib.suppress(ConfigError, OSError):
+        meta = read_meta(folder)
+        return meta.get("tokenizer") if meta else None
+    return None
 
 
 def check_writable(run_dir: Path) -> None:
@@ -270,6 +289,10 @@ def check_plan_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--gpu: unknown GPU {args.gpu!r}: use one of {', '.join(SHORT_NAMES)}, or cpu")
     if args.write and Path(args.write).exists():
         raise ConfigError(f"--write {args.write} already exists; choose a new file name (plan never overwrites)")
+    if args.write:
+        check_writable_parent("--write", args.write)
+    if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
+        raise ConfigError(f"--calibration {args.calibration} is not a file; pass one `meshrun plan --calibrate` wrote")
     if args.run and not (Path(args.run) / "config.json").is_file():
         raise ConfigError(f"--run {args.run} holds no config.json; pass a meshrun run directory")
 
@@ -282,7 +305,12 @@ def check_export_target(flag: str, out: str) -> None:
         raise ConfigError(f"{flag} {out} already exists; choose another {flag}")
     if flag == "--out" and path.suffix not in (".safetensors", ".pt", ".pth"):
         raise ConfigError(f"--out {out}: use a .safetensors or .pt file name")
-    for folder in path.absolute().parents:
+    check_writable_parent(flag, out)
+
+
+def check_writable_parent(flag: str, out: str) -> None:
+    """The nearest existing folder above `out` is a folder this process may write into."""
+    for folder in Path(out).absolute().parents:
         if folder.exists():
             if not folder.is_dir():
                 raise ConfigError(f"{flag} {out}: {folder} is a file, not a folder; choose another {flag}")

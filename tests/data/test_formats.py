@@ -235,3 +235,19 @@ def test_sample_decodes_with_the_datasets_tokenizer(
             logits = model(torch.tensor([ids[-16:]]))[0, -1]
             ids.append(int(logits.masked_fill(healing, float("-inf")).argmax() if step == 0 else logits.argmax()))
     assert max(ids) < VOCAB and printed == tokenizer.decode(ids) and printed.startswith("the model")
+
+
+def test_a_run_is_not_continued_on_data_of_another_tokenizer(
+    bpe_data: Path, data_dir: Path, tmp_path: Path, clean_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run trained on BPE ids, resumed on byte data with the same model settings: refused (its
+    ids would mean other words), and nothing in the run directory changes."""
+    run = tmp_path / "run"
+    first_loss(bpe_data, run, **{"train.steps": 1})
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run.iterdir())
+    capsys.readouterr()
+    args = tiny(data_dir, run, **{"model.vocab_size": VOCAB, "model.num_layers": 2, "train.steps": 2})
+    assert cli.main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert "trained on data tokenized with bpe:300, but this data was tokenized with byte" in err, err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run.iterdir()) == before

@@ -203,6 +203,12 @@ def test_report_table_equals_the_runs_summaries(profiled_run: Path, resumed_run:
         assert close(cells["final loss"], summary["final_loss"], decimals=5)
         assert close(cells["val loss"], summary["final_val_loss"], decimals=5)
     assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
+    # a picture name it cannot write (a traceback), or a run's own picture (it was replaced): one line each
+    loss_png = (profiled_run / "loss.png").read_bytes()
+    for bad, message in (("curves.md", "name a .png"), (str(profiled_run / "loss.png"), "is a file of the run")):
+        refused = run_meshrun(["report", "a", "--out", bad], tmp_path=tmp_path, timeout=60, check=False)
+        assert refused.returncode == 2 and message in refused.stderr and len(refused.stderr.splitlines()) == 1
+    assert (profiled_run / "loss.png").read_bytes() == loss_png
 
 
 def test_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:

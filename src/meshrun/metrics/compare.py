@@ -41,6 +41,10 @@ def read_run(path: Path) -> RunRecord:
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.is_file() else []
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read run {path}: {exc}") from None
+    if not isinstance(config, dict) or not {"parallel", "precision", "train"} <= config.keys():
+        raise ConfigError(
+            f"{path}/config.json is not a meshrun run's resolved config; pass the run_dir of a training job"
+        )
     return RunRecord(path.name or str(path), config, summary, rows)
 
 
@@ -103,5 +107,12 @@ def report(paths: list[str], *, out: str) -> str:
     target = Path(out)
     if target.is_dir():
         raise ConfigError(f"--out {out} is a folder; name a .png file")
-    plot_losses(runs, target)
+    if target.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise ConfigError(f"--out {out}: name a .png (or .pdf, .svg) file for the loss curves")
+    if target.exists() and (target.parent / "config.json").is_file():
+        raise ConfigError(f"--out {out} is a file of the run in {target.parent}; choose another --out")
+    try:
+        plot_losses(runs, target)
+    except OSError as exc:
+        raise ConfigError(f"--out {out} cannot be written ({exc.strerror}); choose another --out") from None
     return format_table(runs) + f"\n\nloss curves: {target}"

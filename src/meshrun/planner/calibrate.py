@@ -204,14 +204,17 @@ def save(path: Path, device: str, precision: str, eff: Efficiency, rows: list[di
 
 
 def load(path: Path) -> tuple[str, Efficiency]:
-    """(device, constants) saved by `save`."""
-    record = json.loads(path.read_text())
-    return record["device"], Efficiency(
-        achieved_flops=record["achieved_flops"],
-        action_s=record["action_s"],
-        step_s=record["step_s"],
-        # files saved before recompute and two-rank probes: the defaults
-        recompute_cost=record.get("recompute_cost", Efficiency.recompute_cost),
-        p2p_s=record.get("p2p_s", Efficiency.p2p_s),
-        parallel_devices=record.get("parallel_devices"),
-    )
+    """(device, constants) saved by `save`; one line naming the file when it is not such a record."""
+    try:
+        record = json.loads(path.read_text())
+        return record["device"], Efficiency(
+            achieved_flops=record["achieved_flops"],
+            action_s=record["action_s"],
+            step_s=record["step_s"],
+            # files saved before recompute and two-rank probes: the defaults
+            recompute_cost=record.get("recompute_cost", Efficiency.recompute_cost),
+            p2p_s=record.get("p2p_s", Efficiency.p2p_s),
+            parallel_devices=record.get("parallel_devices"),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(f"{path} is not a calibration record; run `meshrun plan --calibrate CONFIG` again") from None
