@@ -28,6 +28,7 @@ from meshrun.metrics.console import say
 from meshrun.outcome import Outcome, clear_record, launcher_exit_code, read_record, write_record
 from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.preflight import check_data_fits, data_dir, reads_in_place
+from meshrun.run_lock import hold_run_dir
 from meshrun.training.preemption import STOP_SIGNALS
 
 
@@ -125,6 +126,12 @@ def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
             ensure_data(cfg)
         run_worker(cfg)
         return 0  # stopped on request too: torchrun restarts a group that exits non-zero
+    with hold_run_dir(Path(cfg.run_dir)) if cfg.launch.nnodes == 1 else contextlib.nullcontext():
+        return launch(cfg, worker_args, model)
+
+
+def launch(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
+    """This node's part of the job: data, the resume check, then one process or torchrun."""
     ensure_data(cfg)
     if resume_candidates(cfg.run_dir, cfg.train.resume):  # cannot resume: stop before any worker exists
         from meshrun.checkpoint import check_resumable  # torch.distributed.checkpoint: only when there is one

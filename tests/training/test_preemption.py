@@ -162,3 +162,21 @@ def test_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(data
     )
     assert f"resumed from {complete[-1]} at step" in result.stderr
     assert not any(root.glob("*.tmp"))  # the interrupted save's folder was cleared by the next save
+
+
+def test_a_second_job_on_a_run_dir_in_use_is_refused(data_dir: Path, tmp_path: Path) -> None:
+    """The same command in a second terminal while the first job trains: refused in one line
+    naming the owner (it resumed from the first job's checkpoints and truncated its metrics)."""
+    run = tmp_path / "run"
+    first = start(data_dir, run)
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").exists(), timeout=180, what="training to start")
+        second = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path, check=False)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert len(second.stderr.splitlines()) == 1
+        assert f"is in use by another meshrun job (pid {first.pid} on " in second.stderr
+    finally:
+        os.kill(first.pid, signal.SIGTERM)
+        finish(first)
+    resumed = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)  # once it ended: free again
+    assert "resumed from" in resumed.stderr
