@@ -104,6 +104,25 @@ def val_losses(run: Path) -> list[float]:
     return [row["val_loss"] for row in read_metrics(run) if "val_loss" in row]
 
 
+def test_val_loss_is_the_token_mean_over_all_validation_batches(reference: Path, lopsided_dir: Path) -> None:
+    """The final validation (step 6, final weights) equals plain cross-entropy summed over every
+    target token of both validation batches / their count: batches of different widths and
+    paddings are weighted by their tokens, not averaged as batch means."""
+    from meshrun.export import load_full_model
+
+    model = load_full_model(reference)[0].eval()
+    cfg = config_from_set_args(tiny(lopsided_dir, "unused", **BUCKETED))
+    data = open_dataset(
+        cfg.data, lopsided_dir, "val", seq_len=40, seed=cfg.train.seed, source_len=source_len(cfg.model), global_batch=8
+    )
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in (data.batch(0, 8), data.batch(8, 8)):
+            total += torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
+            count += int((y != -100).sum())
+    assert val_losses(reference)[-1] == pytest.approx(total / count, abs=1e-5)
+
+
 def test_dp2_pp2_on_buckets_matches_one_process(dp2_pp2: Path, reference: Path) -> None:
     assert_same_training(dp2_pp2, reference)
     assert len(val_losses(reference)) == 2

@@ -324,13 +324,17 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean token loss over `eval_batches` validation batches: each batch's token mean weighted
+        by its target tokens (padded batches of pairs hold different numbers)."""
         self.model.train(False)
-        total = torch.zeros((), device=self.device)
+        total, tokens = torch.zeros((), device=self.device), 0
         for batch in range(self.cfg.train.eval_batches):
             position = batch * self.cfg.train.global_batch
             loss_fn = self.batch_loss(self.val_data, position, scaler=None)
-            total += self.model.evaluate(*self.local_batch(self.val_data, position), loss=loss_fn)
-        return self._mean_over_replicas(total / self.cfg.train.eval_batches)[0]
+            weight = self.val_data.target_tokens(position, self.cfg.train.global_batch)
+            total += weight * self.model.evaluate(*self.local_batch(self.val_data, position), loss=loss_fn)
+            tokens += weight
+        return self._mean_over_replicas(total / tokens)[0]
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> tuple[float, list[float]]:
         """Loss averaged over dp (it lives on the last stage) and every rank's peak memory
