@@ -468,6 +468,24 @@ CASES = [
         ("run_dir", "already holds metrics.jsonl but no meshrun config.json", "new folder"),
         torch_free=True,
     ),
+    Case(  # settings of a mode the layout does not use: silently ignored before
+        "fsdp-setting-under-ddp",
+        lambda c: ["train", *c.set(parallel__fsdp_param_dtype="bf16")],
+        ("parallel.fsdp_param_dtype is for dp_mode fsdp/hsdp (dp_mode is ddp)", "parallel.dp_mode=fsdp"),
+        torch_free=True,
+    ),
+    Case(
+        "virtual-stages-without-a-pipeline",
+        lambda c: ["train", *c.set(parallel__virtual_stages=4)],
+        ("parallel.virtual_stages is for a pipeline (pp is 1)",),
+        torch_free=True,
+    ),
+    Case(
+        "profile-steps-after-the-last",
+        lambda c: ["train", *c.set(profile__steps=[100], train__steps=2)],
+        ("profile.steps [100] come after the last step (train.steps is 2)",),
+        torch_free=True,
+    ),
     Case(
         "wandb-mode-env-not-a-mode",  # wandb raised in every worker, even with tracker.mode disabled
         lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1, tracker__mode="disabled")],

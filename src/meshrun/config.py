@@ -276,6 +276,12 @@ class Config(Section):
             micro_batch=self.train.micro_batch,
             profiled_ranks=self.profile.ranks or [],
         )
+        late = [step for step in self.profile.steps if step > self.train.steps]
+        if late:
+            raise ConfigError(
+                f"profile.steps {late} come after the last step (train.steps is {self.train.steps}): "
+                "no trace would be written; profile earlier steps"
+            )
         return self
 
     @property

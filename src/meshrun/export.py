@@ -103,6 +103,10 @@ def sample(
     if isinstance(model, EncDec):
         target = seq2seq_decode(model, [i + NUM_SPECIAL for i in encode(prompt)], beam=beam, max_tokens=num_tokens)
         return decode([i - NUM_SPECIAL for i in target if i >= NUM_SPECIAL])
+    if beam > 1:
+        raise ConfigError(
+            "--beam is for encoder-decoder models (model.name: encdec); sample this one with --temperature"
+        )
     generator = torch.Generator().manual_seed(seed)
     pairs = pairs_vocab(cfg)
     if pairs:  # ids as training saw them: shifted past pad/BOS/EOS, the answer starts after BOS

@@ -65,6 +65,24 @@ class ParallelConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _settings_that_apply(self) -> ParallelConfig:
+        """A setting of a mode this layout does not use is refused, not silently ignored."""
+        if self.pp == 1 and (self.virtual_stages or 1) > 1:
+            raise ValueError("parallel.virtual_stages is for a pipeline (pp is 1); remove it or set parallel.pp > 1")
+        if self.pp == 1 and self.stage_layers is not None and len(self.stage_layers) > 1:
+            raise ValueError(
+                f"parallel.stage_layers lists {len(self.stage_layers)} stages but pp is 1; remove it or set parallel.pp"
+            )
+        if self.dp_mode == "ddp":
+            unused = [f"fsdp_{n}" for n in ("param_dtype", "reduce_dtype") if getattr(self, f"fsdp_{n}") != "fp32"]
+            unused += ["fsdp_reshard_after_forward"] if self.fsdp_reshard_after_forward is not None else []
+            if unused:
+                raise ValueError(
+                    f"parallel.{unused[0]} is for dp_mode fsdp/hsdp (dp_mode is ddp); remove it or set parallel.dp_mode=fsdp"
+                )
+        return self
+
 
 class LaunchConfig(Section):
     max_restarts: Int = Field(default=0, ge=0)

@@ -235,6 +235,8 @@ def test_sample_decodes_with_the_datasets_tokenizer(
             logits = model(torch.tensor([ids[-16:]]))[0, -1]
             ids.append(int(logits.masked_fill(healing, float("-inf")).argmax() if step == 0 else logits.argmax()))
     assert max(ids) < VOCAB and printed == tokenizer.decode(ids) and printed.startswith("the model")
+    assert cli.main(["sample", str(run), "--prompt", "the", "--beam", "3"]) == 2  # beams are the encoder-decoder's
+    assert "--beam is for encoder-decoder models" in capsys.readouterr().err
 
 
 def test_a_run_is_not_continued_on_data_of_another_tokenizer(
