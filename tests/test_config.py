@@ -468,6 +468,12 @@ CASES = [
         ("run_dir", "already holds metrics.jsonl but no meshrun config.json", "new folder"),
         torch_free=True,
     ),
+    Case(  # a path error: found before torch is imported (it took 4 s)
+        "model-hf-not-a-folder",
+        lambda c: ["train", *c.set(model__hf=str(c.tmp / "no-model"))],
+        ("model.hf", "no-model is not a directory", "config.json"),
+        torch_free=True,
+    ),
     Case(  # settings of a mode the layout does not use: silently ignored before
         "fsdp-setting-under-ddp",
         lambda c: ["train", *c.set(parallel__fsdp_param_dtype="bf16")],

@@ -70,6 +70,7 @@ def _tokenizer_slug(tokenizer: str | None) -> str:
 def check_job(cfg: Config) -> None:
     """Every torch-free check of a training job (`train`, with or without --dry-run, and `slurm`)."""
     check_worker_env(cfg)
+    hf_dir(cfg.model)  # model.hf: a local folder with a config.json (reading it needs no torch)
     validate_layout(cfg)  # blocks and microbatches over pipeline stages: needs the model's depth
     check_run_dir(cfg)
     check_writable(Path(cfg.run_dir))
