@@ -824,7 +824,19 @@ CASES = [
     Case(
         "sample-temperature-nan",
         _sample("--temperature", "nan"),
-        ("--temperature must be a finite number >= 0",),
+        ("--temperature must be a number in [0, 1000]",),
+        torch_free=True,
+    ),
+    Case(
+        "sample-temperature-huge",  # logits / 1e308 made the probabilities nan: a traceback
+        _sample("--temperature", "1e308"),
+        ("--temperature must be a number in [0, 1000]",),
+        torch_free=True,
+    ),
+    Case(
+        "sample-seed-beyond-64-bits",  # torch's manual_seed raised an overflow traceback
+        _sample("--seed", "99999999999999999999999"),
+        ("--seed must fit in 64 bits",),
         torch_free=True,
     ),
     Case("sample-temperature-negative", _sample("--temperature", "-1"), ("--temperature", "got -1.0"), torch_free=True),

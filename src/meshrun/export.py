@@ -45,7 +45,7 @@ def load_full_model(
     try:
         cfg = Config.model_validate(json.loads((folder / CONFIG).read_text()))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {folder} has no usable {CONFIG} ({type(exc).__name__})") from None
+        raise CheckpointError(f"checkpoint {folder} has no usable {CONFIG} ({' '.join(str(exc).split())})") from None
     if factory is not None:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"factory": factory})})
     elif cfg.model.factory is not None and not trust_code:

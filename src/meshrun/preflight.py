@@ -329,8 +329,10 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
         return
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be at least 1 (tokens to generate), got {args.tokens}")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not math.isfinite(args.temperature) or not 0 <= args.temperature <= 1000:
+        raise ConfigError(f"--temperature must be a number in [0, 1000] (0 = greedy), got {args.temperature}")
+    if not -(2**63) <= args.seed < 2**64:
+        raise ConfigError(f"--seed must fit in 64 bits, got {args.seed}")
     if args.beam < 1:
         raise ConfigError(f"--beam must be at least 1 (1 = greedy), got {args.beam}")
     if args.top_k < 0:

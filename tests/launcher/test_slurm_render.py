@@ -52,6 +52,18 @@ def test_cli_runs_the_train_preflight(overrides: list[str], message: str, tmp_pa
     assert message in refused([*BASE, *(f"--set={o}" for o in overrides)], tmp_path)
 
 
+def test_stop_signal_must_come_before_the_time_limit(tmp_path: Path) -> None:
+    """USR1 due 3600 s before a 10-minute limit would stop the job before it trains: refused;
+    every --time format is read in seconds the way sbatch reads it."""
+    from meshrun.launcher.slurm import time_limit_seconds
+
+    message = refused([*BASE, "--time=0:10:00", "--signal-seconds=3600"], tmp_path)
+    assert "--signal-seconds 3600 is not below the --time limit (600 s)" in message
+    for value, seconds in [("10", 600), ("10:30", 630), ("1:00:00", 3600), ("2-3", 183600), ("2-3:04", 183840)]:
+        assert time_limit_seconds(value) == seconds, value
+    assert time_limit_seconds("1-00:00:01") == 86401 and time_limit_seconds("UNLIMITED") is None
+
+
 def render(**options: object) -> str:
     cfg = load_config(None, ["parallel.dp=1", "parallel.pp=2", "run_dir=runs/x\n#SBATCH --wrap=id"])
     return render_sbatch(cfg, config=None, overrides=[], nodes=2, gpus_per_node=1, **options)

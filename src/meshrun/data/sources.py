@@ -133,7 +133,7 @@ def documents(source: Source, *, field: str) -> Iterator[str | bytes]:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - pyarrow / gzip / json errors: the file does not parse
-        raise ConfigError(f"cannot read source {source.path}: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"cannot read source {source.path}: {' '.join(str(exc).split()) or 'unreadable'}") from None
 
 
 def _jsonl(path: Path, field: str) -> Iterator[str]:

@@ -67,7 +67,9 @@ def load_tokenizer(path: str | Path) -> TokenizerSpec:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - tokenizers / transformers parse errors
-        raise ConfigError(f"--tokenizer {path} cannot be loaded: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            f"--tokenizer {path} cannot be loaded: {' '.join(str(exc).split()) or 'unreadable'}"
+        ) from None
     return _spec(str(path), tokenizer, eos)
 
 

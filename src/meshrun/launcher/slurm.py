@@ -65,6 +65,20 @@ def checked(flag: str, value: str) -> str:
     return value
 
 
+def time_limit_seconds(value: str) -> int | None:
+    """sbatch's --time in seconds: minutes, MM:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS (None: unlimited)."""
+    if value.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, clock = value.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:  # D-H, D-H:MM, D-H:MM:SS
+        hours, minutes, seconds = [*parts, 0, 0][:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(parts) == 3:  # H:MM:SS
+        return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+    return parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)  # minutes, or MM:SS
+
+
 def render_sbatch(
     cfg: Config,
     *,
@@ -92,6 +106,12 @@ def render_sbatch(
         raise ConfigError("--gpus-per-node must be >= 0 (0: CPU only) and --signal-seconds >= 1")
     if cpus_per_task is not None and cpus_per_task < 1:
         raise ConfigError(f"--cpus-per-task must be >= 1, got {cpus_per_task}; or leave it out for Slurm's default")
+    limit = time_limit_seconds(checked("--time", time)) if time is not None else None
+    if limit is not None and signal_seconds >= limit:
+        raise ConfigError(
+            f"--signal-seconds {signal_seconds} is not below the --time limit ({limit} s): the stop signal would come "
+            "before the job starts training; lower --signal-seconds or raise --time"
+        )
     name = checked("--job-name", job_name)
     options = [
         f'--job-name="{name}"' if " " in name else f"--job-name={name}",  # sbatch strips the quotes
