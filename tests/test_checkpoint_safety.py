@@ -22,6 +22,7 @@ from meshrun.checkpoint import (
 from meshrun.config import Config
 from meshrun.errors import ConfigError
 from meshrun.models import build_model
+from meshrun.run_lock import LOCK
 
 STEPS = {"train.steps": 12, "checkpoint.interval": 4, "checkpoint.keep": 3}
 CKPTS = ("step-00000004", "step-00000008", "step-00000012")
@@ -36,7 +37,9 @@ def finished(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file's bytes but the job lock's, which each launch rewrites with its own pid."""
+    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK)
+    return {str(p.relative_to(folder)): p.read_bytes() for p in files}
 
 
 def forge(ckpt: Path, name: str, target: Path | None = None) -> None:
