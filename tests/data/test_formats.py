@@ -16,6 +16,7 @@ from conftest import WORDS, losses, meshrun_env, tiny
 from tokenizers import Tokenizer
 
 from meshrun import cli, job
+from meshrun.data.pairs import prepare_pairs
 from meshrun.data.prepare import prepare
 from meshrun.export import load_full_model
 
@@ -196,7 +197,19 @@ REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of t
         },
         ("data.mixture sources were tokenized differently", "bpe:300", "byte"),
     ),
+    "mixture-of-pairs": (
+        lambda d, b, t: {
+            "data.dir": None,
+            "data.mixture": f"[{{dir: {d}, weight: 1}}, {{dir: {_pairs(t)}, weight: 1}}]",
+        },
+        ("holds source/target pairs", "not as a data.mixture source", "without --pairs"),
+    ),
 }
+
+
+def _pairs(tmp: Path) -> Path:
+    prepare_pairs([(f"a{i}", f"b{i}") for i in range(8)], tmp / "pairs", val_fraction=0.25)
+    return tmp / "pairs"
 
 
 @pytest.mark.parametrize("name", list(REFUSALS))

@@ -177,6 +177,11 @@ def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fra
     meta = read_meta(path)
     if meta is None or "format" not in meta:  # meshrun 0.1: bytes, train.bin / val.bin
         return _flat(path, split, np.uint8, vocab_size=256, hint=f"run `meshrun prepare-data --out {path}`")
+    if meta["format"] == "pairs":  # only data.dir reads pairs (PairsDataset); a token stream would mix them
+        raise ConfigError(
+            f"{path} holds source/target pairs, which train only as data.dir, not as a data.mixture source or "
+            "token stream; prepare the sources without --pairs to mix them"
+        )
     return _shards(path, split, meta)
 
 
