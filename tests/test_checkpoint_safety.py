@@ -212,3 +212,30 @@ def test_retention_keeps_checkpoints_newer_than_the_resumed_one(finished: Path, 
     for name, files in unloadable.items():
         assert snapshot(run / "checkpoints" / f"{name}.kept-1") == files  # kept, moved aside
     assert {p.name for p in (run / "checkpoints").iterdir()} >= {*CKPTS, "latest"}
+
+
+# ---- train.resume=PATH: a starting point, not a place to go back to ----------------------------------
+
+
+def test_rerunning_a_run_started_from_a_checkpoint_continues_it(finished: Path, data_dir: Path, tmp_path: Path) -> None:
+    """A torchrun restart, a Slurm requeue or a rerun repeats the command, train.resume included: it
+    must continue from the run's own newest checkpoint, not train again from the named one."""
+    args = tiny(data_dir, tmp_path / "b", **{**STEPS, "train.resume": finished / "checkpoints" / CKPTS[0]})
+    run_meshrun(["train", *args], tmp_path=tmp_path)
+    before = snapshot(tmp_path / "b")
+    again = run_meshrun(["train", *args], tmp_path=tmp_path)
+    assert f"resumed from {tmp_path / 'b' / 'checkpoints' / CKPTS[-1]} at step 12 (saved by this run" in again.stderr
+    assert snapshot(tmp_path / "b") == before  # nothing trained again, no metrics row dropped
+
+
+def test_another_runs_checkpoint_is_not_loaded_into_a_run(finished: Path, data_dir: Path, tmp_path: Path) -> None:
+    run, other = tmp_path / "run", tmp_path / "other" / CKPTS[0]
+    shutil.copytree(finished, run)
+    shutil.copytree(finished / "checkpoints" / CKPTS[0], other)
+    before = snapshot(run)
+    result = run_meshrun(
+        ["train", *tiny(data_dir, run, **{**STEPS, "train.resume": other})], tmp_path=tmp_path, check=False
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "already holds a run" in result.stderr and "set a new run_dir" in result.stderr
+    assert snapshot(run) == before

@@ -316,8 +316,8 @@ def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> None:
             failures.append((path, exc))
     if failures and resume == "auto":
         raise no_checkpoint_loads(run_dir, failures)
-    if failures:
-        raise ConfigError(f"train.resume {resume}: {unloadable_reason(*failures[0])}")
+    if failures:  # the last candidate is the checkpoint train.resume names
+        raise ConfigError(f"train.resume {resume}: {unloadable_reason(*failures[-1])}")
 
 
 def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:

@@ -4,6 +4,7 @@ torch.distributed.checkpoint (about a second of every launch on 2 CPU cores)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -27,9 +28,22 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
-    """Checkpoints to try, newest first: an explicit path, or the run's complete ones (`auto`)."""
+    """Checkpoints to try, newest first. `auto`: the run's complete ones. A path: the checkpoints
+    this run saved since it started from that path, then the path itself, so that a torchrun
+    restart, a Slurm requeue or a rerun of the same command continues the run, not starts it over."""
     if resume == "none":
         return []
-    if resume != "auto":
-        return [Path(resume)]
-    return complete_checkpoints(run_dir)[::-1]
+    own = complete_checkpoints(run_dir)[::-1]
+    if resume == "auto":
+        return own
+    start = Path(resume)
+    return [p for p in own if started_from(p) == start.resolve() and p.resolve() != start.resolve()] + [start]
+
+
+def started_from(checkpoint: Path) -> Path | None:
+    """The explicit `train.resume` of the run that saved `checkpoint` (its config.json), resolved."""
+    try:
+        resume = json.loads((checkpoint / "config.json").read_text())["train"]["resume"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None if resume in ("auto", "none") else Path(resume).resolve()

@@ -166,7 +166,8 @@ class TrainConfig(Section):
     seed: Int = 1337
     """Seed for weights (per layer, so any layout starts identical) and data order."""
     resume: str = "auto"
-    """auto: continue from the run directory's newest complete checkpoint; none: refuse an existing run; or a checkpoint path."""
+    """auto: continue from the run directory's newest complete checkpoint; none: refuse an existing run; or a
+    checkpoint path to start from (a rerun of the same config continues from the checkpoints saved since)."""
 
     @field_validator("betas", mode="before")
     @classmethod

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from meshrun.checkpoint_paths import checkpoint_root, complete_checkpoints
 from meshrun.config import Config
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
@@ -146,13 +147,32 @@ def check_run_dir(cfg: Config) -> None:
             raise ConfigError(
                 f"run_dir {cfg.run_dir} already holds a run; set train.resume=auto to continue it, or a new run_dir"
             )
-        check_same_model(existing, cfg)
+        earlier = check_same_model(existing, cfg)
+        check_not_mixed(run_dir, earlier.train.resume, cfg.train.resume)
     if cfg.train.resume not in ("auto", "none") and not (Path(cfg.train.resume) / "manifest.json").is_file():
         raise ConfigError(f"train.resume {cfg.train.resume} is not a complete checkpoint folder (no manifest.json)")
 
 
-def check_same_model(existing: Path, cfg: Config) -> None:
-    """A run directory continues only a meshrun run of the same model (any dp x pp layout)."""
+def check_not_mixed(run_dir: Path, before: str, resume: str) -> None:
+    """Another run's checkpoint goes into a new run_dir: loaded into one that holds a run, the
+    metrics and checkpoints of two runs would interleave (and the later rows be dropped)."""
+    if resume in ("auto", "none"):
+        return
+    start = Path(resume).resolve()
+    own = checkpoint_root(run_dir).resolve()
+    continuing = before not in ("auto", "none") and Path(before).resolve() == start  # a rerun of that command
+    has_run = (run_dir / "metrics.jsonl").is_file() or bool(complete_checkpoints(run_dir))
+    if has_run and not continuing and not start.is_relative_to(own):
+        raise ConfigError(
+            f"run_dir {run_dir} already holds a run, and train.resume {resume} is a checkpoint of another run: "
+            "loading it here would mix the two runs' metrics and checkpoints; set a new run_dir to start from it "
+            "(or train.resume=auto to continue this run)"
+        )
+
+
+def check_same_model(existing: Path, cfg: Config) -> Config:
+    """A run directory continues only a meshrun run of the same model (any dp x pp layout); returns
+    the earlier run's config."""
     try:
         earlier = Config.model_validate(json.loads(existing.read_text()))
         before = earlier.model
@@ -173,6 +193,7 @@ def check_same_model(existing: Path, cfg: Config) -> None:
             f"run_dir {cfg.run_dir} holds a run trained on data tokenized with {then['name']}, but this data was "
             f"tokenized with {now['name']}: its ids mean other words to the model; use the same tokenizer or a new run_dir"
         )
+    return earlier
 
 
 def data_tokenizer(cfg: Config) -> dict | None:

@@ -138,8 +138,8 @@ class Trainer:
                 same_layout = checkpoint.saved_world_size(path) == self.cfg.world_size
                 state = checkpoint.load(self.state_dict(0, rng=same_layout), path)
             except checkpoint.CheckpointError as exc:
-                if self.cfg.train.resume != "auto":
-                    raise
+                if self.cfg.train.resume != "auto" and path == candidates[-1]:
+                    raise  # the checkpoint named by train.resume
                 if self.mesh.rank == 0:
                     say(f"warning: {exc}; trying an older checkpoint")
                 failures.append((path, exc))
@@ -148,7 +148,9 @@ class Trainer:
             self.newer_checkpoints = checkpoint.newer_than(self.run_dir, step)
             self.load_state_dict(state)
             if self.mesh.rank == 0:
-                say(f"resumed from {path} at step {step}")
+                lineage = self.cfg.train.resume != "auto" and path != candidates[-1]
+                since = f" (saved by this run since it started from {self.cfg.train.resume})" if lineage else ""
+                say(f"resumed from {path} at step {step}{since}")
             return step
         if failures:
             raise checkpoint.no_checkpoint_loads(self.run_dir, failures)
