@@ -1022,6 +1022,16 @@ def test_accepted_spellings(override: str, key: str, value: object) -> None:
     assert getattr(getattr(cfg, section) if section else cfg, leaf) == value
 
 
+def test_a_mapping_override_sets_its_keys_and_keeps_the_others() -> None:
+    default = load_config(None)
+    cfg = load_config(None, ["model={dim: 64, num_heads: 8}", "train.betas=[0.8, 0.9]"])
+    assert (cfg.model.dim, cfg.model.num_heads) == (64, 8)
+    assert (
+        cfg.model.model_copy(update={"dim": default.model.dim, "num_heads": default.model.num_heads}) == default.model
+    )
+    assert cfg.train.betas == (0.8, 0.9)  # a list replaces
+
+
 def test_yaml_anchors_and_merge_keys_still_work(tmp_path: Path) -> None:
     """Refusing alias bombs and duplicate keys must not refuse ordinary anchors or `<<` merges."""
     config = tmp_path / "anchors.yaml"

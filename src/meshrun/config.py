@@ -350,9 +350,18 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     except UnicodeEncodeError:  # a non-UTF-8 byte from the shell, e.g. a latin-1 path
         raise ConfigError(f"--set {key}: the value is not valid UTF-8 text; give it in UTF-8") from None
     try:
-        node[leaf] = parse_document(text, f"--set {key}") if text.strip() else None
+        value = parse_document(text, f"--set {key}") if text.strip() else None
     except ConfigError:
-        node[leaf] = text  # not YAML (e.g. `a: b: c`): the text itself, validated as such
+        value = text  # not YAML (e.g. `a: b: c`): the text itself, validated as such
+    node[leaf] = _merged(node.get(leaf), value)
+
+
+def _merged(old: Any, new: Any) -> Any:
+    """A mapping set onto a mapping sets its keys (`--set "model={dim: 64}"` keeps the other model
+    keys, as `--set model.dim=64` does); any other value replaces the old one."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
+    return new
 
 
 def _explain(error: ErrorDetails) -> str:
