@@ -87,7 +87,7 @@ class ModelConfig(Section):
         return self
 
 
-DataFormat = Literal["meshrun", "nanogpt", "megatron"]
+DataFormat = Literal["meshrun", "nanogpt", "nanogpt-uint32", "megatron"]
 
 
 def bpe_vocab(spec_text: str, *, key: str) -> int:
@@ -111,7 +111,7 @@ class DataConfig(Section):
     dir: str | None = None
     """Dataset folder from `meshrun prepare-data` (or see `format`); None = a cache folder for the embedded corpus."""
     format: DataFormat = "meshrun"
-    """meshrun (prepare-data), nanogpt (uint16 train.bin / val.bin, vocab = model.vocab_size), megatron (PREFIX.bin + PREFIX.idx)."""
+    """meshrun (prepare-data), nanogpt (uint16 train.bin / val.bin, vocab = model.vocab_size), nanogpt-uint32 (the same in uint32, for vocabularies over 65536), megatron (PREFIX.bin + PREFIX.idx)."""
     mixture: list[MixtureSource] = []
     """Datasets sampled by weight, e.g. [{dir: A, weight: 0.7}, {dir: B, weight: 0.3}]; used instead of `dir`."""
     sources: list[str] = []

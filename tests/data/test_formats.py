@@ -43,11 +43,12 @@ def raw_split(folder: Path, split: str) -> np.ndarray:
     return np.concatenate([np.fromfile(folder / s["file"], dtype=meta["dtype"]) for s in shards])
 
 
-def write_nanogpt(folder: Path, train: np.ndarray, val: np.ndarray) -> Path:
-    """nanoGPT's prepare.py: `np.array(ids, dtype=np.uint16).tofile('train.bin')`."""
+def write_nanogpt(folder: Path, train: np.ndarray, val: np.ndarray, dtype: type = np.uint16) -> Path:
+    """nanoGPT's prepare.py: `np.array(ids, dtype=np.uint16).tofile('train.bin')` (forks for large
+    vocabularies: uint32)."""
     folder.mkdir()
-    np.array(train, dtype=np.uint16).tofile(folder / "train.bin")
-    np.array(val, dtype=np.uint16).tofile(folder / "val.bin")
+    np.array(train, dtype=dtype).tofile(folder / "train.bin")
+    np.array(val, dtype=dtype).tofile(folder / "val.bin")
     return folder
 
 
@@ -106,6 +107,8 @@ def test_nanogpt_and_megatron_files_train_like_meshrun_shards(bpe_data: Path, tm
     share = len(val_docs) / (len(train_docs) + len(val_docs))  # Megatron validates on its last documents
     reference = first_loss(bpe_data, tmp_path / "meshrun")
     assert first_loss(nanogpt, tmp_path / "nano", **{"data.format": "nanogpt"}) == reference
+    wide = write_nanogpt(tmp_path / "nanogpt32", train, val, np.uint32)
+    assert first_loss(wide, tmp_path / "nano32", **{"data.format": "nanogpt-uint32"}) == reference
     assert (
         first_loss(megatron, tmp_path / "mega", **{"data.format": "megatron", "data.val_fraction": share}) == reference
     )
@@ -157,6 +160,13 @@ REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of t
             "data.dir": write_nanogpt(t / "nano", np.r_[np.arange(300) % 256, 50256], np.arange(100)),
         },
         ("train.bin holds token id 50256 but the model has 256 tokens", "model.vocab_size", "at least 50257"),
+    ),
+    "nanogpt-uint32-read-as-uint16": (
+        lambda d, b, t: {
+            **NANOGPT,
+            "data.dir": write_nanogpt(t / "n32", np.arange(300) % 256, np.arange(100), np.uint32),
+        },
+        ("train.bin looks like uint32 token ids", "set data.format=nanogpt-uint32"),
     ),
     "megatron-id-beyond-the-model": (
         lambda d, b, t: {

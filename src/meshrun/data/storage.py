@@ -23,7 +23,6 @@ from meshrun.errors import ConfigError
 
 SPLITS = ("train", "val")
 IGNORE = -100  # target id of padding: the loss skips it (F.cross_entropy's default ignore_index)
-FORMATS = ("meshrun", "nanogpt", "megatron")
 DOC_DTYPE = np.dtype("<u8")
 MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 # Megatron-LM's DType codes (megatron/core/datasets/indexed_dataset.py)
@@ -168,10 +167,14 @@ def read_meta(folder: Path) -> dict[str, Any] | None:
 
 def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fraction: float = 0.05) -> TokenSplit:
     path = Path(path)
-    if format == "nanogpt":
-        return _flat(
-            path, split, np.uint16, vocab_size=None, hint="point data.dir at a nanoGPT data folder (train.bin, val.bin)"
+    if format in ("nanogpt", "nanogpt-uint32"):
+        dtype = np.uint32 if format == "nanogpt-uint32" else np.uint16
+        tokens = _flat(
+            path, split, dtype, vocab_size=None, hint="point data.dir at a nanoGPT data folder (train.bin, val.bin)"
         )
+        if dtype == np.uint16:
+            _check_not_uint32(tokens)
+        return tokens
     if format == "megatron":
         return _megatron(path, split, val_fraction)
     meta = read_meta(path)
@@ -197,6 +200,16 @@ def _flat(folder: Path, split: str, dtype: type, *, vocab_size: int | None, hint
         )
     segments: list[np.ndarray] = [np.memmap(path, dtype=dtype, mode="r")] if path.stat().st_size else []
     return TokenSplit(segments, vocab_size, None, str(path))
+
+
+def _check_not_uint32(tokens: TokenSplit) -> None:
+    """uint32 ids below 65536 read as uint16 are the ids with a 0 after each: training on them
+    would run, on garbage. Every second value of the first 64k being 0 gives such a file away."""
+    head = tokens.segments[0][: 1 << 16] if tokens.segments else np.zeros(0, np.uint16)
+    if len(head) >= 64 and not head[1::2].any() and head[0::2].any():
+        raise ConfigError(
+            f"{tokens.where} looks like uint32 token ids (every second uint16 is 0); set data.format=nanogpt-uint32"
+        )
 
 
 def _shards(folder: Path, split: str, meta: dict[str, Any]) -> TokenSplit:
