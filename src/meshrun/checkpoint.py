@@ -40,6 +40,7 @@ from meshrun.errors import ConfigError, RunError
 from meshrun.versions import installed_versions
 
 CONFIG = "config.json"  # the resolved config, so a checkpoint folder is self-describing
+DATA_CARD = "data"  # the training data's meta.json and tokenizer.json (no tokens): how to decode
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -148,8 +149,12 @@ def save(
     keep: int,
     config: dict,
     protected: tuple[Path, ...] = (),
+    data_card: tuple[Path, ...] = (),
 ) -> Path:
     """Collective: every rank calls it with its own tensors. Returns the final folder.
+
+    `data_card`: the training data's meta.json and tokenizer.json, copied into `data/` so that
+    `meshrun sample` decodes with the right tokenizer wherever the checkpoint goes.
 
     `protected`: checkpoints newer than the one this run resumed from (ones that failed to load,
     or later ones when an older one was named): retention never deletes them, and one this save
@@ -168,13 +173,17 @@ def save(
     sums = _gather({p.name: _crc32(p) for p in tmp.glob(f"__{_rank()}_*")})
     if rank0:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+        card = [f"{DATA_CARD}/{source.name}" for source in data_card]
+        for source, name in zip(data_card, card, strict=True):
+            (tmp / DATA_CARD).mkdir(exist_ok=True)
+            shutil.copyfile(source, tmp / name)
         files = {
             name: {"bytes": (tmp / name).stat().st_size, "crc32": crc} for part in sums for name, crc in part.items()
         }
         files.update(
             {
                 name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)}
-                for name in (".metadata", CONFIG)
+                for name in (".metadata", CONFIG, *card)
             }
         )
         manifest = {"step": step, "files": files, "versions": installed_versions()}
@@ -195,8 +204,11 @@ def verify(path: Path) -> None:
     """Check every file against the manifest written at save time; the error names the file."""
     manifest = read_manifest(path)
     for name, expected in manifest["files"].items():
-        file = path / name
-        if name != Path(name).name or name in ("", ".", "..") or file.is_symlink():
+        file, parts = path / name, Path(name).parts
+        inside = len(parts) == 1 or (len(parts) == 2 and parts[0] == DATA_CARD)  # NAME or data/NAME
+        if parts[-1:] in ((), (".",), ("..",)):
+            inside = False
+        if not inside or file.is_symlink() or file.parent.is_symlink():
             raise CheckpointError(
                 f"checkpoint {path}: {MANIFEST} names {name!r}, which is not a file inside the folder"
             )

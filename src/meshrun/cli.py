@@ -206,7 +206,7 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
     """`export` and `sample`: one process, any layout's checkpoint."""
     check_checkpoint_args(args)
     from meshrun.checkpoint import CheckpointError
-    from meshrun.export import export, load_full_model, sample
+    from meshrun.export import data_card, export, load_full_model, sample
 
     trust = {"factory": _factory_override(args.overrides), "trust_code": args.trust_code}
     try:
@@ -218,7 +218,7 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
         if args.command == "export":
             print(f"wrote {export(args.checkpoint, args.out, **trust)}")
             return 0
-        model, cfg, _ = load_full_model(args.checkpoint, **trust)
+        model, cfg, folder = load_full_model(args.checkpoint, **trust)
         print(
             sample(
                 model,
@@ -229,6 +229,7 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
                 top_k=args.top_k or None,
                 seed=args.seed,
                 beam=args.beam,
+                data=data_card(cfg, folder),
             )
         )
         return 0

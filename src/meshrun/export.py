@@ -14,6 +14,7 @@ from torch import nn
 
 from meshrun.checkpoint import (
     CONFIG,
+    DATA_CARD,
     CheckpointError,
     checkpoint_dir,
     full_model_state,
@@ -25,10 +26,11 @@ from meshrun.data.storage import read_meta
 from meshrun.data.tokenize import text_codec
 from meshrun.errors import ConfigError
 from meshrun.hf_config import vocab_size
+from meshrun.metrics.console import say
 from meshrun.models.encdec import EncDec
 from meshrun.models.hf_export import load_tokenizer
 from meshrun.models.seq2seq_decode import decode as seq2seq_decode
-from meshrun.preflight import check_export_target, data_dir, preflight
+from meshrun.preflight import check_export_target, preflight, training_data_dir
 
 
 def load_full_model(
@@ -95,11 +97,14 @@ def sample(
     top_k: int | None,
     seed: int,
     beam: int = 1,
+    data: Path | None = None,
 ) -> str:
     """Generation with the tokenizer the model was trained with (see `codec`); an encoder-decoder
     translates the prompt (greedy, or beam search with `beam` > 1) instead of continuing it, and
-    a decoder-only model trained on pairs answers it as it was trained (source BOS -> target EOS)."""
-    encode, decode, num_ids = codec(cfg)
+    a decoder-only model trained on pairs answers it as it was trained (source BOS -> target EOS).
+    `data`: where the training data's meta.json / tokenizer.json are (see `data_card`)."""
+    data = training_data_dir(cfg) if data is None else data
+    encode, decode, num_ids = codec(cfg, data)
     if isinstance(model, EncDec):
         target = seq2seq_decode(model, [i + NUM_SPECIAL for i in encode(prompt)], beam=beam, max_tokens=num_tokens)
         return decode([i - NUM_SPECIAL for i in target if i >= NUM_SPECIAL])
@@ -108,7 +113,7 @@ def sample(
             "--beam is for encoder-decoder models (model.name: encdec); sample this one with --temperature"
         )
     generator = torch.Generator().manual_seed(seed)
-    pairs = pairs_vocab(cfg)
+    pairs = pairs_vocab(data)
     if pairs:  # ids as training saw them: shifted past pad/BOS/EOS, the answer starts after BOS
         ids, first_allowed = [i + NUM_SPECIAL for i in encode(prompt)] + [BOS], None
     else:
@@ -143,10 +148,17 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gene
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
-def pairs_vocab(cfg: Config) -> int | None:
-    """The ids of pairs data (the tokenizer's + 3: source BOS target EOS) when the (still present)
-    training folder holds pairs, else None."""
-    meta = read_meta(training_data_dir(cfg))
+def data_card(cfg: Config, checkpoint: Path) -> Path:
+    """Where the training data's meta.json / tokenizer.json are: the copies saved with the
+    checkpoint, else (a checkpoint of an older meshrun) the training data folder itself."""
+    saved = checkpoint / DATA_CARD
+    return saved if (saved / "meta.json").is_file() else training_data_dir(cfg)
+
+
+def pairs_vocab(data: Path) -> int | None:
+    """The ids of pairs data (the tokenizer's + 3: source BOS target EOS) when the training data
+    (as `data` describes it) is pairs, else None."""
+    meta = read_meta(data)
     return int(meta["vocab_size"]) if meta is not None and meta.get("format") == "pairs" else None
 
 
@@ -165,11 +177,11 @@ def heal_prompt(
     return ids[:-1], allowed
 
 
-def codec(cfg: Config) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int | None]:
+def codec(cfg: Config, data: Path) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int | None]:
     """(encode, decode, ids that decode) for sampling: the training data's tokenizer (its
-    tokenizer.json, or bytes) while the data folder exists, else the model folder's tokenizer,
-    else bytes. Bytes on a larger vocabulary sample only the 256 byte ids."""
-    data, vocab = training_data_dir(cfg), vocab_size(cfg.model)
+    tokenizer.json, or bytes) as `data` describes it, else the model folder's tokenizer, else
+    bytes. Bytes on a larger vocabulary sample only the 256 byte ids, with a warning."""
+    vocab = vocab_size(cfg.model)
     tokenizer = None if (data / "meta.json").is_file() else load_tokenizer(cfg.model)
     if tokenizer is not None:
         return (lambda text: tokenizer.encode(text, add_special_tokens=False)), tokenizer.decode, None
@@ -180,9 +192,6 @@ def codec(cfg: Config) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
             f"this model has {vocab} token ids and no tokenizer (beside its data or in model.hf); "
             "byte-level sampling needs at least 256"
         )
+    if vocab > 256:
+        say(f"warning: no tokenizer found (none saved with the checkpoint, nor in {data}); decoding the 256 byte ids")
     return (*text_codec(None, 256), None if vocab == 256 else 256)
-
-
-def training_data_dir(cfg: Config) -> Path:
-    """The folder the model was trained on (a mixture's first source)."""
-    return Path(cfg.data.mixture[0].dir) if cfg.data.mixture else data_dir(cfg)

@@ -59,6 +59,11 @@ def data_dir(cfg: Config) -> Path:
     return cache / "meshrun" / name
 
 
+def training_data_dir(cfg: Config) -> Path:
+    """The folder the model trains on (a mixture's first source)."""
+    return Path(cfg.data.mixture[0].dir) if cfg.data.mixture else data_dir(cfg)
+
+
 def _tokenizer_slug(tokenizer: str | None) -> str:
     """A folder-name part per tokenizer, so corpora tokenized differently never share a cache folder."""
     if tokenizer in (None, "byte"):
@@ -200,9 +205,8 @@ def data_tokenizer(cfg: Config) -> dict | None:
     """The tokenizer (name, sha256) the config's training data records, when its folder is there."""
     from meshrun.data.storage import read_meta
 
-    folder = Path(cfg.data.mixture[0].dir) if cfg.data.mixture else data_dir(cfg)
     with contextlib.suppress(ConfigError, OSError):
-        meta = read_meta(folder)
+        meta = read_meta(training_data_dir(cfg))
         return meta.get("tokenizer") if meta else None
     return None
 

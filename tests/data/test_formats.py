@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import struct
 from pathlib import Path
 
@@ -241,12 +242,17 @@ def test_sample_decodes_with_the_datasets_tokenizer(
     bpe_data: Path, tmp_path: Path, clean_env: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`meshrun sample` on a BPE-trained model: the prompt encoded and the continuation decoded
-    with the tokenizer.json beside the data (checked against a greedy loop written here)."""
-    run = tmp_path / "run"
-    first_loss(bpe_data, run, **{"train.steps": 2})
+    with the tokenizer.json beside the data (checked against a greedy loop written here), and
+    still once the data folder is gone (the checkpoint keeps a copy: it decoded bytes, silently)."""
+    run, data = tmp_path / "run", tmp_path / "data"
+    shutil.copytree(bpe_data, data)
+    first_loss(data, run, **{"train.steps": 2})
+    shutil.rmtree(data)
     capsys.readouterr()
     assert cli.main(["sample", str(run), "--prompt", "the model", "--tokens", "12", "--temperature", "0"]) == 0
-    printed = capsys.readouterr().out.rstrip("\n")
+    printed, warned = capsys.readouterr()
+    printed = printed.rstrip("\n")
+    assert "warning" not in warned
     tokenizer = Tokenizer.from_file(str(bpe_data / "tokenizer.json"))
     model = load_full_model(run)[0]
     ids = tokenizer.encode("the model", add_special_tokens=False).ids

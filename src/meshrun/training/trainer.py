@@ -92,6 +92,8 @@ class Trainer:
         pairs_layout = {"source_len": source_len(cfg.model), "global_batch": cfg.train.global_batch}
         self.train_data = open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed, **pairs_layout)
         self.val_data = open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed, **pairs_layout)
+        trained_on = Path(cfg.data.mixture[0].dir) if cfg.data.mixture else Path(data_dir)  # its tokenizer decodes
+        self.data_card = tuple(p for p in (trained_on / "meta.json", trained_on / "tokenizer.json") if p.is_file())
         self.flops_model = build_model(cfg.model)  # on meta: prices a step's tokens at its length
         self.flops_by_length: dict[int, float] = {}
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
@@ -272,6 +274,7 @@ class Trainer:
             keep=self.cfg.checkpoint.keep,
             config=config,
             protected=self.newer_checkpoints,
+            data_card=self.data_card,
         )
         self.report.note(f"saved checkpoint {path}")
 
