@@ -104,11 +104,11 @@ def test_explicit_corrupt_checkpoint_is_a_clear_error(full_runs, data_dir: Path,
     ckpt = run / "checkpoints" / "step-00000008"
     meta = ckpt / ".metadata"
     meta.write_bytes(b"garbage" + meta.read_bytes()[7:])  # same size, different bytes
-    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    before = {str(p.relative_to(ckpt)): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
     result = train(data_dir, run, check=False, **layout(2, 2), **{"train.resume": ckpt})
     assert result.returncode != 0
     assert f"{meta} is corrupt" in result.stderr
-    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before  # nothing overwritten
+    assert {str(p.relative_to(ckpt)): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before  # unchanged
 
 
 def test_metadata_is_never_unpickled_freely(full_runs, tmp_path: Path) -> None:
