@@ -35,11 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from meshrun.checkpoint_paths import MANIFEST, checkpoint_root, complete_checkpoints, resume_candidates
+from meshrun.checkpoint_paths import CONFIG, MANIFEST, checkpoint_root, complete_checkpoints, resume_candidates
 from meshrun.errors import ConfigError, RunError
 from meshrun.versions import installed_versions
 
-CONFIG = "config.json"  # the resolved config, so a checkpoint folder is self-describing
 DATA_CARD = "data"  # the training data's meta.json and tokenizer.json (no tokens): how to decode
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -174,8 +173,9 @@ def save(
     if rank0:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
         card = [f"{DATA_CARD}/{source.name}" for source in data_card]
+        if card:
+            (tmp / DATA_CARD).mkdir()
         for source, name in zip(data_card, card, strict=True):
-            (tmp / DATA_CARD).mkdir(exist_ok=True)
             shutil.copyfile(source, tmp / name)
         files = {
             name: {"bytes": (tmp / name).stat().st_size, "crc32": crc} for part in sums for name, crc in part.items()
@@ -205,9 +205,8 @@ def verify(path: Path) -> None:
     manifest = read_manifest(path)
     for name, expected in manifest["files"].items():
         file, parts = path / name, Path(name).parts
-        inside = len(parts) == 1 or (len(parts) == 2 and parts[0] == DATA_CARD)  # NAME or data/NAME
-        if parts[-1:] in ((), (".",), ("..",)):
-            inside = False
+        named = parts[-1:] not in ((), (".",), ("..",))
+        inside = named and (len(parts) == 1 or (len(parts) == 2 and parts[0] == DATA_CARD))  # NAME or data/NAME
         if not inside or file.is_symlink() or file.parent.is_symlink():
             raise CheckpointError(
                 f"checkpoint {path}: {MANIFEST} names {name!r}, which is not a file inside the folder"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # file sizes and crc32s, written last: its presence marks a complete save
+CONFIG = "config.json"  # the resolved config, so a checkpoint folder is self-describing
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -36,14 +37,14 @@ def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
     own = complete_checkpoints(run_dir)[::-1]
     if resume == "auto":
         return own
-    start = Path(resume)
-    return [p for p in own if started_from(p) == start.resolve() and p.resolve() != start.resolve()] + [start]
+    start, resolved = Path(resume), Path(resume).resolve()
+    return [p for p in own if started_from(p) == resolved and p.resolve() != resolved] + [start]
 
 
 def started_from(checkpoint: Path) -> Path | None:
     """The explicit `train.resume` of the run that saved `checkpoint` (its config.json), resolved."""
     try:
-        resume = json.loads((checkpoint / "config.json").read_text())["train"]["resume"]
+        resume = json.loads((checkpoint / CONFIG).read_text())["train"]["resume"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return None if resume in ("auto", "none") else Path(resume).resolve()

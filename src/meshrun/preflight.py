@@ -212,21 +212,31 @@ def data_tokenizer(cfg: Config) -> dict | None:
 
 
 def check_writable(run_dir: Path) -> None:
-    """run_dir (or the nearest folder above it that exists) takes a new file. Probed with a real
-    file: permission bits say nothing for root, and a read-only mount refuses root too."""
-    existing = run_dir
+    """run_dir (or the nearest folder above it that exists) takes a new file."""
+    existing, refused = nearest_writable(run_dir)
+    if not existing.is_dir():
+        raise ConfigError(f"run_dir {run_dir} lies under {existing}, which is a file; set run_dir to a folder path")
+    if refused:
+        raise ConfigError(
+            f"run_dir {run_dir} is not writable ({existing}: {refused}); "
+            "fix its permissions or set run_dir to a writable folder"
+        )
+
+
+def nearest_writable(path: Path) -> tuple[Path, str | None]:
+    """The nearest path at or above `path` that exists, and why a new file cannot go there (None: it
+    can). Probed with a real file: permission bits say nothing for root, and a read-only mount
+    refuses root too."""
+    existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"run_dir {run_dir} lies under {existing}, which is a file; set run_dir to a folder path")
+        return existing, "not a folder"
     try:
         with tempfile.TemporaryFile(dir=existing):
-            pass
+            return existing, None
     except OSError as exc:
-        raise ConfigError(
-            f"run_dir {run_dir} is not writable ({existing}: {exc.strerror}); "
-            "fix its permissions or set run_dir to a writable folder"
-        ) from None
+        return existing, exc.strerror or "cannot be written"
 
 
 def check_readable(path: Path) -> None:
@@ -335,14 +345,12 @@ def check_export_target(flag: str, out: str) -> None:
 
 
 def check_writable_parent(flag: str, out: str) -> None:
-    """The nearest existing folder above `out` is a folder this process may write into."""
-    for folder in Path(out).absolute().parents:
-        if folder.exists():
-            if not folder.is_dir():
-                raise ConfigError(f"{flag} {out}: {folder} is a file, not a folder; choose another {flag}")
-            if not os.access(folder, os.W_OK | os.X_OK):
-                raise ConfigError(f"{flag} {out}: {folder} is not writable; choose another {flag}")
-            return
+    """The nearest existing folder above `out` (a path that does not exist yet) takes a new file."""
+    folder, refused = nearest_writable(Path(out).absolute().parent)
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {out}: {folder} is a file, not a folder; choose another {flag}")
+    if refused:
+        raise ConfigError(f"{flag} {out}: {folder} is not writable; choose another {flag}")
 
 
 def check_checkpoint_args(args: argparse.Namespace) -> None:
