@@ -213,7 +213,8 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
         if args.command == "export" and args.hf:
             from meshrun.models.hf_export import export_hf
 
-            print(f"wrote {export_hf(load_full_model(args.checkpoint, **trust)[0], Path(args.hf))}")
+            model, cfg, folder = load_full_model(args.checkpoint, **trust)
+            print(f"wrote {export_hf(model, Path(args.hf), data=data_card(cfg, folder))}")
             return 0
         if args.command == "export":
             print(f"wrote {export(args.checkpoint, args.out, **trust)}")

@@ -36,3 +36,28 @@ def test_sample_decodes_with_the_data_or_the_model_tokenizer(tmp_path: Path) -> 
     with_model = run_meshrun(greedy, tmp_path=tmp_path).stdout.rstrip("\n")
     assert with_data.startswith("def f1(self") and len(with_data) > len("def f1(self")
     assert with_model == with_data  # the same tokenizer, reached two ways, decodes the same greedy ids
+
+
+def test_export_hf_carries_the_data_tokenizer(tmp_path: Path) -> None:
+    """A config-only model folder (no tokenizer) trained on BPE data: `export --hf` writes the data's
+    tokenizer, so AutoTokenizer in the exported folder encodes as the data was encoded."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    texts = [f"def f{i}(self, x):\n    return x * {i}\n" for i in range(200)]
+    model_dir, tokenizer_json = tmp_path / "model", tmp_path / "bpe.json"
+    AutoConfig.for_model(
+        "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=320
+    ).save_pretrained(model_dir)
+    tokenizer_json.write_text(bpe_json(texts, 300))
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "doc.py").write_text("".join(texts))
+    data = tmp_path / "data"
+    prepare([str(tmp_path / "corpus")], data, tokenizer=str(tokenizer_json), val_fraction=0.25, workers=1, progress=False)
+    run, out = tmp_path / "run", tmp_path / "exported"
+    run_meshrun(["train", *tiny(data, run, **{"model.hf": model_dir, "train.steps": 1})], tmp_path=tmp_path)
+    shutil.rmtree(data)  # the checkpoint's own copy of the data's tokenizer is what gets exported
+    run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
+    exported = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    text = "def f7(self, y):\n    return y * 7\n"
+    assert exported.encode(text, add_special_tokens=False) == Tokenizer.from_file(str(tokenizer_json)).encode(text).ids
+    assert exported.eos_token == "<|endoftext|>" and exported.model_max_length == 16

@@ -2,7 +2,8 @@
 
 config.json from the model's own Hugging Face config, model.safetensors with Hugging Face
 tensor names (a tied matrix once: transformers ties lm_head on load), and the tokenizer files
-of `model.hf` when it had any.
+of `model.hf` when it had any, else the training data's tokenizer (a BPE meshrun trained, say),
+so that `AutoTokenizer.from_pretrained` reads the ids the model learned.
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ TOKENIZER_FILES = (
 )
 
 
+TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
+
+
 def tokenizer_files(model_dir: Path | None) -> list[Path]:
     return [model_dir / name for name in TOKENIZER_FILES if model_dir and (model_dir / name).is_file()]
 
 
-def export_hf(model: nn.Module, out: Path) -> Path:
-    """Write `model` (a whole HFCausalLM with trained weights) as a Hugging Face model folder."""
+def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
+    """Write `model` (a whole HFCausalLM with trained weights) as a Hugging Face model folder.
+    `data`: where the training data's meta.json / tokenizer.json are (export.data_card)."""
     from safetensors.torch import save_file
 
     if not isinstance(model, HFCausalLM):
@@ -52,8 +57,11 @@ def export_hf(model: nn.Module, out: Path) -> Path:
     tmp.mkdir(parents=True)
     config.save_pretrained(tmp)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    for file in tokenizer_files(hf_dir(model.cfg)):
+    own = tokenizer_files(hf_dir(model.cfg))
+    for file in own:
         shutil.copy2(file, tmp / file.name)
+    if not {f.name for f in own} & set(TOKENIZERS) and data is not None:
+        save_data_tokenizer(data, tmp, max_length=model.cfg.seq_len)
     tmp.rename(out)  # all or nothing
     return out
 
@@ -62,8 +70,26 @@ def load_tokenizer(cfg: ModelConfig):
     """The model's own tokenizer when `model.hf` has one (None: sample byte-level)."""
     model_dir = hf_dir(cfg) if cfg.hf is not None else None
     names = {f.name for f in tokenizer_files(model_dir)}
-    if not names & {"tokenizer.json", "tokenizer.model", "vocab.json"}:
+    if not names & set(TOKENIZERS):
         return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def save_data_tokenizer(data: Path, out: Path, *, max_length: int) -> None:
+    """The training data's tokenizer.json as transformers saves a fast tokenizer, with the
+    end-of-document token meta.json recorded as its eos_token. Nothing for byte-level data (ids
+    are UTF-8 bytes) or pairs (ids are the tokenizer's shifted past pad/BOS/EOS)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from meshrun.data.storage import read_meta
+
+    meta = read_meta(data) or {}
+    if not (data / "tokenizer.json").is_file() or meta.get("format") == "pairs":
+        return
+    tokenizer = Tokenizer.from_file(str(data / "tokenizer.json"))
+    eos_ids = (meta.get("tokenizer") or {}).get("eos_ids") or []
+    eos = tokenizer.id_to_token(eos_ids[0]) if eos_ids else None
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, model_max_length=max_length).save_pretrained(out)
