@@ -18,6 +18,7 @@ from meshrun.errors import ConfigError
 
 # model_type -> family layout (one adapter per layout in models/hf.py)
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
+TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -56,6 +57,14 @@ def hf_dir(cfg: ModelConfig) -> Path | None:
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.hf {cfg.hf} has no config.json; point it at a Hugging Face model folder")
     return path
+
+
+def model_tokenizer(model_dir: Path | None) -> Path | None:
+    """The file that makes a model folder's tokenizer (tokenizer.json, else a sentencepiece
+    tokenizer.model, else GPT-2 style vocab.json), or None when it ships none."""
+    if model_dir is None:
+        return None
+    return next((model_dir / n for n in TOKENIZERS if (model_dir / n).is_file()), None)
 
 
 def load_hf_config(cfg: ModelConfig) -> Any:

@@ -24,7 +24,7 @@ from meshrun.checkpoint_paths import checkpoint_root, complete_checkpoints
 from meshrun.config import Config
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
-from meshrun.hf_config import hf_dir, vocab_key, vocab_size
+from meshrun.hf_config import hf_dir, model_tokenizer, vocab_key, vocab_size
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.metrics.devices import SHORT_NAMES
 from meshrun.plan import validate_layout
@@ -286,14 +286,13 @@ def check_data_fits(cfg: Config, path: Path) -> None:
     from meshrun.models.hf_weights import has_weights
 
     model_dir = hf_dir(cfg.model)
-    tokenizer = model_dir / "tokenizer.json" if model_dir and (model_dir / "tokenizer.json").is_file() else None
     check_data(
         cfg.data,
         path,
         seq_len=cfg.model.seq_len,
         model_vocab_size=vocab_size(cfg.model),
         vocab_key=vocab_key(cfg.model),
-        model_tokenizer=tokenizer,
+        model_tokenizer=model_tokenizer(model_dir),
         pretrained=model_dir is not None and cfg.model.init != "random" and has_weights(model_dir),
         source_len=source_len(cfg.model),
     )

@@ -74,9 +74,14 @@ def test_vocab_smaller_than_byte_data(data_dir: Path, tmp_path: Path, capsys) ->
     assert "vocabulary of 256 tokens but the model has 128 (vocab_size in model.hf_config)" in err
 
 
-def test_data_tokenized_with_another_tokenizer_than_the_models(data_dir: Path, tmp_path: Path, capsys) -> None:
-    """A model folder with its tokenizer.json and data prepared with a different tokenizer: refused;
-    the same data prepared with the model's own tokenizer (or byte-level data) is accepted."""
+@pytest.mark.parametrize("form", ["tokenizer.json", "vocab.json"])
+def test_data_tokenized_with_another_tokenizer_than_the_models(
+    form: str, data_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A model folder with its tokenizer (a tokenizer.json, or GPT-2 style vocab.json + merges.txt)
+    and data prepared with a different tokenizer: refused; the same data prepared with the model's
+    own tokenizer (or byte-level data) is accepted."""
+    from tokenizers import Tokenizer
     from transformers import AutoConfig
 
     from meshrun.data.prepare import prepare
@@ -86,7 +91,12 @@ def test_data_tokenized_with_another_tokenizer_than_the_models(data_dir: Path, t
     AutoConfig.for_model(
         "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512
     ).save_pretrained(model_dir)  # config only: random init
-    (model_dir / "tokenizer.json").write_text(bpe_json(texts, 300))
+    if form == "tokenizer.json":
+        (model_dir / form).write_text(bpe_json(texts, 300))
+    else:  # read through transformers' GPT2TokenizerFast, as prepare-data reads such a folder
+        Tokenizer.from_str(bpe_json(texts, 300)).model.save(str(model_dir))
+        config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "corpus").mkdir()
     for i in range(8):
         (tmp_path / "corpus" / f"doc{i}.py").write_text("".join(texts[i * 25 : (i + 1) * 25]))
@@ -103,7 +113,7 @@ def test_data_tokenized_with_another_tokenizer_than_the_models(data_dir: Path, t
         )
     args = lambda data: dry_run(data, tmp_path, **{"model.hf": model_dir, "data.dir": data})  # noqa: E731
     err = error_of(args(tmp_path / "theirs"), capsys)
-    assert f"the data was tokenized with {other}, not with the model's {model_dir / 'tokenizer.json'}" in err
+    assert f"the data was tokenized with {other}, not with the model's {model_dir / form}" in err
     for accepted in (tmp_path / "ours", data_dir):
         assert main(args(accepted)) == 0, capsys.readouterr().err
         capsys.readouterr()

@@ -52,7 +52,9 @@ def test_export_hf_carries_the_data_tokenizer(tmp_path: Path) -> None:
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "doc.py").write_text("".join(texts))
     data = tmp_path / "data"
-    prepare([str(tmp_path / "corpus")], data, tokenizer=str(tokenizer_json), val_fraction=0.25, workers=1, progress=False)
+    prepare(
+        [str(tmp_path / "corpus")], data, tokenizer=str(tokenizer_json), val_fraction=0.25, workers=1, progress=False
+    )
     run, out = tmp_path / "run", tmp_path / "exported"
     run_meshrun(["train", *tiny(data, run, **{"model.hf": model_dir, "train.steps": 1})], tmp_path=tmp_path)
     shutil.rmtree(data)  # the checkpoint's own copy of the data's tokenizer is what gets exported

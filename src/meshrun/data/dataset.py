@@ -227,9 +227,9 @@ def check_data(
 ) -> None:
     """Fail early (before spawning) on missing, unparsable, empty or too-small data, a vocabulary
     larger than the model's, mixture sources tokenized differently, data tokenized with another
-    tokenizer than the `model_tokenizer` (tokenizer.json) the model ships, ids a `pretrained`
-    model would misread, and length buckets that do not fit the model (`source_len`: as for
-    open_dataset)."""
+    tokenizer than the one the model ships (`model_tokenizer`: its tokenizer.json, tokenizer.model
+    or vocab.json), ids a `pretrained` model would misread, and length buckets that do not fit
+    the model (`source_len`: as for open_dataset)."""
     tokenizers = set()
     for split in SPLITS:
         dataset = open_dataset(data, data_dir, split, seq_len=seq_len, seed=0, source_len=source_len)
@@ -256,12 +256,13 @@ def check_same_tokenizer(data_tokenizer: tuple[str, str], model_tokenizer: Path)
     """Token ids mean words only under the tokenizer that made them: data prepared with another
     tokenizer than the model's would train (and sample) on the wrong words. Byte-level data
     carries no tokenizer of its own and trains any model with vocab_size >= 256."""
-    from tokenizers import Tokenizer
+    from meshrun.data.tokenize import read_tokenizer
 
     name, sha256 = data_tokenizer
     if name == "byte":
         return
-    if hashlib.sha256(Tokenizer.from_file(str(model_tokenizer)).to_str().encode()).hexdigest() != sha256:
+    ours = read_tokenizer(model_tokenizer.parent, flag="model.hf")[0]  # as `prepare-data --tokenizer FOLDER` reads it
+    if hashlib.sha256(ours.to_str().encode()).hexdigest() != sha256:
         raise ConfigError(
             f"the data was tokenized with {name}, not with the model's {model_tokenizer}; "
             f"prepare it again with `meshrun prepare-data --tokenizer {model_tokenizer.parent} ...`"

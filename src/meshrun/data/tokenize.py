@@ -51,26 +51,28 @@ def byte_tokenizer() -> TokenizerSpec:
 
 def load_tokenizer(path: str | Path) -> TokenizerSpec:
     """`tokenizer.json`, or a model folder (its tokenizer.json, else transformers' fast tokenizer)."""
+    return _spec(str(path), *read_tokenizer(path))
+
+
+def read_tokenizer(path: str | Path, *, flag: str = "--tokenizer") -> tuple[Any, str | None]:
+    """(the `tokenizers` Tokenizer, its configured end-of-document token or None) of a
+    tokenizer.json or a model folder, read the one way both data preparation and the data's
+    tokenizer check read it (so equal tokenizers hash equal)."""
     from tokenizers import Tokenizer
 
     path = Path(path)
-    folder = path if path.is_dir() else path.parent
     try:
         if path.is_file():
-            tokenizer, eos = Tokenizer.from_file(str(path)), None
-        elif (path / "tokenizer.json").is_file():
-            tokenizer, eos = Tokenizer.from_file(str(path / "tokenizer.json")), _configured_eos(folder)
-        elif path.is_dir():
-            tokenizer, eos = _transformers_tokenizer(path)
-        else:
-            raise ConfigError(f"--tokenizer {path} does not exist; give a tokenizer.json or a model folder")
+            return Tokenizer.from_file(str(path)), None
+        if (path / "tokenizer.json").is_file():
+            return Tokenizer.from_file(str(path / "tokenizer.json")), _configured_eos(path)
+        if path.is_dir():
+            return _transformers_tokenizer(path)
+        raise ConfigError(f"{flag} {path} does not exist; give a tokenizer.json or a model folder")
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - tokenizers / transformers parse errors
-        raise ConfigError(
-            f"--tokenizer {path} cannot be loaded: {' '.join(str(exc).split()) or 'unreadable'}"
-        ) from None
-    return _spec(str(path), tokenizer, eos)
+        raise ConfigError(f"{flag} {path} cannot be loaded: {' '.join(str(exc).split()) or 'unreadable'}") from None
 
 
 def train_bpe(texts: Iterable[str | bytes], spec_text: str) -> TokenizerSpec:

@@ -16,7 +16,7 @@ from torch import nn
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.hf_config import hf_dir
+from meshrun.hf_config import TOKENIZERS, hf_dir, model_tokenizer
 from meshrun.models.hf import HFCausalLM
 
 TOKENIZER_FILES = (
@@ -30,9 +30,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "chat_template.jinja",
 )
-
-
-TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
 
 
 def tokenizer_files(model_dir: Path | None) -> list[Path]:
@@ -69,8 +66,7 @@ def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
 def load_tokenizer(cfg: ModelConfig):
     """The model's own tokenizer when `model.hf` has one (None: sample byte-level)."""
     model_dir = hf_dir(cfg) if cfg.hf is not None else None
-    names = {f.name for f in tokenizer_files(model_dir)}
-    if not names & set(TOKENIZERS):
+    if model_tokenizer(model_dir) is None:
         return None
     from transformers import AutoTokenizer
 
