@@ -239,3 +239,18 @@ def test_another_runs_checkpoint_is_not_loaded_into_a_run(finished: Path, data_d
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "already holds a run" in result.stderr and "set a new run_dir" in result.stderr
     assert snapshot(run) == before
+
+
+def test_auto_after_a_rollback_continues_the_rolled_back_branch(finished: Path, data_dir: Path, tmp_path: Path) -> None:
+    """Rolled back to step 4 and trained to 8, the run's saved-last checkpoint is the new step 8:
+    `auto`, export and sample continue from it, not from the old branch's higher step 12 (kept)."""
+    from meshrun.checkpoint import checkpoint_dir
+
+    run = shutil.copytree(finished, tmp_path / "run")
+    old_12 = snapshot(run / "checkpoints" / CKPTS[-1])
+    back = {**STEPS, "train.steps": 8, "train.resume": run / "checkpoints" / CKPTS[0]}
+    run_meshrun(["train", *tiny(data_dir, run, **back)], tmp_path=tmp_path)
+    assert checkpoint_dir(run) == run / "checkpoints" / CKPTS[1]
+    again = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)
+    assert f"resumed from {run / 'checkpoints' / CKPTS[1]} at step 8\n" in again.stderr
+    assert snapshot(run / "checkpoints" / f"{CKPTS[-1]}.kept-1") == old_12  # the old branch, moved aside

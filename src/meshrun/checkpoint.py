@@ -1,7 +1,7 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): atomic, retained, reshardable.
 
 Layout: `<run_dir>/checkpoints/step-00000010/` (DCP files, config.json, manifest.json) and
-`latest` (a text file naming the newest).
+`latest` (a text file naming the checkpoint saved last).
 Every saved value is a tensor keyed by its model-wide name, so any dp x pp layout can load any
 other's checkpoint (DCP reshards; replicated dp copies are written once). A save goes to a
 `.tmp` folder that rank 0 renames only after every rank finished writing, then `latest` moves.
@@ -35,7 +35,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from meshrun.checkpoint_paths import CONFIG, MANIFEST, checkpoint_root, complete_checkpoints, resume_candidates
+from meshrun.checkpoint_paths import (
+    CONFIG,
+    LATEST,
+    MANIFEST,
+    checkpoint_root,
+    complete_checkpoints,
+    newest_first,
+    resume_candidates,
+    step_of,
+)
 from meshrun.errors import ConfigError, RunError
 from meshrun.versions import installed_versions
 
@@ -193,7 +202,7 @@ def save(
         elif final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_atomic(root / "latest", final.name)
+        _write_atomic(root / LATEST, final.name)
         for old in [p for p in complete_checkpoints(run_dir) if p not in protected][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
@@ -333,7 +342,7 @@ def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> None:
 
 def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:
     """The run's complete checkpoints after `step` (what a resume from `step` must not delete)."""
-    return tuple(p for p in complete_checkpoints(run_dir) if int(p.name.split("-")[1]) > step)
+    return tuple(p for p in complete_checkpoints(run_dir) if step_of(p) > step)
 
 
 def saved_world_size(path: Path) -> int | None:
@@ -346,14 +355,14 @@ def saved_world_size(path: Path) -> int | None:
 
 
 def checkpoint_dir(run_or_checkpoint: str | Path) -> Path:
-    """A checkpoint folder given itself or a run directory (its newest complete checkpoint)."""
+    """A checkpoint folder given itself or a run directory (the checkpoint a rerun would resume)."""
     path = Path(run_or_checkpoint)
     if (path / MANIFEST).is_file():
         return path
-    found = complete_checkpoints(path)
+    found = newest_first(path)
     if not found:
         raise CheckpointError(f"{path} is neither a checkpoint folder nor a run directory with checkpoints")
-    return found[-1]
+    return found[0]
 
 
 def _rank() -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # file sizes and crc32s, written last: its presence marks a complete save
 CONFIG = "config.json"  # the resolved config, so a checkpoint folder is self-describing
+LATEST = "latest"  # names the checkpoint saved last
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -25,16 +26,36 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     found = [
         p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and p.is_dir() and (p / MANIFEST).is_file()
     ]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    return sorted(found, key=step_of)
+
+
+def newest_first(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, the one to continue from first: the one saved last, then older steps
+    newest first, then any higher steps. After a rollback the saved-last one is on the branch the
+    run went on with; the higher steps it left behind (kept, never deleted) come last."""
+    found = complete_checkpoints(run_dir)[::-1]
+    try:
+        last = checkpoint_root(run_dir) / (checkpoint_root(run_dir) / LATEST).read_text().strip()
+    except OSError:
+        return found
+    if last not in found:  # deleted by hand, or an older meshrun's run
+        return found
+    at = step_of(last)
+    return sorted(found, key=lambda p: (step_of(p) > at, -step_of(p)))
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-")[1])
 
 
 def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
-    """Checkpoints to try, newest first. `auto`: the run's complete ones. A path: the checkpoints
-    this run saved since it started from that path, then the path itself, so that a torchrun
-    restart, a Slurm requeue or a rerun of the same command continues the run, not starts it over."""
+    """Checkpoints to try, best first (`newest_first`). `auto`: the run's complete ones. A path:
+    the checkpoints this run saved since it started from that path, then the path itself, so that
+    a torchrun restart, a Slurm requeue or a rerun of the same command continues the run, not
+    starts it over."""
     if resume == "none":
         return []
-    own = complete_checkpoints(run_dir)[::-1]
+    own = newest_first(run_dir)
     if resume == "auto":
         return own
     start, resolved = Path(resume), Path(resume).resolve()
