@@ -185,6 +185,7 @@ def tiny(data_dir: Path, run_dir: Path | str, **overrides: object) -> list[str]:
         "precision": "fp32",
         "recompute": "none",
         "tracker.mode": "disabled",
+        "metrics.plots": False,  # ~1 s of matplotlib per launch; the tests that read the pictures turn it on
     }
     settings.update(overrides)
     return [f"--set={key}={value}" for key, value in settings.items()]

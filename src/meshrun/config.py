@@ -218,6 +218,8 @@ class TrackerConfig(Section):
 class MetricsConfig(Section):
     peak_tflops: Float | None = Field(default=None, gt=0.0)
     """Peak TFLOP/s of one device for MFU; None = look the GPU up in a table (unknown on CPU)."""
+    plots: bool = True
+    """Draw loss.png and pipeline_timeline.png into run_dir at the end (rank 0, matplotlib: ~1 s)."""
 
 
 class ProfileConfig(Section):

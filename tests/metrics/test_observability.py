@@ -35,6 +35,7 @@ SETTINGS = {
     "tracker.backends": "[tensorboard,jsonl]",
     "metrics.peak_tflops": 0.001,
     "profile.steps": "[4]",
+    "metrics.plots": True,
 }
 
 

@@ -62,7 +62,7 @@ def offline_job(data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """One dp=1 job with wandb offline and a secret API key in its environment."""
     tmp_path = tmp_path_factory.mktemp("offline")
     env = env_for(tmp_path, WANDB_MODE="offline", WANDB_API_KEY=SECRET)
-    run_dir, proc = train(data_dir, tmp_path, env=env)
+    run_dir, proc = train(data_dir, tmp_path, env=env, **{"metrics.plots": True})
     return tmp_path, run_dir, proc
 
 
@@ -158,6 +158,7 @@ def test_online_without_a_key_falls_back_to_offline(data_dir: Path, tmp_path: Pa
 def test_wandb_mode_env_overrides_the_config(data_dir: Path, tmp_path: Path) -> None:
     run_dir, _ = train(data_dir, tmp_path, env=env_for(tmp_path, WANDB_MODE="disabled"))
     assert not (run_dir / "wandb").exists()
+    assert not (run_dir / "loss.png").exists()  # metrics.plots: false (tiny's)
     assert len(read_metrics(run_dir)) == STEPS + STEPS // EVAL_INTERVAL
 
 

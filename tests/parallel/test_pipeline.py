@@ -213,6 +213,7 @@ def test_measured_bubble_is_the_schedules(data_dir: Path, tmp_path: Path) -> Non
         "train.log_interval": 2,
         "parallel.pp": 2,
         "parallel.schedule": "1f1b",
+        "metrics.plots": True,
     }
     env = meshrun_env(tmp_path, PYTHONPATH=str(HERE))
     run_meshrun(["train", *tiny(data_dir, run, **slow)], tmp_path=tmp_path, env=env)

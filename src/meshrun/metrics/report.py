@@ -62,9 +62,16 @@ class RunReport:
     """Collects rows; only the logging rank (rank 0) writes anything."""
 
     def __init__(
-        self, run_dir: Path, *, steps: int, tracker: Tracker | None, timeline_title: str = "", start_step: int = 0
+        self,
+        run_dir: Path,
+        *,
+        steps: int,
+        tracker: Tracker | None,
+        timeline_title: str = "",
+        start_step: int = 0,
+        plots: bool = True,
     ) -> None:
-        self.run_dir, self.steps = run_dir, steps
+        self.run_dir, self.steps, self.plots = run_dir, steps, plots
         self.tracker: Tracker = tracker or NullTracker()
         self.active = tracker is not None
         self.rows: list[dict[str, Any]] = []
@@ -112,11 +119,10 @@ class RunReport:
             self.bar.close()
             self.bar = None
         self.tracker.summarize(summary)
-        from meshrun.metrics.plots import (
-            plot_loss,  # matplotlib: only rank 0 draws, and only at the end
-        )
+        if self.plots:
+            from meshrun.metrics.plots import plot_loss  # matplotlib: only rank 0 draws, and only at the end
 
-        plot_loss(self.rows, self.run_dir / "loss.png")
+            plot_loss(self.rows, self.run_dir / "loss.png")
         if self.timeline:
             self._save_timeline(**self.timeline)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -124,12 +130,12 @@ class RunReport:
         say("summary\n" + "\n".join(lines))
 
     def _save_timeline(self, *, step: int, bubble: float, stages: dict[int, Any]) -> None:
-        """pipeline_timeline.png and the numbers it is drawn from (pipeline_timeline.json)."""
-        from meshrun.metrics.plots import plot_timeline
+        """pipeline_timeline.png (with `plots`) and the numbers it is drawn from (pipeline_timeline.json)."""
+        if self.plots:
+            from meshrun.metrics.plots import plot_timeline
 
-        plot_timeline(
-            stages, self.run_dir / "pipeline_timeline.png", title=f"{self.timeline_title} step {step},", bubble=bubble
-        )
+            title = f"{self.timeline_title} step {step},"
+            plot_timeline(stages, self.run_dir / "pipeline_timeline.png", title=title, bubble=bubble)
         record = {
             "step": step,
             "bubble": bubble,

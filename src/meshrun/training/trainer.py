@@ -112,6 +112,7 @@ class Trainer:
             tracker=self._open_tracker(),
             timeline_title=f"{par.schedule}, dp={par.dp} pp={par.pp}, {cfg.accumulation_steps} microbatches:",
             start_step=self.start_step,
+            plots=cfg.metrics.plots,
         )
         self.requests = Requests(self.run_dir, is_rank0=mesh.rank == 0)
         self.profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=mesh.rank, device=self.device)
