@@ -89,7 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--out", required=True, help="output folder (new or empty; never overwritten)")
     data.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out for validation")
-    data.add_argument("--field", default="text", help="text field of .jsonl records / column of .parquet and datasets")
+    data.add_argument(
+        "--field",
+        default="text",
+        help="field of .jsonl records / column of .parquet and datasets: text, or lists of token ids (input_ids)",
+    )
     data.add_argument(
         "--tokenizer",
         default="byte",

@@ -135,6 +135,77 @@ def test_tokens_equal_the_tokenizers_own_encoding(kind: str, tokenizer_file: Pat
     assert all(f["sha256"] and f["bytes"] > 0 for f in meta["files"])
 
 
+def write_ids(kind: str, folder: Path, rows: list, field: str = "input_ids") -> Path:
+    """Token-id rows (lists of ints, or None) as one input of the given kind."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "jsonl":
+        path = folder / "ids.jsonl"
+        path.write_text("".join(json.dumps({field: row}) + "\n" for row in rows))
+    elif kind.startswith("parquet"):
+        path = folder / "ids.parquet"
+        width = len(rows[0]) if kind == "parquet-fixed" else -1
+        pq.write_table(pa.table({field: pa.array(rows, type=pa.list_(pa.int32(), width))}), path, row_group_size=7)
+    else:
+        import datasets
+
+        path = folder / "hf"
+        datasets.Dataset.from_dict({field: rows}).save_to_disk(str(path), max_shard_size="2KB")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "parquet-fixed", "hf"])
+def test_token_id_columns_are_stored_as_given(kind: str, tokenizer_file: Path, tmp_path: Path) -> None:
+    """A pre-tokenized column (`input_ids`): each row stored as it is, with the tokenizer's EOS
+    appended unless the row ends with it: the documents tokenizing the same text here gives."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    eos = tokenizer.token_to_id(EOS)
+    expected = hf_expected(tokenizer, DOCS, EOS)
+    rows: list = [doc if i % 4 == 0 else doc[:-1] for i, doc in enumerate(expected)]  # some end with EOS already
+    if kind == "parquet":
+        rows.insert(2, None)  # a missing row is no document, as a missing text is none
+    if kind == "parquet-fixed":  # packed rows of 16 ids
+        flat = [t for doc in expected for t in doc[:-1]]
+        rows = [flat[i : i + 16] for i in range(0, len(flat) - 15, 16)]
+        expected = [[*row, eos] for row in rows]
+    out = tmp_path / "out"
+    meta = prepare(
+        [str(write_ids(kind, tmp_path / "src", rows))],
+        out,
+        tokenizer=str(tokenizer_file),
+        field="input_ids",
+        val_fraction=0.2,
+        workers=2 if kind == "hf" else 1,
+        progress=False,
+    )
+    assert_documents_in_order(out, expected)
+    assert meta["documents"] == len(expected) and meta["vocab_size"] == 320
+    assert meta["tokenizer"]["sha256"] == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "args,rows,fragment",
+    [
+        (["--tokenizer", "TOK"], [[5, 6, 7], [8, 400]], "holds token id 400, not an id of --tokenizer"),
+        (["--tokenizer", "TOK"], [[5, -1, 7]], "holds token id -1, not an id of --tokenizer"),
+        ([], [[5, 6, 7]], "'input_ids' holds token ids; pass the --tokenizer"),
+        (["--train-tokenizer", "bpe:300"], [[5, 6, 7]], "--train-tokenizer trains on text; pass the --tokenizer"),
+    ],
+)
+def test_token_ids_that_cannot_be_the_tokenizers_are_refused(
+    args: list[str], rows: list, fragment: str, tokenizer_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    source = write_ids("jsonl", tmp_path / "src", rows * 20)
+    args = [str(tokenizer_file) if a == "TOK" else a for a in args]
+    command = ["prepare-data", "--source", str(source), "--field", "input_ids", "--out", str(tmp_path / "out")]
+    assert cli.main([*command, "--workers", "1", *args]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and fragment in err[0] and str(source) in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no staging folder left
+
+
 def test_model_folder_tokenizer_uses_its_configured_eos(tokenizer_file: Path, tmp_path: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 

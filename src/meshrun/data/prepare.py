@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.data.sources import (
+    Document,
     Source,
     corpus_root,
     default_sources,
@@ -83,7 +84,7 @@ def prepare(
         dtype = smallest_dtype(spec.vocab_size)
         writers = {split: SplitWriter(staging, split, dtype, shard_tokens) for split in SPLITS}
         records: list[dict[str, Any]] = []
-        tasks = _tasks(found, root, field=field, val_fraction=val_fraction, records=records, progress=progress)
+        tasks = _tasks(found, root, spec, field=field, val_fraction=val_fraction, records=records, progress=progress)
         for splits, (tokens, lengths) in encode_ordered(spec, tasks, workers=workers or os.cpu_count() or 1):
             for split in SPLITS:
                 mine = [i for i, s in enumerate(splits) if s == split]
@@ -147,6 +148,11 @@ def _spread_sample(found: list[Source], field: str, budget: int) -> Iterator[str
     seen = taken = 0.0
     for source in found:
         for doc in documents(source, field=field):
+            if not isinstance(doc, (str, bytes)):
+                raise ConfigError(
+                    f"{source.path}: {field!r} holds token ids, and --train-tokenizer trains on text; "
+                    "pass the --tokenizer that made the ids instead"
+                )
             seen += len(doc)
             if taken < share * seen:
                 taken += len(doc)
@@ -154,9 +160,17 @@ def _spread_sample(found: list[Source], field: str, budget: int) -> Iterator[str
 
 
 def _tasks(
-    found: list[Source], root: Path, *, field: str, val_fraction: float, records: list[dict[str, Any]], progress: bool
-) -> Iterator[tuple[list[str], list[str | bytes]]]:
-    """Batches of about TASK_BYTES of documents, tagged with each document's split."""
+    found: list[Source],
+    root: Path,
+    spec: TokenizerSpec,
+    *,
+    field: str,
+    val_fraction: float,
+    records: list[dict[str, Any]],
+    progress: bool,
+) -> Iterator[tuple[list[str], list[Document]]]:
+    """Batches of about TASK_BYTES of documents, tagged with each document's split; token ids are
+    checked against `spec` here, where the file they came from is known."""
     from tqdm import tqdm
 
     total = sum(source.size() for source in found)
@@ -173,16 +187,18 @@ def _tasks(
         dynamic_ncols=True,
     )
     splits: list[str] = []
-    docs: list[str | bytes] = []
+    docs: list[Document] = []
     size = 0
     with bar:
         for source in found:
             rel = source.path.relative_to(root).as_posix()
             num_docs = 0
             for doc in documents(source, field=field):
+                if not isinstance(doc, (str, bytes)):
+                    _check_ids(doc, source, field, spec)
                 splits.append("val" if _content_hash(doc) % 10_000 < val_fraction * 10_000 else "train")
                 docs.append(doc)
-                size += len(doc)
+                size += len(doc) if isinstance(doc, (str, bytes)) else doc.nbytes
                 num_docs += 1
                 if size >= TASK_BYTES:
                     yield splits, docs
@@ -192,6 +208,21 @@ def _tasks(
         if docs:
             yield splits, docs
         bar.update(max(0, total - bar.n))
+
+
+def _check_ids(ids: Any, source: Source, field: str, spec: TokenizerSpec) -> None:
+    """Token ids are stored as given: they must be ids of the tokenizer that made them."""
+    if spec.json_text is None:
+        raise ConfigError(
+            f"{source.path}: {field!r} holds token ids; pass the --tokenizer (a tokenizer.json or model folder) "
+            "that made them"
+        )
+    if len(ids) and (ids.min() < 0 or ids.max() >= spec.vocab_size):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise ConfigError(
+            f"{source.path}: {field!r} holds token id {bad}, not an id of --tokenizer {spec.name} "
+            f"({spec.vocab_size} ids); pass the tokenizer that made them"
+        )
 
 
 def _record(source: Source, rel: str, num_docs: int) -> dict[str, Any]:
@@ -215,10 +246,12 @@ def _check_enough(writers: dict[str, SplitWriter], sources: list[str]) -> None:
         )
 
 
-def _content_hash(doc: str | bytes) -> int:
+def _content_hash(doc: Document) -> int:
     """A document's split follows its content alone: adding, moving or renaming sources never moves
     a document between train and val, and copies of one text all land in the same split."""
-    return zlib.crc32(doc if isinstance(doc, bytes) else doc.encode("utf-8", "surrogatepass"))
+    if isinstance(doc, str):
+        return zlib.crc32(doc.encode("utf-8", "surrogatepass"))
+    return zlib.crc32(doc if isinstance(doc, bytes) else doc.astype("<i8", copy=False).tobytes())
 
 
 def _balance_splits(writers: dict[str, SplitWriter], val_fraction: float) -> None:

@@ -3,6 +3,8 @@
 Kinds, chosen by name: `.jsonl` / `.jsonl.gz` (one JSON object per line, text under `field`),
 `.parquet` (column `field`, read in record batches), a Hugging Face `datasets` folder written
 by `save_to_disk` (its Arrow files, read with pyarrow), and anything else as one text document.
+A record's `field` may hold token ids instead of text (a list of integers, as a tokenized
+`datasets` column `input_ids`): such a document is an int64 array, stored as it is.
 Nothing holds more than one record batch (or one text file) in memory.
 """
 
@@ -18,9 +20,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from meshrun.errors import ConfigError
 
 BATCH_ROWS = 1024  # rows per pyarrow record batch
+Document = str | bytes | np.ndarray  # text, a text file's bytes, or token ids (int64)
 
 
 @dataclass(frozen=True)
@@ -114,8 +119,9 @@ def corpus_root(sources: list[Source]) -> Path:
     return Path(os.path.commonpath([s.path if s.kind == "hf" else s.path.parent for s in sources]))
 
 
-def documents(source: Source, *, field: str) -> Iterator[str | bytes]:
-    """The documents of one source: text files as raw bytes (byte-exact), the rest as str."""
+def documents(source: Source, *, field: str) -> Iterator[Document]:
+    """The documents of one source: text files as raw bytes (byte-exact), records as str, or as
+    token ids where their field holds a list of integers."""
     try:
         if source.kind == "text":
             yield source.path.read_bytes()
@@ -136,7 +142,7 @@ def documents(source: Source, *, field: str) -> Iterator[str | bytes]:
         raise ConfigError(f"cannot read source {source.path}: {' '.join(str(exc).split()) or 'unreadable'}") from None
 
 
-def _jsonl(path: Path, field: str) -> Iterator[str]:
+def _jsonl(path: Path, field: str) -> Iterator[str | np.ndarray]:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -148,13 +154,16 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
                 raise ConfigError(
                     f"{path}:{number} is not valid JSON ({exc.msg}); fix the line or drop the file"
                 ) from None
-            text = record.get(field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
+            value = record.get(field) if isinstance(record, dict) else None
+            if isinstance(value, list) and all(type(i) is int for i in value):
+                yield np.array(value, dtype=np.int64)
+            elif isinstance(value, str):
+                yield value
+            else:
                 raise ConfigError(f"{path}:{number} has no text field {field!r}; pass --field NAME")
-            yield text
 
 
-def _column(batches: Iterator, path: Path, field: str) -> Iterator[str]:
+def _column(batches: Iterator, path: Path, field: str) -> Iterator[str | np.ndarray]:
     import pyarrow as pa
 
     for batch in batches:
@@ -163,13 +172,37 @@ def _column(batches: Iterator, path: Path, field: str) -> Iterator[str]:
                 f"{path} has no column {field!r} (columns: {', '.join(batch.schema.names)}); pass --field NAME"
             )
         column = batch.column(field)
-        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            yield from (text for text in column.to_pylist() if text is not None)
+        elif _is_id_list(column.type):
+            yield from _id_rows(column, path, field)
+        else:
             raise ConfigError(
-                f"{path}: column {field!r} holds {column.type}, not text; pass --field NAME of a text column"
+                f"{path}: column {field!r} holds {column.type}, not text (nor lists of token ids); "
+                "pass --field NAME of a text column"
             )
-        for text in column.to_pylist():
-            if text is not None:
-                yield text
+
+
+def _is_id_list(kind) -> bool:
+    import pyarrow as pa
+
+    lists = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    return lists and pa.types.is_integer(kind.value_type)
+
+
+def _id_rows(column, path: Path, field: str) -> Iterator[np.ndarray]:
+    """The rows of an integer-list column as int64 array views: no Python int per token."""
+    import pyarrow as pa
+
+    if pa.types.is_fixed_size_list(column.type):
+        column = column.cast(pa.large_list(column.type.value_type))
+    if column.values.null_count:
+        raise ConfigError(f"{path}: column {field!r} has missing token ids inside a row; fix the data")
+    values = column.values.to_numpy().astype(np.int64, copy=False)
+    offsets = column.offsets.to_numpy()
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    for row in np.flatnonzero(valid):
+        yield values[offsets[row] : offsets[row + 1]]
 
 
 def _arrow_batches(path: Path) -> Iterator:

@@ -14,13 +14,14 @@ import multiprocessing.pool
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from meshrun.data.sources import Document
 from meshrun.errors import ConfigError
 
 BYTE_EOS = b"\n\n"  # byte-level data has no spare id: documents end with a blank line (as before)
@@ -129,7 +130,9 @@ def as_text(doc: str | bytes) -> str:
 
 
 class Encoder:
-    """Documents -> one flat uint32 array (each document followed by EOS) and per-document lengths."""
+    """Documents -> one flat uint32 array (each document followed by EOS) and per-document lengths.
+    Token ids (an int64 array, checked by the caller) are taken as they are, and get an EOS unless
+    they end with one already."""
 
     def __init__(self, spec: TokenizerSpec) -> None:
         self.spec = spec
@@ -142,20 +145,21 @@ class Encoder:
             # separator appended below is the EOS id (as tiktoken's disallowed_special guards)
             self.tokenizer.encode_special_tokens = True
 
-    def __call__(self, docs: list[str | bytes]) -> tuple[np.ndarray, np.ndarray]:
-        eos = list(self.spec.eos_ids)
-        if self.tokenizer is None:
-            pieces = [(d if isinstance(d, bytes) else d.encode("utf-8")) + BYTE_EOS for d in docs]
+    def __call__(self, docs: Sequence[Document]) -> tuple[np.ndarray, np.ndarray]:
+        if self.tokenizer is None:  # bytes (token ids need a tokenizer: refused before they get here)
+            pieces = [(d.encode("utf-8") if isinstance(d, str) else bytes(d)) + BYTE_EOS for d in docs]
             lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
             return np.frombuffer(b"".join(pieces), dtype=np.uint8).astype(np.uint32), lengths
-        flat: list[int] = []
-        lengths = np.empty(len(docs), dtype=np.int64)
-        encodings = self.tokenizer.encode_batch_fast([as_text(d) for d in docs], add_special_tokens=False)
-        for i, encoding in enumerate(encodings):
-            flat.extend(encoding.ids)
-            flat.extend(eos)
-            lengths[i] = len(encoding.ids) + len(eos)
-        return np.array(flat, dtype=np.uint32), lengths
+        texts = [as_text(d) for d in docs if not isinstance(d, np.ndarray)]
+        encoded = iter(self.tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+        eos = np.array(self.spec.eos_ids, dtype=np.int64)
+        pieces = []
+        for doc in docs:
+            ids = doc if isinstance(doc, np.ndarray) else np.array(next(encoded).ids, dtype=np.int64)
+            ends = len(ids) >= len(eos) and bool((ids[len(ids) - len(eos) :] == eos).all())
+            pieces.append(ids if isinstance(doc, np.ndarray) and ends else np.concatenate([ids, eos]))
+        lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+        return np.concatenate(pieces).astype(np.uint32) if pieces else np.empty(0, np.uint32), lengths
 
 
 _worker_encoder: Encoder | None = None
@@ -166,13 +170,13 @@ def _init_worker(spec: TokenizerSpec) -> None:
     _worker_encoder = Encoder(spec)
 
 
-def _encode_in_worker(docs: list[str | bytes]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_in_worker(docs: Sequence[Document]) -> tuple[np.ndarray, np.ndarray]:
     assert _worker_encoder is not None
     return _worker_encoder(docs)
 
 
 def encode_ordered(
-    spec: TokenizerSpec, tasks: Iterable[tuple[Any, list[str | bytes]]], *, workers: int
+    spec: TokenizerSpec, tasks: Iterable[tuple[Any, Sequence[Document]]], *, workers: int
 ) -> Iterator[tuple[Any, tuple[np.ndarray, np.ndarray]]]:
     """(tag, documents) -> (tag, encoded), in input order, at most 2 x workers batches in flight
     (bounded memory: reading never runs far ahead of tokenizing)."""
@@ -208,7 +212,7 @@ def _pool_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")
 
 
-def _bounded(submit: Callable, tasks: Iterable[tuple[Any, list]], *, limit: int) -> Iterator[tuple[Any, Any]]:
+def _bounded(submit: Callable, tasks: Iterable[tuple[Any, Sequence]], *, limit: int) -> Iterator[tuple[Any, Any]]:
     pending: deque = deque()
     for tag, docs in tasks:
         pending.append((tag, submit(_encode_in_worker, (docs,))))
