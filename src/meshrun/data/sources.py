@@ -160,7 +160,9 @@ def _jsonl(path: Path, field: str) -> Iterator[str | np.ndarray]:
             elif isinstance(value, str):
                 yield value
             else:
-                raise ConfigError(f"{path}:{number} has no text field {field!r}; pass --field NAME")
+                raise ConfigError(
+                    f"{path}:{number} has no text field {field!r} (a string, or a list of token ids); pass --field NAME"
+                )
 
 
 def _column(batches: Iterator, path: Path, field: str) -> Iterator[str | np.ndarray]:

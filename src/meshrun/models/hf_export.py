@@ -16,7 +16,7 @@ from torch import nn
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.hf_config import TOKENIZERS, hf_dir, model_tokenizer
+from meshrun.hf_config import hf_dir, model_tokenizer
 from meshrun.models.hf import HFCausalLM
 
 TOKENIZER_FILES = (
@@ -54,10 +54,9 @@ def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
     tmp.mkdir(parents=True)
     config.save_pretrained(tmp)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    own = tokenizer_files(hf_dir(model.cfg))
-    for file in own:
+    for file in tokenizer_files(hf_dir(model.cfg)):
         shutil.copy2(file, tmp / file.name)
-    if not {f.name for f in own} & set(TOKENIZERS) and data is not None:
+    if model_tokenizer(hf_dir(model.cfg)) is None and data is not None:
         save_data_tokenizer(data, tmp, max_length=model.cfg.seq_len)
     tmp.rename(out)  # all or nothing
     return out
