@@ -17,7 +17,15 @@ from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
 
 # model_type -> family layout (one adapter per layout in models/hf.py)
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
+FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "phi3": "llama",
+    "olmo2": "llama",
+    "gpt2": "gpt2",
+}
 TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -115,7 +123,7 @@ def check_fits(cfg: ModelConfig) -> None:
         )
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or []
-    sliding = "sliding_attention" in layer_types or (config.model_type == "mistral" and window is not None)
+    sliding = "sliding_attention" in layer_types or (config.model_type in ("mistral", "phi3") and window is not None)
     if sliding and window is not None and cfg.seq_len > window:
         raise ConfigError(
             f"model.seq_len {cfg.seq_len} exceeds the model's sliding_window ({window}); meshrun runs full causal "

@@ -38,7 +38,7 @@ def dry_run(data_dir: Path, tmp_path: Path, **model: object) -> list[str]:
         ({"model.hf": "meta-llama/Llama-3.2-1B"}, "meshrun downloads nothing"),
         (
             {"model.hf_config": "{model_type: bert, hidden_size: 32}"},
-            "model_type 'bert' is not supported; supported: gpt2, llama, mistral, qwen2, qwen3",
+            "model_type 'bert' is not supported; supported: gpt2, llama, mistral, olmo2, phi3, qwen2, qwen3",
         ),
         (
             {"model.hf_config": LLAMA, "parallel.pp": 4, "train.global_batch": 8},
@@ -52,8 +52,20 @@ def dry_run(data_dir: Path, tmp_path: Path, **model: object) -> list[str]:
             {"model.hf_config": LLAMA.replace("}", ", max_position_embeddings: 8}")},
             "exceeds the model's max_position_embeddings",
         ),
+        (
+            {"model.hf_config": LLAMA.replace("llama", "mistral").replace("}", ", sliding_window: 8}")},
+            "model.seq_len 16 exceeds the model's sliding_window (8)",
+        ),
+        (
+            {
+                "model.hf_config": LLAMA.replace("llama", "phi3").replace(
+                    "}", ", sliding_window: 8, pad_token_id: 0, bos_token_id: 1, eos_token_id: 2}"
+                )
+            },
+            "model.seq_len 16 exceeds the model's sliding_window (8)",
+        ),
     ],
-    ids=["missing", "hub-id", "model-type", "stages", "no-weights", "context"],
+    ids=["missing", "hub-id", "model-type", "stages", "no-weights", "context", "window-mistral", "window-phi3"],
 )
 def test_bad_model_is_one_line(model: dict, message: str, data_dir: Path, tmp_path: Path, capsys) -> None:
     assert message in error_of(dry_run(data_dir, tmp_path, **model), capsys)

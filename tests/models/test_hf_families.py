@@ -1,4 +1,4 @@
-"""Each family layout (llama, qwen2, qwen3, mistral, tied llama), split into pipeline stages
+"""Each family layout (llama, qwen2, qwen3, mistral, phi3, olmo2, tied llama), split into pipeline stages
 in one process from save_pretrained weights, computes the transformers model's logits."""
 
 from __future__ import annotations
@@ -39,6 +39,29 @@ FAMILY_CONFIGS = {
         "vocab_size": 256,
         "max_position_embeddings": 64,
         "sliding_window": 32,
+    },
+    "phi3": {  # fused qkv_proj / gate_up_proj, partial rotary
+        "model_type": "phi3",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.5,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+    },
+    "olmo2": {  # norms after attention and MLP, q/k norms
+        "model_type": "olmo2",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
     },
     "llama-tied": {
         "model_type": "llama",

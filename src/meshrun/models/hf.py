@@ -5,7 +5,7 @@ on whatever device is current: meta when meshrun builds it), then its parts are 
 `embed`, `blocks` (the HF decoder layers, keyed by their global index), `norm`, `head`. One
 layout per family, not per class:
 
-- llama (llama, mistral, qwen2, qwen3): `model.embed_tokens`, `model.layers[i]`, `model.norm`,
+- llama (llama, mistral, qwen2, qwen3, phi3, olmo2): `model.embed_tokens`, `model.layers[i]`, `model.norm`,
   `lm_head`; rotary position embeddings are computed once per stage forward (transformers
   computes them at model level, which a pipeline stage does not run) and passed to each layer.
 - gpt2: `transformer.wte` + `wpe` (learned positions), `transformer.h[i]`, `ln_f`, `lm_head`.
