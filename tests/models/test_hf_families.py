@@ -7,73 +7,22 @@ from pathlib import Path
 
 import pytest
 
+SMALL = {  # a tiny decoder: 4 layers of width 32, grouped-query attention
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
 FAMILY_CONFIGS = {
-    "qwen2": {
-        "model_type": "qwen2",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-    },
-    "qwen3": {
-        "model_type": "qwen3",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "head_dim": 16,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-    },
-    "mistral": {
-        "model_type": "mistral",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-        "sliding_window": 32,
-    },
-    "phi3": {  # fused qkv_proj / gate_up_proj, partial rotary
-        "model_type": "phi3",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "partial_rotary_factor": 0.5,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-        "pad_token_id": 0,
-    },
-    "olmo2": {  # norms after attention and MLP, q/k norms
-        "model_type": "olmo2",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-        "pad_token_id": 0,
-    },
-    "llama-tied": {
-        "model_type": "llama",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": True,
-    },
+    "qwen2": {"model_type": "qwen2", **SMALL},
+    "qwen3": {"model_type": "qwen3", **SMALL, "head_dim": 16},
+    "mistral": {"model_type": "mistral", **SMALL, "sliding_window": 32},
+    "phi3": {"model_type": "phi3", **SMALL, "partial_rotary_factor": 0.5, "pad_token_id": 0},  # fused qkv, gate_up
+    "olmo2": {"model_type": "olmo2", **SMALL, "pad_token_id": 0},  # norms after attention and MLP, q/k norms
+    "llama-tied": {"model_type": "llama", **SMALL, "num_key_value_heads": 4, "tie_word_embeddings": True},
 }
 
 
