@@ -134,6 +134,12 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed")
     sample.add_argument("--beam", type=int, default=1, help="encoder-decoder models: beam width (1 = greedy)")
+    sample.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="decode with this tokenizer.json or model folder instead of the one saved with the checkpoint "
+        "(data read in place, e.g. nanoGPT's GPT-2 ids, carries none)",
+    )
     _trust_arguments(sample)
     compare = sub.add_parser(
         "report", help="compare runs: a table of their summaries and one picture of their loss curves"
@@ -235,6 +241,7 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 beam=args.beam,
                 data=data_card(cfg, folder),
+                tokenizer=args.tokenizer,
             )
         )
         return 0

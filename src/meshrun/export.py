@@ -23,7 +23,7 @@ from meshrun.checkpoint import (
 from meshrun.config import Config
 from meshrun.data.pairs import BOS, EOS, NUM_SPECIAL, PAD
 from meshrun.data.storage import read_meta
-from meshrun.data.tokenize import text_codec
+from meshrun.data.tokenize import read_tokenizer, text_codec
 from meshrun.errors import ConfigError
 from meshrun.hf_config import vocab_size
 from meshrun.metrics.console import say
@@ -98,13 +98,15 @@ def sample(
     seed: int,
     beam: int = 1,
     data: Path | None = None,
+    tokenizer: str | None = None,
 ) -> str:
     """Generation with the tokenizer the model was trained with (see `codec`); an encoder-decoder
     translates the prompt (greedy, or beam search with `beam` > 1) instead of continuing it, and
     a decoder-only model trained on pairs answers it as it was trained (source BOS -> target EOS).
-    `data`: where the training data's meta.json / tokenizer.json are (see `data_card`)."""
+    `data`: where the training data's meta.json / tokenizer.json are (see `data_card`);
+    `tokenizer`: a tokenizer.json or model folder that overrides them."""
     data = training_data_dir(cfg) if data is None else data
-    encode, decode, num_ids = codec(cfg, data)
+    encode, decode, num_ids = codec(cfg, data, tokenizer)
     if isinstance(model, EncDec):
         target = seq2seq_decode(model, [i + NUM_SPECIAL for i in encode(prompt)], beam=beam, max_tokens=num_tokens)
         return decode([i - NUM_SPECIAL for i in target if i >= NUM_SPECIAL])
@@ -148,6 +150,19 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gene
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
+def named_codec(path: str, vocab: int) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int]:
+    """`sample --tokenizer PATH`: read as `prepare-data --tokenizer` reads it; sampling draws only
+    its ids (a model's vocabulary is often padded past them, as nanoGPT's 50304 for GPT-2)."""
+    tokenizer = read_tokenizer(path)[0]
+    num_ids = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    if num_ids > vocab:
+        raise ConfigError(
+            f"--tokenizer {path} has {num_ids} token ids but the model has {vocab}; "
+            "pass the tokenizer the model was trained with"
+        )
+    return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode, num_ids
+
+
 def data_card(cfg: Config, checkpoint: Path) -> Path:
     """Where the training data's meta.json / tokenizer.json are: the copies saved with the
     checkpoint, else (a checkpoint of an older meshrun) the training data folder itself."""
@@ -177,11 +192,15 @@ def heal_prompt(
     return ids[:-1], allowed
 
 
-def codec(cfg: Config, data: Path) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int | None]:
-    """(encode, decode, ids that decode) for sampling: the training data's tokenizer (its
-    tokenizer.json, or bytes) as `data` describes it, else the model folder's tokenizer, else
-    bytes. Bytes on a larger vocabulary sample only the 256 byte ids, with a warning."""
+def codec(
+    cfg: Config, data: Path, tokenizer_path: str | None = None
+) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int | None]:
+    """(encode, decode, ids that decode) for sampling: the tokenizer the user names, else the
+    training data's (its tokenizer.json, or bytes) as `data` describes it, else the model
+    folder's, else bytes. Bytes on a larger vocabulary sample only the 256 byte ids, with a warning."""
     vocab = vocab_size(cfg.model)
+    if tokenizer_path is not None:
+        return named_codec(tokenizer_path, vocab)
     tokenizer = None if (data / "meta.json").is_file() else load_tokenizer(cfg.model)
     if tokenizer is not None:
         return (lambda text: tokenizer.encode(text, add_special_tokens=False)), tokenizer.decode, None

@@ -367,6 +367,8 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--seed must fit in 64 bits, got {args.seed}")
     if args.beam < 1:
         raise ConfigError(f"--beam must be at least 1 (1 = greedy), got {args.beam}")
+    if args.tokenizer is not None and not Path(args.tokenizer).exists():
+        raise ConfigError(f"--tokenizer {args.tokenizer} does not exist; give a tokenizer.json or a model folder")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
     try:

@@ -238,6 +238,21 @@ def test_bad_data_is_refused_before_spawning(
     assert not (tmp_path / "run").exists()
 
 
+def greedy(run: Path, tokenizer_file: Path, prompt: str, steps: int) -> str:
+    """Greedy sampling written here: the model's first VOCAB logits (the tokenizer's ids), the
+    last prompt token chosen again among the tokens that start with its text (token healing)."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    model = load_full_model(run)[0]
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    tail, ids = tokenizer.decode(ids[-1:]), ids[:-1]
+    healing = torch.tensor([not tokenizer.decode([i]).startswith(tail) for i in range(VOCAB)])
+    with torch.no_grad():
+        for step in range(steps):
+            logits = model(torch.tensor([ids[-16:]]))[0, -1, :VOCAB]
+            ids.append(int(logits.masked_fill(healing, float("-inf")).argmax() if step == 0 else logits.argmax()))
+    return tokenizer.decode(ids)
+
+
 def test_sample_decodes_with_the_datasets_tokenizer(
     bpe_data: Path, tmp_path: Path, clean_env: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -253,19 +268,28 @@ def test_sample_decodes_with_the_datasets_tokenizer(
     printed, warned = capsys.readouterr()
     printed = printed.rstrip("\n")
     assert "warning" not in warned
-    tokenizer = Tokenizer.from_file(str(bpe_data / "tokenizer.json"))
-    model = load_full_model(run)[0]
-    ids = tokenizer.encode("the model", add_special_tokens=False).ids
-    tail = tokenizer.decode(ids[-1:])  # token healing: the last prompt token is chosen again,
-    ids = ids[:-1]  # among the tokens that start with its text
-    healing = torch.tensor([not tokenizer.decode([i]).startswith(tail) for i in range(VOCAB)])
-    with torch.no_grad():
-        for step in range(12):
-            logits = model(torch.tensor([ids[-16:]]))[0, -1]
-            ids.append(int(logits.masked_fill(healing, float("-inf")).argmax() if step == 0 else logits.argmax()))
-    assert max(ids) < VOCAB and printed == tokenizer.decode(ids) and printed.startswith("the model")
+    assert printed == greedy(run, bpe_data / "tokenizer.json", "the model", 12) and printed.startswith("the model")
     assert cli.main(["sample", str(run), "--prompt", "the", "--beam", "3"]) == 2  # beams are the encoder-decoder's
     assert "--beam is for encoder-decoder models" in capsys.readouterr().err
+
+
+def test_sample_decodes_data_read_in_place_with_the_named_tokenizer(
+    bpe_data: Path, tmp_path: Path, clean_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """nanoGPT files carry no tokenizer: `sample` warns and decodes bytes, and `--tokenizer`
+    decodes them right, drawing only the tokenizer's ids from a model padded past them."""
+    nanogpt = write_nanogpt(tmp_path / "nanogpt", raw_split(bpe_data, "train"), raw_split(bpe_data, "val"))
+    run = tmp_path / "run"
+    first_loss(nanogpt, run, **{"train.steps": 2, "data.format": "nanogpt", "model.vocab_size": VOCAB + 20})
+    capsys.readouterr()
+    command = ["sample", str(run), "--prompt", "the model", "--tokens", "12", "--temperature", "0"]
+    assert cli.main(command) == 0
+    assert "decoding the 256 byte ids" in capsys.readouterr().err
+    assert cli.main([*command, "--tokenizer", str(bpe_data / "tokenizer.json")]) == 0
+    printed, warned = capsys.readouterr()
+    assert not warned and printed.rstrip("\n") == greedy(run, bpe_data / "tokenizer.json", "the model", 12)
+    assert cli.main([*command, "--tokenizer", str(tmp_path / "missing.json")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
 
 
 def test_a_run_is_not_continued_on_data_of_another_tokenizer(
