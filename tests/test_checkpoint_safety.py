@@ -254,3 +254,11 @@ def test_auto_after_a_rollback_continues_the_rolled_back_branch(finished: Path, 
     again = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)
     assert f"resumed from {run / 'checkpoints' / CKPTS[1]} at step 8\n" in again.stderr
     assert snapshot(run / "checkpoints" / f"{CKPTS[-1]}.kept-1") == old_12  # the old branch, moved aside
+
+
+def test_a_latest_file_that_is_not_text_falls_back_to_the_step_order(finished: Path, tmp_path: Path) -> None:
+    from meshrun.checkpoint_paths import newest_first
+
+    run = shutil.copytree(finished, tmp_path / "run")
+    (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe")
+    assert [p.name for p in newest_first(run)] == list(CKPTS[::-1])

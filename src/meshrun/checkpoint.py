@@ -309,10 +309,10 @@ def unloadable_reason(path: Path, error: CheckpointError) -> str:
 
 def no_checkpoint_loads(run_dir: str | Path, failures: list[tuple[Path, CheckpointError]]) -> ConfigError:
     """The error when checkpoints exist but none loads: a fresh start must be asked for."""
-    newest, error = failures[0]
+    first, error = failures[0]
     return ConfigError(
-        f"none of the {len(failures)} checkpoints in {checkpoint_root(run_dir)} loads; the newest, {newest.name}, "
-        f"does not: {unloadable_reason(newest, error)}. Nothing was changed. To start from step 0 on purpose, "
+        f"none of the {len(failures)} checkpoints in {checkpoint_root(run_dir)} loads; the one saved last, "
+        f"{first.name}, does not: {unloadable_reason(first, error)}. Nothing was changed. To start from step 0 on purpose, "
         f"set a new run_dir (or move {checkpoint_root(run_dir)} aside)"
     )
 

@@ -36,7 +36,7 @@ def newest_first(run_dir: str | Path) -> list[Path]:
     found = complete_checkpoints(run_dir)[::-1]
     try:
         last = checkpoint_root(run_dir) / (checkpoint_root(run_dir) / LATEST).read_text().strip()
-    except OSError:
+    except (OSError, ValueError):  # unreadable, or not text: the step order alone
         return found
     if last not in found:  # deleted by hand, or an older meshrun's run
         return found

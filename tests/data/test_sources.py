@@ -164,12 +164,12 @@ def test_token_id_columns_are_stored_as_given(kind: str, tokenizer_file: Path, t
     eos = tokenizer.token_to_id(EOS)
     expected = hf_expected(tokenizer, DOCS, EOS)
     rows: list = [doc if i % 4 == 0 else doc[:-1] for i, doc in enumerate(expected)]  # some end with EOS already
-    if kind == "parquet":
-        rows.insert(2, None)  # a missing row is no document, as a missing text is none
     if kind == "parquet-fixed":  # packed rows of 16 ids
         flat = [t for doc in expected for t in doc[:-1]]
         rows = [flat[i : i + 16] for i in range(0, len(flat) - 15, 16)]
         expected = [[*row, eos] for row in rows]
+    if kind.startswith("parquet"):
+        rows.insert(2, None)  # a missing row is no document, as a missing text is none
     out = tmp_path / "out"
     meta = prepare(
         [str(write_ids(kind, tmp_path / "src", rows))],
@@ -191,6 +191,7 @@ def test_token_id_columns_are_stored_as_given(kind: str, tokenizer_file: Path, t
         (["--tokenizer", "TOK"], [[5, 6, 7], [8, 400]], "holds token id 400, not an id of --tokenizer"),
         (["--tokenizer", "TOK"], [[5, -1, 7]], "holds token id -1, not an id of --tokenizer"),
         ([], [[5, 6, 7]], "'input_ids' holds token ids; pass the --tokenizer"),
+        (["--tokenizer", "TOK"], [[5, 2**64]], f"holds token id {2**64}, beyond any vocabulary"),
         (["--train-tokenizer", "bpe:300"], [[5, 6, 7]], "--train-tokenizer trains on text; pass the --tokenizer"),
     ],
 )

@@ -60,6 +60,9 @@ def test_export_hf_carries_the_data_tokenizer(tmp_path: Path) -> None:
     shutil.rmtree(data)  # the checkpoint's own copy of the data's tokenizer is what gets exported
     run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
     exported = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    text = "def f7(self, y):\n    return y * 7\n"
-    assert exported.encode(text, add_special_tokens=False) == Tokenizer.from_file(str(tokenizer_json)).encode(text).ids
+    assert (out / "tokenizer.json").read_bytes() == tokenizer_json.read_bytes()  # the data's check accepts it
+    text = "def f7(self, y):<|endoftext|>\n    return y * 7\n"
+    as_trained = Tokenizer.from_file(str(tokenizer_json))
+    as_trained.encode_special_tokens = True  # prepare-data: special-token text in a document is text
+    assert exported.encode(text, add_special_tokens=False) == as_trained.encode(text).ids
     assert exported.eos_token == "<|endoftext|>" and exported.model_max_length == 16

@@ -261,7 +261,9 @@ def check_same_tokenizer(data_tokenizer: tuple[str, str], model_tokenizer: Path)
     name, sha256 = data_tokenizer
     if name == "byte":
         return
-    ours = read_tokenizer(model_tokenizer.parent, flag="model.hf")[0]  # as `prepare-data --tokenizer FOLDER` reads it
+    ours = read_tokenizer(model_tokenizer.parent, flag="model.hf's tokenizer in")[
+        0
+    ]  # as `prepare-data --tokenizer FOLDER` reads it
     if hashlib.sha256(ours.to_str().encode()).hexdigest() != sha256:
         raise ConfigError(
             f"the data was tokenized with {name}, not with the model's {model_tokenizer}; "

@@ -156,6 +156,8 @@ def _jsonl(path: Path, field: str) -> Iterator[str | np.ndarray]:
                 ) from None
             value = record.get(field) if isinstance(record, dict) else None
             if isinstance(value, list) and all(type(i) is int for i in value):
+                if value and not -(2**63) <= max(value, key=abs) < 2**63:
+                    raise ConfigError(f"{path}:{number} holds token id {max(value, key=abs)}, beyond any vocabulary")
                 yield np.array(value, dtype=np.int64)
             elif isinstance(value, str):
                 yield value
@@ -193,17 +195,21 @@ def _is_id_list(kind) -> bool:
 
 
 def _id_rows(column, path: Path, field: str) -> Iterator[np.ndarray]:
-    """The rows of an integer-list column as int64 array views: no Python int per token."""
+    """The rows of an integer-list column as int64 array views: no Python int per token. Missing
+    rows are no documents (as missing texts); a missing id inside a row is refused."""
     import pyarrow as pa
 
+    column = column.drop_null()
     if pa.types.is_fixed_size_list(column.type):
         column = column.cast(pa.large_list(column.type.value_type))
     if column.values.null_count:
         raise ConfigError(f"{path}: column {field!r} has missing token ids inside a row; fix the data")
-    values = column.values.to_numpy().astype(np.int64, copy=False)
+    values = column.values.to_numpy()
+    if values.dtype == np.uint64 and len(values) and values.max() >= 2**63:
+        raise ConfigError(f"{path}: column {field!r} holds token id {values.max()}, beyond any vocabulary")
+    values = values.astype(np.int64, copy=False)
     offsets = column.offsets.to_numpy()
-    valid = column.is_valid().to_numpy(zero_copy_only=False)
-    for row in np.flatnonzero(valid):
+    for row in range(len(column)):
         yield values[offsets[row] : offsets[row + 1]]
 
 

@@ -8,6 +8,7 @@ so that `AutoTokenizer.from_pretrained` reads the ids the model learned.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -52,13 +53,17 @@ def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config.save_pretrained(tmp)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    for file in tokenizer_files(hf_dir(model.cfg)):
-        shutil.copy2(file, tmp / file.name)
-    if model_tokenizer(hf_dir(model.cfg)) is None and data is not None:
-        save_data_tokenizer(data, tmp, max_length=model.cfg.seq_len)
-    tmp.rename(out)  # all or nothing
+    try:
+        config.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for file in tokenizer_files(hf_dir(model.cfg)):
+            shutil.copy2(file, tmp / file.name)
+        if model_tokenizer(hf_dir(model.cfg)) is None and data is not None:
+            save_data_tokenizer(data, tmp, max_length=model.cfg.seq_len)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # all or nothing: no half-written folder stays behind
+        raise
+    tmp.rename(out)
     return out
 
 
@@ -73,18 +78,25 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def save_data_tokenizer(data: Path, out: Path, *, max_length: int) -> None:
-    """The training data's tokenizer.json as transformers saves a fast tokenizer, with the
-    end-of-document token meta.json recorded as its eos_token. Nothing for byte-level data (ids
-    are UTF-8 bytes) or pairs (ids are the tokenizer's shifted past pad/BOS/EOS)."""
+    """The training data's tokenizer.json, byte for byte (so the data's tokenizer check accepts
+    the exported folder), and a tokenizer_config.json for transformers' fast tokenizer: the
+    end-of-document token meta.json records as eos_token, and special-token text encoded as text,
+    as training encoded it. Nothing for byte-level data (ids are UTF-8 bytes) or pairs (ids are
+    the tokenizer's shifted past pad/BOS/EOS)."""
     from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
 
     from meshrun.data.storage import read_meta
 
     meta = read_meta(data) or {}
     if not (data / "tokenizer.json").is_file() or meta.get("format") == "pairs":
         return
-    tokenizer = Tokenizer.from_file(str(data / "tokenizer.json"))
+    shutil.copyfile(data / "tokenizer.json", out / "tokenizer.json")
     eos_ids = (meta.get("tokenizer") or {}).get("eos_ids") or []
-    eos = tokenizer.id_to_token(eos_ids[0]) if eos_ids else None
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, model_max_length=max_length).save_pretrained(out)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "split_special_tokens": True,
+    }
+    if eos_ids:
+        config["eos_token"] = Tokenizer.from_file(str(data / "tokenizer.json")).id_to_token(eos_ids[0])
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
