@@ -23,7 +23,7 @@ from meshrun.checkpoint import (
 from meshrun.config import Config
 from meshrun.data.pairs import BOS, EOS, NUM_SPECIAL, PAD
 from meshrun.data.storage import read_meta
-from meshrun.data.tokenize import read_tokenizer, text_codec
+from meshrun.data.tokenize import id_count, read_tokenizer, text_codec
 from meshrun.errors import ConfigError
 from meshrun.hf_config import vocab_size
 from meshrun.metrics.console import say
@@ -153,8 +153,8 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gene
 def named_codec(path: str, vocab: int) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int]:
     """`sample --tokenizer PATH`: read as `prepare-data --tokenizer` reads it; sampling draws only
     its ids (a model's vocabulary is often padded past them, as nanoGPT's 50304 for GPT-2)."""
-    tokenizer = read_tokenizer(path)[0]
-    num_ids = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    tokenizer, _ = read_tokenizer(path)
+    num_ids = id_count(tokenizer)
     if num_ids > vocab:
         raise ConfigError(
             f"--tokenizer {path} has {num_ids} token ids but the model has {vocab}; "

@@ -261,9 +261,8 @@ def check_same_tokenizer(data_tokenizer: tuple[str, str], model_tokenizer: Path)
     name, sha256 = data_tokenizer
     if name == "byte":
         return
-    ours = read_tokenizer(model_tokenizer.parent, flag="model.hf's tokenizer in")[
-        0
-    ]  # as `prepare-data --tokenizer FOLDER` reads it
+    # read as `prepare-data --tokenizer FOLDER` reads it, so the same tokenizer hashes the same
+    ours, _ = read_tokenizer(model_tokenizer.parent, flag="model.hf's tokenizer in")
     if hashlib.sha256(ours.to_str().encode()).hexdigest() != sha256:
         raise ConfigError(
             f"the data was tokenized with {name}, not with the model's {model_tokenizer}; "

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from meshrun.data.sources import (
     Document,
     Source,
@@ -148,7 +150,7 @@ def _spread_sample(found: list[Source], field: str, budget: int) -> Iterator[str
     seen = taken = 0.0
     for source in found:
         for doc in documents(source, field=field):
-            if not isinstance(doc, (str, bytes)):
+            if isinstance(doc, np.ndarray):
                 raise ConfigError(
                     f"{source.path}: {field!r} holds token ids, and --train-tokenizer trains on text; "
                     "pass the --tokenizer that made the ids instead"
@@ -194,11 +196,11 @@ def _tasks(
             rel = source.path.relative_to(root).as_posix()
             num_docs = 0
             for doc in documents(source, field=field):
-                if not isinstance(doc, (str, bytes)):
+                if isinstance(doc, np.ndarray):
                     _check_ids(doc, source, field, spec)
                 splits.append("val" if _content_hash(doc) % 10_000 < val_fraction * 10_000 else "train")
                 docs.append(doc)
-                size += len(doc) if isinstance(doc, (str, bytes)) else doc.nbytes
+                size += doc.nbytes if isinstance(doc, np.ndarray) else len(doc)
                 num_docs += 1
                 if size >= TASK_BYTES:
                     yield splits, docs
@@ -210,7 +212,7 @@ def _tasks(
         bar.update(max(0, total - bar.n))
 
 
-def _check_ids(ids: Any, source: Source, field: str, spec: TokenizerSpec) -> None:
+def _check_ids(ids: np.ndarray, source: Source, field: str, spec: TokenizerSpec) -> None:
     """Token ids are stored as given: they must be ids of the tokenizer that made them."""
     if spec.json_text is None:
         raise ConfigError(
@@ -230,8 +232,6 @@ def _record(source: Source, rel: str, num_docs: int) -> dict[str, Any]:
 
 
 def _concat(parts: list) -> Any:
-    import numpy as np
-
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
@@ -256,8 +256,6 @@ def _content_hash(doc: Document) -> int:
 
 def _balance_splits(writers: dict[str, SplitWriter], val_fraction: float) -> None:
     """Tiny corpora can hash every document to one split: move one document over, or cut a lone one in two."""
-    import numpy as np
-
     for empty, full in (("val", "train"), ("train", "val")):
         if writers[empty].num_docs:
             continue

@@ -156,8 +156,9 @@ def _jsonl(path: Path, field: str) -> Iterator[str | np.ndarray]:
                 ) from None
             value = record.get(field) if isinstance(record, dict) else None
             if isinstance(value, list) and all(type(i) is int for i in value):
-                if value and not -(2**63) <= max(value, key=abs) < 2**63:
-                    raise ConfigError(f"{path}:{number} holds token id {max(value, key=abs)}, beyond any vocabulary")
+                widest = max(value, key=abs, default=0)
+                if not -(2**63) <= widest < 2**63:
+                    raise ConfigError(f"{path}:{number} holds token id {widest}, beyond any vocabulary")
                 yield np.array(value, dtype=np.int64)
             elif isinstance(value, str):
                 yield value

@@ -104,8 +104,12 @@ def _spec(name: str, tokenizer: Any, eos: str | None) -> TokenizerSpec:
             f"--tokenizer {name} has no end-of-document token (looked for {eos or ', '.join(_EOS_NAMES)}); "
             "add one to the tokenizer, or set eos_token in its tokenizer_config.json"
         )
-    size = max(vocab.values()) + 1  # ids, not entries: a vocabulary with holes still needs room for its top id
-    return TokenizerSpec(name, size, (vocab[eos],), tokenizer.to_str())
+    return TokenizerSpec(name, id_count(tokenizer), (vocab[eos],), tokenizer.to_str())
+
+
+def id_count(tokenizer: Any) -> int:
+    """Ids, not entries: a vocabulary with holes still needs room for its top id."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
 def _configured_eos(folder: Path) -> str | None:
@@ -155,9 +159,11 @@ class Encoder:
         eos = np.array(self.spec.eos_ids, dtype=np.int64)
         pieces = []
         for doc in docs:
-            ids = doc if isinstance(doc, np.ndarray) else np.array(next(encoded).ids, dtype=np.int64)
-            ends = len(ids) >= len(eos) and bool((ids[len(ids) - len(eos) :] == eos).all())
-            pieces.append(ids if isinstance(doc, np.ndarray) and ends else np.concatenate([ids, eos]))
+            if isinstance(doc, np.ndarray) and len(doc) >= len(eos) and (doc[len(doc) - len(eos) :] == eos).all():
+                pieces.append(doc)  # token ids that end with EOS already
+            else:
+                ids = doc if isinstance(doc, np.ndarray) else next(encoded).ids
+                pieces.append(np.concatenate([ids, eos]))
         lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
         return np.concatenate(pieces).astype(np.uint32) if pieces else np.empty(0, np.uint32), lengths
 

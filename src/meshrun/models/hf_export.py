@@ -53,12 +53,13 @@ def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    model_dir = hf_dir(model.cfg)
     try:
         config.save_pretrained(tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for file in tokenizer_files(hf_dir(model.cfg)):
+        for file in tokenizer_files(model_dir):
             shutil.copy2(file, tmp / file.name)
-        if model_tokenizer(hf_dir(model.cfg)) is None and data is not None:
+        if model_tokenizer(model_dir) is None and data is not None:
             save_data_tokenizer(data, tmp, max_length=model.cfg.seq_len)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # all or nothing: no half-written folder stays behind
