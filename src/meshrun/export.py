@@ -5,6 +5,7 @@ Both work on one process from a checkpoint written by any dp x pp layout.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -150,10 +151,19 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gene
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
-def named_codec(path: str, vocab: int) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int]:
+def named_codec(
+    path: str, vocab: int, *, trained: dict | None
+) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str], int]:
     """`sample --tokenizer PATH`: read as `prepare-data --tokenizer` reads it; sampling draws only
-    its ids (a model's vocabulary is often padded past them, as nanoGPT's 50304 for GPT-2)."""
+    its ids (a model's vocabulary is often padded past them, as nanoGPT's 50304 for GPT-2).
+    `trained`: the tokenizer the training data's meta.json records (name, sha256), if any: another
+    one would decode the model's ids as other words."""
     tokenizer, _ = read_tokenizer(path)
+    if trained and trained.get("sha256") != hashlib.sha256(tokenizer.to_str().encode()).hexdigest():
+        raise ConfigError(
+            f"this model was trained on data tokenized with {trained.get('name')}, and --tokenizer {path} is "
+            "another tokenizer; drop --tokenizer (the checkpoint's own is used)"
+        )
     num_ids = id_count(tokenizer)
     if num_ids > vocab:
         raise ConfigError(
@@ -200,7 +210,7 @@ def codec(
     folder's, else bytes. Bytes on a larger vocabulary sample only the 256 byte ids, with a warning."""
     vocab = vocab_size(cfg.model)
     if tokenizer_path is not None:
-        return named_codec(tokenizer_path, vocab)
+        return named_codec(tokenizer_path, vocab, trained=(read_meta(data) or {}).get("tokenizer"))
     tokenizer = None if (data / "meta.json").is_file() else load_tokenizer(cfg.model)
     if tokenizer is not None:
         return (lambda text: tokenizer.encode(text, add_special_tokens=False)), tokenizer.decode, None

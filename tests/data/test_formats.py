@@ -271,6 +271,14 @@ def test_sample_decodes_with_the_datasets_tokenizer(
     assert printed == greedy(run, bpe_data / "tokenizer.json", "the model", 12) and printed.startswith("the model")
     assert cli.main(["sample", str(run), "--prompt", "the", "--beam", "3"]) == 2  # beams are the encoder-decoder's
     assert "--beam is for encoder-decoder models" in capsys.readouterr().err
+    same = ["sample", str(run), "--prompt", "the model", "--tokens", "12", "--temperature", "0"]
+    assert cli.main([*same, "--tokenizer", str(bpe_data / "tokenizer.json")]) == 0  # the very same tokenizer
+    assert capsys.readouterr().out.rstrip("\n") == printed
+    other = Tokenizer.from_file(str(bpe_data / "tokenizer.json"))
+    other.add_tokens(["zebra"])
+    other.save(str(tmp_path / "other.json"))
+    assert cli.main([*same, "--tokenizer", str(tmp_path / "other.json")]) == 2
+    assert "trained on data tokenized with bpe:300, and --tokenizer" in capsys.readouterr().err
 
 
 def test_sample_decodes_data_read_in_place_with_the_named_tokenizer(
