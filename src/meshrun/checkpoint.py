@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from meshrun.atomic import write_atomic
 from meshrun.checkpoint_paths import (
     CONFIG,
     LATEST,
@@ -196,13 +197,13 @@ def save(
             }
         )
         manifest = {"step": step, "files": files, "versions": installed_versions()}
-        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         if final in protected:
             _move_aside(final)
         elif final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_atomic(root / LATEST, final.name)
+        write_atomic(root / LATEST, final.name + "\n")
         for old in [p for p in complete_checkpoints(run_dir) if p not in protected][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
@@ -398,9 +399,3 @@ def _move_aside(folder: Path) -> None:
             os.replace(folder, aside)
             return
     raise RunError(f"cannot move {folder} aside: {folder.name}.kept-1 .. -999 exist; clean up {folder.parent}")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)

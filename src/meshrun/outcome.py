@@ -12,9 +12,10 @@ Exit codes of `meshrun train`: 0 completed, 75 stopped on request with a checkpo
 from __future__ import annotations
 
 import json
-import os
 from enum import Enum
 from pathlib import Path
+
+from meshrun.atomic import write_atomic
 
 RECORD = "outcome.json"
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped early with a checkpoint; rerun to resume
@@ -33,9 +34,7 @@ class Outcome(Enum):
 def write_record(run_dir: Path, outcome: Outcome) -> None:
     """Write the outcome atomically (a reader never sees half a file)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f"{RECORD}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"outcome": outcome.value}) + "\n")
-    tmp.replace(run_dir / RECORD)
+    write_atomic(run_dir / RECORD, json.dumps({"outcome": outcome.value}) + "\n")
 
 
 def read_record(run_dir: Path) -> Outcome | None:

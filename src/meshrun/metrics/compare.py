@@ -84,7 +84,7 @@ def format_table(runs: list[RunRecord]) -> str:
 
 def plot_losses(runs: list[RunRecord], path: Path) -> None:
     """Train (lines) and validation (markers) loss of every run against tokens seen."""
-    from meshrun.metrics.plots import plt  # matplotlib, headless
+    from meshrun.metrics.plots import plt, save_figure  # matplotlib, headless
 
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     for index, run in enumerate(runs):
@@ -97,8 +97,7 @@ def plot_losses(runs: list[RunRecord], path: Path) -> None:
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def report(paths: list[str], *, out: str) -> str:

@@ -10,6 +10,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from meshrun.atomic import atomic_target
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Write a picture atomically (a crash never leaves half a PNG) and release the figure."""
+    with atomic_target(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png")
+    plt.close(fig)
+
 
 def plot_loss(rows: list[dict[str, Any]], path: Path) -> None:
     """Train and validation loss against step."""
@@ -23,8 +32,7 @@ def plot_loss(rows: list[dict[str, Any]], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868"}
@@ -59,5 +67,4 @@ def plot_timeline(timeline: dict[int, Any], path: Path, *, title: str, bubble: f
     ax.legend(
         handles, [names[k] for k in kinds], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
     )  # beside the bars: never over them or the axis label
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshrun.atomic import write_atomic
 from meshrun.metrics.console import say
 from meshrun.metrics.trackers import NullTracker, Tracker
 
@@ -125,7 +126,7 @@ class RunReport:
             plot_loss(self.rows, self.run_dir / "loss.png")
         if self.timeline:
             self._save_timeline(**self.timeline)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         lines = [f"{key:>16}: {_value(value)}" for key, value in summary.items()]
         say("summary\n" + "\n".join(lines))
 
@@ -141,7 +142,7 @@ class RunReport:
             "bubble": bubble,
             "stages": {rank: {"wall": t.wall, "actions": [vars(a) for a in t.actions]} for rank, t in stages.items()},
         }
-        (self.run_dir / "pipeline_timeline.json").write_text(json.dumps(record, indent=1))
+        write_atomic(self.run_dir / "pipeline_timeline.json", json.dumps(record, indent=1))
 
     def close(self) -> None:
         if self.bar is not None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from meshrun.atomic import write_atomic
 from meshrun.config import TrackerConfig
 from meshrun.metrics import console
 
@@ -115,7 +116,7 @@ class WandbTracker:
         run_id = os.environ.get("WANDB_RUN_ID") or (
             id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         )
-        id_file.write_text(run_id + "\n")
+        write_atomic(id_file, run_id + "\n")
         kwargs = {
             "id": run_id,
             "resume": "allow",

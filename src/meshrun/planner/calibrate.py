@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from meshrun.atomic import write_atomic
 from meshrun.config import Config
 from meshrun.errors import ConfigError
 from meshrun.metrics.devices import find_device
@@ -198,9 +199,7 @@ def save(path: Path, device: str, precision: str, eff: Efficiency, rows: list[di
         "parallel_devices": eff.parallel_devices,
         "probes": rows,
     }
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(record, indent=1))
 
 
 def load(path: Path) -> tuple[str, Efficiency]:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.amp import GradScaler
 
 from meshrun import checkpoint
+from meshrun.atomic import write_atomic
 from meshrun.config import Config
 from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.data.pairs import PairsDataset
@@ -123,7 +124,7 @@ class Trainer:
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resolved = self.cfg.model_dump(mode="json")
-        (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+        write_atomic(self.run_dir / "config.json", json.dumps(resolved, indent=2))
         if self.start_step < self.cfg.train.steps:
             (self.run_dir / "summary.json").unlink(missing_ok=True)  # written again when this run completes
         truncate_metrics(self.run_dir / "metrics.jsonl", after_step=self.start_step)
@@ -430,9 +431,7 @@ def truncate_metrics(path: Path, *, after_step: int) -> None:
     if not path.exists():
         return
     rows = [line for line in path.read_text().splitlines() if _metrics_step(line) <= after_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in rows))
-    tmp.replace(path)
+    write_atomic(path, "".join(f"{line}\n" for line in rows))
 
 
 def _metrics_step(line: str) -> float:

@@ -1,0 +1,87 @@
+"""Writing files so a reader sees the old bytes or the new ones, never a fragment.
+
+The one helper every file meshrun writes into a run, data or output folder goes through: a
+temporary name unique to this process and call (two jobs, or two ranks, never share one), flushed
+to disk, renamed over the target, the folder entry made durable. A failed write removes its own
+temporary file and leaves the target as it was; a full disk is one line naming the file and the
+device, not a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+from meshrun.errors import RunError
+
+
+def temporary_name(path: Path) -> Path:
+    """A sibling name no other process or call uses: `.NAME.PID.RANDOM.tmp`."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Replace `path` with `data` in one rename; on any failure the old file stays untouched."""
+    path = Path(path)
+    payload = data.encode() if isinstance(data, str) else data
+    with atomic_target(path) as tmp, open(tmp, "wb") as file:
+        file.write(payload)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_target(path: str | Path) -> Iterator[Path]:
+    """A temporary path to write `path`'s new content to (by any writer: savefig, save_file, ...);
+    it replaces `path` only when the block ends without an error."""
+    path = Path(path)
+    tmp = temporary_name(path)
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync_folder(path.parent)
+    except OSError as err:
+        _remove(tmp)
+        raise disk_error(err, path) from err
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def disk_error(err: OSError, path: Path) -> OSError | RunError:
+    """A full disk (or quota) as one line naming the device and the file; other errors as they are."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RunError(f"no space left on {device_of(path)} while writing {path}")
+    return err
+
+
+def device_of(path: Path) -> str:
+    """The mount point holding `path` (what `df` names), for messages about a full disk."""
+    probe = path.resolve()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    while not os.path.ismount(probe) and probe != probe.parent:
+        probe = probe.parent
+    return str(probe)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a folder; the rename stands
+        _fsync(folder)
+
+
+def _remove(tmp: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()

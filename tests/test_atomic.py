@@ -1,0 +1,62 @@
+"""The one atomic-write helper: old bytes or new, never a fragment; a full disk is one line."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshrun.atomic import atomic_target, temporary_name, write_atomic
+from meshrun.errors import RunError
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs (CI runs as root); unmounted afterwards."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=False, capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs (tests run as root): {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_write_replaces_and_leaves_no_temporary(tmp_path: Path) -> None:
+    target = tmp_path / "config.json"
+    target.write_text("old")
+    write_atomic(target, "new")
+    assert target.read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_failed_writer_keeps_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "summary.json"
+    target.write_text("old")
+    with pytest.raises(ValueError), atomic_target(target) as tmp:
+        tmp.write_text("half")
+        raise ValueError("writer failed")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_temporary_names_are_unique_per_call(tmp_path: Path) -> None:
+    names = {temporary_name(tmp_path / "latest") for _ in range(100)}
+    assert len(names) == 100
+
+
+def test_full_disk_is_one_line_and_keeps_the_old_file(small_disk: Path) -> None:
+    target = small_disk / "metrics.jsonl"
+    target.write_text("row 1\n")
+    with pytest.raises(RunError) as err:
+        write_atomic(target, b"x" * 200_000)
+    message = str(err.value)
+    assert message == f"no space left on {small_disk} while writing {target}", message
+    assert target.read_text() == "row 1\n"
+    assert [p.name for p in small_disk.iterdir()] == ["metrics.jsonl"]
