@@ -16,7 +16,7 @@ from meshrun.metrics.devices import PCIE4_LINKS_GBS, device_by_short_name, links
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.search import Prediction, predict, rank_layouts
-from meshrun.preflight import preflight
+from meshrun.preflight import check_code_trusted, preflight
 
 GIB = 1024**3
 
@@ -189,6 +189,7 @@ def compare_run(args: argparse.Namespace) -> int:
     """A finished run's measured step time, bubble and throughput next to the prediction for its layout."""
     run = Path(args.run)
     cfg = Config.model_validate(json.loads((run / "config.json").read_text()))
+    check_code_trusted(cfg, run / "config.json", trust_code=args.trust_code)  # predict builds the run's model
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed = [r for r in rows if "step_time_s" in r][1:] or [r for r in rows if "step_time_s" in r]
     if not timed:
