@@ -9,6 +9,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -217,6 +219,30 @@ def test_model_folder_tokenizer_uses_its_configured_eos(tokenizer_file: Path, tm
     source = write_source("jsonl", tmp_path / "src", DOCS)
     prepare([str(source)], tmp_path / "out", tokenizer=str(model_dir), val_fraction=0.2, workers=1, progress=False)
     assert_documents_in_order(tmp_path / "out", hf_expected(Tokenizer.from_file(str(tokenizer_file)), DOCS, "</s>"))
+
+
+def test_a_model_folder_that_maps_its_tokenizer_to_its_own_code_is_refused(tmp_path: Path) -> None:
+    """transformers asked "Do you wish to run the custom code? [y/N]": a `yes |` imported the folder's Python."""
+    model_dir, marker = tmp_path / "model", tmp_path / "code-ran"
+    model_dir.mkdir()
+    auto_map = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto_map, "tokenizer_class": "Evil"}))
+    (model_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    source = write_source("text", tmp_path / "src", DOCS[:3])
+    args = ["prepare-data", "--source", str(source), "--out", "out", "--tokenizer", str(model_dir)]
+    done = subprocess.run(
+        [sys.executable, "-m", "meshrun", *args],
+        cwd=tmp_path,
+        env=meshrun_env(tmp_path),
+        input="y\n" * 4,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert not marker.exists(), "the folder's code ran"
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "tokenizer_config.json" in done.stderr and "auto_map" in done.stderr and "[y/N]" not in done.stdout
 
 
 def test_trained_bpe_is_saved_beside_the_data_and_used(tmp_path: Path) -> None:
