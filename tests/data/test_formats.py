@@ -53,13 +53,18 @@ def write_nanogpt(folder: Path, train: np.ndarray, val: np.ndarray, dtype: type 
     return folder
 
 
-def write_megatron(prefix: Path, documents: list[np.ndarray]) -> Path:
+def write_megatron(prefix: Path, documents: list[np.ndarray], **damage: list[int]) -> Path:
     """Megatron-LM's MMIDIDX layout (indexed_dataset.py): header, version <Q 1, dtype code <B
     (8 = uint16), <Q sequence count, <Q document count, int32 lengths, int64 byte pointers,
-    int64 document indices (0, then the sequence count after each document)."""
+    int64 document indices (0, then the sequence count after each document). `damage` replaces
+    the index's `lengths`, `pointers` or `doc_index` with other values."""
     lengths = np.array([len(d) for d in documents], dtype=np.int32)
     pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64) * 2]).astype(np.int64)
     doc_index = np.arange(len(documents) + 1, dtype=np.int64)
+    lengths, pointers, doc_index = (
+        np.array(damage.get(name, values), dtype=values.dtype)
+        for name, values in (("lengths", lengths), ("pointers", pointers), ("doc_index", doc_index))
+    )
     with open(prefix.with_suffix(".idx"), "wb") as f:
         f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8))
         f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(doc_index)))
@@ -140,6 +145,65 @@ def _megatron_bad(tmp: Path, idx: bytes) -> Path:
     return tmp / "m"
 
 
+def _copy(folder: Path, tmp: Path, edit_meta=lambda meta: None) -> Path:
+    """A copy of a prepared dataset in tmp/inside/, its meta.json changed by `edit_meta`."""
+    copy = tmp / "inside" / folder.name
+    shutil.copytree(folder, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    edit_meta(meta)
+    (copy / "meta.json").write_text(json.dumps(meta))
+    return copy
+
+
+def _naming_passwd(folder: Path, tmp: Path) -> Path:
+    """The issue's dataset: a meta.json whose first shard is ../../../../etc/passwd (its size in tokens)."""
+
+    def edit(meta: dict) -> None:
+        up = "../" * (len((tmp / "inside" / folder.name).resolve().parts) - 1)
+        shard = meta["splits"]["train"]["shards"][0]
+        shard.update(file=f"{up}etc/passwd", tokens=Path("/etc/passwd").stat().st_size)
+        shard.pop("max_id", None)
+
+    return _copy(folder, tmp, edit)
+
+
+def _linked_out(folder: Path, tmp: Path, name: str) -> Path:
+    """A copy whose file `name` is a link to the same bytes outside the folder."""
+    copy = _copy(folder, tmp)
+    (copy / name).rename(tmp / name)
+    (copy / name).symlink_to(tmp / name)
+    return copy
+
+
+def _relabelled(folder: Path, tmp: Path, *, stored: str, said: str, recorded: bool = True) -> Path:
+    """A copy whose shards hold the ids as `stored` while meta.json says `said`, the sizes agreeing."""
+
+    def edit(meta: dict) -> None:
+        for info in meta["splits"].values():
+            for shard in info["shards"]:
+                path = tmp / "inside" / folder.name / shard["file"]
+                raw = np.fromfile(path, dtype=meta["dtype"]).astype(stored).tobytes()
+                path.write_bytes(raw[: len(raw) // 4 * 4])  # whole 4-byte words: both dtypes read whole tokens
+                shard["tokens"] = len(raw) // 4 * 4 // np.dtype(said).itemsize
+                if not recorded:
+                    del shard["max_id"]
+        meta["dtype"] = said
+
+    return _copy(folder, tmp, edit)
+
+
+def _pairs_changed(tmp: Path, name: str, change) -> Path:
+    """Prepared pairs whose file `name` (uint16 ids or uint64 offsets) is rewritten by `change`."""
+    folder = _pairs(tmp)
+    path = folder / name
+    dtype = np.uint64 if name.endswith(".idx") else np.uint16
+    values = np.fromfile(path, dtype=dtype)
+    change(values)
+    values.tofile(path)
+    return folder
+
+
+MEGATRON_DOCS = [np.arange(200) % 256, np.arange(50)]
 GOOD_HEADER = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 4, 5)
 NANOGPT, MEGATRON = {"data.format": "nanogpt"}, {"data.format": "megatron"}
 REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of the one error line)
@@ -192,6 +256,74 @@ REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of t
         lambda d, b, t: {"data.dir": _damaged_shard(b, t), "model.vocab_size": VOCAB},
         ("train-00000.bin is", "meta.json says", "prepare it again"),
     ),
+    "shard-named-outside-the-folder": (
+        lambda d, b, t: {"data.dir": _naming_passwd(d, t)},
+        ("meta.json: entry '../", "etc/passwd' points outside", "refusing to read it"),
+    ),
+    "shard-linked-outside-the-folder": (
+        lambda d, b, t: {"data.dir": _linked_out(d, t, "train-00000.bin")},
+        ("meta.json: entry 'train-00000.bin' points outside",),
+    ),
+    "tokenizer-linked-outside-the-folder": (
+        lambda d, b, t: {"data.dir": _linked_out(b, t, "tokenizer.json"), "model.vocab_size": VOCAB},
+        ("meta.json: entry 'tokenizer.json' points outside",),
+    ),
+    "mixture-source-naming-outside": (
+        lambda d, b, t: {
+            "data.dir": None,
+            "data.mixture": f"[{{dir: {d}, weight: 1}}, {{dir: {_naming_passwd(d, t)}, weight: 1}}]",
+        },
+        ("etc/passwd' points outside",),
+    ),
+    "meta-says-uint16-over-byte-ids": (
+        lambda d, b, t: {"data.dir": _relabelled(d, t, stored="uint8", said="uint16")},
+        ("train-00000.bin holds ids up to", "(meta.json says uint16)", "largest id was", "prepare the data again"),
+    ),
+    "meta-says-uint32-over-uint16-ids-unrecorded": (
+        lambda d, b, t: {
+            "data.dir": _relabelled(b, t, stored="uint16", said="uint32", recorded=False),
+            "model.vocab_size": VOCAB,
+        },
+        ("(meta.json says uint32), beyond the data's vocabulary of 300",),
+    ),
+    "meta-says-uint16-over-uint32-ids": (
+        lambda d, b, t: {"data.dir": _relabelled(b, t, stored="uint32", said="uint16"), "model.vocab_size": VOCAB},
+        ("train-00000.bin holds wider ids than", "meta.json says uint16"),
+    ),
+    "pairs-id-beyond-what-was-prepared": (
+        lambda d, b, t: {
+            "data.dir": _pairs_changed(t, "train.target.bin", lambda ids: ids.__setitem__(0, 60000)),
+            "model.vocab_size": VOCAB,
+        },
+        ("train.target.bin holds ids up to 60000", "largest id was"),
+    ),
+    "pairs-offsets-beyond-the-bin": (
+        lambda d, b, t: {
+            "data.dir": _pairs_changed(t, "train.source.idx", lambda offsets: offsets.__setitem__(-1, offsets[-1] + 9)),
+            "model.vocab_size": VOCAB,
+        },
+        ("train.source.idx: offsets out of range", "train.source.bin"),
+    ),
+    "pairs-file-linked-outside": (
+        lambda d, b, t: {"data.dir": _linked_out(_pairs(t), t, "train.source.bin"), "model.vocab_size": VOCAB},
+        ("meta.json: entry 'train.source.bin' points outside",),
+    ),
+    "megatron-document-index-out-of-range": (
+        lambda d, b, t: {**MEGATRON, "data.dir": write_megatron(t / "m", MEGATRON_DOCS, doc_index=[0, 1, 7])},
+        ("m.idx: document index out of range",),
+    ),
+    "megatron-length-out-of-range": (
+        lambda d, b, t: {**MEGATRON, "data.dir": write_megatron(t / "m", MEGATRON_DOCS, lengths=[200, -50])},
+        ("m.idx: sequence lengths out of range (sequence 1 has length -50)",),
+    ),
+    "megatron-pointer-beyond-the-bin": (
+        lambda d, b, t: {**MEGATRON, "data.dir": write_megatron(t / "m", MEGATRON_DOCS, pointers=[0, 4000])},
+        ("m.idx: sequence pointers out of range (sequence 1 starts at byte 4000",),
+    ),
+    "megatron-bin-longer-than-its-index": (
+        lambda d, b, t: {**MEGATRON, "data.dir": _grown(write_megatron(t / "m", MEGATRON_DOCS))},
+        ("m.bin is 504 bytes but m.idx says 250 uint16 tokens", "the pair does not match"),
+    ),
     "mixture-weight-zero": (
         lambda d, b, t: {"data.dir": None, "data.mixture": f"[{{dir: {d}, weight: 0}}]"},
         ("invalid data.mixture[0].weight", "greater than 0"),
@@ -221,6 +353,12 @@ REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of t
 def _pairs(tmp: Path) -> Path:
     prepare_pairs([(f"a{i}", f"b{i}") for i in range(8)], tmp / "pairs", val_fraction=0.25)
     return tmp / "pairs"
+
+
+def _grown(prefix: Path) -> Path:
+    with open(prefix.with_suffix(".bin"), "ab") as f:
+        f.write(b"\0\0\0\0")
+    return prefix
 
 
 @pytest.mark.parametrize("name", list(REFUSALS))
