@@ -77,7 +77,7 @@ def _head_looks_wider(file: TokenFile) -> bool:
 
 
 def _cache_folder() -> Path:
-    """As preflight.data_dir: $XDG_CACHE_HOME/meshrun, else ~/.cache/meshrun."""
+    """Under meshrun's cache folder, as preflight.data_dir finds it: $XDG_CACHE_HOME/meshrun, else ~/.cache/meshrun."""
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshrun" / "token-ranges"
 
 
