@@ -277,11 +277,11 @@ def _dataset_naming(folder: Path, card: str, entry: str) -> Path:
 REFUSED = {  # name: (write the source into folder -> path, fragments of the error)
     "dataset-file-outside-its-folder": (
         lambda f: _dataset_naming(f, "state.json", "../../../../etc/passwd"),
-        ("state.json: entry '../../../../etc/passwd' points outside",),
+        ("state.json: entry '../../../../etc/passwd'", "outside"),
     ),
     "dataset-split-outside-its-folder": (
         lambda f: _dataset_naming(f, "dataset_dict.json", "../.."),
-        ("dataset_dict.json: entry '../..' points outside",),
+        ("dataset_dict.json: entry '../..'", "outside"),
     ),
     "no-documents": (lambda f: _write(f / "empty.jsonl", ""), ("holds no documents", "--field")),
     "too-small": (lambda f: _write(f / "a.txt", "hi"), ("only 4 tokens, too few to train", "add more text")),
