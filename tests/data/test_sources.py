@@ -285,7 +285,30 @@ def _dataset_dict(folder: Path, splits: list[str]) -> Path:
     return folder / "dd"
 
 
+def _dataset_naming(folder: Path, card: str, entry: str) -> Path:
+    """A save_to_disk folder whose `card` (state.json / dataset_dict.json) names `entry` instead of its own file."""
+    import datasets
+
+    train = datasets.Dataset.from_dict({"text": make_documents(40)})
+    (datasets.DatasetDict({"train": train}) if card == "dataset_dict.json" else train).save_to_disk(str(folder / "ds"))
+    listed = json.loads((folder / "ds" / card).read_text())
+    if card == "state.json":
+        listed["_data_files"][0]["filename"] = entry
+    else:
+        listed["splits"] = [entry]
+    (folder / "ds" / card).write_text(json.dumps(listed))
+    return folder / "ds"
+
+
 REFUSED = {  # name: (write the source into folder -> path, fragments of the error)
+    "dataset-file-outside-its-folder": (
+        lambda f: _dataset_naming(f, "state.json", "../../../../etc/passwd"),
+        ("state.json: entry '../../../../etc/passwd'", "outside"),
+    ),
+    "dataset-split-outside-its-folder": (
+        lambda f: _dataset_naming(f, "dataset_dict.json", "../.."),
+        ("dataset_dict.json: entry '../..'", "outside"),
+    ),
     "no-documents": (lambda f: _write(f / "empty.jsonl", ""), ("holds no documents", "--field")),
     "too-small": (lambda f: _write(f / "a.txt", "hi"), ("only 4 tokens, too few to train", "add more text")),
     "bad-json": (lambda f: _write(f / "b.jsonl", '{"text": "ok"}\n{oops\n'), ("b.jsonl:2 is not valid JSON",)),

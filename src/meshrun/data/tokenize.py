@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from meshrun.data.sources import Document
+from meshrun.data.storage import tokenizer_file
 from meshrun.errors import ConfigError
 from meshrun.hf_config import refuse_custom_tokenizer
 
@@ -235,7 +236,7 @@ def _bounded(submit: Callable, tasks: Iterable[tuple[Any, Sequence]], *, limit: 
 
 def text_codec(data_dir: Path | None, vocab_size: int) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
     """(encode, decode) for the tokenizer a dataset was made with: its tokenizer.json, or bytes."""
-    path = data_dir / "tokenizer.json" if data_dir is not None else None
+    path = tokenizer_file(data_dir) if data_dir is not None else None
     if path is not None and path.is_file():
         from tokenizers import Tokenizer
 
