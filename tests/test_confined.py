@@ -30,3 +30,19 @@ def test_entries_leaving_the_folder_are_refused(tmp_path: Path, entry: object) -
         confined(folder, entry, source=source)  # type: ignore[arg-type] - files hold any JSON value
     line = str(err.value)
     assert "\n" not in line and str(source) in line and repr(entry) in line
+
+
+def test_a_wider_trusted_folder_admits_links_into_it(tmp_path: Path) -> None:
+    """A Hugging Face hub cache: snapshots/REV/file links into the repo's blobs/."""
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_bytes(b"x")
+    snapshot = repo / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to("../../blobs/abc123")
+    source = snapshot / "model.safetensors.index.json"
+    with pytest.raises(ConfigError, match="leads outside"):
+        confined(snapshot, "model.safetensors", source=source)
+    assert confined(snapshot, "model.safetensors", source=source, within=repo) == (repo / "blobs" / "abc123").resolve()
+    with pytest.raises(ConfigError, match="leads outside"):
+        confined(snapshot, "../../../x", source=source, within=repo)

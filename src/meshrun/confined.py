@@ -10,19 +10,21 @@ from pathlib import Path
 from meshrun.errors import ConfigError
 
 
-def confined(folder: Path, entry: str, *, source: Path) -> Path:
-    """`folder / entry`, resolved (symlinks followed), when it lies inside `folder`; else one
-    line naming the file that lists the entry (`source`) and the entry (ConfigError, exit 2)."""
+def confined(folder: Path, entry: str, *, source: Path, within: Path | None = None) -> Path:
+    """`folder / entry`, resolved (symlinks followed), when it lies inside `folder` (or inside
+    `within`, a wider folder the caller trusts, e.g. a hub cache whose snapshots link into its
+    blobs/); else one line naming the file that lists the entry (`source`) and the entry
+    (ConfigError, exit 2)."""
     if not isinstance(entry, str) or not entry or "\x00" in entry:
-        raise ConfigError(f"{source}: entry {entry!r} is not a file name; the file is damaged or not meshrun's")
-    root = folder.resolve()
+        raise ConfigError(f"{source}: entry {entry!r} is not a file name; the file is damaged or not a model's")
+    root = (within or folder).resolve()
     try:
-        path = (root / entry).resolve()
+        path = (folder.resolve() / entry).resolve()
     except (OSError, RuntimeError) as exc:  # a symlink loop
         raise ConfigError(f"{source}: entry {entry!r} cannot be resolved ({exc}); the file is damaged") from None
     if not path.is_relative_to(root):
         raise ConfigError(
-            f"{source}: entry {entry!r} points outside {folder} (to {path}); refusing to read it, "
-            "files named there must stay inside that folder"
+            f"{source}: entry {entry!r} leads outside {within or folder} (to {path}); "
+            "meshrun reads only files inside that folder"
         )
     return path
