@@ -142,3 +142,71 @@ def test_data_tokenized_with_another_tokenizer_than_the_models(
     assert "holds pairs data, whose ids (the tokenizer's + 3" in error_of(args(pairs), capsys)
     assert main(args(tmp_path / "ours")) == 0, capsys.readouterr().err
     assert main([*args(data_dir), "--set=model.init=random"]) == 0, capsys.readouterr().err
+
+
+def config_folder(tmp_path: Path, family: str = "llama", **changes: object) -> Path:
+    """A model folder holding only config.json: hf_models' tiny config with `changes` written as JSON."""
+    from hf_models import CONFIGS
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**CONFIGS[family], **changes}))
+    return folder
+
+
+def test_index_entries_outside_the_model_folder_are_refused(gpt2_dir: Path, data_dir: Path, tmp_path: Path, capsys):
+    """A sharded checkpoint's index naming ../../../../etc/passwd (or an absolute path) is never opened."""
+    for entry in ("../../../../etc/passwd", "/etc/passwd"):
+        edited = shutil.copytree(gpt2_dir, tmp_path / f"edited{len(entry)}")
+        index = edited / "model.safetensors.index.json"
+        index.write_text(json.dumps({"weight_map": {"transformer.wte.weight": entry}}))
+        err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": edited}), capsys)
+        assert f"{index}: entry {entry!r} leads outside {edited}" in err
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.json", "config.json", "model.safetensors"])
+def test_model_files_linked_outside_the_folder_are_refused(name: str, data_dir: Path, tmp_path: Path, capsys):
+    """A link out of the model folder: its file would be read (or copied by export --hf) from elsewhere."""
+    folder = config_folder(tmp_path)
+    outside = tmp_path / "outside"
+    outside.write_text((folder / "config.json").read_text())  # readable, and a valid config: only the link is wrong
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(outside)
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": folder}), capsys)
+    assert f"{folder}: entry {name!r} leads outside {folder} (to {outside})" in err
+
+
+def test_tokenizer_config_naming_a_file_outside_is_refused(data_dir: Path, tmp_path: Path, capsys) -> None:
+    folder = config_folder(tmp_path)
+    entry = "../outside/tokenizer.4.0.json"  # transformers opens the newest listed file its version allows
+    (folder / "tokenizer_config.json").write_text(json.dumps({"fast_tokenizer_files": [entry]}))
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": folder}), capsys)
+    assert f"{folder / 'tokenizer_config.json'}: entry {entry!r} leads outside" in err
+
+
+def test_a_hub_cache_snapshot_is_read_through_its_links(gpt2_dir: Path, data_dir: Path, tmp_path: Path, capsys):
+    """huggingface_hub's cache: snapshots/REV/FILE are links into the repo's blobs/ (outside the
+    snapshot folder, inside the repo's): accepted, weights and all."""
+    repo = tmp_path / "hub" / "models--org--gpt2"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(gpt2_dir.iterdir())):
+        shutil.copy(file, repo / "blobs" / f"blob{i}")
+        (snapshot / file.name).symlink_to(f"../../blobs/blob{i}")
+    assert main(dry_run(data_dir, tmp_path, **{"model.hf": snapshot})) == 0, capsys.readouterr().err
+
+
+def test_export_never_copies_a_data_tokenizer_linked_outside(tmp_path: Path) -> None:
+    """export --hf copies the data card's tokenizer.json: a link out of that folder is refused."""
+    from meshrun.errors import ConfigError
+    from meshrun.models.hf_export import save_data_tokenizer
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    out.mkdir()
+    (tmp_path / "secret.json").write_text("{}")
+    (data / "tokenizer.json").symlink_to(tmp_path / "secret.json")
+    with pytest.raises(ConfigError, match=r"entry 'tokenizer\.json' leads outside"):
+        save_data_tokenizer(data, out, max_length=16)
+    assert not (out / "tokenizer.json").exists()
