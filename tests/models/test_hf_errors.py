@@ -154,6 +154,44 @@ def config_folder(tmp_path: Path, family: str = "llama", **changes: object) -> P
     return folder
 
 
+@pytest.mark.parametrize(
+    "family,key,value,message",
+    [
+        ("llama", "num_hidden_layers", 0, "num_hidden_layers is 0; it must be at least 1"),
+        ("llama", "num_hidden_layers", -2, "num_hidden_layers is -2; it must be at least 1"),
+        ("llama", "num_hidden_layers", 2.5, "num_hidden_layers is 2.5; it must be a whole number"),
+        ("llama", "num_hidden_layers", 1_000_000_000, "num_hidden_layers is 1000000000, more blocks than meshrun"),
+        ("llama", "hidden_size", 0, "hidden_size is 0; it must be at least 1"),
+        ("llama", "hidden_size", -32, "hidden_size is -32; it must be at least 1"),
+        ("llama", "intermediate_size", -5, "intermediate_size is -5; it must be at least 1"),
+        ("llama", "num_attention_heads", 0, "num_attention_heads is 0; it must be at least 1"),
+        ("llama", "num_key_value_heads", -1, "num_key_value_heads is -1; it must be at least 1"),
+        ("llama", "max_position_embeddings", -1, "max_position_embeddings is -1; it must be at least 1"),
+        ("llama", "vocab_size", 1e11, "vocab_size is 100000000000.0; it must be a whole number"),
+        ("llama", "vocab_size", True, "vocab_size is true; it must be a whole number"),
+        ("llama", "vocab_size", 100_000_000_000, "would need ~"),
+        ("gpt2", "n_layer", 0, "n_layer is 0; it must be at least 1"),
+        ("gpt2", "n_embd", 10**9, "more than any device could hold (4 TiB)"),
+    ],
+    ids=lambda v: str(v)[:12],
+)
+def test_bad_sizes_in_config_json_are_one_line_in_the_models_terms(
+    family: str, key: str, value: object, message: str, data_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """Sized by arithmetic before anything is built: a zero, negative, fractional, boolean or
+    absurd size is named as config.json names it (never as `model.name gpt`), at once."""
+    folder = config_folder(tmp_path, family, **{key: value})
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": folder}), capsys)
+    assert f"model.hf {folder}: " in err and message in err and "model.name" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_inline_size_names_the_inline_config(data_dir: Path, tmp_path: Path, capsys) -> None:
+    bad = LLAMA.replace("num_hidden_layers: 2", "num_hidden_layers: 0")
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf_config": bad}), capsys)
+    assert "model.hf_config: num_hidden_layers is 0; it must be at least 1" in err
+
+
 def test_index_entries_outside_the_model_folder_are_refused(gpt2_dir: Path, data_dir: Path, tmp_path: Path, capsys):
     """A sharded checkpoint's index naming ../../../../etc/passwd (or an absolute path) is never opened."""
     for entry in ("../../../../etc/passwd", "/etc/passwd"):
