@@ -107,6 +107,11 @@ def model_size(model: ModelConfig) -> ModelSize:
         return ModelSize(vocab * hidden + positions * hidden, block, 0 if tied else vocab * hidden, layers, vocab)
     head_dim = fields.get("head_dim") or hidden // heads
     kv_heads = fields.get("num_key_value_heads") or heads
+    if heads % kv_heads:  # each key/value head serves a whole group of query heads (GQA)
+        raise ConfigError(
+            f"{_where(model)}{_key(model, 'num_key_value_heads')} ({kv_heads}) must divide num_attention_heads "
+            f"({heads}); the attention would fail in every worker"
+        )
     inner = _size(model, fields, ("intermediate_size",))
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
     block = attention + 3 * hidden * inner + 2 * hidden

@@ -167,6 +167,7 @@ def config_folder(tmp_path: Path, family: str = "llama", **changes: object) -> P
         ("llama", "num_attention_heads", 0, "num_attention_heads is 0; it must be at least 1"),
         ("llama", "num_key_value_heads", -1, "num_key_value_heads is -1; it must be at least 1"),
         ("llama", "max_position_embeddings", -1, "max_position_embeddings is -1; it must be at least 1"),
+        ("llama", "num_key_value_heads", 3, "num_key_value_heads (3) must divide num_attention_heads (4)"),
         ("llama", "vocab_size", 1e11, "vocab_size is 100000000000.0; it must be a whole number"),
         ("llama", "vocab_size", True, "vocab_size is true; it must be a whole number"),
         ("llama", "vocab_size", 100_000_000_000, "would need ~"),
