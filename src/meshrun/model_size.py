@@ -16,6 +16,7 @@ from typing import Any
 
 from meshrun.config import Config, ModelConfig
 from meshrun.errors import ConfigError
+from meshrun.hf_config import hf_dir, load_hf_config
 from meshrun.layout import shard_degree
 from meshrun.plan import stage_ids, stages_per_rank
 
@@ -124,8 +125,6 @@ def hf_fields(model: ModelConfig) -> dict[str, Any]:
     if model.hf_config is not None:
         fields = dict(model.hf_config)
     else:
-        from meshrun.hf_config import hf_dir
-
         path = hf_dir(model)
         assert path is not None  # model.hf is set
         fields = _read_config_json(path / "config.json", _where(model))
@@ -192,9 +191,7 @@ def _size(model: ModelConfig, fields: dict[str, Any], names: tuple[str, ...]) ->
     for name in names:
         if fields.get(name) is not None:
             return fields[name]
-    from meshrun.hf_config import load_hf_config  # the family's default, from transformers' config class
-
-    value = getattr(load_hf_config(model), names[0], None)
+    value = getattr(load_hf_config(model), names[0], None)  # the family's default, from transformers
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{_where(model)}{_key(model, names[0])} is {value!r}; set it to a whole number >= 1")
     return value
