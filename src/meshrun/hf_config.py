@@ -88,10 +88,11 @@ def check_model_files(model_dir: Path) -> None:
     or a tokenizer_config.json naming `../x`, is refused), and its JSON files are of a sane size."""
     root = model_root(model_dir)
     for name in ("config.json", INDEX, SINGLE, *TOKENIZER_FILES):
-        if (model_dir / name).is_symlink() or (model_dir / name).exists():
+        file = model_dir / name
+        if file.is_symlink() or file.exists():
             confined(model_dir, name, source=model_dir, within=root)
-            if name.endswith(".json") and (model_dir / name).stat().st_size > MAX_JSON_BYTES:
-                raise ConfigError(f"{model_dir / name} is over {MAX_JSON_BYTES // 2**20} MiB: not a model's JSON file")
+        if name.endswith(".json") and file.is_file() and file.stat().st_size > MAX_JSON_BYTES:
+            raise ConfigError(f"{file} is over {MAX_JSON_BYTES // 2**20} MiB: not a model's JSON file")
     tokenizer_config = model_dir / "tokenizer_config.json"
     if tokenizer_config.is_file():
         try:

@@ -249,3 +249,12 @@ def test_export_never_copies_a_data_tokenizer_linked_outside(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match=r"entry 'tokenizer\.json' leads outside"):
         save_data_tokenizer(data, out, max_length=16)
     assert not (out / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "tokenizer_config.json"])
+def test_a_huge_json_file_in_a_model_folder_is_refused_unread(name: str, data_dir: Path, tmp_path: Path, capsys):
+    folder = config_folder(tmp_path)
+    with (folder / name).open("wb") as f:
+        f.truncate(65 * 2**20)  # sparse: 65 MiB of zeros that take no disk, and would be parsed as JSON
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": folder}), capsys)
+    assert f"{folder / name} is over 64 MiB" in err
