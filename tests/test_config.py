@@ -37,6 +37,14 @@ def not_a_protocol_model(cfg):
 ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdef", "bcdefg")
 )
+HF_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 256,
+}
 # internal names a user must never see in an error line
 INTERNAL_WORDS = re.compile(r"[A-Z]\w*Config\b|instance of|Field required|model\.factory gpt\b")
 
@@ -243,6 +251,47 @@ CASES = [
         lambda c: ["train", *c.set(model__dim=32, model__num_heads=3)],
         ("model.num_heads (3) must divide model.dim (32)", "change one of these keys"),
         subprocess=True,
+        torch_free=True,
+    ),
+    # --- model sizes: arithmetic on the config, refused before anything is built ---
+    Case(
+        "layers-absurd",  # a meta model of a billion blocks took minutes and gigabytes
+        lambda c: ["train", "--dry-run", *c.set(model__num_layers=1_000_000_000)],
+        ("model.num_layers is 1000000000, more blocks than meshrun builds (10000)",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "vocab-absurd-float",  # passed --dry-run (12,500,002,072 MiB per rank) and died in a worker
+        lambda c: ["train", "--dry-run", *c.set(model__vocab_size=1e11)],
+        ("pipeline rank 0 would need ~", "more than any device could hold (4 TiB)", "model.vocab_size"),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "dim-absurd",
+        lambda c: ["train", *c.set(model__dim=2**20, model__num_heads=2)],
+        ("this model has ~", "more than any device could hold"),
+        torch_free=True,
+    ),
+    Case(
+        "hf-config-json-layers-zero",  # was a traceback blaming "model.name gpt"
+        lambda c: [
+            "train",
+            "--dry-run",
+            *c.set(model__hf=c.write("m/config.json", json.dumps({**HF_LLAMA, "num_hidden_layers": 0})).parent),
+        ],
+        ("config.json num_hidden_layers is 0; it must be at least 1",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "hf-config-json-vocab-float",
+        lambda c: [
+            "train",
+            *c.set(model__hf=c.write("m/config.json", json.dumps({**HF_LLAMA, "vocab_size": 1e11})).parent),
+        ],
+        ("config.json vocab_size is 100000000000.0; it must be a whole number",),
         torch_free=True,
     ),
     Case(

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_meshrun, tiny
+from conftest import meshrun_env, run_meshrun, tiny
 
 
 def refused(args: list[str], tmp_path: Path) -> str:
@@ -53,3 +53,19 @@ def test_unreadable_data_dir_is_refused_before_spawning(data_dir: Path, tmp_path
     error = refused(["train", *tiny(data_dir=data, run_dir=tmp_path / "run")], tmp_path)
     assert f"data.dir {data} is not readable" in error and "val-00000.bin" in error
     assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_warns_when_a_rank_needs_more_memory_than_this_machine(data_dir: Path, tmp_path: Path) -> None:
+    """Within the absolute bound but beyond this host: --dry-run says so (and still exits 0); a
+    tiny model gets no warning."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if host > 2**40:
+        pytest.skip("a host with over 1 TiB of memory: the model that exceeds it is past the 4 TiB bound")
+    # embedding + head = 2 x vocab x dim(32) parameters at 16 bytes each (weights, grads, AdamW): ~2x the host
+    vocab = 2 * host // (16 * 2 * 32)
+    env = {"CUDA_VISIBLE_DEVICES": ""}  # the host's memory is what one rank has
+    for size, warned in ((vocab, True), (256, False)):
+        args = ["train", "--dry-run", *tiny(data_dir, tmp_path / "run", **{"model.vocab_size": size})]
+        result = run_meshrun(args, tmp_path=tmp_path, timeout=120, env=meshrun_env(tmp_path, **env))
+        assert ("warning: pipeline rank 0 needs ~" in result.stdout) is warned, result.stdout[-2000:]
+        assert "this host's" in result.stdout or not warned

@@ -16,7 +16,7 @@ def confined(folder: Path, entry: str, *, source: Path, within: Path | None = No
     blobs/); else one line naming the file that lists the entry (`source`) and the entry
     (ConfigError, exit 2)."""
     if not isinstance(entry, str) or not entry or "\x00" in entry:
-        raise ConfigError(f"{source}: entry {entry!r} is not a file name; the file is damaged or not a model's")
+        raise ConfigError(f"{source}: entry {entry!r} is not a file name; the file is damaged")
     root = (within or folder).resolve()
     try:
         path = (folder.resolve() / entry).resolve()

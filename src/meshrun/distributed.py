@@ -25,6 +25,20 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def rank_memory_bytes(ranks_per_node: int) -> tuple[int, str]:
+    """Memory one rank has here (bytes) and what it is, for --dry-run's warning: the GPU's own
+    memory, else the host's RAM shared by this node's ranks."""
+    device = local_device()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"the {props.total_memory / 2**30:.1f} GiB of this machine's {props.name}"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    share = host // ranks_per_node
+    if ranks_per_node == 1:
+        return share, f"this host's {host / 2**30:.1f} GiB"
+    return share, f"its {share / 2**30:.1f} GiB share of this host's {host / 2**30:.1f} GiB ({ranks_per_node} ranks)"
+
+
 def pick_device() -> tuple[torch.device, str]:
     """CUDA + nccl when a GPU is visible (LOCAL_RANK picks it), else CPU + gloo."""
     device = local_device()

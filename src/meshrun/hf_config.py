@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.config import ModelConfig
+from meshrun.confined import confined
 from meshrun.errors import ConfigError
 
 # model_type -> family layout (one adapter per layout in models/hf.py)
@@ -27,6 +28,20 @@ FAMILIES = {
     "gpt2": "gpt2",
 }
 TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
+TOKENIZER_FILES = (  # what export copies into a Hugging Face folder, and transformers reads
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+INDEX = "model.safetensors.index.json"  # sharded weights: tensor name -> file
+SINGLE = "model.safetensors"
+MAX_JSON_BYTES = 64 * 2**20  # a model folder's JSON is kilobytes (an index of thousands of tensors: a few MB)
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -64,7 +79,42 @@ def hf_dir(cfg: ModelConfig) -> Path | None:
         raise ConfigError(f"model.hf {cfg.hf} is not a directory; set it to a folder holding config.json")
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.hf {cfg.hf} has no config.json; point it at a Hugging Face model folder")
+    check_model_files(path)
     return path
+
+
+def check_model_files(model_dir: Path) -> None:
+    """Every file meshrun or transformers reads from a model folder stays inside it (a link out,
+    or a tokenizer_config.json naming `../x`, is refused), and its JSON files are of a sane size."""
+    root = model_root(model_dir)
+    for name in ("config.json", INDEX, SINGLE, *TOKENIZER_FILES):
+        file = model_dir / name
+        if file.is_symlink() or file.exists():
+            confined(model_dir, name, source=model_dir, within=root)
+        if name.endswith(".json") and file.is_file() and file.stat().st_size > MAX_JSON_BYTES:
+            raise ConfigError(f"{file} is over {MAX_JSON_BYTES // 2**20} MiB: not a model's JSON file")
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        try:
+            named = json.loads(tokenizer_config.read_text()).get("fast_tokenizer_files") or []
+        except (OSError, ValueError, AttributeError):
+            return  # transformers reports an unreadable one itself
+        for entry in named if isinstance(named, list) else [named]:
+            confined(model_dir, entry, source=tokenizer_config, within=root)
+
+
+def model_root(model_dir: Path) -> Path:
+    """The folder a model folder's files must stay in: itself, or for a snapshot of the Hugging
+    Face hub cache (REPO/snapshots/REVISION, whose files are links into REPO/blobs) the REPO folder."""
+    snapshots = model_dir.resolve().parent
+    if snapshots.name == "snapshots" and (snapshots.parent / "blobs").is_dir():
+        return snapshots.parent
+    return model_dir
+
+
+def model_file(model_dir: Path, entry: str, *, source: Path) -> Path:
+    """A file a model folder's index names, confined to the folder (see `model_root`)."""
+    return confined(model_dir, entry, source=source, within=model_root(model_dir))
 
 
 def model_tokenizer(model_dir: Path | None) -> Path | None:

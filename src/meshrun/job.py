@@ -19,12 +19,14 @@ from meshrun.distributed import (
     Mesh,
     init_mesh,
     local_device,
+    rank_memory_bytes,
     resolve_precision,
     shutdown,
 )
 from meshrun.errors import ConfigError, RunError
 from meshrun.launcher.torchrun import WORKER_ENV, in_launched_worker, torchrun_argv
 from meshrun.metrics.console import say
+from meshrun.model_size import memory_warnings
 from meshrun.outcome import Outcome, clear_record, launcher_exit_code, read_record, write_record
 from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.preflight import check_data_fits, data_dir, reads_in_place
@@ -112,7 +114,9 @@ def describe(cfg: Config) -> str:
         ),
         f"  tokens per step {cfg.tokens_per_step} (seq_len {cfg.model.seq_len})",
     ]
-    lines += describe_data_parallel(cfg, parameters_per_pipeline_rank(cfg))
+    counts = parameters_per_pipeline_rank(cfg)
+    lines += describe_data_parallel(cfg, counts)
+    lines += memory_warnings(cfg, counts, *rank_memory_bytes(cfg.nproc_per_node))
     choice = resolve_precision(cfg.precision, local_device())
     lines += ["precision:", f"  {choice.reason}"] + ([f"  warning: {choice.warning}"] if choice.warning else [])
     return "\n".join(lines)

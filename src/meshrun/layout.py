@@ -123,6 +123,11 @@ class LaunchConfig(Section):
         return self
 
 
+def shard_degree(par: ParallelConfig) -> int:
+    """Ranks one copy of a stage's training state is split over."""
+    return {"ddp": 1, "fsdp": par.dp, "hsdp": par.dp_shard or 1}[par.dp_mode]
+
+
 def check_layout(
     par: ParallelConfig, launch: LaunchConfig, *, global_batch: int, micro_batch: int, profiled_ranks: Sequence[int]
 ) -> None:

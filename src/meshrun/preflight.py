@@ -27,6 +27,7 @@ from meshrun.errors import ConfigError
 from meshrun.hf_config import hf_dir, model_tokenizer, vocab_key, vocab_size
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.metrics.devices import SHORT_NAMES
+from meshrun.model_size import check_model_size
 from meshrun.plan import validate_layout
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     builds. Returns the model, built on the meta device."""
     if scope == "job":
         check_job(cfg)
+    else:
+        check_model_size(cfg)  # sizes bounded before anything is built (check_job does it too)
     from meshrun.models import build_model  # imports torch: after every torch-free check, so those fail fast
 
     model = build_model(cfg.model)
@@ -88,6 +91,7 @@ def check_job(cfg: Config) -> None:
     """Every torch-free check of a training job (`train`, with or without --dry-run, and `slurm`)."""
     check_worker_env(cfg)
     hf_dir(cfg.model)  # model.hf: a local folder with a config.json (reading it needs no torch)
+    check_model_size(cfg)  # whole, positive sizes a rank can hold: arithmetic, before any model exists
     validate_layout(cfg)  # blocks and microbatches over pipeline stages: needs the model's depth
     check_run_dir(cfg)
     check_writable(Path(cfg.run_dir))

@@ -161,3 +161,119 @@ def test_a_model_tokenizer_mapped_to_the_folders_code_is_refused(tmp_path: Path)
     with pytest.raises(ConfigError, match=r"model\.hf .*tokenizer_config\.json .*auto_map"):
         load_tokenizer(ModelConfig(hf=str(model_dir)))
     assert not marker.exists()
+
+
+def config_folder(tmp_path: Path, family: str = "llama", **changes: object) -> Path:
+    """A model folder holding only config.json: hf_models' tiny config with `changes` written as JSON."""
+    from hf_models import CONFIGS
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**CONFIGS[family], **changes}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "family,key,value,message",
+    [
+        ("llama", "num_hidden_layers", 0, "num_hidden_layers is 0; it must be at least 1"),
+        ("llama", "num_hidden_layers", -2, "num_hidden_layers is -2; it must be at least 1"),
+        ("llama", "num_hidden_layers", 2.5, "num_hidden_layers is 2.5; it must be a whole number"),
+        ("llama", "num_hidden_layers", 1_000_000_000, "num_hidden_layers is 1000000000, more blocks than meshrun"),
+        ("llama", "hidden_size", 0, "hidden_size is 0; it must be at least 1"),
+        ("llama", "hidden_size", -32, "hidden_size is -32; it must be at least 1"),
+        ("llama", "intermediate_size", -5, "intermediate_size is -5; it must be at least 1"),
+        ("llama", "num_attention_heads", 0, "num_attention_heads is 0; it must be at least 1"),
+        ("llama", "num_key_value_heads", -1, "num_key_value_heads is -1; it must be at least 1"),
+        ("llama", "max_position_embeddings", -1, "max_position_embeddings is -1; it must be at least 1"),
+        ("llama", "num_key_value_heads", 3, "num_key_value_heads (3) must divide num_attention_heads (4)"),
+        ("llama", "vocab_size", 1e11, "vocab_size is 100000000000.0; it must be a whole number"),
+        ("llama", "vocab_size", True, "vocab_size is true; it must be a whole number"),
+        ("llama", "vocab_size", 100_000_000_000, "would need ~"),
+        ("gpt2", "n_layer", 0, "n_layer is 0; it must be at least 1"),
+        ("gpt2", "n_embd", 10**9, "more than any device could hold (4 TiB)"),
+    ],
+    ids=lambda v: str(v)[:12],
+)
+def test_bad_sizes_in_config_json_are_one_line_in_the_models_terms(
+    family: str, key: str, value: object, message: str, data_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """Sized by arithmetic before anything is built: a zero, negative, fractional, boolean or
+    absurd size is named as config.json names it (never as `model.name gpt`), at once."""
+    folder = config_folder(tmp_path, family, **{key: value})
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": folder}), capsys)
+    assert f"model.hf {folder}: " in err and message in err and "model.name" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_inline_size_names_the_inline_config(data_dir: Path, tmp_path: Path, capsys) -> None:
+    bad = LLAMA.replace("num_hidden_layers: 2", "num_hidden_layers: 0")
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf_config": bad}), capsys)
+    assert "model.hf_config: num_hidden_layers is 0; it must be at least 1" in err
+
+
+def test_index_entries_outside_the_model_folder_are_refused(gpt2_dir: Path, data_dir: Path, tmp_path: Path, capsys):
+    """A sharded checkpoint's index naming ../../../../etc/passwd (or an absolute path) is never opened."""
+    for entry in ("../../../../etc/passwd", "/etc/passwd"):
+        edited = shutil.copytree(gpt2_dir, tmp_path / f"edited{len(entry)}")
+        index = edited / "model.safetensors.index.json"
+        index.write_text(json.dumps({"weight_map": {"transformer.wte.weight": entry}}))
+        err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": edited}), capsys)
+        assert f"{index}: entry {entry!r} leads outside {edited}" in err
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.json", "config.json", "model.safetensors"])
+def test_model_files_linked_outside_the_folder_are_refused(name: str, data_dir: Path, tmp_path: Path, capsys):
+    """A link out of the model folder: its file would be read (or copied by export --hf) from elsewhere."""
+    folder = config_folder(tmp_path)
+    outside = tmp_path / "outside"
+    outside.write_text((folder / "config.json").read_text())  # readable, and a valid config: only the link is wrong
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(outside)
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": folder}), capsys)
+    assert f"{folder}: entry {name!r} leads outside {folder} (to {outside})" in err
+
+
+def test_tokenizer_config_naming_a_file_outside_is_refused(data_dir: Path, tmp_path: Path, capsys) -> None:
+    folder = config_folder(tmp_path)
+    entry = "../outside/tokenizer.4.0.json"  # transformers opens the newest listed file its version allows
+    (folder / "tokenizer_config.json").write_text(json.dumps({"fast_tokenizer_files": [entry]}))
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": folder}), capsys)
+    assert f"{folder / 'tokenizer_config.json'}: entry {entry!r} leads outside" in err
+
+
+def test_a_hub_cache_snapshot_is_read_through_its_links(gpt2_dir: Path, data_dir: Path, tmp_path: Path, capsys):
+    """huggingface_hub's cache: snapshots/REV/FILE are links into the repo's blobs/ (outside the
+    snapshot folder, inside the repo's): accepted, weights and all."""
+    repo = tmp_path / "hub" / "models--org--gpt2"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(gpt2_dir.iterdir())):
+        shutil.copy(file, repo / "blobs" / f"blob{i}")
+        (snapshot / file.name).symlink_to(f"../../blobs/blob{i}")
+    assert main(dry_run(data_dir, tmp_path, **{"model.hf": snapshot})) == 0, capsys.readouterr().err
+
+
+def test_export_never_copies_a_data_tokenizer_linked_outside(tmp_path: Path) -> None:
+    """export --hf copies the data card's tokenizer.json: a link out of that folder is refused."""
+    from meshrun.errors import ConfigError
+    from meshrun.models.hf_export import save_data_tokenizer
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    out.mkdir()
+    (tmp_path / "secret.json").write_text("{}")
+    (data / "tokenizer.json").symlink_to(tmp_path / "secret.json")
+    with pytest.raises(ConfigError, match=r"entry 'tokenizer\.json' leads outside"):
+        save_data_tokenizer(data, out, max_length=16)
+    assert not (out / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "tokenizer_config.json"])
+def test_a_huge_json_file_in_a_model_folder_is_refused_unread(name: str, data_dir: Path, tmp_path: Path, capsys):
+    folder = config_folder(tmp_path)
+    with (folder / name).open("wb") as f:
+        f.truncate(65 * 2**20)  # sparse: 65 MiB of zeros that take no disk, and would be parsed as JSON
+    err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": folder}), capsys)
+    assert f"{folder / name} is over 64 MiB" in err

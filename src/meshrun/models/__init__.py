@@ -121,6 +121,8 @@ def build_model(cfg: ModelConfig) -> ProtocolModule:
     """Construct the model on the meta device (no memory, no values) and check it follows the protocol."""
     factory = resolve_factory(cfg)
     source = f"model.factory {cfg.factory}" if cfg.factory else f"model.name {cfg.name}"
+    if is_hf(cfg):
+        source = f"model.hf {cfg.hf}" if cfg.hf is not None else "model.hf_config"
     try:
         with torch.device("meta"), _SkipRandomInit():
             model = factory(cfg)

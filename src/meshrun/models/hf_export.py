@@ -16,21 +16,10 @@ import torch
 from torch import nn
 
 from meshrun.config import ModelConfig
+from meshrun.confined import confined
 from meshrun.errors import ConfigError
-from meshrun.hf_config import hf_dir, model_tokenizer, refuse_custom_tokenizer
+from meshrun.hf_config import TOKENIZER_FILES, hf_dir, model_tokenizer, refuse_custom_tokenizer
 from meshrun.models.hf import HFCausalLM
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "generation_config.json",
-    "chat_template.jinja",
-)
 
 
 def tokenizer_files(model_dir: Path | None) -> list[Path]:
@@ -92,7 +81,7 @@ def save_data_tokenizer(data: Path, out: Path, *, max_length: int) -> None:
     meta = read_meta(data) or {}
     if not (data / "tokenizer.json").is_file() or meta.get("format") == "pairs":
         return
-    shutil.copyfile(data / "tokenizer.json", out / "tokenizer.json")
+    shutil.copyfile(confined(data, "tokenizer.json", source=data), out / "tokenizer.json")
     eos_ids = (meta.get("tokenizer") or {}).get("eos_ids") or []
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

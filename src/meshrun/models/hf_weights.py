@@ -16,9 +16,7 @@ import torch
 from torch import nn
 
 from meshrun.errors import ConfigError
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+from meshrun.hf_config import INDEX, SINGLE, model_file
 
 
 def has_weights(model_dir: Path) -> bool:
@@ -32,9 +30,14 @@ def weight_index(model_dir: Path) -> dict[str, Path]:
     if (model_dir / INDEX).is_file():
         try:
             weight_map = json.loads((model_dir / INDEX).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            entries = weight_map.items()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{model_dir / INDEX} is not a safetensors index (no weight_map): {exc}") from None
-        return {name: model_dir / file for name, file in weight_map.items()}
+        index = {}
+        for name, file in entries:  # named by the file: refused when it leads outside the folder
+            model_file(model_dir, file, source=model_dir / INDEX)
+            index[name] = model_dir / file
+        return index
     try:
         with safe_open(model_dir / SINGLE, "pt", device="cpu") as f:
             return {name: model_dir / SINGLE for name in f.keys()}  # noqa: SIM118 - a safetensors handle, not a dict

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrun.config import Config, ParallelConfig
 from meshrun.distributed import Mesh
+from meshrun.layout import shard_degree
 from meshrun.models.protocol import ProtocolModule
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,11 +92,6 @@ def state_bytes(params: list[nn.Parameter], optimizers: Sequence[torch.optim.Opt
         for state in optimizer.state.values():
             total += sum(local(v).nbytes for v in state.values() if isinstance(v, torch.Tensor))
     return total
-
-
-def shard_degree(par: ParallelConfig) -> int:
-    """Ranks one copy of a stage's training state is split over."""
-    return {"ddp": 1, "fsdp": par.dp, "hsdp": par.dp_shard or 1}[par.dp_mode]
 
 
 def describe_data_parallel(cfg: Config, stage_params: list[int]) -> list[str]:
