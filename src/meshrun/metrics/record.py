@@ -48,8 +48,8 @@ def read_metrics_rows(path: Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            if number == len(lines):  # what a run killed mid-write leaves
-                say(f"warning: {path} line {number} is cut short (the run stopped while writing it); skipped")
+            if number == len(lines):  # what a run killed mid-write leaves (or one still writing)
+                say(f"warning: {path} line {number} is cut short (a run stopped or still writing); skipped")
                 continue
             raise ConfigError(f"{path} line {number} is not JSON ({exc.msg}); fix or remove that line") from None
         if problem := _row_problem(row):
