@@ -140,6 +140,8 @@ def test_report_reads_a_torn_last_row_and_refuses_what_meshrun_did_not_write(
     assert proc.returncode == 0, proc.stderr
     assert f"warning: {Path('run') / 'metrics.jsonl'} line {lines + 1} is cut short" in proc.stderr
     assert "| run " in proc.stdout
+    plan = run_meshrun(["plan", "--run", "run", "--gpu", "h100"], tmp_path=tmp_path, timeout=300)  # its reader too
+    assert f"line {lines + 1} is cut short" in plan.stderr and "step time s" in plan.stdout
     for bad, why in (('{"step": 7, "loss": 4.1\n', "is not JSON"), ('{"step": 7, "loss": "low"}\n', "loss is 'low'")):
         metrics.write_text(written + bad + written.splitlines()[-1] + "\n")  # not the last line
         assert_refused(report_run(tmp_path, "run", force=True), f"metrics.jsonl line {lines + 1}", why)
