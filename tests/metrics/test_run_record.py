@@ -142,8 +142,13 @@ def test_report_reads_a_torn_last_row_and_refuses_what_meshrun_did_not_write(
     assert "| run " in proc.stdout
     plan = run_meshrun(["plan", "--run", "run", "--gpu", "h100"], tmp_path=tmp_path, timeout=300)  # its reader too
     assert f"line {lines + 1} is cut short" in plan.stderr and "step time s" in plan.stdout
-    for bad, why in (('{"step": 7, "loss": 4.1\n', "is not JSON"), ('{"step": 7, "loss": "low"}\n', "loss is 'low'")):
-        metrics.write_text(written + bad + written.splitlines()[-1] + "\n")  # not the last line
+    # a broken row before others, or one ended by its newline (written whole): not a crash's doing
+    for bad, why in (
+        ('{"step": 7, "loss": 4.1\n{"step": 8}\n', "is not JSON"),
+        ('{"step": 7, "loss": 4.1\n', "is not JSON"),
+        ('{"step": 7, "loss": "low"}\n', "'loss' is 'low'"),
+    ):
+        metrics.write_text(written + bad)
         assert_refused(report_run(tmp_path, "run", force=True), f"metrics.jsonl line {lines + 1}", why)
     metrics.write_text(written)
     for bad in ("[]", '{"tokens_per_s": "fast"}', '{"steps": 4,'):

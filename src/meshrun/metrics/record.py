@@ -28,9 +28,15 @@ def _row_problem(row: Any) -> str | None:
         return f"a JSON {type(row).__name__}, not an object"
     step = row.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        return f"step {step!r} is not a step count"
+        return f"step {_shown(step)} is not a step count"
     bad = next((key for key, value in row.items() if not _is_number(value)), None)
-    return None if bad is None else f"{bad} is {row[bad]!r}, not a number"
+    return None if bad is None else f"{_shown(bad)} is {_shown(row[bad])}, not a number"
+
+
+def _shown(value: Any) -> str:
+    """A value from a file, for a one-line message: escaped (no control characters) and short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def read_metrics_rows(path: Path) -> list[dict[str, Any]]:
@@ -38,7 +44,7 @@ def read_metrics_rows(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")  # the last is "" after a complete row
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read {path} ({exc}); pass a run directory meshrun wrote") from None
     rows = []
@@ -47,11 +53,16 @@ def read_metrics_rows(path: Path) -> list[dict[str, Any]]:
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):  # what a run killed mid-write leaves (or one still writing)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
+            if number == len(lines) and isinstance(exc, json.JSONDecodeError):  # no newline: cut short mid-write
                 say(f"warning: {path} line {number} is cut short (a run stopped or still writing); skipped")
                 continue
-            raise ConfigError(f"{path} line {number} is not JSON ({exc.msg}); fix or remove that line") from None
+            why = (
+                f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
+                if isinstance(exc, json.JSONDecodeError)
+                else type(exc).__name__
+            )
+            raise ConfigError(f"{path} line {number} is not JSON ({why}); fix or remove that line") from None
         if problem := _row_problem(row):
             raise ConfigError(f"{path} line {number} is not a metrics row meshrun wrote ({problem}); fix or remove it")
         rows.append(row)
@@ -83,8 +94,8 @@ def read_summary(path: Path) -> dict[str, Any] | None:
     fix = "move it aside (the run is then reported as not finished)"
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path} is not a summary meshrun wrote ({exc}); {fix}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"{path} is not a summary meshrun wrote ({type(exc).__name__}: {exc}); {fix}") from None
     if not isinstance(summary, dict):
         raise ConfigError(f"{path} is not a summary meshrun wrote (a JSON {type(summary).__name__}); {fix}")
     try:
