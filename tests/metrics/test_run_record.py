@@ -154,6 +154,9 @@ def test_report_reads_a_torn_last_row_and_refuses_what_meshrun_did_not_write(
     for bad in ("[]", '{"tokens_per_s": "fast"}', '{"steps": 4,'):
         summary.write_text(bad)
         assert_refused(report_run(tmp_path, "run", force=True), "summary.json is not a summary meshrun wrote")
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "model": {**config["model"], "seq_len": "16"}}))
+    assert_refused(report_run(tmp_path, "run", force=True), "config.json is not a meshrun run's resolved config")
 
 
 def test_report_never_replaces_a_file_unless_forced(resumed: tuple[Path, str], tmp_path: Path) -> None:

@@ -38,14 +38,25 @@ def read_run(path: Path) -> RunRecord:
         raise ConfigError(f"{path} is not a meshrun run directory (no config.json); pass the run_dir of a training job")
     try:
         config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read run {path}: {exc}") from None
-    if not isinstance(config, dict) or not {"parallel", "precision", "train"} <= config.keys():
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"cannot read run {path}: {type(exc).__name__}: {exc}") from None
+    if not _is_run_config(config):
         raise ConfigError(
             f"{path}/config.json is not a meshrun run's resolved config; pass the run_dir of a training job"
         )
     summary = read_summary(path / "summary.json")
     return RunRecord(path.name or str(path), config, summary, read_metrics_rows(path / "metrics.jsonl"))
+
+
+def _is_run_config(config: Any) -> bool:
+    """The resolved-config fields the table and the picture read, with the types meshrun wrote."""
+    try:
+        counts = (config["parallel"]["dp"], config["parallel"]["pp"], config["train"]["global_batch"])
+        return isinstance(config["precision"], str) and all(
+            type(n) is int for n in (*counts, config["model"]["seq_len"])
+        )
+    except (KeyError, TypeError):
+        return False
 
 
 def _number(value: Any, fmt: str) -> str:
