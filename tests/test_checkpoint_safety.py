@@ -4,6 +4,7 @@ checkpoints all fail to load stops without changing anything (no silent restart 
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from meshrun.checkpoint import (
     CheckpointError,
     _crc32,
     full_model_state,
+    load,
     verify,
 )
 from meshrun.config import Config
@@ -114,6 +116,80 @@ def test_a_symlinked_checkpoint_file_is_refused(finished: Path, tmp_path: Path) 
     shutil.move(shard, outside)
     shard.symlink_to(outside)  # same bytes, but read from outside the folder
     with pytest.raises(CheckpointError, match="not a file inside the folder"):
+        verify(ckpt)
+
+
+class Payload:
+    """A pickle that creates `marker` when unpickled without restriction."""
+
+    def __init__(self, marker: Path) -> None:
+        self.code = f"open({str(marker)!r}, 'w').close()"
+
+    def __reduce__(self) -> tuple:
+        return exec, (self.code,)
+
+
+def plant_pickle(finished: Path, tmp_path: Path, key: str) -> tuple[Path, Path]:
+    """A checkpoint whose `.metadata` declares `key` a bytes item, its bytes a pickle that creates a
+    marker file (what DCP's default planner unpickles with weights_only=False); manifest forged."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from meshrun.checkpoint import SafeReader
+
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "code-ran"
+    shutil.copytree(finished / "checkpoints" / CKPTS[-1], ckpt)
+    metadata = SafeReader(ckpt).read_metadata()
+    payload = ckpt / "__0_1.distcp"
+    torch.save(Payload(marker), payload)
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo(payload.name, 0, payload.stat().st_size)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    forge(ckpt, ".metadata")
+    forge(ckpt, payload.name)
+    return ckpt, marker
+
+
+@pytest.mark.parametrize("key", ["embed.tok.weight", "progress.samples_seen"])
+def test_a_pickled_item_in_a_checkpoint_is_never_unpickled(key: str, finished: Path, tmp_path: Path) -> None:
+    """Export and sample load model keys, a resumed run every key: each load refuses the index."""
+    ckpt, marker = plant_pickle(finished, tmp_path, key)
+    model = meta_model(finished).to_empty(device="cpu")
+    state = {**model.state_dict(), "progress.samples_seen": torch.tensor(0)}
+    with pytest.raises(CheckpointError) as refused:
+        load(state, ckpt)
+    assert not marker.exists(), "the checkpoint's pickle ran"
+    assert str(ckpt / ".metadata") in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_resume_from_a_checkpoint_with_a_pickled_item_is_refused_before_workers(finished: Path, tmp_path: Path) -> None:
+    """train.resume=PATH: the launcher's check refuses it (the run trained on with exit 0 before)."""
+    from meshrun.checkpoint import check_resumable
+
+    ckpt, marker = plant_pickle(finished, tmp_path, "progress.samples_seen")
+    with pytest.raises(ConfigError, match=r"train\.resume .*\.metadata.*pickled"):
+        check_resumable(tmp_path / "new-run", str(ckpt), meta_model(finished))
+    assert not marker.exists()
+
+
+def test_export_refuses_a_checkpoint_with_a_pickled_item(finished: Path, tmp_path: Path) -> None:
+    ckpt, marker = plant_pickle(finished, tmp_path, "embed.tok.weight")
+    result = run_meshrun(["export", str(ckpt), "--out", "m.safetensors"], tmp_path=tmp_path, check=False, timeout=120)
+    assert not marker.exists(), "the checkpoint's pickle ran"
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert str(ckpt / ".metadata") in result.stderr and not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_transformed_entry_is_refused(finished: Path, tmp_path: Path) -> None:
+    """meshrun writes no compressed (transformed) entries: one would be decompressed unbounded."""
+    from meshrun.checkpoint import SafeReader
+
+    ckpt = shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "ckpt")
+    metadata = SafeReader(ckpt).read_metadata()
+    next(iter(metadata.storage_data.values())).transform_descriptors = ["zstd/1"]
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    forge(ckpt, ".metadata")
+    with pytest.raises(CheckpointError, match=r"\.metadata.*zstd/1"):
         verify(ckpt)
 
 

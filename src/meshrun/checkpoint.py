@@ -7,7 +7,9 @@ other's checkpoint (DCP reshards; replicated dp copies are written once). A save
 `.tmp` folder that rank 0 renames only after every rank finished writing, then `latest` moves.
 
 Loading never unpickles arbitrary objects: tensors are read with `weights_only=True` by DCP, and
-DCP's pickled `.metadata` index is read with an unpickler that admits only DCP's own classes.
+DCP's pickled `.metadata` index is read with an unpickler that admits only DCP's own classes for
+what meshrun writes: tensor entries. A bytes entry (which DCP's planner would `torch.load` with
+`weights_only=False`) or a transformed (compressed) one is refused with the index's name.
 A manifest of sizes and crc32s turns truncated or corrupt files into errors that name the file.
 """
 
@@ -68,7 +70,6 @@ _ALLOWED = {
     for name in (
         "Metadata",
         "TensorStorageMetadata",
-        "BytesStorageMetadata",
         "TensorProperties",
         "ChunkStorageMetadata",
         "MetadataIndex",
@@ -90,11 +91,16 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
+        if name == "BytesStorageMetadata":  # DCP would torch.load the item with weights_only=False
+            raise pickle.UnpicklingError(
+                "it declares a pickled (non-tensor) item, which meshrun never writes and never unpickles"
+            )
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
 
 
 class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose `.metadata` index is unpickled with an allowlist."""
+    """FileSystemReader whose `.metadata` index is unpickled with an allowlist and holds only
+    entries of the kind meshrun writes (untransformed tensors): the only reader meshrun loads with."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
         path = Path(self.path) / ".metadata"
@@ -103,9 +109,18 @@ class SafeReader(dcp.FileSystemReader):
                 metadata = _MetadataUnpickler(f).load()
         except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as exc:
             raise CheckpointError(f"cannot read checkpoint index {path}: {exc}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        if not isinstance(metadata, dcp.Metadata) or not isinstance(metadata.storage_data, dict):
+            raise CheckpointError(f"cannot read checkpoint index {path}: it is not a DCP index")
+        transformed = [getattr(info, "transform_descriptors", None) for info in metadata.storage_data.values()]
+        if any(transformed):  # DCP would decompress each whole into memory, unbounded; meshrun writes none
+            raise CheckpointError(
+                f"checkpoint index {path} names transformed (compressed) entries "
+                f"{next(filter(None, transformed))}, which meshrun never writes"
+            )
+        meta = metadata.storage_meta
+        meta = meta if isinstance(meta, dcp.metadata.StorageMeta) else dcp.metadata.StorageMeta()
+        meta.load_id = self.load_id
+        metadata.storage_meta = meta
         return metadata
 
 

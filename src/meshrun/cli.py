@@ -180,6 +180,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--run", metavar="RUN_DIR", help="compare a finished run's metrics with the prediction")
     plan.add_argument("--steps", type=int, default=3, help="--calibrate: timed steps per probe")
     plan.add_argument("--rounds", type=int, default=3, help="--calibrate: alternating rounds over the probes (median)")
+    _trust_code_flag(plan, "--run: import the model.factory the run's config.json names")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -199,9 +200,13 @@ def _trust_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="model.factory=MODULE:FUNCTION",
         help="build the model with this factory (the only key export and sample take)",
     )
-    parser.add_argument(
-        "--trust-code", action="store_true", help="import the model.factory named by the checkpoint's config.json"
-    )
+    _trust_code_flag(parser, "import the model.factory the checkpoint's config.json names")
+
+
+def _trust_code_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """The one flag under which code named by a file meshrun did not get on the command line runs
+    (see preflight.check_code_trusted): the same name on every command that reads such names."""
+    parser.add_argument("--trust-code", action="store_true", help=help_text)
 
 
 def _factory_override(overrides: list[str]) -> str | None:

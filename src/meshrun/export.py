@@ -31,7 +31,7 @@ from meshrun.metrics.console import say
 from meshrun.models.encdec import EncDec
 from meshrun.models.hf_export import load_tokenizer
 from meshrun.models.seq2seq_decode import decode as seq2seq_decode
-from meshrun.preflight import check_export_target, preflight, training_data_dir
+from meshrun.preflight import check_code_trusted, check_export_target, preflight, training_data_dir
 
 
 def load_full_model(
@@ -51,11 +51,9 @@ def load_full_model(
         raise CheckpointError(f"checkpoint {folder} has no usable {CONFIG} ({' '.join(str(exc).split())})") from None
     if factory is not None:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"factory": factory})})
-    elif cfg.model.factory is not None and not trust_code:
-        raise ConfigError(
-            f"checkpoint {folder} names model.factory {cfg.model.factory!r}, code meshrun does not import on a "
-            f"checkpoint's word: pass --set model.factory={cfg.model.factory} (the factory you mean) or --trust-code"
-        )
+    else:
+        instead = f"name the factory you mean with --set model.factory={cfg.model.factory}, or "
+        check_code_trusted(cfg, folder / CONFIG, trust_code=trust_code, instead=instead)
     model = preflight(cfg, scope="model")  # built on the meta device
     model.to_empty(device="cpu")
     model.load_state_dict(full_model_state(model, folder))

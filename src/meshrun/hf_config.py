@@ -75,6 +75,23 @@ def model_tokenizer(model_dir: Path | None) -> Path | None:
     return next((model_dir / n for n in TOKENIZERS if (model_dir / n).is_file()), None)
 
 
+def refuse_custom_tokenizer(folder: Path, key: str) -> None:
+    """meshrun never runs a model folder's own Python: a tokenizer_config.json whose `auto_map`
+    sends transformers to it is refused in one line. (Every transformers call also passes
+    trust_remote_code=False: a model config.json's auto_map is built without its code, by
+    transformers' own class for the model_type, which must be a supported family.)"""
+    config = folder / "tokenizer_config.json"
+    try:
+        auto_map = json.loads(config.read_text()).get("auto_map") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return  # not a readable config: the tokenizer's loader says so
+    if auto_map:
+        raise ConfigError(
+            f"{key} {folder}: {config.name} maps the tokenizer to the folder's own code (auto_map {auto_map}), "
+            "which meshrun never runs; pass a tokenizer.json file instead"
+        )
+
+
 def load_hf_config(cfg: ModelConfig) -> Any:
     """The transformers config (a `PretrainedConfig`), checked to be a supported family."""
     inline = json.dumps(cfg.hf_config, sort_keys=True) if cfg.hf_config is not None else None
@@ -99,7 +116,7 @@ def _load(hf: str | None, inline: str | None) -> Any:
         except (OSError, ValueError, AttributeError) as exc:
             raise ConfigError(f"{key}: config.json is not readable JSON ({exc})") from None
         _check_family(model_type, key)
-        load = partial(AutoConfig.from_pretrained, path, local_files_only=True)
+        load = partial(AutoConfig.from_pretrained, path, local_files_only=True, trust_remote_code=False)
     try:
         return load()
     except Exception as exc:  # noqa: BLE001 - transformers validates fields: report its reason in one line

@@ -51,6 +51,17 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     return model
 
 
+def check_code_trusted(cfg: Config, source: Path, *, trust_code: bool, instead: str = "") -> None:
+    """The one rule for code named by files: a model.factory read from a file meshrun did not get
+    on the command line (a run's or a checkpoint's config.json, written by whoever wrote the folder)
+    is imported only under --trust-code. `instead`: another remedy the command offers."""
+    if cfg.model.factory is not None and not trust_code:
+        raise ConfigError(
+            f"{source} names model.factory {cfg.model.factory!r}, code meshrun does not import on a file's word: "
+            f"{instead}pass --trust-code to import it"
+        )
+
+
 def data_dir(cfg: Config) -> Path:
     if cfg.data.dir is not None:
         return Path(cfg.data.dir)

@@ -53,13 +53,18 @@ def write_nanogpt(folder: Path, train: np.ndarray, val: np.ndarray, dtype: type 
     return folder
 
 
-def write_megatron(prefix: Path, documents: list[np.ndarray]) -> Path:
+def write_megatron(prefix: Path, documents: list[np.ndarray], **damage: list[int]) -> Path:
     """Megatron-LM's MMIDIDX layout (indexed_dataset.py): header, version <Q 1, dtype code <B
     (8 = uint16), <Q sequence count, <Q document count, int32 lengths, int64 byte pointers,
-    int64 document indices (0, then the sequence count after each document)."""
+    int64 document indices (0, then the sequence count after each document). `damage` replaces
+    the index's `lengths`, `pointers` or `doc_index` with other values."""
     lengths = np.array([len(d) for d in documents], dtype=np.int32)
     pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64) * 2]).astype(np.int64)
     doc_index = np.arange(len(documents) + 1, dtype=np.int64)
+    lengths, pointers, doc_index = (
+        np.array(damage.get(name, values), dtype=values.dtype)
+        for name, values in (("lengths", lengths), ("pointers", pointers), ("doc_index", doc_index))
+    )
     with open(prefix.with_suffix(".idx"), "wb") as f:
         f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8))
         f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(doc_index)))
@@ -140,6 +145,37 @@ def _megatron_bad(tmp: Path, idx: bytes) -> Path:
     return tmp / "m"
 
 
+def _copy(folder: Path, tmp: Path, edit_meta=lambda meta: None) -> Path:
+    """A copy of a prepared dataset in tmp/inside/, its meta.json changed by `edit_meta`."""
+    copy = tmp / "inside" / folder.name
+    shutil.copytree(folder, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    edit_meta(meta)
+    (copy / "meta.json").write_text(json.dumps(meta))
+    return copy
+
+
+def _naming_passwd(folder: Path, tmp: Path) -> Path:
+    """The issue's dataset: a meta.json whose first shard is ../../../../etc/passwd (its size in tokens)."""
+
+    def edit(meta: dict) -> None:
+        up = "../" * (len((tmp / "inside" / folder.name).resolve().parts) - 1)
+        shard = meta["splits"]["train"]["shards"][0]
+        shard.update(file=f"{up}etc/passwd", tokens=Path("/etc/passwd").stat().st_size)
+        shard.pop("max_id", None)
+
+    return _copy(folder, tmp, edit)
+
+
+def _linked_out(folder: Path, tmp: Path, name: str) -> Path:
+    """A copy whose file `name` is a link to the same bytes outside the folder."""
+    copy = _copy(folder, tmp)
+    (copy / name).rename(tmp / name)
+    (copy / name).symlink_to(tmp / name)
+    return copy
+
+
+MEGATRON_DOCS = [np.arange(200) % 256, np.arange(50)]
 GOOD_HEADER = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 4, 5)
 NANOGPT, MEGATRON = {"data.format": "nanogpt"}, {"data.format": "megatron"}
 REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of the one error line)
@@ -192,6 +228,45 @@ REFUSALS = {  # name: (overrides from (byte data, bpe data, tmp), fragments of t
         lambda d, b, t: {"data.dir": _damaged_shard(b, t), "model.vocab_size": VOCAB},
         ("train-00000.bin is", "meta.json says", "prepare it again"),
     ),
+    "shard-named-outside-the-folder": (
+        lambda d, b, t: {"data.dir": _naming_passwd(d, t)},
+        ("meta.json: entry '../", "etc/passwd' ", "outside", "(to /etc/passwd)"),
+    ),
+    "shard-linked-outside-the-folder": (
+        lambda d, b, t: {"data.dir": _linked_out(d, t, "train-00000.bin")},
+        ("meta.json: entry 'train-00000.bin'", "outside"),
+    ),
+    "tokenizer-linked-outside-the-folder": (
+        lambda d, b, t: {"data.dir": _linked_out(b, t, "tokenizer.json"), "model.vocab_size": VOCAB},
+        ("meta.json: entry 'tokenizer.json'", "outside"),
+    ),
+    "mixture-source-naming-outside": (
+        lambda d, b, t: {
+            "data.dir": None,
+            "data.mixture": f"[{{dir: {d}, weight: 1}}, {{dir: {_naming_passwd(d, t)}, weight: 1}}]",
+        },
+        ("etc/passwd'", "outside"),
+    ),
+    "pairs-file-linked-outside": (
+        lambda d, b, t: {"data.dir": _linked_out(_pairs(t), t, "train.source.bin"), "model.vocab_size": VOCAB},
+        ("meta.json: entry 'train.source.bin'", "outside"),
+    ),
+    "megatron-document-index-out-of-range": (
+        lambda d, b, t: {**MEGATRON, "data.dir": write_megatron(t / "m", MEGATRON_DOCS, doc_index=[0, 1, 7])},
+        ("m.idx: document index out of range",),
+    ),
+    "megatron-length-out-of-range": (
+        lambda d, b, t: {**MEGATRON, "data.dir": write_megatron(t / "m", MEGATRON_DOCS, lengths=[200, -50])},
+        ("m.idx: sequence lengths out of range (sequence 1 has length -50)",),
+    ),
+    "megatron-pointer-beyond-the-bin": (
+        lambda d, b, t: {**MEGATRON, "data.dir": write_megatron(t / "m", MEGATRON_DOCS, pointers=[0, 4000])},
+        ("m.idx: sequence pointers out of range (sequence 1 starts at byte 4000",),
+    ),
+    "megatron-bin-longer-than-its-index": (
+        lambda d, b, t: {**MEGATRON, "data.dir": _grown(write_megatron(t / "m", MEGATRON_DOCS))},
+        ("m.bin is 504 bytes but m.idx says 250 uint16 tokens", "the pair does not match"),
+    ),
     "mixture-weight-zero": (
         lambda d, b, t: {"data.dir": None, "data.mixture": f"[{{dir: {d}, weight: 0}}]"},
         ("invalid data.mixture[0].weight", "greater than 0"),
@@ -223,12 +298,24 @@ def _pairs(tmp: Path) -> Path:
     return tmp / "pairs"
 
 
+def _grown(prefix: Path) -> Path:
+    with open(prefix.with_suffix(".bin"), "ab") as f:
+        f.write(b"\0\0\0\0")
+    return prefix
+
+
 @pytest.mark.parametrize("name", list(REFUSALS))
 def test_bad_data_is_refused_before_spawning(
     name: str, data_dir: Path, bpe_data: Path, tmp_path: Path, no_workers: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     make, fragments = REFUSALS[name]
-    overrides = make(data_dir, bpe_data, tmp_path)
+    assert_refused(make(data_dir, bpe_data, tmp_path), fragments, data_dir, tmp_path, capsys)
+
+
+def assert_refused(
+    overrides: dict, fragments: tuple[str, ...], data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`meshrun train` with these overrides exits 2 with one line holding every fragment, and writes no run."""
     args = [a for a in tiny(data_dir, tmp_path / "run", **overrides) if not a.endswith("=None")]
     assert cli.main(["train", *args]) == 2
     err = capsys.readouterr().err

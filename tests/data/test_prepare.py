@@ -101,6 +101,21 @@ def test_prepare_writes_exact_byte_memmaps(tmp_path: Path) -> None:
     )
 
 
+def test_each_shard_records_its_largest_id(tmp_path: Path) -> None:
+    """meta.json records each shard's largest id (checked against the shard on first open), right
+    after a document moved from train to val too: the last file's high bytes leave train with it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"f{i}.txt").write_bytes(b"plain ascii text %d\n" % i * 20 + ("é".encode() if i == 2 else b""))
+    meta = prepare([str(corpus)], tmp_path / "ds", val_fraction=0.01, progress=False, workers=1)
+    assert (meta["splits"]["train"]["documents"], meta["splits"]["val"]["documents"]) == (2, 1)  # one moved over
+    for split in ("train", "val"):
+        for shard in meta["splits"][split]["shards"]:
+            assert shard["max_id"] == np.fromfile(tmp_path / "ds" / shard["file"], np.uint8).max()
+    assert meta["splits"]["train"]["shards"][0]["max_id"] < 128 <= meta["splits"]["val"]["shards"][0]["max_id"]
+
+
 def test_prepare_is_deterministic(tmp_path: Path) -> None:
     _corpus(tmp_path / "corpus")
     for out in ("a", "b"):

@@ -9,6 +9,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -219,6 +221,30 @@ def test_model_folder_tokenizer_uses_its_configured_eos(tokenizer_file: Path, tm
     assert_documents_in_order(tmp_path / "out", hf_expected(Tokenizer.from_file(str(tokenizer_file)), DOCS, "</s>"))
 
 
+def test_a_model_folder_that_maps_its_tokenizer_to_its_own_code_is_refused(tmp_path: Path) -> None:
+    """transformers asked "Do you wish to run the custom code? [y/N]": a `yes |` imported the folder's Python."""
+    model_dir, marker = tmp_path / "model", tmp_path / "code-ran"
+    model_dir.mkdir()
+    auto_map = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto_map, "tokenizer_class": "Evil"}))
+    (model_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    source = write_source("text", tmp_path / "src", DOCS[:3])
+    args = ["prepare-data", "--source", str(source), "--out", "out", "--tokenizer", str(model_dir)]
+    done = subprocess.run(
+        [sys.executable, "-m", "meshrun", *args],
+        cwd=tmp_path,
+        env=meshrun_env(tmp_path),
+        input="y\n" * 4,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert not marker.exists(), "the folder's code ran"
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "tokenizer_config.json" in done.stderr and "auto_map" in done.stderr and "[y/N]" not in done.stdout
+
+
 def test_trained_bpe_is_saved_beside_the_data_and_used(tmp_path: Path) -> None:
     source = write_source("text", tmp_path / "src", DOCS)
     out = tmp_path / "out"
@@ -259,7 +285,30 @@ def _dataset_dict(folder: Path, splits: list[str]) -> Path:
     return folder / "dd"
 
 
+def _dataset_naming(folder: Path, card: str, entry: str) -> Path:
+    """A save_to_disk folder whose `card` (state.json / dataset_dict.json) names `entry` instead of its own file."""
+    import datasets
+
+    train = datasets.Dataset.from_dict({"text": make_documents(40)})
+    (datasets.DatasetDict({"train": train}) if card == "dataset_dict.json" else train).save_to_disk(str(folder / "ds"))
+    listed = json.loads((folder / "ds" / card).read_text())
+    if card == "state.json":
+        listed["_data_files"][0]["filename"] = entry
+    else:
+        listed["splits"] = [entry]
+    (folder / "ds" / card).write_text(json.dumps(listed))
+    return folder / "ds"
+
+
 REFUSED = {  # name: (write the source into folder -> path, fragments of the error)
+    "dataset-file-outside-its-folder": (
+        lambda f: _dataset_naming(f, "state.json", "../../../../etc/passwd"),
+        ("state.json: entry '../../../../etc/passwd'", "outside"),
+    ),
+    "dataset-split-outside-its-folder": (
+        lambda f: _dataset_naming(f, "dataset_dict.json", "../.."),
+        ("dataset_dict.json: entry '../..'", "outside"),
+    ),
     "no-documents": (lambda f: _write(f / "empty.jsonl", ""), ("holds no documents", "--field")),
     "too-small": (lambda f: _write(f / "a.txt", "hi"), ("only 4 tokens, too few to train", "add more text")),
     "bad-json": (lambda f: _write(f / "b.jsonl", '{"text": "ok"}\n{oops\n'), ("b.jsonl:2 is not valid JSON",)),

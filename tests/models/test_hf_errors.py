@@ -142,3 +142,22 @@ def test_data_tokenized_with_another_tokenizer_than_the_models(
     assert "holds pairs data, whose ids (the tokenizer's + 3" in error_of(args(pairs), capsys)
     assert main(args(tmp_path / "ours")) == 0, capsys.readouterr().err
     assert main([*args(data_dir), "--set=model.init=random"]) == 0, capsys.readouterr().err
+
+
+def test_a_model_tokenizer_mapped_to_the_folders_code_is_refused(tmp_path: Path) -> None:
+    """sample decodes with model.hf's tokenizer: a tokenizer_config.json auto_map never imports the folder's code."""
+    from transformers import AutoConfig
+
+    from meshrun.config import ModelConfig
+    from meshrun.errors import ConfigError
+    from meshrun.models.hf_export import load_tokenizer
+
+    model_dir, marker = tmp_path / "model", tmp_path / "code-ran"
+    AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4).save_pretrained(model_dir)
+    (model_dir / "tokenizer.json").write_text(bpe_json(["def f(x):\n    return x\n"] * 20, 280))
+    config = {"auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}, "tokenizer_class": "EvilTokenizer"}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (model_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with pytest.raises(ConfigError, match=r"model\.hf .*tokenizer_config\.json .*auto_map"):
+        load_tokenizer(ModelConfig(hf=str(model_dir)))
+    assert not marker.exists()

@@ -102,3 +102,22 @@ def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -
     for row in (row for row in rows if not row.endswith("-")):  # no bubble measured without a pipeline
         predicted, shown, ratio = (float(x) for x in row.split()[-3:])
         assert ratio == pytest.approx(predicted / shown, rel=1e-2), row
+
+
+@pytest.mark.parametrize("trust", [[], ["--trust-code"]], ids=["refused", "trusted"])
+def test_a_runs_factory_is_imported_only_with_trust_code(trust: list[str], tmp_path: Path) -> None:
+    """`plan --run` builds the run's model: a model.factory its config.json names is code from a file."""
+    marker = tmp_path / "code-ran"
+    (tmp_path / "planted.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nfrom meshrun.models.gpt import GPT as build\n"
+    )
+    cfg = load_config(None, [arg.removeprefix("--set=") for arg in TINY_MODEL] + ["model.factory=planted:build"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 0.5}\n{"step": 2, "step_time_s": 0.5}\n')
+    done = run_meshrun(["plan", "--run", ".", "--gpu", "h100", *trust], tmp_path=tmp_path, timeout=180, check=False)
+    if trust:  # run from inside the folder: `python -m` puts it first on sys.path
+        assert marker.exists() and done.returncode == 0 and "tokens/s" in done.stdout, done.stderr
+    else:
+        assert not marker.exists(), "the run's module was imported"
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert "planted:build" in done.stderr and "--trust-code" in done.stderr

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from meshrun.data.hashing import GOLDEN, splitmix64
-from meshrun.data.storage import SPLITS, open_split, read_meta, token_range
+from meshrun.data.storage import SPLITS, open_split, read_meta
+from meshrun.data.token_ids import check_token_files
 from meshrun.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -52,11 +53,12 @@ class TokenDataset:
                 f"{tokens.where}: no shard holds model.seq_len + 1 = {seq_len + 1} tokens; "
                 "prepare with larger --shard-tokens or lower model.seq_len"
             )
-        self.segments, self.vocab_size, self.tokenizer, self.where = (
+        self.segments, self.vocab_size, self.tokenizer, self.where, self.files = (
             tokens.segments,
             tokens.vocab_size,
             tokens.tokenizer,
             tokens.where,
+            tokens.files,
         )
         self.first_start = np.cumsum([0, *starts[:-1]])
         self.num_starts = sum(starts)
@@ -184,18 +186,6 @@ def check_vocab(data_vocab: int | None, model_vocab_size: int, where: str, *, ke
         )
 
 
-def check_token_ids(part: TokenDataset, model_vocab_size: int, key: str) -> None:
-    """Every id of a format without a recorded vocabulary must index the model's embedding."""
-    low, high = token_range(part.segments)
-    if low < 0:
-        raise ConfigError(f"{part.where} holds token id {low}; token ids cannot be negative: check data.format")
-    if high >= model_vocab_size:
-        raise ConfigError(
-            f"{part.where} holds token id {high} but the model has {model_vocab_size} tokens ({key}); "
-            f"set {key} to at least {high + 1}, or check that data.format and the tokenizer match the model"
-        )
-
-
 def check_pretrained_reads(part: TokenDataset | PairsDataset, model_tokenizer: Path | None) -> None:
     """Pretrained weights read ids as their own tokenizer's: pairs ids are shifted past meshrun's
     pad/BOS/EOS, and byte ids are not the tokens of a model that ships a tokenizer."""
@@ -226,10 +216,11 @@ def check_data(
     source_len: int | None = None,
 ) -> None:
     """Fail early (before spawning) on missing, unparsable, empty or too-small data, a vocabulary
-    larger than the model's, mixture sources tokenized differently, data tokenized with another
-    tokenizer than the one the model ships (`model_tokenizer`: its tokenizer.json, tokenizer.model
-    or vocab.json), ids a `pretrained` model would misread, and length buckets that do not fit
-    the model (`source_len`: as for open_dataset)."""
+    larger than the model's, token ids beyond either or unlike what meta.json recorded (token_ids),
+    mixture sources tokenized differently, data tokenized with another tokenizer than the one the
+    model ships (`model_tokenizer`: its tokenizer.json, tokenizer.model or vocab.json), ids a
+    `pretrained` model would misread, and length buckets that do not fit the model (`source_len`:
+    as for open_dataset)."""
     tokenizers = set()
     for split in SPLITS:
         dataset = open_dataset(data, data_dir, split, seq_len=seq_len, seed=0, source_len=source_len)
@@ -237,8 +228,7 @@ def check_data(
             raise ConfigError(f"data.buckets needs pairs data, but {data_dir} holds token windows; remove data.buckets")
         for part in getattr(dataset, "parts", [dataset]):
             check_vocab(part.vocab_size, model_vocab_size, part.where, key=vocab_key)
-            if part.vocab_size is None:  # nanoGPT, Megatron: the ids themselves
-                check_token_ids(part, model_vocab_size, vocab_key)
+            check_token_files(part.files, vocab_size=part.vocab_size, model_vocab_size=model_vocab_size, key=vocab_key)
             if pretrained:
                 check_pretrained_reads(part, model_tokenizer)
             if part.tokenizer:

@@ -32,9 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshrun.confined import confined
 from meshrun.data.hashing import splitmix64
 from meshrun.data.prepare import _check_out, _commit, _fresh_staging
-from meshrun.data.storage import IGNORE, SPLITS, smallest_dtype
+from meshrun.data.storage import IGNORE, SPLITS, smallest_dtype, tokenizer_file
+from meshrun.data.token_ids import TokenFile
 from meshrun.data.tokenize import Encoder, TokenizerSpec, byte_tokenizer, load_tokenizer
 from meshrun.errors import ConfigError
 
@@ -104,11 +106,13 @@ def prepare_pairs(
     cut = len(pairs) - max(1, round(len(pairs) * val_fraction))
     splits = {}
     for split, chunk in zip(SPLITS, (pairs[:cut], pairs[cut:])):
+        splits[split] = {"pairs": len(chunk), "max_id": {}}  # max_id: checked on first open
         for side, texts in (("source", [s for s, _ in chunk]), ("target", [t for _, t in chunk])):
-            ids = encode_texts(spec, texts)
-            np.concatenate(ids).astype(dtype).tofile(staging / f"{split}.{side}.bin")
-            np.cumsum([0, *map(len, ids)]).astype(OFFSET_DTYPE).tofile(staging / f"{split}.{side}.idx")
-        splits[split] = {"pairs": len(chunk)}
+            rows = encode_texts(spec, texts)
+            ids = np.concatenate(rows)
+            ids.astype(dtype).tofile(staging / f"{split}.{side}.bin")
+            np.cumsum([0, *map(len, rows)]).astype(OFFSET_DTYPE).tofile(staging / f"{split}.{side}.idx")
+            splits[split]["max_id"][side] = int(ids.max()) if len(ids) else -1
     if spec.json_text is not None:
         (staging / "tokenizer.json").write_text(spec.json_text)
     meta = {
@@ -139,19 +143,27 @@ def bucket_lengths(buckets: Sequence[int], *, seq_len: int, source_len: int | No
 
 
 class _Side:
-    """One side (source or target) of a split: ragged token rows."""
+    """One side (source or target) of a split: ragged token rows; the offsets must cover the .bin
+    exactly (rising from 0 to its last token), or rows would read past it or skip part of it."""
 
-    def __init__(self, folder: Path, split: str, side: str, dtype: np.dtype) -> None:
+    def __init__(self, folder: Path, split: str, side: str, dtype: np.dtype, max_id: int | None) -> None:
+        card = folder / "meta.json"
+        idx, path = (confined(folder, f"{split}.{side}.{ext}", source=card) for ext in ("idx", "bin"))
         try:
-            self.offsets = np.fromfile(folder / f"{split}.{side}.idx", dtype=OFFSET_DTYPE).astype(np.int64)
-            self.tokens = (
-                np.memmap(folder / f"{split}.{side}.bin", dtype=dtype, mode="r")
-                if self.offsets[-1]
-                else np.zeros(0, dtype)
-            )
-        except (OSError, IndexError) as exc:
+            self.offsets = np.fromfile(idx, dtype=OFFSET_DTYPE).astype(np.int64)
+            size = path.stat().st_size
+        except OSError as exc:
             raise ConfigError(f"{folder}: {split}.{side} cannot be read ({exc}); prepare the pairs again") from None
-        self.lengths = np.diff(self.offsets)
+        offsets = self.offsets
+        if not len(offsets) or offsets[0] or np.any(np.diff(offsets) < 0) or offsets[-1] * dtype.itemsize != size:
+            raise ConfigError(
+                f"{idx}: offsets out of range ({len(offsets)} offsets from {offsets[:1].tolist()} to "
+                f"{offsets[-1:].tolist()}, for the {size // dtype.itemsize} {dtype.name} tokens of {path.name}); "
+                "prepare the pairs again"
+            )
+        self.tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+        self.lengths = np.diff(offsets)
+        self.file = TokenFile(path, dtype, max_id, card)
 
     def row(self, k: int) -> np.ndarray:
         return np.asarray(self.tokens[self.offsets[k] : self.offsets[k + 1]], dtype=np.int64)
@@ -173,19 +185,19 @@ class PairsDataset:
         global_batch: int = 1,
     ) -> None:
         folder = Path(data_dir)
-        dtype = np.dtype(meta["dtype"])
-        self.source, self.target = (_Side(folder, split, side, dtype) for side in ("source", "target"))
+        dtype, self.vocab_size, max_ids = _card(folder, meta, split)
+        self.source, self.target = (
+            _Side(folder, split, side, dtype, max_ids.get(side)) for side in ("source", "target")
+        )
+        self.files = [self.source.file, self.target.file]
         self.num_pairs = len(self.source.lengths)
         if not self.num_pairs or self.num_pairs != len(self.target.lengths):
             raise ConfigError(
                 f"{folder} ({split}) holds {self.num_pairs} sources and {len(self.target.lengths)} targets; "
                 "prepare the pairs again"
             )
-        self.vocab_size, self.tokenizer, self.where = (
-            int(meta["vocab_size"]),
-            meta.get("tokenizer"),
-            f"{folder} ({split})",
-        )
+        tokenizer_file(folder)  # refuses a tokenizer.json linked out of the folder, before any worker
+        self.tokenizer, self.where = meta.get("tokenizer"), f"{folder} ({split})"
         self.seq_len, self.source_len, self.global_batch = seq_len, source_len, global_batch
         self.salt = np.uint64((seed * 2 + SPLITS.index(split)) & 0xFFFFFFFF) << np.uint64(32)
         self.lengths: Sequence[int] = bucket_lengths(buckets, seq_len=seq_len, source_len=source_len)
@@ -258,6 +270,20 @@ class PairsDataset:
 
     def source_counts(self, first: int, count: int) -> dict[str, int]:
         return {}
+
+
+def _card(folder: Path, meta: dict[str, Any], split: str) -> tuple[np.dtype, int, dict[str, int]]:
+    """(token dtype, vocabulary, largest id recorded per side: none before it was recorded) of meta.json."""
+    try:
+        dtype, vocab_size = np.dtype(meta["dtype"]), int(meta["vocab_size"])
+        max_ids = {side: int(high) for side, high in meta["splits"][split].get("max_id", {}).items()}
+        if dtype.kind != "u":
+            raise ValueError(f"dtype {dtype.name} is not an unsigned integer type")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(
+            f"{folder / 'meta.json'} is incomplete ({type(exc).__name__}: {exc}); prepare the pairs again"
+        ) from None
+    return dtype, vocab_size, max_ids
 
 
 def example_pairs() -> list[tuple[str, str]]:

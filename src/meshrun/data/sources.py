@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshrun.confined import confined
 from meshrun.errors import ConfigError
 
 BATCH_ROWS = 1024  # rows per pyarrow record batch
@@ -222,15 +223,22 @@ def _arrow_batches(path: Path) -> Iterator:
 
 
 def _hf_arrow_files(folder: Path) -> list[Path]:
-    """The Arrow files of a `save_to_disk` folder, in its own order. Of a DatasetDict only its
-    `train` split (or its only split): the user's own validation and test splits stay held out."""
-    if (folder / "dataset_dict.json").is_file():
-        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
-        if "train" not in splits and len(splits) != 1:
-            raise ConfigError(
-                f"{folder} is a DatasetDict without a 'train' split (splits: {', '.join(splits)}); "
-                "pass the split's folder as --source"
-            )
-        return _hf_arrow_files(folder / ("train" if "train" in splits else splits[0]))
-    state = json.loads((folder / "state.json").read_text())
-    return [folder / entry["filename"] for entry in state["_data_files"]]
+    """The Arrow files of a `save_to_disk` folder, in its own order, each inside the folder whose
+    state.json names it. Of a DatasetDict only its `train` split (or its only split): the user's
+    own validation and test splits stay held out."""
+    card = folder / ("dataset_dict.json" if (folder / "dataset_dict.json").is_file() else "state.json")
+    try:
+        listed = json.loads(card.read_text())
+        if card.name == "dataset_dict.json":
+            splits = list(listed["splits"])
+            if "train" not in splits and len(splits) != 1:
+                raise ConfigError(
+                    f"{folder} is a DatasetDict without a 'train' split (splits: {', '.join(splits)}); "
+                    "pass the split's folder as --source"
+                )
+            return _hf_arrow_files(confined(folder, "train" if "train" in splits else splits[0], source=card))
+        return [confined(folder, entry["filename"], source=card) for entry in listed["_data_files"]]
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{card} does not list a `datasets` folder's files ({type(exc).__name__}: {exc})") from None

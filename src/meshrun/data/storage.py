@@ -1,7 +1,9 @@
 """Token storage: meshrun's shards (written and read), nanoGPT's and Megatron-LM's files (read).
 
 Every reader returns a `TokenSplit`: the split's tokens as a list of read-only 1-D memmaps
-(training windows never cross from one to the next) plus what is known of the vocabulary.
+(training windows never cross from one to the next) plus what is known of the vocabulary, and
+the files they come from with what their description claims (checked by token_ids). A file a
+meta.json names is read only inside the meta.json's folder (meshrun.confined).
 
 meshrun's layout (meta.json "format": "meshrun"): `{split}-{k:05d}.bin` shards of raw tokens in
 the smallest sufficient dtype, `{split}.docs.bin` (little-endian uint64 start offset of each
@@ -12,13 +14,16 @@ meshrun 0.1 (`train.bin` / `val.bin` bytes, no "format") are read as one uint8 s
 from __future__ import annotations
 
 import json
+import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from meshrun.confined import confined
+from meshrun.data.token_ids import TokenFile, looks_wider
 from meshrun.errors import ConfigError
 
 SPLITS = ("train", "val")
@@ -44,23 +49,11 @@ class TokenSplit:
     vocab_size: int | None  # None: not recorded in the files (nanoGPT): the config's model.vocab_size
     tokenizer: dict[str, Any] | None
     where: str
+    files: list[TokenFile] = field(default_factory=list)  # every file the tokens come from, whole
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s) for s in self.segments)
-
-
-def token_range(segments: list[np.ndarray], chunk: int = 1 << 26) -> tuple[int, int]:
-    """The smallest and largest token id in `segments`, read in chunks (a memmap is never loaded
-    whole): formats that record no vocabulary (nanoGPT, Megatron) are checked against the model
-    this way, at about 10 GB/s from the page cache, instead of failing at the first batch that
-    samples a bad id."""
-    low, high = 0, -1
-    for segment in segments:
-        for start in range(0, len(segment), chunk):
-            piece = segment[start : start + chunk]
-            low, high = min(low, int(piece.min())), max(high, int(piece.max()))
-    return low, high
 
 
 def smallest_dtype(vocab_size: int) -> np.dtype:
@@ -103,10 +96,12 @@ class SplitWriter:
     def _write(self, tokens: np.ndarray) -> None:
         if self._file is None:
             name = f"{self.split}-{len(self.shards):05d}.bin"
-            self.shards.append({"file": name, "tokens": 0})
+            self.shards.append({"file": name, "tokens": 0, "max_id": -1})  # max_id: checked on first open
             self._file = open(self.folder / name, "wb")  # noqa: SIM115 - open until the shard is full
         self._file.write(tokens.astype(self.dtype).tobytes())
         self.shards[-1]["tokens"] += len(tokens)
+        if len(tokens):
+            self.shards[-1]["max_id"] = max(self.shards[-1]["max_id"], int(tokens.max()))
         self.num_tokens += len(tokens)
 
     def _close_shard(self) -> None:
@@ -121,10 +116,11 @@ class SplitWriter:
         shard = self.shards[-1]
         keep = shard["tokens"] - (self.num_tokens - self.last_doc_start)
         path = self.folder / shard["file"]
-        tokens = np.fromfile(path, dtype=self.dtype)[keep:].astype(np.uint32)
+        stored = np.fromfile(path, dtype=self.dtype)
+        tokens = stored[keep:].astype(np.uint32)
         with open(path, "r+b") as f:
             f.truncate(keep * self.dtype.itemsize)
-        shard["tokens"] = keep
+        shard["tokens"], shard["max_id"] = keep, int(stored[:keep].max()) if keep else -1
         if keep == 0:
             path.unlink()
             self.shards.pop()
@@ -199,25 +195,27 @@ def _flat(folder: Path, split: str, dtype: type, *, vocab_size: int | None, hint
             "check data.format"
         )
     segments: list[np.ndarray] = [np.memmap(path, dtype=dtype, mode="r")] if path.stat().st_size else []
-    return TokenSplit(segments, vocab_size, None, str(path))
+    return TokenSplit(segments, vocab_size, None, str(path), [TokenFile(path, np.dtype(dtype))])
 
 
 def _check_not_uint32(tokens: TokenSplit) -> None:
     """uint32 ids below 65536 read as uint16 are the ids with a 0 after each: training on them
-    would run, on garbage. Every second value of the first 64k being 0 gives such a file away."""
-    head = tokens.segments[0][: 1 << 16] if tokens.segments else np.zeros(0, np.uint16)
-    if len(head) >= 64 and not head[1::2].any() and head[0::2].any():
+    would run, on garbage."""
+    if tokens.segments and looks_wider(tokens.segments[0]):
         raise ConfigError(
             f"{tokens.where} looks like uint32 token ids (every second uint16 is 0); set data.format=nanogpt-uint32"
         )
 
 
 def _shards(folder: Path, split: str, meta: dict[str, Any]) -> TokenSplit:
+    card = folder / "meta.json"
     try:
         dtype, info = np.dtype(meta["dtype"]), meta["splits"][split]
-        segments = []
+        if dtype.kind != "u":
+            raise ValueError(f"dtype {dtype.name} is not an unsigned integer type")
+        segments, files = [], []
         for shard in info["shards"]:
-            path = folder / shard["file"]
+            path = confined(folder, shard["file"], source=card)
             if path.stat().st_size != shard["tokens"] * dtype.itemsize:
                 raise ConfigError(
                     f"{path} is {path.stat().st_size} bytes but meta.json says {shard['tokens']} "
@@ -225,7 +223,12 @@ def _shards(folder: Path, split: str, meta: dict[str, Any]) -> TokenSplit:
                 )
             if shard["tokens"]:
                 segments.append(np.memmap(path, dtype=dtype, mode="r"))
-        return TokenSplit(segments, int(meta["vocab_size"]), meta.get("tokenizer"), f"{folder} ({split})")
+            recorded = int(shard["max_id"]) if "max_id" in shard else None  # none: prepared before it was
+            files.append(TokenFile(path, dtype, recorded, card))
+        tokenizer_file(folder)  # refuses a tokenizer.json linked out of the folder, before any worker
+        return TokenSplit(segments, int(meta["vocab_size"]), meta.get("tokenizer"), f"{folder} ({split})", files)
+    except ConfigError:
+        raise
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(
             f"{folder / 'meta.json'} is incomplete ({type(exc).__name__}: {exc}); prepare the data again"
@@ -234,6 +237,14 @@ def _shards(folder: Path, split: str, meta: dict[str, Any]) -> TokenSplit:
         raise ConfigError(
             f"{exc.filename} is missing; the dataset in {folder} is incomplete: prepare it again"
         ) from None
+
+
+def tokenizer_file(folder: Path) -> Path | None:
+    """The tokenizer.json beside a dataset's meta.json (None: bytes, no file), inside the folder:
+    it is copied into checkpoints and exports, so a link out would carry another file with them."""
+    if not os.path.lexists(folder / "tokenizer.json"):
+        return None
+    return confined(folder, "tokenizer.json", source=folder / "meta.json")
 
 
 def megatron_prefix(path: Path) -> Path:
@@ -275,25 +286,53 @@ def read_megatron_index(idx: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np
     return np.dtype(MEGATRON_DTYPES[code]), lengths, pointers, documents
 
 
+def _check_megatron_index(
+    idx: Path, bin_path: Path, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray
+) -> int:
+    """The index describes its .bin exactly, as Megatron-LM writes it: sequences laid end to end
+    from byte 0 (a pointer is the lengths before it), the .bin as long as they are, document
+    boundaries rising from 0 to the sequence count. Returns the tokens in the .bin."""
+    damaged = "the index is damaged or not Megatron's"
+    if dtype.kind not in "ui" or not len(lengths):
+        raise ConfigError(f"{idx} holds {len(lengths)} sequences of {dtype.name}; need integer tokens")
+    if lengths.min() < 0:
+        k = int(np.argmax(lengths < 0))
+        raise ConfigError(f"{idx}: sequence lengths out of range (sequence {k} has length {lengths[k]}); {damaged}")
+    starts = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) * dtype.itemsize
+    if not np.array_equal(pointers, starts):
+        k = int(np.argmax(pointers != starts))
+        raise ConfigError(
+            f"{idx}: sequence pointers out of range (sequence {k} starts at byte {pointers[k]}, "
+            f"but the lengths before it end at byte {starts[k]}); {damaged}"
+        )
+    total = int(lengths.sum(dtype=np.int64))
+    if bin_path.stat().st_size != total * dtype.itemsize:
+        raise ConfigError(
+            f"{bin_path} is {bin_path.stat().st_size} bytes but {idx.name} says {total} {dtype.name} tokens "
+            f"({total * dtype.itemsize} bytes); the pair does not match"
+        )
+    rising = len(documents) >= 2 and documents[0] == 0 and documents[-1] == len(lengths)
+    if not rising or np.any(np.diff(documents) < 0):
+        raise ConfigError(
+            f"{idx}: document index out of range ({len(documents)} entries from {documents[:1].tolist()} to "
+            f"{documents[-1:].tolist()}, not rising from 0 to the {len(lengths)} sequences); {damaged}"
+        )
+    return total
+
+
 def _megatron(path: Path, split: str, val_fraction: float) -> TokenSplit:
     """Train on the leading documents, validate on the last `val_fraction` of them (at least one)."""
     prefix = megatron_prefix(path)
-    bin_path = prefix.with_name(prefix.name + ".bin")
-    dtype, lengths, pointers, documents = read_megatron_index(prefix.with_name(prefix.name + ".idx"))
-    if dtype.kind not in "ui" or not len(lengths):
-        raise ConfigError(f"{prefix}.idx holds {len(lengths)} sequences of {dtype.name}; need integer tokens")
-    total = int(pointers[-1]) // dtype.itemsize + int(lengths[-1])
-    if bin_path.stat().st_size < total * dtype.itemsize:
-        raise ConfigError(
-            f"{bin_path} is shorter than its index says ({total} {dtype.name} tokens); the pair does not match"
-        )
+    bin_path, idx = prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")
+    dtype, lengths, pointers, documents = read_megatron_index(idx)
+    total = _check_megatron_index(idx, bin_path, dtype, lengths, pointers, documents)
     seq_start = np.append(pointers // dtype.itemsize, total)  # token offset of each sequence, then the end
-    doc_start = seq_start[np.asarray(documents, dtype=np.int64)]  # token offset of each document boundary
+    doc_start = seq_start[documents]  # token offset of each document boundary
     num_docs = len(doc_start) - 1
     if num_docs >= 2:
         cut = int(doc_start[num_docs - max(1, round(num_docs * val_fraction))])
     else:
         cut = int(total * (1 - val_fraction))
-    tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(total,))
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(total,)) if total else np.zeros(0, dtype)
     part = tokens[:cut] if split == "train" else tokens[cut:]
-    return TokenSplit([part] if len(part) else [], None, None, f"{prefix} ({split})")
+    return TokenSplit([part] if len(part) else [], None, None, f"{prefix} ({split})", [TokenFile(bin_path, dtype)])

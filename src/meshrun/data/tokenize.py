@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from meshrun.data.sources import Document
+from meshrun.data.storage import tokenizer_file
 from meshrun.errors import ConfigError
+from meshrun.hf_config import refuse_custom_tokenizer
 
 BYTE_EOS = b"\n\n"  # byte-level data has no spare id: documents end with a blank line (as before)
 BPE_EOS = "<|endoftext|>"
@@ -62,6 +64,8 @@ def read_tokenizer(path: str | Path, *, flag: str = "--tokenizer") -> tuple[Any,
     from tokenizers import Tokenizer
 
     path = Path(path)
+    if path.is_dir():
+        refuse_custom_tokenizer(path, flag)
     try:
         if path.is_file():
             return Tokenizer.from_file(str(path)), None
@@ -123,7 +127,7 @@ def _configured_eos(folder: Path) -> str | None:
 def _transformers_tokenizer(folder: Path) -> tuple[Any, str | None]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     if not getattr(tok, "is_fast", False):
         raise ConfigError(f"--tokenizer {folder}: only fast (tokenizers-backed) tokenizers are supported")
     return tok.backend_tokenizer, tok.eos_token
@@ -232,7 +236,7 @@ def _bounded(submit: Callable, tasks: Iterable[tuple[Any, Sequence]], *, limit: 
 
 def text_codec(data_dir: Path | None, vocab_size: int) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
     """(encode, decode) for the tokenizer a dataset was made with: its tokenizer.json, or bytes."""
-    path = data_dir / "tokenizer.json" if data_dir is not None else None
+    path = tokenizer_file(data_dir) if data_dir is not None else None
     if path is not None and path.is_file():
         from tokenizers import Tokenizer
 

@@ -97,7 +97,9 @@ class HFCausalLM(StagedModel):
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         # fp32 master weights whatever the folder's storage dtype (released checkpoints say bfloat16):
         # autocast picks the compute precision, AdamW must update fp32 values
-        hf = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation="sdpa", dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_config(
+            self.hf_config, attn_implementation="sdpa", dtype=torch.float32, trust_remote_code=False
+        )
         self.hf_class_name = type(hf).__name__  # for export's config.json `architectures`
         self._rotary: tuple[nn.Module, ...] = ()
         if self.family == "llama":

@@ -17,7 +17,7 @@ from torch import nn
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.hf_config import hf_dir, model_tokenizer
+from meshrun.hf_config import hf_dir, model_tokenizer, refuse_custom_tokenizer
 from meshrun.models.hf import HFCausalLM
 
 TOKENIZER_FILES = (
@@ -71,11 +71,12 @@ def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
 def load_tokenizer(cfg: ModelConfig):
     """The model's own tokenizer when `model.hf` has one (None: sample byte-level)."""
     model_dir = hf_dir(cfg) if cfg.hf is not None else None
-    if model_tokenizer(model_dir) is None:
+    if model_dir is None or model_tokenizer(model_dir) is None:
         return None
+    refuse_custom_tokenizer(model_dir, "model.hf")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
 
 
 def save_data_tokenizer(data: Path, out: Path, *, max_length: int) -> None:

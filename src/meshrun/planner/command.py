@@ -17,7 +17,7 @@ from meshrun.metrics.record import read_metrics_rows
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.search import Prediction, predict, rank_layouts
-from meshrun.preflight import preflight
+from meshrun.preflight import check_code_trusted, preflight
 
 GIB = 1024**3
 
@@ -190,6 +190,7 @@ def compare_run(args: argparse.Namespace) -> int:
     """A finished run's measured step time, bubble and throughput next to the prediction for its layout."""
     run = Path(args.run)
     cfg = Config.model_validate(json.loads((run / "config.json").read_text()))
+    check_code_trusted(cfg, run / "config.json", trust_code=args.trust_code)  # predict builds the run's model
     rows = read_metrics_rows(run / "metrics.jsonl")  # step_time_s: training only, validation and checkpoints apart
     timed = [r for r in rows if "step_time_s" in r][1:] or [r for r in rows if "step_time_s" in r]
     if not timed:
