@@ -370,6 +370,14 @@ def saved_world_size(path: Path) -> int | None:
         return None
 
 
+def saved_train_steps(path: Path) -> int | None:
+    """train.steps of the job that wrote a checkpoint, the length its lr schedule had (None if unreadable)."""
+    try:
+        return int(json.loads((Path(path) / CONFIG).read_text())["train"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def checkpoint_dir(run_or_checkpoint: str | Path) -> Path:
     """A checkpoint folder given itself or a run directory (the checkpoint a rerun would resume)."""
     path = Path(run_or_checkpoint)

@@ -145,7 +145,10 @@ def _parser() -> argparse.ArgumentParser:
         "report", help="compare runs: a table of their summaries and one picture of their loss curves"
     )
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each a training job's run_dir)")
-    compare.add_argument("--out", default="report.png", help="the loss-curves picture (PNG; default report.png)")
+    compare.add_argument(
+        "--out", default="report.png", help="the loss-curves picture (a new PNG file; default report.png)"
+    )
+    compare.add_argument("--force", action="store_true", help="replace --out if it exists")
     return parser
 
 
@@ -362,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from meshrun.metrics.compare import report
 
-            print(report(args.runs, out=args.out))
+            print(report(args.runs, out=args.out, force=args.force))
             return 0
         if args.command in ("export", "sample"):
             return _use_checkpoint(args)

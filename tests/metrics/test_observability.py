@@ -68,11 +68,12 @@ def read_tensorboard(run_dir: Path) -> EventAccumulator:
 
 
 def scalar_rows(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """metrics.jsonl as tag -> [(step, value)], the way TensorBoard stores scalars (float32)."""
+    """metrics.jsonl as tag -> [(step, value)], the way TensorBoard stores scalars (float32); the
+    file's wall-clock stamp `time` is TensorBoard's own wall_time, not a scalar."""
     rows: dict[str, list[tuple[int, float]]] = {}
     for row in read_metrics(run_dir):
         for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)):
+            if key not in ("step", "time") and isinstance(value, (int, float)):
                 rows.setdefault(key, []).append((row["step"], float(np.float32(value))))
     return rows
 

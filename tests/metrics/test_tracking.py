@@ -40,9 +40,11 @@ def train(data_dir: Path, tmp_path: Path, *, env: dict[str, str], timeout: float
 
 
 def metrics_by_step(run_dir: Path) -> dict[int, dict]:
-    """metrics.jsonl merged per step (a validation row shares its step with a train row)."""
+    """metrics.jsonl merged per step (a validation row shares its step with a train row), without
+    the file's own wall-clock stamp (wandb keeps its own, _timestamp)."""
     merged: dict[int, dict] = {}
     for row in read_metrics(run_dir):
+        del row["time"]
         merged.setdefault(row.pop("step"), {}).update(row)
     return merged
 

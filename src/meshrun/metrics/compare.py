@@ -1,8 +1,9 @@
 """`meshrun report RUN [RUN ...]`: runs side by side, read from their run directories.
 
-The table is each run's summary.json (written when the run completed) beside its layout; the
-picture overlays the runs' loss curves from metrics.jsonl against tokens seen, the axis on
-which two layouts (or a resumed and an uninterrupted run) of the same job must agree.
+The table is each run's summary.json (written when the run completed; its throughput covers
+every segment of a resumed run) beside its layout; the picture overlays the runs' loss curves
+from metrics.jsonl against tokens seen, the axis on which two layouts (or a resumed and an
+uninterrupted run) of the same job must agree.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.errors import ConfigError
+from meshrun.metrics.record import read_metrics_rows, read_summary
 
 COLUMNS = ("run", "layout", "precision", "tokens/s", "MFU", "peak GB per stage", "bubble", "final loss", "val loss")
 
@@ -36,16 +38,25 @@ def read_run(path: Path) -> RunRecord:
         raise ConfigError(f"{path} is not a meshrun run directory (no config.json); pass the run_dir of a training job")
     try:
         config = json.loads((path / "config.json").read_text())
-        summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else None
-        metrics = path / "metrics.jsonl"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.is_file() else []
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read run {path}: {exc}") from None
-    if not isinstance(config, dict) or not {"parallel", "precision", "train"} <= config.keys():
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"cannot read run {path}: {type(exc).__name__}: {exc}") from None
+    if not _is_run_config(config):
         raise ConfigError(
             f"{path}/config.json is not a meshrun run's resolved config; pass the run_dir of a training job"
         )
-    return RunRecord(path.name or str(path), config, summary, rows)
+    summary = read_summary(path / "summary.json")
+    return RunRecord(path.name or str(path), config, summary, read_metrics_rows(path / "metrics.jsonl"))
+
+
+def _is_run_config(config: Any) -> bool:
+    """The resolved-config fields the table and the picture read, with the types meshrun wrote."""
+    try:
+        counts = (config["parallel"]["dp"], config["parallel"]["pp"], config["train"]["global_batch"])
+        return isinstance(config["precision"], str) and all(
+            type(n) is int for n in (*counts, config["model"]["seq_len"])
+        )
+    except (KeyError, TypeError):
+        return False
 
 
 def _number(value: Any, fmt: str) -> str:
@@ -64,7 +75,8 @@ def table_row(run: RunRecord) -> list[str]:
         run.name + ("" if run.summary else " (not finished)"),
         layout,
         s.get("precision") or run.config["precision"],
-        _number(s.get("tokens_per_s"), ".1f"),
+        _number(s.get("tokens_per_s"), ".1f")
+        + (f" (steps {s['measured_from_step']}+)" if "measured_from_step" in s else ""),
         _number(s["mfu"] * 100, ".2f") + "%" if "mfu" in s else "-",
         " / ".join(format(gb, ".3f") for gb in memory) or "-",
         _number(s["bubble"] * 100, ".2f") + "%" if "bubble" in s else "-",
@@ -100,8 +112,9 @@ def plot_losses(runs: list[RunRecord], path: Path) -> None:
     save_figure(fig, path)
 
 
-def report(paths: list[str], *, out: str) -> str:
-    """The table for these run directories; writes the loss picture to `out`."""
+def report(paths: list[str], *, out: str, force: bool = False) -> str:
+    """The table for these run directories; writes the loss picture to `out` (a new file, or
+    with `force` one that exists, never a run's own)."""
     runs = [read_run(Path(p)) for p in paths]
     target = Path(out)
     if target.is_dir():
@@ -110,6 +123,8 @@ def report(paths: list[str], *, out: str) -> str:
         raise ConfigError(f"--out {out}: name a .png (or .pdf, .svg) file for the loss curves")
     if target.exists() and (target.parent / "config.json").is_file():
         raise ConfigError(f"--out {out} is a file of the run in {target.parent}; choose another --out")
+    if target.exists() and not force:
+        raise ConfigError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
     try:
         plot_losses(runs, target)
     except OSError as exc:

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshrun.atomic import write_atomic
+from meshrun.errors import ConfigError
 from meshrun.metrics.console import say
+from meshrun.metrics.record import read_metrics_rows, run_totals
 from meshrun.metrics.trackers import NullTracker, Tracker
 
 if TYPE_CHECKING:
@@ -60,7 +62,11 @@ def _fmt(row: dict[str, Any]) -> str:
 
 
 class RunReport:
-    """Collects rows; only the logging rank (rank 0) writes anything."""
+    """Collects rows; only the logging rank (rank 0) writes anything.
+
+    A resumed run starts from the rows its earlier segments left in metrics.jsonl (up to the
+    resumed step), so loss.png and the summary cover the whole run, not the last segment.
+    """
 
     def __init__(
         self,
@@ -75,7 +81,9 @@ class RunReport:
         self.run_dir, self.steps, self.plots = run_dir, steps, plots
         self.tracker: Tracker = tracker or NullTracker()
         self.active = tracker is not None
-        self.rows: list[dict[str, Any]] = []
+        self.rows = self._earlier_rows(start_step) if self.active else []
+        # No window before the resumed step on record (another run_dir's checkpoint): say from where.
+        self.measured_from = 0 if any("train_s" in row for row in self.rows) else start_step
         self.timeline_title = timeline_title
         self.timeline: dict[str, Any] | None = None  # the last measured step: its number, bubble, stages
         live = self.active and sys.stderr.isatty()  # a terminal, not a log file or Slurm output
@@ -86,6 +94,16 @@ class RunReport:
             self.bar.say(message)
         else:
             say(message)
+
+    def _earlier_rows(self, start_step: int) -> list[dict[str, Any]]:
+        """What the run logged before `start_step` (metrics.jsonl, already cut back to it)."""
+        if not start_step:
+            return []
+        try:
+            return read_metrics_rows(self.run_dir / "metrics.jsonl")
+        except ConfigError as exc:
+            say(f"warning: {exc}; loss.png and the summary cover the steps after {start_step} only")
+            return []
 
     def keep_timeline(self, step: int, by_stage: dict[int, Any], *, bubble: float) -> None:
         """Pipeline rank -> StepTimeline of measured step `step`, and its logged (all-rank) bubble."""
@@ -98,7 +116,9 @@ class RunReport:
         self.rows.append({"step": step, **row})
         self.tracker.log(row, step=step)
         if "val_loss" in row:
-            self._say(f"step {step}/{self.steps} | val loss {row['val_loss']:.4f}")
+            self._say(f"step {step}/{self.steps} | val loss {row['val_loss']:.4f} | eval {row['eval_s']:.2f} s")
+        elif "loss" not in row:
+            return  # a checkpoint's time: its own note says so
         elif self.bar is not None:
             self.bar.advance(step, row)
         else:
@@ -112,6 +132,13 @@ class RunReport:
     def note(self, message: str) -> None:
         if self.active:
             self._say(message)
+
+    def run_totals(self) -> dict[str, Any]:
+        """Throughput, time and peak memory of the whole run, from every row (see record.run_totals)."""
+        totals: dict[str, Any] = dict(run_totals(self.rows))
+        if self.measured_from:
+            totals["measured_from_step"] = self.measured_from
+        return totals
 
     def finish(self, summary: dict[str, Any]) -> None:
         if not self.active:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -37,13 +38,14 @@ class NullTracker:
 
 
 class JsonlTracker:
-    """Appends one JSON object per row to metrics.jsonl, flushed so a crash keeps what was logged."""
+    """Appends one JSON object per row to metrics.jsonl, flushed so a crash keeps what was logged;
+    `time` is when the row was written (Unix seconds, as wandb's _timestamp and TensorBoard's wall_time)."""
 
     def __init__(self, path: Path) -> None:
         self.file = path.open("a", encoding="utf-8")
 
     def log(self, row: dict[str, Any], step: int) -> None:
-        self.file.write(json.dumps({"step": step, **row}) + "\n")
+        self.file.write(json.dumps({"step": step, "time": round(time.time(), 3), **row}) + "\n")
         self.file.flush()
 
     def summarize(self, summary: dict[str, Any]) -> None:

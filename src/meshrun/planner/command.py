@@ -13,6 +13,7 @@ import yaml
 from meshrun.config import Config, load_config
 from meshrun.errors import ConfigError
 from meshrun.metrics.devices import PCIE4_LINKS_GBS, device_by_short_name, links_gbs
+from meshrun.metrics.record import read_metrics_rows
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.search import Prediction, predict, rank_layouts
@@ -190,7 +191,7 @@ def compare_run(args: argparse.Namespace) -> int:
     run = Path(args.run)
     cfg = Config.model_validate(json.loads((run / "config.json").read_text()))
     check_code_trusted(cfg, run / "config.json", trust_code=args.trust_code)  # predict builds the run's model
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics_rows(run / "metrics.jsonl")  # step_time_s: training only, validation and checkpoints apart
     timed = [r for r in rows if "step_time_s" in r][1:] or [r for r in rows if "step_time_s" in r]
     if not timed:
         raise ConfigError(f"--run {run}: metrics.jsonl has no step_time_s rows yet; let the run log a window first")

@@ -52,6 +52,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
+def schedule_change_note(saved_steps: int | None, cfg: TrainConfig, step: int) -> str | None:
+    """One line when a resume changes train.steps: the cosine is then stretched over the new length,
+    so the lr from the resumed step on is not the one the checkpoint's run would have used."""
+    if saved_steps is None or saved_steps == cfg.steps:
+        return None
+    before = lr_at(step, cfg.model_copy(update={"steps": saved_steps}))
+    return (
+        f"lr schedule re-stretched from {saved_steps} to {cfg.steps} steps (train.steps changed since the "
+        f"checkpoint): lr at step {step + 1} is {lr_at(step, cfg):.3g} instead of {before:.3g}"
+    )
+
+
 class Optimizers:
     """The optimizers of this rank's parts, stepped together (through the fp16 scaler if any)."""
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,8 +34,10 @@ from meshrun.parallel import parallelize
 from meshrun.parallel.fsdp import full_norm, state_bytes
 from meshrun.training.amp import autocast, make_scaler
 from meshrun.training.loss import MicrobatchLoss
-from meshrun.training.optim import Optimizers
+from meshrun.training.optim import Optimizers, schedule_change_note
 from meshrun.training.preemption import Requests
+
+T = TypeVar("T")
 
 
 class NonFiniteLossError(RunError):
@@ -72,7 +76,8 @@ class Window:
     tokens: int = 0  # positions trained on: global batch x its (bucket's) length, summed
     flops: float = 0.0  # those tokens x the FLOPs per token at their length
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    start: float = 0.0
+    start: float = field(default_factory=time.perf_counter)
+    paused: float = 0.0  # seconds of validation and checkpoints inside the window: not training time
 
 
 class Trainer:
@@ -155,6 +160,8 @@ class Trainer:
                 lineage = self.cfg.train.resume != "auto" and path != candidates[-1]
                 since = f" (saved by this run since it started from {self.cfg.train.resume})" if lineage else ""
                 say(f"resumed from {path} at step {step}{since}")
+                if note := schedule_change_note(checkpoint.saved_train_steps(path), self.cfg.train, step):
+                    say(note)
             return step
         if failures:
             raise checkpoint.no_checkpoint_loads(self.run_dir, failures)
@@ -183,8 +190,7 @@ class Trainer:
     def train(self) -> Outcome:
         """Run to train.steps (COMPLETED), or until a stop request (STOPPED, a checkpoint written)."""
         cfg = self.cfg.train
-        window, timed = Window(start=time.perf_counter()), []
-        row: dict = {}
+        window, row = Window(), {}
         if self.start_step >= cfg.steps:
             self.report.note(f"run already complete at step {self.start_step}; nothing to do")
             return Outcome.COMPLETED
@@ -205,23 +211,36 @@ class Trainer:
             if log_due or eval_due or save_due:
                 self.nonfinite.raise_if_any()  # before anything reads or saves these weights
             if log_due:
-                row = self._log_window(window, done)
-                timed.append((window.tokens, window.flops, row["step_time_s"] * window.steps))
-                window = Window(start=time.perf_counter())
+                end = self.clock()  # the next window starts where this one ends: no time is lost
+                row = self._log_window(window, done, train_s=end - window.start - window.paused)
+                window = Window(start=end)
+            pauses: dict[str, float] = {}  # validation and checkpoint: timed apart, their own row at this step
             if eval_due:
-                row["val_loss"] = self.evaluate()
-                self.report.log(done, {"val_loss": row["val_loss"]})
-                window.start = time.perf_counter()  # validation time is not training time
+                pauses["val_loss"], pauses["eval_s"] = self.timed(self.evaluate)
+                row["val_loss"] = pauses["val_loss"]
             if save_due:
-                self.save(done)
-                window.start = time.perf_counter()
+                path, pauses["checkpoint_s"] = self.timed(partial(self.save, done))
+                self.report.note(f"saved checkpoint {path} in {pauses['checkpoint_s']:.2f} s")
+            if pauses:
+                window.paused += pauses.get("eval_s", 0.0) + pauses.get("checkpoint_s", 0.0)
+                self.report.log(done, pauses)
             if stop and done < cfg.steps:
                 self.report.note(f"stop requested: checkpoint at step {done} written; rerun the same command to resume")
                 return Outcome.STOPPED
-        # The first window pays for warm-up (allocations, pipeline shape inference): leave it out.
-        tokens, flops, seconds = map(sum, zip(*(timed[1:] or timed)))
-        self._summary(row, tokens, flops, seconds)
+        self._summary(row)
         return Outcome.COMPLETED
+
+    def clock(self) -> float:
+        """Now, once the device has finished the work queued so far (what a host timer must wait for)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def timed(self, work: Callable[[], T]) -> tuple[T, float]:
+        """`work()` and the seconds it took."""
+        start = self.clock()
+        result = work()
+        return result, self.clock() - start
 
     def _checkpoint_due(self, done: int) -> bool:
         ckpt = self.cfg.checkpoint
@@ -266,10 +285,10 @@ class Trainer:
                 }
             )
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> Path:
         self.model.tied.check_identical()  # the checkpoint keeps one of the two copies
         config = self.cfg.model_dump(mode="json")
-        path = checkpoint.save(
+        return checkpoint.save(
             self.state_dict(step),
             self.run_dir,
             step,
@@ -278,7 +297,6 @@ class Trainer:
             protected=self.newer_checkpoints,
             data_card=self.data_card,
         )
-        self.report.note(f"saved checkpoint {path}")
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step, in order; returns this rank's loss (0 off the last stage), unsynchronised.
@@ -359,10 +377,8 @@ class Trainer:
             self.flops_by_length[length] = flops_at(self.flops_model, length)
         return self.flops_by_length[length]
 
-    def _log_window(self, window: Window, done: int) -> dict:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - window.start
+    def _log_window(self, window: Window, done: int, *, train_s: float) -> dict:
+        """The row of a window: `train_s` are its steps' seconds, validation and checkpoints left out."""
         loss, memory = self._mean_over_replicas(window.loss / window.steps)
         row = {
             "loss": loss,
@@ -370,12 +386,13 @@ class Trainer:
             "grad_norm": self.grad_norm.item(),
             **throughput(
                 tokens=window.tokens,
-                seconds=seconds,
+                seconds=train_s,
                 flops=window.flops,
                 world_size=self.cfg.world_size,
                 peak=self.peak,
             ),
-            "step_time_s": seconds / window.steps,
+            "step_time_s": train_s / window.steps,
+            "train_s": train_s,
             **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.samples_seen).items()},
             "memory_gb": max(memory),
             "state_bytes": self.max_state_bytes,
@@ -400,19 +417,15 @@ class Trainer:
         self.report.keep_timeline(done, by_stage, bubble=bubble)
         return bubble
 
-    def _summary(self, row: dict, tokens: int, flops: float, seconds: float) -> None:
+    def _summary(self, row: dict) -> None:
+        """summary.json: the last row's losses and layout, the whole run's throughput and time."""
+        if not self.report.active:
+            return  # only the logging rank holds the rows
         summary = {
             "steps": self.cfg.train.steps,
             "final_loss": row.get("loss"),
             "final_val_loss": row.get("val_loss"),
-            **throughput(
-                tokens=tokens,
-                seconds=seconds,
-                flops=flops,
-                world_size=self.cfg.world_size,
-                peak=self.peak,
-            ),
-            "peak_memory_gb": row["memory_gb"],
+            **self.report.run_totals(),
             **run_facts(self.cfg, row),
             "run_dir": str(self.run_dir.resolve()),
         }

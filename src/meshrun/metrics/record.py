@@ -1,0 +1,127 @@
+"""A run's record read back (metrics.jsonl, summary.json) and the whole-run figures drawn from it.
+
+Readers (`meshrun report`, `plan --run`, a resumed run's summary and loss.png) take what a crash
+leaves: a last line cut short mid-write is skipped with a warning naming the file and the line.
+Anything else that is not what meshrun writes is refused in one line naming the file: a figure
+computed from it would be wrong without saying so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from meshrun.errors import ConfigError
+from meshrun.metrics.console import say
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _row_problem(row: Any) -> str | None:
+    """Why a parsed line is not a metrics row (a step count and numbers), or None."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    step = row.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step {_shown(step)} is not a step count"
+    bad = next((key for key, value in row.items() if not _is_number(value)), None)
+    return None if bad is None else f"{_shown(bad)} is {_shown(row[bad])}, not a number"
+
+
+def _shown(value: Any) -> str:
+    """A value from a file, for a one-line message: escaped (no control characters) and short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def read_metrics_rows(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows in file order ([] when there is none)."""
+    if not path.is_file():
+        return []
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # the last is "" after a complete row
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path} ({exc}); pass a run directory meshrun wrote") from None
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
+            if number == len(lines) and isinstance(exc, json.JSONDecodeError):  # no newline: cut short mid-write
+                say(f"warning: {path} line {number} is cut short (a run stopped or still writing); skipped")
+                continue
+            why = (
+                f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
+                if isinstance(exc, json.JSONDecodeError)
+                else type(exc).__name__
+            )
+            raise ConfigError(f"{path} line {number} is not JSON ({why}); fix or remove that line") from None
+        if problem := _row_problem(row):
+            raise ConfigError(f"{path} line {number} is not a metrics row meshrun wrote ({problem}); fix or remove it")
+        rows.append(row)
+    return rows
+
+
+class SummaryRecord(BaseModel):
+    """The summary.json fields readers use, with their types; other fields are kept as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    steps: int | None = None
+    final_loss: float | None = None
+    final_val_loss: float | None = None
+    tokens_per_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_memory_gb: float | None = None
+    peak_memory_gb_per_stage: list[float] | None = None
+    bubble: float | None = None
+    layout: str | None = None
+    precision: str | None = None
+    measured_from_step: int | None = None
+
+
+def read_summary(path: Path) -> dict[str, Any] | None:
+    """summary.json as written (None: the run has not completed)."""
+    if not path.is_file():
+        return None
+    fix = "move it aside (the run is then reported as not finished)"
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"{path} is not a summary meshrun wrote ({type(exc).__name__}: {exc}); {fix}") from None
+    if not isinstance(summary, dict):
+        raise ConfigError(f"{path} is not a summary meshrun wrote (a JSON {type(summary).__name__}); {fix}")
+    try:
+        SummaryRecord.model_validate(summary)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise ConfigError(f"{path} is not a summary meshrun wrote ({where}: {error['msg'].lower()}); {fix}") from None
+    return summary
+
+
+def run_totals(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Whole-run figures from every row (all segments of a resumed run): tokens/s, TFLOP/s and MFU
+    over every log window but the first (it pays for warm-up: allocations, pipeline shape
+    inference), weighted by each window's training seconds; those seconds and the seconds spent
+    in validation and checkpoints (never part of a window), in total; the peak memory."""
+    windows = [row for row in rows if "train_s" in row]
+    timed = windows[1:] or windows
+    seconds = sum(row["train_s"] for row in timed)
+    totals: dict[str, float] = {}
+    for key in ("tokens_per_s", "tflops", "mfu"):
+        if timed and seconds > 0 and all(key in row for row in timed):
+            totals[key] = sum(row[key] * row["train_s"] for row in timed) / seconds
+    totals["train_s"] = sum(row["train_s"] for row in windows)
+    totals["eval_s"] = sum(row.get("eval_s", 0.0) for row in rows)
+    totals["checkpoint_s"] = sum(row.get("checkpoint_s", 0.0) for row in rows)
+    if memory := [row["memory_gb"] for row in windows if "memory_gb" in row]:
+        totals["peak_memory_gb"] = max(memory)
+    return totals
