@@ -60,8 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     slurm.add_argument("--partition", help="Slurm partition")
     slurm.add_argument("--account", help="Slurm account")
-    slurm.add_argument("--time", help="time limit, e.g. 4:00:00")
-    slurm.add_argument("--cpus-per-task", type=int, help="CPUs for each node's torchrun agent and its workers")
+    slurm.add_argument("--time", help="time limit, e.g. 4:00:00 (0: none, so no checkpoint before a limit)")
+    slurm.add_argument(
+        "--cpus-per-task",
+        type=int,
+        help="CPUs for each node's torchrun agent and its workers (default: one per worker)",
+    )
     slurm.add_argument("--job-name", default="meshrun", help="Slurm job name")
     slurm.add_argument(
         "--signal-seconds",
@@ -311,7 +315,8 @@ def _slurm(args: argparse.Namespace) -> int:
     """Render the sbatch script for a config; print it, or submit it and print the job id."""
     import subprocess
 
-    from meshrun.launcher.slurm import render_sbatch
+    from meshrun.launcher.slurm import render_sbatch, slurm_notes
+    from meshrun.metrics.console import say
 
     cfg = load_config(args.config, args.overrides)
     script = render_sbatch(
@@ -329,6 +334,8 @@ def _slurm(args: argparse.Namespace) -> int:
         sbatch_options=args.sbatch_options,
     )
     preflight(cfg)  # the same checks as `meshrun train`, before the job waits for nodes
+    for note in slurm_notes(cfg, nodes=args.nodes, time=args.time):
+        say(note)
     if not args.submit:
         print(script, end="")
         return 0

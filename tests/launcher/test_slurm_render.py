@@ -109,3 +109,31 @@ def test_valid_values_render_one_line_each() -> None:
 def test_render_refuses_bad_values(options: dict) -> None:
     with pytest.raises(ConfigError, match="--"):
         render(**options)
+
+
+def test_cpus_per_task_default_one_per_worker_and_srun_passes_it_on() -> None:
+    """Slurm's default is one CPU per task: the one agent task's workers would all share it.
+    srun (Slurm >= 22.05) does not inherit --cpus-per-task from sbatch, so the step asks for it."""
+    cfg = load_config(None, ["parallel.dp=4", "parallel.pp=2"])
+    script = render_sbatch(cfg, config=None, overrides=[], nodes=2, gpus_per_node=4)
+    assert "#SBATCH --cpus-per-task=4" in script.splitlines()
+    srun = next(line for line in script.splitlines() if line.startswith("srun --kill-on-bad-exit"))
+    assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in srun
+
+
+def test_time_zero_is_no_limit_said_in_one_line(tmp_path: Path) -> None:
+    """`--time 0` is Slurm's "no limit": rendered, with one line that no limit means no checkpoint before one."""
+    result = run_meshrun([*BASE, "--time=0"], tmp_path=tmp_path, timeout=60)
+    assert "#SBATCH --time=0" in result.stdout.splitlines()
+    notes = [line for line in result.stderr.splitlines() if "--time 0" in line]
+    assert len(notes) == 1 and "no time limit" in notes[0], result.stderr
+
+
+def test_node_local_run_dir_on_many_nodes_is_warned(tmp_path: Path) -> None:
+    result = run_meshrun([*BASE, "--set=run_dir=/tmp/meshrun-node-local"], tmp_path=tmp_path, timeout=60)
+    assert "#SBATCH --nodes=2" in result.stdout
+    warnings = [line for line in result.stderr.splitlines() if "node-local" in line]
+    assert len(warnings) == 1 and "/tmp/meshrun-node-local" in warnings[0], result.stderr
+    one_node = ["slurm", "--set=parallel.dp=1", "--set=parallel.pp=2", "--nodes=1", "--gpus-per-node=2"]
+    result = run_meshrun([*one_node, "--set=run_dir=/tmp/meshrun-node-local"], tmp_path=tmp_path, timeout=60)
+    assert "node-local" not in result.stderr  # one node: its own disk is the shared storage

@@ -18,6 +18,7 @@ same command, which resumes from the newest checkpoint in the same run_dir (trai
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from collections.abc import Sequence
@@ -46,7 +47,10 @@ def _body() -> str:
 # What each user-given #SBATCH value may look like: a value is one token of a header line, so a
 # newline (a new directive, or a shell command after the header) or a stray quote never gets in.
 _FORMATS = {
-    "--time": (r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE", "minutes, H:MM:SS or D-HH:MM:SS, e.g. 4:00:00"),
+    "--time": (
+        r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE",
+        "minutes, H:MM:SS or D-HH:MM:SS, e.g. 4:00:00 (0: no limit)",
+    ),
     "--partition": (r"[\w.-]+(,[\w.-]+)*", "partition names of letters, digits, _ . -, separated by commas"),
     "--account": (r"[\w.-]+", "letters, digits, _ . -"),
     "--job-name": (r"[\w.+@:,= -]+", "letters, digits, spaces and _ . + @ : , = -"),
@@ -66,8 +70,9 @@ def checked(flag: str, value: str) -> str:
 
 
 def time_limit_seconds(value: str) -> int | None:
-    """sbatch's --time in seconds: minutes, MM:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS (None: unlimited)."""
-    if value.upper() in ("UNLIMITED", "INFINITE"):
+    """sbatch's --time in seconds: minutes, MM:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS (None: unlimited,
+    which Slurm also reads from 0)."""
+    if value.upper() in ("UNLIMITED", "INFINITE") or not any(c.isdigit() and c != "0" for c in value):
         return None
     days, _, clock = value.rpartition("-")
     parts = [int(p) for p in clock.split(":")]
@@ -105,7 +110,8 @@ def render_sbatch(
     if gpus_per_node < 0 or signal_seconds < 1:
         raise ConfigError("--gpus-per-node must be >= 0 (0: CPU only) and --signal-seconds >= 1")
     if cpus_per_task is not None and cpus_per_task < 1:
-        raise ConfigError(f"--cpus-per-task must be >= 1, got {cpus_per_task}; or leave it out for Slurm's default")
+        raise ConfigError(f"--cpus-per-task must be >= 1, got {cpus_per_task}; or leave it out for one per worker")
+    cpus = cpus_per_task or nproc  # Slurm's default is one CPU per task: every worker would share it
     limit = time_limit_seconds(checked("--time", time)) if time is not None else None
     if limit is not None and signal_seconds >= limit:
         raise ConfigError(
@@ -118,7 +124,7 @@ def render_sbatch(
         f"--nodes={nodes}",
         "--ntasks-per-node=1",  # one torchrun agent per node; it starts the workers
         *([f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []),
-        *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task is not None else []),
+        f"--cpus-per-task={cpus}",  # the agent's task holds its workers' CPUs (srun passes it on)
         *([f"--partition={checked('--partition', partition)}"] if partition is not None else []),
         *([f"--account={checked('--account', account)}"] if account is not None else []),
         *([f"--time={checked('--time', time)}"] if time is not None else []),
@@ -145,6 +151,27 @@ def render_sbatch(
         "",
     ]
     return "\n".join(head) + _body()
+
+
+NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/scratch/local", "/local")
+
+
+def slurm_notes(cfg: Config, *, nodes: int, time: str | None) -> list[str]:
+    """Warnings about a rendered job that is valid but may not do what is meant (for stderr)."""
+    notes = []
+    run_dir = Path(cfg.run_dir).absolute()
+    local = [str(Path(p)) for p in (*NODE_LOCAL, os.environ.get("TMPDIR", "/tmp"))]
+    if nodes > 1 and any(run_dir.is_relative_to(p) for p in local):
+        notes.append(
+            f"warning: run_dir {run_dir} looks node-local, but {nodes} nodes write checkpoint shards there and the "
+            "requeued job resumes from it; use shared storage (e.g. your home or project folder)"
+        )
+    if time is not None and time_limit_seconds(time) is None:
+        notes.append(
+            f"--time {time}: no time limit, so no checkpoint before one; a stop signal (preemption, "
+            "scancel --signal=USR1 --batch) still checkpoints"
+        )
+    return notes
 
 
 if __name__ == "__main__":
