@@ -512,6 +512,28 @@ CASES = [
         torch_free=True,
     ),
     Case(
+        "stray-master-addr-unresolvable",  # c10d retried for over 100 s with repeated warnings
+        lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1)],
+        ("took this process for a torchrun worker", "MASTER_ADDR 'nonexistent.invalid' does not resolve"),
+        subprocess=True,
+        env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "nonexistent.invalid", "MASTER_PORT": "29555"},
+        torch_free=True,
+    ),
+    Case(
+        "stray-local-rank-not-a-number",  # a 14-line ValueError traceback
+        lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1)],
+        ("took this process for a torchrun worker", "LOCAL_RANK='abc' is not a number"),
+        env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"},
+        torch_free=True,
+    ),
+    Case(
+        "rdzv-endpoint-unresolvable",  # 36 lines of torchrun warnings and no answer in 75 s
+        lambda c: ["train", *c.set(), "--rdzv-endpoint", "nonexistent.invalid:29400"],
+        ("--rdzv-endpoint) host 'nonexistent.invalid' does not resolve",),
+        subprocess=True,
+        torch_free=True,
+    ),
+    Case(
         "run-dir-holds-someone-elses-metrics",  # summary.json was deleted, metrics.jsonl truncated
         lambda c: ["train", *c.set(), f"--set=run_dir={c.write('theirs/metrics.jsonl', '{}').parent}"],
         ("run_dir", "already holds metrics.jsonl but no meshrun config.json", "new folder"),

@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         help="this node hosts the rendezvous store (default: guessed from --rdzv-endpoint)",
     )
     nodes.add_argument("--max-restarts", type=int, help="torchrun restarts of the worker group after a failure")
+    nodes.add_argument(
+        "--rdzv-timeout", type=int, metavar="SECONDS", help="give up waiting for the other nodes after this (600)"
+    )
     slurm = sub.add_parser("slurm", help="write (or submit) the sbatch script that trains a config on Slurm")
     slurm.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
     slurm.add_argument(
@@ -349,7 +352,16 @@ def _slurm(args: argparse.Namespace) -> int:
     return 0
 
 
-_LAUNCH_FLAGS = ("nnodes", "nproc_per_node", "rdzv_endpoint", "rdzv_id", "local_addr", "host_node", "max_restarts")
+_LAUNCH_FLAGS = (
+    "nnodes",
+    "nproc_per_node",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "local_addr",
+    "host_node",
+    "max_restarts",
+    "rdzv_timeout",
+)
 
 
 def _launch_overrides(args: argparse.Namespace) -> list[str]:

@@ -24,7 +24,14 @@ from meshrun.distributed import (
     shutdown,
 )
 from meshrun.errors import ConfigError, RunError
-from meshrun.launcher.torchrun import WORKER_ENV, in_launched_worker, torchrun_argv
+from meshrun.launcher.torchrun import (
+    RDZV_TIMEOUT_EXIT,
+    in_launched_worker,
+    timeout_message,
+    torchrun_argv,
+    waiting_line,
+    worker_env,
+)
 from meshrun.metrics.console import say
 from meshrun.model_size import memory_warnings
 from meshrun.outcome import Outcome, clear_record, launcher_exit_code, read_record, write_record
@@ -145,8 +152,12 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
         return run_worker(cfg).exit_code  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)
     say(f"starting {cfg.world_size} workers: {' '.join(argv[1:])}")
+    if cfg.launch.nnodes > 1:
+        say(waiting_line(cfg))
     clear_record(Path(cfg.run_dir))  # an earlier run's outcome must not be read as this one's
-    code, stop_relayed = run_torchrun(argv, env={**os.environ, **WORKER_ENV})
+    code, stop_relayed = run_torchrun(argv, env=worker_env(cfg))
+    if code == RDZV_TIMEOUT_EXIT and read_record(Path(cfg.run_dir)) is None:
+        raise RunError(timeout_message(cfg))
     return launcher_exit_code(read_record(Path(cfg.run_dir)), code, stop_relayed=stop_relayed)
 
 

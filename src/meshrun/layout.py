@@ -99,6 +99,8 @@ class LaunchConfig(Section):
     """This node's address as the other nodes reach it (torchrun --local-addr); None = its host name."""
     host_node: bool | None = None
     """Whether this node hosts the rendezvous store (c10d is_host); None = torchrun guesses from rdzv_endpoint."""
+    rdzv_timeout: Int = Field(default=600, ge=1)
+    """Seconds a node waits at the rendezvous for all `nnodes` nodes before it gives up (torchrun join_timeout)."""
 
     @field_validator("rdzv_endpoint")
     @classmethod

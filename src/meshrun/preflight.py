@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -90,6 +91,7 @@ def _tokenizer_slug(tokenizer: str | None) -> str:
 def check_job(cfg: Config) -> None:
     """Every torch-free check of a training job (`train`, with or without --dry-run, and `slurm`)."""
     check_worker_env(cfg)
+    check_rendezvous(cfg)
     hf_dir(cfg.model)  # model.hf: a local folder with a config.json (reading it needs no torch)
     check_model_size(cfg)  # whole, positive sizes a rank can hold: arithmetic, before any model exists
     validate_layout(cfg)  # blocks and microbatches over pipeline stages: needs the model's depth
@@ -145,6 +147,35 @@ def check_worker_env(cfg: Config) -> None:
     port = os.environ["MASTER_PORT"]
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{took}, but MASTER_PORT={port!r} is not a port (1-65535); {advice}")
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        value = os.environ.get(name)
+        if value is not None and not value.isdigit():
+            raise ConfigError(f"{took}, but {name}={value!r} is not a number; {advice}")
+    check_resolves(os.environ["MASTER_ADDR"], f"{took}, but MASTER_ADDR")
+
+
+def check_resolves(host: str, named: str) -> None:
+    """A host name the rendezvous would retry for minutes (c10d warnings, then a timeout) if it
+    does not resolve: refused in one line before torchrun starts."""
+    try:
+        socket.getaddrinfo(host.strip("[]"), None)
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            f"{named} {host!r} does not resolve ({reason}); use a host name or address this node can reach"
+        ) from None
+
+
+def check_rendezvous(cfg: Config) -> None:
+    """The launcher's addresses resolve: the rendezvous host and this node's --local-addr."""
+    launch = cfg.launch
+    if in_launched_worker():
+        return
+    if launch.rdzv_endpoint is not None:
+        host = launch.rdzv_endpoint.rpartition(":")[0] if ":" in launch.rdzv_endpoint else launch.rdzv_endpoint
+        check_resolves(host, "launch.rdzv_endpoint (--rdzv-endpoint) host")
+    if launch.local_addr is not None:
+        check_resolves(launch.local_addr, "launch.local_addr (--local-addr)")
 
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "outcome.json", "checkpoints", "loss.png", "pipeline_timeline.png")

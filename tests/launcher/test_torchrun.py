@@ -63,6 +63,7 @@ def test_multi_node_uses_c10d_rendezvous_with_workers_split_over_nodes() -> None
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=head:29400",
         "--rdzv-id=77",
+        "--rdzv-conf=join_timeout=600",
         "--nproc-per-node=4",
         "--max-restarts=0",
         "-m",
@@ -80,9 +81,13 @@ def test_host_node_and_local_address_reach_torchrun() -> None:
         "launch.local_addr=10.0.0.2",
     ]
     guest = torchrun_argv(load_config(None, [*base, "launch.host_node=false"]), ["train"])
-    assert "--rdzv-conf=is_host=0" in guest and "--local-addr=10.0.0.2" in guest and "--nproc-per-node=1" in guest
+    assert (
+        "--rdzv-conf=join_timeout=600,is_host=0" in guest
+        and "--local-addr=10.0.0.2" in guest
+        and "--nproc-per-node=1" in guest
+    )
     host = torchrun_argv(load_config(None, [*base, "launch.host_node=true"]), ["train"])
-    assert "--rdzv-conf=is_host=1" in host
+    assert "--rdzv-conf=join_timeout=600,is_host=1" in host
 
 
 def test_one_node_with_an_endpoint_still_uses_it() -> None:
@@ -116,9 +121,9 @@ def test_flags_land_in_the_launch_section(tmp_path: Path) -> None:
             "train",
             "--set=parallel.dp=2",
             "--nnodes=2",
-            "--rdzv-endpoint=h:5",
+            "--rdzv-endpoint=localhost:5",
             "--rdzv-id=j1",
-            "--local-addr=10.1.1.1",
+            "--local-addr=127.0.0.2",
             "--no-host-node",
             "--max-restarts=2",
             "--dry-run",
@@ -127,7 +132,7 @@ def test_flags_land_in_the_launch_section(tmp_path: Path) -> None:
         timeout=60,
     )
     assert (
-        "nnodes: 2\n  nproc_per_node: null\n  rdzv_endpoint: h:5\n  rdzv_id: j1\n  local_addr: 10.1.1.1\n"
+        "nnodes: 2\n  nproc_per_node: null\n  rdzv_endpoint: localhost:5\n  rdzv_id: j1\n  local_addr: 127.0.0.2\n"
         "  host_node: false"
     ) in result.stdout
     assert "max_restarts: 2" in result.stdout
@@ -165,6 +170,28 @@ def run_nodes(nodes: list[tuple[list[str], dict[str, str]]], *, cwd: Path, timeo
                 proc.wait()
     for proc, out in zip(procs, outputs):
         assert proc.returncode == 0, f"node command {proc.args} exited {proc.returncode}\n{out[-6000:]}"
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_node_is_named_and_given_up_on_in_one_line(data_dir: Path, tmp_path: Path) -> None:
+    """--nnodes 2 with one node started said "starting 2 workers" and nothing more: now it says who
+    it waits for, where, and gives up after launch.rdzv_timeout with one line and no traceback."""
+    endpoint, layout = f"127.0.0.1:{free_port()}", {"parallel.dp": 2, "parallel.pp": 2}  # 2 workers per node
+    env = {k: v for k, v in meshrun_env(tmp_path).items() if k != "OMP_NUM_THREADS"}
+    flags = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-timeout=3"]
+    result = run_meshrun(
+        ["train", *tiny(data_dir, tmp_path / "run", **layout), *flags],
+        tmp_path=tmp_path,
+        env=env,
+        timeout=90,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert f"waiting for the other 1 of 2 nodes at rendezvous {endpoint}" in result.stderr
+    assert "giving up after 3 s" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshrun: error: not all 2 nodes joined the rendezvous") and "within 3 s" in last
+    assert "OMP_NUM_THREADS" not in result.stderr  # set for the workers: no torchrun banner
 
 
 _references: dict[tuple[int, int], Path] = {}

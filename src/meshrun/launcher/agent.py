@@ -7,7 +7,10 @@ from __future__ import annotations
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.run import main
+
+from meshrun.launcher.torchrun import RDZV_TIMEOUT_EXIT
 
 
 def run() -> None:
@@ -15,6 +18,8 @@ def run() -> None:
         main()
     except SignalException as stop:
         sys.exit(128 + int(stop.sigval))
+    except RendezvousTimeoutError:  # `meshrun train` says which nodes were awaited, in one line
+        sys.exit(RDZV_TIMEOUT_EXIT)
 
 
 if __name__ == "__main__":

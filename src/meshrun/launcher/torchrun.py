@@ -11,6 +11,7 @@ from meshrun.config import Config
 # keeps stale addresses and gloo fails to connect (pytorch #135712). Not sharing it is reliable.
 WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 AGENT = "meshrun.launcher.agent"
+RDZV_TIMEOUT_EXIT = 3  # the agent's status when not all nodes joined within launch.rdzv_timeout
 
 
 def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
@@ -31,8 +32,10 @@ def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
             f"--rdzv-endpoint={launch.rdzv_endpoint}",
             f"--rdzv-id={launch.rdzv_id}",
         ]
+        conf = [f"join_timeout={launch.rdzv_timeout}"]  # then the agent ends in one line (meshrun.launcher.agent)
         if launch.host_node is not None:  # the host binds the store; the others only connect
-            argv.append(f"--rdzv-conf=is_host={int(launch.host_node)}")
+            conf.append(f"is_host={int(launch.host_node)}")
+        argv.append(f"--rdzv-conf={','.join(conf)}")
         if launch.local_addr is not None:
             argv.append(f"--local-addr={launch.local_addr}")
     argv += [
@@ -43,6 +46,35 @@ def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
         *worker_args,
     ]
     return argv
+
+
+def worker_env(cfg: Config) -> dict[str, str]:
+    """The environment torchrun's workers get on top of this process's: OMP_NUM_THREADS set
+    explicitly (this node's CPUs shared out over its workers) unless the user set it, so torchrun
+    neither prints its banner nor pins every worker to one thread."""
+    env = {**os.environ, **WORKER_ENV}
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // cfg.nproc_per_node))
+    return env
+
+
+def waiting_line(cfg: Config) -> str:
+    """Who a multi-node launch waits for, where, and for how long."""
+    launch = cfg.launch
+    return (
+        f"waiting for the other {launch.nnodes - 1} of {launch.nnodes} nodes at rendezvous {launch.rdzv_endpoint} "
+        f"(id {launch.rdzv_id}); giving up after {launch.rdzv_timeout} s (launch.rdzv_timeout, --rdzv-timeout)"
+    )
+
+
+def timeout_message(cfg: Config) -> str:
+    """The one line for a rendezvous that did not gather every node in time."""
+    launch = cfg.launch
+    return (
+        f"not all {launch.nnodes} nodes joined the rendezvous at {launch.rdzv_endpoint} (id {launch.rdzv_id}) within "
+        f"{launch.rdzv_timeout} s; start the same `meshrun train` with this --rdzv-endpoint and --rdzv-id on every "
+        "node, check that they reach this endpoint, or raise --rdzv-timeout"
+    )
 
 
 def in_launched_worker() -> bool:
