@@ -98,3 +98,20 @@ def test_dry_run_accepts_both_set_spellings_and_the_last_one_wins(tmp_path: Path
     assert resolved["train"]["steps"] == 3  # from the file
     assert resolved["run_dir"] == "from-set"
     assert not (tmp_path / "from-set").exists() and not (tmp_path / "from-yaml").exists()
+
+
+def test_a_run_says_where_its_weights_come_from_and_what_comes_next(data_dir: Path, tmp_path: Path) -> None:
+    """One process, two steps: the console names the init, the next commands with the run's path,
+    and `export` names the step and the file; `sample` ends its output with a newline."""
+    run_dir = tmp_path / "run"
+    trained = run_meshrun(
+        ["train", *tiny(data_dir, run_dir, **{"train.steps": 2, "train.seed": 7})], tmp_path=tmp_path, timeout=120
+    )
+    assert "[meshrun] random init (seed 7)" in trained.stderr.splitlines()
+    nexts = [line for line in trained.stderr.splitlines() if line.startswith("[meshrun] next: ")]
+    assert len(nexts) == 1 and f"meshrun sample {run_dir}" in nexts[0] and f"meshrun report {run_dir}" in nexts[0]
+    out = tmp_path / "model.pt"
+    exported = run_meshrun(["export", str(run_dir), "--out", str(out)], tmp_path=tmp_path, timeout=120)
+    assert exported.stdout.startswith("exported step 2 (") and exported.stdout.rstrip().endswith(str(out))
+    sampled = run_meshrun(["sample", str(run_dir), "--tokens", "5"], tmp_path=tmp_path, timeout=120)
+    assert sampled.stdout.endswith("\n") and not sampled.stdout.endswith("\n\n")

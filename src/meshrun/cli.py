@@ -231,6 +231,7 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
     """`export` and `sample`: one process, any layout's checkpoint."""
     check_checkpoint_args(args)
     from meshrun.checkpoint import CheckpointError
+    from meshrun.checkpoint_paths import step_of
     from meshrun.export import data_card, export, load_full_model, sample
 
     trust = {"factory": _factory_override(args.overrides), "trust_code": args.trust_code}
@@ -239,26 +240,27 @@ def _use_checkpoint(args: argparse.Namespace) -> int:
             from meshrun.models.hf_export import export_hf
 
             model, cfg, folder = load_full_model(args.checkpoint, **trust)
-            print(f"wrote {export_hf(model, Path(args.hf), data=data_card(cfg, folder))}")
+            out = export_hf(model, Path(args.hf), data=data_card(cfg, folder))
+            print(f"exported step {step_of(folder)} ({folder}) as a Hugging Face model to {Path(out).absolute()}")
             return 0
         if args.command == "export":
-            print(f"wrote {export(args.checkpoint, args.out, **trust)}")
+            out, folder = export(args.checkpoint, args.out, **trust)
+            print(f"exported step {step_of(folder)} ({folder}) to {out.absolute()}")
             return 0
         model, cfg, folder = load_full_model(args.checkpoint, **trust)
-        print(
-            sample(
-                model,
-                cfg,
-                args.prompt,
-                num_tokens=args.tokens,
-                temperature=args.temperature,
-                top_k=args.top_k or None,
-                seed=args.seed,
-                beam=args.beam,
-                data=data_card(cfg, folder),
-                tokenizer=args.tokenizer,
-            )
+        text = sample(
+            model,
+            cfg,
+            args.prompt,
+            num_tokens=args.tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            seed=args.seed,
+            beam=args.beam,
+            data=data_card(cfg, folder),
+            tokenizer=args.tokenizer,
         )
+        print(text, end="" if text.endswith("\n") else "\n")  # one newline at the end, never two
         return 0
     except CheckpointError as exc:  # a bad path given on the command line
         raise ConfigError(str(exc)) from None
@@ -401,7 +403,13 @@ def main(argv: list[str] | None = None) -> int:
             print(job.describe(cfg))
             return 0
         worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
-        return job.train(cfg, worker_args, model)
+        code = job.train(cfg, worker_args, model)
+        if code == 0 and not in_launched_worker():
+            from meshrun.metrics.console import next_steps, say
+
+            offline = any((Path(cfg.run_dir) / "wandb").glob("offline-run-*"))  # what the run wrote, not meant
+            say(next_steps(cfg.run_dir, offline_wandb=offline))
+        return code
     except (ConfigError, RunError) as exc:
         print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
         return 2 if isinstance(exc, ConfigError) else 1

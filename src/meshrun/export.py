@@ -62,8 +62,9 @@ def load_full_model(
 
 def export(
     run_or_checkpoint: str | Path, out: str | Path, *, factory: str | None = None, trust_code: bool = False
-) -> Path:
-    """Write one file: `.safetensors` (config in its metadata) or `.pt` (a plain dict, weights_only-loadable)."""
+) -> tuple[Path, Path]:
+    """Write one file: `.safetensors` (config in its metadata) or `.pt` (a plain dict, weights_only-loadable).
+    Returns the file and the checkpoint folder it came from (the console names both)."""
     out = Path(out)
     check_export_target("--out", str(out))  # again for callers other than the CLI
     model, cfg, folder = load_full_model(run_or_checkpoint, factory=factory, trust_code=trust_code)
@@ -82,7 +83,7 @@ def export(
         raise ConfigError(
             f"--out {out} cannot be written ({' '.join(str(exc).split())}); choose another --out"
         ) from None
-    return out
+    return out, folder
 
 
 @torch.no_grad()

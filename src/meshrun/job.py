@@ -200,6 +200,8 @@ def run_worker(cfg: Config) -> Outcome:
         torch.distributed.barrier()  # data prepared by every node's local rank 0
         cfg = with_resolved_precision(cfg, mesh)
         trainer = Trainer(cfg, mesh, data_dir(cfg))
+        if rank == 0 and trainer.start_step == 0:  # a resumed run said where it resumed from
+            say(init_line(cfg, trainer.flops_model))
         outcome = trainer.train()
     except ConfigError:
         raise  # refused before training (e.g. no checkpoint loads): the run directory stays as it was
@@ -214,6 +216,14 @@ def run_worker(cfg: Config) -> Outcome:
     if rank == 0:
         write_record(run_dir, outcome)
     return outcome
+
+
+def init_line(cfg: Config, model: nn.Module) -> str:
+    """Where a new run's weights come from, in one line (`model`: the whole model, any device)."""
+    source = getattr(model, "pretrained_dir", lambda: None)()
+    if source is not None:
+        return f"weights loaded from {source} ({len(model.state_dict())} tensors)"
+    return f"random init (seed {cfg.train.seed})"
 
 
 def with_resolved_precision(cfg: Config, mesh: Mesh) -> Config:
