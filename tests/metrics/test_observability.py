@@ -172,6 +172,32 @@ def test_timeline_picture_shows_the_logged_bubble_of_its_step(profiled_run: Path
     assert (profiled_run / "pipeline_timeline.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_timeline_stages_are_on_one_clock(profiled_run: Path) -> None:
+    """Each rank timed its step from its own start, so the picture showed stage 1 starting F0
+    before stage 0 had finished computing it: on one clock no stage starts a microbatch's
+    forward before the previous stage ended it, nor its backward before the next stage's."""
+    stages = json.loads((profiled_run / "pipeline_timeline.json").read_text())["stages"]
+    span = {
+        (int(rank), a["kind"], a["microbatch"]): (a["start"], a["end"])
+        for rank, t in stages.items()
+        for a in t["actions"]
+    }
+    for mb in range(4):
+        assert span[(1, "F", mb)][0] >= span[(0, "F", mb)][1], (mb, stages)
+        assert span[(0, "B", mb)][0] >= span[(1, "B", mb)][1], (mb, stages)
+
+
+def test_clocks_that_disagree_never_draw_a_forward_before_its_input() -> None:
+    """Two machines' clocks 5 ms apart: the later-starting stage is moved to after its input."""
+    from meshrun.parallel.timeline import Action, StepTimeline, on_one_clock
+
+    first = StepTimeline([Action(0, "F", 0, 0.000, 0.010)], wall=0.03, epoch_ns=1_000_000_000)
+    second = StepTimeline([Action(1, "F", 0, 0.001, 0.011)], wall=0.03, epoch_ns=1_004_000_000)  # looks 5 ms early
+    aligned = on_one_clock({0: first, 1: second})
+    assert aligned[1].actions[0].start == pytest.approx(0.010) and aligned[1].offset == pytest.approx(0.009)
+    assert aligned[0].actions[0].start == 0.0 and aligned[0].offset == 0.0
+
+
 def table_cells(output: str) -> dict[str, dict[str, str]]:
     """`meshrun report`'s Markdown table as run -> column -> cell."""
     lines = [line for line in output.splitlines() if line.startswith("| ")]

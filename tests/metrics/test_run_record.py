@@ -85,7 +85,7 @@ def test_a_resumed_runs_summary_and_loss_picture_cover_every_segment(resumed: tu
     assert summary["train_s"] == pytest.approx(sum(row["train_s"] for row in windows))
     assert summary["eval_s"] == pytest.approx(sum(row.get("eval_s", 0.0) for row in rows))
     assert "measured_from_step" not in summary
-    plot_loss(rows, run.parent / "expected.png")  # every row of the file, both segments
+    plot_loss(rows, run.parent / "expected.png", run=run.name)  # every row of the file, both segments
     assert (run / "loss.png").read_bytes() == (run.parent / "expected.png").read_bytes()
 
 

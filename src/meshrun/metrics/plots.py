@@ -20,9 +20,10 @@ def save_figure(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_loss(rows: list[dict[str, Any]], path: Path) -> None:
-    """Train and validation loss against step."""
+def plot_loss(rows: list[dict[str, Any]], path: Path, *, run: str = "") -> None:
+    """Train and validation loss against step, titled with the run's name."""
     fig, ax = plt.subplots(figsize=(7, 4))
+    ax.set_title(f"{run}: loss" if run else "loss", fontsize=10)
     for key, style in (("loss", "-"), ("val_loss", "o--")):
         points = [(r["step"], r[key]) for r in rows if key in r]
         if points:
@@ -56,10 +57,10 @@ def plot_timeline(timeline: dict[int, Any], path: Path, *, title: str, bubble: f
                 fontsize=7,
                 color="white",
             )
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_yticks(ranks, [_stage_label(r, timeline[r].actions) for r in ranks])
     ax.set_ylim(ranks[-1] + 0.5, ranks[0] - 0.5)  # rank 0 on top, no empty band below the last rank
-    ax.set_xlim(0, max(t.wall for t in timeline.values()) * 1e3)  # the whole step: idle ends are bubble too
-    ax.set_xlabel("time in step (ms)")
+    ax.set_xlim(0, max(t.offset + t.wall for t in timeline.values()) * 1e3)  # idle ends are bubble too
+    ax.set_xlabel("time in step (ms), all stages on one clock")
     ax.set_title(f"{title} measured bubble {bubble:.1%}", fontsize=10)
     kinds = sorted({a.kind for t in timeline.values() for a in t.actions}, key="FBIW".index)
     names = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)"}
@@ -68,3 +69,9 @@ def plot_timeline(timeline: dict[int, Any], path: Path, *, title: str, bubble: f
         handles, [names[k] for k in kinds], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
     )  # beside the bars: never over them or the axis label
     save_figure(fig, path)
+
+
+def _stage_label(rank: int, actions: list[Any]) -> str:
+    """A pipeline rank's row, named by the stages it runs (several with virtual stages)."""
+    stages = sorted({a.stage for a in actions}) or [rank]
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"

@@ -67,7 +67,8 @@ class StepProfiler:
         """The timeline of the last measured step, read from its profiler records (once, after
         the trainer has timed its window)."""
         if self._recorded is not None:
-            self.timeline, self._recorded = step_timeline(mark_spans(self._recorded)), None
+            spans, origin_ns = mark_spans(self._recorded), _first_mark_ns(self._recorded)
+            self.timeline, self._recorded = step_timeline(spans, origin_ns=origin_ns), None
         return self.timeline
 
 
@@ -80,9 +81,7 @@ def mark_spans(prof: profile) -> list[tuple[str, float, float, bool]]:
     CPU cores, for the few dozen marks used here. A torch upgrade that renames these record
     accessors fails tests/metrics/test_observability.py::test_mark_spans_read_the_profilers_own_events.
     """
-    if prof.kineto_results is None:  # the profiler recorded nothing
-        return []
-    marks = [event for event in prof.kineto_results.events() if event.name().startswith(MARK_PREFIX)]
+    marks = _marks(prof)
     origin = min((event.start_ns() for event in marks), default=0)  # integer ns: floats of epoch us lose 0.25 us
     return [
         (
@@ -93,6 +92,18 @@ def mark_spans(prof: profile) -> list[tuple[str, float, float, bool]]:
         )
         for event in marks
     ]
+
+
+def _marks(prof: profile) -> list:
+    """The raw profiler records of the meshrun marks (none when the profiler recorded nothing)."""
+    if prof.kineto_results is None:
+        return []
+    return [event for event in prof.kineto_results.events() if event.name().startswith(MARK_PREFIX)]
+
+
+def _first_mark_ns(prof: profile) -> int:
+    """When the first mark began, in ns on the profiler's clock (the epoch: one clock per machine)."""
+    return min((event.start_ns() for event in _marks(prof)), default=0)
 
 
 def _record_memory_history(enabled: bool) -> None:

@@ -150,7 +150,7 @@ class RunReport:
         if self.plots:
             from meshrun.metrics.plots import plot_loss  # matplotlib: only rank 0 draws, and only at the end
 
-            plot_loss(self.rows, self.run_dir / "loss.png")
+            plot_loss(self.rows, self.run_dir / "loss.png", run=self.run_dir.name)
         if self.timeline:
             self._save_timeline(**self.timeline)
         write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
@@ -162,12 +162,15 @@ class RunReport:
         if self.plots:
             from meshrun.metrics.plots import plot_timeline
 
-            title = f"{self.timeline_title} step {step},"
+            title = f"{self.run_dir.name}: {self.timeline_title} step {step},"
             plot_timeline(stages, self.run_dir / "pipeline_timeline.png", title=title, bubble=bubble)
         record = {
             "step": step,
             "bubble": bubble,
-            "stages": {rank: {"wall": t.wall, "actions": [vars(a) for a in t.actions]} for rank, t in stages.items()},
+            "stages": {
+                rank: {"wall": t.wall, "offset": t.offset, "actions": [vars(a) for a in t.actions]}
+                for rank, t in stages.items()
+            },
         }
         write_atomic(self.run_dir / "pipeline_timeline.json", json.dumps(record, indent=1))
 

@@ -32,6 +32,7 @@ from meshrun.models.encdec import source_len
 from meshrun.outcome import Outcome
 from meshrun.parallel import parallelize
 from meshrun.parallel.fsdp import full_norm, state_bytes
+from meshrun.parallel.timeline import on_one_clock
 from meshrun.training.amp import autocast, make_scaler
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import Optimizers, schedule_change_note
@@ -413,7 +414,9 @@ class Trainer:
         timelines: list = [None] * dist.get_world_size()
         dist.all_gather_object(timelines, self.profiler.measured())
         bubble = sum(t.bubble for t in timelines) / len(timelines)
-        by_stage = {rank // self.mesh.dp: t for rank, t in enumerate(timelines) if rank % self.mesh.dp == 0}
+        by_stage = on_one_clock(
+            {rank // self.mesh.dp: t for rank, t in enumerate(timelines) if rank % self.mesh.dp == 0}
+        )
         self.report.keep_timeline(done, by_stage, bubble=bubble)
         return bubble
 
