@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         from meshrun import job  # imports torch (preflight did, after every torch-free check)
 
         if args.dry_run:
-            print(job.describe(cfg))
+            print(job.describe(cfg, model))
             return 0
         worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
         code = job.train(cfg, worker_args, model)

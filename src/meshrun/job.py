@@ -102,17 +102,44 @@ def parameters_per_pipeline_rank(cfg: Config) -> list[int]:
     return counts
 
 
-def describe(cfg: Config) -> str:
-    """The resolved config, the process layout and the batch maths (for --dry-run)."""
+# what a Hugging Face model takes from its own config.json, not from these keys of `model`
+_HF_IGNORES = ("name", "num_layers", "dim", "num_heads", "vocab_size")
+
+
+def describe_model(cfg: Config, model: nn.Module) -> list[str]:
+    """The shape of the model that will train (a Hugging Face one's own, not the built-in
+    defaults), its parameter count and where its weights come from."""
+    hf = getattr(model, "hf_config", None)
+    if hf is not None:
+        source = f"{hf.model_type} from {cfg.model.hf or 'model.hf_config'}"
+        shape = (hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.vocab_size)
+    else:
+        source = cfg.model.factory or cfg.model.name
+        shape = (cfg.model.num_layers, cfg.model.dim, cfg.model.num_heads, cfg.model.vocab_size)
+    layers, dim, heads, vocab = shape
+    params = sum(p.numel() for p in model.parameters())  # a tied matrix once
+    return [
+        "model:",
+        f"  {source}: {layers} blocks, dim {dim}, {heads} heads, vocab {vocab}, seq_len {cfg.model.seq_len}",
+        f"  {params:,} parameters; {init_line(cfg, model)}",
+    ]
+
+
+def describe(cfg: Config, model: nn.Module) -> str:
+    """The resolved config, the model, the process layout and the batch maths (for --dry-run)."""
     from meshrun.parallel.fsdp import describe_data_parallel
 
     par, train = cfg.parallel, cfg.train
-    lines = [yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip(), "", "layout:"]
+    resolved = cfg.model_dump(mode="json")
+    if getattr(model, "hf_config", None) is not None:
+        resolved["model"] = {k: v for k, v in resolved["model"].items() if k not in _HF_IGNORES}
+    lines = [yaml.safe_dump(resolved, sort_keys=False).rstrip(), "", "layout:"]
     lines.append(f"  world size {cfg.world_size} = dp {par.dp} x pp {par.pp} (rank = pp_rank * dp + dp_rank)")
     split = describe_split(cfg)
     for stage in range(par.pp):
         ranks = list(range(stage * par.dp, (stage + 1) * par.dp))
         lines.append(f"  pipeline rank {stage}: ranks {ranks}" + (f", blocks {split[stage]}" if split else ""))
+    lines += describe_model(cfg, model)
     lines += [
         "batch:",
         (

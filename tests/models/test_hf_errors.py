@@ -277,3 +277,24 @@ def test_a_huge_json_file_in_a_model_folder_is_refused_unread(name: str, data_di
         f.truncate(65 * 2**20)  # sparse: 65 MiB of zeros that take no disk, and would be parsed as JSON
     err = error_of(dry_run(data_dir, tmp_path, **{"model.hf": folder}), capsys)
     assert f"{folder / name} is over 64 MiB" in err
+
+
+def test_dry_run_shows_the_hf_models_own_shape_and_weights(
+    gpt2_dir: Path, data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--dry-run printed the built-in GPT's defaults (name: gpt, dim 128) for a Hugging Face model:
+    now its own shape, its parameter count and where its weights come from."""
+    from transformers import AutoModelForCausalLM
+
+    assert main(dry_run(data_dir, tmp_path, **{"model.hf": gpt2_dir, "model.seq_len": 16})) == 0
+    out = capsys.readouterr().out
+    reference = AutoModelForCausalLM.from_pretrained(gpt2_dir)
+    config = reference.config
+    shape = f"{config.n_layer} blocks, dim {config.n_embd}, {config.n_head} heads, vocab {config.vocab_size}"
+    assert f"gpt2 from {gpt2_dir}: {shape}, seq_len 16" in out
+    assert f"{sum(p.numel() for p in reference.parameters()):,} parameters; weights loaded from {gpt2_dir} (" in out
+    model_section = out.split("\nmodel:\n", 1)[1].split("\n\n", 1)[0].split("\ndata:", 1)[0]
+    assert "name: gpt" not in model_section and "dim: 128" not in model_section
+    assert main(dry_run(data_dir, tmp_path, **{"model.hf_config": LLAMA, "train.seed": 5})) == 0
+    out = capsys.readouterr().out
+    assert "llama from model.hf_config: 2 blocks, dim 32, 4 heads, vocab 256" in out and "random init (seed 5)" in out
