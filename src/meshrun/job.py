@@ -250,6 +250,8 @@ def init_line(cfg: Config, model: nn.Module) -> str:
     source = getattr(model, "pretrained_dir", lambda: None)()
     if source is not None:
         return f"weights loaded from {source} ({len(model.state_dict())} tensors)"
+    if cfg.model.factory is not None:  # its init_weights may load weights of its own
+        return f"weights from {cfg.model.factory}'s init_weights (seed {cfg.train.seed})"
     return f"random init (seed {cfg.train.seed})"
 
 
