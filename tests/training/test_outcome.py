@@ -80,7 +80,7 @@ def test_worker_records_failed_and_raises(cue, data_dir: Path, tmp_path: Path) -
         (Outcome.COMPLETED, 0, False, 0),
         (Outcome.COMPLETED, 1, True, 0),  # the stop came after the last step
         (Outcome.STOPPED, 0, False, STOPPED_EXIT_CODE),  # workers stopped on request exit 0
-        (None, 1, True, STOPPED_EXIT_CODE),  # relayed before any worker could record
+        (None, 143, True, 143),  # relayed before any worker could record: no checkpoint, so not 75
         (Outcome.FAILED, 1, False, 1),
         (Outcome.FAILED, 1, True, 1),
         (None, 0, False, 1),  # workers that exit 0 without an outcome did not complete
