@@ -4,10 +4,14 @@ None of it looks at summary.json: a completed run whose summary.json is gone sti
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
-from conftest import meshrun_env, run_meshrun, tiny
+from conftest import descendants, finish_meshrun, meshrun_env, run_meshrun, start_meshrun, tiny
 
 from meshrun import job
 from meshrun.config import load_config
@@ -107,3 +111,39 @@ def test_launcher_acts_on_the_workers_outcome_under_torchrun(data_dir: Path, tmp
         assert read_record(run) is outcome
     assert steps_saved(tmp_path / "SIGNAL") == [3]  # asked during step 2, agreed on at the end of step 3
     assert "failing on cue" in done.stderr
+
+
+def torchrun_started(launcher: int) -> bool:
+    """torchrun's agent runs (so this launcher relays stop signals to it); its workers take
+    seconds more to start, let alone train."""
+    for pid in descendants(launcher):
+        with contextlib.suppress(OSError):
+            if b"meshrun.launcher.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+    return False
+
+
+@pytest.mark.parametrize("moment", ["torchrun-starting", "torchrun-started"])
+def test_a_stop_before_the_first_step_claims_no_checkpoint(moment: str, data_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM to the launcher as it starts torchrun, or once torchrun runs (the launcher relays
+    it): no worker has trained, so no checkpoint was written; one line says so and the exit is
+    128 + SIGTERM, not 75 (which promises a checkpoint)."""
+    run = tmp_path / "run"
+    proc = start_meshrun(["train", *tiny(data_dir, run, **{"parallel.dp": 2})], tmp_path=tmp_path)
+    try:
+        assert proc.stderr is not None
+        while "starting 2 workers" not in (line := proc.stderr.readline()):
+            assert line, "the launcher ended before starting torchrun"
+        deadline = time.monotonic() + 120
+        while moment == "torchrun-started" and not torchrun_started(proc.pid):
+            assert time.monotonic() < deadline, "torchrun did not start"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGTERM)
+    finally:
+        done = finish_meshrun(proc, timeout=120, check=False)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("meshrun:")]
+    assert said == [
+        "meshrun: stopped by SIGTERM before training began: no checkpoint written; rerun the same command to start"
+    ], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and not (run / "checkpoints").exists()
