@@ -9,24 +9,16 @@ import fcntl
 import os
 import signal
 import subprocess
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import descendants, finish_meshrun, kill_tree, run_meshrun, start_meshrun, tiny
+from conftest import descendants, finish_meshrun, kill_tree, run_meshrun, start_meshrun, tiny, wait_for
 
 from meshrun.run_lock import LOCK
 
 # Two workers under torchrun, far more steps than the test lasts, a row per step.
 LONG = {"parallel.dp": 2, "train.steps": 1_000_000, "checkpoint.interval": 0, "train.log_interval": 1}
-
-
-def wait_for(predicate, *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def living(pids: list[int]) -> list[int]:
@@ -48,23 +40,28 @@ def agent_of(pids: list[int]) -> int:
     return next(pid for pid in pids if b"meshrun.launcher.agent" in Path(f"/proc/{pid}/cmdline").read_bytes())
 
 
-def end(launcher: subprocess.Popen, job: list[int]) -> None:
-    """Cleanup: SIGKILL whatever of the job is left (the launcher's descendants, and the processes
-    recorded earlier: those outliving their parent are nobody's descendants any more)."""
-    for pid in job:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    kill_tree(launcher.pid)
+@contextlib.contextmanager
+def running_job(data_dir: Path, run: Path) -> Iterator[tuple[subprocess.Popen, list[int]]]:
+    """A two-worker job past its first step: its launcher and every process under it. After the
+    block, whatever of them is left is SIGKILLed: the processes recorded here too, as those that
+    outlived their parent are nobody's descendants any more."""
+    proc = start_meshrun(["train", *tiny(data_dir, run, **LONG)], tmp_path=run.parent)
+    job: list[int] = []
+    try:
+        wait_for(lambda: trained_a_step(run), timeout=180, what="the first step")
+        job += descendants(proc.pid)
+        yield proc, job
+    finally:
+        for pid in job:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        kill_tree(proc.pid)
 
 
 @pytest.mark.timeout(600)
 def test_a_killed_launchers_job_keeps_the_run_dir_until_every_process_has_ended(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = start_meshrun(["train", *tiny(data_dir, run, **LONG)], tmp_path=tmp_path)
-    job: list[int] = []
-    try:
-        wait_for(lambda: trained_a_step(run), timeout=180, what="the first step")
-        job = descendants(proc.pid)
+    with running_job(data_dir, run) as (proc, job):
         agent = agent_of(job)
         os.kill(agent, signal.SIGSTOP)  # hold the job still while the test looks: it must keep the run_dir
         os.kill(proc.pid, signal.SIGKILL)
@@ -74,8 +71,6 @@ def test_a_killed_launchers_job_keeps_the_run_dir_until_every_process_has_ended(
         assert "is in use by another meshrun job" in second.stderr
         os.kill(agent, signal.SIGCONT)  # the SIGTERM its launcher's death queued: the workers checkpoint and stop
         wait_for(lambda: not living(job), timeout=120, what="every process of the first job to end")
-    finally:
-        end(proc, job)
     first = finish_meshrun(proc, timeout=60, check=False)  # its stderr: every writer has ended
     assert "stop requested: checkpoint at step" in first.stderr, first.stderr[-3000:]
     with open(run / LOCK) as lock:  # free once the last of them ended
@@ -84,14 +79,7 @@ def test_a_killed_launchers_job_keeps_the_run_dir_until_every_process_has_ended(
 
 @pytest.mark.timeout(600)
 def test_workers_end_with_their_agent(data_dir: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    proc = start_meshrun(["train", *tiny(data_dir, run, **LONG)], tmp_path=tmp_path)
-    job: list[int] = []
-    try:
-        wait_for(lambda: trained_a_step(run), timeout=180, what="the first step")
-        job = descendants(proc.pid)
+    with running_job(data_dir, tmp_path / "run") as (proc, job):
         os.kill(agent_of(job), signal.SIGKILL)
         wait_for(lambda: not living(job), timeout=120, what="the workers to end")
-    finally:
-        end(proc, job)
     finish_meshrun(proc, timeout=60, check=False)

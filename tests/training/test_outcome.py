@@ -7,11 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
-from conftest import descendants, finish_meshrun, meshrun_env, run_meshrun, start_meshrun, tiny
+from conftest import descendants, finish_meshrun, meshrun_env, run_meshrun, start_meshrun, tiny, wait_for
 
 from meshrun import job
 from meshrun.config import load_config
@@ -134,10 +133,8 @@ def test_a_stop_before_the_first_step_claims_no_checkpoint(moment: str, data_dir
         assert proc.stderr is not None
         while "starting 2 workers" not in (line := proc.stderr.readline()):
             assert line, "the launcher ended before starting torchrun"
-        deadline = time.monotonic() + 120
-        while moment == "torchrun-started" and not torchrun_started(proc.pid):
-            assert time.monotonic() < deadline, "torchrun did not start"
-            time.sleep(0.01)
+        if moment == "torchrun-started":
+            wait_for(lambda: torchrun_started(proc.pid), timeout=120, what="torchrun to start")
         os.kill(proc.pid, signal.SIGTERM)
     finally:
         done = finish_meshrun(proc, timeout=120, check=False)
