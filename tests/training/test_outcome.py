@@ -47,6 +47,20 @@ def test_worker_returns_completed_and_records_it(cue, data_dir: Path, tmp_path: 
     assert job.run_worker(cfg) is Outcome.COMPLETED  # already at train.steps: nothing to do, still complete
 
 
+def test_a_worker_with_nothing_to_do_leaves_the_run_as_it_was(cue, data_dir: Path, tmp_path: Path) -> None:
+    """Workers started without meshrun's launcher (a torchrun by hand), which would have found the
+    run complete first: no config.json, metrics, summary or tracker is rewritten."""
+    run = tmp_path / "run"
+    cfg = load_config(
+        None, [a.removeprefix("--set=") for a in tiny(data_dir, run, **{**JOB, "checkpoint.at_end": True})]
+    )
+    assert job.run_worker(cfg) is Outcome.COMPLETED
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    again = cfg.model_copy(update={"train": cfg.train.model_copy(update={"log_interval": 2})})
+    assert job.run_worker(again) is Outcome.COMPLETED
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def test_worker_returns_stopped_after_a_stop_signal_with_a_checkpoint(cue, data_dir: Path, tmp_path: Path) -> None:
     cfg = load_config(None, [a.removeprefix("--set=") for a in tiny(data_dir, tmp_path / "run", **JOB)])
     cue("SIGNAL", 5)  # SIGUSR1 during step 2: a lone process checkpoints at its end and stops
