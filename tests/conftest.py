@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -116,6 +117,15 @@ def kill_tree(root: int) -> None:
     for pid in [root, *descendants(root)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
+    """Poll `predicate` until it holds; fail the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 def finish_meshrun(proc: subprocess.Popen, *, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:

@@ -333,9 +333,10 @@ def no_checkpoint_loads(run_dir: str | Path, failures: list[tuple[Path, Checkpoi
     )
 
 
-def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> None:
+def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> Path | None:
     """Before spawning workers: the checkpoint to resume from verifies and fits `model` (a meta-device
-    model: only names and shapes are compared), so a run that cannot resume stops here."""
+    model: only names and shapes are compared), so a run that cannot resume stops here. Returns
+    that checkpoint (None: there is none to resume)."""
     failures: list[tuple[Path, CheckpointError]] = []
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for path in resume_candidates(run_dir, resume):
@@ -347,13 +348,14 @@ def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> None:
                     raise CheckpointError(
                         f"checkpoint {path} holds no {name} of shape {list(shape)}; it is of another model"
                     )
-            return
+            return path
         except CheckpointError as exc:
             failures.append((path, exc))
     if failures and resume == "auto":
         raise no_checkpoint_loads(run_dir, failures)
     if failures:  # the last candidate is the checkpoint train.resume names
         raise ConfigError(f"train.resume {resume}: {unloadable_reason(*failures[-1])}")
+    return None
 
 
 def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import NoReturn
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
 from meshrun.launcher.torchrun import in_launched_worker
+from meshrun.outcome import StoppedBeforeTraining, stops_end_the_launcher
 from meshrun.preflight import check_checkpoint_args, check_plan_args, preflight
 from meshrun.versions import check_torch_version, installed_torch_version
 
@@ -355,6 +357,19 @@ def _launch_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def _train(args: argparse.Namespace) -> int:
+    overrides = [*args.overrides, *_launch_overrides(args)]
+    cfg = load_config(args.config, overrides)
+    model = preflight(cfg)
+    from meshrun import job  # imports torch (preflight did, after every torch-free check)
+
+    if args.dry_run:
+        print(job.describe(cfg))
+        return 0
+    worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
+    return job.train(cfg, worker_args, model)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -373,16 +388,11 @@ def main(argv: list[str] | None = None) -> int:
             return _slurm(args)
         if args.command == "plan":
             return _plan(args)
-        overrides = [*args.overrides, *_launch_overrides(args)]
-        cfg = load_config(args.config, overrides)
-        model = preflight(cfg)
-        from meshrun import job  # imports torch (preflight did, after every torch-free check)
-
-        if args.dry_run:
-            print(job.describe(cfg))
-            return 0
-        worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
-        return job.train(cfg, worker_args, model)
+        with contextlib.nullcontext() if in_launched_worker() else stops_end_the_launcher():
+            return _train(args)
+    except StoppedBeforeTraining as stop:
+        print(f"meshrun: {stop}", file=sys.stderr)
+        return stop.exit_code
     except (ConfigError, RunError) as exc:
         print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
         return 2 if isinstance(exc, ConfigError) else 1

@@ -29,6 +29,7 @@ from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.metrics.devices import SHORT_NAMES
 from meshrun.model_size import check_model_size
 from meshrun.plan import validate_layout
+from meshrun.rerun import check_rerun
 
 if TYPE_CHECKING:
     from torch import nn
@@ -151,7 +152,8 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "outcome.json", "checkpoints", "lo
 
 
 def check_run_dir(cfg: Config) -> None:
-    """The run directory is new, or holds a meshrun run of the same model to continue."""
+    """The run directory is new, or holds a meshrun run to continue (same model, data and training:
+    meshrun.rerun)."""
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir {cfg.run_dir} is a file, not a folder; set run_dir to a new folder")
@@ -169,6 +171,7 @@ def check_run_dir(cfg: Config) -> None:
             )
         earlier = check_same_model(existing, cfg)
         check_not_mixed(run_dir, earlier.train.resume, cfg.train.resume)
+        check_rerun(run_dir, earlier, cfg)
     if cfg.train.resume not in ("auto", "none") and not (Path(cfg.train.resume) / "manifest.json").is_file():
         raise ConfigError(f"train.resume {cfg.train.resume} is not a complete checkpoint folder (no manifest.json)")
 

@@ -124,14 +124,14 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=mesh.rank, device=self.device)
 
     def _open_tracker(self) -> Tracker | None:
-        """Rank 0 only: the run directory, its resolved config, and trackers continuing the run."""
-        if self.mesh.rank != 0:
+        """Rank 0 only: the run directory, its resolved config, and trackers continuing the run.
+        None, and nothing written, when the run is already complete: its record stays as it is."""
+        if self.mesh.rank != 0 or self.start_step >= self.cfg.train.steps:
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resolved = self.cfg.model_dump(mode="json")
         write_atomic(self.run_dir / "config.json", json.dumps(resolved, indent=2))
-        if self.start_step < self.cfg.train.steps:
-            (self.run_dir / "summary.json").unlink(missing_ok=True)  # written again when this run completes
+        (self.run_dir / "summary.json").unlink(missing_ok=True)  # written again when this run completes
         truncate_metrics(self.run_dir / "metrics.jsonl", after_step=self.start_step)
         return open_trackers(self.cfg.tracker, run_dir=self.run_dir, config=resolved, start_step=self.start_step)
 
@@ -191,8 +191,9 @@ class Trainer:
         """Run to train.steps (COMPLETED), or until a stop request (STOPPED, a checkpoint written)."""
         cfg = self.cfg.train
         window, row = Window(), {}
-        if self.start_step >= cfg.steps:
-            self.report.note(f"run already complete at step {self.start_step}; nothing to do")
+        if self.start_step >= cfg.steps:  # no tracker was opened (the record stays as it is): say it here
+            if self.mesh.rank == 0:
+                say(f"run already complete at step {self.start_step}; nothing to do")
             return Outcome.COMPLETED
         if note := mfu_note(self.device, self.peak):
             self.report.note(note)
