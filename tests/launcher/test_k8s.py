@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from typing import Any
 import netns
 import pytest
 import yaml
-from conftest import kill_tree, losses, meshrun_env, run_meshrun, tiny
+from conftest import REPO, kill_tree, losses, meshrun_env, run_meshrun, tiny
 
 from meshrun.checkpoint_paths import complete_checkpoints, step_of
 from meshrun.config import load_config
@@ -276,6 +277,17 @@ def test_bad_input_exits_2_with_one_line(flags: list[str], message: str, tmp_pat
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
     assert SECRET not in result.stderr and result.stdout == ""
+
+
+def test_the_image_the_manifest_expects_installs_the_extras(tmp_path: Path) -> None:
+    """docker/Dockerfile installs meshrun with hf and tensorboard (tests/docker builds it), and the
+    README's Kubernetes flow renders as written."""
+    assert '"/tmp/meshrun-src[hf,tensorboard]"' in (REPO / "docker" / "Dockerfile").read_text()
+    (line,) = [ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith("meshrun k8s ")]
+    command = shlex.split(line.split("|")[0])
+    assert command[:2] == ["meshrun", "k8s"]
+    result = run_meshrun([*command[1:2], str(REPO / command[2]), *command[3:]], tmp_path=tmp_path, timeout=120)
+    assert [d["kind"] for d in yaml.safe_load_all(result.stdout)] == ["ConfigMap", "JobSet"]
 
 
 @pytest.mark.parametrize("rank,host", [("0", "true"), ("1", "false")])
