@@ -173,7 +173,9 @@ def test_every_option_round_trips_into_the_manifest(flavor: str, tmp_path: Path)
         "/etc/meshrun/config.yaml",
         "--nnodes=2",
         "--nproc-per-node=4",
-        "--rdzv-endpoint=exp-1-node-0-0.exp-1:29400",  # pod 0 under the headless service
+        # pod 0 under the headless service; a TrainJob's JobSet is named after it (the torch plugin's
+        # PET_MASTER_ADDR) and its trainer container declares port 29500
+        f"--rdzv-endpoint=exp-1-node-0-0.exp-1:{29400 if flavor == 'jobset' else 29500}",
         "--rdzv-id=exp-1",
         "--local-addr=$(POD_IP)",
         "--node-rank=$(JOB_COMPLETION_INDEX)",
@@ -424,39 +426,66 @@ def two_hosts():
     yield from netns.two_hosts()
 
 
+def newest_step(run: Path) -> int:
+    return max((step_of(c) for c in complete_checkpoints(run)), default=0)
+
+
+def logs(pods: JobSetPods, *, tail: int | None = 3000) -> str:
+    """The current attempt's pod logs (by default their ends: for failure messages)."""
+    return "\n".join(pods.log(index).read_text()[-tail if tail else 0 :] for index in range(len(pods.hosts)))
+
+
 @pytest.mark.timeout(600)
-def test_two_pods_rendezvous_train_and_resume_after_one_is_killed(two_hosts, data_dir: Path, tmp_path: Path) -> None:
+def test_two_pods_rendezvous_train_and_resume_after_a_kill_and_a_preemption(
+    two_hosts, data_dir: Path, tmp_path: Path
+) -> None:
     """The manifest's container command in two JobSet "pods": they find pod 0 by its headless
-    service name, train dp=2 across them, one pod is killed after a checkpoint, the JobSet
-    restarts every pod, the job resumes from that checkpoint and its losses equal one node's."""
+    service name and train dp=2 across them. Attempt 1: one pod is killed after a checkpoint; its
+    Job fails and the JobSet recreates every pod. Attempt 2 resumes, then every pod is deleted
+    (preemption: SIGTERM): each checkpoints and exits with the code the Job's podFailurePolicy
+    matches (a restart that does not count). Attempt 3 resumes from that checkpoint and finishes
+    with the losses of a one-node run of the same config."""
     volume = tmp_path / "pvc"  # the PersistentVolumeClaim: one folder both "pods" see
-    settings = {"parallel.dp": 2, "train.steps": 40, "checkpoint.interval": 4}
+    settings = {"parallel.dp": 2, "train.steps": 60, "checkpoint.interval": 4}
     flags = ["--image=meshrun:test", "--nodes=2", "--gpus-per-node=0", f"--pvc=runs:{volume}", "--name=job"]
     config_map, jobset = render([*tiny(data_dir, volume / "run", **settings), *flags], tmp_path)
     pods = JobSetPods(config_map, jobset, two_hosts, tmp_path)
     run = volume / "run"
+
     first = pods.start()
     try:
         wait_for(
-            lambda: bool(complete_checkpoints(run)) or any(p.poll() is not None for p in first),
-            timeout=300,
-            what="a checkpoint",
+            lambda: newest_step(run) > 0 or any(p.poll() is not None for p in first), timeout=300, what="a checkpoint"
         )
         kill_tree(first[1].pid)  # pod 1 dies (its node is lost)
     finally:
         pods.delete(first)  # its Job fails: the JobSet deletes every pod and creates them again
-    killed_at = max(step_of(c) for c in complete_checkpoints(run))
-    assert first[1].returncode == -signal.SIGKILL, pods.log(1).read_text()[-3000:]
-    assert killed_at < settings["train.steps"]
+    killed_at = newest_step(run)
+    assert first[1].returncode == -signal.SIGKILL and 0 < killed_at < settings["train.steps"], logs(pods)
+
     second = pods.start()
     try:
-        for proc in second:
+        wait_for(
+            lambda: newest_step(run) > killed_at or any(p.poll() is not None for p in second),
+            timeout=300,
+            what="a checkpoint after the restart",
+        )
+    finally:
+        pods.delete(second)  # preempted: SIGTERM to every pod, SIGKILL after the grace period
+    (rule,) = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
+    assert [p.returncode for p in second] == rule["onExitCodes"]["values"] * 2, logs(pods)
+    assert f"at step {killed_at}" in logs(pods, tail=None)  # resumed from attempt 1's checkpoint
+    stopped_at = newest_step(run)
+    assert killed_at < stopped_at < settings["train.steps"], logs(pods)
+
+    third = pods.start()
+    try:
+        for proc in third:
             proc.wait(timeout=300)
     finally:
-        pods.delete(second, grace=0)
-    for index, proc in enumerate(second):
-        assert proc.returncode == 0, pods.log(index).read_text()[-6000:]
-    assert "resumed from" in pods.log(0).read_text() + pods.log(1).read_text()
+        pods.delete(third, grace=0)
+    assert [p.returncode for p in third] == [0, 0], logs(pods)
+    assert f"at step {stopped_at}" in logs(pods, tail=None)
     one_node = tmp_path / "one-node"
     run_meshrun(["train", *tiny(data_dir, one_node / "run", **settings)], tmp_path=tmp_path)
     assert losses(run) == losses(one_node / "run") and len(losses(run)) == settings["train.steps"]

@@ -39,7 +39,8 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 NODE = "node"  # the replicated job and its container (the name torch-distributed gives its trainer)
 CONFIG_DIR = "/etc/meshrun"  # the ConfigMap's mount
 CONFIG_FILE = "config.yaml"
-RDZV_PORT = 29400
+RDZV_PORT = 29400  # torchrun's c10d default
+TRAINJOB_PORT = 29500  # the port torch-distributed's trainer container declares (its PET_MASTER_PORT)
 POD_IP_ENV = "POD_IP"  # the downward API's status.podIP
 INDEX_ENV = "JOB_COMPLETION_INDEX"  # set by the Job controller in every pod of an Indexed Job
 SECRET_NAMES = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
@@ -161,10 +162,10 @@ def grace_seconds(checkpoint_bytes: int, options: PodOptions) -> int:
     return max(120, 60 + math.ceil(checkpoint_bytes / CHECKPOINT_BYTES_PER_SECOND))
 
 
-def _args(cfg: Config, name: str, nodes: int, nproc: int, restarts: int) -> list[str]:
+def _args(name: str, nodes: int, nproc: int, restarts: int, port: int) -> list[str]:
     """`meshrun train` on the mounted config; $(VAR) is expanded by the kubelet from the pod's env."""
     multi_node = [
-        f"--rdzv-endpoint={name}-{NODE}-0-0.{name}:{RDZV_PORT}",
+        f"--rdzv-endpoint={name}-{NODE}-0-0.{name}:{port}",
         f"--rdzv-id={name}",
         f"--local-addr=$({POD_IP_ENV})",
         f"--node-rank=$({INDEX_ENV})",
@@ -218,7 +219,7 @@ def render_manifest(cfg: Config, options: PodOptions, *, checkpoint_bytes: int) 
         "name": NODE,
         "image": options.image,
         "command": ["meshrun"],
-        "args": _args(cfg, name, options.nodes, nproc, restarts),
+        "args": _args(name, options.nodes, nproc, restarts, RDZV_PORT if options.flavor == "jobset" else TRAINJOB_PORT),
         "env": container_env(options),
     }
     meta = _metadata(name, options, labels={QUEUE_LABEL: options.queue} if options.queue else {})
