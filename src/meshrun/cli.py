@@ -378,7 +378,7 @@ def _slurm(args: argparse.Namespace) -> int:
 def _k8s(args: argparse.Namespace) -> int:
     """Render the manifest for a config after the checks that need no cluster; print or write it."""
     from meshrun.atomic import write_atomic
-    from meshrun.launcher.k8s import PodOptions, render_manifest
+    from meshrun.launcher.k8s import PodOptions, check_options, render_manifest
     from meshrun.plan import validate_layout
 
     cfg = load_config(args.config, args.overrides)
@@ -397,12 +397,7 @@ def _k8s(args: argparse.Namespace) -> int:
         memory=args.memory,
         grace_seconds=args.grace_seconds,
     )
-    render_manifest(cfg, options, checkpoint_bytes=0)  # every flag's check, before the model is built
-    if cfg.tracker.mode == "online" and "wandb" in cfg.tracker.backends and args.wandb_secret is None:
-        raise ConfigError(
-            "tracker.mode is online but no --wandb-secret names the API key's Secret: the pods would "
-            "log offline; pass --wandb-secret NAME, or set tracker.mode=offline"
-        )
+    check_options(cfg, options)  # every flag's check, before the model is built
     validate_layout(cfg)  # the run_dir and data live on the cluster's volume: the pods check them
     model = preflight(cfg, scope="model")
     weights = sum(p.numel() for p in model.parameters())

@@ -180,10 +180,18 @@ def _args(name: str, nodes: int, nproc: int, restarts: int, port: int) -> list[s
     ]
 
 
-def render_manifest(cfg: Config, options: PodOptions, *, checkpoint_bytes: int) -> str:
-    """The YAML stream (ConfigMap, then JobSet or TrainJob) that trains `cfg` on `options.nodes` pods."""
-    if options.flavor not in ("jobset", "trainjob"):
-        raise ConfigError(f"--flavor {options.flavor}: use jobset or trainjob")
+@dataclass(frozen=True)
+class JobShape:
+    """What the checks settle: the job's name, workers and GPUs per pod, the shared volume."""
+
+    name: str
+    nproc: int
+    gpus: int
+    volume: tuple[str, str] | None  # (claim, mount)
+
+
+def check_options(cfg: Config, options: PodOptions) -> JobShape:
+    """Every refusal of `meshrun k8s` that needs no model, one line each (ConfigError)."""
     if not options.image or any(c.isspace() for c in options.image):
         raise ConfigError(f"--image {json.dumps(options.image)}: name one image, e.g. registry.example.com/meshrun:1")
     nproc = workers_per_node(cfg.parallel, options.nodes, named=f"--nodes {options.nodes}", change="--nodes")
@@ -193,56 +201,61 @@ def render_manifest(cfg: Config, options: PodOptions, *, checkpoint_bytes: int) 
             f"{cfg.world_size} workers (parallel.dp x parallel.pp) on {options.nodes} nodes is {nproc} per node, but "
             f"--gpus-per-node is {gpus}; use --gpus-per-node {nproc} (or 0 for CPU nodes) or change --nodes"
         )
-    name = job_name(cfg, options)
+    if cfg.train.resume == "none":
+        raise ConfigError(
+            "train.resume is none, so every restarted pod would refuse the run it started; use auto (the default)"
+        )
+    if cfg.tracker.mode == "online" and "wandb" in cfg.tracker.backends and options.wandb_secret is None:
+        raise ConfigError(
+            "tracker.mode is online but no --wandb-secret names the API key's Secret: the pods would log offline; "
+            "pass --wandb-secret NAME, or set tracker.mode=offline"
+        )
     if options.namespace is not None:
         _dns_label(options.namespace, "--namespace")
     if options.queue is not None and (not _LABEL_VALUE.fullmatch(options.queue) or not 0 < len(options.queue) <= 63):
         raise ConfigError(f"--queue {json.dumps(options.queue)} is not a label value (letters, digits, - _ ., <= 63)")
-    volume = shared_volume(cfg, options)
-    shm_gib = max(1, nproc)  # NCCL's shared buffers between a node's workers; no loader workers use it
-    memory = _quantity(options.memory, "--memory") if options.memory else f"{8 * max(1, nproc) + shm_gib}Gi"
-    cpus = _quantity(options.cpus, "--cpus") if options.cpus else str(4 * max(1, nproc))
-    gpu = {"nvidia.com/gpu": gpus} if gpus else {}
-    resources = {"requests": {"cpu": cpus, "memory": memory, **gpu}, "limits": {"memory": memory, **gpu}}
-    mounts = [
-        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-        {"name": "shm", "mountPath": "/dev/shm"},
-        *([{"name": "run", "mountPath": volume[1]}] if volume else []),
-    ]
-    volumes = [
-        {"name": "config", "configMap": {"name": f"{name}-config"}},
-        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}},
-        *([{"name": "run", "persistentVolumeClaim": {"claimName": volume[0]}}] if volume else []),
-    ]
+    for flag, value in (("--cpus", options.cpus), ("--memory", options.memory)):
+        if value is not None:
+            _quantity(value, flag)
+    grace_seconds(0, options)
+    container_env(options)
+    return JobShape(job_name(cfg, options), nproc, gpus, shared_volume(cfg, options))
+
+
+def render_manifest(cfg: Config, options: PodOptions, *, checkpoint_bytes: int) -> str:
+    """The YAML stream (ConfigMap, then JobSet or TrainJob) that trains `cfg` on `options.nodes` pods."""
+    shape = check_options(cfg, options)
     restarts = 0 if options.flavor == "jobset" else cfg.launch.max_restarts
+    port = RDZV_PORT if options.flavor == "jobset" else TRAINJOB_PORT
     container = {
         "name": NODE,
         "image": options.image,
         "command": ["meshrun"],
-        "args": _args(name, options.nodes, nproc, restarts, RDZV_PORT if options.flavor == "jobset" else TRAINJOB_PORT),
+        "args": _args(shape.name, options.nodes, shape.nproc, restarts, port),
         "env": container_env(options),
     }
-    meta = _metadata(name, options, labels={QUEUE_LABEL: options.queue} if options.queue else {})
+    mounts, volumes = _volumes(shape)
+    meta = _metadata(shape.name, options, labels={QUEUE_LABEL: options.queue} if options.queue else {})
     grace = grace_seconds(checkpoint_bytes, options)
     if options.flavor == "jobset":
         pod = {
             "restartPolicy": "Never",  # a failed pod fails the Job; the JobSet restarts all of them
             "terminationGracePeriodSeconds": grace,
-            "containers": [{**container, "resources": resources, "volumeMounts": mounts}],
+            "containers": [{**container, "resources": _resources(shape, options), "volumeMounts": mounts}],
             "volumes": volumes,
         }
         job = _jobset(cfg, meta, options, pod)
     else:
-        job = _trainjob(meta, options, container, resources, nproc, mounts, volumes)
+        job = _trainjob(meta, options, container, _resources(shape, options), shape.nproc, mounts, volumes)
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(f"{name}-config", options, labels={}),
+        "metadata": _metadata(f"{shape.name}-config", options, labels={}),
         "data": {CONFIG_FILE: yaml.safe_dump(cfg.model_dump(mode="json", exclude={"launch"}), sort_keys=False)},
     }
     head = (
         f"# meshrun job rendered by `meshrun k8s`: run_dir {json.dumps(cfg.run_dir)}, {cfg.world_size} workers "
-        f"(dp {cfg.parallel.dp} x pp {cfg.parallel.pp}) = {options.nodes} pods x {nproc}.\n"
+        f"(dp {cfg.parallel.dp} x pp {cfg.parallel.pp}) = {options.nodes} pods x {shape.nproc}.\n"
         "# Apply with `kubectl apply -f THIS_FILE`; the image is docker/Dockerfile's.\n"
     )
     if options.flavor == "trainjob":  # TrainJob's runtime patches cannot set the pod's grace period
@@ -250,6 +263,33 @@ def render_manifest(cfg: Config, options: PodOptions, *, checkpoint_bytes: int) 
             f"# A stop's checkpoint needs about {grace} s: give the {TORCH_RUNTIME} runtime's pods that grace period.\n"
         )
     return head + yaml.dump_all([config_map, job], Dumper=_Dumper, sort_keys=False)
+
+
+def _shm_gib(shape: JobShape) -> int:
+    return max(1, shape.nproc)  # NCCL's shared buffers between a node's workers; no loader workers use it
+
+
+def _resources(shape: JobShape, options: PodOptions) -> dict[str, Any]:
+    """Requests (what Kueue and the scheduler count) and limits; the memory covers /dev/shm too."""
+    memory = options.memory or f"{8 * shape.nproc + _shm_gib(shape)}Gi"
+    cpus = options.cpus or str(4 * shape.nproc)
+    gpu = {"nvidia.com/gpu": shape.gpus} if shape.gpus else {}
+    return {"requests": {"cpu": cpus, "memory": memory, **gpu}, "limits": {"memory": memory, **gpu}}
+
+
+def _volumes(shape: JobShape) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the container's volumeMounts, the pod's volumes): the config, /dev/shm in memory, the run's claim."""
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "shm", "mountPath": "/dev/shm"},
+        *([{"name": "run", "mountPath": shape.volume[1]}] if shape.volume else []),
+    ]
+    volumes = [
+        {"name": "config", "configMap": {"name": f"{shape.name}-config"}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{_shm_gib(shape)}Gi"}},
+        *([{"name": "run", "persistentVolumeClaim": {"claimName": shape.volume[0]}}] if shape.volume else []),
+    ]
+    return mounts, volumes
 
 
 class _Dumper(yaml.SafeDumper):
