@@ -32,19 +32,29 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 
 class JobSetPods:
-    """The JobSet's pods on the two network-namespace hosts: hostnames from the JobSet's naming
-    rule, /etc/hosts as the kubelet writes it plus the headless service's records (each pod's
-    `<hostname>.<subdomain>`, as cluster DNS answers through the pod's search path), the
-    ConfigMap at its mountPath, and the environment a JobSet pod gets."""
+    """A JobSet's pods on the network-namespace hosts: hostnames from the JobSet's naming rule
+    (<jobset>-<replicatedJob>-<jobIndex>-<podIndex>), /etc/hosts as the kubelet writes it plus the
+    headless service's records (each pod's `<hostname>.<subdomain>`, as cluster DNS answers through
+    the pod's search path), the ConfigMap at its mountPath, and the environment such a pod gets:
+    the Job controller's JOB_COMPLETION_INDEX, HOSTNAME, `added_env` (what a controller adds to the
+    container, per pod) and the container's own env."""
 
     def __init__(
-        self, config_map: dict, jobset: dict, container: dict, hosts: list[tuple[str, str, str]], workdir: Path
+        self,
+        config_map: dict,
+        container: dict,
+        *,
+        jobset: str,
+        replicated_job: str,
+        subdomain: str,
+        hosts: list[tuple[str, str, str]],
+        workdir: Path,
+        added_env: list[dict[str, str]] | None = None,
     ) -> None:
-        self.container = container  # the JobSet's pod template's container
-        self.hosts, self.workdir, self.config_map, self.attempt = hosts, workdir, config_map, 0
-        name, replicated = jobset["metadata"]["name"], jobset["spec"]["replicatedJobs"][0]["name"]
-        self.subdomain = jobset["spec"]["network"]["subdomain"]
-        self.hostnames = [f"{name}-{replicated}-0-{index}" for index in range(len(hosts))]
+        self.config_map, self.container, self.subdomain = config_map, container, subdomain
+        self.hosts, self.workdir, self.attempt = hosts, workdir, 0
+        self.hostnames = [f"{jobset}-{replicated_job}-0-{index}" for index in range(len(hosts))]
+        self.added_env = added_env or [{} for _ in hosts]
 
     def etc(self, index: int) -> tuple[Path, Path]:
         """The overlay's upper layer (the pod's own files under /etc) and its work folder."""
@@ -74,7 +84,7 @@ class JobSetPods:
         """The image's environment (this test's interpreter on PATH) plus what Kubernetes sets."""
         bin_dir = str(Path(sys.executable).parent)
         env = meshrun_env(self.workdir, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-        env.update(HOSTNAME=self.hostnames[index], JOB_COMPLETION_INDEX=str(index))
+        env.update(HOSTNAME=self.hostnames[index], JOB_COMPLETION_INDEX=str(index), **self.added_env[index])
         for var in self.container["env"]:
             if "value" in var:
                 env[var["name"]] = expand(var["value"], env)

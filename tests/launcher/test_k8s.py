@@ -312,6 +312,9 @@ def two_hosts():
     yield from netns.two_hosts()
 
 
+SETTINGS = {"parallel.dp": 2, "train.steps": 60, "checkpoint.interval": 4}  # dp 2: one worker per pod
+
+
 def newest_step(run: Path) -> int:
     return max((step_of(c) for c in complete_checkpoints(run)), default=0)
 
@@ -323,7 +326,7 @@ def logs(pods: JobSetPods, *, tail: int | None = 3000) -> str:
 
 @pytest.mark.timeout(600)
 def test_two_pods_rendezvous_train_and_resume_after_a_kill_and_a_preemption(
-    two_hosts, data_dir: Path, tmp_path: Path
+    two_hosts, data_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The manifest's container command in two JobSet "pods": they find pod 0 by its headless
     service name and train dp=2 across them. Attempt 1: one pod is killed after a checkpoint; its
@@ -332,10 +335,17 @@ def test_two_pods_rendezvous_train_and_resume_after_a_kill_and_a_preemption(
     matches (a restart that does not count). Attempt 3 resumes from that checkpoint and finishes
     with the losses of a one-node run of the same config."""
     volume = tmp_path / "pvc"  # the PersistentVolumeClaim: one folder both "pods" see
-    settings = {"parallel.dp": 2, "train.steps": 60, "checkpoint.interval": 4}
     flags = ["--image=meshrun:test", "--nodes=2", "--gpus-per-node=0", f"--pvc=runs:{volume}", "--name=job"]
-    config_map, jobset = render([*tiny(data_dir, volume / "run", **settings), *flags], tmp_path)
-    pods = JobSetPods(config_map, jobset, check_jobset(jobset, nodes=2), two_hosts, tmp_path)
+    config_map, jobset = render([*tiny(data_dir, volume / "run", **SETTINGS), *flags], tmp_path)
+    pods = JobSetPods(
+        config_map,
+        check_jobset(jobset, nodes=2),
+        jobset=jobset["metadata"]["name"],
+        replicated_job=jobset["spec"]["replicatedJobs"][0]["name"],
+        subdomain=jobset["spec"]["network"]["subdomain"],
+        hosts=two_hosts,
+        workdir=tmp_path,
+    )
     run = volume / "run"
 
     first = pods.start()
@@ -347,7 +357,7 @@ def test_two_pods_rendezvous_train_and_resume_after_a_kill_and_a_preemption(
     finally:
         pods.delete(first)  # its Job fails: the JobSet deletes every pod and creates them again
     killed_at = newest_step(run)
-    assert first[1].returncode == -signal.SIGKILL and 0 < killed_at < settings["train.steps"], logs(pods)
+    assert first[1].returncode == -signal.SIGKILL and 0 < killed_at < SETTINGS["train.steps"], logs(pods)
 
     second = pods.start()
     try:
@@ -362,7 +372,7 @@ def test_two_pods_rendezvous_train_and_resume_after_a_kill_and_a_preemption(
     assert [p.returncode for p in second] == rule["onExitCodes"]["values"] * 2, logs(pods)
     assert f"at step {killed_at}" in logs(pods, tail=None)  # resumed from attempt 1's checkpoint
     stopped_at = newest_step(run)
-    assert killed_at < stopped_at < settings["train.steps"], logs(pods)
+    assert killed_at < stopped_at < SETTINGS["train.steps"], logs(pods)
 
     third = pods.start()
     try:
@@ -372,6 +382,54 @@ def test_two_pods_rendezvous_train_and_resume_after_a_kill_and_a_preemption(
         pods.delete(third, grace=0)
     assert [p.returncode for p in third] == [0, 0], logs(pods)
     assert f"at step {stopped_at}" in logs(pods, tail=None)
-    one_node = tmp_path / "one-node"
-    run_meshrun(["train", *tiny(data_dir, one_node / "run", **settings)], tmp_path=tmp_path)
-    assert losses(run) == losses(one_node / "run") and len(losses(run)) == settings["train.steps"]
+    assert losses(run) == one_node_losses(data_dir, tmp_path_factory) and len(losses(run)) == SETTINGS["train.steps"]
+
+
+@pytest.mark.timeout(600)
+def test_two_trainjob_pods_rendezvous_and_train(
+    two_hosts, data_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The TrainJob's command in the pods the torch-distributed runtime makes: the JobSet named
+    after the TrainJob, replicated job `node`, and the PET_* variables the Trainer's torch plugin
+    adds to the container (torchrun reads them as defaults; meshrun's flags must win)."""
+    volume = tmp_path / "pvc"
+    flags = ["--image=meshrun:test", "--nodes=2", "--gpus-per-node=0", f"--pvc=runs:{volume}", "--name=tj"]
+    config_map, trainjob = render([*tiny(data_dir, volume / "run", **SETTINGS), *flags, "--flavor=trainjob"], tmp_path)
+    trainer = check_trainjob(trainjob, nodes=2)
+    name = trainjob["metadata"]["name"]
+    torch_plugin = {
+        "PET_NNODES": str(trainer["numNodes"]),
+        "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+        "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
+        "PET_MASTER_PORT": "29500",
+    }
+    pods = JobSetPods(
+        config_map,
+        trainer,
+        jobset=name,
+        replicated_job="node",
+        subdomain=name,
+        hosts=two_hosts,
+        workdir=tmp_path,
+        added_env=[{**torch_plugin, "PET_NODE_RANK": str(index)} for index in range(2)],
+    )
+    procs = pods.start()
+    try:
+        for proc in procs:
+            proc.wait(timeout=300)
+    finally:
+        pods.delete(procs, grace=0)
+    assert [p.returncode for p in procs] == [0, 0], logs(pods)
+    assert losses(volume / "run") == one_node_losses(data_dir, tmp_path_factory)
+
+
+_one_node: list[float] = []
+
+
+def one_node_losses(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The same config on one node (`meshrun train`, 2 workers), run once per session."""
+    if not _one_node:
+        tmp = tmp_path_factory.mktemp("one-node")
+        run_meshrun(["train", *tiny(data_dir, tmp / "run", **SETTINGS)], tmp_path=tmp)
+        _one_node.extend(losses(tmp / "run"))
+    return _one_node
