@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from meshrun.atomic import atomic_target, temporary_name, write_atomic
 from meshrun.errors import RunError
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 64 KiB tmpfs (CI runs as root); unmounted afterwards."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=False, capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs (tests run as root): {mounted.stderr.decode().strip()}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 def test_write_replaces_and_leaves_no_temporary(tmp_path: Path) -> None:

@@ -189,7 +189,7 @@ def run_worker(cfg: Config) -> Outcome:
     except ConfigError:
         raise  # refused before training (e.g. no checkpoint loads): the run directory stays as it was
     except Exception:
-        with contextlib.suppress(OSError):  # the error itself matters more than its record
+        with contextlib.suppress(OSError, RunError):  # the error itself matters more than its record (a full disk)
             write_record(run_dir, Outcome.FAILED)  # any rank that fails says so
         raise
     finally:
