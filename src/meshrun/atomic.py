@@ -52,6 +52,21 @@ def atomic_target(path: str | Path) -> Iterator[Path]:
         raise
 
 
+def publish_folder(tmp: Path, final: Path) -> Path:
+    """Rename the fully written folder `tmp` to `final` (absent, or an empty folder), every file in
+    it made durable first: a reader sees all of it or nothing, even after a power cut. A folder
+    with anything in it is never replaced (the rename fails)."""
+    try:
+        for path in sorted(tmp.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # files before folders
+            _fsync_folder(path) if path.is_dir() else _fsync(path)
+        _fsync_folder(tmp)
+        os.rename(tmp, final)
+        _fsync_folder(final.parent)
+    except OSError as err:
+        raise disk_error(err, final) from err
+    return final
+
+
 def disk_error(err: OSError, path: Path) -> OSError | RunError:
     """A full disk (or quota) as one line naming the device and the file; other errors as they are."""
     if err.errno in (errno.ENOSPC, errno.EDQUOT):

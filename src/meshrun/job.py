@@ -45,6 +45,7 @@ def ensure_data(cfg: Config) -> Path:
             read_pairs(cfg.data.sources) if cfg.data.sources else example_pairs(),
             path,
             val_fraction=cfg.data.val_fraction,
+            reuse=True,  # another job on this data.dir may have prepared it meanwhile
         )
         check_data_fits(cfg, path)
     elif not reads_in_place(cfg) and not is_prepared(path):
@@ -57,6 +58,7 @@ def ensure_data(cfg: Config) -> Path:
             val_fraction=cfg.data.val_fraction,
             tokenizer="byte" if trained else tokenizer,
             train_tokenizer=tokenizer if trained else None,
+            reuse=True,
         )
         check_data_fits(cfg, path)  # data that was already there was checked by `preflight`
     return path
