@@ -282,7 +282,11 @@ class Trainer:
             )
         except RunError as exc:  # a full disk, say: name what a rerun resumes from
             saved = newest_first(self.run_dir)
-            last = f"the last complete checkpoint is step {step_of(saved[0])}" if saved else "no checkpoint is complete"
+            last = (
+                f"the last complete checkpoint is step {step_of(saved[0])}"
+                if saved
+                else "no checkpoint is complete yet"
+            )
             raise RunError(f"{exc}; {last}") from None
         self.report.note(f"saved checkpoint {path}")
 
