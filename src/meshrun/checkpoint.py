@@ -51,6 +51,7 @@ from meshrun.errors import ConfigError, RunError
 from meshrun.versions import installed_versions
 
 DATA_CARD = "data"  # the training data's meta.json and tokenizer.json (no tokens): how to decode
+FULL_BELOW = 1 << 20  # free bytes under which a save that failed is taken to have filled the disk
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -180,10 +181,13 @@ def save(
     _barrier()
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    except (OSError, dcp.CheckpointException) as exc:  # every rank gets DCP's exception, naming each rank's error
+    except (OSError, RuntimeError, dcp.CheckpointException) as exc:  # DCP's: every rank's errors, on every rank
+        full = _full_disk(exc, tmp)  # before the partial save goes: the disk is still full
+        if isinstance(exc, dcp.CheckpointException):
+            _barrier()  # DCP's collectives worked: every rank has looked
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)  # its space back; earlier checkpoints stay as they were
-        if (full := _full_disk(exc, tmp)) is not None:
+        if full is not None:
             raise full from None
         raise
     _barrier()  # every rank's shards are on disk before anyone hashes them
@@ -230,8 +234,10 @@ def _write_manifest(
 
 
 def _full_disk(exc: BaseException, folder: Path) -> RunError | None:
-    """The one-line error for a full disk (or quota) found anywhere in `exc`: its causes, or the
-    per-rank failures a CheckpointException carries; None for any other error."""
+    """The one-line error for a full disk (or quota) found anywhere in `exc` (its causes, or the
+    per-rank failures a CheckpointException carries), or for any failed save on a disk with
+    (almost) no space left: torch.save's zip writer reports a short write as 'unexpected pos', no
+    errno. None for any other error."""
     seen: list[BaseException] = [exc]
     for err in seen:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -239,6 +245,8 @@ def _full_disk(exc: BaseException, folder: Path) -> RunError | None:
         if isinstance(err, dcp.CheckpointException):
             seen += [failure for failure, _ in err.failures.values()]
         seen += [e for e in (err.__cause__, err.__context__) if e is not None and e not in seen]
+    if shutil.disk_usage(folder.parent).free < FULL_BELOW:
+        return cast(RunError, disk_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), folder))
     return None
 
 
