@@ -42,3 +42,15 @@ def test_full_disk_is_one_line_and_keeps_the_old_file(small_disk: Path) -> None:
     assert message == f"no space left on {small_disk} while writing {target}", message
     assert target.read_text() == "row 1\n"
     assert [p.name for p in small_disk.iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_new_file_is_never_written_over(tmp_path: Path) -> None:
+    """replace=False: an output that appeared while it was being written (another job's) stays."""
+    target = tmp_path / "plan.yaml"
+    with pytest.raises(FileExistsError), atomic_target(target, replace=False) as tmp:
+        tmp.write_text("ours")
+        target.write_text("theirs")
+    assert target.read_text() == "theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]
+    write_atomic(tmp_path / "new.yaml", "ours", replace=False)
+    assert (tmp_path / "new.yaml").read_text() == "ours"

@@ -74,7 +74,7 @@ def export(
     config = json.dumps(cfg.model_dump(mode="json"))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_target(out) as tmp:  # a failed write leaves no file (and removes only its own)
+        with atomic_target(out, replace=False) as tmp:  # never over a file; a failure removes only its own
             if out.suffix == ".safetensors":
                 from safetensors.torch import save_file
 
