@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -147,6 +147,28 @@ def run_meshrun(
 ) -> subprocess.CompletedProcess:
     """Run `python -m meshrun ARGS` to the end (see start_meshrun / finish_meshrun)."""
     return finish_meshrun(start_meshrun(args, tmp_path=tmp_path, env=env), timeout=timeout, check=check)
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` ("64k", "2m") mounted at `folder`: a disk that fills up (CI runs as root);
+    unmounted afterwards."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]
+    mounted = subprocess.run(mount, check=False, capture_output=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs (tests run as root): {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs."""
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        yield disk
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -55,6 +55,7 @@ def ensure_data(cfg: Config) -> Path:
             read_pairs(cfg.data.sources) if cfg.data.sources else example_pairs(),
             path,
             val_fraction=cfg.data.val_fraction,
+            reuse=True,  # another job on this data.dir may have prepared it meanwhile
         )
         check_data_fits(cfg, path)
     elif not reads_in_place(cfg) and not is_prepared(path):
@@ -67,6 +68,7 @@ def ensure_data(cfg: Config) -> Path:
             val_fraction=cfg.data.val_fraction,
             tokenizer="byte" if trained else tokenizer,
             train_tokenizer=tokenizer if trained else None,
+            reuse=True,
         )
         check_data_fits(cfg, path)  # data that was already there was checked by `preflight`
     return path
@@ -216,7 +218,7 @@ def run_worker(cfg: Config) -> Outcome:
     except ConfigError:
         raise  # refused before training (e.g. no checkpoint loads): the run directory stays as it was
     except Exception:
-        with contextlib.suppress(OSError):  # the error itself matters more than its record
+        with contextlib.suppress(OSError, RunError):  # the error itself matters more than its record (a full disk)
             write_record(run_dir, Outcome.FAILED)  # any rank that fails says so
         raise
     finally:
