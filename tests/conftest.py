@@ -14,7 +14,8 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,15 @@ def kill_tree(root: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
+    """Poll `predicate` until it holds; fail the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 def finish_meshrun(proc: subprocess.Popen, *, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
     """Wait for a started run; kill its whole process group on timeout."""
     try:
@@ -137,6 +147,28 @@ def run_meshrun(
 ) -> subprocess.CompletedProcess:
     """Run `python -m meshrun ARGS` to the end (see start_meshrun / finish_meshrun)."""
     return finish_meshrun(start_meshrun(args, tmp_path=tmp_path, env=env), timeout=timeout, check=check)
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` ("64k", "2m") mounted at `folder`: a disk that fills up (CI runs as root);
+    unmounted afterwards."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]
+    mounted = subprocess.run(mount, check=False, capture_output=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs (tests run as root): {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs."""
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        yield disk
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

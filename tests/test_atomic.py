@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from meshrun.atomic import atomic_target, temporary_name, write_atomic
 from meshrun.errors import RunError
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 64 KiB tmpfs (CI runs as root); unmounted afterwards."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=False, capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs (tests run as root): {mounted.stderr.decode().strip()}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 def test_write_replaces_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -60,3 +42,15 @@ def test_full_disk_is_one_line_and_keeps_the_old_file(small_disk: Path) -> None:
     assert message == f"no space left on {small_disk} while writing {target}", message
     assert target.read_text() == "row 1\n"
     assert [p.name for p in small_disk.iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_new_file_is_never_written_over(tmp_path: Path) -> None:
+    """replace=False: an output that appeared while it was being written (another job's) stays."""
+    target = tmp_path / "plan.yaml"
+    with pytest.raises(FileExistsError), atomic_target(target, replace=False) as tmp:
+        tmp.write_text("ours")
+        target.write_text("theirs")
+    assert target.read_text() == "theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]
+    write_atomic(tmp_path / "new.yaml", "ours", replace=False)
+    assert (tmp_path / "new.yaml").read_text() == "ours"

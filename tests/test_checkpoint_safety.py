@@ -300,7 +300,7 @@ def test_rerunning_a_run_started_from_a_checkpoint_continues_it(finished: Path, 
     run_meshrun(["train", *args], tmp_path=tmp_path)
     before = snapshot(tmp_path / "b")
     again = run_meshrun(["train", *args], tmp_path=tmp_path)
-    assert f"resumed from {tmp_path / 'b' / 'checkpoints' / CKPTS[-1]} at step 12 (saved by this run" in again.stderr
+    assert f"run already complete: {tmp_path / 'b' / 'checkpoints' / CKPTS[-1]} is at step 12" in again.stderr
     assert snapshot(tmp_path / "b") == before  # nothing trained again, no metrics row dropped
 
 

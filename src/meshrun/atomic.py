@@ -24,25 +24,31 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> Path:
-    """Replace `path` with `data` in one rename; on any failure the old file stays untouched."""
+def write_atomic(path: str | Path, data: str | bytes, *, replace: bool = True) -> Path:
+    """Replace `path` with `data` in one rename; on any failure the old file stays untouched.
+    `replace=False`: a new file only (see atomic_target)."""
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data
-    with atomic_target(path) as tmp, open(tmp, "wb") as file:
+    with atomic_target(path, replace=replace) as tmp, open(tmp, "wb") as file:
         file.write(payload)
     return path
 
 
 @contextlib.contextmanager
-def atomic_target(path: str | Path) -> Iterator[Path]:
+def atomic_target(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
     """A temporary path to write `path`'s new content to (by any writer: savefig, save_file, ...);
-    it replaces `path` only when the block ends without an error."""
+    it replaces `path` only when the block ends without an error. `replace=False`: an output the
+    user named, never written over, even one that appeared while this was being written
+    (FileExistsError)."""
     path = Path(path)
     tmp = temporary_name(path)
     try:
         yield tmp
         _fsync(tmp)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _link_new(tmp, path)
         _fsync_folder(path.parent)
     except OSError as err:
         _remove(tmp)
@@ -50,6 +56,21 @@ def atomic_target(path: str | Path) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
+
+
+def publish_folder(tmp: Path, final: Path) -> Path:
+    """Rename the fully written folder `tmp` to `final` (absent, or an empty folder), every file in
+    it made durable first: a reader sees all of it or nothing, even after a power cut. A folder
+    with anything in it is never replaced (the rename fails)."""
+    try:
+        for path in sorted(tmp.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # files before folders
+            _fsync_folder(path) if path.is_dir() else _fsync(path)
+        _fsync_folder(tmp)
+        os.rename(tmp, final)
+        _fsync_folder(final.parent)
+    except OSError as err:
+        raise disk_error(err, final) from err
+    return final
 
 
 def disk_error(err: OSError, path: Path) -> OSError | RunError:
@@ -67,6 +88,20 @@ def device_of(path: Path) -> str:
     while not os.path.ismount(probe) and probe != probe.parent:
         probe = probe.parent
     return str(probe)
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    """`tmp` becomes `path` unless `path` exists: a hard link fails then, in one step."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links on this filesystem (FAT, some network mounts): look, then rename
+        if path.exists():
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        os.replace(tmp, path)
+        return
+    _remove(tmp)
 
 
 def _fsync(path: Path) -> None:

@@ -15,6 +15,7 @@ A manifest of sizes and crc32s turns truncated or corrupt files into errors that
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from meshrun.atomic import write_atomic
+from meshrun.atomic import atomic_target, disk_error, write_atomic
 from meshrun.checkpoint_paths import (
     CONFIG,
     LATEST,
@@ -52,6 +53,7 @@ from meshrun.errors import ConfigError, RunError
 from meshrun.versions import installed_versions
 
 DATA_CARD = "data"  # the training data's meta.json and tokenizer.json (no tokens): how to decode
+FULL_BELOW = 1 << 20  # free bytes under which a save that failed is taken to have filled the disk
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -192,27 +194,25 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a save that was killed
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    except (OSError, RuntimeError, dcp.CheckpointException) as exc:  # DCP's: every rank's errors, on every rank
+        full = _full_disk(exc, tmp)  # before the partial save goes: the disk is still full
+        if isinstance(exc, dcp.CheckpointException):
+            _barrier()  # DCP's collectives worked: every rank has looked
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)  # its space back; earlier checkpoints stay as they were
+        if full is not None:
+            raise full from None
+        raise
     _barrier()  # every rank's shards are on disk before anyone hashes them
     sums = _gather({p.name: _crc32(p) for p in tmp.glob(f"__{_rank()}_*")})
     if rank0:
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2))
-        card = [f"{DATA_CARD}/{source.name}" for source in data_card]
-        if card:
-            (tmp / DATA_CARD).mkdir()
-        for source, name in zip(data_card, card, strict=True):
-            shutil.copyfile(source, tmp / name)
-        files = {
-            name: {"bytes": (tmp / name).stat().st_size, "crc32": crc} for part in sums for name, crc in part.items()
-        }
-        files.update(
-            {
-                name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)}
-                for name in (".metadata", CONFIG, *card)
-            }
-        )
-        manifest = {"step": step, "files": files, "versions": installed_versions()}
-        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        try:
+            _write_manifest(tmp, step, sums, config=config, data_card=data_card)
+        except RunError:  # a full disk: the partial save goes (its space back), earlier ones stay
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if final in protected:
             _move_aside(final)
         elif final.exists():
@@ -223,6 +223,46 @@ def save(
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _write_manifest(
+    tmp: Path, step: int, sums: list[dict[str, int]], *, config: dict, data_card: tuple[Path, ...]
+) -> None:
+    """Rank 0, after every rank's shards: config.json, the data card, then the manifest (last: it
+    marks the save complete) of every file's size and crc32."""
+    write_atomic(tmp / CONFIG, json.dumps(config, indent=2))
+    card = [f"{DATA_CARD}/{source.name}" for source in data_card]
+    if card:
+        (tmp / DATA_CARD).mkdir()
+    for source, name in zip(data_card, card, strict=True):
+        with atomic_target(tmp / name) as target:
+            shutil.copyfile(source, target)
+    files = {name: {"bytes": (tmp / name).stat().st_size, "crc32": crc} for part in sums for name, crc in part.items()}
+    files.update(
+        {
+            name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)}
+            for name in (".metadata", CONFIG, *card)
+        }
+    )
+    manifest = {"step": step, "files": files, "versions": installed_versions()}
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+
+
+def _full_disk(exc: BaseException, folder: Path) -> RunError | None:
+    """The one-line error for a full disk (or quota) found anywhere in `exc` (its causes, or the
+    per-rank failures a CheckpointException carries), or for any failed save on a disk with
+    (almost) no space left: torch.save's zip writer reports a short write as 'unexpected pos', no
+    errno. None for any other error."""
+    seen: list[BaseException] = [exc]
+    for err in seen:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return cast(RunError, disk_error(err, Path(err.filename) if err.filename else folder))
+        if isinstance(err, dcp.CheckpointException):
+            seen += [failure for failure, _ in err.failures.values()]
+        seen += [e for e in (err.__cause__, err.__context__) if e is not None and e not in seen]
+    if shutil.disk_usage(folder.parent).free < FULL_BELOW:
+        return cast(RunError, disk_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), folder))
+    return None
 
 
 def verify(path: Path) -> None:
@@ -333,9 +373,10 @@ def no_checkpoint_loads(run_dir: str | Path, failures: list[tuple[Path, Checkpoi
     )
 
 
-def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> None:
+def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> Path | None:
     """Before spawning workers: the checkpoint to resume from verifies and fits `model` (a meta-device
-    model: only names and shapes are compared), so a run that cannot resume stops here."""
+    model: only names and shapes are compared), so a run that cannot resume stops here. Returns
+    that checkpoint (None: there is none to resume)."""
     failures: list[tuple[Path, CheckpointError]] = []
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for path in resume_candidates(run_dir, resume):
@@ -347,13 +388,14 @@ def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> None:
                     raise CheckpointError(
                         f"checkpoint {path} holds no {name} of shape {list(shape)}; it is of another model"
                     )
-            return
+            return path
         except CheckpointError as exc:
             failures.append((path, exc))
     if failures and resume == "auto":
         raise no_checkpoint_loads(run_dir, failures)
     if failures:  # the last candidate is the checkpoint train.resume names
         raise ConfigError(f"train.resume {resume}: {unloadable_reason(*failures[-1])}")
+    return None
 
 
 def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:

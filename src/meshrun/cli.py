@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import NoReturn
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
 from meshrun.launcher.torchrun import in_launched_worker
+from meshrun.outcome import StoppedBeforeTraining, stops_end_the_launcher
 from meshrun.preflight import check_checkpoint_args, check_plan_args, preflight
 from meshrun.versions import check_torch_version, installed_torch_version
 
@@ -42,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
         help="this node hosts the rendezvous store (default: guessed from --rdzv-endpoint)",
     )
     nodes.add_argument("--max-restarts", type=int, help="torchrun restarts of the worker group after a failure")
+    nodes.add_argument(
+        "--node-rank",
+        type=int,
+        help="this node's index in the job, e.g. $JOB_COMPLETION_INDEX on Kubernetes: node 0 hosts the rendezvous "
+        "(--host-node), the others do not",
+    )
     nodes.add_argument(
         "--rdzv-timeout", type=int, metavar="SECONDS", help="give up waiting for the other nodes after this (600)"
     )
@@ -85,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         help="any other sbatch option for the script header, e.g. --sbatch=--qos=high (repeatable)",
     )
     slurm.add_argument("--submit", action="store_true", help="submit with sbatch and print the job id")
+    _k8s_parser(sub)
     data = sub.add_parser("prepare-data", help="tokenize text, jsonl, parquet or datasets folders into token shards")
     data.add_argument(
         "--source",
@@ -157,6 +166,35 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--force", action="store_true", help="replace --out if it exists")
     return parser
+
+
+def _k8s_parser(sub: argparse._SubParsersAction) -> None:
+    k8s = sub.add_parser("k8s", help="write the Kubernetes manifest (JobSet or Kubeflow TrainJob) that trains a config")
+    k8s.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
+    k8s.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (repeatable); the resolved config goes into the manifest's ConfigMap",
+    )
+    k8s.add_argument("--image", required=True, help="the meshrun image (docker/Dockerfile) the pods run")
+    k8s.add_argument("--nodes", type=int, required=True, help="pods, one per node; dp x pp workers are split over them")
+    k8s.add_argument("--gpus-per-node", type=int, help="GPUs per pod (default: its workers; 0 for CPU nodes)")
+    k8s.add_argument("--flavor", choices=("jobset", "trainjob"), default="jobset", help="JobSet or Kubeflow TrainJob")
+    k8s.add_argument("--name", help="the job's name (default: run_dir's folder name)")
+    k8s.add_argument("--queue", help="Kueue LocalQueue: adds its label and suspend: true")
+    k8s.add_argument("--namespace", help="namespace of the job and its ConfigMap")
+    k8s.add_argument("--pvc", metavar="CLAIM:/MOUNT", help="shared volume for run_dir (required for --nodes > 1)")
+    k8s.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="pod environment (repeatable; no secrets)"
+    )
+    k8s.add_argument("--wandb-secret", metavar="NAME[:KEY]", help="Secret holding WANDB_API_KEY (key default api-key)")
+    k8s.add_argument("--cpus", help="CPU request per pod (default 4 per worker)")
+    k8s.add_argument("--memory", help="memory per pod (default 8Gi per worker + /dev/shm)")
+    k8s.add_argument("--grace-seconds", type=int, help="SIGTERM -> SIGKILL (default: enough for one checkpoint)")
+    k8s.add_argument("--out", help="write the manifest to this new file instead of printing it")
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -354,6 +392,46 @@ def _slurm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _k8s(args: argparse.Namespace) -> int:
+    """Render the manifest for a config after the checks that need no cluster; print or write it."""
+    from meshrun.atomic import write_atomic
+    from meshrun.launcher.k8s import PodOptions, check_options, render_manifest
+    from meshrun.plan import validate_layout
+
+    cfg = load_config(args.config, args.overrides)
+    options = PodOptions(
+        image=args.image,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        flavor=args.flavor,
+        name=args.name,
+        queue=args.queue,
+        namespace=args.namespace,
+        pvc=args.pvc,
+        env=args.env,
+        wandb_secret=args.wandb_secret,
+        cpus=args.cpus,
+        memory=args.memory,
+        grace_seconds=args.grace_seconds,
+    )
+    check_options(cfg, options)  # every flag's check, before the model is built
+    validate_layout(cfg)  # the run_dir and data live on the cluster's volume: the pods check them
+    model = preflight(cfg, scope="model")
+    weights = sum(p.numel() for p in model.parameters())
+    manifest = render_manifest(cfg, options, checkpoint_bytes=12 * weights)  # fp32 weights + Adam's two moments
+    if args.out is None:
+        print(manifest, end="")
+        return 0
+    if Path(args.out).exists():
+        raise ConfigError(f"--out {args.out} exists; meshrun does not overwrite it: choose a new file or remove it")
+    try:
+        write_atomic(args.out, manifest)
+    except OSError as exc:
+        raise ConfigError(f"--out {args.out} cannot be written ({exc.strerror or exc}); choose another path") from None
+    print(f"wrote {args.out}")
+    return 0
+
+
 _LAUNCH_FLAGS = (
     "nnodes",
     "nproc_per_node",
@@ -369,11 +447,37 @@ _LAUNCH_FLAGS = (
 def _launch_overrides(args: argparse.Namespace) -> list[str]:
     """Multi-node flags as `launch.*` overrides: validated like config keys, passed on to workers."""
     values = {name: getattr(args, name, None) for name in _LAUNCH_FLAGS}
+    rank = getattr(args, "node_rank", None)
+    if rank is not None:  # a node's index says whether it hosts the rendezvous, where names cannot
+        if rank < 0 or values["host_node"] is not None:
+            raise ConfigError(
+                f"--node-rank {rank}: give an index >= 0, and not together with --host-node/--no-host-node"
+            )
+        values["host_node"] = rank == 0
     return [
         f"launch.{name}={str(value).lower() if isinstance(value, bool) else value}"
         for name, value in values.items()
         if value is not None
     ]
+
+
+def _train(args: argparse.Namespace) -> int:
+    overrides = [*args.overrides, *_launch_overrides(args)]
+    cfg = load_config(args.config, overrides)
+    model = preflight(cfg)
+    from meshrun import job  # imports torch (preflight did, after every torch-free check)
+
+    if args.dry_run:
+        print(job.describe(cfg, model))
+        return 0
+    worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
+    code = job.train(cfg, worker_args, model)
+    if code == 0 and not in_launched_worker():
+        from meshrun.metrics.console import next_steps, say
+
+        offline = any((Path(cfg.run_dir) / "wandb").glob("offline-run-*"))  # what the run wrote, not meant
+        say(next_steps(cfg.run_dir, offline_wandb=offline))
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,24 +496,15 @@ def main(argv: list[str] | None = None) -> int:
             return _use_checkpoint(args)
         if args.command == "slurm":
             return _slurm(args)
+        if args.command == "k8s":
+            return _k8s(args)
         if args.command == "plan":
             return _plan(args)
-        overrides = [*args.overrides, *_launch_overrides(args)]
-        cfg = load_config(args.config, overrides)
-        model = preflight(cfg)
-        from meshrun import job  # imports torch (preflight did, after every torch-free check)
-
-        if args.dry_run:
-            print(job.describe(cfg, model))
-            return 0
-        worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
-        code = job.train(cfg, worker_args, model)
-        if code == 0 and not in_launched_worker():
-            from meshrun.metrics.console import next_steps, say
-
-            offline = any((Path(cfg.run_dir) / "wandb").glob("offline-run-*"))  # what the run wrote, not meant
-            say(next_steps(cfg.run_dir, offline_wandb=offline))
-        return code
+        with contextlib.nullcontext() if in_launched_worker() else stops_end_the_launcher():
+            return _train(args)
+    except StoppedBeforeTraining as stop:
+        print(f"meshrun: {stop}", file=sys.stderr)
+        return stop.exit_code
     except (ConfigError, RunError) as exc:
         print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
         return 2 if isinstance(exc, ConfigError) else 1

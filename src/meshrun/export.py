@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from meshrun.atomic import atomic_target
 from meshrun.checkpoint import (
     CONFIG,
     DATA_CARD,
@@ -25,7 +26,7 @@ from meshrun.config import Config
 from meshrun.data.pairs import BOS, EOS, NUM_SPECIAL, PAD
 from meshrun.data.storage import read_meta
 from meshrun.data.tokenize import id_count, read_tokenizer, text_codec
-from meshrun.errors import ConfigError
+from meshrun.errors import ConfigError, RunError
 from meshrun.hf_config import vocab_size
 from meshrun.metrics.console import say
 from meshrun.models.encdec import EncDec
@@ -72,14 +73,16 @@ def export(
     config = json.dumps(cfg.model_dump(mode="json"))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        if out.suffix == ".safetensors":
-            from safetensors.torch import save_file
+        with atomic_target(out, replace=False) as tmp:  # never over a file; a failure removes only its own
+            if out.suffix == ".safetensors":
+                from safetensors.torch import save_file
 
-            save_file(state, str(out), metadata={"meshrun_config": config, "checkpoint": folder.name})
-        else:
-            torch.save({"model": state, "meshrun_config": config}, out)
+                save_file(state, str(tmp), metadata={"meshrun_config": config, "checkpoint": folder.name})
+            else:
+                torch.save({"model": state, "meshrun_config": config}, tmp)
+    except RunError:
+        raise  # a full disk: one line naming it
     except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error for the same causes
-        out.unlink(missing_ok=True)
         raise ConfigError(
             f"--out {out} cannot be written ({' '.join(str(exc).split())}); choose another --out"
         ) from None

@@ -24,6 +24,7 @@ from meshrun.distributed import (
     shutdown,
 )
 from meshrun.errors import ConfigError, RunError
+from meshrun.launcher.lifetime import PARENT_PID, die_with_parent
 from meshrun.launcher.torchrun import (
     RDZV_TIMEOUT_EXIT,
     in_launched_worker,
@@ -34,11 +35,18 @@ from meshrun.launcher.torchrun import (
 )
 from meshrun.metrics.console import say
 from meshrun.model_size import memory_warnings
-from meshrun.outcome import Outcome, clear_record, launcher_exit_code, read_record, write_record
+from meshrun.outcome import (
+    STOP_SIGNALS,
+    Outcome,
+    StoppedBeforeTraining,
+    clear_record,
+    launcher_exit_code,
+    read_record,
+    write_record,
+)
 from meshrun.plan import stage_ids, stages_per_rank, static_split
 from meshrun.preflight import check_data_fits, data_dir, reads_in_place
-from meshrun.run_lock import hold_run_dir
-from meshrun.training.preemption import STOP_SIGNALS
+from meshrun.run_lock import RunDirLock, hold_run_dir
 
 
 def ensure_data(cfg: Config) -> Path:
@@ -54,6 +62,7 @@ def ensure_data(cfg: Config) -> Path:
             read_pairs(cfg.data.sources) if cfg.data.sources else example_pairs(),
             path,
             val_fraction=cfg.data.val_fraction,
+            reuse=True,  # another job on this data.dir may have prepared it meanwhile
         )
         check_data_fits(cfg, path)
     elif not reads_in_place(cfg) and not is_prepared(path):
@@ -66,6 +75,7 @@ def ensure_data(cfg: Config) -> Path:
             val_fraction=cfg.data.val_fraction,
             tokenizer="byte" if trained else tokenizer,
             train_tokenizer=tokenizer if trained else None,
+            reuse=True,
         )
         check_data_fits(cfg, path)  # data that was already there was checked by `preflight`
     return path
@@ -160,21 +170,31 @@ def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
     """Be a worker (under torchrun) or launch them; `model` is the one `preflight` built (meta).
     Returns the exit code for the run's outcome (see meshrun.outcome)."""
     if in_launched_worker():
+        die_with_parent(signal.SIGKILL)  # the agent that started this worker is gone: so is the job
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             ensure_data(cfg)
         run_worker(cfg)
         return 0  # stopped on request too: torchrun restarts a group that exits non-zero
-    with hold_run_dir(Path(cfg.run_dir)) if cfg.launch.nnodes == 1 else contextlib.nullcontext():
-        return launch(cfg, worker_args, model)
+    if cfg.launch.nnodes > 1:
+        return launch(cfg, worker_args, model, lock=None)
+    with hold_run_dir(Path(cfg.run_dir)) as lock:
+        return launch(cfg, worker_args, model, lock=lock)
 
 
-def launch(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
-    """This node's part of the job: data, the resume check, then one process or torchrun."""
+def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDirLock | None) -> int:
+    """This node's part of the job: data, the resume check, then one process or torchrun. Nothing
+    in the run directory changes before the run is known to train (a complete run: nothing to do)."""
     ensure_data(cfg)
     if resume_candidates(cfg.run_dir, cfg.train.resume):  # cannot resume: stop before any worker exists
-        from meshrun.checkpoint import check_resumable  # torch.distributed.checkpoint: only when there is one
+        from meshrun.checkpoint import check_resumable, read_manifest  # torch.distributed.checkpoint: only when needed
 
-        check_resumable(cfg.run_dir, cfg.train.resume, model)
+        resume_from = check_resumable(cfg.run_dir, cfg.train.resume, model)
+        step = read_manifest(resume_from).get("step") if resume_from is not None else None
+        if isinstance(step, int) and step >= cfg.train.steps:
+            say(f"run already complete: {resume_from} is at step {step} (train.steps {cfg.train.steps}); nothing to do")
+            return 0
+    if lock is not None:
+        lock.claim()
     if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
         return run_worker(cfg).exit_code  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)
@@ -182,18 +202,23 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
     if cfg.launch.nnodes > 1:
         say(waiting_line(cfg))
     clear_record(Path(cfg.run_dir))  # an earlier run's outcome must not be read as this one's
-    code, stop_relayed = run_torchrun(argv, env=worker_env(cfg))
-    if code == RDZV_TIMEOUT_EXIT and read_record(Path(cfg.run_dir)) is None:
+    env = {**worker_env(cfg), PARENT_PID: str(os.getpid())}
+    code, stop = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
+    outcome = read_record(Path(cfg.run_dir))
+    if outcome is None and stop is not None:  # no worker acted on it: nothing was checkpointed
+        raise StoppedBeforeTraining(stop)
+    if outcome is None and code == RDZV_TIMEOUT_EXIT:
         raise RunError(timeout_message(cfg))
-    return launcher_exit_code(read_record(Path(cfg.run_dir)), code, stop_relayed=stop_relayed)
+    return launcher_exit_code(outcome, code, stop_relayed=stop is not None)
 
 
-def run_torchrun(argv: list[str], *, env: dict[str, str]) -> tuple[int, bool]:
+def run_torchrun(argv: list[str], *, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> tuple[int, int | None]:
     """Run torchrun, relaying a stop request sent to this process (a container's PID 1, a
     scheduler) as SIGTERM: torchrun passes SIGTERM on to its workers, which checkpoint and
     stop (torchrun itself then exits non-zero); it has no handler for SIGUSR1 and would die of it.
-    Returns torchrun's exit code and whether a stop was relayed."""
-    proc = subprocess.Popen(argv, env=env)
+    `pass_fds`: the run_dir lock, held by the agent too (meshrun.run_lock).
+    Returns torchrun's exit code and the stop signal relayed (None: none)."""
+    proc = subprocess.Popen(argv, env=env, pass_fds=pass_fds)
     relayed: list[int] = []
 
     def relay(signum: int, frame: object) -> None:
@@ -211,7 +236,7 @@ def run_torchrun(argv: list[str], *, env: dict[str, str]) -> tuple[int, bool]:
             signal.signal(sig, handler)
     if code == 128 + signal.SIGINT and not relayed:  # torchrun's Ctrl-C, where this process ignores SIGINT
         raise KeyboardInterrupt
-    return code, bool(relayed)
+    return code, relayed[0] if relayed else None
 
 
 def run_worker(cfg: Config) -> Outcome:
@@ -233,7 +258,7 @@ def run_worker(cfg: Config) -> Outcome:
     except ConfigError:
         raise  # refused before training (e.g. no checkpoint loads): the run directory stays as it was
     except Exception:
-        with contextlib.suppress(OSError):  # the error itself matters more than its record
+        with contextlib.suppress(OSError, RunError):  # the error itself matters more than its record (a full disk)
             write_record(run_dir, Outcome.FAILED)  # any rank that fails says so
         raise
     finally:

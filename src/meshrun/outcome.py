@@ -6,12 +6,16 @@ directly; under torchrun the launcher reads the record, since workers stopped on
 (torchrun would restart a group that exits non-zero) and torchrun passes on no worker's status.
 
 Exit codes of `meshrun train`: 0 completed, 75 stopped on request with a checkpoint written
-(EX_TEMPFAIL: rerun the same command to resume; Slurm jobs requeue), 1 failed, 2 bad input.
+(EX_TEMPFAIL: rerun the same command to resume; Slurm jobs requeue), 1 failed, 2 bad input,
+128 + the signal for a stop request that came before any checkpoint could be written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
@@ -19,6 +23,8 @@ from meshrun.atomic import write_atomic
 
 RECORD = "outcome.json"
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped early with a checkpoint; rerun to resume
+# What schedulers and torchrun send before killing, and Slurm's `--signal=USR1@T` warning: stop, checkpoint first.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Outcome(Enum):
@@ -52,12 +58,47 @@ def clear_record(run_dir: Path) -> None:
 
 def launcher_exit_code(outcome: Outcome | None, torchrun_code: int, *, stop_relayed: bool) -> int:
     """`meshrun train`'s exit code after torchrun: the workers' recorded outcome decides. A stop
-    this launcher relayed makes torchrun itself exit non-zero: that is a stop, unless the workers
-    had completed or failed first. No record and no stop: torchrun's failure (1 if it said 0)."""
+    this launcher relayed makes torchrun itself exit non-zero: a completion the workers recorded
+    first is still one. Only a recorded stop says 75 (a checkpoint written); anything else is
+    torchrun's failure (1 if it said 0)."""
     if outcome is Outcome.COMPLETED and (torchrun_code == 0 or stop_relayed):
         return 0
-    if outcome is Outcome.FAILED:
-        return torchrun_code or 1
-    if outcome is Outcome.STOPPED or stop_relayed:
+    if outcome is Outcome.STOPPED:
         return STOPPED_EXIT_CODE
     return torchrun_code or 1
+
+
+class StoppedBeforeTraining(BaseException):
+    """A stop signal reached the launcher before any worker could act on it (none had yet, or
+    none recorded a stop): nothing was checkpointed, so the exit is 128 + the signal, not 75.
+    A BaseException, as KeyboardInterrupt: no `except Exception` on the way may swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        return (
+            f"stopped by {signal.Signals(self.signum).name} before training began: no checkpoint written; "
+            "rerun the same command to start"
+        )
+
+
+@contextlib.contextmanager
+def stops_end_the_launcher() -> Iterator[None]:
+    """Until the workers (or the trainer in this process) take stop signals over, a stop
+    request ends the launcher at once with StoppedBeforeTraining: there is nothing to save."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise StoppedBeforeTraining(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

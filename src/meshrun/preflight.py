@@ -30,6 +30,7 @@ from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.metrics.devices import SHORT_NAMES
 from meshrun.model_size import check_model_size
 from meshrun.plan import validate_layout
+from meshrun.rerun import check_rerun
 
 if TYPE_CHECKING:
     from torch import nn
@@ -167,11 +168,13 @@ def check_resolves(host: str, named: str) -> None:
 
 
 def check_rendezvous(cfg: Config) -> None:
-    """The launcher's addresses resolve: the rendezvous host and this node's --local-addr."""
+    """The launcher's addresses resolve: the rendezvous host and this node's --local-addr. Not
+    the host on a node told it is a guest (--no-host-node, --node-rank > 0): it may start before
+    the host's name is published (Kubernetes DNS), and launch.rdzv_timeout bounds its wait."""
     launch = cfg.launch
     if in_launched_worker():
         return
-    if launch.rdzv_endpoint is not None:
+    if launch.rdzv_endpoint is not None and launch.host_node is not False:
         host = launch.rdzv_endpoint.rpartition(":")[0] if ":" in launch.rdzv_endpoint else launch.rdzv_endpoint
         check_resolves(host, "launch.rdzv_endpoint (--rdzv-endpoint) host")
     if launch.local_addr is not None:
@@ -182,7 +185,8 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "outcome.json", "checkpoints", "lo
 
 
 def check_run_dir(cfg: Config) -> None:
-    """The run directory is new, or holds a meshrun run of the same model to continue."""
+    """The run directory is new, or holds a meshrun run to continue (same model, data and training:
+    meshrun.rerun)."""
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir {cfg.run_dir} is a file, not a folder; set run_dir to a new folder")
@@ -200,6 +204,7 @@ def check_run_dir(cfg: Config) -> None:
             )
         earlier = check_same_model(existing, cfg)
         check_not_mixed(run_dir, earlier.train.resume, cfg.train.resume)
+        check_rerun(run_dir, earlier, cfg)
     if cfg.train.resume not in ("auto", "none") and not (Path(cfg.train.resume) / "manifest.json").is_file():
         raise ConfigError(f"train.resume {cfg.train.resume} is not a complete checkpoint folder (no manifest.json)")
 

@@ -187,10 +187,16 @@ def python_base(podman: Podman, cache: Path) -> str:
 
 
 def wheelhouse_requirements() -> list[str]:
-    """Everything the image build installs offline: pyproject's dependencies, its build requirements,
+    """Everything the image build installs offline: pyproject's dependencies and the hf and
+    tensorboard extras the Dockerfile installs, its build requirements,
     and this host's own torch build (the CPU wheel here) for the stand-in base."""
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    deps = [d for d in pyproject["project"]["dependencies"] if not re.match(r"torch\b", d)]
+    extras = pyproject["project"]["optional-dependencies"]
+    deps = [
+        d
+        for d in [*pyproject["project"]["dependencies"], *extras["hf"], *extras["tensorboard"]]
+        if not re.match(r"torch\b", d)
+    ]
     return sorted({*deps, *pyproject["build-system"]["requires"], f"torch=={torch.__version__}"})
 
 

@@ -3,13 +3,13 @@ across two network namespaces, each equal in weights to the same dp x pp job on 
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
+import netns
 import pytest
 from conftest import REPO, final_weights, kill_tree, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
 
@@ -254,41 +254,11 @@ def test_two_agents_over_loopback_with_launch_script(
 
 # ---- two hosts: network namespaces joined by a veth pair ---------------------------------------
 
-SUBNET = "10.200.0"  # private test addresses; they exist only inside the namespaces made here
-
 
 @pytest.fixture
 def two_hosts():
-    """Two network namespaces `a` (10.200.0.1) and `b` (10.200.0.2) linked by a veth pair; deleted
-    afterwards. Skips (saying why) where namespaces cannot be made, e.g. without root."""
-    if shutil.which("ip") is None:
-        pytest.skip("network namespaces: the `ip` command (iproute2) is not installed")
-    tag = uuid.uuid4().hex[:6]
-    hosts = [(f"meshrun-{tag}-a", f"mra{tag}", f"{SUBNET}.1"), (f"meshrun-{tag}-b", f"mrb{tag}", f"{SUBNET}.2")]
-    made: list[str] = []
-
-    def ip(*args: str) -> None:
-        result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
-        if result.returncode != 0:
-            raise OSError(f"ip {' '.join(args)}: {result.stderr.strip()}")
-
-    try:
-        for ns, _, _ in hosts:
-            try:
-                ip("netns", "add", ns)
-            except OSError as exc:
-                pytest.skip(f"network namespaces cannot be created here ({exc}); the loopback tests cover multi-node")
-            made.append(ns)
-        (ns_a, veth_a, _), (ns_b, veth_b, _) = hosts
-        ip("link", "add", veth_a, "netns", ns_a, "type", "veth", "peer", "name", veth_b, "netns", ns_b)
-        for ns, veth, addr in hosts:
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-            ip("-n", ns, "link", "set", veth, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield hosts
-    finally:
-        for ns in made:  # deleting a namespace also deletes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
+    """Two network namespaces linked by a veth pair (see netns.two_hosts)."""
+    yield from netns.two_hosts()
 
 
 @pytest.mark.timeout(400)

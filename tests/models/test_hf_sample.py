@@ -58,7 +58,11 @@ def test_export_hf_carries_the_data_tokenizer(tmp_path: Path) -> None:
     run, out = tmp_path / "run", tmp_path / "exported"
     run_meshrun(["train", *tiny(data, run, **{"model.hf": model_dir, "train.steps": 1})], tmp_path=tmp_path)
     shutil.rmtree(data)  # the checkpoint's own copy of the data's tokenizer is what gets exported
+    (tmp_path / "exported.tmp").mkdir()  # the user's own folder, named like a temporary one
+    (tmp_path / "exported.tmp" / "notes.txt").write_text("keep me")
     run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
+    assert (tmp_path / "exported.tmp" / "notes.txt").read_text() == "keep me"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".exported")]  # its temporary went
     exported = AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert (out / "tokenizer.json").read_bytes() == tokenizer_json.read_bytes()  # the data's check accepts it
     text = "def f7(self, y):<|endoftext|>\n    return y * 7\n"

@@ -4,10 +4,13 @@ None of it looks at summary.json: a completed run whose summary.json is gone sti
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from pathlib import Path
 
 import pytest
-from conftest import meshrun_env, run_meshrun, tiny
+from conftest import descendants, finish_meshrun, meshrun_env, run_meshrun, start_meshrun, tiny, wait_for
 
 from meshrun import job
 from meshrun.config import load_config
@@ -42,6 +45,20 @@ def test_worker_returns_completed_and_records_it(cue, data_dir: Path, tmp_path: 
     assert read_record(tmp_path / "run") is Outcome.COMPLETED
     (tmp_path / "run" / "summary.json").unlink()  # the outcome is not inferred from it
     assert job.run_worker(cfg) is Outcome.COMPLETED  # already at train.steps: nothing to do, still complete
+
+
+def test_a_worker_with_nothing_to_do_leaves_the_run_as_it_was(cue, data_dir: Path, tmp_path: Path) -> None:
+    """Workers started without meshrun's launcher (a torchrun by hand), which would have found the
+    run complete first: no config.json, metrics, summary or tracker is rewritten."""
+    run = tmp_path / "run"
+    cfg = load_config(
+        None, [a.removeprefix("--set=") for a in tiny(data_dir, run, **{**JOB, "checkpoint.at_end": True})]
+    )
+    assert job.run_worker(cfg) is Outcome.COMPLETED
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    again = cfg.model_copy(update={"train": cfg.train.model_copy(update={"log_interval": 2})})
+    assert job.run_worker(again) is Outcome.COMPLETED
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 def test_worker_returns_stopped_after_a_stop_signal_with_a_checkpoint(cue, data_dir: Path, tmp_path: Path) -> None:
@@ -80,7 +97,7 @@ def test_worker_records_failed_and_raises(cue, data_dir: Path, tmp_path: Path) -
         (Outcome.COMPLETED, 0, False, 0),
         (Outcome.COMPLETED, 1, True, 0),  # the stop came after the last step
         (Outcome.STOPPED, 0, False, STOPPED_EXIT_CODE),  # workers stopped on request exit 0
-        (None, 1, True, STOPPED_EXIT_CODE),  # relayed before any worker could record
+        (None, 143, True, 143),  # relayed before any worker could record: no checkpoint, so not 75
         (Outcome.FAILED, 1, False, 1),
         (Outcome.FAILED, 1, True, 1),
         (None, 0, False, 1),  # workers that exit 0 without an outcome did not complete
@@ -107,3 +124,37 @@ def test_launcher_acts_on_the_workers_outcome_under_torchrun(data_dir: Path, tmp
         assert read_record(run) is outcome
     assert steps_saved(tmp_path / "SIGNAL") == [3]  # asked during step 2, agreed on at the end of step 3
     assert "failing on cue" in done.stderr
+
+
+def torchrun_started(launcher: int) -> bool:
+    """torchrun's agent runs (so this launcher relays stop signals to it); its workers take
+    seconds more to start, let alone train."""
+    for pid in descendants(launcher):
+        with contextlib.suppress(OSError):
+            if b"meshrun.launcher.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+    return False
+
+
+@pytest.mark.parametrize("moment", ["torchrun-starting", "torchrun-started"])
+def test_a_stop_before_the_first_step_claims_no_checkpoint(moment: str, data_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM to the launcher as it starts torchrun, or once torchrun runs (the launcher relays
+    it): no worker has trained, so no checkpoint was written; one line says so and the exit is
+    128 + SIGTERM, not 75 (which promises a checkpoint)."""
+    run = tmp_path / "run"
+    proc = start_meshrun(["train", *tiny(data_dir, run, **{"parallel.dp": 2})], tmp_path=tmp_path)
+    try:
+        assert proc.stderr is not None
+        while "starting 2 workers" not in (line := proc.stderr.readline()):
+            assert line, "the launcher ended before starting torchrun"
+        if moment == "torchrun-started":
+            wait_for(lambda: torchrun_started(proc.pid), timeout=120, what="torchrun to start")
+        os.kill(proc.pid, signal.SIGTERM)
+    finally:
+        done = finish_meshrun(proc, timeout=120, check=False)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("meshrun:")]
+    assert said == [
+        "meshrun: stopped by SIGTERM before training began: no checkpoint written; rerun the same command to start"
+    ], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and not (run / "checkpoints").exists()

@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import descendants, final_weights, finish_meshrun, kill_tree, losses, run_meshrun, start_meshrun, tiny
+from conftest import (
+    descendants,
+    final_weights,
+    finish_meshrun,
+    kill_tree,
+    losses,
+    run_meshrun,
+    start_meshrun,
+    tiny,
+    wait_for,
+)
 
 from meshrun.run_lock import LOCK
 
@@ -39,14 +49,6 @@ def workers(root_pid: int) -> dict[int, int]:
 
 def start(data_dir: Path, run: Path, **overrides: object) -> subprocess.Popen:
     return start_meshrun(["train", *tiny(data_dir, run, **{**STEPS, **overrides})], tmp_path=run.parent)
-
-
-def wait_for(predicate, *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:

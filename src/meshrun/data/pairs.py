@@ -34,8 +34,8 @@ import torch
 
 from meshrun.confined import confined
 from meshrun.data.hashing import splitmix64
-from meshrun.data.prepare import _check_out, _commit, _fresh_staging
-from meshrun.data.storage import IGNORE, SPLITS, smallest_dtype, tokenizer_file
+from meshrun.data.prepare import AlreadyPrepared, _check_out, publishing
+from meshrun.data.storage import IGNORE, SPLITS, read_meta, smallest_dtype, tokenizer_file
 from meshrun.data.token_ids import TokenFile
 from meshrun.data.tokenize import Encoder, TokenizerSpec, byte_tokenizer, load_tokenizer
 from meshrun.errors import ConfigError
@@ -93,15 +93,32 @@ def encode_texts(spec: TokenizerSpec, texts: list[str]) -> list[np.ndarray]:
 
 
 def prepare_pairs(
-    pairs: list[tuple[str, str]], out: str | Path, *, val_fraction: float = 0.05, tokenizer: str = "byte"
+    pairs: list[tuple[str, str]],
+    out: str | Path,
+    *,
+    val_fraction: float = 0.05,
+    tokenizer: str = "byte",
+    reuse: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize pairs into a new folder; the last `val_fraction` of them (at least one) are validation."""
+    """Tokenize pairs into a new folder; the last `val_fraction` of them (at least one) are validation.
+    `reuse`: as for `prepare` (a dataset in `out`, or one another job prepares meanwhile, is used)."""
     out = Path(out)
-    _check_out(out)
     if len(pairs) < 2:
         raise ConfigError(f"{len(pairs)} pairs are too few to train and validate on; give at least 2")
     spec = byte_tokenizer() if tokenizer == "byte" else load_tokenizer(tokenizer)
-    staging = _fresh_staging(out)  # renamed to `out` when complete: an interrupted run leaves no dataset
+    try:
+        _check_out(out)
+        with publishing(out) as staging:  # renamed to `out` when complete: an interrupted run leaves no dataset
+            meta = _write_pairs(staging, spec, pairs, val_fraction)
+    except AlreadyPrepared:
+        if not reuse:
+            raise
+        return read_meta(out) or {}  # there already, or another job prepared it while this one waited
+    return meta
+
+
+def _write_pairs(staging: Path, spec: TokenizerSpec, pairs: list[tuple[str, str]], val_fraction: float) -> dict:
+    """Every split's token ids and offsets, the tokenizer and meta.json into `staging`."""
     dtype = smallest_dtype(spec.vocab_size + NUM_SPECIAL)
     cut = len(pairs) - max(1, round(len(pairs) * val_fraction))
     splits = {}
@@ -124,7 +141,6 @@ def prepare_pairs(
         "splits": splits,
     }
     (staging / "meta.json").write_text(json.dumps(meta, indent=2))
-    _commit(staging, out)
     return meta
 
 

@@ -5,11 +5,14 @@ batches of about 1 MB by `--workers` processes with at most two batches each in 
 appended to shards in input order, so memory stays bounded and the output does not depend on
 the number of workers. Everything is written into a staging folder beside `--out` and renamed
 into place at the end: an interrupted run leaves nothing that training accepts, and a rerun
-starts the staging folder afresh and produces the same files.
+starts the staging folder afresh and produces the same files. One process prepares an `--out` at
+a time (a lock beside it): a second job waits, then uses or refuses the first one's dataset.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from meshrun.atomic import disk_error, publish_folder
 from meshrun.data.sources import (
     Document,
     Source,
@@ -30,7 +34,7 @@ from meshrun.data.sources import (
     expand_sources,
     find_sources,
 )
-from meshrun.data.storage import SPLITS, SplitWriter, smallest_dtype
+from meshrun.data.storage import SPLITS, SplitWriter, read_meta, smallest_dtype
 from meshrun.data.tokenize import (
     TokenizerSpec,
     byte_tokenizer,
@@ -39,6 +43,7 @@ from meshrun.data.tokenize import (
     train_bpe,
 )
 from meshrun.errors import ConfigError
+from meshrun.metrics.console import say
 
 __all__ = ["SPLITS", "default_sources", "expand_sources", "is_prepared", "prepare"]
 OUTPUTS = ("train.bin", "val.bin", "meta.json")  # meshrun 0.1's names: never written over
@@ -47,6 +52,7 @@ BPE_TRAIN_BYTES = 4 << 20  # a byte-level BPE is trained on about this much text
 SHARD_TOKENS = 1 << 28  # 256 Mi tokens per shard (512 MB of uint16)
 MIN_TOKENS = 64  # fewer cannot train anything: refuse rather than write a useless dataset
 STAGING_MARK = ".meshrun-staging"
+LOCK_SUFFIX = ".meshrun-lock"
 
 
 def is_prepared(out: str | Path) -> bool:
@@ -66,49 +72,85 @@ def prepare(
     workers: int | None = None,
     shard_tokens: int = SHARD_TOKENS,
     progress: bool = True,
+    reuse: bool = False,
 ) -> dict[str, Any]:
     """Tokenize `sources` into a new dataset folder `out`; returns its meta.json content.
 
     Each document goes wholly to train or val by a hash of its content, so the split is stable
-    when sources are added, moved or renamed.
+    when sources are added, moved or renamed. `reuse`: a dataset already in `out` (or one another
+    job prepares there meanwhile) is used as it is, not refused (training's first-use preparation).
     """
     out = Path(out)
-    _check_out(out)
-    found, skipped = find_sources(sources)
-    if not found:
-        raise ConfigError(f"no files match --source {' '.join(sources)}")
-    root = corpus_root(found)
-    staging = _fresh_staging(out)
     try:
-        spec = _tokenizer(tokenizer, train_tokenizer, found, field)
-        if spec.json_text is not None:
-            (staging / "tokenizer.json").write_text(spec.json_text)
-        dtype = smallest_dtype(spec.vocab_size)
-        writers = {split: SplitWriter(staging, split, dtype, shard_tokens) for split in SPLITS}
-        records: list[dict[str, Any]] = []
-        tasks = _tasks(found, root, spec, field=field, val_fraction=val_fraction, records=records, progress=progress)
-        for splits, (tokens, lengths) in encode_ordered(spec, tasks, workers=workers or os.cpu_count() or 1):
-            for split in SPLITS:
-                mine = [i for i, s in enumerate(splits) if s == split]
-                if mine:
-                    starts = lengths.cumsum() - lengths
-                    parts = [tokens[starts[i] : starts[i] + lengths[i]] for i in mine]
-                    writers[split].add(_concat(parts), lengths[mine])
-        _check_enough(writers, sources)
-        _balance_splits(writers, val_fraction)
-        meta = _meta(spec, dtype, {split: w.close() for split, w in writers.items()}, records, sources)
-        meta["skipped_files"] = skipped
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2))
-    except ConfigError:
-        shutil.rmtree(staging)  # a refused input leaves nothing behind
-        raise
-    _commit(staging, out)
+        _check_out(out)
+        found, skipped = find_sources(sources)
+        if not found:
+            raise ConfigError(f"no files match --source {' '.join(sources)}")
+        root = corpus_root(found)
+        with publishing(out) as staging:
+            meta = _write(
+                staging,
+                found,
+                root,
+                sources,
+                tokenizer=tokenizer,
+                train_tokenizer=train_tokenizer,
+                field=field,
+                val_fraction=val_fraction,
+                workers=workers,
+                shard_tokens=shard_tokens,
+                progress=progress,
+            )
+            meta["skipped_files"] = skipped
+            (staging / "meta.json").write_text(json.dumps(meta, indent=2))
+    except AlreadyPrepared:
+        if not reuse:
+            raise
+        return read_meta(out) or {}  # there already, or another job prepared it while this one waited
     return meta
+
+
+def _write(
+    staging: Path,
+    found: list[Source],
+    root: Path,
+    sources: list[str],
+    *,
+    tokenizer: str,
+    train_tokenizer: str | None,
+    field: str,
+    val_fraction: float,
+    workers: int | None,
+    shard_tokens: int,
+    progress: bool,
+) -> dict[str, Any]:
+    """The tokenizer and every split's shards into `staging`; returns the meta.json content."""
+    spec = _tokenizer(tokenizer, train_tokenizer, found, field)
+    if spec.json_text is not None:
+        (staging / "tokenizer.json").write_text(spec.json_text)
+    dtype = smallest_dtype(spec.vocab_size)
+    writers = {split: SplitWriter(staging, split, dtype, shard_tokens) for split in SPLITS}
+    records: list[dict[str, Any]] = []
+    tasks = _tasks(found, root, spec, field=field, val_fraction=val_fraction, records=records, progress=progress)
+    for splits, (tokens, lengths) in encode_ordered(spec, tasks, workers=workers or os.cpu_count() or 1):
+        for split in SPLITS:
+            mine = [i for i, s in enumerate(splits) if s == split]
+            if mine:
+                starts = lengths.cumsum() - lengths
+                parts = [tokens[starts[i] : starts[i] + lengths[i]] for i in mine]
+                writers[split].add(_concat(parts), lengths[mine])
+    _check_enough(writers, sources)
+    _balance_splits(writers, val_fraction)
+    return _meta(spec, dtype, {split: w.close() for split, w in writers.items()}, records, sources)
+
+
+class AlreadyPrepared(ConfigError):
+    """`--out` holds a dataset (perhaps one another job finished while this one waited for it)."""
 
 
 def _check_out(out: Path) -> None:
     if is_prepared(out):
-        raise ConfigError(f"{out} already holds a prepared dataset; choose another --out or delete it")
+        raise AlreadyPrepared(f"{out} already holds a prepared dataset; choose another --out or delete it")
     if out.is_dir() and any(out.iterdir()):  # a user's own files: never write among them
         names = sorted(p.name for p in out.iterdir())
         raise ConfigError(f"{out} already has {', '.join(names[:5])}; prepare into an empty folder or move those files")
@@ -116,8 +158,62 @@ def _check_out(out: Path) -> None:
         raise ConfigError(f"cannot prepare data in {out}: it is a file; choose a folder for --out")
 
 
+@contextlib.contextmanager
+def publishing(out: Path) -> Iterator[Path]:
+    """A fresh staging folder to write the dataset `out` into, published as `out` in one rename
+    when the block ends without an error and removed when it fails (its space back on a full
+    disk). One process at a time per `out` (see `_one_writer`): a job that waited finds the
+    other's complete dataset and gets `AlreadyPrepared`."""
+    with _one_writer(out):
+        _check_out(out)
+        staging = _fresh_staging(out)
+        try:
+            yield staging
+            (staging / STAGING_MARK).unlink()
+            publish_folder(staging, out)  # every file made durable, then one rename
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise disk_error(exc, Path(exc.filename or out)) from exc
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+@contextlib.contextmanager
+def _one_writer(out: Path) -> Iterator[None]:
+    """An exclusive flock on `.OUT.meshrun-lock` beside `out` (two jobs may prepare one data.dir at
+    once), removed by its holder when done. A waiter that then holds a removed file's lock tries
+    again on the current one, so two processes never both hold it."""
+    lock = out.parent / f".{out.name}{LOCK_SUFFIX}"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)  # for writing: NFS emulates flock with fcntl locks
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process preparing {out}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if _same_file(fd, lock):
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 def _fresh_staging(out: Path) -> Path:
-    """The staging folder beside `out`; one left by an interrupted run is started afresh."""
+    """The staging folder beside `out`; one left by a killed run is started afresh (under the
+    lock, so it is no live job's)."""
     staging = out.parent / f".{out.name}.partial"
     if staging.exists():
         if not (staging / STAGING_MARK).is_file():
@@ -126,13 +222,6 @@ def _fresh_staging(out: Path) -> Path:
     staging.mkdir(parents=True)
     (staging / STAGING_MARK).write_text("an interrupted `meshrun prepare-data`; rerunning it starts afresh\n")
     return staging
-
-
-def _commit(staging: Path, out: Path) -> None:
-    (staging / STAGING_MARK).unlink()
-    if out.is_dir():
-        out.rmdir()  # empty (checked at the start)
-    os.rename(staging, out)
 
 
 def _tokenizer(tokenizer: str, train_tokenizer: str | None, found: list[Source], field: str) -> TokenizerSpec:

@@ -1,19 +1,23 @@
 """torchrun's agent as meshrun starts it: `torch.distributed.run`'s own main, ending on the stop
 signal it passes to the workers (they checkpoint and say so in one line) with the signal's exit
-status instead of a Python traceback in every preempted job's log."""
+status instead of a Python traceback in every preempted job's log. It ends with the launcher
+that started it (SIGTERM: the same stop), and its workers with it (meshrun.launcher.lifetime)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.run import main
 
+from meshrun.launcher.lifetime import die_with_parent
 from meshrun.launcher.torchrun import RDZV_TIMEOUT_EXIT
 
 
 def run() -> None:
+    die_with_parent(signal.SIGTERM)
     try:
         main()
     except SignalException as stop:

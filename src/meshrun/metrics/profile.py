@@ -17,6 +17,7 @@ import torch
 from torch.autograd.profiler import profile
 from torch.profiler import DeviceType
 
+from meshrun.atomic import atomic_target
 from meshrun.config import ProfileConfig
 from meshrun.metrics.report import say
 from meshrun.parallel.timeline import MARK_PREFIX, StepTimeline, step_timeline
@@ -59,7 +60,8 @@ class StepProfiler:
                 _dump_memory_snapshot(self.folder / f"step{done}-rank{self.rank}-memory.pickle")
                 _record_memory_history(False)
         if trace:
-            prof.export_chrome_trace(str(self.folder / f"step{done}-rank{self.rank}.json"))
+            with atomic_target(self.folder / f"step{done}-rank{self.rank}.json") as tmp:
+                prof.export_chrome_trace(str(tmp))
         if measure:
             self._recorded = prof
 
@@ -114,4 +116,5 @@ def _record_memory_history(enabled: bool) -> None:
 
 def _dump_memory_snapshot(path: Path) -> None:
     """A pickle for https://pytorch.org/memory_viz (documented, but private, like the above)."""
-    torch.cuda.memory._dump_snapshot(str(path))
+    with atomic_target(path) as tmp:
+        torch.cuda.memory._dump_snapshot(str(tmp))

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from meshrun.atomic import publish_folder, temporary_name
 from meshrun.config import ModelConfig
 from meshrun.confined import confined
 from meshrun.errors import ConfigError
@@ -39,9 +40,9 @@ def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
     config = model.hf_config
     config.architectures = [model.hf_class_name]
     config.dtype = torch.float32
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = temporary_name(out)  # this process's own: a folder named OUT.tmp may be the user's
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
     model_dir = hf_dir(model.cfg)
     try:
         config.save_pretrained(tmp)
@@ -50,11 +51,10 @@ def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
             shutil.copy2(file, tmp / file.name)
         if model_tokenizer(model_dir) is None and data is not None:
             save_data_tokenizer(data, tmp, max_length=model.cfg.seq_len)
+        return publish_folder(tmp, out)  # all or nothing, and never over a folder that appeared meanwhile
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # all or nothing: no half-written folder stays behind
+        shutil.rmtree(tmp, ignore_errors=True)  # what this call created, and nothing else
         raise
-    tmp.rename(out)
-    return out
 
 
 def load_tokenizer(cfg: ModelConfig):

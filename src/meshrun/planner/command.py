@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from meshrun.atomic import write_atomic
 from meshrun.config import Config, load_config
 from meshrun.errors import ConfigError
 from meshrun.metrics.devices import PCIE4_LINKS_GBS, device_by_short_name, links_gbs
@@ -100,8 +101,7 @@ def table(predictions: list[Prediction], top: int) -> str:
 def write_config(prediction: Prediction, out: Path) -> None:
     text = yaml.safe_dump(prediction.cfg.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("x") as f:  # never overwrite (checked before, refused here too)
-        f.write(text)
+    write_atomic(out, text, replace=False)  # never overwrite (checked before, refused here too)
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from meshrun.outcome import STOP_SIGNALS
 
 
 class Requests:

@@ -17,6 +17,7 @@ from torch.amp import GradScaler
 
 from meshrun import checkpoint
 from meshrun.atomic import write_atomic
+from meshrun.checkpoint_paths import newest_first, step_of
 from meshrun.config import Config
 from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.data.pairs import PairsDataset
@@ -125,14 +126,14 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=mesh.rank, device=self.device)
 
     def _open_tracker(self) -> Tracker | None:
-        """Rank 0 only: the run directory, its resolved config, and trackers continuing the run."""
-        if self.mesh.rank != 0:
+        """Rank 0 only: the run directory, its resolved config, and trackers continuing the run.
+        None, and nothing written, when the run is already complete: its record stays as it is."""
+        if self.mesh.rank != 0 or self.start_step >= self.cfg.train.steps:
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resolved = self.cfg.model_dump(mode="json")
         write_atomic(self.run_dir / "config.json", json.dumps(resolved, indent=2))
-        if self.start_step < self.cfg.train.steps:
-            (self.run_dir / "summary.json").unlink(missing_ok=True)  # written again when this run completes
+        (self.run_dir / "summary.json").unlink(missing_ok=True)  # written again when this run completes
         truncate_metrics(self.run_dir / "metrics.jsonl", after_step=self.start_step)
         return open_trackers(self.cfg.tracker, run_dir=self.run_dir, config=resolved, start_step=self.start_step)
 
@@ -192,8 +193,9 @@ class Trainer:
         """Run to train.steps (COMPLETED), or until a stop request (STOPPED, a checkpoint written)."""
         cfg = self.cfg.train
         window, row = Window(), {}
-        if self.start_step >= cfg.steps:
-            self.report.note(f"run already complete at step {self.start_step}; nothing to do")
+        if self.start_step >= cfg.steps:  # no tracker was opened (the record stays as it is): say it here
+            if self.mesh.rank == 0:
+                say(f"run already complete at step {self.start_step}; nothing to do")
             return Outcome.COMPLETED
         if note := mfu_note(self.device, self.peak):
             self.report.note(note)
@@ -289,15 +291,24 @@ class Trainer:
     def save(self, step: int) -> Path:
         self.model.tied.check_identical()  # the checkpoint keeps one of the two copies
         config = self.cfg.model_dump(mode="json")
-        return checkpoint.save(
-            self.state_dict(step),
-            self.run_dir,
-            step,
-            keep=self.cfg.checkpoint.keep,
-            config=config,
-            protected=self.newer_checkpoints,
-            data_card=self.data_card,
-        )
+        try:
+            return checkpoint.save(
+                self.state_dict(step),
+                self.run_dir,
+                step,
+                keep=self.cfg.checkpoint.keep,
+                config=config,
+                protected=self.newer_checkpoints,
+                data_card=self.data_card,
+            )
+        except RunError as exc:  # a full disk, say: name what a rerun resumes from
+            saved = newest_first(self.run_dir)
+            last = (
+                f"the last complete checkpoint is step {step_of(saved[0])}"
+                if saved
+                else "no checkpoint is complete yet"
+            )
+            raise RunError(f"{exc}; {last}") from None
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step, in order; returns this rank's loss (0 off the last stage), unsynchronised.

@@ -1,0 +1,34 @@
+"""A job's processes end with the process that started them: torchrun's agent with the
+launcher, the workers with the agent. Without it, a launcher killed outright (SIGKILL, a closed
+terminal) left torchrun and its workers training into a run_dir whose lock it had released.
+
+Each parent exports its pid as PARENT_PID; the child asks the kernel (prctl PR_SET_PDEATHSIG)
+for a signal when that parent ends. The agent asks for SIGTERM: it stops its workers as on any
+stop request (they checkpoint and stop), holding the run_dir lock until they have. A worker asks
+for SIGKILL: its agent is gone, nobody would restart or report it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PARENT_PID = "MESHRUN_PARENT_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: signal.Signals) -> None:
+    """Receive `sig` when the process named by PARENT_PID ends (Linux; elsewhere nothing), and
+    export this process as the parent of the ones it starts. No PARENT_PID (a torchrun started
+    by hand): nothing to follow."""
+    parent = os.environ.get(PARENT_PID)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != int(parent):  # it ended before the request above: no signal will come
+        os.kill(os.getpid(), sig)
+    os.environ[PARENT_PID] = str(os.getpid())

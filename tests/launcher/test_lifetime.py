@@ -1,0 +1,85 @@
+"""No job outlives its launcher's lock: killed outright (SIGKILL, a closed terminal), the
+launcher's torchrun agent still holds the run_dir, stops its workers (they checkpoint) and ends;
+an agent killed outright takes its workers with it."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import descendants, finish_meshrun, kill_tree, run_meshrun, start_meshrun, tiny, wait_for
+
+from meshrun.run_lock import LOCK
+
+# Two workers under torchrun, far more steps than the test lasts, a row per step.
+LONG = {"parallel.dp": 2, "train.steps": 1_000_000, "checkpoint.interval": 0, "train.log_interval": 1}
+
+
+def living(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (an exited process waiting to be reaped is not)."""
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.append(pid)
+    return alive
+
+
+def trained_a_step(run: Path) -> bool:
+    """A metrics row exists: every worker is past its setup and takes stop requests."""
+    return (run / "metrics.jsonl").exists() and bool((run / "metrics.jsonl").read_text().strip())
+
+
+def agent_of(pids: list[int]) -> int:
+    return next(pid for pid in pids if b"meshrun.launcher.agent" in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
+@contextlib.contextmanager
+def running_job(data_dir: Path, run: Path) -> Iterator[tuple[subprocess.Popen, list[int]]]:
+    """A two-worker job past its first step: its launcher and every process under it. After the
+    block, whatever of them is left is SIGKILLed: the processes recorded here too, as those that
+    outlived their parent are nobody's descendants any more."""
+    proc = start_meshrun(["train", *tiny(data_dir, run, **LONG)], tmp_path=run.parent)
+    job: list[int] = []
+    try:
+        wait_for(lambda: trained_a_step(run), timeout=180, what="the first step")
+        job += descendants(proc.pid)
+        yield proc, job
+    finally:
+        for pid in job:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        kill_tree(proc.pid)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_launchers_job_keeps_the_run_dir_until_every_process_has_ended(data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with running_job(data_dir, run) as (proc, job):
+        agent = agent_of(job)
+        os.kill(agent, signal.SIGSTOP)  # hold the job still while the test looks: it must keep the run_dir
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        second = run_meshrun(["train", *tiny(data_dir, run, **LONG)], tmp_path=tmp_path, timeout=120, check=False)
+        assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr[-3000:]
+        assert "is in use by another meshrun job" in second.stderr
+        os.kill(agent, signal.SIGCONT)  # the SIGTERM its launcher's death queued: the workers checkpoint and stop
+        wait_for(lambda: not living(job), timeout=120, what="every process of the first job to end")
+    first = finish_meshrun(proc, timeout=60, check=False)  # its stderr: every writer has ended
+    assert "stop requested: checkpoint at step" in first.stderr, first.stderr[-3000:]
+    with open(run / LOCK) as lock:  # free once the last of them ended
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@pytest.mark.timeout(600)
+def test_workers_end_with_their_agent(data_dir: Path, tmp_path: Path) -> None:
+    with running_job(data_dir, tmp_path / "run") as (proc, job):
+        os.kill(agent_of(job), signal.SIGKILL)
+        wait_for(lambda: not living(job), timeout=120, what="the workers to end")
+    finish_meshrun(proc, timeout=60, check=False)
