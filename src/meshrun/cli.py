@@ -13,7 +13,7 @@ from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.outcome import StoppedBeforeTraining, stops_end_the_launcher
-from meshrun.preflight import check_checkpoint_args, check_plan_args, preflight
+from meshrun.preflight import check_checkpoint_args, check_plan_args, check_rendezvous, preflight
 from meshrun.versions import check_torch_version, installed_torch_version
 
 
@@ -464,6 +464,8 @@ def _launch_overrides(args: argparse.Namespace) -> list[str]:
 def _train(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *_launch_overrides(args)]
     cfg = load_config(args.config, overrides)
+    if not args.dry_run:  # the names must resolve here, before torchrun retries them for minutes
+        check_rendezvous(cfg)
     model = preflight(cfg)
     from meshrun import job  # imports torch (preflight did, after every torch-free check)
 

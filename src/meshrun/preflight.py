@@ -92,7 +92,6 @@ def _tokenizer_slug(tokenizer: str | None) -> str:
 def check_job(cfg: Config) -> None:
     """Every torch-free check of a training job (`train`, with or without --dry-run, and `slurm`)."""
     check_worker_env(cfg)
-    check_rendezvous(cfg)
     hf_dir(cfg.model)  # model.hf: a local folder with a config.json (reading it needs no torch)
     check_model_size(cfg)  # whole, positive sizes a rank can hold: arithmetic, before any model exists
     validate_layout(cfg)  # blocks and microbatches over pipeline stages: needs the model's depth
@@ -168,7 +167,8 @@ def check_resolves(host: str, named: str) -> None:
 
 
 def check_rendezvous(cfg: Config) -> None:
-    """The launcher's addresses resolve: the rendezvous host and this node's --local-addr. Not
+    """The launcher's addresses resolve: the rendezvous host and this node's --local-addr (by
+    `meshrun train` itself, not its --dry-run, which may plan a job for another network). Not
     the host on a node told it is a guest (--no-host-node, --node-rank > 0): it may start before
     the host's name is published (Kubernetes DNS), and launch.rdzv_timeout bounds its wait."""
     launch = cfg.launch

@@ -121,9 +121,9 @@ def test_flags_land_in_the_launch_section(tmp_path: Path) -> None:
             "train",
             "--set=parallel.dp=2",
             "--nnodes=2",
-            "--rdzv-endpoint=localhost:5",
+            "--rdzv-endpoint=h:5",
             "--rdzv-id=j1",
-            "--local-addr=127.0.0.2",
+            "--local-addr=10.1.1.1",
             "--no-host-node",
             "--max-restarts=2",
             "--dry-run",
@@ -132,7 +132,7 @@ def test_flags_land_in_the_launch_section(tmp_path: Path) -> None:
         timeout=60,
     )
     assert (
-        "nnodes: 2\n  nproc_per_node: null\n  rdzv_endpoint: localhost:5\n  rdzv_id: j1\n  local_addr: 127.0.0.2\n"
+        "nnodes: 2\n  nproc_per_node: null\n  rdzv_endpoint: h:5\n  rdzv_id: j1\n  local_addr: 10.1.1.1\n"
         "  host_node: false"
     ) in result.stdout
     assert "max_restarts: 2" in result.stdout
