@@ -7,10 +7,11 @@ import contextlib
 from pathlib import Path
 
 import pytest
-from conftest import run_meshrun, tiny, tmpfs
+from conftest import meshrun_env, run_meshrun, tiny, tmpfs
 
 from meshrun.checkpoint import verify
 from meshrun.checkpoint_paths import complete_checkpoints
+from meshrun.metrics.record import read_metrics_rows
 
 # one checkpoint of this model is ~300 KB (model + Adam state): two do not fit in 450 KB
 SMALL = {"model.num_layers": 1, "model.dim": 16, "train.global_batch": 2, "checkpoint.keep": 5}
@@ -38,12 +39,10 @@ def test_a_checkpoint_that_fills_the_disk_is_one_line(dp: int, data_dir: Path, t
             f"meshrun: error: no space left on {disk} while writing {run}/checkpoints/step-00000004.tmp; "
             "the last complete checkpoint is step 2"
         )
-        if dp == 1:
-            assert result.stderr.splitlines()[-1] == error, result.stderr[-3000:]
-            assert "Traceback" not in result.stderr
-        else:  # the workers say it (their lines may interleave); torchrun's report of the failed group follows
-            assert error in result.stderr, result.stderr[-3000:]
-            assert "CheckpointException" not in result.stderr and "OSError" not in result.stderr
+        # under torchrun the workers say it too (their lines may interleave); the launcher repeats it last
+        assert result.stderr.splitlines()[-1] == error, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        assert "CheckpointException" not in result.stderr and "OSError" not in result.stderr
         assert [p.name for p in complete_checkpoints(run)] == ["step-00000002"]
         verify(run / "checkpoints" / "step-00000002")  # whole: sizes and checksums as saved
         assert (run / "checkpoints" / "latest").read_text() == "step-00000002\n"
@@ -67,3 +66,22 @@ def test_a_resume_that_cannot_write_config_json_keeps_the_old_one(data_dir: Path
         resumed = run_meshrun(longer, tmp_path=tmp_path)
         assert "resumed from" in resumed.stderr and "step 2" in resumed.stderr
         assert [p.name for p in complete_checkpoints(run)][-1] == "step-00000004"
+
+
+def test_a_metrics_row_that_meets_a_full_disk_is_one_line(data_dir: Path, tmp_path: Path) -> None:
+    """The disk fills between steps (the model does it): the next metrics.jsonl row that needs a
+    new page fails; the run says so in one line, and the rows written before stay readable."""
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        run = disk / "run"
+        settings = {"train.steps": 60, "checkpoint.interval": 60, "model.factory": "disk_filling_gpt:build"}
+        env = meshrun_env(tmp_path, PYTHONPATH=str(Path(__file__).parent / "training"), FILL_DISK=str(disk / "filler"))
+        result = run_meshrun(
+            ["train", *tiny(data_dir, run, **SMALL | settings)], tmp_path=tmp_path, env=env, check=False
+        )
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert result.stderr.splitlines()[-1] == (
+            f"meshrun: error: no space left on {disk} while writing {run}/metrics.jsonl; no checkpoint is complete yet"
+        ), result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        rows = read_metrics_rows(run / "metrics.jsonl")  # as report reads it: a torn last row skipped
+        assert len(rows) >= 2 and [row["step"] for row in rows] == list(range(1, len(rows) + 1))

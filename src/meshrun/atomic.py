@@ -73,10 +73,14 @@ def publish_folder(tmp: Path, final: Path) -> Path:
     return final
 
 
-def disk_error(err: OSError, path: Path) -> OSError | RunError:
+class DiskFull(RunError):
+    """No space left (or over quota) while writing a file: one line naming the device and the file."""
+
+
+def disk_error(err: OSError, path: Path) -> OSError | DiskFull:
     """A full disk (or quota) as one line naming the device and the file; other errors as they are."""
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return RunError(f"no space left on {device_of(path)} while writing {path}")
+        return DiskFull(f"no space left on {device_of(path)} while writing {path}")
     return err
 
 

@@ -12,7 +12,8 @@ import torch
 import yaml
 from torch import nn
 
-from meshrun.checkpoint_paths import resume_candidates
+from meshrun.atomic import DiskFull
+from meshrun.checkpoint_paths import newest_first, resume_candidates, step_of
 from meshrun.config import Config
 from meshrun.data.prepare import default_sources, is_prepared, prepare
 from meshrun.distributed import (
@@ -41,6 +42,7 @@ from meshrun.outcome import (
     StoppedBeforeTraining,
     clear_record,
     launcher_exit_code,
+    read_error,
     read_record,
     write_record,
 )
@@ -209,6 +211,8 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         raise StoppedBeforeTraining(stop)
     if outcome is None and code == RDZV_TIMEOUT_EXIT:
         raise RunError(timeout_message(cfg))
+    if outcome is Outcome.FAILED and (error := read_error(Path(cfg.run_dir))):
+        raise RunError(error)  # the workers' reason, as the last line (their lines may interleave above)
     return launcher_exit_code(outcome, code, stop_relayed=stop is not None)
 
 
@@ -257,9 +261,12 @@ def run_worker(cfg: Config) -> Outcome:
         outcome = trainer.train()
     except ConfigError:
         raise  # refused before training (e.g. no checkpoint loads): the run directory stays as it was
-    except Exception:
-        with contextlib.suppress(OSError, RunError):  # the error itself matters more than its record (a full disk)
-            write_record(run_dir, Outcome.FAILED)  # any rank that fails says so
+    except DiskFull as full:  # anywhere (a checkpoint, metrics.jsonl, a picture): say what a rerun resumes
+        failed = RunError(f"{full}; {last_complete_checkpoint(run_dir)}")
+        record_failure(run_dir, failed)
+        raise failed from None
+    except Exception as exc:
+        record_failure(run_dir, exc)
         raise
     finally:
         if trainer is not None:
@@ -278,6 +285,18 @@ def init_line(cfg: Config, model: nn.Module) -> str:
     if cfg.model.factory is not None:  # its init_weights may load weights of its own
         return f"weights from {cfg.model.factory}'s init_weights (seed {cfg.train.seed})"
     return f"random init (seed {cfg.train.seed})"
+
+
+def record_failure(run_dir: Path, exc: BaseException) -> None:
+    """Any rank that fails says so; a RunError's one line is kept for the launcher to say last."""
+    error = " ".join(str(exc).split()) if isinstance(exc, RunError) else None
+    with contextlib.suppress(OSError, RunError):  # the error itself matters more than its record (a full disk)
+        write_record(run_dir, Outcome.FAILED, error=error)
+
+
+def last_complete_checkpoint(run_dir: Path) -> str:
+    saved = newest_first(run_dir)
+    return f"the last complete checkpoint is step {step_of(saved[0])}" if saved else "no checkpoint is complete yet"
 
 
 def with_resolved_precision(cfg: Config, mesh: Mesh) -> Config:

@@ -37,10 +37,12 @@ class Outcome(Enum):
         return {Outcome.COMPLETED: 0, Outcome.STOPPED: STOPPED_EXIT_CODE, Outcome.FAILED: 1}[self]
 
 
-def write_record(run_dir: Path, outcome: Outcome) -> None:
-    """Write the outcome atomically (a reader never sees half a file)."""
+def write_record(run_dir: Path, outcome: Outcome, *, error: str | None = None) -> None:
+    """Write the outcome atomically (a reader never sees half a file). `error`: a failed worker's
+    one-line reason (a RunError's text), which the launcher repeats as its last line."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / RECORD, json.dumps({"outcome": outcome.value}) + "\n")
+    record = {"outcome": outcome.value} | ({"error": error} if error else {})
+    write_atomic(run_dir / RECORD, json.dumps(record) + "\n")
 
 
 def read_record(run_dir: Path) -> Outcome | None:
@@ -49,6 +51,15 @@ def read_record(run_dir: Path) -> Outcome | None:
         return Outcome(json.loads((run_dir / RECORD).read_text())["outcome"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def read_error(run_dir: Path) -> str | None:
+    """The one-line reason a failed worker recorded; None when it recorded none (a crash)."""
+    try:
+        error = json.loads((run_dir / RECORD).read_text()).get("error")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return error if isinstance(error, str) and error else None
 
 
 def clear_record(run_dir: Path) -> None:

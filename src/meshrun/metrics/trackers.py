@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from meshrun.atomic import write_atomic
+from meshrun.atomic import DiskFull, disk_error, write_atomic
 from meshrun.config import TrackerConfig
 from meshrun.metrics import console
 
@@ -42,11 +42,15 @@ class JsonlTracker:
     `time` is when the row was written (Unix seconds, as wandb's _timestamp and TensorBoard's wall_time)."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self.file = path.open("a", encoding="utf-8")
 
     def log(self, row: dict[str, Any], step: int) -> None:
-        self.file.write(json.dumps({"step": step, "time": round(time.time(), 3), **row}) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps({"step": step, "time": round(time.time(), 3), **row}) + "\n")
+            self.file.flush()
+        except OSError as err:  # a full disk: one line (a torn last row is what readers skip)
+            raise disk_error(err, self.path) from err
 
     def summarize(self, summary: dict[str, Any]) -> None:
         pass  # the run directory's summary.json holds it
@@ -161,7 +165,9 @@ class WandbTracker:
 
 class MultiTracker:
     """Fans rows out to every tracker. A tracker that fails (e.g. wandb's service process killed
-    by a scheduler's SIGTERM) is dropped with one warning: metrics must never stop training."""
+    by a scheduler's SIGTERM) is dropped with one warning: metrics must never stop training. A full
+    disk does stop it: the run's record (and its next checkpoint) could not be written, and a run
+    training on without them would lose what it learns."""
 
     def __init__(self, trackers: list[Tracker], *, warn: Callable[[str], None] = print) -> None:
         self.trackers, self.warn = trackers, warn
@@ -170,6 +176,8 @@ class MultiTracker:
         for tracker in list(self.trackers):
             try:
                 call(tracker)
+            except DiskFull:
+                raise
             except Exception as exc:  # noqa: BLE001 - any tracker failure, by design
                 self.trackers.remove(tracker)
                 self.warn(

@@ -17,7 +17,6 @@ from torch.amp import GradScaler
 
 from meshrun import checkpoint
 from meshrun.atomic import write_atomic
-from meshrun.checkpoint_paths import newest_first, step_of
 from meshrun.config import Config
 from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.data.pairs import PairsDataset
@@ -291,24 +290,15 @@ class Trainer:
     def save(self, step: int) -> Path:
         self.model.tied.check_identical()  # the checkpoint keeps one of the two copies
         config = self.cfg.model_dump(mode="json")
-        try:
-            return checkpoint.save(
-                self.state_dict(step),
-                self.run_dir,
-                step,
-                keep=self.cfg.checkpoint.keep,
-                config=config,
-                protected=self.newer_checkpoints,
-                data_card=self.data_card,
-            )
-        except RunError as exc:  # a full disk, say: name what a rerun resumes from
-            saved = newest_first(self.run_dir)
-            last = (
-                f"the last complete checkpoint is step {step_of(saved[0])}"
-                if saved
-                else "no checkpoint is complete yet"
-            )
-            raise RunError(f"{exc}; {last}") from None
+        return checkpoint.save(
+            self.state_dict(step),
+            self.run_dir,
+            step,
+            keep=self.cfg.checkpoint.keep,
+            config=config,
+            protected=self.newer_checkpoints,
+            data_card=self.data_card,
+        )
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step, in order; returns this rank's loss (0 off the last stage), unsynchronised.
