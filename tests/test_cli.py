@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import REPO, run_meshrun, tiny
+
+from meshrun import cli
 
 
 def _split(stdout: str) -> tuple[dict, str]:
@@ -98,3 +101,12 @@ def test_dry_run_accepts_both_set_spellings_and_the_last_one_wins(tmp_path: Path
     assert resolved["train"]["steps"] == 3  # from the file
     assert resolved["run_dir"] == "from-set"
     assert not (tmp_path / "from-set").exists() and not (tmp_path / "from-yaml").exists()
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"meshrun {version('meshrun')}\n"

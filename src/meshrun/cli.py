@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
+from meshrun.extras import missing_extra
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.preflight import check_checkpoint_args, check_plan_args, preflight
 from meshrun.versions import check_torch_version, installed_torch_version
@@ -17,6 +18,7 @@ from meshrun.versions import check_torch_version, installed_torch_version
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrun", description="DDP x pipeline-parallel Transformer training.")
+    parser.add_argument("--version", action="version", version=f"meshrun {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training job (starts torchrun itself when needed)")
     train.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
@@ -150,6 +152,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--force", action="store_true", help="replace --out if it exists")
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (a source tree on PYTHONPATH without one: unknown)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshrun")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -384,8 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
         return job.train(cfg, worker_args, model)
     except (ConfigError, RunError) as exc:
-        print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
-        return 2 if isinstance(exc, ConfigError) else 1
+        return _refuse(exc)
+    except ModuleNotFoundError as exc:  # an optional package a command imports late (export --hf: transformers)
+        if (missing := missing_extra(exc, f"meshrun {args.command}")) is None:
+            raise
+        return _refuse(missing)
     except KeyboardInterrupt:
         if not in_launched_worker():  # once, from the launcher: Ctrl-C reaches every worker too
             print(
@@ -394,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 130
+
+
+def _refuse(exc: ConfigError | RunError) -> int:
+    print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
+    return 2 if isinstance(exc, ConfigError) else 1
 
 
 def run() -> NoReturn:

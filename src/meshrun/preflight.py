@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from meshrun.checkpoint_paths import checkpoint_root, complete_checkpoints
 from meshrun.config import Config
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
+from meshrun.extras import check_extras
 from meshrun.hf_config import hf_dir, model_tokenizer, vocab_key, vocab_size
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.metrics.devices import SHORT_NAMES
@@ -42,6 +42,7 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     if scope == "job":
         check_job(cfg)
     else:
+        check_extras(cfg)  # transformers for a Hugging Face model, before torch is imported
         check_model_size(cfg)  # sizes bounded before anything is built (check_job does it too)
     from meshrun.models import build_model  # imports torch: after every torch-free check, so those fail fast
 
@@ -90,6 +91,7 @@ def _tokenizer_slug(tokenizer: str | None) -> str:
 def check_job(cfg: Config) -> None:
     """Every torch-free check of a training job (`train`, with or without --dry-run, and `slurm`)."""
     check_worker_env(cfg)
+    check_extras(cfg, prepares_data=not reads_in_place(cfg) and not is_prepared(data_dir(cfg)))
     hf_dir(cfg.model)  # model.hf: a local folder with a config.json (reading it needs no torch)
     check_model_size(cfg)  # whole, positive sizes a rank can hold: arithmetic, before any model exists
     validate_layout(cfg)  # blocks and microbatches over pipeline stages: needs the model's depth
@@ -105,17 +107,12 @@ WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")  # wh
 
 
 def check_observability(cfg: Config) -> None:
-    """The tensorboard package for that backend; a WANDB_MODE wandb would refuse in every worker
-    (it wins over tracker.mode, and wandb reads it even when meshrun disables the tracker)."""
+    """A WANDB_MODE wandb would refuse in every worker (it wins over tracker.mode, and wandb reads
+    it even when meshrun disables the tracker). (The tensorboard package: extras.check_extras.)"""
     mode = os.environ.get("WANDB_MODE")
     if mode and mode not in WANDB_MODES:
         raise ConfigError(
             f"WANDB_MODE={mode!r} is not a wandb mode; set it to online, offline or disabled (lowercase), or unset it"
-        )
-    if "tensorboard" in cfg.tracker.backends and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(
-            "tracker.backends names tensorboard, but the tensorboard package is not installed; "
-            "pip install tensorboard, or remove it from tracker.backends"
         )
 
 
