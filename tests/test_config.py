@@ -135,6 +135,12 @@ CASES = [
         torch_free=True,
     ),
     Case(
+        "rdzv-endpoint-empty-port",  # YAML read `localhost:` as the mapping {localhost: null}
+        lambda c: ["train", *c.set(), "--rdzv-endpoint", "localhost:"],
+        ("invalid launch.rdzv_endpoint", "HOST[:PORT] with PORT 1-65535", "'localhost:'"),
+        torch_free=True,
+    ),
+    Case(
         "rdzv-endpoint-port-out-of-range",  # torchrun's traceback after "starting workers"
         lambda c: ["train", *c.set(), "--rdzv-endpoint", "localhost:99999"],
         ("invalid launch.rdzv_endpoint", "HOST[:PORT] with PORT 1-65535", "'localhost:99999'"),
@@ -1079,6 +1085,31 @@ def test_a_mapping_override_sets_its_keys_and_keeps_the_others() -> None:
         cfg.model.model_copy(update={"dim": default.model.dim, "num_heads": default.model.num_heads}) == default.model
     )
     assert cfg.train.betas == (0.8, 0.9)  # a list replaces
+
+
+@pytest.mark.parametrize("text", ["2024_01", "0123", "1:30", "0x1F", "1e3", "2024-01-01", "007.50"])
+def test_text_keys_take_the_text_as_written(text: str, tmp_path: Path) -> None:
+    """YAML 1.1 reads these as numbers (202401, octal 83, base-60 90, hex 31, ...) or a date; keys
+    typed as text (paths, names, ids) take them as written, in a file and in --set alike."""
+    config = tmp_path / "strings.yaml"
+    config.write_text(
+        f"run_dir: {text}\ntracker: {{name: {text}}}\nlaunch: {{rdzv_id: {text}}}\n"
+        f"data: {{dir: {text}, sources: [{text}, b]}}\n"
+    )
+    overrides = [f"{key}={text}" for key in ("run_dir", "tracker.name", "launch.rdzv_id", "data.dir")]
+    for cfg in (load_config(config), load_config(None, [*overrides, f"data.sources=[{text}, b]"])):
+        assert (cfg.run_dir, cfg.tracker.name, cfg.launch.rdzv_id, cfg.data.dir) == (text, text, text, text)
+        assert cfg.data.sources == [text, "b"]
+    assert load_config(None, ["train.steps=0x1F", "model.dim=1_024"]).train.steps == 31  # numbers stay numbers
+
+
+def test_cli_flags_keep_their_text(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--rdzv-id 0123 is the id 0123 (it was 83), as the dry run's resolved config shows."""
+    run_dir = tmp_path / "2024_01"
+    assert cli.main(["train", "--dry-run", *tiny(data_dir, run_dir), "--rdzv-id", "0123"]) == 0
+    resolved = capsys.readouterr().out
+    assert "rdzv_id: '0123'" in resolved
+    assert f"run_dir: {run_dir}" in resolved
 
 
 def test_yaml_anchors_and_merge_keys_still_work(tmp_path: Path) -> None:

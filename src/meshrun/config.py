@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from meshrun.config_fields import Float, Int, Section, lowercase
+from meshrun.config_fields import Float, Int, Section, is_text, lowercase
 from meshrun.errors import ConfigError
 from meshrun.layout import LaunchConfig, ParallelConfig, check_layout
 from meshrun.safe_yaml import parse_document, read_config_file
@@ -355,7 +355,15 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         value = parse_document(text, f"--set {key}") if text.strip() else None
     except ConfigError:
         value = text  # not YAML (e.g. `a: b: c`): the text itself, validated as such
+    if isinstance(value, (dict, bool)) and _is_text_key([*parents, leaf]):
+        value = text.strip()  # a key typed as text takes the text: `launch.rdzv_endpoint=localhost:` is no mapping
     node[leaf] = _merged(node.get(leaf), value)
+
+
+def _is_text_key(dotted: list[str]) -> bool:
+    section = _section_at(dotted[:-1])
+    field = section.model_fields.get(dotted[-1]) if section else None
+    return field is not None and is_text(field.annotation)
 
 
 def _merged(old: Any, new: Any) -> Any:

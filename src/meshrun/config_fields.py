@@ -3,9 +3,13 @@ number types that refuse YAML booleans."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import types
+from functools import cache
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
+
+from meshrun.safe_yaml import as_written
 
 
 def no_bool(value: Any) -> Any:
@@ -13,6 +17,16 @@ def no_bool(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError(f"expected a number, got {str(value).lower()}")  # noqa: TRY004 (pydantic reports ValueError)
     return value
+
+
+def is_text(annotation: Any) -> bool:
+    """A field typed as text: str, str | None, list[str]."""
+    if annotation is str:
+        return True
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return any(is_text(a) for a in args) and all(is_text(a) or a is type(None) for a in args)
+    return origin is list and all(is_text(a) for a in args)
 
 
 def lowercase(value: Any) -> Any:
@@ -35,3 +49,18 @@ class Section(BaseModel):
         coerce_numbers_to_str=True,
         allow_inf_nan=False,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_as_written(cls, data: Any) -> Any:
+        """Keys typed as text take numbers as the user wrote them (`run_dir: 2024_01`, `0123`), not
+        as YAML 1.1 reads them (202401, 83): see safe_yaml.WrittenInt."""
+        if not isinstance(data, dict):
+            return data
+        text_keys = _text_fields(cls)
+        return {key: as_written(value) if key in text_keys else value for key, value in data.items()}
+
+
+@cache
+def _text_fields(section: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, field in section.model_fields.items() if is_text(field.annotation))
