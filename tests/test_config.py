@@ -1103,6 +1103,26 @@ def test_text_keys_take_the_text_as_written(text: str, tmp_path: Path) -> None:
     assert load_config(None, ["train.steps=0x1F", "model.dim=1_024"]).train.steps == 31  # numbers stay numbers
 
 
+def test_every_path_key_expands_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_dir: ~/x` was a folder named `~` in the current directory (only model.hf expanded `~`):
+    every path key now reads a leading `~` as the home folder, in a file and in --set."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    config = tmp_path / "home.yaml"
+    config.write_text(
+        "run_dir: ~/run\ndata: {dir: ~/data, sources: [~/text/*.txt], tokenizer: ~/tok.json}\n"
+        "train: {resume: ~/ckpt}\ntracker: {name: ~/not-a-path}\n"
+    )
+    overrides = ["run_dir=~/run", "data.dir=~/data", "data.sources=[~/text/*.txt]", "data.tokenizer=~/tok.json"]
+    overrides += ["train.resume=~/ckpt", "tracker.name=~/not-a-path"]
+    for cfg in (load_config(config), load_config(None, overrides)):
+        assert (cfg.run_dir, cfg.data.dir, cfg.train.resume) == (f"{home}/run", f"{home}/data", f"{home}/ckpt")
+        assert (cfg.data.sources, cfg.data.tokenizer) == ([f"{home}/text/*.txt"], f"{home}/tok.json")
+        assert cfg.tracker.name == "~/not-a-path"  # a name, not a path
+    mixture = load_config(None, ["data.mixture=[{dir: ~/a, weight: 1}]"]).data.mixture
+    assert mixture[0].dir == f"{home}/a"
+
+
 def test_cli_flags_keep_their_text(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--rdzv-id 0123 is the id 0123 (it was 83), as the dry run's resolved config shows."""
     run_dir = tmp_path / "2024_01"

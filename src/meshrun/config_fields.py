@@ -3,11 +3,12 @@ number types that refuse YAML booleans."""
 
 from __future__ import annotations
 
+import os
 import types
 from functools import cache
 from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, model_validator
 
 from meshrun.safe_yaml import as_written
 
@@ -24,6 +25,8 @@ def is_text(annotation: Any) -> bool:
     if annotation is str:
         return True
     origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return is_text(args[0])
     if origin in (Union, types.UnionType):
         return any(is_text(a) for a in args) and all(is_text(a) or a is type(None) for a in args)
     return origin is list and all(is_text(a) for a in args)
@@ -36,6 +39,9 @@ def lowercase(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(no_bool)]
 Float = Annotated[float, BeforeValidator(no_bool)]
+# A path key: a leading `~` is the user's home folder, for every path key alike (as a shell would
+# expand it, which it does not inside YAML or after `--set key=`); environment variables are not expanded.
+PathText = Annotated[str, AfterValidator(os.path.expanduser)]
 
 
 class Section(BaseModel):
