@@ -15,12 +15,12 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import meshrun_env, run_meshrun, tiny
+from conftest import WORDS, meshrun_env, run_meshrun, tiny
 
 from meshrun import cli, job
 from meshrun.config import load_config
@@ -1121,6 +1121,36 @@ def test_every_path_key_expands_home(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert cfg.tracker.name == "~/not-a-path"  # a name, not a path
     mixture = load_config(None, ["data.mixture=[{dir: ~/a, weight: 1}]"]).data.mixture
     assert mixture[0].dir == f"{home}/a"
+
+
+@pytest.fixture
+def read_only_disk(tmp_path: Path) -> Iterator[Path]:
+    """A read-only tmpfs: refuses root too (permission bits do not); unmounted afterwards."""
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(disk)], check=False, capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs (tests run as root): {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_data_dir_to_prepare_on_a_read_only_disk_is_refused(
+    read_only_disk: Path, tmp_path: Path, no_workers: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """data.sources are prepared into data.dir before training: run_dir's writability was checked,
+    data.dir's was not (a 26-line traceback)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(WORDS) * 50)
+    data = read_only_disk / "data"
+    argv = ["train", *tiny(data, tmp_path / "run"), f"--set=data.sources=[{corpus}]"]
+    assert cli.main(argv) == 2
+    _assert_refused(2, capsys.readouterr().err, (f"data.dir {data} is not writable ({read_only_disk}: Read-only",))
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_flags_keep_their_text(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -91,13 +91,16 @@ def _tokenizer_slug(tokenizer: str | None) -> str:
 def check_job(cfg: Config) -> None:
     """Every torch-free check of a training job (`train`, with or without --dry-run, and `slurm`)."""
     check_worker_env(cfg)
-    check_extras(cfg, prepares_data=not reads_in_place(cfg) and not is_prepared(data_dir(cfg)))
+    prepares_data = not reads_in_place(cfg) and not is_prepared(data_dir(cfg))
+    check_extras(cfg, prepares_data=prepares_data)
     hf_dir(cfg.model)  # model.hf: a local folder with a config.json (reading it needs no torch)
     check_model_size(cfg)  # whole, positive sizes a rank can hold: arithmetic, before any model exists
     validate_layout(cfg)  # blocks and microbatches over pipeline stages: needs the model's depth
     check_run_dir(cfg)
     check_writable(Path(cfg.run_dir))
     check_data_source(cfg)
+    if prepares_data:  # the job writes its dataset there before training
+        check_writable(data_dir(cfg), "data.dir" if cfg.data.dir is not None else "the data cache (XDG_CACHE_HOME)")
     check_observability(cfg)
     for path in [Path(source.dir) for source in cfg.data.mixture] or [data_dir(cfg)]:
         check_readable(path)
@@ -223,15 +226,15 @@ def data_tokenizer(cfg: Config) -> dict | None:
     return None
 
 
-def check_writable(run_dir: Path) -> None:
-    """run_dir (or the nearest folder above it that exists) takes a new file."""
-    existing, refused = nearest_writable(run_dir)
+def check_writable(folder: Path, key: str = "run_dir") -> None:
+    """The folder `key` names (or the nearest folder above it that exists) takes a new file."""
+    existing, refused = nearest_writable(folder)
     if not existing.is_dir():
-        raise ConfigError(f"run_dir {run_dir} lies under {existing}, which is a file; set run_dir to a folder path")
+        raise ConfigError(f"{key} {folder} lies under {existing}, which is a file; set {key} to a folder path")
     if refused:
         raise ConfigError(
-            f"run_dir {run_dir} is not writable ({existing}: {refused}); "
-            "fix its permissions or set run_dir to a writable folder"
+            f"{key} {folder} is not writable ({existing}: {refused}); "
+            f"fix its permissions or set {key} to a writable folder"
         )
 
 
