@@ -100,3 +100,21 @@ def test_the_hider_hides(tmp_path: Path) -> None:
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "hidden"
+
+
+def test_a_sentencepiece_tokenizer_folder_needs_sentencepiece(tmp_path: Path) -> None:
+    """A model folder whose only tokenizer is tokenizer.model is converted with sentencepiece
+    (not an extra of meshrun's: its own pip command) when the job prepares data with it."""
+    tokenizer = tmp_path / "spm"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.model").write_bytes(b"\x0a\x05hello")
+    (tmp_path / "corpus.txt").write_text("some text " * 100)
+    argv = ["train", "--dry-run", f"--set=data.dir={tmp_path / 'data'}", f"--set=data.sources=[{tmp_path}/corpus.txt]"]
+    done = _meshrun_without(
+        "sentencepiece,torch",
+        [*argv, f"--set=data.tokenizer={tokenizer}", f"--set=run_dir={tmp_path / 'run'}"],
+        tmp_path,
+    )
+    assert done.returncode == 2, done.stderr
+    expect = f"data.tokenizer {tokenizer} (tokenizer.model) needs the sentencepiece package, which is not installed"
+    assert done.stderr.splitlines() == [f"meshrun: error: {expect}: pip install sentencepiece"]
