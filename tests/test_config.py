@@ -1101,6 +1101,8 @@ def test_text_keys_take_the_text_as_written(text: str, tmp_path: Path) -> None:
         assert (cfg.run_dir, cfg.tracker.name, cfg.launch.rdzv_id, cfg.data.dir) == (text, text, text, text)
         assert cfg.data.sources == [text, "b"]
     assert load_config(None, ["train.steps=0x1F", "model.dim=1_024"]).train.steps == 31  # numbers stay numbers
+    options = load_config(None, ["model.options={a: 12, b: [1.5]}"]).model.options  # free-form: plain numbers
+    assert (type(options["a"]), type(options["b"][0])) == (int, float)
 
 
 def test_every_path_key_expands_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, model_validator
 
-from meshrun.safe_yaml import as_written
+from meshrun.safe_yaml import as_written, plain
 
 
 def no_bool(value: Any) -> Any:
@@ -63,10 +63,23 @@ class Section(BaseModel):
         as YAML 1.1 reads them (202401, 83): see safe_yaml.WrittenInt."""
         if not isinstance(data, dict):
             return data
-        text_keys = _text_fields(cls)
-        return {key: as_written(value) if key in text_keys else value for key, value in data.items()}
+        text_keys, free_keys = _text_fields(cls), _free_form_fields(cls)
+        return {
+            key: as_written(value) if key in text_keys else plain(value) if key in free_keys else value
+            for key, value in data.items()
+        }
 
 
 @cache
 def _text_fields(section: type[BaseModel]) -> frozenset[str]:
     return frozenset(name for name, field in section.model_fields.items() if is_text(field.annotation))
+
+
+@cache
+def _free_form_fields(section: type[BaseModel]) -> frozenset[str]:
+    """Fields of arbitrary mappings (kept as given, so their numbers are made plain here)."""
+    return frozenset(
+        name
+        for name, field in section.model_fields.items()
+        if dict in (get_origin(field.annotation), *map(get_origin, get_args(field.annotation)))
+    )

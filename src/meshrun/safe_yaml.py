@@ -47,6 +47,15 @@ class WrittenFloat(float):
     text: str
 
 
+def plain(value: Any) -> Any:
+    """Free-form values (model.options, model.hf_config) as plain Python numbers, at any depth."""
+    if isinstance(value, (WrittenInt, WrittenFloat)):
+        return int(value) if isinstance(value, int) else float(value)
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    return [plain(item) for item in value] if isinstance(value, list) else value
+
+
 def as_written(value: Any) -> Any:
     """For a key typed as text: numbers as the user wrote them (in lists too); the rest unchanged."""
     if isinstance(value, (WrittenInt, WrittenFloat)):
