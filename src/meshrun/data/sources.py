@@ -10,6 +10,7 @@ Nothing holds more than one record batch (or one text file) in memory.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -89,7 +90,7 @@ def find_sources(sources: list[str]) -> tuple[list[Source], int]:
     found: dict[Path, Source] = {}  # by resolved path
     skipped = 0
     for source in sources:
-        matches = glob.glob(source, recursive=True) if glob.has_magic(source) else [source]
+        matches = expand_glob(source) if glob.has_magic(source) else [source]
         for match in matches:
             path = Path(match)
             if path.is_dir() and is_hf_dataset(path):
@@ -108,6 +109,38 @@ def find_sources(sources: list[str]) -> tuple[list[Source], int]:
                     )
                 _add(found, Source(path, kind_of(path)))
     return sorted(found.values(), key=lambda s: s.path), skipped
+
+
+def expand_glob(pattern: str) -> list[str]:
+    """glob.glob's matches, except that `**` does not enter links to folders: glob follows them, so
+    a link loop was walked round 40 times (and two links back up doubled that per level, a hang)."""
+    parts = Path(pattern).parts
+    if "**" not in parts:
+        return glob.glob(pattern)
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    root, rest = Path(*parts[:fixed]) if fixed else Path(), parts[fixed:]
+    hidden = any(part.startswith(".") for part in rest)
+    matches = [str(root)] if _matches([], rest) and root.is_dir() else []  # `DIR/**` names DIR too
+    for folder, dirs, files in os.walk(root):  # links to folders are listed in dirs, not entered
+        if not hidden:
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+        below = Path(folder).relative_to(root).parts
+        matches += [os.path.join(folder, name) for name in dirs + files if _matches([*below, name], rest)]
+    return matches
+
+
+def _matches(names: list[str], pattern: tuple[str, ...]) -> bool:
+    """Path components against pattern components, as glob matches them: `**` is any number of
+    folders, and a wildcard matches no hidden name unless the pattern's component starts with a dot."""
+    if not pattern:
+        return not names
+    if pattern[0] == "**":
+        return _matches(names, pattern[1:]) or (
+            bool(names) and not names[0].startswith(".") and _matches(names[1:], pattern)
+        )
+    name_ok = bool(names) and fnmatch.fnmatchcase(names[0], pattern[0])
+    visible = bool(names) and (pattern[0].startswith(".") or not names[0].startswith("."))
+    return name_ok and visible and _matches(names[1:], pattern[1:])
 
 
 def _add(found: dict[Path, Source], source: Source) -> None:
