@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import REPO, run_meshrun, tiny
+
+from meshrun import cli
 
 
 def _split(stdout: str) -> tuple[dict, str]:
@@ -115,3 +118,12 @@ def test_a_run_says_where_its_weights_come_from_and_what_comes_next(data_dir: Pa
     assert exported.stdout.startswith("exported step 2 (") and exported.stdout.rstrip().endswith(str(out))
     sampled = run_meshrun(["sample", str(run_dir), "--tokens", "5"], tmp_path=tmp_path, timeout=120)
     assert sampled.stdout.endswith("\n") and not sampled.stdout.endswith("\n\n")
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"meshrun {version('meshrun')}\n"

@@ -15,12 +15,12 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import meshrun_env, run_meshrun, tiny
+from conftest import WORDS, meshrun_env, run_meshrun, tiny
 
 from meshrun import cli, job
 from meshrun.config import load_config
@@ -132,6 +132,12 @@ CASES = [
         "set-value-not-utf8",  # a latin-1 path from the shell: a UnicodeEncodeError traceback in libyaml
         lambda c: ["train", *c.set(), "--set=data.dir=caf\udce9"],
         ("--set data.dir: the value is not valid UTF-8 text",),
+        torch_free=True,
+    ),
+    Case(
+        "rdzv-endpoint-empty-port",  # YAML read `localhost:` as the mapping {localhost: null}
+        lambda c: ["train", *c.set(), "--rdzv-endpoint", "localhost:"],
+        ("invalid launch.rdzv_endpoint", "HOST[:PORT] with PORT 1-65535", "'localhost:'"),
         torch_free=True,
     ),
     Case(
@@ -1101,6 +1107,83 @@ def test_a_mapping_override_sets_its_keys_and_keeps_the_others() -> None:
         cfg.model.model_copy(update={"dim": default.model.dim, "num_heads": default.model.num_heads}) == default.model
     )
     assert cfg.train.betas == (0.8, 0.9)  # a list replaces
+
+
+@pytest.mark.parametrize("text", ["2024_01", "0123", "1:30", "0x1F", "1e3", "2024-01-01", "007.50"])
+def test_text_keys_take_the_text_as_written(text: str, tmp_path: Path) -> None:
+    """YAML 1.1 reads these as numbers (202401, octal 83, base-60 90, hex 31, ...) or a date; keys
+    typed as text (paths, names, ids) take them as written, in a file and in --set alike."""
+    config = tmp_path / "strings.yaml"
+    config.write_text(
+        f"run_dir: {text}\ntracker: {{name: {text}}}\nlaunch: {{rdzv_id: {text}}}\n"
+        f"data: {{dir: {text}, sources: [{text}, b]}}\n"
+    )
+    overrides = [f"{key}={text}" for key in ("run_dir", "tracker.name", "launch.rdzv_id", "data.dir")]
+    for cfg in (load_config(config), load_config(None, [*overrides, f"data.sources=[{text}, b]"])):
+        assert (cfg.run_dir, cfg.tracker.name, cfg.launch.rdzv_id, cfg.data.dir) == (text, text, text, text)
+        assert cfg.data.sources == [text, "b"]
+    assert load_config(None, ["train.steps=0x1F", "model.dim=1_024"]).train.steps == 31  # numbers stay numbers
+    options = load_config(None, ["model.options={a: 12, b: [1.5]}"]).model.options  # free-form: plain numbers
+    assert (type(options["a"]), type(options["b"][0])) == (int, float)
+
+
+def test_every_path_key_expands_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_dir: ~/x` was a folder named `~` in the current directory (only model.hf expanded `~`):
+    every path key now reads a leading `~` as the home folder, in a file and in --set."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    config = tmp_path / "home.yaml"
+    config.write_text(
+        "run_dir: ~/run\ndata: {dir: ~/data, sources: [~/text/*.txt], tokenizer: ~/tok.json}\n"
+        "train: {resume: ~/ckpt}\ntracker: {name: ~/not-a-path}\n"
+    )
+    overrides = ["run_dir=~/run", "data.dir=~/data", "data.sources=[~/text/*.txt]", "data.tokenizer=~/tok.json"]
+    overrides += ["train.resume=~/ckpt", "tracker.name=~/not-a-path"]
+    for cfg in (load_config(config), load_config(None, overrides)):
+        assert (cfg.run_dir, cfg.data.dir, cfg.train.resume) == (f"{home}/run", f"{home}/data", f"{home}/ckpt")
+        assert (cfg.data.sources, cfg.data.tokenizer) == ([f"{home}/text/*.txt"], f"{home}/tok.json")
+        assert cfg.tracker.name == "~/not-a-path"  # a name, not a path
+    mixture = load_config(None, ["data.mixture=[{dir: ~/a, weight: 1}]"]).data.mixture
+    assert mixture[0].dir == f"{home}/a"
+
+
+@pytest.fixture
+def read_only_disk(tmp_path: Path) -> Iterator[Path]:
+    """A read-only tmpfs: refuses root too (permission bits do not); unmounted afterwards."""
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(disk)], check=False, capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs (tests run as root): {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_data_dir_to_prepare_on_a_read_only_disk_is_refused(
+    read_only_disk: Path, tmp_path: Path, no_workers: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """data.sources are prepared into data.dir before training: run_dir's writability was checked,
+    data.dir's was not (a 26-line traceback)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(WORDS) * 50)
+    data = read_only_disk / "data"
+    argv = ["train", *tiny(data, tmp_path / "run"), f"--set=data.sources=[{corpus}]"]
+    assert cli.main(argv) == 2
+    _assert_refused(2, capsys.readouterr().err, (f"data.dir {data} is not writable ({read_only_disk}: Read-only",))
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_flags_keep_their_text(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--rdzv-id 0123 is the id 0123 (it was 83), as the dry run's resolved config shows."""
+    run_dir = tmp_path / "2024_01"
+    assert cli.main(["train", "--dry-run", *tiny(data_dir, run_dir), "--rdzv-id", "0123"]) == 0
+    resolved = capsys.readouterr().out
+    assert "rdzv_id: '0123'" in resolved
+    assert f"run_dir: {run_dir}" in resolved
 
 
 def test_yaml_anchors_and_merge_keys_still_work(tmp_path: Path) -> None:

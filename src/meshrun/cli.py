@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from meshrun.config import load_config
 from meshrun.errors import ConfigError, RunError
+from meshrun.extras import missing_extra
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.outcome import StoppedBeforeTraining, stops_end_the_launcher
 from meshrun.preflight import check_checkpoint_args, check_plan_args, check_rendezvous, preflight
@@ -19,6 +20,7 @@ from meshrun.versions import check_torch_version, installed_torch_version
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrun", description="DDP x pipeline-parallel Transformer training.")
+    parser.add_argument("--version", action="version", version=f"meshrun {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training job (starts torchrun itself when needed)")
     train.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
@@ -195,6 +197,16 @@ def _k8s_parser(sub: argparse._SubParsersAction) -> None:
     k8s.add_argument("--memory", help="memory per pod (default 8Gi per worker + /dev/shm)")
     k8s.add_argument("--grace-seconds", type=int, help="SIGTERM -> SIGKILL (default: enough for one checkpoint)")
     k8s.add_argument("--out", help="write the manifest to this new file instead of printing it")
+
+
+def _version() -> str:
+    """The installed distribution's version (a source tree on PYTHONPATH without one: unknown)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshrun")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -508,8 +520,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshrun: {stop}", file=sys.stderr)
         return stop.exit_code
     except (ConfigError, RunError) as exc:
-        print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
-        return 2 if isinstance(exc, ConfigError) else 1
+        return _refuse(exc)
+    except ModuleNotFoundError as exc:  # an optional package a command imports late (export --hf: transformers)
+        if (missing := missing_extra(exc, f"meshrun {args.command}")) is None:
+            raise
+        return _refuse(missing)
     except KeyboardInterrupt:
         if not in_launched_worker():  # once, from the launcher: Ctrl-C reaches every worker too
             print(
@@ -518,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 130
+
+
+def _refuse(exc: ConfigError | RunError) -> int:
+    print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
+    return 2 if isinstance(exc, ConfigError) else 1
 
 
 def run() -> NoReturn:

@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from meshrun.config_fields import Float, Int, Section, lowercase
+from meshrun.config_fields import Float, Int, PathText, Section, is_text, lowercase
 from meshrun.errors import ConfigError
 from meshrun.layout import LaunchConfig, ParallelConfig, check_layout
 from meshrun.safe_yaml import parse_document, read_config_file
@@ -99,7 +99,7 @@ def bpe_vocab(spec_text: str, *, key: str) -> int:
 
 
 class MixtureSource(Section):
-    dir: str
+    dir: PathText
     """A dataset folder (or, for megatron, a PREFIX of PREFIX.bin + PREFIX.idx)."""
     weight: Float = Field(gt=0.0)
     """Relative share of samples drawn from this source."""
@@ -108,15 +108,15 @@ class MixtureSource(Section):
 
 
 class DataConfig(Section):
-    dir: str | None = None
+    dir: PathText | None = None
     """Dataset folder from `meshrun prepare-data` (or see `format`); None = a cache folder for the embedded corpus."""
     format: DataFormat = "meshrun"
     """meshrun (prepare-data), nanogpt (uint16 train.bin / val.bin, vocab = model.vocab_size), nanogpt-uint32 (the same in uint32, for vocabularies over 65536), megatron (PREFIX.bin + PREFIX.idx)."""
     mixture: list[MixtureSource] = []
     """Datasets sampled by weight, e.g. [{dir: A, weight: 0.7}, {dir: B, weight: 0.3}]; used instead of `dir`."""
-    sources: list[str] = []
+    sources: list[PathText] = []
     """Files or globs to prepare when `dir` is empty; empty = the Python standard library's .py files."""
-    tokenizer: str | None = None
+    tokenizer: PathText | None = None
     """Tokenizer for data `meshrun train` prepares itself (no data.dir, or an empty one): byte (None), bpe:VOCAB (trained on the sources), or a tokenizer.json / model folder."""
     val_fraction: Float = Field(default=0.05, gt=0.0, lt=0.5)
     """Share of documents held out for validation (prepare; and the tail of a Megatron dataset)."""
@@ -165,7 +165,7 @@ class TrainConfig(Section):
     """Log metrics every N steps."""
     seed: Int = 1337
     """Seed for weights (per layer, so any layout starts identical) and data order."""
-    resume: str = "auto"
+    resume: PathText = "auto"
     """auto: continue from the run directory's newest complete checkpoint; none: refuse an existing run; or a
     checkpoint path to start from (a rerun of the same config continues from the checkpoints saved since)."""
 
@@ -252,7 +252,7 @@ class Config(Section):
     profile: ProfileConfig = ProfileConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     launch: LaunchConfig = LaunchConfig()
-    run_dir: str = "runs/default"
+    run_dir: PathText = "runs/default"
     """Where config.json, metrics.jsonl, plots (and later checkpoints) go."""
 
     @field_validator("recompute")
@@ -355,7 +355,15 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         value = parse_document(text, f"--set {key}") if text.strip() else None
     except ConfigError:
         value = text  # not YAML (e.g. `a: b: c`): the text itself, validated as such
+    if isinstance(value, (dict, bool)) and _is_text_key([*parents, leaf]):
+        value = text.strip()  # a key typed as text takes the text: `launch.rdzv_endpoint=localhost:` is no mapping
     node[leaf] = _merged(node.get(leaf), value)
+
+
+def _is_text_key(dotted: list[str]) -> bool:
+    section = _section_at(dotted[:-1])
+    field = section.model_fields.get(dotted[-1]) if section else None
+    return field is not None and is_text(field.annotation)
 
 
 def _merged(old: Any, new: Any) -> Any:

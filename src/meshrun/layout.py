@@ -108,9 +108,9 @@ class LaunchConfig(Section):
         """HOST[:PORT] as torchrun parses it, checked here rather than in a torchrun traceback."""
         if endpoint is None:
             return None
-        host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+        host, colon, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
         if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+", host) or (
-            port and not (port.isdigit() and 0 < int(port) < 65536)
+            colon and not (port.isdigit() and 0 < int(port) < 65536)
         ):
             raise ValueError(f"use HOST[:PORT] with PORT 1-65535 (got {endpoint!r})")
         return endpoint

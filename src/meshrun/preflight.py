@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -25,6 +24,7 @@ from meshrun.checkpoint_paths import checkpoint_root, complete_checkpoints
 from meshrun.config import Config
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
+from meshrun.extras import check_extras
 from meshrun.hf_config import hf_dir, model_tokenizer, vocab_key, vocab_size
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.metrics.devices import SHORT_NAMES
@@ -44,6 +44,7 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     if scope == "job":
         check_job(cfg)
     else:
+        check_extras(cfg)  # transformers for a Hugging Face model, before torch is imported
         check_model_size(cfg)  # sizes bounded before anything is built (check_job does it too)
     from meshrun.models import build_model  # imports torch: after every torch-free check, so those fail fast
 
@@ -92,12 +93,16 @@ def _tokenizer_slug(tokenizer: str | None) -> str:
 def check_job(cfg: Config) -> None:
     """Every torch-free check of a training job (`train`, with or without --dry-run, and `slurm`)."""
     check_worker_env(cfg)
+    prepares_data = not reads_in_place(cfg) and not is_prepared(data_dir(cfg))
+    check_extras(cfg, prepares_data=prepares_data)
     hf_dir(cfg.model)  # model.hf: a local folder with a config.json (reading it needs no torch)
     check_model_size(cfg)  # whole, positive sizes a rank can hold: arithmetic, before any model exists
     validate_layout(cfg)  # blocks and microbatches over pipeline stages: needs the model's depth
     check_run_dir(cfg)
     check_writable(Path(cfg.run_dir))
     check_data_source(cfg)
+    if prepares_data:  # the job writes its dataset there before training
+        check_writable(data_dir(cfg), "data.dir" if cfg.data.dir is not None else "the data cache (XDG_CACHE_HOME)")
     check_observability(cfg)
     for path in [Path(source.dir) for source in cfg.data.mixture] or [data_dir(cfg)]:
         check_readable(path)
@@ -107,17 +112,12 @@ WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")  # wh
 
 
 def check_observability(cfg: Config) -> None:
-    """The tensorboard package for that backend; a WANDB_MODE wandb would refuse in every worker
-    (it wins over tracker.mode, and wandb reads it even when meshrun disables the tracker)."""
+    """A WANDB_MODE wandb would refuse in every worker (it wins over tracker.mode, and wandb reads
+    it even when meshrun disables the tracker). (The tensorboard package: extras.check_extras.)"""
     mode = os.environ.get("WANDB_MODE")
     if mode and mode not in WANDB_MODES:
         raise ConfigError(
             f"WANDB_MODE={mode!r} is not a wandb mode; set it to online, offline or disabled (lowercase), or unset it"
-        )
-    if "tensorboard" in cfg.tracker.backends and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(
-            "tracker.backends names tensorboard, but the tensorboard package is not installed; "
-            "pip install tensorboard, or remove it from tracker.backends"
         )
 
 
@@ -262,15 +262,15 @@ def data_tokenizer(cfg: Config) -> dict | None:
     return None
 
 
-def check_writable(run_dir: Path) -> None:
-    """run_dir (or the nearest folder above it that exists) takes a new file."""
-    existing, refused = nearest_writable(run_dir)
+def check_writable(folder: Path, key: str = "run_dir") -> None:
+    """The folder `key` names (or the nearest folder above it that exists) takes a new file."""
+    existing, refused = nearest_writable(folder)
     if not existing.is_dir():
-        raise ConfigError(f"run_dir {run_dir} lies under {existing}, which is a file; set run_dir to a folder path")
+        raise ConfigError(f"{key} {folder} lies under {existing}, which is a file; set {key} to a folder path")
     if refused:
         raise ConfigError(
-            f"run_dir {run_dir} is not writable ({existing}: {refused}); "
-            "fix its permissions or set run_dir to a writable folder"
+            f"{key} {folder} is not writable ({existing}: {refused}); "
+            f"fix its permissions or set {key} to a writable folder"
         )
 
 

@@ -9,7 +9,11 @@ a traceback or a silent surprise.
   whole section); here it is an error naming the dotted key and both lines;
 - YAML 1.2 booleans: only true/false. YAML 1.1 also reads yes/no/on/off as booleans, which
   turned `tracker.mode: off` into `false`; here they stay words and validation names the
-  valid values.
+  valid values;
+- numbers keep the text as written (`WrittenInt`, `WrittenFloat`): YAML 1.1 reads `2024_01` as
+  202401, `0123` as octal 83, `1:30` as 90 (base 60) and `0x1F` as 31, so a key typed as text
+  (a path, a name, an id) takes the text instead (config_fields.Section); no dates either
+  (`2024-01-01` stays text).
 """
 
 from __future__ import annotations
@@ -28,6 +32,37 @@ MAX_VALUES = 10_000  # values after alias expansion; the full schema has about 7
 MAX_FLOW_DEPTH = 32  # nested [ ] / { }: PyYAML's scanner is quadratic in this depth
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+
+
+class WrittenInt(int):
+    """An integer read from YAML, with its text as written (`text`)."""
+
+    text: str
+
+
+class WrittenFloat(float):
+    """A float read from YAML, with its text as written (`text`)."""
+
+    text: str
+
+
+def plain(value: Any) -> Any:
+    """Free-form values (model.options, model.hf_config) as plain Python numbers, at any depth."""
+    if isinstance(value, (WrittenInt, WrittenFloat)):
+        return int(value) if isinstance(value, int) else float(value)
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    return [plain(item) for item in value] if isinstance(value, list) else value
+
+
+def as_written(value: Any) -> Any:
+    """For a key typed as text: numbers as the user wrote them (in lists too); the rest unchanged."""
+    if isinstance(value, (WrittenInt, WrittenFloat)):
+        return value.text
+    if isinstance(value, list):
+        return [as_written(item) for item in value]
+    return value
 
 
 class ConfigLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # pyright: ignore[reportGeneralTypeIssues] (libyaml's parser when present: 50x faster)
@@ -35,10 +70,26 @@ class ConfigLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # pyright: i
 
 
 ConfigLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL_TAG, _TIMESTAMP_TAG)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 ConfigLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def _construct_int(loader: Any, node: Node) -> WrittenInt:
+    number = WrittenInt(loader.construct_yaml_int(node))
+    number.text = str(node.value)
+    return number
+
+
+def _construct_float(loader: Any, node: Node) -> WrittenFloat:
+    number = WrittenFloat(loader.construct_yaml_float(node))
+    number.text = str(node.value)
+    return number
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+ConfigLoader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
 
 def read_config_file(path: str | Path) -> str:

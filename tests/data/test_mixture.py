@@ -12,8 +12,10 @@ import torch
 from conftest import WORDS, final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from test_checkpoint import interrupted_copy
 
+from meshrun.config import load_config
 from meshrun.data.dataset import MixtureDataset, TokenDataset
 from meshrun.data.prepare import prepare
+from meshrun.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +36,23 @@ def mixture(dirs: list[Path], weights: list[float], split: str = "train") -> Mix
     return MixtureDataset(parts, weights, [f"s{k}" for k in range(len(dirs))])
 
 
-@pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.3, 0.2], [1.0, 9.0]])
+@pytest.mark.parametrize(
+    "weights", [[0.7, 0.3], [0.5, 0.3, 0.2], [1.0, 9.0], [1e308, 1e308], [1e308, 1e-300, 1e308], [5e-324, 5e-324]]
+)
 def test_shares_follow_the_weights(weights: list[float], data_dir: Path, other_data: Path) -> None:
+    """Weights whose sum overflows (1e308 each) or that are tiny share as any others."""
     mix = mixture([data_dir, other_data, data_dir][: len(weights)], weights)
+    expected = np.array(weights) / max(weights)
     for first in (0, 123_456_789):
         counts = mix.source_counts(first, 2000)
         shares = np.array(list(counts.values())) / 2000
-        assert np.abs(shares - np.array(weights) / sum(weights)).max() <= 0.02, shares
+        assert np.abs(shares - expected / expected.sum()).max() <= 0.02, shares
+
+
+@pytest.mark.parametrize("weight", ["0", "-1", "inf", ".nan", "1e309"])
+def test_weights_that_share_nothing_are_refused(weight: str) -> None:
+    with pytest.raises(ConfigError, match=r"invalid data\.mixture\[1\]\.weight"):
+        load_config(None, [f"data.mixture=[{{dir: a, weight: 1}}, {{dir: b, weight: {weight}}}]"])
 
 
 def test_samples_are_a_function_of_the_global_index(data_dir: Path, other_data: Path) -> None:

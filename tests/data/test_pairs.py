@@ -78,11 +78,13 @@ def test_aligned_text_files_and_decoder_only_batches(tmp_path: Path) -> None:
         ({"a.txt": "x\ny\n", "b.txt": "X\n"}, "has 2 lines but"),
         ({"a.jsonl": '{"source": "x"}\n'}, "has no text field 'target'"),
         ({"a.jsonl": "{not json\n"}, "is not valid JSON"),
+        ({"a.jsonl": b'{"source": "x", "target": "y"}\n{"source": "caf\xe9"}\n'}, r"a.jsonl:2 is not UTF-8 text"),
+        ({"a.txt": b"x\ny\n", "b.txt": b"X\n\xffY\n"}, r"b.txt:2 is not UTF-8 text \(byte 0xff\)"),
     ],
 )
-def test_bad_pairs_are_one_line_errors(files: dict[str, str], message: str, tmp_path: Path) -> None:
+def test_bad_pairs_are_one_line_errors(files: dict[str, str | bytes], message: str, tmp_path: Path) -> None:
     for name, text in files.items():
-        (tmp_path / name).write_text(text)
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ConfigError, match=message):
         read_pairs([str(tmp_path / name) for name in files])
 

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshrun import cli
 from meshrun.data.prepare import prepare
+from meshrun.data.sources import expand_glob, expand_sources
 
 EOS = "<|endoftext|>"
 
@@ -312,6 +313,10 @@ REFUSED = {  # name: (write the source into folder -> path, fragments of the err
     "no-documents": (lambda f: _write(f / "empty.jsonl", ""), ("holds no documents", "--field")),
     "too-small": (lambda f: _write(f / "a.txt", "hi"), ("only 4 tokens, too few to train", "add more text")),
     "bad-json": (lambda f: _write(f / "b.jsonl", '{"text": "ok"}\n{oops\n'), ("b.jsonl:2 is not valid JSON",)),
+    "jsonl-not-utf8": (
+        lambda f: (f / "u.jsonl").write_bytes(b'{"text": "ok"}\n' * 5 + b'{"text": "caf\xe9"}\n') and f / "u.jsonl",
+        ("u.jsonl:6 is not UTF-8 text (byte 0xe9 at column 14)", "convert the file to UTF-8"),
+    ),
     "missing-field": (
         lambda f: _write(f / "c.jsonl", '{"body": "x"}\n'),
         ("c.jsonl:1 has no text field 'text'", "--field NAME"),
@@ -350,6 +355,49 @@ def test_bad_sources_are_refused_in_one_line(name: str, tmp_path: Path, capsys: 
     for fragment in fragments:
         assert fragment in err[0], err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no staging folder left
+
+
+def test_a_text_tokenizer_refuses_text_that_is_not_utf8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--train-tokenizer on Latin-1 text stored every non-UTF-8 byte as U+FFFD, silently: refused,
+    naming the file and how many bytes; the byte tokenizer keeps every byte, so it still takes it."""
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(" ".join(WORDS).encode() * 20 + "café déjà vu naïve".encode("latin-1"))
+    argv = ["prepare-data", "--source", str(latin1), "--workers", "1"]
+    assert cli.main([*argv, "--out", str(tmp_path / "bpe"), "--train-tokenizer", "bpe:300"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"{latin1} is not UTF-8 text: 4 bytes cannot be decoded" in err[0], err
+    assert not (tmp_path / "bpe").exists()
+    assert cli.main([*argv, "--out", str(tmp_path / "bytes")]) == 0
+    docs = stored_documents(tmp_path / "bytes", "train") + stored_documents(tmp_path / "bytes", "val")
+    assert "café déjà vu naïve".encode("latin-1") in b"".join(bytes(doc) for doc in docs)
+
+
+@pytest.mark.timeout(60)
+def test_a_glob_through_a_link_loop_reads_each_file_once(tmp_path: Path) -> None:
+    """glob's `**` follows links to folders: through a loop it named one file 41 times, read 41
+    times, and two links back up made 2**40 paths (a hang). Now links are not entered by `**`."""
+    corpus = tmp_path / "corpus"
+    (corpus / "a").mkdir(parents=True)
+    (corpus / "a" / "x.txt").write_text("some text")
+    (corpus / "top.txt").write_text("more text")
+    (corpus / "a" / "back").symlink_to("..")
+    (corpus / "a" / "back-again").symlink_to("..")
+    assert expand_sources([f"{corpus}/**/*.txt"]) == [corpus / "a" / "x.txt", corpus / "top.txt"]
+    assert expand_sources([str(corpus), f"{corpus}/**/*.txt"]) == [corpus / "a" / "x.txt", corpus / "top.txt"]
+    assert expand_sources([f"{corpus}/**"]) == [corpus / "a" / "x.txt", corpus / "top.txt"]  # links: deduplicated
+
+
+def test_a_double_star_glob_matches_as_glob_does(tmp_path: Path) -> None:
+    """Without links, `**` patterns name exactly what glob.glob names (hidden names included only
+    where the pattern spells the dot)."""
+    import glob
+
+    for name in ("top.txt", "a/x.txt", "a/b/y.txt", "a/.q.txt", ".h/z.txt", ".h/k/v.txt", "c/w.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    for pattern in ("**/*.txt", "**", "**/b/*.txt", "**/.*.txt", ".h/**/*.txt", "**/*", "*/**/*.txt", "**/x.txt"):
+        want = sorted(Path(p) for p in glob.glob(f"{tmp_path}/{pattern}", recursive=True))
+        assert sorted(Path(p) for p in expand_glob(f"{tmp_path}/{pattern}")) == want, pattern
 
 
 def _files(folder: Path) -> dict[str, str]:

@@ -111,6 +111,19 @@ def test_save_file_requests_a_checkpoint_without_stopping(data_dir: Path, tmp_pa
     assert not (run / "SAVE").exists()
 
 
+def test_a_save_folder_is_ignored_with_one_warning(data_dir: Path, tmp_path: Path) -> None:
+    """`mkdir RUN_DIR/SAVE` (a folder where the request file goes) crashed every step's poll with a
+    traceback, and every rerun while it was there: now the run trains on, saying so once."""
+    run = tmp_path / "run"
+    (run / "SAVE").mkdir(parents=True)
+    result = run_meshrun(["train", *tiny(data_dir, run, **{"train.steps": 3})], tmp_path=tmp_path, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "SAVE" in line]
+    assert len(warnings) == 1 and "not taken as a save request" in warnings[0], result.stderr[-3000:]
+    assert (run / "SAVE").is_dir()  # not ours to remove
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000003"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_signal_to_the_launcher_reaches_the_workers(sig, data_dir: Path, tmp_path: Path) -> None:
     """`meshrun train` as a container's PID 1 or a scheduler's child: the signal goes to it alone."""

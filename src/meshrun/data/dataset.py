@@ -100,7 +100,12 @@ class MixtureDataset:
 
     def __init__(self, parts: Sequence[TokenDataset], weights: Sequence[float], names: Sequence[str]) -> None:
         self.parts, self.names = list(parts), list(names)
-        cumulative = np.cumsum(weights, dtype=np.float64) / float(sum(weights))
+        # scaled by a power of two so the largest is below 1: no sum overflows ([1e308, 1e308] summed
+        # to inf and sent every sample to the last source), and for any other weights the shares
+        # round exactly as unscaled (a power-of-two scale is exact)
+        scaled = np.asarray(weights, dtype=np.float64)
+        scaled = np.ldexp(scaled, -np.frexp(scaled.max())[1])
+        cumulative = np.cumsum(scaled) / scaled.sum()
         self.thresholds = np.array([int(c * 2.0**64) for c in cumulative[:-1]], dtype=np.uint64)
         self.seq_len = parts[0].seq_len
 

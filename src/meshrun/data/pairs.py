@@ -57,11 +57,11 @@ def read_pairs(
     if len(paths) == 1 and paths[0].suffix == ".jsonl":
         return [
             _jsonl_pair(line, paths[0], n, source_field, target_field)
-            for n, line in enumerate(paths[0].read_text(encoding="utf-8").splitlines(), 1)
+            for n, line in enumerate(_lines(paths[0]), 1)
             if line.strip()
         ]
     if len(paths) == 2:
-        sources_text, targets = (p.read_text(encoding="utf-8").splitlines() for p in paths)
+        sources_text, targets = (_lines(p) for p in paths)
         if len(sources_text) != len(targets):
             raise ConfigError(
                 f"{paths[0]} has {len(sources_text)} lines but {paths[1]} has {len(targets)}; "
@@ -69,6 +69,18 @@ def read_pairs(
             )
         return list(zip(sources_text, targets))
     raise ConfigError("pairs need one .jsonl file (with --source-field / --target-field) or two aligned text files")
+
+
+def _lines(path: Path) -> list[str]:
+    """The file's lines, refusing text that is not UTF-8 at its FILE:LINE."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{path}:{line} is not UTF-8 text (byte {raw[exc.start]:#04x}); convert the file to UTF-8"
+        ) from None
 
 
 def _jsonl_pair(line: str, path: Path, number: int, source_field: str, target_field: str) -> tuple[str, str]:

@@ -238,7 +238,7 @@ def _spread_sample(found: list[Source], field: str, budget: int) -> Iterator[str
     share = min(1.0, budget / max(1, sum(source.size() for source in found)))
     seen = taken = 0.0
     for source in found:
-        for doc in documents(source, field=field):
+        for doc in documents(source, field=field, text=True):
             if isinstance(doc, np.ndarray):
                 raise ConfigError(
                     f"{source.path}: {field!r} holds token ids, and --train-tokenizer trains on text; "
@@ -284,7 +284,7 @@ def _tasks(
         for source in found:
             rel = source.path.relative_to(root).as_posix()
             num_docs = 0
-            for doc in documents(source, field=field):
+            for doc in documents(source, field=field, text=spec.json_text is not None):
                 if isinstance(doc, np.ndarray):
                     _check_ids(doc, source, field, spec)
                 splits.append("val" if _content_hash(doc) % 10_000 < val_fraction * 10_000 else "train")

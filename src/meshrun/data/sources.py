@@ -10,6 +10,7 @@ Nothing holds more than one record batch (or one text file) in memory.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -84,29 +85,70 @@ def expand_sources(sources: list[str]) -> list[Path]:
 def find_sources(sources: list[str]) -> tuple[list[Source], int]:
     """The inputs the sources name, sorted, and how many files their folders held that were
     skipped: hidden ones (.git, .cache, ...) and binary ones (a NUL byte in the first 8 KB, as git
-    decides). A binary file named on its own is refused."""
-    found: dict[Path, Source] = {}
+    decides). A binary file named on its own is refused. Each file counts once, however many
+    paths reach it (a `**` glob follows links to folders, round a link loop up to 40 times)."""
+    found: dict[Path, Source] = {}  # by resolved path
     skipped = 0
     for source in sources:
-        matches = glob.glob(source, recursive=True) if glob.has_magic(source) else [source]
+        matches = expand_glob(source) if glob.has_magic(source) else [source]
         for match in matches:
             path = Path(match)
             if path.is_dir() and is_hf_dataset(path):
-                found[path] = Source(path, "hf")
+                _add(found, Source(path, "hf"))
             elif path.is_dir():
                 for file in (p for p in path.rglob("*") if p.is_file()):
                     hidden = any(part.startswith(".") for part in file.relative_to(path).parts)
                     if hidden or (kind_of(file) == "text" and is_binary(file)):
                         skipped += 1
                     else:
-                        found[file] = Source(file, kind_of(file))
+                        _add(found, Source(file, kind_of(file)))
             elif path.is_file():
                 if kind_of(path) == "text" and is_binary(path):
                     raise ConfigError(
                         f"--source {path} is not text (a NUL byte in its first 8 KB); name text, jsonl or parquet files"
                     )
-                found[path] = Source(path, kind_of(path))
-    return [found[p] for p in sorted(found)], skipped
+                _add(found, Source(path, kind_of(path)))
+    return sorted(found.values(), key=lambda s: s.path), skipped
+
+
+def expand_glob(pattern: str) -> list[str]:
+    """glob.glob's matches, except that `**` does not enter links to folders: glob follows them, so
+    a link loop was walked round 40 times (and two links back up doubled that per level, a hang)."""
+    parts = Path(pattern).parts
+    if "**" not in parts:
+        return glob.glob(pattern)
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    root, rest = Path(*parts[:fixed]) if fixed else Path(), parts[fixed:]
+    hidden = any(part.startswith(".") for part in rest)
+    matches = [str(root)] if _matches([], rest) and root.is_dir() else []  # `DIR/**` names DIR too
+    for folder, dirs, files in os.walk(root):  # links to folders are listed in dirs, not entered
+        if not hidden:
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+        below = Path(folder).relative_to(root).parts
+        matches += [os.path.join(folder, name) for name in dirs + files if _matches([*below, name], rest)]
+    return matches
+
+
+def _matches(names: list[str], pattern: tuple[str, ...]) -> bool:
+    """Path components against pattern components, as glob matches them: `**` is any number of
+    folders, and a wildcard matches no hidden name unless the pattern's component starts with a dot."""
+    if not pattern:
+        return not names
+    if pattern[0] == "**":
+        return _matches(names, pattern[1:]) or (
+            bool(names) and not names[0].startswith(".") and _matches(names[1:], pattern)
+        )
+    name_ok = bool(names) and fnmatch.fnmatchcase(names[0], pattern[0])
+    visible = bool(names) and (pattern[0].startswith(".") or not names[0].startswith("."))
+    return name_ok and visible and _matches(names[1:], pattern[1:])
+
+
+def _add(found: dict[Path, Source], source: Source) -> None:
+    """Keep one path per file: the shortest (the one not through a link loop), then the first by name."""
+    real = source.path.resolve()
+    known = found.get(real)
+    if known is None or (len(source.path.parts), source.path) < (len(known.path.parts), known.path):
+        found[real] = source
 
 
 def is_binary(path: Path) -> bool:
@@ -120,12 +162,17 @@ def corpus_root(sources: list[Source]) -> Path:
     return Path(os.path.commonpath([s.path if s.kind == "hf" else s.path.parent for s in sources]))
 
 
-def documents(source: Source, *, field: str) -> Iterator[Document]:
+def documents(source: Source, *, field: str, text: bool = False) -> Iterator[Document]:
     """The documents of one source: text files as raw bytes (byte-exact), records as str, or as
-    token ids where their field holds a list of integers."""
+    token ids where their field holds a list of integers. `text`: the documents go to a text
+    tokenizer, so a text file that is not UTF-8 is refused (decoding would turn each of its
+    undecodable bytes into U+FFFD, silently; the byte tokenizer keeps them)."""
     try:
         if source.kind == "text":
-            yield source.path.read_bytes()
+            raw = source.path.read_bytes()
+            if text:
+                check_utf8(raw, source.path)
+            yield raw
         elif source.kind == "jsonl":
             yield from _jsonl(source.path, field)
         elif source.kind == "parquet":
@@ -143,10 +190,29 @@ def documents(source: Source, *, field: str) -> Iterator[Document]:
         raise ConfigError(f"cannot read source {source.path}: {' '.join(str(exc).split()) or 'unreadable'}") from None
 
 
+def check_utf8(raw: bytes, path: Path) -> None:
+    """Refuse a text file that is not UTF-8, naming how many of its bytes cannot be decoded."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lost = len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
+        raise ConfigError(
+            f"{path} is not UTF-8 text: {lost} bytes cannot be decoded (the first at offset {exc.start}), and a text "
+            "tokenizer would store each as U+FFFD; convert the file to UTF-8, or use the byte tokenizer (keeps every byte)"
+        ) from None
+
+
 def _jsonl(path: Path, field: str) -> Iterator[str | np.ndarray]:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with opener(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(
+                    f"{path}:{number} is not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
+                    "convert the file to UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

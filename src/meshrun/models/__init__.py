@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from meshrun.config import ModelConfig
 from meshrun.errors import ConfigError
+from meshrun.extras import missing_extra
 from meshrun.hf_config import is_hf
 from meshrun.models.encdec import EncDec
 from meshrun.models.gpt import GPT
@@ -128,6 +129,8 @@ def build_model(cfg: ModelConfig) -> ProtocolModule:
             model = factory(cfg)
     except ConfigError:
         raise
+    except ModuleNotFoundError as exc:  # an optional package (transformers) the model imports
+        raise missing_extra(exc, source) or ConfigError(f"{source} failed: ModuleNotFoundError: {exc}") from None
     except SystemExit as exc:  # a factory must return or raise, never end the process
         raise ConfigError(
             f"{source} called sys.exit({exc.code!r}) while building the model; "

@@ -2,7 +2,8 @@
 
 SIGTERM (what schedulers and torchrun send before killing) and SIGUSR1 (Slurm's
 `--signal=USR1@T` warning) ask the job to checkpoint and exit; creating the file
-`<run_dir>/SAVE` asks for a checkpoint without stopping. A signal may reach only one rank, so
+`<run_dir>/SAVE` asks for a checkpoint without stopping (something there that is not a file, such
+as a folder, is ignored with one warning). A signal may reach only one rank, so
 the flags are all-reduced (MAX): all ranks act on the same step.
 
 The all-reduce runs on CPU tensors over a gloo group of its own and asynchronously: the flags
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshrun.metrics.console import say
 from meshrun.outcome import STOP_SIGNALS
 
 
@@ -25,7 +27,7 @@ class Requests:
     def __init__(self, run_dir: Path, *, is_rank0: bool) -> None:
         """Collective when several ranks exist: every rank constructs it at the same point."""
         self.save_file, self.is_rank0 = run_dir / "SAVE", is_rank0
-        self.signalled = False
+        self.signalled = self.warned = False
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo") if distributed else None
@@ -35,10 +37,20 @@ class Requests:
         self.signalled = True
 
     def _local_flags(self) -> torch.Tensor:
-        save = self.is_rank0 and self.save_file.exists()
-        if save:
-            self.save_file.unlink(missing_ok=True)  # counted once: the flag below carries it
-        return torch.tensor([save, self.signalled], dtype=torch.int32)
+        return torch.tensor([self.is_rank0 and self._save_requested(), self.signalled], dtype=torch.int32)
+
+    def _save_requested(self) -> bool:
+        """The SAVE file was there: it is removed, so the request counts once (the flag carries it)."""
+        try:
+            self.save_file.unlink()
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:  # a folder (or a file this user cannot remove): no request, and no crash
+            if not self.warned:
+                say(f"warning: {self.save_file} is not a removable file ({exc.strerror}); not taken as a save request")
+                self.warned = True
+            return False
 
     def poll(self) -> tuple[bool, bool]:
         """Collective, once per step: (save now, stop after saving) as asked for up to the
