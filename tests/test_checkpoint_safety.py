@@ -193,6 +193,25 @@ def test_a_transformed_entry_is_refused(finished: Path, tmp_path: Path) -> None:
         verify(ckpt)
 
 
+def test_an_allowed_class_called_with_forged_arguments_is_one_refusal(finished: Path, tmp_path: Path) -> None:
+    """The allowlist admits PosixPath; `PosixPath(1)` raises TypeError while unpickling: a refusal
+    naming the index, not a traceback."""
+    ckpt = shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "ckpt")
+    # pickle protocol 2 by hand: GLOBAL pathlib.PosixPath, (1,), REDUCE, STOP
+    (ckpt / ".metadata").write_bytes(b"\x80\x02cpathlib\nPosixPath\nK\x01\x85R.")
+    forge(ckpt, ".metadata")
+    with pytest.raises(CheckpointError, match=r"\.metadata.*TypeError"):
+        verify(ckpt)
+
+
+def test_a_manifest_nested_too_deeply_is_one_refusal(finished: Path, tmp_path: Path) -> None:
+    """json.loads raises RecursionError (not ValueError) on deep nesting: still one refusal."""
+    ckpt = shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "ckpt")
+    (ckpt / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(CheckpointError, match="nested too deeply"):
+        verify(ckpt)
+
+
 # ---- item 3: checkpoints that exist but cannot be loaded --------------------------------------------
 
 

@@ -60,7 +60,7 @@ def test_the_checker_finds_a_cycle() -> None:
 
 
 def test_no_module_imports_itself_through_others() -> None:
-    """E.g. metrics.trackers prints with metrics.console, not with report (which builds on trackers).
+    """E.g. metrics.trackers prints with meshrun.console, not with report (which builds on trackers).
     A module may use its own package's API (the package __init__, which imports the module)."""
     graph = {
         module: {other for other in imported if other != module.rsplit(".", 1)[0]}

@@ -82,3 +82,16 @@ def test_a_finished_run_without_a_checkpoint_is_not_trained_over(data_dir: Path,
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "no checkpoint to continue from" in result.stderr and "--set run_dir=NEW" in result.stderr
     assert hashes(run) == before
+
+
+def test_a_finished_run_whose_last_checkpoint_is_older_is_complete(data_dir: Path, tmp_path: Path) -> None:
+    """checkpoint.at_end off: the newest checkpoint (step 2) is older than the run's end (step 3);
+    the summary says it finished, so a rerun trains nothing again and changes no byte."""
+    run = tmp_path / "run"
+    settings = {"train.steps": 3, "checkpoint.interval": 2, "checkpoint.at_end": False}
+    run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=tmp_path)
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000002"]
+    before = hashes(run)
+    result = run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=tmp_path)
+    assert "run already complete: its summary.json records step 3" in result.stderr, result.stderr
+    assert hashes(run) == before

@@ -50,6 +50,7 @@ from meshrun.checkpoint_paths import (
     step_of,
 )
 from meshrun.errors import ConfigError, RunError
+from meshrun.json_files import read_json
 from meshrun.versions import installed_versions
 
 DATA_CARD = "data"  # the training data's meta.json and tokenizer.json (no tokens): how to decode
@@ -109,8 +110,10 @@ class SafeReader(dcp.FileSystemReader):
         try:
             with path.open("rb") as f:
                 metadata = _MetadataUnpickler(f).load()
-        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as exc:
+        except (OSError, EOFError, pickle.UnpicklingError) as exc:
             raise CheckpointError(f"cannot read checkpoint index {path}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - an allowed class called with forged arguments: any error
+            raise CheckpointError(f"cannot read checkpoint index {path}: {type(exc).__name__}: {exc}") from None
         if not isinstance(metadata, dcp.Metadata) or not isinstance(metadata.storage_data, dict):
             raise CheckpointError(f"cannot read checkpoint index {path}: it is not a DCP index")
         transformed = [getattr(info, "transform_descriptors", None) for info in metadata.storage_data.values()]
@@ -296,7 +299,7 @@ def verify(path: Path) -> None:
 def read_manifest(path: Path) -> dict:
     """The manifest of a checkpoint folder: {"step", "files": {name: {bytes, crc32}}, "versions"}."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_json(path / MANIFEST)
         if not all(isinstance(v, dict) and {"bytes", "crc32"} <= v.keys() for v in manifest["files"].values()):
             raise ValueError("malformed file entries")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -344,7 +347,7 @@ def full_model_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tens
 def unloadable_reason(path: Path, error: CheckpointError) -> str:
     """Why a checkpoint did not load, telling another torch / meshrun apart from a damaged file."""
     try:
-        written = json.loads((path / MANIFEST).read_text()).get("versions")
+        written = read_json(path / MANIFEST).get("versions")
     except (OSError, ValueError, AttributeError):
         written = None
     here = installed_versions()
@@ -406,7 +409,7 @@ def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:
 def saved_world_size(path: Path) -> int | None:
     """dp x pp of the job that wrote a checkpoint (None if its config is unreadable)."""
     try:
-        parallel = json.loads((Path(path) / CONFIG).read_text())["parallel"]
+        parallel = read_json(Path(path) / CONFIG)["parallel"]
         return int(parallel["dp"]) * int(parallel["pp"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -415,7 +418,7 @@ def saved_world_size(path: Path) -> int | None:
 def saved_train_steps(path: Path) -> int | None:
     """train.steps of the job that wrote a checkpoint, the length its lr schedule had (None if unreadable)."""
     try:
-        return int(json.loads((Path(path) / CONFIG).read_text())["train"]["steps"])
+        return int(read_json(Path(path) / CONFIG)["train"]["steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -370,8 +370,8 @@ def _slurm(args: argparse.Namespace) -> int:
     """Render the sbatch script for a config; print it, or submit it and print the job id."""
     import subprocess
 
+    from meshrun.console import say
     from meshrun.launcher.slurm import render_sbatch, slurm_notes
-    from meshrun.metrics.console import say
 
     cfg = load_config(args.config, args.overrides)
     script = render_sbatch(
@@ -437,7 +437,7 @@ def _k8s(args: argparse.Namespace) -> int:
     if Path(args.out).exists():
         raise ConfigError(f"--out {args.out} exists; meshrun does not overwrite it: choose a new file or remove it")
     try:
-        write_atomic(args.out, manifest)
+        write_atomic(args.out, manifest, replace=False)  # never over a file that appeared meanwhile
     except OSError as exc:
         raise ConfigError(f"--out {args.out} cannot be written ({exc.strerror or exc}); choose another path") from None
     print(f"wrote {args.out}")
@@ -487,7 +487,7 @@ def _train(args: argparse.Namespace) -> int:
     worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
     code = job.train(cfg, worker_args, model)
     if code == 0 and not in_launched_worker():
-        from meshrun.metrics.console import next_steps, say
+        from meshrun.console import next_steps, say
 
         offline = any((Path(cfg.run_dir) / "wandb").glob("offline-run-*"))  # what the run wrote, not meant
         say(next_steps(cfg.run_dir, offline_wandb=offline))

@@ -23,12 +23,13 @@ from meshrun.checkpoint import (
     verify,
 )
 from meshrun.config import Config
+from meshrun.console import say
 from meshrun.data.pairs import BOS, EOS, NUM_SPECIAL, PAD
 from meshrun.data.storage import read_meta
 from meshrun.data.tokenize import id_count, read_tokenizer, text_codec
 from meshrun.errors import ConfigError, RunError
 from meshrun.hf_config import vocab_size
-from meshrun.metrics.console import say
+from meshrun.json_files import read_json
 from meshrun.models.encdec import EncDec
 from meshrun.models.hf_export import load_tokenizer
 from meshrun.models.seq2seq_decode import decode as seq2seq_decode
@@ -47,7 +48,7 @@ def load_full_model(
     folder = checkpoint_dir(run_or_checkpoint)
     verify(folder)
     try:
-        cfg = Config.model_validate(json.loads((folder / CONFIG).read_text()))
+        cfg = Config.model_validate(read_json(folder / CONFIG))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {folder} has no usable {CONFIG} ({' '.join(str(exc).split())})") from None
     if factory is not None:
@@ -186,7 +187,11 @@ def pairs_vocab(data: Path) -> int | None:
     """The ids of pairs data (the tokenizer's + 3: source BOS target EOS) when the training data
     (as `data` describes it) is pairs, else None."""
     meta = read_meta(data)
-    return int(meta["vocab_size"]) if meta is not None and meta.get("format") == "pairs" else None
+    if meta is None or meta.get("format") != "pairs":
+        return None
+    if not isinstance(vocab := meta.get("vocab_size"), int) or vocab < 1:
+        raise ConfigError(f"{data / 'meta.json'} has no usable vocab_size ({vocab!r}); the data card is damaged")
+    return vocab
 
 
 def heal_prompt(

@@ -45,16 +45,17 @@ def missing_extra(exc: ModuleNotFoundError, where: str) -> ConfigError | None:
     return ConfigError(f"{where} needs the {package} package, which is not installed: {install_hint(package)}")
 
 
-def check_extras(cfg: Config, *, prepares_data: bool = False) -> None:
-    """Every optional package the config's keys need: the model's, the tracker backends', and,
-    when the job prepares its data (`prepares_data`), the data tokenizer's."""
+def check_extras(cfg: Config, *, trains: bool = True, prepares_data: bool = False) -> None:
+    """Every optional package the config's keys need here: the model's, the tracker backends' when
+    this command trains (`trains`: export, sample, plan and k8s log nothing), and, when the job
+    prepares its data (`prepares_data`), the data tokenizer's."""
     for key in ("hf", "hf_config"):
         if getattr(cfg.model, key) is not None:
             require("transformers", f"model.{key}")
     tokenizer = cfg.data.tokenizer
     if prepares_data and tokenizer and tokenizer != "byte" and not tokenizer.startswith("bpe:"):
         _tokenizer_folder_needs(Path(tokenizer), "data.tokenizer")
-    if "tensorboard" in cfg.tracker.backends:
+    if trains and "tensorboard" in cfg.tracker.backends:
         require("tensorboard", "tracker.backends: tensorboard")
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from meshrun.config import ModelConfig
 from meshrun.confined import confined
 from meshrun.errors import ConfigError
+from meshrun.json_files import MAX_JSON_BYTES, read_json
 
 # model_type -> family layout (one adapter per layout in models/hf.py)
 FAMILIES = {
@@ -41,7 +42,6 @@ TOKENIZER_FILES = (  # what export copies into a Hugging Face folder, and transf
 )
 INDEX = "model.safetensors.index.json"  # sharded weights: tensor name -> file
 SINGLE = "model.safetensors"
-MAX_JSON_BYTES = 64 * 2**20  # a model folder's JSON is kilobytes (an index of thousands of tensors: a few MB)
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -96,7 +96,7 @@ def check_model_files(model_dir: Path) -> None:
     tokenizer_config = model_dir / "tokenizer_config.json"
     if tokenizer_config.is_file():
         try:
-            named = json.loads(tokenizer_config.read_text()).get("fast_tokenizer_files") or []
+            named = read_json(tokenizer_config).get("fast_tokenizer_files") or []
         except (OSError, ValueError, AttributeError):
             return  # transformers reports an unreadable one itself
         for entry in named if isinstance(named, list) else [named]:
@@ -132,7 +132,7 @@ def refuse_custom_tokenizer(folder: Path, key: str) -> None:
     transformers' own class for the model_type, which must be a supported family.)"""
     config = folder / "tokenizer_config.json"
     try:
-        auto_map = json.loads(config.read_text()).get("auto_map") if config.is_file() else None
+        auto_map = read_json(config).get("auto_map") if config.is_file() else None
     except (OSError, ValueError, AttributeError):
         return  # not a readable config: the tokenizer's loader says so
     if auto_map:
@@ -162,7 +162,7 @@ def _load(hf: str | None, inline: str | None) -> Any:
         assert path is not None  # without an inline config, model.hf is set
         key = f"model.hf {hf}"
         try:
-            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+            model_type = read_json(path / "config.json").get("model_type")
         except (OSError, ValueError, AttributeError) as exc:
             raise ConfigError(f"{key}: config.json is not readable JSON ({exc})") from None
         _check_family(model_type, key)

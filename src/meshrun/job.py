@@ -15,6 +15,7 @@ from torch import nn
 from meshrun.atomic import DiskFull
 from meshrun.checkpoint_paths import newest_first, resume_candidates, step_of
 from meshrun.config import Config
+from meshrun.console import say
 from meshrun.data.prepare import default_sources, is_prepared, prepare
 from meshrun.distributed import (
     Mesh,
@@ -25,6 +26,7 @@ from meshrun.distributed import (
     shutdown,
 )
 from meshrun.errors import ConfigError, RunError
+from meshrun.json_files import read_json
 from meshrun.launcher.lifetime import PARENT_PID, die_with_parent
 from meshrun.launcher.torchrun import (
     RDZV_TIMEOUT_EXIT,
@@ -34,7 +36,6 @@ from meshrun.launcher.torchrun import (
     waiting_line,
     worker_env,
 )
-from meshrun.metrics.console import say
 from meshrun.model_size import memory_warnings
 from meshrun.outcome import (
     STOP_SIGNALS,
@@ -195,6 +196,11 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         if isinstance(step, int) and step >= cfg.train.steps:
             say(f"run already complete: {resume_from} is at step {step} (train.steps {cfg.train.steps}); nothing to do")
             return 0
+    if (done := completed_steps(Path(cfg.run_dir))) is not None and done >= cfg.train.steps:  # no final checkpoint
+        say(
+            f"run already complete: its summary.json records step {done} (train.steps {cfg.train.steps}); nothing to do"
+        )
+        return 0
     if lock is not None:
         lock.claim()
     if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
@@ -214,6 +220,16 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     if outcome is Outcome.FAILED and (error := read_error(Path(cfg.run_dir))):
         raise RunError(error)  # the workers' reason, as the last line (their lines may interleave above)
     return launcher_exit_code(outcome, code, stop_relayed=stop is not None)
+
+
+def completed_steps(run_dir: Path) -> int | None:
+    """The steps a completed run's summary.json records (None: not completed, or not readable):
+    with checkpoint.at_end off, its newest checkpoint is older than the run's end."""
+    try:
+        steps = read_json(run_dir / "summary.json").get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 def run_torchrun(argv: list[str], *, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> tuple[int, int | None]:
@@ -290,6 +306,8 @@ def init_line(cfg: Config, model: nn.Module) -> str:
 def record_failure(run_dir: Path, exc: BaseException) -> None:
     """Any rank that fails says so; a RunError's one line is kept for the launcher to say last."""
     error = " ".join(str(exc).split()) if isinstance(exc, RunError) else None
+    if error is None and read_record(run_dir) is Outcome.FAILED:
+        return  # a peer failed first (this rank's collective broke with it): its record, and reason, stay
     with contextlib.suppress(OSError, RunError):  # the error itself matters more than its record (a full disk)
         write_record(run_dir, Outcome.FAILED, error=error)
 

@@ -17,6 +17,7 @@ from typing import Any
 from meshrun.config import Config, ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.hf_config import hf_dir, load_hf_config
+from meshrun.json_files import read_json
 from meshrun.layout import shard_degree
 from meshrun.plan import stage_ids, stages_per_rank
 
@@ -177,8 +178,8 @@ def memory_warnings(cfg: Config, stage_params: list[int], device_bytes: int, dev
 
 
 def _read_config_json(path: Path, where: str) -> dict[str, Any]:
-    try:  # hf_dir has refused a config.json over hf_config.MAX_JSON_BYTES
-        fields = json.loads(path.read_text())
+    try:  # read_json bounds its size (json_files.MAX_JSON_BYTES)
+        fields = read_json(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{where}config.json is not readable JSON ({exc})") from None
     if not isinstance(fields, dict):

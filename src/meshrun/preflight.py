@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import math
 import os
 import socket
@@ -26,6 +25,7 @@ from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
 from meshrun.extras import check_extras
 from meshrun.hf_config import hf_dir, model_tokenizer, vocab_key, vocab_size
+from meshrun.json_files import read_json
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.metrics.devices import SHORT_NAMES
 from meshrun.model_size import check_model_size
@@ -44,7 +44,7 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     if scope == "job":
         check_job(cfg)
     else:
-        check_extras(cfg)  # transformers for a Hugging Face model, before torch is imported
+        check_extras(cfg, trains=False)  # transformers for a Hugging Face model, before torch is imported
         check_model_size(cfg)  # sizes bounded before anything is built (check_job does it too)
     from meshrun.models import build_model  # imports torch: after every torch-free check, so those fail fast
 
@@ -230,7 +230,7 @@ def check_same_model(existing: Path, cfg: Config) -> Config:
     """A run directory continues only a meshrun run of the same model (any dp x pp layout); returns
     the earlier run's config."""
     try:
-        earlier = Config.model_validate(json.loads(existing.read_text()))
+        earlier = Config.model_validate(read_json(existing))
         before = earlier.model
     except ValueError:
         raise ConfigError(

@@ -41,6 +41,7 @@ def test_render_splits_workers_over_nodes_and_keeps_site_settings_optional(tmp_p
         "--nodes=2",
         "--ntasks-per-node=1",
         "--gpus-per-node=4",
+        "--cpus-per-task=4",  # one per worker: Slurm's default of one CPU per task would share a core
         "--signal=B:USR1@300",
         "--requeue",
         "--open-mode=append",

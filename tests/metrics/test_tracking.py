@@ -206,7 +206,9 @@ def test_a_failing_tracker_is_dropped_and_the_others_keep_logging(tmp_path: Path
         summarize = close = log
 
     warnings: list[str] = []
-    trackers = MultiTracker([ServiceGone(), JsonlTracker(tmp_path / "metrics.jsonl")], warn=warnings.append)
+    trackers = MultiTracker(
+        [ServiceGone(), JsonlTracker(tmp_path / "metrics.jsonl")], run_dir=tmp_path, warn=warnings.append
+    )
     for step in (1, 2):
         trackers.log({"loss": 1.0 / step}, step)
     trackers.close()
@@ -222,7 +224,7 @@ def test_online_without_a_network_waits_briefly_then_logs_offline(data_dir: Path
     started = time.monotonic()
     run_dir, proc = train(data_dir, tmp_path, env=env, **{"tracker.mode": "online", "tracker.init_timeout": 3})
     assert time.monotonic() - started < 80  # wandb's own default waits 90 s before failing
-    warnings = [line for line in proc.stderr.splitlines() if "offline" in line]
+    warnings = [line for line in proc.stderr.splitlines() if "logging offline" in line]
     assert len(warnings) == 1 and "warning: wandb online failed within 3 s" in warnings[0], proc.stderr
     assert "wandb sync" in warnings[0] and "Traceback" not in proc.stderr
     assert len(offline_runs(run_dir)) == 1  # the run to sync later

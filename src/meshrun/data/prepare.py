@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from meshrun.atomic import disk_error, publish_folder
+from meshrun.console import say
 from meshrun.data.sources import (
     Document,
     Source,
@@ -43,7 +44,6 @@ from meshrun.data.tokenize import (
     train_bpe,
 )
 from meshrun.errors import ConfigError
-from meshrun.metrics.console import say
 
 __all__ = ["SPLITS", "default_sources", "expand_sources", "is_prepared", "prepare"]
 OUTPUTS = ("train.bin", "val.bin", "meta.json")  # meshrun 0.1's names: never written over

@@ -13,7 +13,6 @@ meshrun 0.1 (`train.bin` / `val.bin` bytes, no "format") are read as one uint8 s
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import numpy as np
 from meshrun.confined import confined
 from meshrun.data.token_ids import TokenFile, looks_wider
 from meshrun.errors import ConfigError
+from meshrun.json_files import read_json
 
 SPLITS = ("train", "val")
 IGNORE = -100  # target id of padding: the loss skips it (F.cross_entropy's default ignore_index)
@@ -151,7 +151,7 @@ def read_meta(folder: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        meta = json.loads(path.read_text())
+        meta = read_json(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"{path} cannot be read ({exc}); prepare the data again with `meshrun prepare-data`"

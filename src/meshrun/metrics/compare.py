@@ -94,8 +94,9 @@ def format_table(runs: list[RunRecord]) -> str:
     return "\n".join(lines)
 
 
-def plot_losses(runs: list[RunRecord], path: Path) -> None:
-    """Train (lines) and validation (markers) loss of every run against tokens seen."""
+def plot_losses(runs: list[RunRecord], path: Path, *, replace: bool = False) -> None:
+    """Train (lines) and validation (markers) loss of every run against tokens seen; `path` is
+    written over only with `replace` (report --force)."""
     from meshrun.metrics.plots import plt, save_figure  # matplotlib, headless
 
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
@@ -109,7 +110,7 @@ def plot_losses(runs: list[RunRecord], path: Path) -> None:
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    save_figure(fig, path)
+    save_figure(fig, path, replace=replace)
 
 
 def report(paths: list[str], *, out: str, force: bool = False) -> str:
@@ -126,7 +127,9 @@ def report(paths: list[str], *, out: str, force: bool = False) -> str:
     if target.exists() and not force:
         raise ConfigError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
     try:
-        plot_losses(runs, target)
+        plot_losses(runs, target, replace=force)
+    except FileExistsError:
+        raise ConfigError(f"--out {out} appeared while the picture was drawn; choose another --out") from None
     except OSError as exc:
         raise ConfigError(f"--out {out} cannot be written ({exc.strerror}); choose another --out") from None
     return format_table(runs) + f"\n\nloss curves: {target}"

@@ -13,9 +13,10 @@ import matplotlib.pyplot as plt
 from meshrun.atomic import atomic_target
 
 
-def save_figure(fig: Any, path: Path) -> None:
-    """Write a picture atomically (a crash never leaves half a PNG) and release the figure."""
-    with atomic_target(path) as tmp:
+def save_figure(fig: Any, path: Path, *, replace: bool = True) -> None:
+    """Write a picture atomically (a crash never leaves half a PNG) and release the figure.
+    `replace=False`: a file the user named, never written over (FileExistsError)."""
+    with atomic_target(path, replace=replace) as tmp:
         fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
 

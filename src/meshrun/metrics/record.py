@@ -14,8 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from meshrun.console import say
 from meshrun.errors import ConfigError
-from meshrun.metrics.console import say
+from meshrun.json_files import read_json
 
 
 def _is_number(value: Any) -> bool:
@@ -93,7 +94,7 @@ def read_summary(path: Path) -> dict[str, Any] | None:
         return None
     fix = "move it aside (the run is then reported as not finished)"
     try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
+        summary = read_json(path)
     except (OSError, ValueError, RecursionError) as exc:
         raise ConfigError(f"{path} is not a summary meshrun wrote ({type(exc).__name__}: {exc}); {fix}") from None
     if not isinstance(summary, dict):

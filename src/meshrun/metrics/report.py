@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshrun.atomic import write_atomic
+from meshrun.console import say
 from meshrun.errors import ConfigError
-from meshrun.metrics.console import say
 from meshrun.metrics.record import read_metrics_rows, run_totals
 from meshrun.metrics.trackers import NullTracker, Tracker
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from meshrun import console
 from meshrun.atomic import DiskFull, disk_error, write_atomic
 from meshrun.config import TrackerConfig
-from meshrun.metrics import console
 
 
 class Tracker(Protocol):
@@ -169,8 +169,8 @@ class MultiTracker:
     disk does stop it: the run's record (and its next checkpoint) could not be written, and a run
     training on without them would lose what it learns."""
 
-    def __init__(self, trackers: list[Tracker], *, warn: Callable[[str], None] = print) -> None:
-        self.trackers, self.warn = trackers, warn
+    def __init__(self, trackers: list[Tracker], *, run_dir: Path, warn: Callable[[str], None] = print) -> None:
+        self.trackers, self.run_dir, self.warn = trackers, run_dir, warn
 
     def _each(self, call: Callable[[Tracker], None]) -> None:
         for tracker in list(self.trackers):
@@ -178,11 +178,19 @@ class MultiTracker:
                 call(tracker)
             except DiskFull:
                 raise
+            except OSError as exc:
+                where = Path(exc.filename) if isinstance(exc.filename, str) else self.run_dir
+                if (full := disk_error(exc, where)) is not exc:  # TensorBoard or wandb met a full disk
+                    raise full from exc
+                self._drop(tracker, exc)
             except Exception as exc:  # noqa: BLE001 - any tracker failure, by design
-                self.trackers.remove(tracker)
-                self.warn(
-                    f"warning: {type(tracker).__name__} failed ({type(exc).__name__}: {exc}); it is off for the rest of the run"
-                )
+                self._drop(tracker, exc)
+
+    def _drop(self, tracker: Tracker, exc: Exception) -> None:
+        self.trackers.remove(tracker)
+        self.warn(
+            f"warning: {type(tracker).__name__} failed ({type(exc).__name__}: {exc}); it is off for the rest of the run"
+        )
 
     def log(self, row: dict[str, Any], step: int) -> None:
         self._each(lambda tracker: tracker.log(row, step))
@@ -240,4 +248,4 @@ def open_trackers(
             say(note)
         if mode != "disabled":
             trackers.append(WandbTracker(cfg, mode=mode, run_dir=run_dir, config=config, warn=say))
-    return MultiTracker(trackers, warn=say)
+    return MultiTracker(trackers, run_dir=run_dir, warn=say)

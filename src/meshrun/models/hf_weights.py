@@ -8,7 +8,6 @@ embedding may be stored as the input embedding or as lm_head; old GPT-2 files la
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from torch import nn
 
 from meshrun.errors import ConfigError
 from meshrun.hf_config import INDEX, SINGLE, model_file
+from meshrun.json_files import read_json
 
 
 def has_weights(model_dir: Path) -> bool:
@@ -29,7 +29,7 @@ def weight_index(model_dir: Path) -> dict[str, Path]:
 
     if (model_dir / INDEX).is_file():
         try:
-            weight_map = json.loads((model_dir / INDEX).read_text())["weight_map"]
+            weight_map = read_json(model_dir / INDEX)["weight_map"]
             entries = weight_map.items()
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{model_dir / INDEX} is not a safetensors index (no weight_map): {exc}") from None

@@ -4,7 +4,6 @@ no torch live in cli.py and run first)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -13,8 +12,11 @@ import yaml
 from meshrun.atomic import write_atomic
 from meshrun.config import Config, load_config
 from meshrun.errors import ConfigError
+from meshrun.extras import check_extras
+from meshrun.json_files import read_json
 from meshrun.metrics.devices import PCIE4_LINKS_GBS, device_by_short_name, links_gbs
 from meshrun.metrics.record import read_metrics_rows
+from meshrun.model_size import check_model_size
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.search import Prediction, predict, rank_layouts
@@ -189,13 +191,22 @@ def _probe_hardware(args: argparse.Namespace, device: str, requested: str) -> tu
 def compare_run(args: argparse.Namespace) -> int:
     """A finished run's measured step time, bubble and throughput next to the prediction for its layout."""
     run = Path(args.run)
-    cfg = Config.model_validate(json.loads((run / "config.json").read_text()))
+    try:
+        cfg = Config.model_validate(read_json(run / "config.json"))
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        problem = " ".join(str(exc).split())[:300]
+        raise ConfigError(f"--run {run}: config.json is not a meshrun run's config ({problem})") from None
     check_code_trusted(cfg, run / "config.json", trust_code=args.trust_code)  # predict builds the run's model
+    check_extras(cfg, trains=False)  # the run's model, as export and sample check it: before it is built
+    check_model_size(cfg)
     rows = read_metrics_rows(run / "metrics.jsonl")  # step_time_s: training only, validation and checkpoints apart
     timed = [r for r in rows if "step_time_s" in r][1:] or [r for r in rows if "step_time_s" in r]
     if not timed:
         raise ConfigError(f"--run {run}: metrics.jsonl has no step_time_s rows yet; let the run log a window first")
-    measured_time = sum(r["step_time_s"] for r in timed) / len(timed)
+    if all(r.get("train_s") for r in timed):  # seconds over steps, as summary.json and report weigh them
+        measured_time = sum(r["train_s"] for r in timed) / sum(r["train_s"] / r["step_time_s"] for r in timed)
+    else:  # a run logged before train_s: every window alike
+        measured_time = sum(r["step_time_s"] for r in timed) / len(timed)
     bubbles = [r["bubble"] for r in timed if "bubble" in r]
     measured_bubble = sum(bubbles) / len(bubbles) if bubbles else None
     args.gpus = cfg.world_size

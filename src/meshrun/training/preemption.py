@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshrun.metrics.console import say
+from meshrun.console import say
 from meshrun.outcome import STOP_SIGNALS
 
 

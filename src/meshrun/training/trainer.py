@@ -18,11 +18,11 @@ from torch.amp import GradScaler
 from meshrun import checkpoint
 from meshrun.atomic import write_atomic
 from meshrun.config import Config
+from meshrun.console import say
 from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.data.pairs import PairsDataset
 from meshrun.distributed import Mesh
 from meshrun.errors import RunError
-from meshrun.metrics.console import say
 from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throughput
 from meshrun.metrics.profile import StepProfiler
 from meshrun.metrics.report import RunReport, run_facts
