@@ -16,6 +16,7 @@ moves the cache (default /var/cache/meshrun-test as root, else $XDG_CACHE_HOME/m
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -461,6 +462,8 @@ def test_default_job_runs_in_the_image(podman: Podman, image: str, tmp_path: Pat
             timeout=480,
             env=wrapper_env(podman, image),
         )
+    except pytest.fail.Exception as timed_out:  # say where the container's processes stand
+        pytest.fail(f"{timed_out}\n{container_processes(podman, name)}")
     finally:
         podman.remove_container(name)
     output = result.stdout + result.stderr
@@ -476,6 +479,23 @@ def test_default_job_runs_in_the_image(podman: Podman, image: str, tmp_path: Pat
         "default dataset not prepared in the cache mount"
     )
     assert not [p for p in run_dir.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+
+
+def container_processes(podman: Podman, name: str) -> str:
+    """Every process of a running container with its state and kernel wait channel (read from the
+    host's /proc), for a test that timed out: which one waits, and on what."""
+    found = podman("top", name, "hpid", "args", check=False, timeout=30).stdout.splitlines()[1:]
+    lines = []
+    for line in found:
+        pid, _, args = line.strip().partition(" ")
+        proc = Path("/proc") / pid
+        with contextlib.suppress(OSError):
+            state = next(x for x in (proc / "status").read_text().splitlines() if x.startswith("State:"))
+            threads = len(list((proc / "task").iterdir()))
+            lines.append(
+                f"{pid} {state.split(maxsplit=1)[1]} wchan={(proc / 'wchan').read_text()} threads={threads} {args}"
+            )
+    return "container processes:\n" + "\n".join(lines or ["(none found)"])
 
 
 def free_port() -> int:
