@@ -63,7 +63,7 @@ def test_multi_node_uses_c10d_rendezvous_with_workers_split_over_nodes() -> None
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=head:29400",
         "--rdzv-id=77",
-        "--rdzv-conf=join_timeout=600",
+        "--rdzv-conf=join_timeout=600,read_timeout=600",
         "--nproc-per-node=4",
         "--max-restarts=0",
         "-m",
@@ -82,12 +82,12 @@ def test_host_node_and_local_address_reach_torchrun() -> None:
     ]
     guest = torchrun_argv(load_config(None, [*base, "launch.host_node=false"]), ["train"])
     assert (
-        "--rdzv-conf=join_timeout=600,is_host=0" in guest
+        "--rdzv-conf=join_timeout=600,read_timeout=600,is_host=0" in guest
         and "--local-addr=10.0.0.2" in guest
         and "--nproc-per-node=1" in guest
     )
     host = torchrun_argv(load_config(None, [*base, "launch.host_node=true"]), ["train"])
-    assert "--rdzv-conf=join_timeout=600,is_host=1" in host
+    assert "--rdzv-conf=join_timeout=600,read_timeout=600,is_host=1" in host
 
 
 def test_one_node_with_an_endpoint_still_uses_it() -> None:
@@ -192,6 +192,20 @@ def test_a_missing_node_is_named_and_given_up_on_in_one_line(data_dir: Path, tmp
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("meshrun: error: not all 2 nodes joined the rendezvous") and "within 3 s" in last
     assert "OMP_NUM_THREADS" not in result.stderr  # set for the workers: no torchrun banner
+
+
+def test_a_guest_whose_host_never_answers_gives_up_in_one_line(data_dir: Path, tmp_path: Path) -> None:
+    """A guest node (--no-host-node) started before its host: it waits launch.rdzv_timeout for the
+    host's store (torch's own 60 s read timeout ended it sooner, with a traceback), then one line."""
+    endpoint, layout = f"127.0.0.1:{free_port()}", {"parallel.dp": 2}
+    flags = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-timeout=3", "--no-host-node"]
+    result = run_meshrun(
+        ["train", *tiny(data_dir, tmp_path / "run", **layout), *flags], tmp_path=tmp_path, timeout=90, check=False
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshrun: error: not all 2 nodes joined the rendezvous") and "within 3 s" in last
 
 
 _references: dict[tuple[int, int], Path] = {}

@@ -12,7 +12,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.run import main
 
 from meshrun.launcher.lifetime import die_with_parent
@@ -30,6 +30,10 @@ def run() -> None:
         print(f"torchrun: workers failed ({codes}); their own lines above say why", file=sys.stderr)
         sys.exit(1)
     except RendezvousTimeoutError:  # `meshrun train` says which nodes were awaited, in one line
+        sys.exit(RDZV_TIMEOUT_EXIT)
+    except RendezvousConnectionError as unreachable:  # the host's store did not answer in time (or cannot bind)
+        said = str(unreachable).splitlines()
+        print(f"torchrun: {said[0] if said else 'the rendezvous store did not answer'}", file=sys.stderr)
         sys.exit(RDZV_TIMEOUT_EXIT)
 
 

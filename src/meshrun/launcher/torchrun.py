@@ -32,7 +32,9 @@ def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
             f"--rdzv-endpoint={launch.rdzv_endpoint}",
             f"--rdzv-id={launch.rdzv_id}",
         ]
-        conf = [f"join_timeout={launch.rdzv_timeout}"]  # then the agent ends in one line (meshrun.launcher.agent)
+        # then the agent ends in one line (meshrun.launcher.agent); read_timeout: how long a node waits
+        # for the host's store to answer (torch's default, 60 s, failed a node started before its host)
+        conf = [f"join_timeout={launch.rdzv_timeout}", f"read_timeout={launch.rdzv_timeout}"]
         if launch.host_node is not None:  # the host binds the store; the others only connect
             conf.append(f"is_host={int(launch.host_node)}")
         argv.append(f"--rdzv-conf={','.join(conf)}")
