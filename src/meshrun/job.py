@@ -196,7 +196,8 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         if isinstance(step, int) and step >= cfg.train.steps:
             say(f"run already complete: {resume_from} is at step {step} (train.steps {cfg.train.steps}); nothing to do")
             return 0
-    if (done := completed_steps(Path(cfg.run_dir))) is not None and done >= cfg.train.steps:  # no final checkpoint
+    done = completed_steps(Path(cfg.run_dir)) if cfg.train.resume == "auto" else None  # a named one: a rollback
+    if done is not None and done >= cfg.train.steps:  # finished after its newest checkpoint (at_end off)
         say(
             f"run already complete: its summary.json records step {done} (train.steps {cfg.train.steps}); nothing to do"
         )

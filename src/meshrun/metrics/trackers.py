@@ -5,6 +5,7 @@ Only the logging rank (rank 0) opens trackers; other ranks get `NullTracker`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -56,7 +57,8 @@ class JsonlTracker:
         pass  # the run directory's summary.json holds it
 
     def close(self) -> None:
-        self.file.close()
+        with contextlib.suppress(OSError):  # a row a full disk refused is still buffered: already reported
+            self.file.close()
 
 
 def wandb_credentials() -> tuple[bool, str | None]:
