@@ -23,15 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"meshrun {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training job (starts torchrun itself when needed)")
-    train.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set train.lr=3e-4 (repeatable)",
-    )
+    _config_arguments(train, set_help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
     train.add_argument("--dry-run", action="store_true", help="validate and print the plan, start nothing")
     nodes = train.add_argument_group("multi-node (each flag sets the launch.* key of the same name)")
     nodes.add_argument("--nnodes", type=int, help="nodes in the job; run the same command on each")
@@ -56,15 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         "--rdzv-timeout", type=int, metavar="SECONDS", help="give up waiting for the other nodes after this (600)"
     )
     slurm = sub.add_parser("slurm", help="write (or submit) the sbatch script that trains a config on Slurm")
-    slurm.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
-    slurm.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (repeatable); passed on to the job",
-    )
+    _config_arguments(slurm, set_help="override a config key (repeatable); passed on to the job")
     slurm.add_argument(
         "--nodes", type=int, required=True, help="nodes; parallel.dp x parallel.pp workers are split over them"
     )
@@ -170,16 +154,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_arguments(parser: argparse.ArgumentParser, *, set_help: str) -> None:
+    """The config file and its `--set KEY=VALUE` overrides, as every command that reads a config takes them."""
+    parser.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+
+
 def _k8s_parser(sub: argparse._SubParsersAction) -> None:
     k8s = sub.add_parser("k8s", help="write the Kubernetes manifest (JobSet or Kubeflow TrainJob) that trains a config")
-    k8s.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
-    k8s.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (repeatable); the resolved config goes into the manifest's ConfigMap",
+    _config_arguments(
+        k8s, set_help="override a config key (repeatable); the resolved config goes into the manifest's ConfigMap"
     )
     k8s.add_argument("--image", required=True, help="the meshrun image (docker/Dockerfile) the pods run")
     k8s.add_argument("--nodes", type=int, required=True, help="pods, one per node; dp x pp workers are split over them")
@@ -213,15 +197,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan", help="rank dp x pp x schedule x micro_batch x recompute layouts by predicted memory and speed"
     )
-    plan.add_argument("config", nargs="?", help="YAML config; default: the packaged configs/default.yaml")
-    plan.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (repeatable)",
-    )
+    _config_arguments(plan, set_help="override a config key (repeatable)")
     plan.add_argument("--gpus", type=int, default=1, help="devices in the job (dp x pp of every layout)")
     plan.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
     plan.add_argument("--gpu", help="device type: h100, h200, a100-40g, a100-80g, l40s, l4, ... or cpu (calibrated)")
