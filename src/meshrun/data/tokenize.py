@@ -12,7 +12,6 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.pool
 import os
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -214,11 +213,10 @@ def _start_pool(workers: int, spec: TokenizerSpec) -> multiprocessing.pool.Pool:
 
 
 def _pool_context() -> multiprocessing.context.BaseContext:
-    """fork where it is safe (no Python threads but this one): starting workers then costs
-    milliseconds, not a second each as with spawn. A tokenizer that already ran its own threads
-    (a BPE trained here) turns them off in forked children by itself, which is what workers want."""
-    if "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1:
-        return multiprocessing.get_context("fork")
+    """spawn, never fork: a preparing process has native threads Python cannot see (a BPE trainer's
+    Rust pool, BLAS, torch), and a child forked while one of them held a lock can wait forever; an
+    intermittent hang at "preparing" (2 in ~10 full-suite runs, under load) matched that. Spawned
+    workers cost about a second each to start, once per preparation."""
     return multiprocessing.get_context("spawn")
 
 
