@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import meshrun_env
+from test_config import HF_LLAMA
 
 HIDER = '''
 import os, sys
@@ -32,14 +33,6 @@ class Hide:
 
 sys.meta_path.insert(0, Hide())
 '''
-HF_CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "vocab_size": 256,
-}
 
 
 def _meshrun_without(hidden: str, argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -62,7 +55,7 @@ def _meshrun_without(hidden: str, argv: list[str], tmp_path: Path) -> subprocess
     [
         (
             "transformers,torch",
-            ["train", "--dry-run", f"--set=model.hf_config={json.dumps(HF_CONFIG)}"],
+            ["train", "--dry-run", f"--set=model.hf_config={json.dumps(HF_LLAMA)}"],
             'model.hf_config needs the transformers package, which is not installed: pip install "meshrun[hf]"',
         ),
         (
@@ -75,7 +68,7 @@ def _meshrun_without(hidden: str, argv: list[str], tmp_path: Path) -> subprocess
         ),
         (
             "transformers",
-            ["plan", f"--set=model.hf_config={json.dumps(HF_CONFIG)}"],
+            ["plan", f"--set=model.hf_config={json.dumps(HF_LLAMA)}"],
             'model.hf_config needs the transformers package, which is not installed: pip install "meshrun[hf]"',
         ),
     ],
