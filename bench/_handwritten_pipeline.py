@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from meshrun.config import ModelConfig
+from meshrun.config.schema import ModelConfig
 from meshrun.models.gpt import GPT
-from meshrun.plan import even_split
+from meshrun.parallel.stages import even_split
 
 
 def main() -> None:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from _saved_bytes import SavedBytes
 
-from meshrun.config import load_config
-from meshrun.distributed import init_mesh, shutdown
+from meshrun.config.schema import load_config
+from meshrun.parallel.layout import Layout
+from meshrun.parallel.mesh import init_mesh, shutdown
 from meshrun.training.trainer import Trainer
 
 
@@ -60,7 +61,7 @@ def main() -> None:
             f"run_dir={args.run_dir}",
         ],
     )
-    mesh = init_mesh(dp=1, pp=pp)
+    mesh = init_mesh(Layout(pp=pp, per_rank=1))
     trainer = None
     try:
         trainer = Trainer(cfg, mesh, Path(args.data))

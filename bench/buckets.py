@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshrun.config import DataConfig
+from meshrun.config.schema import DataConfig
 from meshrun.data.dataset import open_dataset
 from meshrun.data.pairs import PAD, example_pairs, prepare_pairs
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshrun.config import load_config
+from meshrun.config.schema import load_config
 from meshrun.data.dataset import MixtureDataset, TokenDataset
 from meshrun.data.prepare import TASK_BYTES, prepare
 from meshrun.data.sources import default_sources, expand_sources

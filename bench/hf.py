@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from meshrun.config import load_config
+from meshrun.config.schema import load_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 import overhead
@@ -77,7 +77,8 @@ def step_time(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from meshrun.data.prepare import prepare
-    from meshrun.distributed import init_mesh, shutdown
+    from meshrun.parallel.layout import Layout
+    from meshrun.parallel.mesh import init_mesh, shutdown
     from meshrun.training.trainer import Trainer
 
     torch.set_num_threads(args.threads)
@@ -107,7 +108,7 @@ def step_time(args: argparse.Namespace) -> int:
                 f"run_dir={tmp / 'run'}",
             ],
         )
-        mesh = init_mesh(dp=1, pp=1)
+        mesh = init_mesh(Layout())
         try:
             trainer = Trainer(cfg, mesh, data_dir)
             try:
@@ -130,10 +131,10 @@ def rss_anon_bytes() -> int:
 
 def measure_stage(model_dir: str, stage: int, num_stages: int) -> dict:
     """In this (fresh) process: materialise one stage from the weights; peak RssAnon growth."""
-    from meshrun.config import validate
-    from meshrun.models import build_model
-    from meshrun.parallel import materialise_part
-    from meshrun.plan import even_split
+    from meshrun.config.schema import validate
+    from meshrun.models.families import build_model
+    from meshrun.parallel.materialise import materialise_part
+    from meshrun.parallel.stages import even_split
 
     cfg = validate({"model": {"hf": model_dir, "seq_len": 128}, "parallel": {"pp": num_stages, "dp": 1}})
     layers = even_split(LARGE["num_hidden_layers"], num_stages)[stage]

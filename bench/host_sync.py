@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from meshrun.config import load_config
+from meshrun.config.schema import load_config
 from meshrun.data.prepare import prepare
-from meshrun.distributed import init_mesh, shutdown
+from meshrun.parallel.layout import Layout
+from meshrun.parallel.mesh import init_mesh, shutdown
 from meshrun.training.trainer import Trainer
 
 
@@ -61,7 +62,7 @@ def check(precision: str, args: argparse.Namespace, tmp: Path, data_dir: Path) -
             f"run_dir={tmp / precision}",
         ],
     )
-    mesh = init_mesh(dp=1, pp=1)
+    mesh = init_mesh(Layout())
     trainer = None
     try:
         trainer = Trainer(cfg, mesh, data_dir)

@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from meshrun.config import Config, load_config
+from meshrun.config.schema import Config, load_config
 from meshrun.data.dataset import TokenDataset
 from meshrun.data.prepare import prepare
-from meshrun.distributed import init_mesh, shutdown
 from meshrun.models.gpt import GPT
+from meshrun.parallel.layout import Layout
+from meshrun.parallel.mesh import init_mesh, shutdown
 from meshrun.training.trainer import Trainer
 
 TARGET = 1.03  # meshrun step time / hand-written step time
@@ -172,7 +173,7 @@ def main() -> int:
         data_dir = tmp / "data"
         prepare(args.source or [str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")], data_dir)
         cfg = make_config(args, tmp, data_dir)
-        mesh = init_mesh(dp=1, pp=1)  # a lone process: no torchrun, no ports
+        mesh = init_mesh(Layout())  # a lone process: no torchrun, no ports
         try:
             trainer = Trainer(cfg, mesh, data_dir)
             try:

@@ -254,7 +254,7 @@ def recompute_bytes(args: argparse.Namespace, data: Path) -> dict[str, dict[str,
     """
     import torch
 
-    from meshrun.config import load_config
+    from meshrun.config.schema import load_config
     from meshrun.data.dataset import TokenDataset
 
     torch.set_num_threads(1)
@@ -289,7 +289,7 @@ def _block_bytes_one_forward(cfg, policy: str, x) -> dict[str, int]:
     from _saved_bytes import SavedBytes
 
     import meshrun.parallel.recompute as recompute_module
-    from meshrun.parallel import materialise_part
+    from meshrun.parallel.materialise import materialise_part
 
     caches: list = []  # selective checkpoint contexts: their caching mode holds the saved op outputs
     original = recompute_module.create_selective_checkpoint_contexts

@@ -93,7 +93,7 @@ def loads() -> str:
 
 
 def predict_all(calibration: Path) -> dict[str, float]:
-    from meshrun.config import load_config
+    from meshrun.config.schema import load_config
     from meshrun.planner.calibrate import load
     from meshrun.planner.cost import Hardware
     from meshrun.planner.search import predict

@@ -240,7 +240,7 @@ def plain_reference(data_dir: Path) -> Callable[..., Reference]:
 
 def final_weights(run_or_checkpoint: Path) -> dict:
     """The whole model's weights from a run's newest checkpoint (or a checkpoint folder), on one process."""
-    from meshrun.export import load_full_model
+    from meshrun.cli.use_checkpoint import load_full_model
 
     return load_full_model(run_or_checkpoint, trust_code=True)[0].state_dict()  # the tests' own factories
 

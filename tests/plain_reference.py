@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from meshrun.config import Config, load_config
+from meshrun.config.schema import Config, load_config
 from meshrun.data.dataset import TokenDataset
 from meshrun.models.gpt import GPT
 

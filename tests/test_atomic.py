@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.atomic import atomic_target, temporary_name, write_atomic
 from meshrun.errors import RunError
+from meshrun.files.atomic import atomic_target, temporary_name, write_atomic
 
 
 def test_write_replaces_and_leaves_no_temporary(tmp_path: Path) -> None:

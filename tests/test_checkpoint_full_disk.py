@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import meshrun_env, run_meshrun, tiny, tmpfs
 
-from meshrun.checkpoint import verify
-from meshrun.checkpoint_paths import complete_checkpoints
+from meshrun.checkpoint.dcp import verify
+from meshrun.checkpoint.paths import complete_checkpoints
 from meshrun.metrics.record import read_metrics_rows
 
 # one checkpoint of this model is ~300 KB (model + Adam state): two do not fit in 450 KB

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 from conftest import WORDS, meshrun_env, run_meshrun, tiny
 
-from meshrun import cli, job
-from meshrun.config import load_config
+from meshrun import cli
+from meshrun.cli import train as job
+from meshrun.config.schema import load_config
 
 FACTORY_MODULE = '''
 from torch import nn

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.confined import confined
 from meshrun.errors import ConfigError
+from meshrun.files.confined import confined
 
 
 def test_entries_inside_the_folder_resolve(tmp_path: Path) -> None:

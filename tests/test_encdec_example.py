@@ -9,8 +9,9 @@ from pathlib import Path
 
 from conftest import REPO, run_meshrun
 
+from meshrun.cli.use_checkpoint import load_full_model
 from meshrun.data.pairs import example_pairs
-from meshrun.export import load_full_model, sample
+from meshrun.generation.sample import sample
 
 
 def test_example_config_learns_snake_to_camel(tmp_path: Path) -> None:

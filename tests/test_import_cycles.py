@@ -50,7 +50,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def package_of(module: str) -> str:
-    """meshrun.parallel.pipeline -> meshrun.parallel; top-level modules stand for themselves."""
+    """meshrun.parallel.pipeline -> meshrun.parallel.parallelize; top-level modules stand for themselves."""
     return ".".join(module.split(".")[:2])
 
 
@@ -60,7 +60,7 @@ def test_the_checker_finds_a_cycle() -> None:
 
 
 def test_no_module_imports_itself_through_others() -> None:
-    """E.g. metrics.trackers prints with meshrun.console, not with report (which builds on trackers).
+    """E.g. metrics.trackers prints with meshrun.files.console, not with report (which builds on trackers).
     A module may use its own package's API (the package __init__, which imports the module)."""
     graph = {
         module: {other for other in imported if other != module.rsplit(".", 1)[0]}
@@ -69,11 +69,28 @@ def test_no_module_imports_itself_through_others() -> None:
     assert find_cycle(graph) is None
 
 
+def leaves(graph: dict[str, set[str]]) -> set[str]:
+    """Modules that build on nothing of meshrun but its errors: they sit below every layer."""
+    return {module for module, imported in graph.items() if imported <= {"meshrun.errors"}}
+
+
 def test_no_package_imports_itself_through_others() -> None:
-    """E.g. parallel names the loss it calls by a protocol instead of importing training."""
+    """E.g. parallel names the loss it calls by a protocol instead of importing training.
+
+    An import of a leaf is no layering edge: `parallel.layout` (the arithmetic of ranks and axes)
+    is imported by the config's own rules and by parallel's builders alike; should it ever import
+    anything of meshrun, it stops being a leaf and the cycle shows here."""
+    graph = import_graph()
+    below_all = leaves(graph)
     packages: dict[str, set[str]] = {}
-    for module, imported in import_graph().items():
+    for module, imported in graph.items():
         packages.setdefault(package_of(module), set()).update(
-            package_of(other) for other in imported if package_of(other) != package_of(module)
+            package_of(other)
+            for other in imported
+            if package_of(other) != package_of(module) and other not in below_all
         )
     assert find_cycle(packages) is None
+
+
+def test_the_layout_object_is_a_leaf() -> None:
+    assert "meshrun.parallel.layout" in leaves(import_graph())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.json_files import read_json
+from meshrun.files.json_reader import read_json
 
 
 def test_a_deeply_nested_file_is_a_value_error(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from meshrun.config import Config, load_config, validate
+from meshrun.config.schema import Config, load_config, validate
 from meshrun.errors import ConfigError
 
 BATCH = "train.global_batch (8) must be a multiple of train.micro_batch x parallel.dp (2 x 3 = 6)"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import run_meshrun, tiny
 
-from meshrun.config import Config
-from meshrun.rerun import RESUMABLE, changed_keys
+from meshrun.config.schema import Config
+from meshrun.launcher.rerun import RESUMABLE, changed_keys
 
 STEPS = {"train.steps": 3, "checkpoint.interval": 0}
 

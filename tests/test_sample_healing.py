@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer
 
 from meshrun.data.tokenize import train_bpe
-from meshrun.export import heal_prompt
+from meshrun.generation.sample import heal_prompt
 
 TEXTS = [f"def area_{i}(self, width):\n    return self.height * width + {i}\n" for i in range(300)]
 

@@ -9,28 +9,25 @@ environment: answered in well under a second), then imports torch to build the m
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import hashlib
-import math
 import os
 import socket
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from meshrun.checkpoint_paths import checkpoint_root, complete_checkpoints
-from meshrun.config import Config
+from meshrun.checkpoint.paths import checkpoint_root, complete_checkpoints
+from meshrun.config.schema import Config
+from meshrun.data.locations import data_dir, reads_in_place, training_data_dir
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
-from meshrun.extras import check_extras
-from meshrun.hf_config import hf_dir, model_tokenizer, vocab_key, vocab_size
-from meshrun.json_files import read_json
+from meshrun.files.json_reader import read_json
+from meshrun.files.writable import check_writable
+from meshrun.launcher.rerun import check_rerun
 from meshrun.launcher.torchrun import in_launched_worker
-from meshrun.metrics.devices import SHORT_NAMES
-from meshrun.model_size import check_model_size
-from meshrun.plan import validate_layout
-from meshrun.rerun import check_rerun
+from meshrun.models.hf_config import hf_dir, model_tokenizer, vocab_key, vocab_size
+from meshrun.parallel.stages import validate_layout
+from meshrun.planner.model_size import check_model_size
+from meshrun.versions import check_extras
 
 if TYPE_CHECKING:
     from torch import nn
@@ -46,7 +43,7 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     else:
         check_extras(cfg, trains=False)  # transformers for a Hugging Face model, before torch is imported
         check_model_size(cfg)  # sizes bounded before anything is built (check_job does it too)
-    from meshrun.models import build_model  # imports torch: after every torch-free check, so those fail fast
+    from meshrun.models.families import build_model  # imports torch: after every torch-free check, so those fail fast
 
     model = build_model(cfg.model)
     if scope == "job":
@@ -55,39 +52,6 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))
     return model
-
-
-def check_code_trusted(cfg: Config, source: Path, *, trust_code: bool, instead: str = "") -> None:
-    """The one rule for code named by files: a model.factory read from a file meshrun did not get
-    on the command line (a run's or a checkpoint's config.json, written by whoever wrote the folder)
-    is imported only under --trust-code. `instead`: another remedy the command offers."""
-    if cfg.model.factory is not None and not trust_code:
-        raise ConfigError(
-            f"{source} names model.factory {cfg.model.factory!r}, code meshrun does not import on a file's word: "
-            f"{instead}pass --trust-code to import it"
-        )
-
-
-def data_dir(cfg: Config) -> Path:
-    if cfg.data.dir is not None:
-        return Path(cfg.data.dir)
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    name = "stdlib-camelcase" if cfg.data.pairs else f"python-stdlib-{_tokenizer_slug(cfg.data.tokenizer)}"
-    return cache / "meshrun" / name
-
-
-def training_data_dir(cfg: Config) -> Path:
-    """The folder the model trains on (a mixture's first source)."""
-    return Path(cfg.data.mixture[0].dir) if cfg.data.mixture else data_dir(cfg)
-
-
-def _tokenizer_slug(tokenizer: str | None) -> str:
-    """A folder-name part per tokenizer, so corpora tokenized differently never share a cache folder."""
-    if tokenizer in (None, "byte"):
-        return "byte"
-    if tokenizer.startswith("bpe:"):
-        return tokenizer.replace(":", "")
-    return f"{Path(tokenizer).name}-{hashlib.sha256(str(Path(tokenizer).resolve()).encode()).hexdigest()[:8]}"
 
 
 def check_job(cfg: Config) -> None:
@@ -132,8 +96,8 @@ def check_worker_env(cfg: Config) -> None:
         raise ConfigError(f"{took}, but WORLD_SIZE={world!r} is not a number; {advice}")
     if int(world) != cfg.world_size:
         raise ConfigError(
-            f"{took}, but its world size {world} does not match parallel.dp x parallel.pp = {cfg.parallel.dp} x "
-            f"{cfg.parallel.pp}; launch {cfg.world_size} processes, change parallel.dp / parallel.pp, or {advice}"
+            f"{took}, but its world size {world} does not match {cfg.layout.axes_text()} = "
+            f"{cfg.layout.degrees_text()}; launch {cfg.world_size} processes, change parallel.dp / parallel.pp, or {advice}"
         )
     rank = os.environ["RANK"]
     if not rank.isdigit() or int(rank) >= int(world):
@@ -186,7 +150,7 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "outcome.json", "checkpoints", "lo
 
 def check_run_dir(cfg: Config) -> None:
     """The run directory is new, or holds a meshrun run to continue (same model, data and training:
-    meshrun.rerun)."""
+    meshrun.launcher.rerun)."""
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir {cfg.run_dir} is a file, not a folder; set run_dir to a new folder")
@@ -262,34 +226,6 @@ def data_tokenizer(cfg: Config) -> dict | None:
     return None
 
 
-def check_writable(folder: Path, key: str = "run_dir") -> None:
-    """The folder `key` names (or the nearest folder above it that exists) takes a new file."""
-    existing, refused = nearest_writable(folder)
-    if not existing.is_dir():
-        raise ConfigError(f"{key} {folder} lies under {existing}, which is a file; set {key} to a folder path")
-    if refused:
-        raise ConfigError(
-            f"{key} {folder} is not writable ({existing}: {refused}); "
-            f"fix its permissions or set {key} to a writable folder"
-        )
-
-
-def nearest_writable(path: Path) -> tuple[Path, str | None]:
-    """The nearest path at or above `path` that exists, and why a new file cannot go there (None: it
-    can). Probed with a real file: permission bits say nothing for root, and a read-only mount
-    refuses root too."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return existing, "not a folder"
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            return existing, None
-    except OSError as exc:
-        return existing, exc.strerror or "cannot be written"
-
-
 def check_readable(path: Path) -> None:
     """Every file of an existing data folder can be opened and read (workers would fail later)."""
     if not path.is_dir():
@@ -324,11 +260,6 @@ def check_data_source(cfg: Config) -> None:
         )
 
 
-def reads_in_place(cfg: Config) -> bool:
-    """Mixtures and other tools' formats are read as they are; nothing is prepared for them."""
-    return bool(cfg.data.mixture) or cfg.data.format != "meshrun"
-
-
 def check_data_fits(cfg: Config, path: Path) -> None:
     """The data parses, holds enough tokens for a sample, its ids fit the model's vocabulary, and
     it was tokenized with the model folder's tokenizer when both have one."""
@@ -347,82 +278,3 @@ def check_data_fits(cfg: Config, path: Path) -> None:
         pretrained=model_dir is not None and cfg.model.init != "random" and has_weights(model_dir),
         source_len=source_len(cfg.model),
     )
-
-
-def check_plan_args(args: argparse.Namespace) -> None:
-    """`plan` arguments, checked before torch is imported."""
-    for flag, value in (
-        ("--gpus", args.gpus),
-        ("--nodes", args.nodes),
-        ("--top", args.top),
-        ("--steps", args.steps),
-        ("--rounds", args.rounds),
-    ):
-        if value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}")
-    if args.gpus % args.nodes:
-        raise ConfigError(f"--nodes ({args.nodes}) must divide --gpus ({args.gpus}); change one of them")
-    if not 0 <= args.margin < 1:
-        raise ConfigError(f"--margin must be in [0, 1) (a share of device memory), got {args.margin}")
-    for flag, value in (
-        ("--memory-gb", args.memory_gb),
-        ("--intra-gbs", args.intra_gbs),
-        ("--inter-gbs", args.inter_gbs),
-    ):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{flag} must be a positive number, got {value}")
-    if args.gpu and args.gpu.lower() != "cpu" and args.gpu.lower() not in SHORT_NAMES:
-        raise ConfigError(f"--gpu: unknown GPU {args.gpu!r}: use one of {', '.join(SHORT_NAMES)}, or cpu")
-    if args.write and Path(args.write).exists():
-        raise ConfigError(f"--write {args.write} already exists; choose a new file name (plan never overwrites)")
-    if args.write:
-        check_writable_parent("--write", args.write)
-    if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
-        raise ConfigError(f"--calibration {args.calibration} is not a file; pass one `meshrun plan --calibrate` wrote")
-    if args.run and not (Path(args.run) / "config.json").is_file():
-        raise ConfigError(f"--run {args.run} holds no config.json; pass a meshrun run directory")
-
-
-def check_export_target(flag: str, out: str) -> None:
-    """Where `export` writes: a new path (never over a file or folder), the right suffix for a
-    file, below a folder this process can write; found before the checkpoint is consolidated."""
-    path = Path(out)
-    if path.exists():
-        raise ConfigError(f"{flag} {out} already exists; choose another {flag}")
-    if flag == "--out" and path.suffix not in (".safetensors", ".pt", ".pth"):
-        raise ConfigError(f"--out {out}: use a .safetensors or .pt file name")
-    check_writable_parent(flag, out)
-
-
-def check_writable_parent(flag: str, out: str) -> None:
-    """The nearest existing folder above `out` (a path that does not exist yet) takes a new file."""
-    folder, refused = nearest_writable(Path(out).absolute().parent)
-    if not folder.is_dir():
-        raise ConfigError(f"{flag} {out}: {folder} is a file, not a folder; choose another {flag}")
-    if refused:
-        raise ConfigError(f"{flag} {out}: {folder} is not writable; choose another {flag}")
-
-
-def check_checkpoint_args(args: argparse.Namespace) -> None:
-    """`export` / `sample` arguments, checked before torch is imported."""
-    if not Path(args.checkpoint).exists():
-        raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
-    if args.command == "export":
-        check_export_target(*(("--hf", args.hf) if args.hf else ("--out", args.out)))
-        return
-    if args.tokens < 1:
-        raise ConfigError(f"--tokens must be at least 1 (tokens to generate), got {args.tokens}")
-    if not math.isfinite(args.temperature) or not 0 <= args.temperature <= 1000:
-        raise ConfigError(f"--temperature must be a number in [0, 1000] (0 = greedy), got {args.temperature}")
-    if not -(2**63) <= args.seed < 2**64:
-        raise ConfigError(f"--seed must fit in 64 bits, got {args.seed}")
-    if args.beam < 1:
-        raise ConfigError(f"--beam must be at least 1 (1 = greedy), got {args.beam}")
-    if args.tokenizer is not None and not Path(args.tokenizer).exists():
-        raise ConfigError(f"--tokenizer {args.tokenizer} does not exist; give a tokenizer.json or a model folder")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
-        raise ConfigError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None

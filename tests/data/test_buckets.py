@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshrun.config import DataConfig
+from meshrun.config.schema import DataConfig
 from meshrun.data.dataset import check_data
 from meshrun.data.pairs import BOS, PairsDataset
 from meshrun.data.storage import IGNORE, read_meta

@@ -16,10 +16,11 @@ import torch
 from conftest import WORDS, losses, meshrun_env, tiny
 from tokenizers import Tokenizer
 
-from meshrun import cli, job
+from meshrun import cli
+from meshrun.cli import train as job
+from meshrun.cli.use_checkpoint import load_full_model
 from meshrun.data.pairs import prepare_pairs
 from meshrun.data.prepare import prepare
-from meshrun.export import load_full_model
 
 VOCAB = 300
 

@@ -12,7 +12,7 @@ import torch
 from conftest import WORDS, final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from test_checkpoint import interrupted_copy
 
-from meshrun.config import load_config
+from meshrun.config.schema import load_config
 from meshrun.data.dataset import MixtureDataset, TokenDataset
 from meshrun.data.prepare import prepare
 from meshrun.errors import ConfigError

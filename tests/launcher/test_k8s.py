@@ -24,8 +24,8 @@ import yaml
 from conftest import REPO, kill_tree, losses, meshrun_env, run_meshrun, tiny
 from jobset_pods import JobSetPods, wait_for
 
-from meshrun.checkpoint_paths import complete_checkpoints, step_of
-from meshrun.config import load_config
+from meshrun.checkpoint.paths import complete_checkpoints, step_of
+from meshrun.config.schema import load_config
 
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # RFC 1035, <= 63: JobSet / TrainJob / pod hostnames
 SECRET = "wandb-secret-value-4c1d"  # must never appear in a manifest

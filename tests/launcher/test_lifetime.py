@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import descendants, finish_meshrun, kill_tree, run_meshrun, start_meshrun, tiny, wait_for
 
-from meshrun.run_lock import LOCK
+from meshrun.launcher.run_lock import LOCK
 
 # Two workers under torchrun, far more steps than the test lasts, a row per step.
 LONG = {"parallel.dp": 2, "train.steps": 1_000_000, "checkpoint.interval": 0, "train.log_interval": 1}

@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, final_weights, meshrun_env, read_metrics, run_meshrun, tiny
 from slurm_cluster import SlurmCluster, free_port, slurm_cluster_fixture, wait_until  # noqa: F401 (registers the slurm_cluster fixture)
 
-from meshrun.config import load_config
+from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError
 from meshrun.launcher.slurm import BODY_MARKER, render_sbatch, template
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_meshrun
 
-from meshrun.config import load_config
+from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError
 from meshrun.launcher.slurm import render_sbatch
 

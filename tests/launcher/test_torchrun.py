@@ -13,7 +13,7 @@ import netns
 import pytest
 from conftest import REPO, final_weights, kill_tree, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
 
-from meshrun.config import load_config
+from meshrun.config.schema import load_config
 from meshrun.launcher.torchrun import torchrun_argv
 
 STEPS = {"train.steps": 6, "train.lr": 3e-3}

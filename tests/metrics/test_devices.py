@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from meshrun.metrics.devices import DEVICES, find_device
+from meshrun.hardware.peaks import DEVICES, find_device
 from meshrun.metrics.meters import mfu_note, peak_tflops, throughput
 
 # What torch.cuda.get_device_name returns on each device (as printed by nvidia-smi / torch).

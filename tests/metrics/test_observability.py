@@ -265,7 +265,7 @@ def test_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     ],
 )
 def test_observability_settings_are_checked(override: str, message: str) -> None:
-    from meshrun.config import load_config
+    from meshrun.config.schema import load_config
     from meshrun.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:
@@ -274,7 +274,7 @@ def test_observability_settings_are_checked(override: str, message: str) -> None
 
 
 def test_profiled_ranks_must_exist(tmp_path: Path) -> None:
-    from meshrun.config import load_config
+    from meshrun.config.schema import load_config
     from meshrun.errors import ConfigError
     from meshrun.preflight import check_observability
 
@@ -288,7 +288,7 @@ def test_mark_spans_read_the_profilers_own_events() -> None:
     import torch
     from torch.autograd.profiler import profile, record_function
 
-    from meshrun.metrics.profile import mark_spans
+    from meshrun.metrics.profiler import mark_spans
 
     with profile(use_kineto=True) as prof:
         for name in ("meshrun.pp:step", "meshrun.pp:0F0", "other"):

@@ -90,7 +90,7 @@ def test_a_resumed_runs_summary_and_loss_picture_cover_every_segment(resumed: tu
 
 
 def test_a_longer_schedule_on_resume_is_said_in_one_line(resumed: tuple[Path, str]) -> None:
-    from meshrun.config import Config
+    from meshrun.config.schema import Config
     from meshrun.training.optim import lr_at
 
     run, stderr = resumed

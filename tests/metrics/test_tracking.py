@@ -236,7 +236,7 @@ def test_credentials_are_found_by_wandb_itself(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("header.payload.signature\n")
     probe = (
-        "from meshrun.config import TrackerConfig; from meshrun.metrics.trackers import wandb_mode; "
+        "from meshrun.config.schema import TrackerConfig; from meshrun.metrics.trackers import wandb_mode; "
         "print(wandb_mode(TrackerConfig(mode='online')))"
     )
     env = env_for(tmp_path, WANDB_BASE_URL=UNREACHABLE)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from encdec_reference import TorchEncDec, lopsided_pairs, plain_step
 
-from meshrun.config import load_config
+from meshrun.config.schema import load_config
 from meshrun.data.pairs import PairsDataset, prepare_pairs
 from meshrun.data.storage import read_meta
 from meshrun.errors import ConfigError
-from meshrun.parallel import materialise_part
-from meshrun.plan import even_split
+from meshrun.parallel.materialise import materialise_part
+from meshrun.parallel.stages import even_split
 
 CPU = torch.device("cpu")
 
@@ -96,7 +96,7 @@ def test_flops_per_token_matches_torchs_counter_at_every_length(overrides: dict)
     """MFU's numerator: the model's FLOPs per token agree with torch's FLOP counter at full
     length and on a quarter-length bucket, to the same small excess at both (PaLM's count charges
     the biases it adds to its matmuls; the counter leaves them out: < 3.5% at dim 32)."""
-    from meshrun.models import flops_at
+    from meshrun.models.families import flops_at
 
     cfg = encdec_config(**overrides)
     model = materialise_part(cfg, CPU, layers=None, first=True, last=True)
@@ -113,7 +113,7 @@ def test_flops_per_token_matches_torchs_counter_at_every_length(overrides: dict)
     [({"model.encoder_layers": 4}, "model.encoder_layers"), ({"model.source_len": 80}, "model.source_len")],
 )
 def test_impossible_split_names_the_key(overrides: dict, key: str) -> None:
-    from meshrun.models import build_model
+    from meshrun.models.families import build_model
 
     with pytest.raises(ConfigError, match=key):
         build_model(encdec_config(**overrides).model)

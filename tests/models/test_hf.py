@@ -148,7 +148,7 @@ def test_tied_resume_and_resharded_resume(
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_loads_in_transformers(family: str, runs, tmp_path: Path) -> None:
     """A checkpoint written as dp2 x pp2, exported with --hf: from_pretrained gives meshrun's logits."""
-    from meshrun.export import load_full_model
+    from meshrun.cli.use_checkpoint import load_full_model
 
     run, out = runs(family, "dp2-pp2-1f1b"), tmp_path / "exported"
     run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)

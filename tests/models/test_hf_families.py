@@ -32,8 +32,8 @@ def test_stages_chained_equal_transformers(family: str, tmp_path: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from meshrun.config import validate
-    from meshrun.parallel import materialise_part
+    from meshrun.config.schema import validate
+    from meshrun.parallel.materialise import materialise_part
 
     fields = dict(FAMILY_CONFIGS[family])
     torch.manual_seed(0)
@@ -59,8 +59,8 @@ def test_a_folder_saved_in_bf16_trains_fp32_master_weights(tmp_path: Path) -> No
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from meshrun.config import validate
-    from meshrun.parallel import materialise_part
+    from meshrun.config.schema import validate
+    from meshrun.parallel.materialise import materialise_part
 
     fields = dict(FAMILY_CONFIGS["qwen2"])
     torch.manual_seed(0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from meshrun.config import load_config
+from meshrun.config.schema import load_config
 from meshrun.data.pairs import BOS, EOS, PAD
-from meshrun.models.seq2seq_decode import decode
-from meshrun.parallel import materialise_part
+from meshrun.generation.seq2seq import decode
+from meshrun.parallel.materialise import materialise_part
 
 SOURCE = [ord(c) + 3 for c in "get_terminal_size"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshrun.config import ModelConfig
+from meshrun.config.schema import ModelConfig
 from meshrun.models.gpt import GPT
 
 

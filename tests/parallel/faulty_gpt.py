@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from meshrun.config import ModelConfig
+from meshrun.config.schema import ModelConfig
 from meshrun.models.gpt import GPT, Embedding
 
 _calls = {"backward": 0}

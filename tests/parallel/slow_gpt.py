@@ -9,7 +9,7 @@ import time
 import torch
 from torch import nn
 
-from meshrun.config import ModelConfig
+from meshrun.config.schema import ModelConfig
 from meshrun.models.gpt import GPT, Block
 
 FORWARD_S, BACKWARD_S = 0.02, 0.04  # per block: backward about twice the forward, as in real models

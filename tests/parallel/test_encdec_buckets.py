@@ -20,7 +20,7 @@ from plain_reference import config_from_set_args
 
 from meshrun.data.dataset import open_dataset
 from meshrun.models.encdec import source_len
-from meshrun.parallel import materialise_part
+from meshrun.parallel.materialise import materialise_part
 
 STEPS = 6
 BUCKETED = {
@@ -88,7 +88,7 @@ def test_one_process_on_buckets_equals_torch_transformer(reference: Path, lopsid
 def test_throughput_counts_each_bucket_at_its_length(reference: Path, lopsided_dir: Path) -> None:
     """tokens/s and TFLOP/s count the positions each step trained on, priced at their length: a
     10-wide batch is a quarter of a 40-wide one's tokens, and its attention is cheaper per token."""
-    from meshrun.models import flops_at
+    from meshrun.models.families import flops_at
 
     widths = [x.shape[1] for x, _ in global_batches(lopsided_dir)]
     rows = [row for row in read_metrics(reference) if "tokens_per_s" in row]
@@ -108,7 +108,7 @@ def test_val_loss_is_the_token_mean_over_all_validation_batches(reference: Path,
     """The final validation (step 6, final weights) equals plain cross-entropy summed over every
     target token of both validation batches / their count: batches of different widths and
     paddings are weighted by their tokens, not averaged as batch means."""
-    from meshrun.export import load_full_model
+    from meshrun.cli.use_checkpoint import load_full_model
 
     model = load_full_model(reference)[0].eval()
     cfg = config_from_set_args(tiny(lopsided_dir, "unused", **BUCKETED))

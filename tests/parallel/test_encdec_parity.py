@@ -21,7 +21,7 @@ from plain_reference import config_from_set_args
 
 from meshrun.data.dataset import open_dataset
 from meshrun.models.encdec import source_len
-from meshrun.parallel import materialise_part
+from meshrun.parallel.materialise import materialise_part
 
 # Tied embeddings (one matrix on the first and last stage), sinusoids; clipping active every step.
 ENCDEC = {
@@ -78,8 +78,9 @@ def test_layout_matches_one_process(
 def test_sample_translates_with_greedy_and_beam_decoding(reference: Path) -> None:
     """`meshrun sample` on an encoder-decoder checkpoint decodes a target for the prompt (the
     data's byte ids shifted past pad/bos/eos), greedy and with a beam, at most --tokens long."""
-    from meshrun.export import load_full_model, sample
-    from meshrun.models.seq2seq_decode import decode
+    from meshrun.cli.use_checkpoint import load_full_model
+    from meshrun.generation.sample import sample
+    from meshrun.generation.seq2seq import decode
 
     model, cfg, _ = load_full_model(reference)
     for beam in (1, 3):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshrun.config import load_config
-from meshrun.parallel import materialise_part
+from meshrun.config.schema import load_config
+from meshrun.parallel.materialise import materialise_part
 from meshrun.training.loss import MicrobatchLoss
 
 

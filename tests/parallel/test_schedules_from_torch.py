@@ -22,17 +22,11 @@ from conftest import (
 from plain_reference import assert_grad_norms_match
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from meshrun.config import ParallelConfig
+from meshrun.config.schema import ParallelConfig
 from meshrun.errors import ConfigError
+from meshrun.parallel.layout import SINGLE_STAGE_SCHEDULES, Layout, stages_per_rank
 from meshrun.parallel.pipeline import schedule_class
-from meshrun.plan import (
-    SINGLE_STAGE_SCHEDULES,
-    TORCH_SCHEDULE_NAMES,
-    check_microbatches,
-    rank_of_stage,
-    stage_ids,
-    stages_per_rank,
-)
+from meshrun.parallel.stages import TORCH_SCHEDULE_NAMES, check_microbatches
 
 # 4 blocks = 4 stages at pp 2 x 2 per rank; lr / clip as in test_pipeline: clipping active every step.
 BASE = {"model.num_layers": 4, "train.steps": 4, "train.lr": 3e-3, "train.grad_clip": 0.5, "train.global_batch": 8}
@@ -48,12 +42,13 @@ def test_every_schedule_name_is_a_torch_schedule() -> None:
 
 @pytest.mark.parametrize("name", list(TORCH_SCHEDULE_NAMES))
 def test_every_stage_has_one_rank(name: str) -> None:
-    """stage_ids and rank_of_stage agree (the tied-embedding group needs the last stage's rank)."""
+    """Layout.stages_of and pp_rank_of_stage agree (the tied-embedding group needs the last stage's rank)."""
     per_rank = stages_per_rank(name, None)
     for pp in (2, 3, 4):
-        held = {stage: rank for rank in range(pp) for stage in stage_ids(rank, pp, per_rank, schedule=name)}
+        layout = Layout(pp=pp, schedule=name, per_rank=per_rank)
+        held = {stage: rank for rank in range(pp) for stage in layout.stages_of(rank)}
         assert sorted(held) == list(range(pp * per_rank))
-        assert all(rank_of_stage(stage, pp, schedule=name) == rank for stage, rank in held.items())
+        assert all(layout.pp_rank_of_stage(stage) == rank for stage, rank in held.items())
 
 
 def torch_refuses(name: str, pp: int, num_microbatches: int) -> bool:
@@ -71,7 +66,7 @@ def torch_refuses(name: str, pp: int, num_microbatches: int) -> bool:
                 is_last=index == pp * per_rank - 1,
                 submod=torch.nn.Identity(),
             )
-            for index in stage_ids(rank, pp, per_rank, schedule=name)
+            for index in Layout(pp=pp, schedule=name, per_rank=per_rank).stages_of(rank)
         ]
         cls = schedule_class(name)
         try:

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshrun.config import validate
-from meshrun.distributed import init_mesh, shutdown
+from meshrun.config.schema import validate
 from meshrun.errors import RunError
-from meshrun.parallel import materialise_part
+from meshrun.parallel.layout import Layout
+from meshrun.parallel.materialise import materialise_part
+from meshrun.parallel.mesh import init_mesh, shutdown
 from meshrun.parallel.tied import TiedEmbeddings
 
 GPT2 = {
@@ -28,7 +29,7 @@ GPT2 = {
 
 @pytest.fixture
 def mesh():
-    mesh = init_mesh(dp=1, pp=1)
+    mesh = init_mesh(Layout())
     yield mesh
     shutdown()
 

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
-from meshrun.config import Config, load_config
-from meshrun.distributed import Mesh
-from meshrun.hf_config import vocab_size
-from meshrun.parallel import parallelize
+from meshrun.config.schema import Config, load_config
+from meshrun.models.hf_config import vocab_size
+from meshrun.parallel.mesh import Mesh, mesh_on
+from meshrun.parallel.parallelize import parallelize
 from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import build_optimizer
@@ -90,9 +89,7 @@ def worker(rank: int, world: int, store_dir: str, layouts: list[list[str]], out:
         results = []
         for overrides in layouts:
             cfg = layout_config(overrides)
-            dp, pp = cfg.parallel.dp, cfg.parallel.pp
-            device_mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
-            results.append(measure(cfg, Mesh(device=torch.device("cpu"), device_mesh=device_mesh, dp=dp, pp=pp)))
+            results.append(measure(cfg, mesh_on(cfg.layout, torch.device("cpu"))))
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from meshrun.config import Config, load_config
+from meshrun.config.schema import Config, load_config
 from meshrun.planner.calibrate import fit_constants, probe_layouts
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.search import predict, with_layout

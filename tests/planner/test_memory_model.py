@@ -16,7 +16,7 @@ import pytest
 import torch.multiprocessing as mp
 from measure_memory import layout_config, worker
 
-from meshrun.planner.layout import layout_memory
+from meshrun.planner.layout_memory import layout_memory
 
 TWO_RANKS = {
     "pp2-gpipe-m4": ["parallel.pp=2", "parallel.schedule=gpipe", "train.global_batch=4", "train.micro_batch=1"],

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import read_metrics, run_meshrun, tiny
 
-from meshrun.config import load_config
-from meshrun.metrics.devices import SHORT_NAMES, device_by_short_name
+from meshrun.config.schema import load_config
+from meshrun.hardware.peaks import SHORT_NAMES, device_by_short_name
 
 TINY_MODEL = [
     "--set=model.num_layers=2",

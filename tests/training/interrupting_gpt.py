@@ -13,7 +13,7 @@ import signal
 
 import torch
 
-from meshrun.config import ModelConfig
+from meshrun.config.schema import ModelConfig
 from meshrun.models.gpt import GPT, Embedding
 
 _calls = {"forward": 0}

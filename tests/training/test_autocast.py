@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from meshrun.config import load_config
-from meshrun.parallel import LocalModel, materialise_part
-from meshrun.training.amp import autocast
+from meshrun.config.schema import load_config
+from meshrun.hardware.precision import autocast
+from meshrun.parallel.materialise import materialise_part
+from meshrun.parallel.parallelize import LocalModel
 from meshrun.training.loss import MicrobatchLoss
 
 CPU = torch.device("cpu")

@@ -19,7 +19,8 @@ from conftest import tiny
 from plain_reference import config_from_set_args
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshrun.distributed import init_mesh, shutdown
+from meshrun.parallel.layout import Layout
+from meshrun.parallel.mesh import init_mesh, shutdown
 from meshrun.training.trainer import NonFiniteLossError, Trainer
 
 FAULTY = str(Path(__file__).parents[1] / "parallel")
@@ -41,7 +42,7 @@ class HostReads(TorchDispatchMode):
 @contextmanager
 def in_process_trainer(data_dir: Path, run_dir: Path, **overrides: object) -> Iterator[Trainer]:
     """meshrun's real Trainer on a one-process mesh, as `meshrun train` builds it for dp=pp=1."""
-    mesh = init_mesh(dp=1, pp=1)
+    mesh = init_mesh(Layout())
     trainer = None
     try:
         trainer = Trainer(config_from_set_args(tiny(data_dir, run_dir, **overrides)), mesh, data_dir)

@@ -12,8 +12,8 @@ import torch
 from conftest import run_meshrun, tiny
 from wandb_files import offline_runs, read_run
 
-from meshrun import distributed
-from meshrun.distributed import resolve_precision
+from meshrun.hardware import precision
+from meshrun.hardware.precision import PrecisionChoice, resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -47,7 +47,7 @@ EXPECTED_AUTO = "bf16" if cpu_has_native_bf16() else "fp32"
 def test_auto_on_a_cpu_follows_its_bf16_instructions(
     flags: set[str], isa_limit: str, expected: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(distributed, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: flags)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa_limit)
     choice = resolve_precision("auto", CPU)
     assert choice.precision == expected
@@ -57,15 +57,15 @@ def test_auto_on_a_cpu_follows_its_bf16_instructions(
 
 def test_explicit_precision_wins_and_emulated_bf16_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.setattr(distributed, "_cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: {"avx2"})
     for explicit in ("fp32", "fp16"):
-        assert resolve_precision(explicit, CPU) == distributed.PrecisionChoice(
+        assert resolve_precision(explicit, CPU) == PrecisionChoice(
             explicit, f"precision {explicit} (set in the config)"
         )
     slow = resolve_precision("bf16", CPU)
     assert slow.precision == "bf16"
     assert "emulated" in slow.warning and "8x slower than fp32" in slow.warning and "precision=auto" in slow.warning
-    monkeypatch.setattr(distributed, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
     assert resolve_precision("bf16", CPU).warning is None
 
 

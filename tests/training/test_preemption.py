@@ -23,7 +23,7 @@ from conftest import (
     wait_for,
 )
 
-from meshrun.run_lock import LOCK
+from meshrun.launcher.run_lock import LOCK
 
 # Long enough that a signal sent after the first checkpoint (step 5) always lands mid-run: 35
 # more steps at >= 0.1 s each on 2 cores, against the milliseconds the test takes to send it.
@@ -154,7 +154,7 @@ def test_ctrl_c_ends_every_process_with_one_line(data_dir: Path, tmp_path: Path)
 def test_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(data_dir: Path, tmp_path: Path) -> None:
     """SIGKILL the whole job while a save is in flight (its `.tmp` folder exists); every
     checkpoint that is visible afterwards verifies, and the rerun resumes from the newest."""
-    from meshrun.checkpoint import complete_checkpoints, verify
+    from meshrun.checkpoint.dcp import complete_checkpoints, verify
 
     big = {"model.dim": 384, "model.num_heads": 4, "train.steps": 40, "checkpoint.interval": 1, "checkpoint.keep": 3}
     for attempt in range(5):  # a save lasts tens of milliseconds: retry if the kill came just after one

@@ -19,7 +19,7 @@ from plain_reference import config_from_set_args
 
 from meshrun.data.dataset import open_dataset
 from meshrun.data.pairs import prepare_pairs
-from meshrun.parallel import materialise_part
+from meshrun.parallel.materialise import materialise_part
 from meshrun.training.loss import IGNORE, MicrobatchLoss
 
 DECODER = {
@@ -82,7 +82,7 @@ def test_sample_answers_in_the_pairs_training_format(reference: Path, capsys: py
     """A decoder-only model trained on pairs is prompted as it was trained (source ids + 3, BOS)
     and answers until EOS: `meshrun sample` equals a greedy loop over that format written here."""
     from meshrun import cli
-    from meshrun.export import load_full_model
+    from meshrun.cli.use_checkpoint import load_full_model
 
     assert cli.main(["sample", str(reference), "--prompt", "abc_def", "--tokens", "12", "--temperature", "0"]) == 0
     printed = capsys.readouterr().out.rstrip("\n")

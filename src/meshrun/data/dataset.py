@@ -23,7 +23,7 @@ from meshrun.data.token_ids import check_token_files
 from meshrun.errors import ConfigError
 
 if TYPE_CHECKING:
-    from meshrun.config import DataConfig
+    from meshrun.config.schema import DataConfig
     from meshrun.data.pairs import PairsDataset
 
 

@@ -32,13 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshrun.confined import confined
 from meshrun.data.hashing import splitmix64
 from meshrun.data.prepare import AlreadyPrepared, _check_out, publishing
 from meshrun.data.storage import IGNORE, SPLITS, read_meta, smallest_dtype, tokenizer_file
 from meshrun.data.token_ids import TokenFile
 from meshrun.data.tokenize import Encoder, TokenizerSpec, byte_tokenizer, load_tokenizer
 from meshrun.errors import ConfigError
+from meshrun.files.confined import confined
 
 PAD, BOS, EOS, NUM_SPECIAL = 0, 1, 2, 3
 OFFSET_DTYPE = np.dtype("<u8")

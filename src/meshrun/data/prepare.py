@@ -24,8 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from meshrun.atomic import disk_error, publish_folder
-from meshrun.console import say
 from meshrun.data.sources import (
     Document,
     Source,
@@ -44,6 +42,8 @@ from meshrun.data.tokenize import (
     train_bpe,
 )
 from meshrun.errors import ConfigError
+from meshrun.files.atomic import disk_error, publish_folder
+from meshrun.files.console import say
 
 __all__ = ["SPLITS", "default_sources", "expand_sources", "is_prepared", "prepare"]
 OUTPUTS = ("train.bin", "val.bin", "meta.json")  # meshrun 0.1's names: never written over

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshrun.confined import confined
 from meshrun.errors import ConfigError
+from meshrun.files.confined import confined
 
 BATCH_ROWS = 1024  # rows per pyarrow record batch
 Document = str | bytes | np.ndarray  # text, a text file's bytes, or token ids (int64)

@@ -3,7 +3,7 @@
 Every reader returns a `TokenSplit`: the split's tokens as a list of read-only 1-D memmaps
 (training windows never cross from one to the next) plus what is known of the vocabulary, and
 the files they come from with what their description claims (checked by token_ids). A file a
-meta.json names is read only inside the meta.json's folder (meshrun.confined).
+meta.json names is read only inside the meta.json's folder (meshrun.files.confined).
 
 meshrun's layout (meta.json "format": "meshrun"): `{split}-{k:05d}.bin` shards of raw tokens in
 the smallest sufficient dtype, `{split}.docs.bin` (little-endian uint64 start offset of each
@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from meshrun.confined import confined
 from meshrun.data.token_ids import TokenFile, looks_wider
 from meshrun.errors import ConfigError
-from meshrun.json_files import read_json
+from meshrun.files.confined import confined
+from meshrun.files.json_reader import read_json
 
 SPLITS = ("train", "val")
 IGNORE = -100  # target id of padding: the loss skips it (F.cross_entropy's default ignore_index)

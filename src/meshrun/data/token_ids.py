@@ -13,15 +13,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from meshrun.atomic import write_atomic
+from meshrun.data.locations import cache_root
 from meshrun.errors import ConfigError, RunError
+from meshrun.files.atomic import write_atomic
 
 CHUNK = 1 << 24  # tokens per read: 16 Mi (at most 128 MB of int64 at a time)
 HEAD = 1 << 16  # tokens the width check looks at
@@ -77,8 +77,7 @@ def _head_looks_wider(file: TokenFile) -> bool:
 
 
 def _cache_folder() -> Path:
-    """Under meshrun's cache folder, as preflight.data_dir finds it: $XDG_CACHE_HOME/meshrun, else ~/.cache/meshrun."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshrun" / "token-ranges"
+    return cache_root() / "token-ranges"
 
 
 def check_token_files(

@@ -23,7 +23,7 @@ import numpy as np
 from meshrun.data.sources import Document
 from meshrun.data.storage import tokenizer_file
 from meshrun.errors import ConfigError
-from meshrun.hf_config import refuse_custom_tokenizer
+from meshrun.files.json_reader import read_json
 
 BYTE_EOS = b"\n\n"  # byte-level data has no spare id: documents end with a blank line (as before)
 BPE_EOS = "<|endoftext|>"
@@ -45,6 +45,23 @@ class TokenizerSpec:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "sha256": self.sha256, "eos_ids": list(self.eos_ids)}
+
+
+def refuse_custom_tokenizer(folder: Path, key: str) -> None:
+    """meshrun never runs a model folder's own Python: a tokenizer_config.json whose `auto_map`
+    sends transformers to it is refused in one line. (Every transformers call also passes
+    trust_remote_code=False: a model config.json's auto_map is built without its code, by
+    transformers' own class for the model_type, which must be a supported family.)"""
+    config = folder / "tokenizer_config.json"
+    try:
+        auto_map = read_json(config).get("auto_map") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return  # not a readable config: the tokenizer's loader says so
+    if auto_map:
+        raise ConfigError(
+            f"{key} {folder}: {config.name} maps the tokenizer to the folder's own code (auto_map {auto_map}), "
+            "which meshrun never runs; pass a tokenizer.json file instead"
+        )
 
 
 def byte_tokenizer() -> TokenizerSpec:
@@ -83,7 +100,7 @@ def train_bpe(texts: Iterable[str | bytes], spec_text: str) -> TokenizerSpec:
     """`bpe:VOCAB`: a byte-level BPE (GPT-2 style) trained on the documents, with `<|endoftext|>`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from meshrun.config import bpe_vocab
+    from meshrun.config.schema import bpe_vocab
 
     vocab = bpe_vocab(spec_text, key="--train-tokenizer")
     tokenizer = Tokenizer(models.BPE())

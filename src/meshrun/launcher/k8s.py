@@ -9,7 +9,7 @@ hosts the rendezvous store: torchrun cannot tell that from a service name).
 
 Restarts: a failing pod fails its Job (`backoffLimit: 0`) and the JobSet recreates every pod
 (`failurePolicy.maxRestarts` = `launch.max_restarts`, torchrun itself restarts nothing); a pod
-stopped by SIGTERM checkpoints and exits 75 (`meshrun.outcome`), a restart that does not count
+stopped by SIGTERM checkpoints and exits 75 (`meshrun.launcher.outcome`), a restart that does not count
 against that limit. Either way the new pods resume from the newest checkpoint in `run_dir`, which
 must be on the shared volume (`--pvc`). TrainJob has no restart field: there the runtime's JobSet
 restarts pods and `launch.max_restarts` stays torchrun's.
@@ -27,10 +27,10 @@ from typing import Any, Literal
 
 import yaml
 
-from meshrun.config import Config
+from meshrun.config.schema import Config
+from meshrun.config.topology import workers_per_node
 from meshrun.errors import ConfigError
-from meshrun.layout import workers_per_node
-from meshrun.outcome import STOPPED_EXIT_CODE
+from meshrun.launcher.outcome import STOPPED_EXIT_CODE
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 TRAINJOB_API = "trainer.kubeflow.org/v1alpha1"
@@ -198,7 +198,7 @@ def check_options(cfg: Config, options: PodOptions) -> JobShape:
     gpus = nproc if options.gpus_per_node is None else options.gpus_per_node
     if gpus not in (0, nproc):
         raise ConfigError(
-            f"{cfg.world_size} workers (parallel.dp x parallel.pp) on {options.nodes} nodes is {nproc} per node, but "
+            f"{cfg.world_size} workers ({cfg.layout.axes_text()}) on {options.nodes} nodes is {nproc} per node, but "
             f"--gpus-per-node is {gpus}; use --gpus-per-node {nproc} (or 0 for CPU nodes) or change --nodes"
         )
     if cfg.train.resume == "none":
@@ -255,7 +255,7 @@ def render_manifest(cfg: Config, options: PodOptions, *, checkpoint_bytes: int) 
     }
     head = (
         f"# meshrun job rendered by `meshrun k8s`: run_dir {json.dumps(cfg.run_dir)}, {cfg.world_size} workers "
-        f"(dp {cfg.parallel.dp} x pp {cfg.parallel.pp}) = {options.nodes} pods x {shape.nproc}.\n"
+        f"({cfg.layout.short_text()}) = {options.nodes} pods x {shape.nproc}.\n"
         "# Apply with `kubectl apply -f THIS_FILE`; the image is docker/Dockerfile's.\n"
     )
     if options.flavor == "trainjob":  # TrainJob's runtime patches cannot set the pod's grace period

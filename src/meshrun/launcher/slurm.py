@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
-from meshrun.config import Config
+from meshrun.config.schema import Config
+from meshrun.config.topology import workers_per_node
 from meshrun.errors import ConfigError
-from meshrun.layout import workers_per_node
 
 RDZV_HOST_ENV = "MESHRUN_RDZV_HOST"  # where node names do not resolve (or resolve to the wrong interface)
 # Where the generic script's own header ends and the job every script shares begins.
@@ -104,7 +104,7 @@ def render_sbatch(
     nproc = workers_per_node(cfg.parallel, nodes, named=f"--nodes {nodes}", change="--nodes")
     if gpus_per_node and gpus_per_node != nproc:
         raise ConfigError(
-            f"{world} workers (parallel.dp x parallel.pp) on {nodes} nodes is {nproc} per node, but --gpus-per-node is "
+            f"{world} workers ({cfg.layout.axes_text()}) on {nodes} nodes is {nproc} per node, but --gpus-per-node is "
             f"{gpus_per_node}; use --gpus-per-node {nproc} or change --nodes / the parallel degrees"
         )
     if gpus_per_node < 0 or signal_seconds < 1:
@@ -138,8 +138,8 @@ def render_sbatch(
     head = [
         "#!/usr/bin/env bash",
         (
-            f"# meshrun job rendered by `meshrun slurm`: run_dir {json.dumps(str(cfg.run_dir))}, {world} workers (dp {cfg.parallel.dp} x "
-            f"pp {cfg.parallel.pp}) = {nodes} nodes x {nproc}."
+            f"# meshrun job rendered by `meshrun slurm`: run_dir {json.dumps(str(cfg.run_dir))}, {world} workers "
+            f"({cfg.layout.short_text()}) = {nodes} nodes x {nproc}."
         ),
         "# Submit with `sbatch THIS_FILE`; see launch/slurm.sbatch for the environment it reads.",
         *(f"#SBATCH {option}" for option in options),

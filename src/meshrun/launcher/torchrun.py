@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from meshrun.config import Config
+from meshrun.config.schema import Config
 
 # torchrun's agent shares its TCPStore with the workers by default; after a restart the store
 # keeps stale addresses and gloo fails to connect (pytorch #135712). Not sharing it is reliable.

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from meshrun.metrics.devices import find_device
+from meshrun.hardware.peaks import find_device
 
 
 def peak_tflops(device: torch.device, configured: float | None, precision: str = "bf16") -> float | None:

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from meshrun.atomic import atomic_target
+from meshrun.files.atomic import atomic_target
 
 
 def save_figure(fig: Any, path: Path, *, replace: bool = True) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from meshrun.console import say
 from meshrun.errors import ConfigError
-from meshrun.json_files import read_json
+from meshrun.files.console import say
+from meshrun.files.json_reader import read_json
 
 
 def _is_number(value: Any) -> bool:

@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshrun.atomic import write_atomic
-from meshrun.console import say
 from meshrun.errors import ConfigError
+from meshrun.files.atomic import write_atomic
+from meshrun.files.console import say
 from meshrun.metrics.record import read_metrics_rows, run_totals
 from meshrun.metrics.trackers import NullTracker, Tracker
 
 if TYPE_CHECKING:
-    from meshrun.config import Config
+    from meshrun.config.schema import Config
 
 
 class ProgressBar:

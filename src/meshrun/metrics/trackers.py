@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from meshrun import console
-from meshrun.atomic import DiskFull, disk_error, write_atomic
-from meshrun.config import TrackerConfig
+from meshrun.config.schema import TrackerConfig
+from meshrun.files import console
+from meshrun.files.atomic import DiskFull, disk_error, write_atomic
 
 
 class Tracker(Protocol):

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.config import ModelConfig
+from meshrun.config.schema import ModelConfig
 from meshrun.data.pairs import PAD
 from meshrun.errors import ConfigError
-from meshrun.hf_config import is_hf
 from meshrun.models.gpt import MLP
+from meshrun.models.hf_config import is_hf
 from meshrun.models.init import init_transformer_
 from meshrun.models.protocol import StagedModel
 

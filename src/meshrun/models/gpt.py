@@ -1,6 +1,6 @@
 """A GPT-style decoder-only Transformer. No distributed code lives here.
 
-Follows the model protocol in `meshrun.models`: `embed`, `blocks` (ModuleDict keyed str(i)),
+Follows the model protocol in `meshrun.models.families`: `embed`, `blocks` (ModuleDict keyed str(i)),
 `norm`, `head`; each may be pruned away (set to None / deleted) for a pipeline stage.
 """
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.config import ModelConfig
+from meshrun.config.schema import ModelConfig
 from meshrun.models.init import init_transformer_
 from meshrun.models.protocol import StagedModel
 

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.config import ModelConfig
+from meshrun.config.schema import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.hf_config import FAMILIES, check_fits, hf_dir, load_hf_config
+from meshrun.models.hf_config import FAMILIES, check_fits, hf_dir, load_hf_config
 from meshrun.models.hf_weights import check_shapes, has_weights, load_weights
 from meshrun.models.init import seeded_normal_
 from meshrun.models.protocol import StagedModel

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshrun.atomic import publish_folder, temporary_name
-from meshrun.config import ModelConfig
-from meshrun.confined import confined
+from meshrun.config.schema import ModelConfig
+from meshrun.data.tokenize import refuse_custom_tokenizer
 from meshrun.errors import ConfigError
-from meshrun.hf_config import TOKENIZER_FILES, hf_dir, model_tokenizer, refuse_custom_tokenizer
+from meshrun.files.atomic import publish_folder, temporary_name
+from meshrun.files.confined import confined
 from meshrun.models.hf import HFCausalLM
+from meshrun.models.hf_config import TOKENIZER_FILES, hf_dir, model_tokenizer
 
 
 def tokenizer_files(model_dir: Path | None) -> list[Path]:

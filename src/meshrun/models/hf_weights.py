@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from meshrun.errors import ConfigError
-from meshrun.hf_config import INDEX, SINGLE, model_file
-from meshrun.json_files import read_json
+from meshrun.files.json_reader import read_json
+from meshrun.models.hf_config import INDEX, SINGLE, model_file
 
 
 def has_weights(model_dir: Path) -> bool:

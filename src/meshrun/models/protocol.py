@@ -9,7 +9,7 @@ from torch import nn
 
 
 class ModelProtocol(Protocol):
-    """What meshrun reads from a model beyond nn.Module (the protocol in `meshrun.models`).
+    """What meshrun reads from a model beyond nn.Module (the protocol in `meshrun.models.families`).
 
     nn.Module creates these attributes in `__init__`, where a type checker does not look (it
     types a module's unknown attributes as `Tensor | Module`): code that reaches them holds a

@@ -12,11 +12,11 @@ from fairscale.nn.pipe.balance import balance_by_size, balance_by_time
 from fairscale.nn.pipe.balance.blockpartition import solve
 from torch import nn
 
-from meshrun.config import Config
+from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
-from meshrun.hf_config import num_layers, vocab_size
+from meshrun.models.hf_config import num_layers, vocab_size
 from meshrun.models.protocol import ProtocolModule
-from meshrun.plan import check_split, sizes_to_split
+from meshrun.parallel.stages import check_split, sizes_to_split
 
 
 def _as_sequence(model: ProtocolModule) -> nn.Sequential:
@@ -28,8 +28,8 @@ def _as_sequence(model: ProtocolModule) -> nn.Sequential:
 
 def measured_split(cfg: Config, num_stages: int, *, by: str) -> list[list[int]]:
     """Blocks per stage balancing measured forward+backward time, or memory size."""
-    from meshrun.distributed import pick_device
-    from meshrun.parallel import materialise_part
+    from meshrun.hardware.device import pick_device
+    from meshrun.parallel.materialise import materialise_part
 
     device, _ = pick_device()
     model = materialise_part(cfg, device, layers=None, first=True, last=True)

@@ -29,13 +29,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from meshrun.config import Config, ParallelConfig
-from meshrun.distributed import Mesh
-from meshrun.layout import shard_degree
+from meshrun.config.schema import Config, ParallelConfig
+from meshrun.hardware.precision import DTYPES
 from meshrun.models.protocol import ProtocolModule
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq in fp32 (the step counters are negligible)
+from meshrun.parallel.mesh import Mesh
 
 
 def reshard_after_forward(par: ParallelConfig) -> bool:
@@ -47,8 +44,8 @@ def reshard_after_forward(par: ParallelConfig) -> bool:
 
 def mixed_precision(par: ParallelConfig) -> MixedPrecisionPolicy:
     """fp32 params = no cast at all (autocast alone picks compute dtypes, as under ddp)."""
-    param_dtype = None if par.fsdp_param_dtype == "fp32" else _DTYPES[par.fsdp_param_dtype]
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[par.fsdp_reduce_dtype])
+    param_dtype = None if par.fsdp_param_dtype == "fp32" else DTYPES[par.fsdp_param_dtype]
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[par.fsdp_reduce_dtype])
 
 
 def wrap_fsdp(part: ProtocolModule, mesh: Mesh, par: ParallelConfig) -> nn.Module:
@@ -94,11 +91,10 @@ def state_bytes(params: list[nn.Parameter], optimizers: Sequence[torch.optim.Opt
     return total
 
 
-def describe_data_parallel(cfg: Config, stage_params: list[int]) -> list[str]:
-    """--dry-run lines: the data mesh and per-rank bytes of params + grads + AdamW state per stage
-    (fp32; FSDP pads each parameter's dim 0 to a multiple of the shard degree, ignored here)."""
+def describe_data_parallel(cfg: Config) -> list[str]:
+    """--dry-run lines: the data mesh and, for fsdp/hsdp, what is gathered and reduced in which dtype."""
     par = cfg.parallel
-    shard = shard_degree(par)
+    shard = cfg.layout.dp_shard
     mesh = {
         "ddp": f"  ddp: {par.dp} full replicas per stage (shard 1 x replicate {par.dp})",
         "fsdp": f"  fsdp: each stage sharded over its {par.dp} dp ranks (shard {par.dp} x replicate 1)",
@@ -110,15 +106,4 @@ def describe_data_parallel(cfg: Config, stage_params: list[int]) -> list[str]:
             f"  reshard after forward: {reshard_after_forward(par)}; "
             f"param dtype {par.fsdp_param_dtype}, reduce dtype {par.fsdp_reduce_dtype}"
         )
-    for stage, count in enumerate(stage_params):
-        params = count * 4 // shard
-        optim = count * ADAMW_BYTES_PER_PARAM // shard
-        lines.append(
-            f"  pipeline rank {stage}: per rank params {_mib(params)} + grads {_mib(params)} + "
-            f"optimizer {_mib(optim)} = {_mib(2 * params + optim)}"
-        )
     return lines
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.2f} MiB"

@@ -23,13 +23,13 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from meshrun.config import Config
-from meshrun.distributed import Mesh
+from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.loss_fn import LossFn
+from meshrun.parallel.mesh import Mesh
+from meshrun.parallel.stages import TORCH_SCHEDULE_NAMES, static_split
 from meshrun.parallel.timeline import STEP_MARK, action_mark
-from meshrun.plan import TORCH_SCHEDULE_NAMES, stage_ids, stages_per_rank, static_split
 
 if TYPE_CHECKING:
     from meshrun.parallel.tied import TiedEmbeddings
@@ -92,18 +92,17 @@ class StagePlan:
 def plan_for(cfg: Config, mesh: Mesh) -> StagePlan:
     """The same split on every rank: explicit, even, or measured on rank 0 and broadcast."""
     par = cfg.parallel
-    per_rank = stages_per_rank(par.schedule, par.virtual_stages)
     split = static_split(cfg)
     if split is None:
         from meshrun.parallel.balance import (
             measured_split,  # fairscale: only when asked for
         )
 
-        box = [measured_split(cfg, par.pp * per_rank, by=par.balance) if mesh.rank == 0 else None]
+        box = [measured_split(cfg, mesh.layout.num_stages, by=par.balance) if mesh.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         split = box[0]
         assert split is not None  # rank 0 measured it and broadcast it to every rank
-    return StagePlan(split=split, local_stages=stage_ids(mesh.pp_rank, par.pp, per_rank, schedule=par.schedule))
+    return StagePlan(split=split, local_stages=mesh.local_stages)
 
 
 class PipelineModel:

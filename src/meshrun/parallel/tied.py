@@ -17,20 +17,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.distributed import Mesh
 from meshrun.errors import RunError
 from meshrun.parallel.fsdp import local
+from meshrun.parallel.mesh import Mesh
 
 
 class TiedEmbeddings:
     def __init__(
         self,
         parts: Sequence[nn.Module],
-        stage_ids: list[int],
+        stages: list[int],
         *,
         num_stages: int,
         mesh: Mesh,
-        last_pp_rank: int | None = None,
     ) -> None:
         """Collective when the model is tied and pipelined: every rank builds every pair's group."""
         self.copies: list[nn.Parameter] = []  # this rank's copies (0, 1 or 2)
@@ -39,18 +38,17 @@ class TiedEmbeddings:
         name = getattr(parts[0], "tied_weight", None)
         if name is None or num_stages == 1:
             return  # untied, or one stage: the head already uses the embedding's own parameter
-        for part, stage in zip(parts, stage_ids):
+        for part, stage in zip(parts, stages):
             if stage in (0, num_stages - 1):
                 self.copies.append(part.get_parameter(name))
                 if stage != 0:
                     self.duplicates.append(self.copies[-1])
-        if last_pp_rank is None:  # loop style: stage s on pp rank s % pp
-            last_pp_rank = (num_stages - 1) % mesh.pp
+        last_pp_rank = mesh.layout.pp_rank_of_stage(num_stages - 1)
         if last_pp_rank == 0:
             return  # one rank runs both stages: summed locally
-        for dp_rank in range(mesh.dp):
-            group = dist.new_group([dp_rank, last_pp_rank * mesh.dp + dp_rank])
-            if dp_rank == mesh.dp_rank and self.copies and isinstance(group, dist.ProcessGroup):
+        for ranks in mesh.layout.across_pp([0, last_pp_rank]):
+            group = dist.new_group(ranks)
+            if mesh.rank in ranks and self.copies and isinstance(group, dist.ProcessGroup):
                 self.group = group  # a member's group (new_group returns a marker to the others)
 
     @torch.no_grad()

@@ -5,6 +5,6 @@
   forward traced under fake tensors: shapes only, no memory, no compute).
 - `memory`: per rank, those bytes times the microbatches each schedule keeps in flight.
 - `cost`: step time from FLOPs, the schedule's bubble and dp / pp communication.
-- `search`: every layout of N devices, ranked; `command`: the CLI (`meshrun plan`).
+- `search`: every layout of N devices, ranked; its CLI is `meshrun.cli.plan`.
 - `calibrate`: real steps on this machine fit the efficiency constants the cost model uses.
 """

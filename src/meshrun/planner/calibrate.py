@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from meshrun.atomic import write_atomic
-from meshrun.config import Config
+from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
-from meshrun.metrics.devices import find_device
-from meshrun.plan import validate_layout
+from meshrun.files.atomic import write_atomic
+from meshrun.hardware.peaks import find_device
+from meshrun.parallel.stages import validate_layout
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.probe import probe_seconds
 from meshrun.planner.search import predict, stage_profiles, with_layout

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshrun.planner.profile import StageProfile
+from meshrun.planner.stage_cost import StageProfile
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshrun.planner.profile import StageProfile
+from meshrun.planner.stage_cost import StageProfile
 
 
 @dataclass(frozen=True)
@@ -70,15 +70,16 @@ def in_flight_bytes(schedule: str, activations: list[int], *, rank: int, pp: int
 
 
 def rank_memory(
-    stages: list[StageProfile], local: list[int], *, schedule: str, rank: int, pp: int, dp: int, m: int
+    stages: list[StageProfile], local: list[int], *, schedule: str, rank: int, pp: int, dp: int, shard: int, m: int
 ) -> RankMemory:
-    """Memory of the rank at pp position `rank`, holding stages `local` (indices into `stages`)."""
+    """Memory of the rank at pp position `rank`, holding stages `local` (indices into `stages`), its
+    training state split over `shard` ranks (FSDP; FSDP's padding of dim 0 to a multiple is ignored)."""
     held = [stages[i] for i in local]
-    grads = sum(s.grad_bytes for s in held)
+    grads = sum(s.grad_bytes for s in held) // shard
     return RankMemory(
-        params=sum(s.param_bytes for s in held),
+        params=sum(s.param_bytes for s in held) // shard,
         grads=grads,
-        optimizer=sum(s.optimizer_bytes for s in held),
+        optimizer=sum(s.optimizer_bytes for s in held) // shard,
         activations=in_flight_bytes(schedule, [s.activation_bytes for s in held], rank=rank, pp=pp, m=m),
-        ddp_buckets=grads if dp > 1 else 0,
+        ddp_buckets=grads if dp > 1 and shard == 1 else 0,
     )

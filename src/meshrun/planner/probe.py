@@ -21,18 +21,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
-from meshrun.config import Config
-from meshrun.distributed import Mesh, init_mesh, shutdown
+from meshrun.config.schema import Config
 from meshrun.errors import RunError
 from meshrun.launcher.torchrun import WORKER_ENV
+from meshrun.parallel.layout import Layout
+from meshrun.parallel.mesh import Mesh, init_mesh, mesh_on, shutdown
 
 
 def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1) -> list[float]:
     """Seconds of each of `steps` training steps after `warmup` (forward, backward, optimizer); with
     several ranks each step starts and ends at a barrier, so the time is the slowest rank's."""
-    from meshrun.parallel import parallelize
+    from meshrun.parallel.parallelize import parallelize
     from meshrun.training.loss import MicrobatchLoss
     from meshrun.training.optim import build_optimizer
 
@@ -71,7 +71,7 @@ def probe_seconds(layouts: list[Config], *, steps: int, timeout: float = 900) ->
     medians: dict[int, float] = {}
     for index, layout in enumerate(layouts):
         if layout.world_size == 1:
-            mesh = init_mesh(dp=1, pp=1)
+            mesh = init_mesh(Layout())
             try:
                 medians[index] = statistics.median(time_steps(layout, mesh, steps=steps))
             finally:
@@ -102,14 +102,12 @@ def main(argv: list[str]) -> None:
     """torchrun worker: time every layout in CONFIGS on one process group; rank 0 writes the times to OUT."""
     configs, out, steps = argv
     layouts = [Config.model_validate(data) for data in json.loads(Path(configs).read_text())]
-    mesh = init_mesh(dp=layouts[0].parallel.dp, pp=layouts[0].parallel.pp)
+    mesh = init_mesh(layouts[0].layout)
     try:
         times = []
         for layout in layouts:
-            dp, pp = layout.parallel.dp, layout.parallel.pp
-            if (dp, pp) != (mesh.dp, mesh.pp):  # the same processes in another shape
-                shape = init_device_mesh(mesh.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
-                mesh = Mesh(device=mesh.device, device_mesh=shape, dp=dp, pp=pp)
+            if layout.layout != mesh.layout:  # the same processes in another shape
+                mesh = mesh_on(layout.layout, mesh.device)
             times.append(time_steps(layout, mesh, steps=int(steps)))
     finally:
         shutdown()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from meshrun.config import Config, validate
+from meshrun.config.schema import Config, validate
 from meshrun.errors import ConfigError
-from meshrun.plan import stage_ids, stages_per_rank, validate_layout
+from meshrun.parallel.stages import validate_layout
 from meshrun.planner.cost import Efficiency, Hardware, StepTime, step_time
-from meshrun.planner.layout import layout_split
-from meshrun.planner.memory import RankMemory, rank_memory
-from meshrun.planner.profile import StageProfile, profile_stages
+from meshrun.planner.layout_memory import layout_split, ranks_memory
+from meshrun.planner.memory import RankMemory
+from meshrun.planner.stage_cost import StageProfile, profile_stages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "every:2", "full")
@@ -29,7 +29,7 @@ class Prediction:
     @property
     def label(self) -> dict[str, object]:
         par = self.cfg.parallel
-        v = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
+        v = self.cfg.layout.per_rank
         return {
             "dp": par.dp,
             "pp": par.pp,
@@ -95,14 +95,9 @@ def predict(
 ) -> Prediction:
     par = cfg.parallel
     stages = stage_profiles(cfg, precision)
-    v = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
-    local = [stage_ids(r, par.pp, v, schedule=par.schedule) for r in range(par.pp)]
+    local = [cfg.layout.stages_of(r) for r in range(par.pp)]
     m = cfg.accumulation_steps
-    ranks = [
-        rank_memory(stages, held, schedule=par.schedule, rank=r, pp=par.pp, dp=par.dp, m=m)
-        for r, held in enumerate(local)
-    ]
-    worst = max(ranks, key=lambda rank: rank.total)
+    worst = max(ranks_memory(cfg, stages), key=lambda rank: rank.total)
     time = step_time(
         stages,
         local,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.amp import GradScaler
 
-from meshrun.config import TrainConfig
+from meshrun.config.schema import TrainConfig
 
 
 def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

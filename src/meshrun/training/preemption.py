@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshrun.console import say
-from meshrun.outcome import STOP_SIGNALS
+from meshrun.files.console import say
+from meshrun.launcher.outcome import STOP_SIGNALS
 
 
 class Requests:

@@ -15,25 +15,26 @@ import torch
 import torch.distributed as dist
 from torch.amp import GradScaler
 
-from meshrun import checkpoint
-from meshrun.atomic import write_atomic
-from meshrun.config import Config
-from meshrun.console import say
+from meshrun.checkpoint import dcp as checkpoint
+from meshrun.config.schema import Config
 from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
+from meshrun.data.locations import training_data_dir
 from meshrun.data.pairs import PairsDataset
-from meshrun.distributed import Mesh
 from meshrun.errors import RunError
+from meshrun.files.atomic import write_atomic
+from meshrun.files.console import say
+from meshrun.hardware.precision import autocast, make_scaler
+from meshrun.launcher.outcome import Outcome
 from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throughput
-from meshrun.metrics.profile import StepProfiler
+from meshrun.metrics.profiler import StepProfiler
 from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.trackers import Tracker, open_trackers
-from meshrun.models import build_model, flops_at
 from meshrun.models.encdec import source_len
-from meshrun.outcome import Outcome
-from meshrun.parallel import parallelize
+from meshrun.models.families import build_model, flops_at
 from meshrun.parallel.fsdp import full_norm, state_bytes
+from meshrun.parallel.mesh import Mesh
+from meshrun.parallel.parallelize import parallelize
 from meshrun.parallel.timeline import on_one_clock
-from meshrun.training.amp import autocast, make_scaler
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import Optimizers, schedule_change_note
 from meshrun.training.preemption import Requests
@@ -99,7 +100,7 @@ class Trainer:
         pairs_layout = {"source_len": source_len(cfg.model), "global_batch": cfg.train.global_batch}
         self.train_data = open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed, **pairs_layout)
         self.val_data = open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed, **pairs_layout)
-        trained_on = Path(cfg.data.mixture[0].dir) if cfg.data.mixture else Path(data_dir)  # its tokenizer decodes
+        trained_on = training_data_dir(cfg)  # its tokenizer decodes
         self.data_card = tuple(p for p in (trained_on / "meta.json", trained_on / "tokenizer.json") if p.is_file())
         self.flops_model = build_model(cfg.model)  # on meta: prices a step's tokens at its length
         self.flops_by_length: dict[int, float] = {}
@@ -399,7 +400,7 @@ class Trainer:
             "memory_gb": max(memory),
             "state_bytes": self.max_state_bytes,
             **{
-                f"memory_gb/stage{s}": max(memory[s * self.mesh.dp : (s + 1) * self.mesh.dp])
+                f"memory_gb/stage{s}": max(memory[r] for r in self.mesh.layout.ranks_of_pp_rank(s))
                 for s in range(self.mesh.pp)
             },
         }
@@ -415,9 +416,8 @@ class Trainer:
         timelines: list = [None] * dist.get_world_size()
         dist.all_gather_object(timelines, self.profiler.measured())
         bubble = sum(t.bubble for t in timelines) / len(timelines)
-        by_stage = on_one_clock(
-            {rank // self.mesh.dp: t for rank, t in enumerate(timelines) if rank % self.mesh.dp == 0}
-        )
+        layout = self.mesh.layout
+        by_stage = on_one_clock({s: timelines[layout.rank_at(pp=s)] for s in range(layout.pp)})
         self.report.keep_timeline(done, by_stage, bubble=bubble)
         return bubble
 

@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from meshrun.config import load_config
+from meshrun.cli.arguments import check_plan_args
+from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError, RunError
-from meshrun.extras import missing_extra
+from meshrun.launcher.outcome import StoppedBeforeTraining, stops_end_the_launcher
 from meshrun.launcher.torchrun import in_launched_worker
-from meshrun.outcome import StoppedBeforeTraining, stops_end_the_launcher
-from meshrun.preflight import check_checkpoint_args, check_plan_args, check_rendezvous, preflight
-from meshrun.versions import check_torch_version, installed_torch_version
+from meshrun.preflight import check_rendezvous, preflight
+from meshrun.versions import check_torch_version, installed_torch_version, missing_extra
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -218,7 +218,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     check_plan_args(args)
-    from meshrun.planner.command import run_plan  # imports torch: after the checks
+    from meshrun.cli.plan import run_plan  # imports torch: after the checks
 
     return run_plan(args)
 
@@ -238,62 +238,8 @@ def _trust_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _trust_code_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
     """The one flag under which code named by a file meshrun did not get on the command line runs
-    (see preflight.check_code_trusted): the same name on every command that reads such names."""
+    (see config.schema.check_code_trusted): the same name on every command that reads such names."""
     parser.add_argument("--trust-code", action="store_true", help=help_text)
-
-
-def _factory_override(overrides: list[str]) -> str | None:
-    """The factory named with `--set model.factory=...` (the last one wins), refusing other keys."""
-    factory = None
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if key.strip() != "model.factory" or not sep or not value.strip():
-            raise ConfigError(f"--set {override}: export and sample take only --set model.factory=MODULE:FUNCTION")
-        factory = value.strip()
-    return factory
-
-
-def _use_checkpoint(args: argparse.Namespace) -> int:
-    """`export` and `sample`: one process, any layout's checkpoint."""
-    check_checkpoint_args(args)
-    from meshrun.checkpoint import CheckpointError
-    from meshrun.checkpoint_paths import step_of
-    from meshrun.export import data_card, export, load_full_model, sample
-
-    trust = {"factory": _factory_override(args.overrides), "trust_code": args.trust_code}
-    try:
-        if args.command == "export" and args.hf:
-            from meshrun.models.hf_export import export_hf
-
-            model, cfg, folder = load_full_model(args.checkpoint, **trust)
-            out = export_hf(model, Path(args.hf), data=data_card(cfg, folder))
-            print(f"exported step {step_of(folder)} ({folder}) as a Hugging Face model to {Path(out).absolute()}")
-            return 0
-        if args.command == "export":
-            out, folder = export(args.checkpoint, args.out, **trust)
-            print(f"exported step {step_of(folder)} ({folder}) to {out.absolute()}")
-            return 0
-        model, cfg, folder = load_full_model(args.checkpoint, **trust)
-        text = sample(
-            model,
-            cfg,
-            args.prompt,
-            num_tokens=args.tokens,
-            temperature=args.temperature,
-            top_k=args.top_k or None,
-            seed=args.seed,
-            beam=args.beam,
-            data=data_card(cfg, folder),
-            tokenizer=args.tokenizer,
-        )
-        print(text, end="" if text.endswith("\n") else "\n")  # one newline at the end, never two
-        return 0
-    except CheckpointError as exc:  # a bad path given on the command line
-        raise ConfigError(str(exc)) from None
-    except OSError as exc:  # export --hf into a place that cannot be written after all
-        raise ConfigError(
-            f"{exc.filename or 'the output'} cannot be written ({exc.strerror}); choose another path"
-        ) from None
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
@@ -346,7 +292,7 @@ def _slurm(args: argparse.Namespace) -> int:
     """Render the sbatch script for a config; print it, or submit it and print the job id."""
     import subprocess
 
-    from meshrun.console import say
+    from meshrun.files.console import say
     from meshrun.launcher.slurm import render_sbatch, slurm_notes
 
     cfg = load_config(args.config, args.overrides)
@@ -382,9 +328,9 @@ def _slurm(args: argparse.Namespace) -> int:
 
 def _k8s(args: argparse.Namespace) -> int:
     """Render the manifest for a config after the checks that need no cluster; print or write it."""
-    from meshrun.atomic import write_atomic
+    from meshrun.files.atomic import write_atomic
     from meshrun.launcher.k8s import PodOptions, check_options, render_manifest
-    from meshrun.plan import validate_layout
+    from meshrun.parallel.stages import validate_layout
 
     cfg = load_config(args.config, args.overrides)
     options = PodOptions(
@@ -455,7 +401,7 @@ def _train(args: argparse.Namespace) -> int:
     if not args.dry_run:  # the names must resolve here, before torchrun retries them for minutes
         check_rendezvous(cfg)
     model = preflight(cfg)
-    from meshrun import job  # imports torch (preflight did, after every torch-free check)
+    from meshrun.cli import train as job  # imports torch (preflight did, after every torch-free check)
 
     if args.dry_run:
         print(job.describe(cfg, model))
@@ -463,7 +409,7 @@ def _train(args: argparse.Namespace) -> int:
     worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
     code = job.train(cfg, worker_args, model)
     if code == 0 and not in_launched_worker():
-        from meshrun.console import next_steps, say
+        from meshrun.files.console import next_steps, say
 
         offline = any((Path(cfg.run_dir) / "wandb").glob("offline-run-*"))  # what the run wrote, not meant
         say(next_steps(cfg.run_dir, offline_wandb=offline))
@@ -483,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
             print(report(args.runs, out=args.out, force=args.force))
             return 0
         if args.command in ("export", "sample"):
-            return _use_checkpoint(args)
+            from meshrun.cli.use_checkpoint import use_checkpoint  # imports torch
+
+            return use_checkpoint(args)
         if args.command == "slurm":
             return _slurm(args)
         if args.command == "k8s":

@@ -13,10 +13,10 @@ from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
-from meshrun.config import ModelConfig
-from meshrun.confined import confined
+from meshrun.config.schema import ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.json_files import MAX_JSON_BYTES, read_json
+from meshrun.files.confined import confined
+from meshrun.files.json_reader import MAX_JSON_BYTES, read_json
 
 # model_type -> family layout (one adapter per layout in models/hf.py)
 FAMILIES = {
@@ -123,23 +123,6 @@ def model_tokenizer(model_dir: Path | None) -> Path | None:
     if model_dir is None:
         return None
     return next((model_dir / n for n in TOKENIZERS if (model_dir / n).is_file()), None)
-
-
-def refuse_custom_tokenizer(folder: Path, key: str) -> None:
-    """meshrun never runs a model folder's own Python: a tokenizer_config.json whose `auto_map`
-    sends transformers to it is refused in one line. (Every transformers call also passes
-    trust_remote_code=False: a model config.json's auto_map is built without its code, by
-    transformers' own class for the model_type, which must be a supported family.)"""
-    config = folder / "tokenizer_config.json"
-    try:
-        auto_map = read_json(config).get("auto_map") if config.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        return  # not a readable config: the tokenizer's loader says so
-    if auto_map:
-        raise ConfigError(
-            f"{key} {folder}: {config.name} maps the tokenizer to the folder's own code (auto_map {auto_map}), "
-            "which meshrun never runs; pass a tokenizer.json file instead"
-        )
 
 
 def load_hf_config(cfg: ModelConfig) -> Any:

@@ -7,9 +7,10 @@ When splitting evenly the embedding (first stage) and head (last stage) each wei
 
 from __future__ import annotations
 
-from meshrun.config import Config
+from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
-from meshrun.hf_config import is_hf, num_layers
+from meshrun.models.hf_config import is_hf, num_layers
+from meshrun.parallel.layout import Layout
 
 # parallel.schedule -> the name torch.distributed.pipelining.get_schedule_class knows it by. The
 # classes and their rules are torch's (meshrun.parallel.pipeline); what the planner needs before
@@ -22,21 +23,7 @@ TORCH_SCHEDULE_NAMES = {
     "zero-bubble": "InterleavedZeroBubble",
     "zbv": "ZBVZeroBubble",
 }
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: one stage per rank
-V_SCHEDULES = ("zbv",)  # exactly two stages per rank, placed in a V: rank r holds r and 2 pp - 1 - r
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")  # weight gradients apart from DDP's hooks
-
-
-def stages_per_rank(schedule: str, requested: int | None) -> int:
-    if schedule in SINGLE_STAGE_SCHEDULES:
-        if requested not in (None, 1):
-            raise ConfigError(
-                f"parallel.virtual_stages must be 1 for schedule {schedule}; use interleaved-1f1b for more"
-            )
-        return 1
-    if schedule in V_SCHEDULES and requested not in (None, 2):
-        raise ConfigError(f"parallel.virtual_stages must be 2 for schedule {schedule} (two stages per rank, in a V)")
-    return requested or 2
 
 
 def even_split(num_layers: int, num_stages: int, *, source: str = "model.num_layers") -> list[list[int]]:
@@ -80,19 +67,6 @@ def sizes_to_split(sizes: list[int]) -> list[list[int]]:
     return split
 
 
-def stage_ids(pp_rank: int, pp: int, per_rank: int, *, schedule: str) -> list[int]:
-    """Stages held by a rank: loop style (rank r holds r, r + pp, ...) for interleaved schedules,
-    a V (r and 2 pp - 1 - r) for zbv."""
-    if schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + v * pp for v in range(per_rank)]
-
-
-def rank_of_stage(stage: int, pp: int, *, schedule: str) -> int:
-    """The pipeline rank that holds `stage` (the inverse of stage_ids)."""
-    return min(stage, 2 * pp - 1 - stage) if schedule in V_SCHEDULES else stage % pp
-
-
 def check_microbatches(schedule: str, num_microbatches: int, pp: int) -> None:
     """A fast, torch-free answer to the microbatch rule of torch's schedule constructor, stated
     as torch states it. The constructor at worker start stays the authority; test_schedules_from_torch
@@ -114,7 +88,7 @@ def static_split(cfg: Config) -> list[list[int]] | None:
     """Blocks of every pipeline stage when known without measuring (explicit or even); None when
     `parallel.balance` asks for a measured split. Refuses impossible splits either way."""
     par = cfg.parallel
-    num_stages = par.pp * stages_per_rank(par.schedule, par.virtual_stages)
+    num_stages = Layout.of(par).num_stages
     layers = num_layers(cfg.model)
     if par.stage_layers is not None:
         return check_split(par.stage_layers, layers, num_stages)

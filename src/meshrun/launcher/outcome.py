@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
-from meshrun.atomic import write_atomic
+from meshrun.files.atomic import write_atomic
 
 RECORD = "outcome.json"
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped early with a checkpoint; rerun to resume

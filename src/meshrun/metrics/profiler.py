@@ -17,8 +17,8 @@ import torch
 from torch.autograd.profiler import profile
 from torch.profiler import DeviceType
 
-from meshrun.atomic import atomic_target
-from meshrun.config import ProfileConfig
+from meshrun.config.schema import ProfileConfig
+from meshrun.files.atomic import atomic_target
 from meshrun.metrics.report import say
 from meshrun.parallel.timeline import MARK_PREFIX, StepTimeline, step_timeline
 

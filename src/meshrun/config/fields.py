@@ -10,7 +10,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, model_validator
 
-from meshrun.safe_yaml import as_written, plain
+from meshrun.config.safe_yaml import as_written, plain
 
 
 def no_bool(value: Any) -> Any:

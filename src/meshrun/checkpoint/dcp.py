@@ -38,8 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from meshrun.atomic import atomic_target, disk_error, write_atomic
-from meshrun.checkpoint_paths import (
+from meshrun.checkpoint.paths import (
     CONFIG,
     LATEST,
     MANIFEST,
@@ -50,7 +49,8 @@ from meshrun.checkpoint_paths import (
     step_of,
 )
 from meshrun.errors import ConfigError, RunError
-from meshrun.json_files import read_json
+from meshrun.files.atomic import atomic_target, disk_error, write_atomic
+from meshrun.files.json_reader import read_json
 from meshrun.versions import installed_versions
 
 DATA_CARD = "data"  # the training data's meta.json and tokenizer.json (no tokens): how to decode

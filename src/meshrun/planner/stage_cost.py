@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshrun.config import Config
+from meshrun.config.schema import Config
+from meshrun.hardware.precision import DTYPES
 from meshrun.models.protocol import ProtocolModule
-from meshrun.parallel import build_stage
+from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
 from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.training.loss import MicrobatchLoss
 
 _STEP_COUNTER_BYTES = 4  # AdamW's per-tensor `step` (a float32 scalar)
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ def _fake_mode() -> contextlib.AbstractContextManager:
 
 
 def _amp(precision: str) -> contextlib.AbstractContextManager:
-    dtype = AMP_DTYPES.get(precision)
-    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    dtype = DTYPES.get(precision, torch.float32)  # auto was resolved before; fp32 runs without autocast
+    return torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
 
 def stage_flops_per_token(cfg: Config, part: ProtocolModule, whole: ProtocolModule) -> tuple[float, float]:

@@ -12,32 +12,18 @@ import torch
 import yaml
 from torch import nn
 
-from meshrun.atomic import DiskFull
-from meshrun.checkpoint_paths import newest_first, resume_candidates, step_of
-from meshrun.config import Config
-from meshrun.console import say
+from meshrun.checkpoint.paths import newest_first, resume_candidates, step_of
+from meshrun.config.schema import Config
+from meshrun.data.locations import data_dir, reads_in_place
 from meshrun.data.prepare import default_sources, is_prepared, prepare
-from meshrun.distributed import (
-    Mesh,
-    init_mesh,
-    local_device,
-    rank_memory_bytes,
-    resolve_precision,
-    shutdown,
-)
 from meshrun.errors import ConfigError, RunError
-from meshrun.json_files import read_json
+from meshrun.files.atomic import DiskFull
+from meshrun.files.console import say
+from meshrun.files.json_reader import read_json
+from meshrun.hardware.device import local_device, rank_memory_bytes
+from meshrun.hardware.precision import resolve_precision
 from meshrun.launcher.lifetime import PARENT_PID, die_with_parent
-from meshrun.launcher.torchrun import (
-    RDZV_TIMEOUT_EXIT,
-    in_launched_worker,
-    timeout_message,
-    torchrun_argv,
-    waiting_line,
-    worker_env,
-)
-from meshrun.model_size import memory_warnings
-from meshrun.outcome import (
+from meshrun.launcher.outcome import (
     STOP_SIGNALS,
     Outcome,
     StoppedBeforeTraining,
@@ -47,9 +33,18 @@ from meshrun.outcome import (
     read_record,
     write_record,
 )
-from meshrun.plan import stage_ids, stages_per_rank, static_split
-from meshrun.preflight import check_data_fits, data_dir, reads_in_place
-from meshrun.run_lock import RunDirLock, hold_run_dir
+from meshrun.launcher.run_lock import RunDirLock, hold_run_dir
+from meshrun.launcher.torchrun import (
+    RDZV_TIMEOUT_EXIT,
+    in_launched_worker,
+    timeout_message,
+    torchrun_argv,
+    waiting_line,
+    worker_env,
+)
+from meshrun.parallel.mesh import Mesh, init_mesh, shutdown
+from meshrun.parallel.stages import static_split
+from meshrun.preflight import check_data_fits
 
 
 def ensure_data(cfg: Config) -> Path:
@@ -90,29 +85,7 @@ def describe_split(cfg: Config) -> list[str] | None:
     split = static_split(cfg) if par.pp > 1 else None
     if split is None:
         return None
-    per_rank = stages_per_rank(par.schedule, par.virtual_stages)
-    return [
-        " + ".join(str(split[s]) for s in stage_ids(rank, par.pp, per_rank, schedule=par.schedule))
-        for rank in range(par.pp)
-    ]
-
-
-def parameters_per_pipeline_rank(cfg: Config) -> list[int]:
-    """Parameters each pipeline rank holds (its stages built on the meta device); empty when
-    the split is measured at start."""
-    from meshrun.parallel import build_stage  # torch.distributed.fsdp: --dry-run only, not every launch
-
-    par = cfg.parallel
-    split = static_split(cfg) if par.pp > 1 else [None]
-    if split is None:
-        return []
-    per_rank = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
-    counts = []
-    for rank in range(par.pp):
-        stages = stage_ids(rank, par.pp, per_rank, schedule=par.schedule)
-        parts = [build_stage(cfg, layers=split[s], first=s == 0, last=s == len(split) - 1) for s in stages]
-        counts.append(sum(p.numel() for part in parts for p in part.parameters()))
-    return counts
+    return [" + ".join(str(split[s]) for s in cfg.layout.stages_of(rank)) for rank in range(par.pp)]
 
 
 # what a Hugging Face model takes from its own config.json, not from these keys of `model`
@@ -140,17 +113,18 @@ def describe_model(cfg: Config, model: nn.Module) -> list[str]:
 
 def describe(cfg: Config, model: nn.Module) -> str:
     """The resolved config, the model, the process layout and the batch maths (for --dry-run)."""
-    from meshrun.parallel.fsdp import describe_data_parallel
+    from meshrun.parallel.fsdp import describe_data_parallel  # torch.distributed.fsdp: --dry-run only
+    from meshrun.planner.layout_memory import rank_state_bytes
 
     par, train = cfg.parallel, cfg.train
     resolved = cfg.model_dump(mode="json")
     if getattr(model, "hf_config", None) is not None:
         resolved["model"] = {k: v for k, v in resolved["model"].items() if k not in _HF_IGNORES}
     lines = [yaml.safe_dump(resolved, sort_keys=False).rstrip(), "", "layout:"]
-    lines.append(f"  world size {cfg.world_size} = dp {par.dp} x pp {par.pp} (rank = pp_rank * dp + dp_rank)")
+    lines.append(f"  {cfg.layout.grid()}")
     split = describe_split(cfg)
     for stage in range(par.pp):
-        ranks = list(range(stage * par.dp, (stage + 1) * par.dp))
+        ranks = cfg.layout.ranks_of_pp_rank(stage)
         lines.append(f"  pipeline rank {stage}: ranks {ranks}" + (f", blocks {split[stage]}" if split else ""))
     lines += describe_model(cfg, model)
     lines += [
@@ -161,17 +135,37 @@ def describe(cfg: Config, model: nn.Module) -> str:
         ),
         f"  tokens per step {cfg.tokens_per_step} (seq_len {cfg.model.seq_len})",
     ]
-    counts = parameters_per_pipeline_rank(cfg)
-    lines += describe_data_parallel(cfg, counts)
-    lines += memory_warnings(cfg, counts, *rank_memory_bytes(cfg.nproc_per_node))
+    lines += describe_data_parallel(cfg)
+    states = rank_state_bytes(cfg) or []  # none when the split is measured at start
+    lines += [
+        f"  pipeline rank {r}: per rank params {_mib(s.params)} + grads {_mib(s.grads)} + "
+        f"optimizer {_mib(s.optimizer)} = {_mib(s.params + s.grads + s.optimizer)}"
+        for r, s in enumerate(states)
+    ]
+    lines += memory_warnings([s.params + s.grads + s.optimizer for s in states], *rank_memory_bytes(cfg.nproc_per_node))
     choice = resolve_precision(cfg.precision, local_device())
     lines += ["precision:", f"  {choice.reason}"] + ([f"  warning: {choice.warning}"] if choice.warning else [])
     return "\n".join(lines)
 
 
+def memory_warnings(state_bytes: list[int], device_bytes: int, device: str) -> list[str]:
+    """--dry-run lines for pipeline ranks whose training state (as printed above them) exceeds
+    `device_bytes`, the memory one rank has here (`device` says which)."""
+    return [
+        f"  warning: pipeline rank {rank} needs ~{need / 2**30:.1f} GiB of training state per rank, more than "
+        f"{device}; use more pipeline stages, parallel.dp_mode=fsdp or a smaller model"
+        for rank, need in enumerate(state_bytes)
+        if need > device_bytes
+    ]
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
+
+
 def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
     """Be a worker (under torchrun) or launch them; `model` is the one `preflight` built (meta).
-    Returns the exit code for the run's outcome (see meshrun.outcome)."""
+    Returns the exit code for the run's outcome (see meshrun.launcher.outcome)."""
     if in_launched_worker():
         die_with_parent(signal.SIGKILL)  # the agent that started this worker is gone: so is the job
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -189,7 +183,10 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     in the run directory changes before the run is known to train (a complete run: nothing to do)."""
     ensure_data(cfg)
     if resume_candidates(cfg.run_dir, cfg.train.resume):  # cannot resume: stop before any worker exists
-        from meshrun.checkpoint import check_resumable, read_manifest  # torch.distributed.checkpoint: only when needed
+        from meshrun.checkpoint.dcp import (  # torch.distributed.checkpoint: only when needed
+            check_resumable,
+            read_manifest,
+        )
 
         resume_from = check_resumable(cfg.run_dir, cfg.train.resume, model)
         step = read_manifest(resume_from).get("step") if resume_from is not None else None
@@ -237,7 +234,7 @@ def run_torchrun(argv: list[str], *, env: dict[str, str], pass_fds: tuple[int, .
     """Run torchrun, relaying a stop request sent to this process (a container's PID 1, a
     scheduler) as SIGTERM: torchrun passes SIGTERM on to its workers, which checkpoint and
     stop (torchrun itself then exits non-zero); it has no handler for SIGUSR1 and would die of it.
-    `pass_fds`: the run_dir lock, held by the agent too (meshrun.run_lock).
+    `pass_fds`: the run_dir lock, held by the agent too (meshrun.launcher.run_lock).
     Returns torchrun's exit code and the stop signal relayed (None: none)."""
     proc = subprocess.Popen(argv, env=env, pass_fds=pass_fds)
     relayed: list[int] = []
@@ -266,8 +263,8 @@ def run_worker(cfg: Config) -> Outcome:
 
     if in_launched_worker():  # Ctrl-C: torchrun passes SIGINT on; end at once, as every rank does,
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # not with tracebacks of peers gone mid-collective
-    par, run_dir = cfg.parallel, Path(cfg.run_dir)
-    mesh = init_mesh(dp=par.dp, pp=par.pp, dp_mode=par.dp_mode, dp_shard=par.dp_shard)
+    run_dir = Path(cfg.run_dir)
+    mesh = init_mesh(cfg.layout)
     rank, trainer = mesh.rank, None
     try:
         torch.distributed.barrier()  # data prepared by every node's local rank 0

@@ -4,7 +4,8 @@ the meta device (a billion meta blocks took minutes and gigabytes before anythin
 `check_model_size` runs in preflight before any model exists: every size a Hugging Face
 config.json (or `model.hf_config`) sets is a whole number >= 1, named in the model's own terms;
 then the parameters of each pipeline rank are counted and a config no rank could hold is refused.
-`memory_warnings` is what `--dry-run` adds when a rank's estimate exceeds this machine's memory.
+This is a bound for refusing impossible sizes, not the estimate --dry-run and the planner print
+(`planner.layout_memory.rank_state_bytes`: exact bytes of the stages built on the meta device).
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshrun.config import Config, ModelConfig
+from meshrun.config.schema import Config, ModelConfig
 from meshrun.errors import ConfigError
-from meshrun.hf_config import hf_dir, load_hf_config
-from meshrun.json_files import read_json
-from meshrun.layout import shard_degree
-from meshrun.plan import stage_ids, stages_per_rank
+from meshrun.files.json_reader import read_json
+from meshrun.models.hf_config import hf_dir, load_hf_config
 
 # Deepest published Transformer LMs have ~130 blocks (Llama 3.1 405B: 126). Even on the meta
 # device each block is Python objects: 10,000 take ~6 s and ~300 MB to build on a 2-core machine,
@@ -30,7 +29,7 @@ MAX_BLOCKS = 10_000
 # few TiB. 4 TiB on ONE rank is beyond any of them: such a config is a mistaken size, not a model,
 # and would otherwise pass --dry-run and die allocating in a worker.
 MAX_RANK_BYTES = 4 * 2**40
-STATE_BYTES_PER_PARAM = 16  # fp32 weights + grads + AdamW's two moments, as --dry-run prints them
+STATE_BYTES_PER_PARAM = 16  # fp32 weights + grads + AdamW's two moments
 LOGIT_BYTES = 4  # the loss reads fp32 logits: (micro_batch, seq_len, vocab) on the last stage
 # Hugging Face config keys meshrun sizes a model with (llama-style names, and GPT-2's own).
 HF_SIZE_KEYS = (
@@ -143,9 +142,8 @@ def hf_fields(model: ModelConfig) -> dict[str, Any]:
 def rank_bytes(cfg: Config, size: ModelSize) -> list[int]:
     """Estimated bytes of each pipeline rank: the training state of the stages it holds (sharded
     over FSDP's ranks), plus the last stage's logits of one microbatch."""
-    par = cfg.parallel
-    per_rank = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
-    num_stages = par.pp * per_rank
+    par, layout = cfg.parallel, cfg.layout
+    num_stages = layout.num_stages
     blocks = (
         [len(stage) for stage in par.stage_layers]
         if par.stage_layers is not None and len(par.stage_layers) == num_stages
@@ -153,28 +151,16 @@ def rank_bytes(cfg: Config, size: ModelSize) -> list[int]:
     )
     out = []
     for rank in range(par.pp):
-        stages = stage_ids(rank, par.pp, per_rank, schedule=par.schedule) if par.pp > 1 else [0]
+        stages = layout.stages_of(rank)
         params = sum(blocks[s] * size.block for s in stages)
         params += size.embed * (0 in stages) + size.head * (num_stages - 1 in stages)
         logits = cfg.train.micro_batch * cfg.model.seq_len * size.vocab * LOGIT_BYTES * (num_stages - 1 in stages)
-        out.append(params * STATE_BYTES_PER_PARAM // shard_degree(par) + logits)
+        out.append(params * STATE_BYTES_PER_PARAM // layout.dp_shard + logits)
     return out
 
 
 def total_params(size: ModelSize) -> int:
     return size.embed + size.block * size.num_blocks + size.head
-
-
-def memory_warnings(cfg: Config, stage_params: list[int], device_bytes: int, device: str) -> list[str]:
-    """--dry-run lines for pipeline ranks whose training state (as printed above them) exceeds
-    `device_bytes`, the memory one rank has here (`device` says which)."""
-    shard = shard_degree(cfg.parallel)
-    return [
-        f"  warning: pipeline rank {rank} needs ~{need / 2**30:.1f} GiB of training state per rank, more than "
-        f"{device}; use more pipeline stages, parallel.dp_mode=fsdp or a smaller model"
-        for rank, count in enumerate(stage_params)
-        if (need := count * STATE_BYTES_PER_PARAM // shard) > device_bytes
-    ]
 
 
 def _read_config_json(path: Path, where: str) -> dict[str, Any]:

@@ -15,8 +15,9 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from meshrun.config_fields import Int, Section, lowercase
+from meshrun.config.fields import Int, Section, lowercase
 from meshrun.errors import ConfigError
+from meshrun.parallel.layout import Layout
 
 Schedule = Annotated[
     Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"], BeforeValidator(lowercase)
@@ -125,11 +126,6 @@ class LaunchConfig(Section):
         return self
 
 
-def shard_degree(par: ParallelConfig) -> int:
-    """Ranks one copy of a stage's training state is split over."""
-    return {"ddp": 1, "fsdp": par.dp, "hsdp": par.dp_shard or 1}[par.dp_mode]
-
-
 def check_layout(
     par: ParallelConfig, launch: LaunchConfig, *, global_batch: int, micro_batch: int, profiled_ranks: Sequence[int]
 ) -> None:
@@ -152,30 +148,27 @@ def check_nodes(par: ParallelConfig, launch: LaunchConfig) -> None:
     """Refuse node counts that do not split dp x pp workers evenly."""
     if launch.nproc_per_node is None:
         workers_per_node(par, launch.nnodes, named=f"launch.nnodes ({launch.nnodes})", change="--nnodes")
-    elif launch.nnodes * launch.nproc_per_node != par.dp * par.pp:
+    elif launch.nnodes * launch.nproc_per_node != (layout := Layout.of(par)).world_size:
         raise ConfigError(
             f"launch.nnodes x launch.nproc_per_node ({launch.nnodes} x {launch.nproc_per_node}) must equal "
-            f"parallel.dp x parallel.pp ({par.dp} x {par.pp} = {par.dp * par.pp}); change one of these keys"
+            f"{layout.world_text()}; change one of these keys"
         )
 
 
 def check_profiled_ranks(par: ParallelConfig, ranks: Sequence[int]) -> None:
     """profile.ranks name ranks of this layout."""
-    world = par.dp * par.pp
-    stray = [rank for rank in ranks if rank >= world]
+    layout = Layout.of(par)
+    stray = [rank for rank in ranks if rank >= layout.world_size]
     if stray:
         raise ConfigError(
-            f"profile.ranks {stray} do not exist: ranks are 0 to {world - 1} "
-            f"(parallel.dp x parallel.pp = {world}); change profile.ranks"
+            f"profile.ranks {stray} do not exist: ranks are 0 to {layout.world_size - 1} "
+            f"({layout.axes_text()} = {layout.world_size}); change profile.ranks"
         )
 
 
 def workers_per_node(par: ParallelConfig, nodes: int, *, named: str, change: str) -> int:
     """dp x pp workers split evenly over `nodes` (`named` and `change` say where the count was set)."""
-    world = par.dp * par.pp
-    if nodes < 1 or world % nodes:
-        raise ConfigError(
-            f"{named} must divide parallel.dp x parallel.pp ({par.dp} x {par.pp} = {world}); "
-            f"change {change} or the parallel degrees"
-        )
-    return world // nodes
+    layout = Layout.of(par)
+    if nodes < 1 or layout.world_size % nodes:
+        raise ConfigError(f"{named} must divide {layout.world_text()}; change {change} or the parallel degrees")
+    return layout.world_size // nodes

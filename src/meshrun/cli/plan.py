@@ -9,18 +9,18 @@ from pathlib import Path
 
 import yaml
 
-from meshrun.atomic import write_atomic
-from meshrun.config import Config, load_config
+from meshrun.config.schema import Config, check_code_trusted, load_config
 from meshrun.errors import ConfigError
-from meshrun.extras import check_extras
-from meshrun.json_files import read_json
-from meshrun.metrics.devices import PCIE4_LINKS_GBS, device_by_short_name, links_gbs
+from meshrun.files.atomic import write_atomic
+from meshrun.files.json_reader import read_json
+from meshrun.hardware.peaks import PCIE4_LINKS_GBS, device_by_short_name, links_gbs
 from meshrun.metrics.record import read_metrics_rows
-from meshrun.model_size import check_model_size
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
+from meshrun.planner.model_size import check_model_size
 from meshrun.planner.search import Prediction, predict, rank_layouts
-from meshrun.preflight import check_code_trusted, preflight
+from meshrun.preflight import preflight
+from meshrun.versions import check_extras
 
 GIB = 1024**3
 
@@ -138,7 +138,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
     import torch
 
-    from meshrun.distributed import local_device
+    from meshrun.hardware.device import local_device
 
     device = calibration.device_name(local_device())
     if device == "cpu":
@@ -215,7 +215,7 @@ def compare_run(args: argparse.Namespace) -> int:
     formula = predict(cfg, hw, eff, precision=precision, margin=args.margin)
     with_bubble = predict(cfg, hw, eff, precision=precision, margin=args.margin, measured_bubble=measured_bubble)
     print(
-        f"run {run}: dp {cfg.parallel.dp} x pp {cfg.parallel.pp} {cfg.parallel.schedule}, micro_batch "
+        f"run {run}: {cfg.layout.short_text()} {cfg.parallel.schedule}, micro_batch "
         f"{cfg.train.micro_batch}, recompute {cfg.recompute} on {hw.name}; {source}"
     )
     print(f"{'':<28}{'predicted':>12}{'measured':>12}{'ratio':>10}")

@@ -24,10 +24,11 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from meshrun.config_fields import Float, Int, PathText, Section, is_text, lowercase
+from meshrun.config.fields import Float, Int, PathText, Section, is_text, lowercase
+from meshrun.config.safe_yaml import parse_document, read_config_file
+from meshrun.config.topology import LaunchConfig, ParallelConfig, check_layout
 from meshrun.errors import ConfigError
-from meshrun.layout import LaunchConfig, ParallelConfig, check_layout
-from meshrun.safe_yaml import parse_document, read_config_file
+from meshrun.parallel.layout import Layout
 
 Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(lowercase)]
@@ -288,8 +289,13 @@ class Config(Section):
         return self
 
     @property
+    def layout(self) -> Layout:
+        """The parallel layout: axes, degrees, ranks and stages (meshrun.parallel.layout)."""
+        return Layout.of(self.parallel)
+
+    @property
     def world_size(self) -> int:
-        return self.parallel.dp * self.parallel.pp
+        return self.layout.world_size
 
     @property
     def accumulation_steps(self) -> int:
@@ -415,3 +421,14 @@ def _section_at(loc: list[str]) -> type[BaseModel] | None:
             return None
         model = annotation
     return model
+
+
+def check_code_trusted(cfg: Config, source: Path, *, trust_code: bool, instead: str = "") -> None:
+    """The one rule for code named by files: a model.factory read from a file meshrun did not get
+    on the command line (a run's or a checkpoint's config.json, written by whoever wrote the folder)
+    is imported only under --trust-code. `instead`: another remedy the command offers."""
+    if cfg.model.factory is not None and not trust_code:
+        raise ConfigError(
+            f"{source} names model.factory {cfg.model.factory!r}, code meshrun does not import on a file's word: "
+            f"{instead}pass --trust-code to import it"
+        )

@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from meshrun.checkpoint_paths import resume_candidates
-from meshrun.config import Config
+from meshrun.checkpoint.paths import resume_candidates
+from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
-from meshrun.outcome import Outcome, read_record
+from meshrun.launcher.outcome import Outcome, read_record
 
 # A key, or a whole section, that a rerun may set differently from the run's config.json, and why.
 RESUMABLE: dict[str, str] = {

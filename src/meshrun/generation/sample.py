@@ -1,93 +1,26 @@
-"""Use a trained model without the mesh: consolidate a sharded checkpoint, and sample text.
-
-Both work on one process from a checkpoint written by any dp x pp layout.
-"""
+"""Sampling text from a trained model, with the tokenizer it was trained with."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from meshrun.atomic import atomic_target
-from meshrun.checkpoint import (
-    CONFIG,
-    DATA_CARD,
-    CheckpointError,
-    checkpoint_dir,
-    full_model_state,
-    verify,
-)
-from meshrun.config import Config
-from meshrun.console import say
+from meshrun.checkpoint.dcp import DATA_CARD
+from meshrun.config.schema import Config
+from meshrun.data.locations import training_data_dir
 from meshrun.data.pairs import BOS, EOS, NUM_SPECIAL, PAD
 from meshrun.data.storage import read_meta
 from meshrun.data.tokenize import id_count, read_tokenizer, text_codec
-from meshrun.errors import ConfigError, RunError
-from meshrun.hf_config import vocab_size
-from meshrun.json_files import read_json
+from meshrun.errors import ConfigError
+from meshrun.files.console import say
+from meshrun.generation.seq2seq import decode as seq2seq_decode
 from meshrun.models.encdec import EncDec
+from meshrun.models.hf_config import vocab_size
 from meshrun.models.hf_export import load_tokenizer
-from meshrun.models.seq2seq_decode import decode as seq2seq_decode
-from meshrun.preflight import check_code_trusted, check_export_target, preflight, training_data_dir
-
-
-def load_full_model(
-    run_or_checkpoint: str | Path, *, factory: str | None = None, trust_code: bool = False
-) -> tuple[nn.Module, Config, Path]:
-    """The whole model on the CPU with the checkpoint's weights, its config and the folder used.
-
-    The folder is verified against its manifest before anything in it is used. A
-    `model.factory` named by the checkpoint's config.json is code chosen by whoever wrote the
-    folder: it runs only when the user names a factory (`factory`) or says `trust_code`.
-    """
-    folder = checkpoint_dir(run_or_checkpoint)
-    verify(folder)
-    try:
-        cfg = Config.model_validate(read_json(folder / CONFIG))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {folder} has no usable {CONFIG} ({' '.join(str(exc).split())})") from None
-    if factory is not None:
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"factory": factory})})
-    else:
-        instead = f"name the factory you mean with --set model.factory={cfg.model.factory}, or "
-        check_code_trusted(cfg, folder / CONFIG, trust_code=trust_code, instead=instead)
-    model = preflight(cfg, scope="model")  # built on the meta device
-    model.to_empty(device="cpu")
-    model.load_state_dict(full_model_state(model, folder))
-    return model.eval(), cfg, folder
-
-
-def export(
-    run_or_checkpoint: str | Path, out: str | Path, *, factory: str | None = None, trust_code: bool = False
-) -> tuple[Path, Path]:
-    """Write one file: `.safetensors` (config in its metadata) or `.pt` (a plain dict, weights_only-loadable).
-    Returns the file and the checkpoint folder it came from (the console names both)."""
-    out = Path(out)
-    check_export_target("--out", str(out))  # again for callers other than the CLI
-    model, cfg, folder = load_full_model(run_or_checkpoint, factory=factory, trust_code=trust_code)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    config = json.dumps(cfg.model_dump(mode="json"))
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_target(out, replace=False) as tmp:  # never over a file; a failure removes only its own
-            if out.suffix == ".safetensors":
-                from safetensors.torch import save_file
-
-                save_file(state, str(tmp), metadata={"meshrun_config": config, "checkpoint": folder.name})
-            else:
-                torch.save({"model": state, "meshrun_config": config}, tmp)
-    except RunError:
-        raise  # a full disk: one line naming it
-    except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error for the same causes
-        raise ConfigError(
-            f"--out {out} cannot be written ({' '.join(str(exc).split())}); choose another --out"
-        ) from None
-    return out, folder
 
 
 @torch.no_grad()

@@ -1,0 +1,81 @@
+"""Checks of command-line arguments, before torch is imported: one line naming the flag, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from meshrun.errors import ConfigError
+from meshrun.files.writable import check_writable_parent
+from meshrun.hardware.peaks import SHORT_NAMES
+
+
+def check_plan_args(args: argparse.Namespace) -> None:
+    """`plan` arguments, checked before torch is imported."""
+    for flag, value in (
+        ("--gpus", args.gpus),
+        ("--nodes", args.nodes),
+        ("--top", args.top),
+        ("--steps", args.steps),
+        ("--rounds", args.rounds),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if args.gpus % args.nodes:
+        raise ConfigError(f"--nodes ({args.nodes}) must divide --gpus ({args.gpus}); change one of them")
+    if not 0 <= args.margin < 1:
+        raise ConfigError(f"--margin must be in [0, 1) (a share of device memory), got {args.margin}")
+    for flag, value in (
+        ("--memory-gb", args.memory_gb),
+        ("--intra-gbs", args.intra_gbs),
+        ("--inter-gbs", args.inter_gbs),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} must be a positive number, got {value}")
+    if args.gpu and args.gpu.lower() != "cpu" and args.gpu.lower() not in SHORT_NAMES:
+        raise ConfigError(f"--gpu: unknown GPU {args.gpu!r}: use one of {', '.join(SHORT_NAMES)}, or cpu")
+    if args.write and Path(args.write).exists():
+        raise ConfigError(f"--write {args.write} already exists; choose a new file name (plan never overwrites)")
+    if args.write:
+        check_writable_parent("--write", args.write)
+    if args.calibration and not args.calibrate and not Path(args.calibration).is_file():
+        raise ConfigError(f"--calibration {args.calibration} is not a file; pass one `meshrun plan --calibrate` wrote")
+    if args.run and not (Path(args.run) / "config.json").is_file():
+        raise ConfigError(f"--run {args.run} holds no config.json; pass a meshrun run directory")
+
+
+def check_checkpoint_args(args: argparse.Namespace) -> None:
+    """`export` / `sample` arguments, checked before torch is imported."""
+    if not Path(args.checkpoint).exists():
+        raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
+    if args.command == "export":
+        check_export_target(*(("--hf", args.hf) if args.hf else ("--out", args.out)))
+        return
+    if args.tokens < 1:
+        raise ConfigError(f"--tokens must be at least 1 (tokens to generate), got {args.tokens}")
+    if not math.isfinite(args.temperature) or not 0 <= args.temperature <= 1000:
+        raise ConfigError(f"--temperature must be a number in [0, 1000] (0 = greedy), got {args.temperature}")
+    if not -(2**63) <= args.seed < 2**64:
+        raise ConfigError(f"--seed must fit in 64 bits, got {args.seed}")
+    if args.beam < 1:
+        raise ConfigError(f"--beam must be at least 1 (1 = greedy), got {args.beam}")
+    if args.tokenizer is not None and not Path(args.tokenizer).exists():
+        raise ConfigError(f"--tokenizer {args.tokenizer} does not exist; give a tokenizer.json or a model folder")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
+        raise ConfigError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
+
+
+def check_export_target(flag: str, out: str) -> None:
+    """Where `export` writes: a new path (never over a file or folder), the right suffix for a
+    file, below a folder this process can write; found before the checkpoint is consolidated."""
+    path = Path(out)
+    if path.exists():
+        raise ConfigError(f"{flag} {out} already exists; choose another {flag}")
+    if flag == "--out" and path.suffix not in (".safetensors", ".pt", ".pth"):
+        raise ConfigError(f"--out {out}: use a .safetensors or .pt file name")
+    check_writable_parent(flag, out)

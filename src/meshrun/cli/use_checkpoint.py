@@ -1,0 +1,97 @@
+"""`export` and `sample`: a trained model used on one process, from any layout's checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from torch import nn
+
+from meshrun.checkpoint.dcp import CONFIG, CheckpointError, checkpoint_dir, full_model_state, verify
+from meshrun.checkpoint.export import export
+from meshrun.checkpoint.paths import step_of
+from meshrun.cli.arguments import check_checkpoint_args, check_export_target
+from meshrun.config.schema import Config, check_code_trusted
+from meshrun.errors import ConfigError
+from meshrun.files.json_reader import read_json
+from meshrun.preflight import preflight
+
+
+def load_full_model(
+    run_or_checkpoint: str | Path, *, factory: str | None = None, trust_code: bool = False
+) -> tuple[nn.Module, Config, Path]:
+    """The whole model on the CPU with the checkpoint's weights, its config and the folder used.
+
+    The folder is verified against its manifest before anything in it is used. A
+    `model.factory` named by the checkpoint's config.json is code chosen by whoever wrote the
+    folder: it runs only when the user names a factory (`factory`) or says `trust_code`.
+    """
+    folder = checkpoint_dir(run_or_checkpoint)
+    verify(folder)
+    try:
+        cfg = Config.model_validate(read_json(folder / CONFIG))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {folder} has no usable {CONFIG} ({' '.join(str(exc).split())})") from None
+    if factory is not None:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"factory": factory})})
+    else:
+        instead = f"name the factory you mean with --set model.factory={cfg.model.factory}, or "
+        check_code_trusted(cfg, folder / CONFIG, trust_code=trust_code, instead=instead)
+    model = preflight(cfg, scope="model")  # built on the meta device
+    model.to_empty(device="cpu")
+    model.load_state_dict(full_model_state(model, folder))
+    return model.eval(), cfg, folder
+
+
+def factory_override(overrides: list[str]) -> str | None:
+    """The factory named with `--set model.factory=...` (the last one wins), refusing other keys."""
+    factory = None
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if key.strip() != "model.factory" or not sep or not value.strip():
+            raise ConfigError(f"--set {override}: export and sample take only --set model.factory=MODULE:FUNCTION")
+        factory = value.strip()
+    return factory
+
+
+def use_checkpoint(args: argparse.Namespace) -> int:
+    """`export` and `sample`: one process, any layout's checkpoint."""
+    check_checkpoint_args(args)
+    from meshrun.generation.sample import data_card, sample
+
+    trust = {"factory": factory_override(args.overrides), "trust_code": args.trust_code}
+    try:
+        if args.command == "export" and args.hf:
+            from meshrun.models.hf_export import export_hf
+
+            model, cfg, folder = load_full_model(args.checkpoint, **trust)
+            out = export_hf(model, Path(args.hf), data=data_card(cfg, folder))
+            print(f"exported step {step_of(folder)} ({folder}) as a Hugging Face model to {Path(out).absolute()}")
+            return 0
+        if args.command == "export":
+            check_export_target("--out", args.out)
+            model, cfg, folder = load_full_model(args.checkpoint, **trust)
+            out = export(model, cfg, folder, args.out)
+            print(f"exported step {step_of(folder)} ({folder}) to {out.absolute()}")
+            return 0
+        model, cfg, folder = load_full_model(args.checkpoint, **trust)
+        text = sample(
+            model,
+            cfg,
+            args.prompt,
+            num_tokens=args.tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            seed=args.seed,
+            beam=args.beam,
+            data=data_card(cfg, folder),
+            tokenizer=args.tokenizer,
+        )
+        print(text, end="" if text.endswith("\n") else "\n")  # one newline at the end, never two
+        return 0
+    except CheckpointError as exc:  # a bad path given on the command line
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:  # export --hf into a place that cannot be written after all
+        raise ConfigError(
+            f"{exc.filename or 'the output'} cannot be written ({exc.strerror}); choose another path"
+        ) from None

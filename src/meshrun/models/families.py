@@ -1,0 +1,132 @@
+"""Model families and how a config's `model` section becomes a model: the built-in families, a
+Hugging Face layout, or a user's `model.factory`; built on the meta device and checked against the
+protocol (documented in `meshrun.models`)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from meshrun.config.schema import ModelConfig
+from meshrun.errors import ConfigError
+from meshrun.models.encdec import EncDec
+from meshrun.models.gpt import GPT
+from meshrun.models.hf_config import is_hf
+from meshrun.models.protocol import ProtocolModule
+from meshrun.versions import missing_extra
+
+BUILTIN: dict[str, Callable[[ModelConfig], nn.Module]] = {"gpt": GPT, "encdec": EncDec}
+# A user's factory may return anything: build_model checks it.
+Factory = Callable[[ModelConfig], object]
+PROTOCOL = ("embed", "blocks", "norm", "head", "init_weights", "flops_per_token")
+
+
+def resolve_factory(cfg: ModelConfig) -> Factory:
+    """Find the constructor named by the config; errors name model.name / model.factory."""
+    if is_hf(cfg):
+        from meshrun.models.hf import HFCausalLM  # transformers: only when asked for
+
+        return HFCausalLM
+    if cfg.factory is None:
+        if cfg.name not in BUILTIN:
+            raise ConfigError(
+                f"invalid model.name {cfg.name!r}: choose one of {', '.join(BUILTIN)} or set model.factory"
+            )
+        return BUILTIN[cfg.name]
+    module_name, sep, attr = cfg.factory.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"invalid model.factory {cfg.factory!r}: expected 'package.module:function'")
+    factory = getattr(_import_factory_module(cfg.factory, module_name), attr, None)
+    if factory is None:
+        raise ConfigError(f"invalid model.factory {cfg.factory!r}: module {module_name} has no attribute {attr!r}")
+    if not callable(factory):
+        raise ConfigError(f"invalid model.factory {cfg.factory!r}: {attr} is not callable")
+    return factory
+
+
+def _import_factory_module(factory: str, module_name: str) -> ModuleType:
+    """Import the user's module; whatever goes wrong (syntax, a missing module, an exception or
+    sys.exit at import time) becomes one line naming model.factory."""
+    where = f"invalid model.factory {factory!r}"
+    try:
+        return importlib.import_module(module_name)
+    except SyntaxError as exc:
+        raise ConfigError(
+            f"{where}: SyntaxError in {exc.filename} line {exc.lineno}: {exc.msg}; fix the module"
+        ) from None
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        here = [name for name in (f"{top}.py", top) if exc.name == top and (Path.cwd() / name).exists()]
+        hint = (
+            (
+                f"; {here[0]} is in the current directory, which is not on the Python path here: "
+                "run with PYTHONPATH=. (workers inherit it) or install the module"
+            )
+            if here
+            else ""
+        )
+        raise ConfigError(f"{where}: {exc}{hint}") from None
+    except SystemExit as exc:
+        raise ConfigError(f"{where}: importing {module_name} called sys.exit({exc.code!r}); remove that call") from None
+    except Exception as exc:  # the user's module failed while importing
+        raise ConfigError(f"{where}: importing {module_name} raised {type(exc).__name__}: {exc}") from exc
+
+
+class _SkipRandomInit(TorchFunctionMode):
+    """Random initialisers do nothing: on the meta device there are no values to fill. (torch
+    runs meta `normal_` through a decomposition that imports torch._dynamo, ~1.6 s of a
+    process's start on 2 CPU cores, for nothing.) `init_weights` fills the materialised model."""
+
+    SKIPPED = frozenset(
+        {torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_}
+    )
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def build_model(cfg: ModelConfig) -> ProtocolModule:
+    """Construct the model on the meta device (no memory, no values) and check it follows the protocol."""
+    factory = resolve_factory(cfg)
+    source = f"model.factory {cfg.factory}" if cfg.factory else f"model.name {cfg.name}"
+    if is_hf(cfg):
+        source = f"model.hf {cfg.hf}" if cfg.hf is not None else "model.hf_config"
+    try:
+        with torch.device("meta"), _SkipRandomInit():
+            model = factory(cfg)
+    except ConfigError:
+        raise
+    except ModuleNotFoundError as exc:  # an optional package (transformers) the model imports
+        raise missing_extra(exc, source) or ConfigError(f"{source} failed: ModuleNotFoundError: {exc}") from None
+    except SystemExit as exc:  # a factory must return or raise, never end the process
+        raise ConfigError(
+            f"{source} called sys.exit({exc.code!r}) while building the model; "
+            "make it return the model or raise an exception"
+        ) from None
+    except Exception as exc:  # the user's constructor: report it as a config problem, in one line
+        raise ConfigError(f"{source} failed: {type(exc).__name__}: {exc}") from exc
+    missing = [name for name in PROTOCOL if not hasattr(model, name)]
+    if isinstance(model, nn.Module) and not missing and isinstance(model.blocks, nn.ModuleDict):
+        return cast(ProtocolModule, model)  # checked: an nn.Module with the protocol's parts
+    base = "blocks as nn.ModuleDict" if isinstance(model, nn.Module) else "nn.Module as base class"
+    what = ", ".join(missing) or base
+    raise ConfigError(f"model from {cfg.factory or cfg.name} does not follow the model protocol (missing {what})")
+
+
+def flops_at(model: ProtocolModule, length: int) -> float:
+    """The model's training FLOPs per token on `length`-token samples (a length bucket is shorter
+    than model.seq_len); a user's model whose `flops_per_token` takes no length is priced as it says."""
+    if "length" in inspect.signature(model.flops_per_token).parameters:
+        return model.flops_per_token(length=length)
+    return model.flops_per_token()

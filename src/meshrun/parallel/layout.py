@@ -1,0 +1,162 @@
+"""The one layout object: the mesh axes by name, their degrees, and every map between a rank and its
+place, including which pipeline stages a rank holds. Everything else asks it instead of computing.
+
+Axes, outermost first (`AXES`): `pp`, then data parallelism as `dp_replicate` x `dp_shard` (ddp:
+dp x 1, fsdp: 1 x dp, hsdp: dp / dp_shard x dp_shard). A rank is the mixed-radix number of its
+coordinates, so `rank = pp_rank * dp + dp_rank` with `dp_rank = replica * dp_shard + shard`: a
+copy's shards are neighbouring ranks (one node's fast links carry the heavy gradient traffic) and
+consecutive pipeline stages are `dp` ranks apart (activations are small point-to-point messages).
+An axis added later (tensor parallelism) is one more name here, innermost.
+
+Torch-free (the config's own rules ask it for the world size); `build_device_mesh` imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from meshrun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+AXES = ("pp", "dp_replicate", "dp_shard")  # outermost first
+DATA_AXES = ("dp_replicate", "dp_shard")  # flattened, they are the data-parallel axis `dp`
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: one stage per rank
+V_SCHEDULES = ("zbv",)  # exactly two stages per rank, placed in a V: rank r holds r and 2 pp - 1 - r
+
+
+class ParallelSection(Protocol):
+    """What the layout reads of the config's `parallel` section (meshrun.config.topology.ParallelConfig)."""
+
+    dp: int
+    pp: int
+    dp_mode: str
+    dp_shard: int | None
+    schedule: str
+    virtual_stages: int | None
+
+
+def stages_per_rank(schedule: str, requested: int | None) -> int:
+    """Pipeline stages each rank holds under `schedule` (`parallel.virtual_stages` checked)."""
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        if requested not in (None, 1):
+            raise ConfigError(
+                f"parallel.virtual_stages must be 1 for schedule {schedule}; use interleaved-1f1b for more"
+            )
+        return 1
+    if schedule in V_SCHEDULES and requested not in (None, 2):
+        raise ConfigError(f"parallel.virtual_stages must be 2 for schedule {schedule} (two stages per rank, in a V)")
+    return requested or 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of every axis, and the schedule's placement of pipeline stages on pp ranks."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    schedule: str = "1f1b"
+    per_rank: int = 1  # pipeline stages each pp rank holds
+
+    @classmethod
+    def of(cls, par: ParallelSection) -> Layout:
+        """The layout a `parallel` section describes."""
+        shard = {"ddp": 1, "fsdp": par.dp, "hsdp": par.dp_shard or 1}[par.dp_mode]
+        per_rank = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
+        return cls(pp=par.pp, dp_replicate=par.dp // shard, dp_shard=shard, schedule=par.schedule, per_rank=per_rank)
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: replicas x shards."""
+        return math.prod(getattr(self, axis) for axis in DATA_AXES)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees.values())
+
+    @staticmethod
+    def axes_text() -> str:
+        """The keys whose product is the world size, for messages."""
+        return "parallel.dp x parallel.pp"
+
+    def degrees_text(self) -> str:
+        """`2 x 4`: the degrees in the order of `axes_text`."""
+        return f"{self.dp} x {self.pp}"
+
+    def world_text(self) -> str:
+        """The world size as the config spells it, for messages: `parallel.dp x parallel.pp (2 x 4 = 8)`."""
+        return f"{self.axes_text()} ({self.degrees_text()} = {self.world_size})"
+
+    def short_text(self) -> str:
+        """`dp 2 x pp 4`, for headers and summaries."""
+        return f"dp {self.dp} x pp {self.pp}"
+
+    def grid(self) -> str:
+        """The rank order, for --dry-run."""
+        return f"world size {self.world_size} = {self.short_text()} (rank = pp_rank * dp + dp_rank)"
+
+    # ranks <-> coordinates
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Each axis's coordinate of `rank`, plus `dp` (the flattened data-parallel index)."""
+        coords: dict[str, int] = {}
+        for axis in reversed(AXES):
+            rank, coords[axis] = divmod(rank, getattr(self, axis))
+        coords["dp"] = coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
+        return coords
+
+    def rank_at(self, *, pp: int = 0, dp: int = 0) -> int:
+        """The rank at pipeline rank `pp` and data-parallel index `dp` (other axes at 0)."""
+        return pp * self.dp + dp
+
+    def ranks_of_pp_rank(self, pp_rank: int) -> list[int]:
+        """Every rank that runs pipeline rank `pp_rank`'s stages (its data-parallel copies)."""
+        return [self.rank_at(pp=pp_rank, dp=d) for d in range(self.dp)]
+
+    def across_pp(self, pp_ranks: list[int]) -> list[list[int]]:
+        """For each data-parallel index, the ranks at `pp_ranks`: the groups in which copies of one
+        parameter held by several pipeline ranks (a tied embedding) are kept equal."""
+        return [[self.rank_at(pp=p, dp=d) for p in pp_ranks] for d in range(self.dp)]
+
+    # pipeline stages
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.per_rank
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """Stages held by a pipeline rank: loop style (r, r + pp, ...) for interleaved schedules, a V
+        (r and 2 pp - 1 - r) for zbv, stage 0 without a pipeline."""
+        if self.schedule in V_SCHEDULES and self.pp > 1:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + v * self.pp for v in range(self.per_rank)]
+
+    def pp_rank_of_stage(self, stage: int) -> int:
+        """The pipeline rank that holds `stage` (the inverse of `stages_of`)."""
+        if self.schedule in V_SCHEDULES and self.pp > 1:
+            return min(stage, 2 * self.pp - 1 - stage)
+        return stage % self.pp
+
+    # the device mesh
+
+    def build_device_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None]:
+        """The named meshes of this layout (the process group must exist): (pp, dp) for the pipeline
+        and dp groups, and the mesh FSDP shards over (None for ddp): `dp_shard`, or
+        (`dp_replicate`, `dp_shard`) for hsdp."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
+        if self.dp_shard == 1:
+            return mesh, None
+        if self.dp_replicate == 1:
+            return mesh, mesh["dp"]
+        hybrid = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
+        return mesh, hybrid[DATA_AXES]

@@ -1,0 +1,38 @@
+"""One pipeline stage of the model made real: built on the meta device and pruned to its blocks (the
+planner sizes this), then materialised on the device, initialised and wrapped for recompute."""
+
+from __future__ import annotations
+
+import torch
+
+from meshrun.config.schema import Config
+from meshrun.models.families import build_model
+from meshrun.models.protocol import ProtocolModule
+from meshrun.parallel.recompute import apply_recompute
+
+
+def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
+    """Steps 1-2 for one stage (layers=None: the whole model), on the meta device (the planner sizes these)."""
+    part = build_model(cfg.model)
+    if layers is not None:
+        keep = {str(i) for i in layers}
+        for key in [k for k in part.blocks if k not in keep]:
+            del part.blocks[key]
+        keep_stage = getattr(part, "keep_stage", None)  # optional in the protocol
+        if keep_stage is not None:  # e.g. a tied last stage keeps the embedding matrix for its head
+            keep_stage(first=first, last=last)
+        else:
+            part.embed = part.embed if first else None
+            part.norm, part.head = (part.norm, part.head) if last else (None, None)
+    return part
+
+
+def materialise_part(
+    cfg: Config, device: torch.device, *, layers: list[int] | None, first: bool, last: bool
+) -> ProtocolModule:
+    """Steps 1-4 for one stage (layers=None: the whole model)."""
+    part = build_stage(cfg, layers=layers, first=first, last=last)
+    part.to_empty(device=device)
+    part.init_weights(cfg.train.seed)
+    apply_recompute(part.blocks, cfg.recompute)
+    return part

@@ -1,0 +1,100 @@
+"""Turn a model config into this rank's trainable part of the dp x pp mesh.
+
+`parallelize` applies the steps in one fixed order:
+  1. build the whole model on the meta device (no memory, no init cost);
+  2. keep only this rank's pipeline stage(s) (embedding first, norm + head last);
+  3. materialise on the device and initialise (per-parameter seeds: layout independent);
+  4. wrap blocks for activation recompute;
+  5. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp)
+     fully_shard per block + the stage root (fsdp.py);
+  6. pp > 1: PipelineStage + a torch.distributed.pipelining schedule;
+  7. tied embeddings: the group that sums the first and last stage's gradients (tied.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from meshrun.config.schema import Config
+from meshrun.models.protocol import ProtocolModule
+from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
+from meshrun.parallel.loss_fn import LossFn
+from meshrun.parallel.materialise import materialise_part
+from meshrun.parallel.mesh import Mesh
+from meshrun.parallel.tied import TiedEmbeddings
+
+if TYPE_CHECKING:
+    from meshrun.parallel.pipeline import PipelineModel
+
+AmpContext = Callable[[], contextlib.AbstractContextManager]
+
+
+class LocalModel:
+    """pp = 1: gradient accumulation over microbatches, DDP all-reduce only on the last one."""
+
+    tied: TiedEmbeddings  # set by parallelize
+
+    def __init__(self, part: ProtocolModule, wrapped: nn.Module, *, loss: LossFn, amp: AmpContext) -> None:
+        self.parts, self.wrapped, self.loss, self.amp = [part], wrapped, loss, amp
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, loss: LossFn | None = None) -> torch.Tensor:
+        """Accumulate gradients of the whole local batch; returns its (unscaled) loss.
+
+        `loss`: this step's (its token divisor and fp16 scale); None: the one given at construction.
+        """
+        loss_fn = self.loss if loss is None else loss
+        n, losses = loss_fn.num_microbatches, []
+        ddp = self.wrapped if isinstance(self.wrapped, DistributedDataParallel) else None
+        for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
+            set_gradient_sync(self.wrapped, i == n - 1)  # fsdp: reduce-scatter once, after the last
+            with ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext():
+                with self.amp():
+                    logits = self.wrapped(xm)
+                microbatch_loss = loss_fn(logits, ym)
+                microbatch_loss.backward()
+            losses.append(microbatch_loss)
+        return loss_fn.unscaled(losses)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, *, loss: LossFn | None = None) -> torch.Tensor:
+        loss_fn = self.loss if loss is None else loss
+        n = loss_fn.num_microbatches
+        with self.amp():
+            return loss_fn.unscaled([loss_fn(self.wrapped(xm), ym) for xm, ym in zip(x.chunk(n), y.chunk(n))])
+
+    def train(self, mode: bool = True) -> None:
+        self.wrapped.train(mode)
+
+
+def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Module:
+    if mesh.dp == 1:
+        return part
+    if mesh.data_mesh is not None:
+        return wrap_fsdp(part, mesh, cfg.parallel)
+    device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
+    return DistributedDataParallel(part, process_group=mesh.dp_group, device_ids=device_ids)
+
+
+def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> LocalModel | PipelineModel:
+    if mesh.pp == 1:
+        part = materialise_part(cfg, mesh.device, layers=None, first=True, last=True)
+        local = LocalModel(part, wrap_data_parallel(part, mesh, cfg), loss=loss, amp=amp)
+        local.tied = TiedEmbeddings([part], [0], num_stages=1, mesh=mesh)
+        return local
+    # torch.distributed.pipelining costs about 1.3 s of CPU to import: only pipelines pay it
+    from meshrun.parallel.pipeline import PipelineModel, plan_for
+
+    plan = plan_for(cfg, mesh)
+    parts = [
+        materialise_part(cfg, mesh.device, layers=plan.split[i], first=i == 0, last=i == plan.num_stages - 1)
+        for i in plan.local_stages
+    ]
+    model = PipelineModel(cfg, mesh, plan, parts, [wrap_data_parallel(p, mesh, cfg) for p in parts], loss=loss, amp=amp)
+    model.tied = TiedEmbeddings(parts, plan.local_stages, num_stages=plan.num_stages, mesh=mesh)
+    return model

@@ -1,0 +1,66 @@
+"""One layout (a validated Config) -> its stages' profiles and every pp rank's memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshrun.config.schema import Config
+from meshrun.parallel.materialise import build_stage
+from meshrun.parallel.stages import static_split
+from meshrun.planner.memory import RankMemory, rank_memory
+from meshrun.planner.stage_cost import StageProfile, profile_stages, state_bytes
+
+
+@dataclass(frozen=True)
+class LayoutMemory:
+    stages: list[StageProfile]  # pipeline order (v x pp of them under interleaved schedules)
+    ranks: list[RankMemory]  # one per pp rank (dp replicas of a stage hold the same)
+
+    @property
+    def peak(self) -> int:
+        return max(rank.total for rank in self.ranks)
+
+
+def layout_split(cfg: Config) -> list[list[int]]:
+    """Blocks per stage; measured balances (time / size) are planned as the even split."""
+    split = static_split(cfg)
+    if split is None:
+        split = static_split(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"balance": "even"})}))
+    assert split is not None  # an even split is always static
+    return split
+
+
+def layout_memory(cfg: Config, precision: str) -> LayoutMemory:
+    """Profiles every stage of this layout and the memory of every pp rank."""
+    stages = profile_stages(cfg, layout_split(cfg), cfg.train.micro_batch, precision)
+    return LayoutMemory(stages=stages, ranks=ranks_memory(cfg, stages))
+
+
+def ranks_memory(cfg: Config, stages: list[StageProfile]) -> list[RankMemory]:
+    """The memory of every pp rank of this layout, from its stages' profiles."""
+    layout, par = cfg.layout, cfg.parallel
+    return [
+        rank_memory(
+            stages,
+            layout.stages_of(r),
+            schedule=par.schedule,
+            rank=r,
+            pp=par.pp,
+            dp=par.dp,
+            shard=layout.dp_shard,
+            m=cfg.accumulation_steps,
+        )
+        for r in range(par.pp)
+    ]
+
+
+def rank_state_bytes(cfg: Config) -> list[RankMemory] | None:
+    """Every pp rank's training state (parameters, gradients, optimizer; no activations), from the
+    stages built on the meta device: what --dry-run prints, and the same numbers the planner's
+    `layout_memory` adds activations to. None when the split is measured at start."""
+    split = static_split(cfg) if cfg.parallel.pp > 1 else [None]
+    if split is None:
+        return None
+    num_stages = len(split)
+    parts = [build_stage(cfg, layers=layers, first=i == 0, last=i == num_stages - 1) for i, layers in enumerate(split)]
+    return ranks_memory(cfg, [StageProfile(*state_bytes(part), 0, 0.0, 0.0, 0) for part in parts])

@@ -1,0 +1,72 @@
+"""The layout object: every rank <-> place map the rest of meshrun asks for, checked against an
+independent enumeration (nested loops in the documented rank order), and the meshes it builds."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+from meshrun.config.schema import Config
+from meshrun.parallel.layout import AXES, Layout
+from meshrun.parallel.mesh import init_mesh, shutdown
+
+
+def enumerated(pp: int, replicate: int, shard: int) -> dict[int, dict[str, int]]:
+    """rank -> coordinates, by counting through the axes outermost first (the documented order)."""
+    ranks = itertools.count()
+    return {
+        next(ranks): {"pp": p, "dp_replicate": r, "dp_shard": s, "dp": r * shard + s}
+        for p, r, s in itertools.product(range(pp), range(replicate), range(shard))
+    }
+
+
+@pytest.mark.parametrize(("pp", "replicate", "shard"), [(1, 1, 1), (2, 3, 1), (3, 1, 2), (2, 2, 2), (4, 1, 1)])
+def test_ranks_and_coordinates_are_the_documented_order(pp: int, replicate: int, shard: int) -> None:
+    layout = Layout(pp=pp, dp_replicate=replicate, dp_shard=shard)
+    expected = enumerated(pp, replicate, shard)
+    assert layout.world_size == len(expected) == pp * replicate * shard
+    assert layout.dp == replicate * shard
+    for rank, coords in expected.items():
+        assert layout.coordinates(rank) == coords
+        assert layout.rank_at(pp=coords["pp"], dp=coords["dp"]) == rank
+    for p in range(pp):
+        assert layout.ranks_of_pp_rank(p) == [r for r, c in expected.items() if c["pp"] == p]
+    groups = layout.across_pp(sorted({0, pp - 1}))
+    assert sorted(r for g in groups for r in g) == sorted(r for r, c in expected.items() if c["pp"] in (0, pp - 1))
+    assert all(len({expected[r]["dp"] for r in group}) == 1 for group in groups)  # one dp index per group
+
+
+@pytest.mark.parametrize(
+    ("mode", "dp", "shard", "degrees"),
+    [("ddp", 4, None, (1, 4, 1)), ("fsdp", 4, None, (1, 1, 4)), ("hsdp", 4, 2, (1, 2, 2))],
+)
+def test_a_parallel_section_names_its_axes(mode: str, dp: int, shard: int | None, degrees: tuple[int, ...]) -> None:
+    cfg = Config.model_validate({"parallel": {"dp": dp, "dp_mode": mode, "dp_shard": shard}})
+    assert tuple(cfg.layout.degrees[axis] for axis in AXES) == degrees
+    assert cfg.world_size == dp
+    assert cfg.layout.world_text() == f"parallel.dp x parallel.pp ({dp} x 1 = {dp})"
+
+
+@pytest.mark.parametrize(
+    ("schedule", "per_rank"), [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zbv", 2)]
+)
+def test_every_stage_is_held_by_one_pipeline_rank(schedule: str, per_rank: int) -> None:
+    for pp in (2, 3, 4):
+        layout = Layout(pp=pp, schedule=schedule, per_rank=per_rank)
+        held = {stage: p for p in range(pp) for stage in layout.stages_of(p)}
+        assert sorted(held) == list(range(layout.num_stages))
+        assert all(layout.pp_rank_of_stage(stage) == p for stage, p in held.items())
+    assert Layout(pp=2, schedule="zbv", per_rank=2).stages_of(0) == [0, 3]  # a V: rank r holds r and 2 pp - 1 - r
+
+
+def test_the_mesh_of_a_lone_process_has_every_named_axis() -> None:
+    mesh = init_mesh(Layout())
+    try:
+        assert mesh.device_mesh.mesh_dim_names == ("pp", "dp")
+        assert (mesh.rank, mesh.pp_rank, mesh.dp_rank, mesh.local_stages) == (0, 0, 0, [0])
+        assert dist.get_world_size(mesh.dp_group) == dist.get_world_size(mesh.pp_group) == 1
+        assert mesh.data_mesh is None
+    finally:
+        shutdown()

@@ -1,0 +1,41 @@
+"""One training-state estimate: what `--dry-run` prints per pipeline rank is the planner's number
+for the same layout (params, grads and optimizer bytes of the stages built on the meta device)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from meshrun.cli.train import describe
+from meshrun.config.schema import Config
+from meshrun.models.families import build_model
+from meshrun.planner.layout_memory import layout_memory, rank_state_bytes
+
+TINY = {"model": {"num_layers": 4, "dim": 32, "num_heads": 2, "vocab_size": 256, "seq_len": 16}}
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"pp": 2},
+        {"pp": 2, "dp": 2, "dp_mode": "fsdp"},
+        {"pp": 2, "dp": 4, "dp_mode": "hsdp", "dp_shard": 2, "schedule": "interleaved-1f1b"},
+    ],
+)
+def test_dry_run_prints_the_planners_state_bytes(parallel: dict) -> None:
+    cfg = Config.model_validate({**TINY, "parallel": parallel, "train": {"global_batch": 16, "micro_batch": 1}})
+    printed = re.findall(
+        r"pipeline rank (\d+): per rank params ([\d.]+) MiB \+ grads ([\d.]+) MiB \+ optimizer ([\d.]+) MiB",
+        describe(cfg, build_model(cfg.model)),
+    )
+    planned = layout_memory(cfg, "fp32").ranks
+    assert len(printed) == len(planned) == cfg.parallel.pp
+    for (rank, *mib), memory in zip(printed, planned):
+        expected = [f"{b / 2**20:.2f}" for b in (memory.params, memory.grads, memory.optimizer)]
+        assert mib == expected, f"pipeline rank {rank}"
+    exact = rank_state_bytes(cfg)
+    assert exact is not None
+    assert [(m.params, m.grads, m.optimizer) for m in exact] == [(m.params, m.grads, m.optimizer) for m in planned]
+    whole = sum(p.numel() for p in build_model(cfg.model).parameters()) * 4
+    assert sum(m.params for m in planned) * cfg.layout.dp_shard == pytest.approx(whole, abs=4 * cfg.layout.dp_shard)
