@@ -94,11 +94,11 @@ def loads() -> str:
 
 def predict_all(calibration: Path) -> dict[str, float]:
     from meshrun.config.schema import load_config
-    from meshrun.planner.calibrate import load
+    from meshrun.planner.calibrate import load_calibration
     from meshrun.planner.cost import Hardware
     from meshrun.planner.search import predict
 
-    _, eff = load(calibration)
+    _, eff = load_calibration(calibration)
     hw = Hardware("cpu", float("inf"), None, intra_gbs=10.0, inter_gbs=1.25, gpus_per_node=2)
     out = {}
     for name, layout in LAYOUTS.items():

@@ -514,7 +514,7 @@ def test_adding_sources_never_moves_a_val_document_into_train(tmp_path: Path) ->
 def test_a_folder_source_skips_hidden_and_binary_files(tmp_path: Path) -> None:
     """A project folder: its text is read, its .git objects and an old dataset's token shards are
     not (counted in the one line prepare-data prints)."""
-    from meshrun.data.prepare import describe
+    from meshrun.data.prepare import describe_dataset
 
     docs = make_documents(20, seed=3)
     write_source("text", tmp_path / "proj" / "docs", docs)
@@ -524,5 +524,5 @@ def test_a_folder_source_skips_hidden_and_binary_files(tmp_path: Path) -> None:
     (tmp_path / "proj" / "train-00000.bin").write_bytes(np.arange(1000, dtype=np.uint16).tobytes())
     meta = prepare([str(tmp_path / "proj")], tmp_path / "out", val_fraction=0.2, workers=1, progress=False)
     assert meta["documents"] == len(docs) and meta["skipped_files"] == 3
-    assert describe(meta).endswith("; skipped 3 hidden or binary files")
+    assert describe_dataset(meta).endswith("; skipped 3 hidden or binary files")
     assert_documents_in_order(tmp_path / "out", [list(d.encode() + b"\n\n") for d in docs])

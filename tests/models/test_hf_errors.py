@@ -150,7 +150,7 @@ def test_a_model_tokenizer_mapped_to_the_folders_code_is_refused(tmp_path: Path)
 
     from meshrun.config.schema import ModelConfig
     from meshrun.errors import ConfigError
-    from meshrun.models.hf_export import load_tokenizer
+    from meshrun.models.hf_export import load_hf_tokenizer
 
     model_dir, marker = tmp_path / "model", tmp_path / "code-ran"
     AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4).save_pretrained(model_dir)
@@ -159,7 +159,7 @@ def test_a_model_tokenizer_mapped_to_the_folders_code_is_refused(tmp_path: Path)
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     (model_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     with pytest.raises(ConfigError, match=r"model\.hf .*tokenizer_config\.json .*auto_map"):
-        load_tokenizer(ModelConfig(hf=str(model_dir)))
+        load_hf_tokenizer(ModelConfig(hf=str(model_dir)))
     assert not marker.exists()
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from meshrun.cli.train import describe
+from meshrun.cli.train import describe_job
 from meshrun.config.schema import Config
 from meshrun.models.families import build_model
 from meshrun.planner.layout_memory import layout_memory, rank_state_bytes
@@ -27,7 +27,7 @@ def test_dry_run_prints_the_planners_state_bytes(parallel: dict) -> None:
     cfg = Config.model_validate({**TINY, "parallel": parallel, "train": {"global_batch": 16, "micro_batch": 1}})
     printed = re.findall(
         r"pipeline rank (\d+): per rank params ([\d.]+) MiB \+ grads ([\d.]+) MiB \+ optimizer ([\d.]+) MiB",
-        describe(cfg, build_model(cfg.model)),
+        describe_job(cfg, build_model(cfg.model)),
     )
     planned = layout_memory(cfg, "fp32").ranks
     assert len(printed) == len(planned) == cfg.parallel.pp

@@ -49,7 +49,7 @@ from meshrun.checkpoint.paths import (
     step_of,
 )
 from meshrun.errors import ConfigError, RunError
-from meshrun.files.atomic import atomic_target, disk_error, write_atomic
+from meshrun.files.atomic import atomic_target, disk_error, publish_folder, write_atomic
 from meshrun.files.json_reader import read_json
 from meshrun.versions import installed_versions
 
@@ -220,7 +220,7 @@ def save(
             _move_aside(final)
         elif final.exists():
             shutil.rmtree(final)
-        os.replace(tmp, final)
+        publish_folder(tmp, final)
         write_atomic(root / LATEST, final.name + "\n")
         for old in [p for p in complete_checkpoints(run_dir) if p not in protected][:-keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -243,7 +243,7 @@ def _trust_code_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from meshrun.data.prepare import default_sources, describe, prepare
+    from meshrun.data.prepare import default_sources, describe_dataset, prepare
 
     if not 0 < args.val_fraction < 0.5:
         raise ConfigError(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
@@ -267,7 +267,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
         )
     except OSError as exc:
         raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
-    print(f"{describe(meta)} to {args.out}")
+    print(f"{describe_dataset(meta)} to {args.out}")
     return 0
 
 
@@ -404,7 +404,7 @@ def _train(args: argparse.Namespace) -> int:
     from meshrun.cli import train as job  # imports torch (preflight did, after every torch-free check)
 
     if args.dry_run:
-        print(job.describe(cfg, model))
+        print(job.describe_job(cfg, model))
         return 0
     worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
     code = job.train(cfg, worker_args, model)

@@ -60,7 +60,7 @@ def _calibration_path(args: argparse.Namespace, device: str) -> Path:
 def _calibrated_device(args: argparse.Namespace) -> str:
     path = _calibration_path(args, "cpu")
     if path.is_file():
-        return calibration.load(path)[0]
+        return calibration.load_calibration(path)[0]
     raise ConfigError("pass --gpu (e.g. --gpu h100), or run `meshrun plan --calibrate CONFIG` on this machine first")
 
 
@@ -68,7 +68,7 @@ def efficiency(args: argparse.Namespace, hw: Hardware) -> tuple[Efficiency, str]
     """Calibrated constants for this device when saved, else the defaults (and where they came from)."""
     path = _calibration_path(args, hw.name)
     if path.is_file():
-        device, eff = calibration.load(path)
+        device, eff = calibration.load_calibration(path)
         if device == hw.name or args.calibration:  # a file named explicitly is the user's choice
             return eff, f"calibrated ({path})"
     if hw.peak_flops is None:
@@ -155,7 +155,7 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
         shared_machine=device == "cpu",
     )
     path = _calibration_path(args, device)
-    calibration.save(path, device, precision, eff, rows)
+    calibration.save_calibration(path, device, precision, eff, rows)
     assert eff.achieved_flops is not None  # calibrate measures it
     for row in rows:
         print(

@@ -111,7 +111,7 @@ def describe_model(cfg: Config, model: nn.Module) -> list[str]:
     ]
 
 
-def describe(cfg: Config, model: nn.Module) -> str:
+def describe_job(cfg: Config, model: nn.Module) -> str:
     """The resolved config, the model, the process layout and the batch maths (for --dry-run)."""
     from meshrun.parallel.fsdp import describe_data_parallel  # torch.distributed.fsdp: --dry-run only
     from meshrun.planner.layout_memory import rank_state_bytes

@@ -46,7 +46,6 @@ from meshrun.files.atomic import disk_error, publish_folder
 from meshrun.files.console import say
 
 __all__ = ["SPLITS", "default_sources", "expand_sources", "is_prepared", "prepare"]
-OUTPUTS = ("train.bin", "val.bin", "meta.json")  # meshrun 0.1's names: never written over
 TASK_BYTES = 1 << 20
 BPE_TRAIN_BYTES = 4 << 20  # a byte-level BPE is trained on about this much text, sampled evenly
 SHARD_TOKENS = 1 << 28  # 256 Mi tokens per shard (512 MB of uint16)
@@ -381,7 +380,7 @@ def _meta(
     }
 
 
-def describe(meta: dict[str, Any]) -> str:
+def describe_dataset(meta: dict[str, Any]) -> str:
     """The one line `prepare-data` prints."""
     return (
         f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {meta['num_files']} files "

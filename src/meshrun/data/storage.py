@@ -165,7 +165,7 @@ def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fra
     path = Path(path)
     if format in ("nanogpt", "nanogpt-uint32"):
         dtype = np.uint32 if format == "nanogpt-uint32" else np.uint16
-        tokens = _flat(
+        tokens = _flat_split(
             path, split, dtype, vocab_size=None, hint="point data.dir at a nanoGPT data folder (train.bin, val.bin)"
         )
         if dtype == np.uint16:
@@ -175,7 +175,7 @@ def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fra
         return _megatron(path, split, val_fraction)
     meta = read_meta(path)
     if meta is None or "format" not in meta:  # meshrun 0.1: bytes, train.bin / val.bin
-        return _flat(path, split, np.uint8, vocab_size=256, hint=f"run `meshrun prepare-data --out {path}`")
+        return _flat_split(path, split, np.uint8, vocab_size=256, hint=f"run `meshrun prepare-data --out {path}`")
     if meta["format"] == "pairs":  # only data.dir reads pairs (PairsDataset); a token stream would mix them
         raise ConfigError(
             f"{path} holds source/target pairs, which train only as data.dir, not as a data.mixture source or "
@@ -184,7 +184,7 @@ def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fra
     return _shards(path, split, meta)
 
 
-def _flat(folder: Path, split: str, dtype: type, *, vocab_size: int | None, hint: str) -> TokenSplit:
+def _flat_split(folder: Path, split: str, dtype: type, *, vocab_size: int | None, hint: str) -> TokenSplit:
     path = folder / f"{split}.bin"
     if not path.is_file():
         raise ConfigError(f"data.dir {folder} has no {path.name}; {hint}")

@@ -20,7 +20,7 @@ from meshrun.files.console import say
 from meshrun.generation.seq2seq import decode as seq2seq_decode
 from meshrun.models.encdec import EncDec
 from meshrun.models.hf_config import vocab_size
-from meshrun.models.hf_export import load_tokenizer
+from meshrun.models.hf_export import load_hf_tokenizer
 
 
 @torch.no_grad()
@@ -151,7 +151,7 @@ def codec(
     vocab = vocab_size(cfg.model)
     if tokenizer_path is not None:
         return named_codec(tokenizer_path, vocab, trained=(read_meta(data) or {}).get("tokenizer"))
-    tokenizer = None if (data / "meta.json").is_file() else load_tokenizer(cfg.model)
+    tokenizer = None if (data / "meta.json").is_file() else load_hf_tokenizer(cfg.model)
     if tokenizer is not None:
         return (lambda text: tokenizer.encode(text, add_special_tokens=False)), tokenizer.decode, None
     if (data / "tokenizer.json").is_file():

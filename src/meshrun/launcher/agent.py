@@ -19,7 +19,7 @@ from meshrun.launcher.lifetime import die_with_parent
 from meshrun.launcher.torchrun import RDZV_TIMEOUT_EXIT
 
 
-def run() -> None:
+def run_agent() -> None:
     die_with_parent(signal.SIGTERM)
     try:
         main()
@@ -38,4 +38,4 @@ def run() -> None:
 
 
 if __name__ == "__main__":
-    run()
+    run_agent()

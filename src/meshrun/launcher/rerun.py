@@ -45,7 +45,7 @@ def resumable(key: str) -> bool:
 
 def changed_keys(recorded: Config, cfg: Config) -> dict[str, tuple[Any, Any]]:
     """Dotted keys a rerun may not change whose values differ: key -> (recorded, now)."""
-    before, now = _flat(recorded.model_dump(mode="json")), _flat(cfg.model_dump(mode="json"))
+    before, now = _flat_keys(recorded.model_dump(mode="json")), _flat_keys(cfg.model_dump(mode="json"))
     return {
         key: (before.get(key), now.get(key))
         for key in sorted(before.keys() | now.keys())
@@ -53,11 +53,11 @@ def changed_keys(recorded: Config, cfg: Config) -> dict[str, tuple[Any, Any]]:
     }
 
 
-def _flat(section: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _flat_keys(section: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in section.items():
         if isinstance(value, dict) and value:
-            flat.update(_flat(value, f"{prefix}{key}."))
+            flat.update(_flat_keys(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

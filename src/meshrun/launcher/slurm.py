@@ -29,7 +29,6 @@ from meshrun.config.schema import Config
 from meshrun.config.topology import workers_per_node
 from meshrun.errors import ConfigError
 
-RDZV_HOST_ENV = "MESHRUN_RDZV_HOST"  # where node names do not resolve (or resolve to the wrong interface)
 # Where the generic script's own header ends and the job every script shares begins.
 BODY_MARKER = "# ---- the job: `meshrun slurm` scripts share everything below with this file ----\n"
 

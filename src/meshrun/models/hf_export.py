@@ -58,7 +58,7 @@ def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
         raise
 
 
-def load_tokenizer(cfg: ModelConfig):
+def load_hf_tokenizer(cfg: ModelConfig):
     """The model's own tokenizer when `model.hf` has one (None: sample byte-level)."""
     model_dir = hf_dir(cfg) if cfg.hf is not None else None
     if model_dir is None or model_tokenizer(model_dir) is None:

@@ -78,7 +78,7 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def state_bytes(params: list[nn.Parameter], optimizers: Sequence[torch.optim.Optimizer]) -> int:
+def measured_state_bytes(params: list[nn.Parameter], optimizers: Sequence[torch.optim.Optimizer]) -> int:
     """Bytes this rank holds of parameters, their gradients and optimizer state (local shards)."""
     total = 0
     for param in params:

@@ -31,12 +31,18 @@ V_SCHEDULES = ("zbv",)  # exactly two stages per rank, placed in a V: rank r hol
 class ParallelSection(Protocol):
     """What the layout reads of the config's `parallel` section (meshrun.config.topology.ParallelConfig)."""
 
-    dp: int
-    pp: int
-    dp_mode: str
-    dp_shard: int | None
-    schedule: str
-    virtual_stages: int | None
+    @property
+    def dp(self) -> int: ...
+    @property
+    def pp(self) -> int: ...
+    @property
+    def dp_mode(self) -> str: ...
+    @property
+    def dp_shard(self) -> int | None: ...
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def virtual_stages(self) -> int | None: ...
 
 
 def stages_per_rank(schedule: str, requested: int | None) -> int:

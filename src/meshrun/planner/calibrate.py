@@ -186,7 +186,7 @@ def calibrate(
     return fit_constants(layouts, seconds, hw, precision=precision, shared_machine=shared_machine), rows
 
 
-def save(path: Path, device: str, precision: str, eff: Efficiency, rows: list[dict]) -> None:
+def save_calibration(path: Path, device: str, precision: str, eff: Efficiency, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "device": device,
@@ -202,7 +202,7 @@ def save(path: Path, device: str, precision: str, eff: Efficiency, rows: list[di
     write_atomic(path, json.dumps(record, indent=1))
 
 
-def load(path: Path) -> tuple[str, Efficiency]:
+def load_calibration(path: Path) -> tuple[str, Efficiency]:
     """(device, constants) saved by `save`; one line naming the file when it is not such a record."""
     try:
         record = json.loads(path.read_text())

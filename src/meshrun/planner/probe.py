@@ -98,7 +98,7 @@ def _torchrun(layouts: list[Config], *, steps: int, timeout: float) -> list[list
         return json.loads(out.read_text())
 
 
-def main(argv: list[str]) -> None:
+def probe_worker(argv: list[str]) -> None:
     """torchrun worker: time every layout in CONFIGS on one process group; rank 0 writes the times to OUT."""
     configs, out, steps = argv
     layouts = [Config.model_validate(data) for data in json.loads(Path(configs).read_text())]
@@ -116,4 +116,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    probe_worker(sys.argv[1:])

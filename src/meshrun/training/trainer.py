@@ -31,7 +31,7 @@ from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.trackers import Tracker, open_trackers
 from meshrun.models.encdec import source_len
 from meshrun.models.families import build_model, flops_at
-from meshrun.parallel.fsdp import full_norm, state_bytes
+from meshrun.parallel.fsdp import full_norm, measured_state_bytes
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.parallelize import parallelize
 from meshrun.parallel.timeline import on_one_clock
@@ -332,7 +332,7 @@ class Trainer:
         else:
             self.optimizers.step_unless(self.nonfinite.skip(self.grad_norm, step))
         if step == self.start_step:
-            self.state_bytes = state_bytes(self.params, self.optimizers.optimizers)
+            self.state_bytes = measured_state_bytes(self.params, self.optimizers.optimizers)
         self.optimizers.zero_grad()  # now, not at the next step: evaluation and checkpoints hold no gradients
         return loss
 
