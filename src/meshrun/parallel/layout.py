@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 AXES = ("pp", "dp_replicate", "dp_shard")  # outermost first
 DATA_AXES = ("dp_replicate", "dp_shard")  # flattened, they are the data-parallel axis `dp`
+KEYS = {"dp": "parallel.dp", "pp": "parallel.pp"}  # the config keys whose product is the world size
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: one stage per rank
 V_SCHEDULES = ("zbv",)  # exactly two stages per rank, placed in a V: rank r holds r and 2 pp - 1 - r
 
@@ -88,14 +89,20 @@ class Layout:
     def world_size(self) -> int:
         return math.prod(self.degrees.values())
 
+    @property
+    def mesh_degrees(self) -> dict[str, int]:
+        """Degrees of the mesh every rank builds: pp, the data axes flattened into `dp`, then any later axis."""
+        later = {axis: getattr(self, axis) for axis in AXES if axis not in ("pp", *DATA_AXES)}
+        return {"pp": self.pp, "dp": self.dp, **later}
+
     @staticmethod
     def axes_text() -> str:
         """The keys whose product is the world size, for messages."""
-        return "parallel.dp x parallel.pp"
+        return " x ".join(KEYS.values())
 
     def degrees_text(self) -> str:
         """`2 x 4`: the degrees in the order of `axes_text`."""
-        return f"{self.dp} x {self.pp}"
+        return " x ".join(str(self.mesh_degrees[name]) for name in KEYS)
 
     def world_text(self) -> str:
         """The world size as the config spells it, for messages: `parallel.dp x parallel.pp (2 x 4 = 8)`."""
@@ -103,7 +110,7 @@ class Layout:
 
     def short_text(self) -> str:
         """`dp 2 x pp 4`, for headers and summaries."""
-        return f"dp {self.dp} x pp {self.pp}"
+        return " x ".join(f"{name} {self.mesh_degrees[name]}" for name in KEYS)
 
     def grid(self) -> str:
         """The rank order, for --dry-run."""
@@ -119,18 +126,26 @@ class Layout:
         coords["dp"] = coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
         return coords
 
-    def rank_at(self, *, pp: int = 0, dp: int = 0) -> int:
-        """The rank at pipeline rank `pp` and data-parallel index `dp` (other axes at 0)."""
-        return pp * self.dp + dp
+    def rank_at(self, **coords: int) -> int:
+        """The rank at these coordinates (axes, or `dp` for both data axes; those not given at 0)."""
+        if "dp" in coords:
+            coords["dp_replicate"], coords["dp_shard"] = divmod(coords.pop("dp"), self.dp_shard)
+        rank = 0
+        for axis in AXES:  # mixed radix, outermost first
+            rank = rank * getattr(self, axis) + coords.get(axis, 0)
+        return rank
 
     def ranks_of_pp_rank(self, pp_rank: int) -> list[int]:
-        """Every rank that runs pipeline rank `pp_rank`'s stages (its data-parallel copies)."""
-        return [self.rank_at(pp=pp_rank, dp=d) for d in range(self.dp)]
+        """Every rank that runs pipeline rank `pp_rank`'s stages (its copies and shards on the other axes)."""
+        return [rank for rank in range(self.world_size) if self.coordinates(rank)["pp"] == pp_rank]
 
     def across_pp(self, pp_ranks: list[int]) -> list[list[int]]:
-        """For each data-parallel index, the ranks at `pp_ranks`: the groups in which copies of one
-        parameter held by several pipeline ranks (a tied embedding) are kept equal."""
-        return [[self.rank_at(pp=p, dp=d) for p in pp_ranks] for d in range(self.dp)]
+        """For each place on the other axes, the ranks there at `pp_ranks`: the groups in which copies
+        of one parameter held by several pipeline ranks (a tied embedding) are kept equal."""
+        others = [
+            {a: c for a, c in self.coordinates(r).items() if a in AXES and a != "pp"} for r in self.ranks_of_pp_rank(0)
+        ]
+        return [[self.rank_at(pp=p, **place) for p in pp_ranks] for place in others]
 
     # pipeline stages
 
@@ -154,12 +169,13 @@ class Layout:
     # the device mesh
 
     def build_device_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None]:
-        """The named meshes of this layout (the process group must exist): (pp, dp) for the pipeline
-        and dp groups, and the mesh FSDP shards over (None for ddp): `dp_shard`, or
-        (`dp_replicate`, `dp_shard`) for hsdp."""
+        """The named meshes of this layout (the process group must exist): `mesh_degrees` (pp, dp and
+        any later axis) for the groups of each axis, and the mesh FSDP shards over (None for ddp):
+        `dp_shard`, or (`dp_replicate`, `dp_shard`) for hsdp."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
+        degrees = self.mesh_degrees
+        mesh = init_device_mesh(device_type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
         if self.dp_shard == 1:
             return mesh, None
         if self.dp_replicate == 1:
