@@ -9,33 +9,37 @@ import pytest
 import torch.distributed as dist
 
 from meshrun.config.schema import Config
-from meshrun.parallel.layout import AXES, Layout
+from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
 
 
-def enumerated(pp: int, replicate: int, shard: int) -> dict[int, dict[str, int]]:
+def enumerated(layout: Layout) -> dict[int, dict[str, int]]:
     """rank -> coordinates, by counting through the axes outermost first (the documented order)."""
     ranks = itertools.count()
-    return {
-        next(ranks): {"pp": p, "dp_replicate": r, "dp_shard": s, "dp": r * shard + s}
-        for p, r, s in itertools.product(range(pp), range(replicate), range(shard))
-    }
+    found = {}
+    for coords in itertools.product(*(range(d) for d in layout.degrees.values())):
+        place = dict(zip(layout.degrees, coords))
+        found[next(ranks)] = {**place, "dp": place["dp_replicate"] * layout.dp_shard + place["dp_shard"]}
+    return found
 
 
 @pytest.mark.parametrize(("pp", "replicate", "shard"), [(1, 1, 1), (2, 3, 1), (3, 1, 2), (2, 2, 2), (4, 1, 1)])
 def test_ranks_and_coordinates_are_the_documented_order(pp: int, replicate: int, shard: int) -> None:
     layout = Layout(pp=pp, dp_replicate=replicate, dp_shard=shard)
-    expected = enumerated(pp, replicate, shard)
+    expected = enumerated(layout)
     assert layout.world_size == len(expected) == pp * replicate * shard
     assert layout.dp == replicate * shard
     for rank, coords in expected.items():
         assert layout.coordinates(rank) == coords
-        assert layout.rank_at(pp=coords["pp"], dp=coords["dp"]) == rank
+        assert layout.rank_at(**{axis: c for axis, c in coords.items() if axis != "dp"}) == rank
+        later = {axis: c for axis, c in coords.items() if axis not in ("pp", "dp", "dp_replicate", "dp_shard")}
+        assert layout.rank_at(pp=coords["pp"], dp=coords["dp"], **later) == rank
     for p in range(pp):
         assert layout.ranks_of_pp_rank(p) == [r for r, c in expected.items() if c["pp"] == p]
     groups = layout.across_pp(sorted({0, pp - 1}))
     assert sorted(r for g in groups for r in g) == sorted(r for r, c in expected.items() if c["pp"] in (0, pp - 1))
-    assert all(len({expected[r]["dp"] for r in group}) == 1 for group in groups)  # one dp index per group
+    for group in groups:  # one place on every other axis per group
+        assert len({tuple(v for a, v in expected[r].items() if a != "pp") for r in group}) == 1
 
 
 @pytest.mark.parametrize(
@@ -44,7 +48,8 @@ def test_ranks_and_coordinates_are_the_documented_order(pp: int, replicate: int,
 )
 def test_a_parallel_section_names_its_axes(mode: str, dp: int, shard: int | None, degrees: tuple[int, ...]) -> None:
     cfg = Config.model_validate({"parallel": {"dp": dp, "dp_mode": mode, "dp_shard": shard}})
-    assert tuple(cfg.layout.degrees[axis] for axis in AXES) == degrees
+    assert tuple(cfg.layout.degrees[axis] for axis in ("pp", "dp_replicate", "dp_shard")) == degrees
+    assert all(d == 1 for axis, d in cfg.layout.degrees.items() if axis not in ("pp", "dp_replicate", "dp_shard"))
     assert cfg.world_size == dp
     assert cfg.layout.world_text() == f"parallel.dp x parallel.pp ({dp} x 1 = {dp})"
 
