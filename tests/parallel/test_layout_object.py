@@ -69,7 +69,8 @@ def test_every_stage_is_held_by_one_pipeline_rank(schedule: str, per_rank: int) 
 def test_the_mesh_of_a_lone_process_has_every_named_axis() -> None:
     mesh = init_mesh(Layout())
     try:
-        assert mesh.device_mesh.mesh_dim_names == ("pp", "dp")
+        assert mesh.device_mesh.mesh_dim_names == tuple(mesh.layout.mesh_degrees)
+        assert mesh.device_mesh.mesh_dim_names[:2] == ("pp", "dp")
         assert (mesh.rank, mesh.pp_rank, mesh.dp_rank, mesh.local_stages) == (0, 0, 0, [0])
         assert dist.get_world_size(mesh.dp_group) == dist.get_world_size(mesh.pp_group) == 1
         assert mesh.data_mesh is None
