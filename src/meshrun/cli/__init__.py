@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from meshrun.cli.arguments import check_plan_args
+from meshrun.cli.arguments import check_checkpoint_args, check_plan_args
 from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError, RunError
 from meshrun.launcher.outcome import StoppedBeforeTraining, stops_end_the_launcher
@@ -429,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             print(report(args.runs, out=args.out, force=args.force))
             return 0
         if args.command in ("export", "sample"):
+            check_checkpoint_args(args)  # before torch is imported
             from meshrun.cli.use_checkpoint import use_checkpoint  # imports torch
 
             return use_checkpoint(args)

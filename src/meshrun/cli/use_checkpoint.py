@@ -10,7 +10,7 @@ from torch import nn
 from meshrun.checkpoint.dcp import CONFIG, CheckpointError, checkpoint_dir, full_model_state, verify
 from meshrun.checkpoint.export import export
 from meshrun.checkpoint.paths import step_of
-from meshrun.cli.arguments import check_checkpoint_args, check_export_target
+from meshrun.cli.arguments import check_export_target
 from meshrun.config.schema import Config, check_code_trusted
 from meshrun.errors import ConfigError
 from meshrun.files.json_reader import read_json
@@ -55,8 +55,7 @@ def factory_override(overrides: list[str]) -> str | None:
 
 
 def use_checkpoint(args: argparse.Namespace) -> int:
-    """`export` and `sample`: one process, any layout's checkpoint."""
-    check_checkpoint_args(args)
+    """`export` and `sample`: one process, any layout's checkpoint (arguments checked by the caller, before torch)."""
     from meshrun.generation.sample import data_card, sample
 
     trust = {"factory": factory_override(args.overrides), "trust_code": args.trust_code}
