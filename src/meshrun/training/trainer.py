@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,14 +19,13 @@ from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.data.locations import training_data_dir
 from meshrun.data.pairs import PairsDataset
 from meshrun.errors import RunError
-from meshrun.files.atomic import write_atomic
 from meshrun.files.console import say
 from meshrun.hardware.precision import autocast, make_scaler
 from meshrun.launcher.outcome import Outcome
 from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throughput
 from meshrun.metrics.profiler import StepProfiler
 from meshrun.metrics.report import RunReport, run_facts
-from meshrun.metrics.trackers import Tracker, open_trackers
+from meshrun.metrics.run_dir import start_run_record
 from meshrun.models.encdec import source_len
 from meshrun.models.families import build_model, flops_at
 from meshrun.parallel.fsdp import full_norm, measured_state_bytes
@@ -70,6 +67,19 @@ class NonFiniteSteps:
             )
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step produced. Its tensors stay on the device: the step never waits for
+    the host; a log line reads them."""
+
+    loss: torch.Tensor  # this rank's loss (0 off the last stage)
+    grad_norm: torch.Tensor  # the global norm over every stage, before clipping
+    lr: float
+    tokens: int  # positions trained on: global batch x this batch's length (a length bucket is shorter)
+    skipped: bool  # fp16: the scaler found inf/NaN and backed off (fp32/bf16: see NonFiniteSteps)
+    state_bytes: int | None = None  # a segment's first step: params + grads + optimizer state on this rank
+
+
 @dataclass
 class Window:
     """Sums over the steps since the last log line (kept on device: no per-step sync)."""
@@ -80,6 +90,21 @@ class Window:
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     start: float = field(default_factory=time.perf_counter)
     paused: float = 0.0  # seconds of validation and checkpoints inside the window: not training time
+
+    def add(self, step: StepResult, *, flops_per_token: float) -> None:
+        self.steps += 1
+        self.tokens += step.tokens
+        self.flops += step.tokens * flops_per_token
+        self.loss = self.loss + step.loss
+
+
+@dataclass(frozen=True)
+class AcrossRanks:
+    """A window's figures from every rank, in one all_gather."""
+
+    loss: float  # averaged over dp (it lives on the last stage)
+    memory_gb: list[float]  # each rank's peak, by rank
+    state_bytes: int  # the largest rank's params + grads + optimizer state
 
 
 class Trainer:
@@ -106,36 +131,25 @@ class Trainer:
         self.flops_by_length: dict[int, float] = {}
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
         self.run_dir = Path(cfg.run_dir)
-        self.skipped_steps = 0
-        self.step_tokens = cfg.tokens_per_step  # the last step's; shorter on a length bucket
-        self.state_bytes = 0  # params + grads + optimizer state on this rank, measured after the first step
+        self.skipped_steps = 0  # fp16 steps the scaler skipped, over the whole run (checkpointed)
+        self.state_bytes = 0  # params + grads + optimizer state on this rank, measured at the first step
         self.nonfinite = NonFiniteSteps(self.device)
         self.samples_seen = 0  # data position in global samples: survives a change of dp
         self.newer_checkpoints: tuple[Path, ...] = ()  # than the one resumed from: never deleted
         self.start_step = self.resume()
+        # Rank 0 records the run; a complete one's record stays as it is (no tracker: nothing written).
+        records = mesh.rank == 0 and self.start_step < cfg.train.steps
         par = cfg.parallel
         self.report = RunReport(
             self.run_dir,
             steps=cfg.train.steps,
-            tracker=self._open_tracker(),
+            tracker=start_run_record(cfg, start_step=self.start_step) if records else None,
             timeline_title=f"{par.schedule}, dp={par.dp} pp={par.pp}, {cfg.accumulation_steps} microbatches:",
             start_step=self.start_step,
             plots=cfg.metrics.plots,
         )
         self.requests = Requests(self.run_dir, is_rank0=mesh.rank == 0)
         self.profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=mesh.rank, device=self.device)
-
-    def _open_tracker(self) -> Tracker | None:
-        """Rank 0 only: the run directory, its resolved config, and trackers continuing the run.
-        None, and nothing written, when the run is already complete: its record stays as it is."""
-        if self.mesh.rank != 0 or self.start_step >= self.cfg.train.steps:
-            return None
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        resolved = self.cfg.model_dump(mode="json")
-        write_atomic(self.run_dir / "config.json", json.dumps(resolved, indent=2))
-        (self.run_dir / "summary.json").unlink(missing_ok=True)  # written again when this run completes
-        truncate_metrics(self.run_dir / "metrics.jsonl", after_step=self.start_step)
-        return open_trackers(self.cfg.tracker, run_dir=self.run_dir, config=resolved, start_step=self.start_step)
 
     def resume(self) -> int:
         """Load the newest loadable checkpoint (falling back past ones that fail); returns its step.
@@ -203,10 +217,11 @@ class Trainer:
             done = step + 1
             log_due = done % cfg.log_interval == 0 or done == cfg.steps
             with self.profiler.step(done, measure=self.mesh.pp > 1 and log_due):  # the timeline of a logged step
-                window.loss = window.loss + self.train_step(step)
-            window.steps += 1
-            window.tokens += self.step_tokens
-            window.flops += self.step_tokens * self.flops_per_token(self.step_tokens // cfg.global_batch)
+                result = self.train_step(step)
+            window.add(result, flops_per_token=self.flops_per_token(result.tokens // cfg.global_batch))
+            self.skipped_steps += result.skipped
+            if result.state_bytes is not None:
+                self.state_bytes = result.state_bytes
             self.report.tick(done)
             requested, stop = self.requests.poll()  # asked for before this step: every rank acts now
             eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
@@ -215,7 +230,7 @@ class Trainer:
                 self.nonfinite.raise_if_any()  # before anything reads or saves these weights
             if log_due:
                 end = self.clock()  # the next window starts where this one ends: no time is lost
-                row = self._log_window(window, done, train_s=end - window.start - window.paused)
+                row = self._log_window(window, result, done, train_s=end - window.start - window.paused)
                 window = Window(start=end)
             pauses: dict[str, float] = {}  # validation and checkpoint: timed apart, their own row at this step
             if eval_due:
@@ -301,8 +316,8 @@ class Trainer:
             data_card=self.data_card,
         )
 
-    def train_step(self, step: int) -> torch.Tensor:
-        """One optimizer step, in order; returns this rank's loss (0 off the last stage), unsynchronised.
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step, in order, and what it produced; it moves the data position on.
 
         Nothing here reads a tensor on the host (tests/training/test_host_sync.py), fp16's scaler aside.
         """
@@ -310,9 +325,9 @@ class Trainer:
         # (this global batch's token count; fp16: the scale every stage multiplies by).
         x, y = self.local_batch(self.train_data, self.samples_seen)
         loss_fn = self.batch_loss(self.train_data, self.samples_seen, scaler=self.scaler)
-        self.step_tokens = self.cfg.train.global_batch * x.shape[-1]  # a length bucket may be shorter
+        tokens = self.cfg.train.global_batch * x.shape[-1]  # a length bucket may be shorter
         self.samples_seen += self.cfg.train.global_batch
-        self.lr = self.optimizers.set_lr(step)
+        lr = self.optimizers.set_lr(step)
         # Forward and backward over every microbatch; DDP all-reduces only on the last one.
         self.model.train()
         loss = self.model.forward_backward(x, y, loss=loss_fn)
@@ -320,21 +335,22 @@ class Trainer:
         # fp16: back to real units; found_inf is all-reduced over the pipeline stages.
         if self.scaler is not None:
             self.optimizers.unscale_(self.scaler)
-        self.grad_norm = self.clip_gradients()  # the global norm, over every stage
+        grad_norm = self.clip_gradients()  # the global norm, over every stage
         # Apply the step unless it is non-finite, decided on the device.
+        skipped = False
         if self.scaler is not None:
             # The norm spans every stage's unscaled gradients: non-finite exactly when the scaler's
             # found_inf (all-reduced over the stages by unscale_) is set; update() then backs off.
             scale = self.scaler.get_scale()
-            self.optimizers.step_unless(torch.isfinite(self.grad_norm).logical_not().float())
+            self.optimizers.step_unless(torch.isfinite(grad_norm).logical_not().float())
             self.scaler.update()
-            self.skipped_steps += self.scaler.get_scale() < scale
+            skipped = self.scaler.get_scale() < scale
         else:
-            self.optimizers.step_unless(self.nonfinite.skip(self.grad_norm, step))
-        if step == self.start_step:
-            self.state_bytes = measured_state_bytes(self.params, self.optimizers.optimizers)
+            self.optimizers.step_unless(self.nonfinite.skip(grad_norm, step))
+        # Measured once, while the gradients are still held.
+        held = measured_state_bytes(self.params, self.optimizers.optimizers) if step == self.start_step else None
         self.optimizers.zero_grad()  # now, not at the next step: evaluation and checkpoints hold no gradients
-        return loss
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens, skipped=skipped, state_bytes=held)
 
     def clip_gradients(self) -> torch.Tensor:
         """Global norm over all stages (dp replicas already agree after DDP's all-reduce; fsdp
@@ -362,17 +378,19 @@ class Trainer:
             weight = self.val_data.target_tokens(position, self.cfg.train.global_batch)
             total += weight * self.model.evaluate(*self.local_batch(self.val_data, position), loss=loss_fn)
             tokens += weight
-        return self._mean_over_replicas(total / tokens)[0]
+        return self._across_ranks(total / tokens).loss
 
-    def _mean_over_replicas(self, loss: torch.Tensor) -> tuple[float, list[float]]:
-        """Loss averaged over dp (it lives on the last stage) and every rank's peak memory
-        (also keeps the largest rank's training-state bytes in `self.max_state_bytes`)."""
+    def _across_ranks(self, loss: torch.Tensor) -> AcrossRanks:
+        """`loss` averaged over dp, with every rank's peak memory and training-state bytes."""
         extra = torch.tensor([peak_memory_gb(self.device), self.state_bytes], dtype=torch.float64, device=self.device)
         mine = torch.cat([loss.double().reshape(1), extra])
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
-        self.max_state_bytes = int(max(g[2].item() for g in gathered))
-        return sum(g[0].item() for g in gathered) / self.mesh.dp, [g[1].item() for g in gathered]
+        return AcrossRanks(
+            loss=sum(g[0].item() for g in gathered) / self.mesh.dp,
+            memory_gb=[g[1].item() for g in gathered],
+            state_bytes=int(max(g[2].item() for g in gathered)),
+        )
 
     def flops_per_token(self, length: int) -> float:
         """Training FLOPs per token of `length`-token samples (a length bucket is shorter), per length."""
@@ -380,13 +398,15 @@ class Trainer:
             self.flops_by_length[length] = flops_at(self.flops_model, length)
         return self.flops_by_length[length]
 
-    def _log_window(self, window: Window, done: int, *, train_s: float) -> dict:
-        """The row of a window: `train_s` are its steps' seconds, validation and checkpoints left out."""
-        loss, memory = self._mean_over_replicas(window.loss / window.steps)
+    def _log_window(self, window: Window, last: StepResult, done: int, *, train_s: float) -> dict:
+        """The row of a window ending with step `last`: `train_s` are its steps' seconds, validation
+        and checkpoints left out."""
+        ranks = self._across_ranks(window.loss / window.steps)
+        memory = ranks.memory_gb
         row = {
-            "loss": loss,
-            "lr": self.lr,
-            "grad_norm": self.grad_norm.item(),
+            "loss": ranks.loss,
+            "lr": last.lr,
+            "grad_norm": last.grad_norm.item(),
             **throughput(
                 tokens=window.tokens,
                 seconds=train_s,
@@ -398,7 +418,7 @@ class Trainer:
             "train_s": train_s,
             **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.samples_seen).items()},
             "memory_gb": max(memory),
-            "state_bytes": self.max_state_bytes,
+            "state_bytes": ranks.state_bytes,
             **{
                 f"memory_gb/stage{s}": max(memory[r] for r in self.mesh.layout.ranks_of_pp_rank(s))
                 for s in range(self.mesh.pp)
@@ -440,20 +460,3 @@ class Trainer:
     def close(self) -> None:
         self.requests.close()
         self.report.close()
-
-
-def truncate_metrics(path: Path, *, after_step: int) -> None:
-    """Drop rows past the resumed step: that stretch is trained again, and logged again. A row cut
-    short by a crash mid-write (its run was killed there) is dropped too, not a reason to fail."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if _metrics_step(line) <= after_step]
-    write_atomic(path, "".join(f"{line}\n" for line in rows))
-
-
-def _metrics_step(line: str) -> float:
-    """A metrics.jsonl row's step; a partial or foreign row counts as past every step."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
