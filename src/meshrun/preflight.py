@@ -24,7 +24,7 @@ from meshrun.files.json_reader import read_json
 from meshrun.files.writable import check_writable
 from meshrun.launcher.rerun import check_rerun
 from meshrun.launcher.torchrun import in_launched_worker
-from meshrun.models.hf_config import hf_dir, model_tokenizer, vocab_key, vocab_size
+from meshrun.models.hf_config import hf_dir, is_hf, model_tokenizer, vocab_key, vocab_size
 from meshrun.parallel.stages import validate_layout
 from meshrun.planner.model_size import check_model_size
 from meshrun.versions import check_extras
@@ -44,11 +44,11 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
         check_extras(cfg, trains=False)  # transformers for a Hugging Face model, before torch is imported
         check_model_size(cfg)  # sizes bounded before anything is built (check_job does it too)
     from meshrun.models.families import build_model  # imports torch: after every torch-free check, so those fail fast
+    from meshrun.models.protocol import check_weights
 
     model = build_model(cfg.model)
     if scope == "job":
-        if (check_weights := getattr(model, "check_weights", None)) is not None:
-            check_weights()  # pretrained weights: present, shaped as the config says
+        check_weights(model)  # pretrained weights: present, shaped as the config says
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))
     return model
@@ -275,6 +275,6 @@ def check_data_fits(cfg: Config, path: Path) -> None:
         model_vocab_size=vocab_size(cfg.model),
         vocab_key=vocab_key(cfg.model),
         model_tokenizer=model_tokenizer(model_dir),
-        pretrained=model_dir is not None and cfg.model.init != "random" and has_weights(model_dir),
+        pretrained=is_hf(cfg.model) and model_dir is not None and cfg.model.init != "random" and has_weights(model_dir),
         source_len=source_len(cfg.model),
     )

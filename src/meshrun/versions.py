@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshrun.config.model import HFSection
 from meshrun.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -86,9 +87,8 @@ def check_extras(cfg: Config, *, trains: bool = True, prepares_data: bool = Fals
     """Every optional package the config's keys need here: the model's, the tracker backends' when
     this command trains (`trains`: export, sample, plan and k8s log nothing), and, when the job
     prepares its data (`prepares_data`), the data tokenizer's."""
-    for key in ("hf", "hf_config"):
-        if getattr(cfg.model, key) is not None:
-            require("transformers", f"model.{key}")
+    if isinstance(cfg.model, HFSection):
+        require("transformers", "model.hf" if cfg.model.hf is not None else "model.hf_config")
     tokenizer = cfg.data.tokenizer
     if prepares_data and tokenizer and tokenizer != "byte" and not tokenizer.startswith("bpe:"):
         _tokenizer_folder_needs(Path(tokenizer), "data.tokenizer")

@@ -148,7 +148,7 @@ def test_a_model_tokenizer_mapped_to_the_folders_code_is_refused(tmp_path: Path)
     """sample decodes with model.hf's tokenizer: a tokenizer_config.json auto_map never imports the folder's code."""
     from transformers import AutoConfig
 
-    from meshrun.config.schema import ModelConfig
+    from meshrun.config.model import HFSection
     from meshrun.errors import ConfigError
     from meshrun.models.hf_export import load_hf_tokenizer
 
@@ -159,7 +159,7 @@ def test_a_model_tokenizer_mapped_to_the_folders_code_is_refused(tmp_path: Path)
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     (model_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     with pytest.raises(ConfigError, match=r"model\.hf .*tokenizer_config\.json .*auto_map"):
-        load_hf_tokenizer(ModelConfig(hf=str(model_dir)))
+        load_hf_tokenizer(HFSection(hf=str(model_dir)))
     assert not marker.exists()
 
 

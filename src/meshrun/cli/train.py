@@ -42,6 +42,8 @@ from meshrun.launcher.torchrun import (
     waiting_line,
     worker_env,
 )
+from meshrun.models.hf_config import is_hf, load_hf_config
+from meshrun.models.protocol import pretrained_dir
 from meshrun.parallel.mesh import Mesh, init_mesh, shutdown
 from meshrun.parallel.stages import static_split
 from meshrun.preflight import check_data_fits
@@ -95,8 +97,8 @@ _HF_IGNORES = ("name", "num_layers", "dim", "num_heads", "vocab_size")
 def describe_model(cfg: Config, model: nn.Module) -> list[str]:
     """The shape of the model that will train (a Hugging Face one's own, not the built-in
     defaults), its parameter count and where its weights come from."""
-    hf = getattr(model, "hf_config", None)
-    if hf is not None:
+    if is_hf(cfg.model):
+        hf = load_hf_config(cfg.model)
         source = f"{hf.model_type} from {cfg.model.hf or 'model.hf_config'}"
         shape = (hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.vocab_size)
     else:
@@ -118,7 +120,7 @@ def describe_job(cfg: Config, model: nn.Module) -> str:
 
     par, train = cfg.parallel, cfg.train
     resolved = cfg.model_dump(mode="json")
-    if getattr(model, "hf_config", None) is not None:
+    if is_hf(cfg.model):
         resolved["model"] = {k: v for k, v in resolved["model"].items() if k not in _HF_IGNORES}
     lines = [yaml.safe_dump(resolved, sort_keys=False).rstrip(), "", "layout:"]
     lines.append(f"  {cfg.layout.grid()}")
@@ -293,7 +295,7 @@ def run_worker(cfg: Config) -> Outcome:
 
 def init_line(cfg: Config, model: nn.Module) -> str:
     """Where a new run's weights come from, in one line (`model`: the whole model, any device)."""
-    source = getattr(model, "pretrained_dir", lambda: None)()
+    source = pretrained_dir(model)
     if source is not None:
         return f"weights loaded from {source} ({len(model.state_dict())} tensors)"
     if cfg.model.factory is not None:  # its init_weights may load weights of its own

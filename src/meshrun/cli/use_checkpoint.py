@@ -64,7 +64,7 @@ def use_checkpoint(args: argparse.Namespace) -> int:
             from meshrun.models.hf_export import export_hf
 
             model, cfg, folder = load_full_model(args.checkpoint, **trust)
-            out = export_hf(model, Path(args.hf), data=data_card(cfg, folder))
+            out = export_hf(model, cfg.model, Path(args.hf), data=data_card(cfg, folder))
             print(f"exported step {step_of(folder)} ({folder}) as a Hugging Face model to {Path(out).absolute()}")
             return 0
         if args.command == "export":

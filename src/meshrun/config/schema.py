@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from meshrun.config.fields import Float, Int, PathText, Section, is_text, lowercase
+from meshrun.config.model import SECTIONS, GPTSection, ModelConfig, route_model
 from meshrun.config.safe_yaml import parse_document, read_config_file
 from meshrun.config.topology import LaunchConfig, ParallelConfig, check_layout
 from meshrun.errors import ConfigError
@@ -37,55 +38,6 @@ Backend = Annotated[Literal["wandb", "tensorboard", "jsonl"], BeforeValidator(lo
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:[1-9][0-9]*)$")
 # words meaning "off" that users write for a mode, mapped to the choice that means it
 _OFF_WORDS = {"off": "disabled", "no": "disabled", "false": "disabled", "none": "disabled"}
-
-
-class ModelConfig(Section):
-    name: str = "gpt"
-    """Built-in model to train (see `meshrun.models.BUILTIN`); ignored when `factory` is set."""
-    factory: str | None = None
-    """`package.module:function` that builds your own model from this section (see models/__init__.py)."""
-    num_layers: Int = Field(default=4, ge=1)
-    """Number of Transformer blocks."""
-    dim: Int = Field(default=128, ge=1)
-    """Hidden width."""
-    num_heads: Int = Field(default=4, ge=1)
-    """Attention heads; must divide `dim`."""
-    seq_len: Int = Field(default=128, ge=2)
-    """Tokens per sample (context length)."""
-    vocab_size: Int = Field(default=256, ge=2)
-    """Vocabulary size; 256 for the byte-level datasets made by `meshrun prepare-data`."""
-    dropout: Float = Field(default=0.0, ge=0.0, lt=1.0)
-    """Dropout probability (0 keeps runs deterministic across layouts)."""
-    options: dict[str, Any] = {}
-    """Free-form extra arguments for a custom `factory`."""
-    hf: str | None = None
-    """Local Hugging Face model directory (config.json; optional safetensors, tokenizer); nothing is downloaded."""
-    hf_config: dict[str, Any] | None = None
-    """Inline Hugging Face config ({model_type: llama, ...}) to build from instead of a directory."""
-    init: Literal["auto", "random", "pretrained"] = "auto"
-    """Hugging Face models: pretrained = the directory's safetensors, random = seeded per-name init, auto = weights if present."""
-    encoder_layers: Int | None = Field(default=None, ge=1)
-    """encdec: how many of the num_layers blocks are encoder blocks (the rest decode); None = half."""
-    source_len: Int | None = Field(default=None, ge=1)
-    """encdec: tokens of seq_len that hold the source (the rest hold the target); None = half."""
-    positions: Literal["learned", "sinusoidal"] = "learned"
-    """encdec: learned position embeddings or fixed sinusoids ("Attention is all you need")."""
-    tie_embeddings: bool = False
-    """encdec: one token embedding matrix for the encoder, the decoder and the output head."""
-
-    @model_validator(mode="after")
-    def _one_hf_source(self) -> ModelConfig:
-        if self.hf is not None and self.hf_config is not None:
-            raise ValueError("set model.hf (a directory) or model.hf_config (inline), not both")
-        return self
-
-    @model_validator(mode="after")
-    def _heads_divide_dim(self) -> ModelConfig:
-        if self.dim % self.num_heads:
-            raise ValueError(
-                f"model.num_heads ({self.num_heads}) must divide model.dim ({self.dim}); change one of these keys"
-            )
-        return self
 
 
 DataFormat = Literal["meshrun", "nanogpt", "nanogpt-uint32", "megatron"]
@@ -239,7 +191,7 @@ class ProfileConfig(Section):
 
 
 class Config(Section):
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig = GPTSection()
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
@@ -255,6 +207,14 @@ class Config(Section):
     launch: LaunchConfig = LaunchConfig()
     run_dir: PathText = "runs/default"
     """Where config.json, metrics.jsonl, plots (and later checkpoints) go."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_family(cls, data: Any) -> Any:
+        """The model keys routed to their family's section (see config/model.py)."""
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):
+            return {**data, "model": route_model(data["model"])}
+        return data
 
     @field_validator("recompute")
     @classmethod
@@ -367,7 +327,8 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
 
 
 def _is_text_key(dotted: list[str]) -> bool:
-    section = _section_at(dotted[:-1])
+    owners = [s.family for s in SECTIONS.values() if dotted[-1] in s.model_fields]  # a model key: its family's
+    section = _section_at(dotted[:-1], family=owners[0] if owners else None)
     field = section.model_fields.get(dotted[-1]) if section else None
     return field is not None and is_text(field.annotation)
 
@@ -382,12 +343,13 @@ def _merged(old: Any, new: Any) -> Any:
 
 def _explain(error: ErrorDetails) -> str:
     """One pydantic error -> one line in config words (dotted keys, no class names)."""
-    loc = error["loc"]
+    loc = list(error["loc"])
+    family = loc.pop(1) if loc[:1] == ["model"] and len(loc) > 1 and loc[1] in SECTIONS else None  # a tag, no key
     key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "config"
     got = json.dumps(error.get("input"), default=str)
     if error["type"] == "extra_forbidden":
         parent = [str(p) for p in loc[:-1]]
-        section = _section_at(parent)
+        section = _section_at(parent, family=family)
         known = list(section.model_fields) if section else []
         close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.5)
         hint = f"did you mean {'.'.join(parent + close)}?" if close else f"known keys: {', '.join(known)}"
@@ -412,7 +374,10 @@ def _suggest(error: ErrorDetails) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def _section_at(loc: list[str]) -> type[BaseModel] | None:
+def _section_at(loc: list[str], *, family: Any = None) -> type[BaseModel] | None:
+    """The section class at dotted `loc`; `model` is the section of `family` (default: gpt)."""
+    if loc == ["model"]:
+        return SECTIONS.get(family, GPTSection) if isinstance(family, str) else GPTSection
     model: type[BaseModel] = Config
     for part in loc:
         field = model.model_fields.get(part)

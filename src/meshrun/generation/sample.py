@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from meshrun.data.tokenize import id_count, read_tokenizer, text_codec
 from meshrun.errors import ConfigError
 from meshrun.files.console import say
 from meshrun.generation.seq2seq import decode as seq2seq_decode
-from meshrun.models.encdec import EncDec
+from meshrun.models.encdec import EncDec, source_len
 from meshrun.models.hf_config import vocab_size
 from meshrun.models.hf_export import load_hf_tokenizer
 
@@ -44,8 +45,10 @@ def sample(
     `tokenizer`: a tokenizer.json or model folder that overrides them."""
     data = training_data_dir(cfg) if data is None else data
     encode, decode, num_ids = codec(cfg, data, tokenizer)
-    if isinstance(model, EncDec):
-        target = seq2seq_decode(model, [i + NUM_SPECIAL for i in encode(prompt)], beam=beam, max_tokens=num_tokens)
+    if source_len(cfg.model) is not None:  # the encdec family translates (the model it builds: EncDec)
+        target = seq2seq_decode(
+            cast(EncDec, model), [i + NUM_SPECIAL for i in encode(prompt)], beam=beam, max_tokens=num_tokens
+        )
         return decode([i - NUM_SPECIAL for i in target if i >= NUM_SPECIAL])
     if beam > 1:
         raise ConfigError(

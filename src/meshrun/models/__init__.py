@@ -14,12 +14,23 @@ A model is an `nn.Module` with:
   `length` tokens (None: model.seq_len), for TFLOP/s and MFU. A model that takes no `length`
   is priced at model.seq_len on every batch (see `flops_at`).
 
-Optionally `keep_stage(first=, last=)` drops the parts another pipeline stage owns (default:
-embed unless first, norm and head unless last).
+Optional hooks, declared in `meshrun.models.protocol.OptionalHooks` and reached only through the
+functions of the same name there, which fall back to the default when a model lacks one:
+
+- `keep_stage(first=, last=)`: drop the parts another pipeline stage owns (default: embed unless
+  first, norm and head unless last).
+- `tied_weight`: name of the embedding matrix the head shares, kept on the first and last stage
+  (default: None, nothing tied).
+- `standalone_blocks()`: the blocks as modules that take hidden states alone, for profiling
+  (default: the blocks).
+- `check_weights()`: before any worker exists, the weights it would load exist and fit (default: nothing).
+- `pretrained_dir()`: the folder its weights load from, for the run's description (default: None).
 
 Subclassing `meshrun.models.protocol.StagedModel` provides that forward; `ModelProtocol` there
 is the protocol as a type, and `meshrun.models.families.build_model` returns a `ProtocolModule` (nn.Module + protocol).
-Built-in models are listed in `BUILTIN`; `model.hf` / `model.hf_config` build a Hugging Face model (models/hf.py);
-`model.factory: "pkg.module:function"` builds your own: the function receives the `ModelConfig` and returns such a module. Build happens on the
+Each family is declared once in `meshrun.models.families.FAMILIES`: its config section (`model.name`
+picks it: gpt, encdec, or hf, which `model.hf` / `model.hf_config` imply; see `meshrun.config.model`)
+and its builder. `model.factory: "pkg.module:function"` builds your own: the function receives the
+model section (the shared keys and `model.options`) and returns such a module. Build happens on the
 meta device, so constructors must not initialise values themselves.
 """

@@ -20,18 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.config.schema import ModelConfig
+from meshrun.config.model import EncDecSection, ModelConfig, ModelSection
 from meshrun.data.pairs import PAD
 from meshrun.errors import ConfigError
 from meshrun.models.gpt import MLP
-from meshrun.models.hf_config import is_hf
 from meshrun.models.init import init_transformer_
 from meshrun.models.protocol import StagedModel
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def split_lengths(cfg: ModelConfig) -> tuple[int, int]:
+def split_lengths(cfg: EncDecSection) -> tuple[int, int]:
     """(source tokens S, target tokens T) of model.seq_len."""
     source = cfg.source_len or cfg.seq_len // 2
     if not 1 <= source < cfg.seq_len:
@@ -43,7 +42,7 @@ def split_lengths(cfg: ModelConfig) -> tuple[int, int]:
 
 def source_len(cfg: ModelConfig) -> int | None:
     """The encoder's share of seq_len when the config builds this model, else None (decoder-only data)."""
-    return split_lengths(cfg)[0] if cfg.name == "encdec" and cfg.factory is None and not is_hf(cfg) else None
+    return split_lengths(cfg)[0] if isinstance(cfg, EncDecSection) else None
 
 
 def sinusoids(length: int, dim: int, device: torch.device) -> torch.Tensor:
@@ -57,7 +56,7 @@ def sinusoids(length: int, dim: int, device: torch.device) -> torch.Tensor:
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: EncDecSection) -> None:
         super().__init__()
         self.source_len, self.seq_len = split_lengths(cfg)[0], cfg.seq_len
         self.tok = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -81,7 +80,7 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     """Multi-head attention of x over `memory` (itself for self-attention)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.num_heads, self.dropout = cfg.num_heads, cfg.dropout
         self.q = nn.Linear(cfg.dim, cfg.dim)
@@ -106,7 +105,7 @@ class Attention(nn.Module):
 class EncoderBlock(nn.Module):
     """Pre-LN self-attention over the unpadded source, then MLP; the last one also normalises the output."""
 
-    def __init__(self, cfg: ModelConfig, *, last: bool) -> None:
+    def __init__(self, cfg: ModelSection, *, last: bool) -> None:
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(cfg.dim), Attention(cfg)
         self.ln2, self.mlp = nn.LayerNorm(cfg.dim), MLP(cfg)
@@ -124,7 +123,7 @@ class EncoderBlock(nn.Module):
 class DecoderBlock(nn.Module):
     """Pre-LN causal self-attention, cross-attention to the encoder output, MLP."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(cfg.dim), Attention(cfg)
         self.ln2, self.cross = nn.LayerNorm(cfg.dim), Attention(cfg)
@@ -161,7 +160,7 @@ class TiedHead(nn.Module):
 
 
 class EncDec(StagedModel):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: EncDecSection) -> None:
         super().__init__()
         num_encoder = cfg.encoder_layers or cfg.num_layers // 2
         if not 1 <= num_encoder < cfg.num_layers:

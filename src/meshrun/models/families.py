@@ -1,21 +1,22 @@
-"""Model families and how a config's `model` section becomes a model: the built-in families, a
-Hugging Face layout, or a user's `model.factory`; built on the meta device and checked against the
-protocol (documented in `meshrun.models`)."""
+"""Model families and how a config's `model` section becomes a model: each family declared once
+(`FAMILIES`: its config section and its builder), or a user's `model.factory`; built on the meta
+device and checked against the protocol (documented in `meshrun.models`)."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from meshrun.config.schema import ModelConfig
+from meshrun.config.model import EncDecSection, GPTSection, HFSection, ModelConfig, ModelSection
 from meshrun.errors import ConfigError
 from meshrun.models.encdec import EncDec
 from meshrun.models.gpt import GPT
@@ -23,24 +24,40 @@ from meshrun.models.hf_config import is_hf
 from meshrun.models.protocol import ProtocolModule
 from meshrun.versions import missing_extra
 
-BUILTIN: dict[str, Callable[[ModelConfig], nn.Module]] = {"gpt": GPT, "encdec": EncDec}
+S = TypeVar("S", bound=ModelSection)
+
+
+@dataclass(frozen=True)
+class Family(Generic[S]):
+    """One model family: the config section it reads (`model.name` picks it) and its builder.
+    Its optional hooks are the protocol's (models/protocol.py), each with its default."""
+
+    section: type[S]
+    build: Callable[[S], nn.Module]
+
+
+def _hugging_face(cfg: HFSection) -> nn.Module:
+    from meshrun.models.hf import HFCausalLM  # transformers: only when asked for
+
+    return HFCausalLM(cfg)
+
+
+FAMILIES: tuple[Family[Any], ...] = (
+    Family(GPTSection, GPT),
+    Family(EncDecSection, EncDec),
+    Family(HFSection, _hugging_face),
+)
 # A user's factory may return anything: build_model checks it.
 Factory = Callable[[ModelConfig], object]
 PROTOCOL = ("embed", "blocks", "norm", "head", "init_weights", "flops_per_token")
 
 
 def resolve_factory(cfg: ModelConfig) -> Factory:
-    """Find the constructor named by the config; errors name model.name / model.factory."""
-    if is_hf(cfg):
-        from meshrun.models.hf import HFCausalLM  # transformers: only when asked for
-
-        return HFCausalLM
-    if cfg.factory is None:
-        if cfg.name not in BUILTIN:
-            raise ConfigError(
-                f"invalid model.name {cfg.name!r}: choose one of {', '.join(BUILTIN)} or set model.factory"
-            )
-        return BUILTIN[cfg.name]
+    """Find the constructor of the config's family, or the one model.factory names (errors name it)."""
+    family = next((f for f in FAMILIES if isinstance(cfg, f.section)), None)
+    if family is not None:
+        return family.build
+    assert cfg.factory is not None  # no family of ours: the section model.factory chose
     module_name, sep, attr = cfg.factory.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"invalid model.factory {cfg.factory!r}: expected 'package.module:function'")

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.config.schema import ModelConfig
+from meshrun.config.model import ModelSection
 from meshrun.models.init import init_transformer_
 from meshrun.models.protocol import StagedModel
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos = nn.Embedding(cfg.seq_len, cfg.dim)
@@ -28,7 +28,7 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.num_heads, self.dropout = cfg.num_heads, cfg.dropout
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
@@ -45,7 +45,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.fc = nn.Linear(cfg.dim, 4 * cfg.dim)
         self.proj = nn.Linear(4 * cfg.dim, cfg.dim)
@@ -57,7 +57,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm residual block."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(cfg.dim), Attention(cfg)
         self.ln2, self.mlp = nn.LayerNorm(cfg.dim), MLP(cfg)
@@ -69,7 +69,7 @@ class Block(nn.Module):
 
 
 class GPT(StagedModel):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed: nn.Module | None = Embedding(cfg)

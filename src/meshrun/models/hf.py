@@ -3,7 +3,7 @@
 The model is built by transformers itself (`AutoModelForCausalLM.from_config`, sdpa attention,
 on whatever device is current: meta when meshrun builds it), then its parts are re-homed:
 `embed`, `blocks` (the HF decoder layers, keyed by their global index), `norm`, `head`. One
-layout per family, not per class:
+layout per family, not per class (its facts: `hf_config.LAYOUTS`):
 
 - llama (llama, mistral, qwen2, qwen3, phi3, olmo2): `model.embed_tokens`, `model.layers[i]`, `model.norm`,
   `lm_head`; rotary position embeddings are computed once per stage forward (transformers
@@ -25,29 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.config.schema import ModelConfig
+from meshrun.config.model import HFSection
 from meshrun.errors import ConfigError
-from meshrun.models.hf_config import FAMILIES, check_fits, hf_dir, load_hf_config
+from meshrun.models.hf_config import LAYOUT_OF, check_fits, hf_dir, load_hf_config
 from meshrun.models.hf_weights import check_shapes, has_weights, load_weights
 from meshrun.models.init import seeded_normal_
 from meshrun.models.protocol import StagedModel
-
-# meshrun name prefix -> Hugging Face name prefix, per family layout
-HF_NAMES = {
-    "llama": (
-        ("embed.", "model.embed_tokens."),
-        ("blocks.", "model.layers."),
-        ("norm.", "model.norm."),
-        ("head.", "lm_head."),
-    ),
-    "gpt2": (
-        ("embed.", "transformer."),
-        ("blocks.", "transformer.h."),
-        ("norm.", "transformer.ln_f."),
-        ("head.", "lm_head."),
-    ),
-}
-TIED_WEIGHT = {"llama": "embed.weight", "gpt2": "embed.wte.weight"}
 
 
 class LearnedPositions(nn.Module):
@@ -87,13 +70,13 @@ class WithPositions(nn.Module):
 
 
 class HFCausalLM(StagedModel):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: HFSection) -> None:
         from transformers import AutoModelForCausalLM
 
         super().__init__()
         check_fits(cfg)
         self.cfg, self.hf_config = cfg, load_hf_config(cfg)
-        self.family = FAMILIES[self.hf_config.model_type]
+        self.layout = LAYOUT_OF[self.hf_config.model_type]
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         # fp32 master weights whatever the folder's storage dtype (released checkpoints say bfloat16):
         # autocast picks the compute precision, AdamW must update fp32 values
@@ -102,14 +85,14 @@ class HFCausalLM(StagedModel):
         )
         self.hf_class_name = type(hf).__name__  # for export's config.json `architectures`
         self._rotary: tuple[nn.Module, ...] = ()
-        if self.family == "llama":
+        if self.layout.rotary:  # llama
             base, layers = hf.model, hf.model.layers
             self.embed: nn.Module | None = base.embed_tokens
             embedding = base.embed_tokens  # the matrix a tied head reads
             self.norm: nn.Module | None = base.norm
             with torch.device("cpu"):  # real buffers even when built on meta; not registered: no state, no DDP sync
                 self._rotary = (type(base.rotary_emb)(config=self.hf_config),)
-        else:
+        else:  # gpt2
             base, layers = hf.transformer, hf.transformer.h
             self.embed = LearnedPositions(base.wte, base.wpe, base.drop)
             embedding = base.wte
@@ -120,7 +103,7 @@ class HFCausalLM(StagedModel):
     @property
     def tied_weight(self) -> str | None:
         """Name of the embedding matrix the head shares, when tied (the same name on every stage)."""
-        return TIED_WEIGHT[self.family] if self.tied else None
+        return self.layout.tied_weight if self.tied else None
 
     def keep_stage(self, *, first: bool, last: bool) -> None:
         """Drop the parts another stage owns; a tied last stage keeps only the embedding matrix."""
@@ -160,11 +143,7 @@ class HFCausalLM(StagedModel):
 
     def hf_names(self, name: str) -> list[str]:
         """Hugging Face keys for one of our tensor names, most likely first."""
-        ours, theirs = next((o, t) for o, t in HF_NAMES[self.family] if name.startswith(o))
-        key = theirs + name[len(ours) :]
-        base = "model." if self.family == "llama" else "transformer."
-        keys = [key, *(["lm_head.weight"] if name == self.tied_weight else [])]
-        return keys + [k.removeprefix(base) for k in keys if k.startswith(base)]
+        return self.layout.hf_names(name, tied=self.tied)
 
     def pretrained_dir(self) -> Path | None:
         """The directory whose weights this model starts from, per `model.init`."""

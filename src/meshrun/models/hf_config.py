@@ -1,4 +1,5 @@
-"""Hugging Face configs from a local directory or an inline dict, and the model sizes meshrun plans with.
+"""Hugging Face configs from a local directory or an inline dict, the layouts meshrun adapts (one
+record each), and the model sizes meshrun plans with.
 
 `num_layers` / `vocab_size` are the one place the rest of meshrun (stage split, describe,
 data checks) asks how deep and wide the model is: the HF config rules when there is one,
@@ -9,25 +10,74 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
-from meshrun.config.schema import ModelConfig
+from meshrun.config.model import HFSection, ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.files.confined import confined
 from meshrun.files.json_reader import MAX_JSON_BYTES, read_json
 
-# model_type -> family layout (one adapter per layout in models/hf.py)
-FAMILIES = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
-    "qwen3": "llama",
-    "phi3": "llama",
-    "olmo2": "llama",
-    "gpt2": "gpt2",
-}
+
+@dataclass(frozen=True)
+class HFLayout:
+    """Every fact meshrun holds about one Hugging Face layout (the model types that share its
+    module names): where models/hf.py finds the parts, and how their tensors are named."""
+
+    name: str
+    model_types: tuple[str, ...]
+    base: str
+    """The decoder's module ("model" / "transformer"); older files name tensors without its prefix."""
+    names: tuple[tuple[str, str], ...]
+    """meshrun name prefix -> Hugging Face name prefix."""
+    tied_weight: str
+    """The embedding matrix a tied head reads, by its meshrun name (the same on every stage)."""
+    rotary: bool
+    """Rotary positions, computed once per stage forward (else learned positions inside `embed`)."""
+    window_types: tuple[str, ...] = ()
+    """Model types whose `sliding_window` applies to every layer (others: only with `layer_types`)."""
+
+    def hf_names(self, name: str, *, tied: bool) -> list[str]:
+        """Hugging Face keys for one of our tensor names, most likely first."""
+        ours, theirs = next((o, t) for o, t in self.names if name.startswith(o))
+        keys = [theirs + name[len(ours) :], *(["lm_head.weight"] if tied and name == self.tied_weight else [])]
+        prefix = f"{self.base}."
+        return keys + [k.removeprefix(prefix) for k in keys if k.startswith(prefix)]
+
+
+LAYOUTS = (
+    HFLayout(
+        "llama",
+        ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2"),
+        base="model",
+        names=(
+            ("embed.", "model.embed_tokens."),
+            ("blocks.", "model.layers."),
+            ("norm.", "model.norm."),
+            ("head.", "lm_head."),
+        ),
+        tied_weight="embed.weight",
+        rotary=True,
+        window_types=("mistral", "phi3"),
+    ),
+    HFLayout(
+        "gpt2",
+        ("gpt2",),
+        base="transformer",
+        names=(
+            ("embed.", "transformer."),
+            ("blocks.", "transformer.h."),
+            ("norm.", "transformer.ln_f."),
+            ("head.", "lm_head."),
+        ),
+        tied_weight="embed.wte.weight",
+        rotary=False,
+    ),
+)
+LAYOUT_OF = {model_type: layout for layout in LAYOUTS for model_type in layout.model_types}
+"""model_type -> its layout: the supported Hugging Face families."""
 TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
 TOKENIZER_FILES = (  # what export copies into a Hugging Face folder, and transformers reads
     "tokenizer.json",
@@ -45,8 +95,8 @@ SINGLE = "model.safetensors"
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def is_hf(cfg: ModelConfig) -> bool:
-    return cfg.hf is not None or cfg.hf_config is not None
+def is_hf(cfg: ModelConfig) -> TypeGuard[HFSection]:
+    return isinstance(cfg, HFSection)
 
 
 def num_layers(cfg: ModelConfig) -> int:
@@ -60,14 +110,14 @@ def vocab_size(cfg: ModelConfig) -> int:
 
 def vocab_key(cfg: ModelConfig) -> str:
     """Where the model's vocabulary size is set, for messages that ask to change it."""
-    if not is_hf(cfg):
+    if not isinstance(cfg, HFSection):
         return "model.vocab_size"
     return "vocab_size in model.hf_config" if cfg.hf_config is not None else f"vocab_size in {cfg.hf}/config.json"
 
 
 def hf_dir(cfg: ModelConfig) -> Path | None:
-    """The checked model directory of `model.hf` (None for an inline config)."""
-    if cfg.hf is None:
+    """The checked model directory of `model.hf` (None for an inline config or another family)."""
+    if not isinstance(cfg, HFSection) or cfg.hf is None:
         return None
     path = Path(cfg.hf).expanduser()
     if not path.is_dir():
@@ -125,7 +175,7 @@ def model_tokenizer(model_dir: Path | None) -> Path | None:
     return next((model_dir / n for n in TOKENIZERS if (model_dir / n).is_file()), None)
 
 
-def load_hf_config(cfg: ModelConfig) -> Any:
+def load_hf_config(cfg: HFSection) -> Any:
     """The transformers config (a `PretrainedConfig`), checked to be a supported family."""
     inline = json.dumps(cfg.hf_config, sort_keys=True) if cfg.hf_config is not None else None
     return _load(cfg.hf, inline)
@@ -141,7 +191,7 @@ def _load(hf: str | None, inline: str | None) -> Any:
         _check_family(model_type, key)
         load = partial(AutoConfig.for_model, model_type, **fields)
     else:
-        path = hf_dir(ModelConfig(hf=hf))
+        path = hf_dir(HFSection(hf=hf))
         assert path is not None  # without an inline config, model.hf is set
         key = f"model.hf {hf}"
         try:
@@ -157,13 +207,13 @@ def _load(hf: str | None, inline: str | None) -> Any:
 
 
 def _check_family(model_type: object, key: str) -> None:
-    if model_type not in FAMILIES:
+    if model_type not in LAYOUT_OF:
         raise ConfigError(
-            f"{key}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+            f"{key}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(LAYOUT_OF))}"
         )
 
 
-def check_fits(cfg: ModelConfig) -> None:
+def check_fits(cfg: HFSection) -> None:
     """Context length and attention window the adapters rely on, checked before any worker exists."""
     config = load_hf_config(cfg)
     limit = getattr(config, "max_position_embeddings", None)
@@ -173,7 +223,9 @@ def check_fits(cfg: ModelConfig) -> None:
         )
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or []
-    sliding = "sliding_attention" in layer_types or (config.model_type in ("mistral", "phi3") and window is not None)
+    sliding = "sliding_attention" in layer_types or (
+        config.model_type in LAYOUT_OF[config.model_type].window_types and window is not None
+    )
     if sliding and window is not None and cfg.seq_len > window:
         raise ConfigError(
             f"model.seq_len {cfg.seq_len} exceeds the model's sliding_window ({window}); meshrun runs full causal "

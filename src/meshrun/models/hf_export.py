@@ -11,30 +11,32 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
 
-from meshrun.config.schema import ModelConfig
+from meshrun.config.model import ModelConfig
 from meshrun.data.tokenize import refuse_custom_tokenizer
 from meshrun.errors import ConfigError
 from meshrun.files.atomic import publish_folder, temporary_name
 from meshrun.files.confined import confined
 from meshrun.models.hf import HFCausalLM
-from meshrun.models.hf_config import TOKENIZER_FILES, hf_dir, model_tokenizer
+from meshrun.models.hf_config import TOKENIZER_FILES, hf_dir, is_hf, model_tokenizer
 
 
 def tokenizer_files(model_dir: Path | None) -> list[Path]:
     return [model_dir / name for name in TOKENIZER_FILES if model_dir and (model_dir / name).is_file()]
 
 
-def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
-    """Write `model` (a whole HFCausalLM with trained weights) as a Hugging Face model folder.
+def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | None = None) -> Path:
+    """Write `model` (whole, with trained weights, built from `cfg`) as a Hugging Face model folder.
     `data`: where the training data's meta.json / tokenizer.json are (export.data_card)."""
     from safetensors.torch import save_file
 
-    if not isinstance(model, HFCausalLM):
+    if not is_hf(cfg):
         raise ConfigError("--hf exports Hugging Face models (model.hf / model.hf_config); use --out FILE for this one")
+    model = cast(HFCausalLM, model)  # what the hf family builds (models/families.py)
     if out.exists():
         raise ConfigError(f"{out} already exists; choose another --hf folder")
     state = {model.hf_names(name)[0]: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
@@ -60,7 +62,7 @@ def export_hf(model: nn.Module, out: Path, *, data: Path | None = None) -> Path:
 
 def load_hf_tokenizer(cfg: ModelConfig):
     """The model's own tokenizer when `model.hf` has one (None: sample byte-level)."""
-    model_dir = hf_dir(cfg) if cfg.hf is not None else None
+    model_dir = hf_dir(cfg)
     if model_dir is None or model_tokenizer(model_dir) is None:
         return None
     refuse_custom_tokenizer(model_dir, "model.hf")

@@ -1,7 +1,9 @@
-"""The model protocol as types, and the forward every protocol model shares."""
+"""The model protocol as types, its optional hooks with their defaults, and the forward every
+protocol model shares."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -38,6 +40,62 @@ if TYPE_CHECKING:
 
 else:
     ProtocolModule = nn.Module
+
+
+class OptionalHooks(Protocol):
+    """The optional part of the protocol: a model may define any of these. meshrun reaches them only
+    through the functions of the same name below, each of which falls back to the default it states."""
+
+    tied_weight: str | None
+
+    def keep_stage(self, *, first: bool, last: bool) -> None: ...
+
+    def standalone_blocks(self) -> list[nn.Module]: ...
+
+    def check_weights(self) -> None: ...
+
+    def pretrained_dir(self) -> Path | None: ...
+
+
+def keep_stage(model: ProtocolModule, *, first: bool, last: bool) -> None:
+    """Drop the parts another pipeline stage owns (its blocks are already gone). Default: `embed`
+    unless `first`, `norm` and `head` unless `last`; a tied model's last stage keeps its matrix."""
+    hook = getattr(model, "keep_stage", None)
+    if hook is not None:
+        hook(first=first, last=last)
+        return
+    if not first:
+        model.embed = None
+    if not last:
+        model.norm = model.head = None
+
+
+def standalone_blocks(model: ProtocolModule) -> list[nn.Module]:
+    """The blocks as modules a profiler can feed hidden states alone (`parallel.balance: time |
+    size`). Default: the blocks themselves."""
+    hook = getattr(model, "standalone_blocks", None)
+    return hook() if hook is not None else list(model.blocks.values())
+
+
+def tied_weight(model: nn.Module) -> str | None:
+    """The name of the embedding matrix the head shares, held by the first and the last pipeline
+    stage alike (parallel/tied.py keeps the copies equal). Default: None, nothing tied."""
+    return getattr(model, "tied_weight", None)
+
+
+def check_weights(model: nn.Module) -> None:
+    """Before any worker exists: the weights the model would load exist, shaped as its config says.
+    Default: nothing to check."""
+    hook = getattr(model, "check_weights", None)
+    if hook is not None:
+        hook()
+
+
+def pretrained_dir(model: nn.Module) -> Path | None:
+    """The folder the model's weights are loaded from (for the run's description). Default: None,
+    the weights come from `init_weights(seed)`."""
+    hook = getattr(model, "pretrained_dir", None)
+    return hook() if hook is not None else None
 
 
 class StagedModel(ProtocolModule):

@@ -15,13 +15,12 @@ from torch import nn
 from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.models.hf_config import num_layers, vocab_size
-from meshrun.models.protocol import ProtocolModule
+from meshrun.models.protocol import ProtocolModule, standalone_blocks
 from meshrun.parallel.stages import check_split, sizes_to_split
 
 
 def _as_sequence(model: ProtocolModule) -> nn.Sequential:
-    standalone = getattr(model, "standalone_blocks", None)  # blocks that need more than hidden states
-    blocks = standalone() if standalone else list(model.blocks.values())
+    blocks = standalone_blocks(model)  # blocks that need more than hidden states come wrapped
     assert model.embed is not None and model.norm is not None and model.head is not None  # a whole model
     return nn.Sequential(model.embed, *blocks, nn.Sequential(model.norm, model.head))
 

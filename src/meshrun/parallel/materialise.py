@@ -7,7 +7,7 @@ import torch
 
 from meshrun.config.schema import Config
 from meshrun.models.families import build_model
-from meshrun.models.protocol import ProtocolModule
+from meshrun.models.protocol import ProtocolModule, keep_stage
 from meshrun.parallel.recompute import apply_recompute
 
 
@@ -18,12 +18,7 @@ def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: boo
         keep = {str(i) for i in layers}
         for key in [k for k in part.blocks if k not in keep]:
             del part.blocks[key]
-        keep_stage = getattr(part, "keep_stage", None)  # optional in the protocol
-        if keep_stage is not None:  # e.g. a tied last stage keeps the embedding matrix for its head
-            keep_stage(first=first, last=last)
-        else:
-            part.embed = part.embed if first else None
-            part.norm, part.head = (part.norm, part.head) if last else (None, None)
+        keep_stage(part, first=first, last=last)  # e.g. a tied last stage keeps the embedding matrix for its head
     return part
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.errors import RunError
+from meshrun.models.protocol import tied_weight
 from meshrun.parallel.fsdp import local
 from meshrun.parallel.mesh import Mesh
 
@@ -35,7 +36,7 @@ class TiedEmbeddings:
         self.copies: list[nn.Parameter] = []  # this rank's copies (0, 1 or 2)
         self.duplicates: list[nn.Parameter] = []  # copies left out of the gradient norm (not on stage 0)
         self.group: dist.ProcessGroup | None = None
-        name = getattr(parts[0], "tied_weight", None)
+        name = tied_weight(parts[0])
         if name is None or num_stages == 1:
             return  # untied, or one stage: the head already uses the embedding's own parameter
         for part, stage in zip(parts, stages):

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshrun.config.schema import Config, ModelConfig
+from meshrun.config.model import FactorySection, HFSection, ModelConfig
+from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.files.json_reader import read_json
 from meshrun.models.hf_config import hf_dir, load_hf_config
@@ -65,7 +66,7 @@ def check_model_size(cfg: Config) -> None:
     """Refuse sizes that are not whole numbers >= 1, more blocks than MAX_BLOCKS, or a rank that
     would need more than MAX_RANK_BYTES; one line each, before any model is built."""
     model = cfg.model
-    if model.factory is not None and model.hf is None and model.hf_config is None:
+    if isinstance(model, FactorySection):
         return  # a user's model: its size is its factory's business
     size = model_size(model)
     where = _where(model)
@@ -87,7 +88,7 @@ def check_model_size(cfg: Config) -> None:
 
 def model_size(model: ModelConfig) -> ModelSize:
     """The parameters of each part of the model the config describes, by arithmetic."""
-    if model.hf is None and model.hf_config is None:
+    if not isinstance(model, HFSection):
         d, v = model.dim, model.vocab_size
         # encdec: every block priced as a decoder block (with cross-attention), an upper estimate
         block = 16 * d * d + 19 * d if model.name == "encdec" else 12 * d * d + 13 * d
@@ -119,7 +120,7 @@ def model_size(model: ModelConfig) -> ModelSize:
     return ModelSize(vocab * hidden, block, hidden + (0 if tied else vocab * hidden), layers, vocab)
 
 
-def hf_fields(model: ModelConfig) -> dict[str, Any]:
+def hf_fields(model: HFSection) -> dict[str, Any]:
     """The raw Hugging Face config (config.json or model.hf_config), every size checked to be a
     whole number >= 1 (None: transformers' default); read before transformers sees it."""
     if model.hf_config is not None:
@@ -173,7 +174,7 @@ def _read_config_json(path: Path, where: str) -> dict[str, Any]:
     return fields
 
 
-def _size(model: ModelConfig, fields: dict[str, Any], names: tuple[str, ...]) -> int:
+def _size(model: HFSection, fields: dict[str, Any], names: tuple[str, ...]) -> int:
     """The first of `names` the config sets (checked by hf_fields), or transformers' default."""
     for name in names:
         if fields.get(name) is not None:
@@ -186,18 +187,20 @@ def _size(model: ModelConfig, fields: dict[str, Any], names: tuple[str, ...]) ->
 
 def _where(model: ModelConfig) -> str:
     """Prefix naming where the sizes are set: the model folder, the inline config, or the model section."""
+    if not isinstance(model, HFSection):
+        return ""
     if model.hf is not None:
         return f"model.hf {model.hf}: "
-    return "model.hf_config: " if model.hf_config is not None else ""
+    return "model.hf_config: "
 
 
 def _key(model: ModelConfig, hf_key: str, builtin_key: str = "") -> str:
-    if model.hf is not None:
-        return f"config.json {hf_key}"
-    return hf_key if model.hf_config is not None else builtin_key
+    if not isinstance(model, HFSection):
+        return builtin_key
+    return f"config.json {hf_key}" if model.hf is not None else hf_key
 
 
 def _sizes_named(model: ModelConfig) -> str:
-    if model.hf is not None or model.hf_config is not None:
+    if isinstance(model, HFSection):
         return "hidden_size, intermediate_size, num_hidden_layers and vocab_size"
     return "model.dim, model.num_layers, model.vocab_size and model.seq_len"

@@ -1,0 +1,148 @@
+"""The `model` section: the keys every model shares, and one section per model family, chosen by
+`model.name` (a discriminated union), so a key of another family is refused instead of ignored.
+
+Families: gpt and encdec (built in), hf (a Hugging Face layout: `model.hf` or `model.hf_config`;
+setting either is enough, as before `name: hf` existed), and a user's `model.factory`, which gets
+the shared keys and free-form `model.options`. Older configs wrote every key of every family (a
+run folder's config.json): a key of another family left at its default is dropped, not refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from meshrun.config.fields import Float, Int, Section
+from meshrun.errors import ConfigError
+
+BUILTIN_NAMES = ("gpt", "encdec")  # the built-in families, in the order messages list them
+
+
+class ModelSection(Section):
+    """Keys every model family reads."""
+
+    family: ClassVar[str]  # the union's tag: the built-in name, "hf" or "factory"
+    factory: str | None = None
+    """`package.module:function` that builds your own model from this section (see models/__init__.py)."""
+    num_layers: Int = Field(default=4, ge=1)
+    """Number of Transformer blocks."""
+    dim: Int = Field(default=128, ge=1)
+    """Hidden width."""
+    num_heads: Int = Field(default=4, ge=1)
+    """Attention heads; must divide `dim`."""
+    seq_len: Int = Field(default=128, ge=2)
+    """Tokens per sample (context length)."""
+    vocab_size: Int = Field(default=256, ge=2)
+    """Vocabulary size; 256 for the byte-level datasets made by `meshrun prepare-data`."""
+    dropout: Float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout probability (0 keeps runs deterministic across layouts)."""
+    options: dict[str, Any] = {}
+    """Free-form extra arguments for a custom `factory`."""
+
+    @model_validator(mode="after")
+    def _heads_divide_dim(self) -> ModelSection:
+        if self.dim % self.num_heads:
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) must divide model.dim ({self.dim}); change one of these keys"
+            )
+        return self
+
+
+class GPTSection(ModelSection):
+    family: ClassVar[str] = "gpt"
+    name: Literal["gpt"] = "gpt"
+    """Built-in model to train: gpt, encdec; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+
+
+class EncDecSection(ModelSection):
+    family: ClassVar[str] = "encdec"
+    name: Literal["encdec"] = "encdec"
+    """Built-in model to train: gpt, encdec; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+    encoder_layers: Int | None = Field(default=None, ge=1)
+    """encdec: how many of the num_layers blocks are encoder blocks (the rest decode); None = half."""
+    source_len: Int | None = Field(default=None, ge=1)
+    """encdec: tokens of seq_len that hold the source (the rest hold the target); None = half."""
+    positions: Literal["learned", "sinusoidal"] = "learned"
+    """encdec: learned position embeddings or fixed sinusoids ("Attention is all you need")."""
+    tie_embeddings: bool = False
+    """encdec: one token embedding matrix for the encoder, the decoder and the output head."""
+
+
+class HFSection(ModelSection):
+    family: ClassVar[str] = "hf"
+    name: Literal["hf"] = "hf"
+    """hf: a Hugging Face layout (set by model.hf or model.hf_config alone)."""
+    hf: str | None = None
+    """Local Hugging Face model directory (config.json; optional safetensors, tokenizer); nothing is downloaded."""
+    hf_config: dict[str, Any] | None = None
+    """Inline Hugging Face config ({model_type: llama, ...}) to build from instead of a directory."""
+    init: Literal["auto", "random", "pretrained"] = "auto"
+    """Hugging Face models: pretrained = the directory's safetensors, random = seeded per-name init, auto = weights if present."""
+
+    @model_validator(mode="after")
+    def _one_hf_source(self) -> HFSection:
+        if self.hf is not None and self.hf_config is not None:
+            raise ValueError("set model.hf (a directory) or model.hf_config (inline), not both")
+        if self.hf is None and self.hf_config is None:
+            raise ValueError("model.name hf needs model.hf (a directory) or model.hf_config (inline)")
+        return self
+
+
+class FactorySection(ModelSection):
+    family: ClassVar[str] = "factory"
+    name: str = "gpt"
+    """Ignored: `factory` builds the model."""
+
+
+SECTIONS: dict[str, type[ModelSection]] = {s.family: s for s in (GPTSection, EncDecSection, HFSection, FactorySection)}
+_HF_KEYS = ("hf", "hf_config")
+
+
+def _tag(data: Any) -> str | None:
+    """The family of a section (validated) or of its keys (after `route_model`)."""
+    if isinstance(data, ModelSection):
+        return data.family
+    if not isinstance(data, dict):
+        return None  # pydantic reports that the section is no mapping
+    name = data.get("name", "gpt")
+    return name if name == "hf" or data.get("factory") is None else "factory"
+
+
+ModelConfig = Annotated[
+    Annotated[GPTSection, Tag("gpt")]
+    | Annotated[EncDecSection, Tag("encdec")]
+    | Annotated[HFSection, Tag("hf")]
+    | Annotated[FactorySection, Tag("factory")],
+    Discriminator(_tag),
+]
+"""The `model` section of one family (what `model.factory` receives)."""
+
+
+def route_model(data: dict[str, Any]) -> dict[str, Any]:
+    """The model keys as their family's section takes them: `hf`/`hf_config` alone mean name hf, and a
+    key of another family is dropped at its default (older config.json files wrote all) or refused."""
+    if any(data.get(key) is not None for key in _HF_KEYS) and data.get("name", "gpt") == "gpt":
+        data = {**data, "name": "hf"}  # gpt: the old default, which older configs wrote beside model.hf
+    family = _tag(data)
+    if not isinstance(family, str) or family not in SECTIONS:
+        raise ConfigError(
+            f"invalid model.name {data.get('name')!r}: choose one of {', '.join(BUILTIN_NAMES)} or set model.factory"
+        )
+    own = SECTIONS[family].model_fields
+    kept = {}
+    for key, value in data.items():
+        owner = next((s for s in SECTIONS.values() if key in s.model_fields and key not in own), None)
+        if owner is None:
+            kept[key] = value  # its own key, or an unknown one (refused by name, with a suggestion)
+        elif value != owner.model_fields[key].default:
+            raise ConfigError(_foreign(key, owner.family, family))
+    return kept
+
+
+def _foreign(key: str, owner: str, family: str) -> str:
+    """One line for a key of another family's section."""
+    belongs = f"model.{key} is a key of model.name {owner}"
+    if family == "factory":
+        return f"{belongs}; a model.factory model gets the shared keys: put its settings in model.options"
+    return f"{belongs}, not of model.name {family}: remove it, or set model.name: {owner}"
