@@ -31,6 +31,25 @@ def living(pids: list[int]) -> list[int]:
     return alive
 
 
+def described(pids: list[int]) -> str:
+    """Each pid's state and command line, for a failure message."""
+    lines = []
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            lines.append(f"{pid} [{state}] {cmdline[:300]}")
+    return "\n".join(lines)
+
+
+def wait_until_ended(job: list[int], *, timeout: float, what: str) -> None:
+    """Wait for every process of `job` to end; a failure names those still running."""
+    try:
+        wait_for(lambda: not living(job), timeout=timeout, what=what)
+    except pytest.fail.Exception:
+        pytest.fail(f"timed out waiting for {what}; still running:\n{described(living(job))}")
+
+
 def trained_a_step(run: Path) -> bool:
     """A metrics row exists: every worker is past its setup and takes stop requests."""
     return (run / "metrics.jsonl").exists() and bool((run / "metrics.jsonl").read_text().strip())
@@ -70,7 +89,7 @@ def test_a_killed_launchers_job_keeps_the_run_dir_until_every_process_has_ended(
         assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr[-3000:]
         assert "is in use by another meshrun job" in second.stderr
         os.kill(agent, signal.SIGCONT)  # the SIGTERM its launcher's death queued: the workers checkpoint and stop
-        wait_for(lambda: not living(job), timeout=120, what="every process of the first job to end")
+        wait_until_ended(job, timeout=120, what="every process of the first job to end")
     first = finish_meshrun(proc, timeout=60, check=False)  # its stderr: every writer has ended
     assert "stop requested: checkpoint at step" in first.stderr, first.stderr[-3000:]
     with open(run / LOCK) as lock:  # free once the last of them ended
@@ -81,5 +100,5 @@ def test_a_killed_launchers_job_keeps_the_run_dir_until_every_process_has_ended(
 def test_workers_end_with_their_agent(data_dir: Path, tmp_path: Path) -> None:
     with running_job(data_dir, tmp_path / "run") as (proc, job):
         os.kill(agent_of(job), signal.SIGKILL)
-        wait_for(lambda: not living(job), timeout=120, what="the workers to end")
+        wait_until_ended(job, timeout=120, what="the workers to end")
     finish_meshrun(proc, timeout=60, check=False)
