@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshrun.config.model import HFSection
+from meshrun.config.model_sections import HFSection
 from meshrun.errors import ConfigError
 
 if TYPE_CHECKING:

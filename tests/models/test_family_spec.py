@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from meshrun.config.model import SECTIONS, EncDecSection, FactorySection, GPTSection, HFSection
+from meshrun.config.model_sections import SECTIONS, EncDecSection, FactorySection, GPTSection, HFSection
 from meshrun.config.schema import Config, load_config
 from meshrun.errors import ConfigError
 from meshrun.models import protocol

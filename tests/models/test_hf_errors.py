@@ -148,7 +148,7 @@ def test_a_model_tokenizer_mapped_to_the_folders_code_is_refused(tmp_path: Path)
     """sample decodes with model.hf's tokenizer: a tokenizer_config.json auto_map never imports the folder's code."""
     from transformers import AutoConfig
 
-    from meshrun.config.model import HFSection
+    from meshrun.config.model_sections import HFSection
     from meshrun.errors import ConfigError
     from meshrun.models.hf_export import load_hf_tokenizer
 

@@ -25,7 +25,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from meshrun.config.fields import Float, Int, PathText, Section, is_text, lowercase
-from meshrun.config.model import SECTIONS, GPTSection, ModelConfig, route_model
+from meshrun.config.model_sections import SECTIONS, GPTSection, ModelConfig, route_model
 from meshrun.config.safe_yaml import parse_document, read_config_file
 from meshrun.config.topology import LaunchConfig, ParallelConfig, check_layout
 from meshrun.errors import ConfigError
@@ -211,7 +211,7 @@ class Config(Section):
     @model_validator(mode="before")
     @classmethod
     def _model_family(cls, data: Any) -> Any:
-        """The model keys routed to their family's section (see config/model.py)."""
+        """The model keys routed to their family's section (see config/model_sections.py)."""
         if isinstance(data, dict) and isinstance(data.get("model"), dict):
             return {**data, "model": route_model(data["model"])}
         return data

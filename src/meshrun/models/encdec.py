@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.config.model import EncDecSection, ModelConfig, ModelSection
+from meshrun.config.model_sections import EncDecSection, ModelConfig, ModelSection
 from meshrun.data.pairs import PAD
 from meshrun.errors import ConfigError
 from meshrun.models.gpt import MLP

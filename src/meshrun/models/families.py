@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from meshrun.config.model import EncDecSection, GPTSection, HFSection, ModelConfig, ModelSection
+from meshrun.config.model_sections import EncDecSection, GPTSection, HFSection, ModelConfig, ModelSection
 from meshrun.errors import ConfigError
 from meshrun.models.encdec import EncDec
 from meshrun.models.gpt import GPT

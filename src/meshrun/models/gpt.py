@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.config.model import ModelSection
+from meshrun.config.model_sections import ModelSection
 from meshrun.models.init import init_transformer_
 from meshrun.models.protocol import StagedModel
 

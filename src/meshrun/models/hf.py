@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.config.model import HFSection
+from meshrun.config.model_sections import HFSection
 from meshrun.errors import ConfigError
 from meshrun.models.hf_config import LAYOUT_OF, check_fits, hf_dir, load_hf_config
 from meshrun.models.hf_weights import check_shapes, has_weights, load_weights

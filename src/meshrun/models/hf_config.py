@@ -15,7 +15,7 @@ from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from meshrun.config.model import HFSection, ModelConfig
+from meshrun.config.model_sections import HFSection, ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.files.confined import confined
 from meshrun.files.json_reader import MAX_JSON_BYTES, read_json

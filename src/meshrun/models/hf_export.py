@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from meshrun.config.model import ModelConfig
+from meshrun.config.model_sections import ModelConfig
 from meshrun.data.tokenize import refuse_custom_tokenizer
 from meshrun.errors import ConfigError
 from meshrun.files.atomic import publish_folder, temporary_name

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshrun.config.model import FactorySection, HFSection, ModelConfig
+from meshrun.config.model_sections import FactorySection, HFSection, ModelConfig
 from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.files.json_reader import read_json
