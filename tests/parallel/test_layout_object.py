@@ -4,11 +4,13 @@ independent enumeration (nested loops in the documented rank order), and the mes
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch.distributed as dist
 
 from meshrun.config.schema import Config
+from meshrun.errors import ConfigError
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
 
@@ -76,3 +78,17 @@ def test_the_mesh_of_a_lone_process_has_every_named_axis() -> None:
         assert mesh.data_mesh is None
     finally:
         shutdown()
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ({"pp": 0}, "the pp degree of a layout must be a whole number >= 1, got 0"),
+        ({"dp_shard": 2.0}, "the dp_shard degree"),
+        ({"pp": 2, "schedule": "1f1b", "per_rank": 2}, "parallel.virtual_stages must be 1 for schedule 1f1b"),
+        ({"pp": 2, "schedule": "zbv", "per_rank": 3}, "parallel.virtual_stages must be 2 for schedule zbv"),
+    ],
+)
+def test_a_layout_validates_its_degrees(layout: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Layout(**layout)

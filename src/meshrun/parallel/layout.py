@@ -69,6 +69,13 @@ class Layout:
     schedule: str = "1f1b"
     per_rank: int = 1  # pipeline stages each pp rank holds
 
+    def __post_init__(self) -> None:
+        for name, degree in {**self.degrees, "per_rank": self.per_rank}.items():
+            if not isinstance(degree, int) or degree < 1:
+                raise ConfigError(f"the {name} degree of a layout must be a whole number >= 1, got {degree!r}")
+        if self.pp > 1:
+            stages_per_rank(self.schedule, self.per_rank)  # the schedule can hold that many per rank
+
     @classmethod
     def of(cls, par: ParallelSection) -> Layout:
         """The layout a `parallel` section describes."""
