@@ -188,9 +188,11 @@ def test_a_missing_node_is_named_and_given_up_on_in_one_line(data_dir: Path, tmp
     )
     assert result.returncode == 1, result.stderr
     assert f"waiting for the other 1 of 2 nodes at rendezvous {endpoint}" in result.stderr
+    assert f"rendezvous {endpoint}: 1 of 2 nodes here" in result.stderr  # counted at the store, not assumed
     assert "giving up after 3 s" in result.stderr and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("meshrun: error: not all 2 nodes joined the rendezvous") and "within 3 s" in last
+    assert "(1 of 2 nodes had joined)" in last
     assert "OMP_NUM_THREADS" not in result.stderr  # set for the workers: no torchrun banner
 
 
@@ -204,8 +206,11 @@ def test_a_guest_whose_host_never_answers_gives_up_in_one_line(data_dir: Path, t
     )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+    said = f"rendezvous {endpoint} refuses connections (nothing listens there yet): waiting for its host node"
+    assert said in result.stderr, result.stderr  # why it waits, said at once, not only at the end
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("meshrun: error: not all 2 nodes joined the rendezvous") and "within 3 s" in last
+    assert f"({endpoint} refuses connections (nothing listens there yet))" in last
 
 
 _references: dict[tuple[int, int], Path] = {}

@@ -33,6 +33,7 @@ from meshrun.launcher.outcome import (
     read_record,
     write_record,
 )
+from meshrun.launcher.rendezvous import RendezvousWatch
 from meshrun.launcher.run_lock import RunDirLock, hold_run_dir
 from meshrun.launcher.torchrun import (
     RDZV_TIMEOUT_EXIT,
@@ -207,16 +208,22 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         return run_worker(cfg).exit_code  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)
     say(f"starting {cfg.world_size} workers: {' '.join(argv[1:])}")
-    if cfg.launch.nnodes > 1:
+    watch = RendezvousWatch(cfg) if cfg.launch.nnodes > 1 else None
+    if watch is not None:
         say(waiting_line(cfg))
+        watch.start()
     clear_record(Path(cfg.run_dir))  # an earlier run's outcome must not be read as this one's
     env = {**worker_env(cfg), PARENT_PID: str(os.getpid())}
-    code, stop = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
+    try:
+        code, stop = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
+    finally:
+        if watch is not None:
+            watch.stop()
     outcome = read_record(Path(cfg.run_dir))
     if outcome is None and stop is not None:  # no worker acted on it: nothing was checkpointed
         raise StoppedBeforeTraining(stop)
     if outcome is None and code == RDZV_TIMEOUT_EXIT:
-        raise RunError(timeout_message(cfg))
+        raise RunError(timeout_message(cfg, watch.state() if watch is not None else "one node"))
     if outcome is Outcome.FAILED and (error := read_error(Path(cfg.run_dir))):
         raise RunError(error)  # the workers' reason, as the last line (their lines may interleave above)
     return launcher_exit_code(outcome, code, stop_relayed=stop is not None)

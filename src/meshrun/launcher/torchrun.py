@@ -69,12 +69,12 @@ def waiting_line(cfg: Config) -> str:
     )
 
 
-def timeout_message(cfg: Config) -> str:
-    """The one line for a rendezvous that did not gather every node in time."""
+def timeout_message(cfg: Config, state: str) -> str:
+    """The one line for a rendezvous that did not gather every node in time; `state`: where it stood."""
     launch = cfg.launch
     return (
         f"not all {launch.nnodes} nodes joined the rendezvous at {launch.rdzv_endpoint} (id {launch.rdzv_id}) within "
-        f"{launch.rdzv_timeout} s; start the same `meshrun train` with this --rdzv-endpoint and --rdzv-id on every "
+        f"{launch.rdzv_timeout} s ({state}); start the same `meshrun train` with this --rdzv-endpoint and --rdzv-id on every "
         "node, check that they reach this endpoint, or raise --rdzv-timeout"
     )
 
