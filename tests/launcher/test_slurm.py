@@ -168,6 +168,18 @@ def uninterrupted(slurm_cluster: SlurmCluster, data_dir: Path, tmp_path_factory:
     return tmp / "run"
 
 
+@pytest.mark.timeout(120)
+def test_cpus_per_task_defaults_to_the_partitions_node_cpus(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """One agent task per node holds all its workers: it asks for the node's CPUs as sinfo reports
+    them (2 on this cluster's nodes), not one per worker (1 here), unless --cpus-per-task says so."""
+    argv = ["slurm", "--set=parallel.dp=2", "--nodes=2", "--gpus-per-node=0"]
+    env = meshrun_env(tmp_path, SLURM_CONF=str(slurm_cluster.conf))
+    script = run_meshrun(argv, tmp_path=tmp_path, env=env, timeout=60).stdout
+    assert "#SBATCH --cpus-per-task=2" in script.splitlines()
+    explicit = run_meshrun([*argv, "--cpus-per-task=1"], tmp_path=tmp_path, env=env, timeout=60).stdout
+    assert "#SBATCH --cpus-per-task=1" in explicit.splitlines()
+
+
 @pytest.mark.timeout(420)
 def test_two_node_job_completes(uninterrupted: Path, slurm_cluster: SlurmCluster) -> None:
     assert loss_steps(uninterrupted) == list(range(1, STEPS + 1))

@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     slurm.add_argument(
         "--cpus-per-task",
         type=int,
-        help="CPUs for each node's torchrun agent and its workers (default: one per worker)",
+        help="CPUs for each node's torchrun agent and its workers (default: the partition's node CPUs from sinfo, else one per worker)",
     )
     slurm.add_argument("--job-name", default="meshrun", help="Slurm job name")
     slurm.add_argument(
@@ -293,7 +293,7 @@ def _slurm(args: argparse.Namespace) -> int:
     import subprocess
 
     from meshrun.files.console import say
-    from meshrun.launcher.slurm import render_sbatch, slurm_notes
+    from meshrun.launcher.slurm import partition_cpus, render_sbatch, slurm_notes
 
     cfg = load_config(args.config, args.overrides)
     script = render_sbatch(
@@ -306,6 +306,7 @@ def _slurm(args: argparse.Namespace) -> int:
         account=args.account,
         time=args.time,
         cpus_per_task=args.cpus_per_task,
+        node_cpus=None if args.cpus_per_task else partition_cpus(args.partition),
         job_name=args.job_name,
         signal_seconds=args.signal_seconds,
         sbatch_options=args.sbatch_options,

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -83,6 +84,18 @@ def time_limit_seconds(value: str) -> int | None:
     return parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)  # minutes, or MM:SS
 
 
+def partition_cpus(partition: str | None) -> int | None:
+    """CPUs of the smallest node of `partition` (None: the default partition), as `sinfo` reports them
+    from the login node; None where sinfo is missing, fails or says nothing usable."""
+    argv = ["sinfo", "--noheader", "--format=%c", *([f"--partition={partition}"] if partition else [])]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    counts = [int(word.rstrip("+")) for word in done.stdout.split() if word.rstrip("+").isdigit()]
+    return min(counts) if done.returncode == 0 and counts and min(counts) > 0 else None
+
+
 def render_sbatch(
     cfg: Config,
     *,
@@ -94,11 +107,14 @@ def render_sbatch(
     account: str | None = None,
     time: str | None = None,
     cpus_per_task: int | None = None,
+    node_cpus: int | None = None,
     job_name: str = "meshrun",
     signal_seconds: int = 300,
     sbatch_options: Sequence[str] = (),
 ) -> str:
-    """The sbatch script that trains `cfg` (loaded from `config` + `overrides`) on `nodes` nodes."""
+    """The sbatch script that trains `cfg` (loaded from `config` + `overrides`) on `nodes` nodes.
+    `node_cpus`: the CPUs of the partition's smallest node (`partition_cpus`), which the one agent task
+    per node asks for unless `cpus_per_task` says otherwise; unknown: one per worker."""
     world = cfg.world_size
     nproc = workers_per_node(cfg.parallel, nodes, named=f"--nodes {nodes}", change="--nodes")
     if gpus_per_node and gpus_per_node != nproc:
@@ -110,7 +126,7 @@ def render_sbatch(
         raise ConfigError("--gpus-per-node must be >= 0 (0: CPU only) and --signal-seconds >= 1")
     if cpus_per_task is not None and cpus_per_task < 1:
         raise ConfigError(f"--cpus-per-task must be >= 1, got {cpus_per_task}; or leave it out for one per worker")
-    cpus = cpus_per_task or nproc  # Slurm's default is one CPU per task: every worker would share it
+    cpus = cpus_per_task or node_cpus or nproc  # Slurm's default, one CPU per task, would be shared by every worker
     limit = time_limit_seconds(checked("--time", time)) if time is not None else None
     if limit is not None and signal_seconds >= limit:
         raise ConfigError(
