@@ -7,3 +7,5 @@ class ConfigError(ValueError):
 
 class RunError(RuntimeError):
     """A run that cannot go on (unreadable checkpoint, non-finite loss): says where and what to try."""
+
+    exit_code = 1  # a subclass may say otherwise (a hang: launcher/hang.py)

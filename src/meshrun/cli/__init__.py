@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _refuse(exc: ConfigError | RunError) -> int:
     print(f"meshrun: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
-    return 2 if isinstance(exc, ConfigError) else 1
+    return 2 if isinstance(exc, ConfigError) else exc.exit_code
 
 
 def run() -> NoReturn:

@@ -22,8 +22,10 @@ from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
 from meshrun.hardware.device import local_device, rank_memory_bytes
 from meshrun.hardware.precision import resolve_precision
+from meshrun.launcher.hang import HangWatchdog, Place, clear_reports, hang_came_first, hang_summary
 from meshrun.launcher.lifetime import PARENT_PID, die_with_parent
 from meshrun.launcher.outcome import (
+    RECORD,
     STOP_SIGNALS,
     Outcome,
     StoppedBeforeTraining,
@@ -213,6 +215,7 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         say(waiting_line(cfg))
         watch.start()
     clear_record(Path(cfg.run_dir))  # an earlier run's outcome must not be read as this one's
+    clear_reports(Path(cfg.run_dir))  # nor its hang reports
     env = {**worker_env(cfg), PARENT_PID: str(os.getpid())}
     try:
         code, stop = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
@@ -222,6 +225,15 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     outcome = read_record(Path(cfg.run_dir))
     if outcome is None and stop is not None:  # no worker acted on it: nothing was checkpointed
         raise StoppedBeforeTraining(stop)
+    run_dir = Path(cfg.run_dir)
+    hung = None  # a failure recorded after the hang's trigger is its consequence (a peer's collective broke)
+    if outcome in (None, Outcome.FAILED) and hang_came_first(run_dir, run_dir / RECORD):
+        hung = hang_summary(run_dir, cfg.launch.hang_timeout)
+    if hung is not None:
+        lines, error = hung
+        for line in lines:
+            say(line)
+        raise error
     if outcome is None and code == RDZV_TIMEOUT_EXIT:
         raise RunError(timeout_message(cfg, watch.state() if watch is not None else "one node"))
     if outcome is Outcome.FAILED and (error := read_error(Path(cfg.run_dir))):
@@ -275,6 +287,10 @@ def run_worker(cfg: Config) -> Outcome:
     run_dir = Path(cfg.run_dir)
     mesh = init_mesh(cfg.layout)
     rank, trainer = mesh.rank, None
+    if cfg.launch.hang_timeout and in_launched_worker():
+        place = Place(rank, mesh.pp_rank, mesh.dp_rank, tuple(mesh.local_stages))
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        HangWatchdog(run_dir, place, timeout=cfg.launch.hang_timeout, attempt=attempt).start()
     try:
         torch.distributed.barrier()  # data prepared by every node's local rank 0
         cfg = with_resolved_precision(cfg, mesh)

@@ -7,7 +7,8 @@ directly; under torchrun the launcher reads the record, since workers stopped on
 
 Exit codes of `meshrun train`: 0 completed, 75 stopped on request with a checkpoint written
 (EX_TEMPFAIL: rerun the same command to resume; Slurm jobs requeue), 1 failed, 2 bad input,
-128 + the signal for a stop request that came before any checkpoint could be written.
+128 + the signal for a stop request that came before any checkpoint could be written, 124 for a job
+ended for making no progress (launcher/hang.py).
 """
 
 from __future__ import annotations

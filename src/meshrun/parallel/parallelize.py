@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.config.schema import Config
+from meshrun.launcher import progress
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.loss_fn import LossFn
@@ -54,9 +55,14 @@ class LocalModel:
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
             set_gradient_sync(self.wrapped, i == n - 1)  # fsdp: reduce-scatter once, after the last
             with ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext():
+                progress.mark("forward", f"microbatch {i + 1} of {n}")
                 with self.amp():
                     logits = self.wrapped(xm)
                 microbatch_loss = loss_fn(logits, ym)
+                synced = (
+                    " and the gradient reduction over dp" if i == n - 1 and self.wrapped is not self.parts[0] else ""
+                )
+                progress.mark("backward", f"microbatch {i + 1} of {n}{synced}")
                 microbatch_loss.backward()
             losses.append(microbatch_loss)
         return loss_fn.unscaled(losses)

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
+from meshrun.launcher import progress
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.mesh import Mesh
@@ -63,18 +64,22 @@ def loss_of_step(output: torch.Tensor, target: torch.Tensor, *, loss: LossFn) ->
 
 
 class MarkedStage(PipelineStage):
-    """A PipelineStage whose computations show up, named, in profiler traces."""
+    """A PipelineStage whose computations show up, named, in profiler traces, and mark this worker's
+    progress (the hang watchdog's: a slow pipeline step still moves action by action)."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        progress.mark("forward", f"stage {self.stage_index} microbatch {fwd_chunk_id}")
         with record_function(action_mark(self.stage_index, "F", fwd_chunk_id)):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         kind = "B" if kwargs.get("full_backward", True) else "I"
+        progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id}")
         with record_function(action_mark(self.stage_index, kind, bwd_chunk_id)):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id} weights")
         with record_function(action_mark(self.stage_index, "W", bwd_chunk_id)):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
@@ -159,6 +164,9 @@ class PipelineModel:
         schedule, args, target = self._inputs(x, y)
         loss_fn = self.loss if loss is None else loss
         losses: list[torch.Tensor] = []
+        progress.mark(
+            "forward", "pipeline step started, before this rank's first action (its input, from the stage before)"
+        )
         with record_function(STEP_MARK), self._ddp_no_sync(), self.amp():
             schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs={"loss": loss_fn})
         return self._total(losses, loss_fn)

@@ -21,6 +21,7 @@ from meshrun.data.pairs import PairsDataset
 from meshrun.errors import RunError
 from meshrun.files.console import say
 from meshrun.hardware.precision import autocast, make_scaler
+from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome
 from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throughput
 from meshrun.metrics.profiler import StepProfiler
@@ -229,22 +230,27 @@ class Trainer:
             if log_due or eval_due or save_due:
                 self.nonfinite.raise_if_any()  # before anything reads or saves these weights
             if log_due:
+                progress.mark("log")
                 end = self.clock()  # the next window starts where this one ends: no time is lost
                 row = self._log_window(window, result, done, train_s=end - window.start - window.paused)
                 window = Window(start=end)
             pauses: dict[str, float] = {}  # validation and checkpoint: timed apart, their own row at this step
             if eval_due:
+                progress.mark("eval")
                 pauses["val_loss"], pauses["eval_s"] = self.timed(self.evaluate)
                 row["val_loss"] = pauses["val_loss"]
             if save_due:
+                progress.mark("checkpoint")
                 path, pauses["checkpoint_s"] = self.timed(partial(self.save, done))
                 self.report.note(f"saved checkpoint {path} in {pauses['checkpoint_s']:.2f} s")
             if pauses:
                 window.paused += pauses.get("eval_s", 0.0) + pauses.get("checkpoint_s", 0.0)
                 self.report.log(done, pauses)
             if stop and done < cfg.steps:
+                progress.mark("finishing")
                 self.report.note(f"stop requested: checkpoint at step {done} written; rerun the same command to resume")
                 return Outcome.STOPPED
+        progress.mark("finishing")  # the summary and pictures: no longer watched
         self._summary(row)
         return Outcome.COMPLETED
 
@@ -323,6 +329,7 @@ class Trainer:
         """
         # What the step needs, fixed before it runs: the batch, the learning rate, and the loss
         # (this global batch's token count; fp16: the scale every stage multiplies by).
+        progress.mark("data", step=step + 1)
         x, y = self.local_batch(self.train_data, self.samples_seen)
         loss_fn = self.batch_loss(self.train_data, self.samples_seen, scaler=self.scaler)
         tokens = self.cfg.train.global_batch * x.shape[-1]  # a length bucket may be shorter
@@ -332,6 +339,7 @@ class Trainer:
         self.model.train()
         loss = self.model.forward_backward(x, y, loss=loss_fn)
         self.model.tied.sync_gradients()  # both copies of a tied embedding get the summed gradient
+        progress.mark("optimizer", "gradient norm over the stages, then AdamW")
         # fp16: back to real units; found_inf is all-reduced over the pipeline stages.
         if self.scaler is not None:
             self.optimizers.unscale_(self.scaler)
