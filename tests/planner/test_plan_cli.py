@@ -121,3 +121,19 @@ def test_a_runs_factory_is_imported_only_with_trust_code(trust: list[str], tmp_p
         assert not marker.exists(), "the run's module was imported"
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
         assert "planted:build" in done.stderr and "--trust-code" in done.stderr
+
+
+def test_write_gives_the_job_a_new_run_dir_and_the_layout_comment(tmp_path: Path) -> None:
+    """Running the written config starts a new run: never the source config's run_dir, nor a
+    folder that exists (an earlier written job's); the file says which layout it holds."""
+    (tmp_path / "runs" / "best").mkdir(parents=True)  # an earlier job written as best.yaml
+    out = tmp_path / "best.yaml"
+    done = plan(tmp_path, "--gpus=2", "--gpu=h100", f"--write={out}", "--set=run_dir=runs/default")
+    written = load_config(out)
+    assert written.run_dir == "runs/best-2" and "run_dir runs/best-2" in done.stdout
+    assert not (tmp_path / written.run_dir).exists()
+    header = [line for line in out.read_text().splitlines() if line.startswith("#")]
+    layout = next(line for line in header if line.startswith("# layout: "))
+    assert layout.startswith(f"# layout: {written.layout.short_text()}, ")
+    assert f"micro_batch {written.train.micro_batch} x {written.accumulation_steps} microbatches" in layout
+    assert any("the source config's was runs/default" in line for line in header)

@@ -22,7 +22,7 @@ import pickle
 import shutil
 import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -325,6 +326,11 @@ def load(state: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Te
     if problem[0]:
         damaged, message = problem[0]
         raise (DamagedCheckpointError if damaged else CheckpointError)(message)
+    return _read(state, path)
+
+
+def _read(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """Fill `state` from a verified checkpoint folder (DCP through SafeReader)."""
     try:
         with warnings.catch_warnings():  # single-process loads (export, tests) are intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -342,6 +348,43 @@ def full_model_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tens
     """One process, no process group: the whole model's weights from a checkpoint of any layout."""
     state = {k: v for k, v in model.state_dict().items()}
     return load(state, path)
+
+
+# what a training state holds besides the model's weights (Trainer.state_dict): optimizer moments,
+# progress counters, RNG states, the fp16 loss scale
+NOT_WEIGHTS = ("state.", "progress.", "rng.", "scaler.")
+
+
+def saved_weights(path: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every model weight a checkpoint folder holds, from its index alone
+    (no model is built, nothing else is read)."""
+    metadata = SafeReader(path).read_metadata()
+    return {
+        name: (tuple(entry.size), entry.properties.dtype)
+        for name, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata) and not name.startswith(NOT_WEIGHTS)
+    }
+
+
+def weight_groups(
+    path: str | Path, names: Sequence[str], *, group_bytes: int = 1 << 30
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The weights `names` (as `saved_weights` lists them) of a checkpoint of any layout, read in
+    groups of about `group_bytes` in the order given: a model larger than this process's memory is
+    read a part at a time. The folder is verified against its manifest once, before the first group."""
+    verify(Path(path))
+    saved = saved_weights(path)
+    group: dict[str, torch.Tensor] = {}
+    held = 0
+    for name in names:
+        shape, dtype = saved[name]
+        group[name] = torch.empty(shape, dtype=dtype)
+        held += group[name].nbytes
+        if held >= group_bytes:
+            yield _read(group, Path(path))
+            group, held = {}, 0
+    if group:
+        yield _read(group, Path(path))
 
 
 def unloadable_reason(path: Path, error: CheckpointError) -> str:

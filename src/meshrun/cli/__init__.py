@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from meshrun.cli.arguments import check_checkpoint_args, check_plan_args
+from meshrun.cli.arguments import check_checkpoint_args, check_parity_args, check_plan_args
 from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError, RunError
 from meshrun.launcher.outcome import StoppedBeforeTraining, stops_end_the_launcher
@@ -116,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--source-field", default="source", help="--pairs: the source text field of .jsonl records")
     data.add_argument("--target-field", default="target", help="--pairs: the target text field of .jsonl records")
     _plan_parser(sub)
+    _parity_parser(sub)
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
     export.add_argument(
         "checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder"
@@ -214,6 +215,53 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--steps", type=int, default=3, help="--calibrate: timed steps per probe")
     plan.add_argument("--rounds", type=int, default=3, help="--calibrate: alternating rounds over the probes (median)")
     _trust_code_flag(plan, "--run: import the model.factory the run's config.json names")
+
+
+def _parity_parser(sub: argparse._SubParsersAction) -> None:
+    parity = sub.add_parser(
+        "parity",
+        help="train one job in two layouts for a few steps and compare them (exit 0: equal, 1: different)",
+        description="Train one job in two layouts (A and B) by real `meshrun train` launches, from the same "
+        "weights on the same global batches, and compare each step's loss and pre-clip grad norm and the "
+        "weights, tensor by tensor, against tolerances for the precision (README: Parity).",
+        epilog="exit status: 0 equal within the tolerances, 1 different (or a run failed), 2 bad input",
+    )
+    parity.add_argument(
+        "configs",
+        nargs="*",
+        metavar="CONFIG",
+        help="A.yaml B.yaml, or one config for both with --set-a / --set-b; none: the packaged default",
+    )
+    parity.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key of both runs"
+    )
+    for side in ("a", "b"):
+        parity.add_argument(
+            f"--set-{side}",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"override a key of run {side.upper()} only, e.g. --set-{side} parallel.pp=2 (repeatable)",
+        )
+    parity.add_argument("--out", required=True, help="a new folder for the two runs (OUT/a, OUT/b) and their logs")
+    parity.add_argument("--steps", type=int, default=5, help="optimizer steps each run trains (default 5)")
+    parity.add_argument(
+        "--layers", type=int, help="both runs at this depth (model.num_layers): a model too large to check whole"
+    )
+    parity.add_argument(
+        "--weights",
+        choices=("final", "every", "none"),
+        default="every",
+        help="compare the weights after every step (default: a checkpoint per step and run; names the first step "
+        "and the tensor that differ), only the final ones (one checkpoint per run), or none",
+    )
+
+
+def _parity(args: argparse.Namespace) -> int:
+    check_parity_args(args)
+    from meshrun.cli.parity import run_parity  # the runs and the weights (torch) after the checks
+
+    return run_parity(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -440,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
             return _k8s(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "parity":
+            return _parity(args)
         with contextlib.nullcontext() if in_launched_worker() else stops_end_the_launcher():
             return _train(args)
     except StoppedBeforeTraining as stop:

@@ -45,6 +45,23 @@ def check_plan_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--run {args.run} holds no config.json; pass a meshrun run directory")
 
 
+def check_parity_args(args: argparse.Namespace) -> None:
+    """`parity` arguments, checked before torch is imported."""
+    if len(args.configs) > 2:
+        raise ConfigError(f"parity takes one config (for both runs) or two (A and B), got {len(args.configs)}")
+    for config in args.configs:
+        if not Path(config).is_file():
+            raise ConfigError(f"config {config} is not a file; pass A.yaml B.yaml, or one config for both runs")
+    for flag, value in (("--steps", args.steps), ("--layers", args.layers)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    out = Path(args.out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ConfigError(f"--out {args.out} exists; parity trains into a new folder: choose another --out")
+    if not out.exists():
+        check_writable_parent("--out", args.out)
+
+
 def check_checkpoint_args(args: argparse.Namespace) -> None:
     """`export` / `sample` arguments, checked before torch is imported."""
     if not Path(args.checkpoint).exists():

@@ -100,10 +100,48 @@ def table(predictions: list[Prediction], top: int) -> str:
     return "\n".join(lines)
 
 
-def write_config(prediction: Prediction, out: Path) -> None:
-    text = yaml.safe_dump(prediction.cfg.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+def new_run_dir(source: str, out: Path) -> str:
+    """A run_dir for the written job: beside the source config's, named after the written file
+    (`runs/best` for best.yaml), with -2, -3, ... until no folder of that name exists: running the
+    proposed config starts a new run, never resumes or overwrites the source's (or any other)."""
+    parent, name = Path(source).parent, out.stem
+    candidate, n = parent / name, 1
+    while candidate.exists() or candidate == Path(source):
+        n += 1
+        candidate = parent / f"{name}-{n}"
+    return str(candidate)
+
+
+def layout_comment(prediction: Prediction, hw: Hardware, precision: str, run_dir: str) -> str:
+    """The header of a written config: the layout chosen, what was predicted for it, its run_dir."""
+    lab, mem, cfg = prediction.label, prediction.memory, prediction.cfg
+    layout = (
+        f"{cfg.layout.short_text()}, schedule {lab['schedule']}, micro_batch {lab['micro_batch']} x "
+        f"{lab['microbatches']} microbatches, recompute {lab['recompute']}"
+    )
+    memory = (
+        f"{_gib(mem.total)} GiB (params {_gib(mem.params)}, grads {_gib(mem.grads)}, "
+        f"optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)})"
+    )
+    speed = f"{prediction.time.total:.4g} s per step, {prediction.tokens_per_s:.4g} tokens/s"
+    return (
+        f"# written by meshrun plan: the best fitting layout for {cfg.world_size} x {hw.name}, {precision}\n"
+        f"# layout: {layout}\n"
+        f"# predicted per rank: {memory}; {speed}\n"
+        f"# run_dir: {run_dir}, a new folder (the source config's was {cfg.run_dir})\n"
+    )
+
+
+def write_config(prediction: Prediction, out: Path, hw: Hardware, precision: str) -> str:
+    """The proposed job as a new YAML file: the layout comment, then the keys that differ from
+    the defaults, with a run_dir of its own (see new_run_dir), which is returned."""
+    run_dir = new_run_dir(prediction.cfg.run_dir, out)
+    cfg = prediction.cfg.model_copy(update={"run_dir": run_dir})
+    text = yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, text, replace=False)  # never overwrite (checked before, refused here too)
+    header = layout_comment(prediction, hw, precision, run_dir)
+    write_atomic(out, header + text, replace=False)  # never overwrite (checked before, refused here too)
+    return run_dir
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -130,8 +168,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.write:
         if not fitting:
             raise ConfigError("no layout fits in memory, nothing written; add devices or raise --memory-gb")
-        write_config(fitting[0], Path(args.write))
-        print(f"wrote {args.write}")
+        run_dir = write_config(fitting[0], Path(args.write), hw, precision)
+        print(f"wrote {args.write} (run_dir {run_dir}: a new folder)")
     return 0
 
 
