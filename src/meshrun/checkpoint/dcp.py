@@ -190,30 +190,64 @@ def save(
     or later ones when an older one was named): retention never deletes them, and one this save
     would replace is moved aside instead.
     """
-    root = checkpoint_root(run_dir)
-    final = root / f"step-{step:08d}"
-    tmp = final.with_name(final.name + ".tmp")
-    rank0 = _rank() == 0
-    if rank0:
+    tmp = start_folder(run_dir, step)
+    try:
+        dcp.save(state, storage_writer=shard_writer(tmp))
+    except (OSError, RuntimeError, dcp.CheckpointException) as exc:  # DCP's: every rank's errors, on every rank
+        raise failed_save(exc, tmp) from None
+    _barrier()  # every rank's shards are on disk before anyone hashes them
+    return publish(tmp, _gather(shard_sums(tmp)), keep=keep, config=config, protected=protected, data_card=data_card)
+
+
+def start_folder(run_dir: str | Path, step: int) -> Path:
+    """Collective: the empty `.tmp` folder a save of `step` writes into (one left by a killed save
+    is cleared first)."""
+    tmp = checkpoint_root(run_dir) / f"step-{step:08d}.tmp"
+    if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a save that was killed
         tmp.mkdir(parents=True)
     _barrier()
-    try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    except (OSError, RuntimeError, dcp.CheckpointException) as exc:  # DCP's: every rank's errors, on every rank
-        full = _full_disk(exc, tmp)  # before the partial save goes: the disk is still full
-        if isinstance(exc, dcp.CheckpointException):
-            _barrier()  # DCP's collectives worked: every rank has looked
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)  # its space back; earlier checkpoints stay as they were
-        if full is not None:
-            raise full from None
-        raise
-    _barrier()  # every rank's shards are on disk before anyone hashes them
-    sums = _gather({p.name: _crc32(p) for p in tmp.glob(f"__{_rank()}_*")})
-    if rank0:
+    return tmp
+
+
+def shard_writer(tmp: Path) -> dcp.FileSystemWriter:
+    """DCP's writer for this rank's shards, each file flushed to disk before the save returns."""
+    return dcp.FileSystemWriter(tmp, sync_files=True)
+
+
+def failed_save(exc: BaseException, tmp: Path) -> BaseException:
+    """Collective after a DCP save raised `exc` on every rank: the partial save goes (its space
+    back; earlier checkpoints stay as they were). Returns the error to raise: one line for a full
+    disk, else `exc`."""
+    full = _full_disk(exc, tmp)  # before the partial save goes: the disk is still full
+    if isinstance(exc, dcp.CheckpointException):
+        _barrier()  # DCP's collectives worked: every rank has looked
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return full if full is not None else exc
+
+
+def shard_sums(tmp: Path) -> dict[str, int]:
+    """crc32 of each shard file this rank wrote into `tmp`."""
+    return {p.name: _crc32(p) for p in tmp.glob(f"__{_rank()}_*")}
+
+
+def publish(
+    tmp: Path,
+    sums: list[dict[str, int]],
+    *,
+    keep: int,
+    config: dict,
+    protected: tuple[Path, ...] = (),
+    data_card: tuple[Path, ...] = (),
+) -> Path:
+    """Collective, once every rank's shards in `tmp` are written and hashed (`sums`, by rank):
+    rank 0 writes the manifest, renames `tmp` to its final name, moves `latest` and applies
+    retention. Returns the final folder."""
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+    if _rank() == 0:
         try:
-            _write_manifest(tmp, step, sums, config=config, data_card=data_card)
+            _write_manifest(tmp, step_of(final), sums, config=config, data_card=data_card)
         except RunError:  # a full disk: the partial save goes (its space back), earlier ones stay
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -222,8 +256,8 @@ def save(
         elif final.exists():
             shutil.rmtree(final)
         publish_folder(tmp, final)
-        write_atomic(root / LATEST, final.name + "\n")
-        for old in [p for p in complete_checkpoints(run_dir) if p not in protected][:-keep]:
+        write_atomic(final.parent / LATEST, final.name + "\n")
+        for old in [p for p in complete_checkpoints(final.parent.parent) if p not in protected][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     BeforeValidator,
+    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -137,6 +138,11 @@ class CheckpointConfig(Section):
     """Keep the newest K complete checkpoints."""
     at_end: bool = True
     """Save a checkpoint when training finishes."""
+    async_: bool = Field(default=False, alias="async")
+    """Interval and SAVE saves block only while the state is copied, written in the background (costs a host copy)."""
+
+    # `async` is a Python keyword: the field is `async_`, its key `async`, in files and --set alike
+    model_config = Section.model_config | ConfigDict(validate_by_name=False, serialize_by_alias=True)
 
 
 class AmpConfig(Section):
@@ -350,7 +356,7 @@ def _explain(error: ErrorDetails) -> str:
     if error["type"] == "extra_forbidden":
         parent = [str(p) for p in loc[:-1]]
         section = _section_at(parent, family=family)
-        known = list(section.model_fields) if section else []
+        known = [field.alias or name for name, field in section.model_fields.items()] if section else []
         close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.5)
         hint = f"did you mean {'.'.join(parent + close)}?" if close else f"known keys: {', '.join(known)}"
         return f"unknown config key {key}: {hint}"

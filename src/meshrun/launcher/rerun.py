@@ -25,7 +25,7 @@ RESUMABLE: dict[str, str] = {
     "train.eval_interval": "how often validation is measured, not what is trained",
     "train.eval_batches": "how much validation is measured, not what is trained",
     "train.resume": "where the run first started; a rerun continues from its own checkpoints (another run's are refused)",
-    "checkpoint": "when checkpoints are written and how many are kept",
+    "checkpoint": "when checkpoints are written (in the background or not) and how many are kept",
     "parallel": "the layout: checkpoints reshard on load and every dp x pp split trains on the same global batches",
     "launch": "how the processes are started: nodes, rendezvous, restarts",
     "precision": "`auto` resolves per machine (config.json records the result): a resume on other hardware may differ",

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.amp import GradScaler
 
 from meshrun.checkpoint import dcp as checkpoint
+from meshrun.checkpoint.background import BackgroundSaves
 from meshrun.config.schema import Config
 from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.data.locations import training_data_dir
@@ -150,6 +151,7 @@ class Trainer:
             plots=cfg.metrics.plots,
         )
         self.requests = Requests(self.run_dir, is_rank0=mesh.rank == 0)
+        self.background = BackgroundSaves() if cfg.checkpoint.async_ else None  # checkpoint.async
         self.profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=mesh.rank, device=self.device)
 
     def resume(self) -> int:
@@ -225,6 +227,8 @@ class Trainer:
                 self.state_bytes = result.state_bytes
             self.report.tick(done)
             requested, stop = self.requests.poll()  # asked for before this step: every rank acts now
+            if self.background is not None and (written := self.background.poll()):  # a failed write raises
+                self.report.note(f"saved checkpoint {written} (written in the background)")
             eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
             save_due = requested or self._checkpoint_due(done)
             if log_due or eval_due or save_due:
@@ -239,10 +243,16 @@ class Trainer:
                 progress.mark("eval")
                 pauses["val_loss"], pauses["eval_s"] = self.timed(self.evaluate)
                 row["val_loss"] = pauses["val_loss"]
-            if save_due:
+            if save_due:  # preemption and the end of the run save synchronously
                 progress.mark("checkpoint")
-                path, pauses["checkpoint_s"] = self.timed(partial(self.save, done))
-                self.report.note(f"saved checkpoint {path} in {pauses['checkpoint_s']:.2f} s")
+                background = self.background is not None and not stop and done < cfg.steps
+                path, pauses["checkpoint_s"] = self.timed(partial(self.save, done, background=background))
+                blocked = f"in {pauses['checkpoint_s']:.2f} s"
+                self.report.note(
+                    f"staged checkpoint {path.name} {blocked}; writing it in the background"
+                    if background
+                    else f"saved checkpoint {path} {blocked}"
+                )
             if pauses:
                 window.paused += pauses.get("eval_s", 0.0) + pauses.get("checkpoint_s", 0.0)
                 self.report.log(done, pauses)
@@ -250,6 +260,8 @@ class Trainer:
                 progress.mark("finishing")
                 self.report.note(f"stop requested: checkpoint at step {done} written; rerun the same command to resume")
                 return Outcome.STOPPED
+        progress.mark("checkpoint")
+        self.finish_background()  # checkpoint.at_end false: the last interval save
         progress.mark("finishing")  # the summary and pictures: no longer watched
         self._summary(row)
         return Outcome.COMPLETED
@@ -309,18 +321,28 @@ class Trainer:
                 }
             )
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, *, background: bool = False) -> Path:
+        """A checkpoint of `step`. `background` (checkpoint.async): returns once the state is
+        staged; the folder appears when its write is done (see BackgroundSaves)."""
         self.model.tied.check_identical()  # the checkpoint keeps one of the two copies
-        config = self.cfg.model_dump(mode="json")
-        return checkpoint.save(
-            self.state_dict(step),
-            self.run_dir,
-            step,
-            keep=self.cfg.checkpoint.keep,
-            config=config,
-            protected=self.newer_checkpoints,
-            data_card=self.data_card,
-        )
+        publishing = {
+            "keep": self.cfg.checkpoint.keep,
+            "config": self.cfg.model_dump(mode="json"),
+            "protected": self.newer_checkpoints,
+            "data_card": self.data_card,
+        }
+        if background and self.background is not None:
+            return self.background.start(self.state_dict(step), self.run_dir, step, **publishing)
+        self.finish_background()
+        return checkpoint.save(self.state_dict(step), self.run_dir, step, **publishing)
+
+    def finish_background(self) -> None:
+        """Collective: wait for the asynchronous save in flight, if any, and publish it."""
+        if self.background is None or self.background.writing is None:
+            return
+        self.report.note(f"waiting for checkpoint {self.background.writing.name} to be written in the background")
+        written = self.background.wait()
+        self.report.note(f"saved checkpoint {written} (written in the background)")
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step, in order, and what it produced; it moves the data position on.
@@ -466,5 +488,7 @@ class Trainer:
         self.report.finish(summary)
 
     def close(self) -> None:
+        if self.background is not None:
+            self.background.close()
         self.requests.close()
         self.report.close()
