@@ -115,7 +115,8 @@ def test_metadata_is_never_unpickled_freely(full_runs, tmp_path: Path) -> None:
     """A .metadata that would run code on load is refused (the manifest is forged to match)."""
     import pickle
 
-    from meshrun.checkpoint.dcp import CheckpointError, _crc32, full_model_state
+    from meshrun.checkpoint.dcp import _crc32, full_model_state
+    from meshrun.errors import CheckpointError
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(full_runs["fp32"] / "checkpoints" / "step-00000012", ckpt)

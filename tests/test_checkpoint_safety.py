@@ -14,15 +14,9 @@ import pytest
 import torch
 from conftest import meshrun_env, run_meshrun, tiny
 
-from meshrun.checkpoint.dcp import (
-    CheckpointError,
-    _crc32,
-    full_model_state,
-    load,
-    verify,
-)
+from meshrun.checkpoint.dcp import _crc32, full_model_state, load, verify
 from meshrun.config.schema import Config
-from meshrun.errors import ConfigError
+from meshrun.errors import CheckpointError, ConfigError
 from meshrun.launcher.run_lock import LOCK
 from meshrun.models.families import build_model
 
@@ -135,7 +129,7 @@ def plant_pickle(finished: Path, tmp_path: Path, key: str) -> tuple[Path, Path]:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from meshrun.checkpoint.dcp import SafeReader
+    from meshrun.checkpoint.safe_reader import SafeReader
 
     ckpt, marker = tmp_path / "ckpt", tmp_path / "code-ran"
     shutil.copytree(finished / "checkpoints" / CKPTS[-1], ckpt)
@@ -164,7 +158,7 @@ def test_a_pickled_item_in_a_checkpoint_is_never_unpickled(key: str, finished: P
 
 def test_resume_from_a_checkpoint_with_a_pickled_item_is_refused_before_workers(finished: Path, tmp_path: Path) -> None:
     """train.resume=PATH: the launcher's check refuses it (the run trained on with exit 0 before)."""
-    from meshrun.checkpoint.dcp import check_resumable
+    from meshrun.checkpoint.resume import check_resumable
 
     ckpt, marker = plant_pickle(finished, tmp_path, "progress.samples_seen")
     with pytest.raises(ConfigError, match=r"train\.resume .*\.metadata.*pickled"):
@@ -182,7 +176,7 @@ def test_export_refuses_a_checkpoint_with_a_pickled_item(finished: Path, tmp_pat
 
 def test_a_transformed_entry_is_refused(finished: Path, tmp_path: Path) -> None:
     """meshrun writes no compressed (transformed) entries: one would be decompressed unbounded."""
-    from meshrun.checkpoint.dcp import SafeReader
+    from meshrun.checkpoint.safe_reader import SafeReader
 
     ckpt = shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "ckpt")
     metadata = SafeReader(ckpt).read_metadata()
@@ -254,7 +248,7 @@ def test_workers_under_torchrun_stop_too(finished: Path, data_dir: Path, tmp_pat
 
 
 def test_another_versions_checkpoint_is_told_apart_from_a_corrupt_one(finished: Path, tmp_path: Path) -> None:
-    from meshrun.checkpoint.dcp import check_resumable
+    from meshrun.checkpoint.resume import check_resumable
 
     run = tmp_path / "run"
     shutil.copytree(finished, run)
@@ -339,7 +333,7 @@ def test_another_runs_checkpoint_is_not_loaded_into_a_run(finished: Path, data_d
 def test_auto_after_a_rollback_continues_the_rolled_back_branch(finished: Path, data_dir: Path, tmp_path: Path) -> None:
     """Rolled back to step 4 and trained to 8, the run's saved-last checkpoint is the new step 8:
     `auto`, export and sample continue from it, not from the old branch's higher step 12 (kept)."""
-    from meshrun.checkpoint.dcp import checkpoint_dir
+    from meshrun.checkpoint.resume import checkpoint_dir
 
     run = shutil.copytree(finished, tmp_path / "run")
     old_12 = snapshot(run / "checkpoints" / CKPTS[-1])

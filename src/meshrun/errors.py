@@ -9,3 +9,11 @@ class RunError(RuntimeError):
     """A run that cannot go on (unreadable checkpoint, non-finite loss): says where and what to try."""
 
     exit_code = 1  # a subclass may say otherwise (a hang: launcher/hang.py)
+
+
+class CheckpointError(RunError):
+    """A checkpoint that cannot be read: names the file."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A file differs from the manifest written at save time: missing, truncated or corrupt."""

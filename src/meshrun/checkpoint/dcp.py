@@ -18,7 +18,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pickle
 import shutil
 import warnings
 import zlib
@@ -45,11 +44,10 @@ from meshrun.checkpoint.paths import (
     MANIFEST,
     checkpoint_root,
     complete_checkpoints,
-    newest_first,
-    resume_candidates,
     step_of,
 )
-from meshrun.errors import ConfigError, RunError
+from meshrun.checkpoint.safe_reader import SafeReader
+from meshrun.errors import CheckpointError, DamagedCheckpointError, RunError
 from meshrun.files.atomic import atomic_target, disk_error, publish_folder, write_atomic
 from meshrun.files.json_reader import read_json
 from meshrun.versions import installed_versions
@@ -57,77 +55,6 @@ from meshrun.versions import installed_versions
 DATA_CARD = "data"  # the training data's meta.json and tokenizer.json (no tokens): how to decode
 FULL_BELOW = 1 << 20  # free bytes under which a save that failed is taken to have filled the disk
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class CheckpointError(RunError):
-    """A checkpoint that cannot be read: names the file."""
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A file differs from the manifest written at save time: missing, truncated or corrupt."""
-
-
-# -- safe metadata -----------------------------------------------------------------------------
-
-_ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "TensorProperties",
-        "ChunkStorageMetadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch._utils", "_get_layout"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        if name == "BytesStorageMetadata":  # DCP would torch.load the item with weights_only=False
-            raise pickle.UnpicklingError(
-                "it declares a pickled (non-tensor) item, which meshrun never writes and never unpickles"
-            )
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-
-class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose `.metadata` index is unpickled with an allowlist and holds only
-    entries of the kind meshrun writes (untransformed tensors): the only reader meshrun loads with."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            with path.open("rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (OSError, EOFError, pickle.UnpicklingError) as exc:
-            raise CheckpointError(f"cannot read checkpoint index {path}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - an allowed class called with forged arguments: any error
-            raise CheckpointError(f"cannot read checkpoint index {path}: {type(exc).__name__}: {exc}") from None
-        if not isinstance(metadata, dcp.Metadata) or not isinstance(metadata.storage_data, dict):
-            raise CheckpointError(f"cannot read checkpoint index {path}: it is not a DCP index")
-        transformed = [getattr(info, "transform_descriptors", None) for info in metadata.storage_data.values()]
-        if any(transformed):  # DCP would decompress each whole into memory, unbounded; meshrun writes none
-            raise CheckpointError(
-                f"checkpoint index {path} names transformed (compressed) entries "
-                f"{next(filter(None, transformed))}, which meshrun never writes"
-            )
-        meta = metadata.storage_meta
-        meta = meta if isinstance(meta, dcp.metadata.StorageMeta) else dcp.metadata.StorageMeta()
-        meta.load_id = self.load_id
-        metadata.storage_meta = meta
-        return metadata
 
 
 # -- state ---------------------------------------------------------------------------------------
@@ -419,96 +346,6 @@ def weight_groups(
             group, held = {}, 0
     if group:
         yield _read(group, Path(path))
-
-
-def unloadable_reason(path: Path, error: CheckpointError) -> str:
-    """Why a checkpoint did not load, telling another torch / meshrun apart from a damaged file."""
-    try:
-        written = read_json(path / MANIFEST).get("versions")
-    except (OSError, ValueError, AttributeError):
-        written = None
-    here = installed_versions()
-    if isinstance(error, DamagedCheckpointError):
-        return str(error)
-    if isinstance(written, dict) and written != here:
-
-        def show(v: dict) -> str:
-            return f"torch {v.get('torch')} / meshrun {v.get('meshrun')}"
-
-        return (
-            f"it was written by {show(written)}, this is {show(here)} ({error}); resume with the versions that wrote it"
-        )
-    if written is None:
-        return f"{error} (written by an older meshrun that recorded no versions)"
-    return str(error)
-
-
-def no_checkpoint_loads(run_dir: str | Path, failures: list[tuple[Path, CheckpointError]]) -> ConfigError:
-    """The error when checkpoints exist but none loads: a fresh start must be asked for."""
-    first, error = failures[0]
-    return ConfigError(
-        f"none of the {len(failures)} checkpoints in {checkpoint_root(run_dir)} loads; the one saved last, "
-        f"{first.name}, does not: {unloadable_reason(first, error)}. Nothing was changed. To start from step 0 on purpose, "
-        f"set a new run_dir (or move {checkpoint_root(run_dir)} aside)"
-    )
-
-
-def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> Path | None:
-    """Before spawning workers: the checkpoint to resume from verifies and fits `model` (a meta-device
-    model: only names and shapes are compared), so a run that cannot resume stops here. Returns
-    that checkpoint (None: there is none to resume)."""
-    failures: list[tuple[Path, CheckpointError]] = []
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    for path in resume_candidates(run_dir, resume):
-        try:
-            verify(path)
-            saved = SafeReader(path).read_metadata().state_dict_metadata
-            for name, shape in shapes.items():
-                if name not in saved or tuple(getattr(saved[name], "size", ())) != shape:
-                    raise CheckpointError(
-                        f"checkpoint {path} holds no {name} of shape {list(shape)}; it is of another model"
-                    )
-            return path
-        except CheckpointError as exc:
-            failures.append((path, exc))
-    if failures and resume == "auto":
-        raise no_checkpoint_loads(run_dir, failures)
-    if failures:  # the last candidate is the checkpoint train.resume names
-        raise ConfigError(f"train.resume {resume}: {unloadable_reason(*failures[-1])}")
-    return None
-
-
-def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:
-    """The run's complete checkpoints after `step` (what a resume from `step` must not delete)."""
-    return tuple(p for p in complete_checkpoints(run_dir) if step_of(p) > step)
-
-
-def saved_world_size(path: Path) -> int | None:
-    """dp x pp of the job that wrote a checkpoint (None if its config is unreadable)."""
-    try:
-        parallel = read_json(Path(path) / CONFIG)["parallel"]
-        return int(parallel["dp"]) * int(parallel["pp"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def saved_train_steps(path: Path) -> int | None:
-    """train.steps of the job that wrote a checkpoint, the length its lr schedule had (None if unreadable)."""
-    try:
-        return int(read_json(Path(path) / CONFIG)["train"]["steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def checkpoint_dir(run_or_checkpoint: str | Path) -> Path:
-    """A checkpoint folder given itself or a run directory (the checkpoint a rerun would resume)."""
-    path = Path(run_or_checkpoint)
-    if (path / MANIFEST).is_file():
-        return path
-    found = newest_first(path)
-    if not found:
-        raise CheckpointError(f"{path} is neither a checkpoint folder nor a run directory with checkpoints")
-    return found[0]
 
 
 def _rank() -> int:

@@ -188,10 +188,8 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     in the run directory changes before the run is known to train (a complete run: nothing to do)."""
     ensure_data(cfg)
     if resume_candidates(cfg.run_dir, cfg.train.resume):  # cannot resume: stop before any worker exists
-        from meshrun.checkpoint.dcp import (  # torch.distributed.checkpoint: only when needed
-            check_resumable,
-            read_manifest,
-        )
+        from meshrun.checkpoint.dcp import read_manifest  # torch.distributed.checkpoint: only when needed
+        from meshrun.checkpoint.resume import check_resumable
 
         resume_from = check_resumable(cfg.run_dir, cfg.train.resume, model)
         step = read_manifest(resume_from).get("step") if resume_from is not None else None

@@ -7,12 +7,13 @@ from pathlib import Path
 
 from torch import nn
 
-from meshrun.checkpoint.dcp import CONFIG, CheckpointError, checkpoint_dir, full_model_state, verify
+from meshrun.checkpoint.dcp import CONFIG, full_model_state, verify
 from meshrun.checkpoint.export import export
 from meshrun.checkpoint.paths import step_of
+from meshrun.checkpoint.resume import checkpoint_dir
 from meshrun.cli.arguments import check_export_target
 from meshrun.config.schema import Config, check_code_trusted
-from meshrun.errors import ConfigError
+from meshrun.errors import CheckpointError, ConfigError
 from meshrun.files.json_reader import read_json
 from meshrun.preflight import preflight
 

@@ -14,7 +14,9 @@ import torch.distributed as dist
 from torch.amp import GradScaler
 
 from meshrun.checkpoint import dcp as checkpoint
+from meshrun.checkpoint import resume
 from meshrun.checkpoint.background import BackgroundSaves
+from meshrun.checkpoint.paths import resume_candidates
 from meshrun.config.schema import Config
 from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.data.locations import training_data_dir
@@ -159,11 +161,11 @@ class Trainer:
 
         Checkpoints exist but none loads: stop before anything in the run directory changes.
         """
-        candidates = checkpoint.resume_candidates(self.run_dir, self.cfg.train.resume)
+        candidates = resume_candidates(self.run_dir, self.cfg.train.resume)
         failures: list[tuple[Path, checkpoint.CheckpointError]] = []
         for path in candidates:
             try:
-                same_layout = checkpoint.saved_world_size(path) == self.cfg.world_size
+                same_layout = resume.saved_world_size(path) == self.cfg.world_size
                 state = checkpoint.load(self.state_dict(0, rng=same_layout), path)
             except checkpoint.CheckpointError as exc:
                 if self.cfg.train.resume != "auto" and path == candidates[-1]:
@@ -173,17 +175,17 @@ class Trainer:
                 failures.append((path, exc))
                 continue
             step = int(state["progress.step"])
-            self.newer_checkpoints = checkpoint.newer_than(self.run_dir, step)
+            self.newer_checkpoints = resume.newer_than(self.run_dir, step)
             self.load_state_dict(state)
             if self.mesh.rank == 0:
                 lineage = self.cfg.train.resume != "auto" and path != candidates[-1]
                 since = f" (saved by this run since it started from {self.cfg.train.resume})" if lineage else ""
                 say(f"resumed from {path} at step {step}{since}")
-                if note := schedule_change_note(checkpoint.saved_train_steps(path), self.cfg.train, step):
+                if note := schedule_change_note(resume.saved_train_steps(path), self.cfg.train, step):
                     say(note)
             return step
         if failures:
-            raise checkpoint.no_checkpoint_loads(self.run_dir, failures)
+            raise resume.no_checkpoint_loads(self.run_dir, failures)
         return 0
 
     def local_batch(
