@@ -175,10 +175,12 @@ def run_nodes(nodes: list[tuple[list[str], dict[str, str]]], *, cwd: Path, timeo
 @pytest.mark.timeout(120)
 def test_a_missing_node_is_named_and_given_up_on_in_one_line(data_dir: Path, tmp_path: Path) -> None:
     """--nnodes 2 with one node started said "starting 2 workers" and nothing more: now it says who
-    it waits for, where, and gives up after launch.rdzv_timeout with one line and no traceback."""
+    it waits for, where, how many have joined, and gives up after launch.rdzv_timeout with one line and
+    no traceback. (8 s: the count is read until a second before the timeout, and the host's agent
+    takes a few seconds to open its store on a loaded machine.)"""
     endpoint, layout = f"127.0.0.1:{free_port()}", {"parallel.dp": 2, "parallel.pp": 2}  # 2 workers per node
     env = {k: v for k, v in meshrun_env(tmp_path).items() if k != "OMP_NUM_THREADS"}
-    flags = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-timeout=3"]
+    flags = ["--nnodes=2", f"--rdzv-endpoint={endpoint}", "--rdzv-timeout=8"]
     result = run_meshrun(
         ["train", *tiny(data_dir, tmp_path / "run", **layout), *flags],
         tmp_path=tmp_path,
@@ -189,9 +191,10 @@ def test_a_missing_node_is_named_and_given_up_on_in_one_line(data_dir: Path, tmp
     assert result.returncode == 1, result.stderr
     assert f"waiting for the other 1 of 2 nodes at rendezvous {endpoint}" in result.stderr
     assert f"rendezvous {endpoint}: 1 of 2 nodes here" in result.stderr  # counted at the store, not assumed
-    assert "giving up after 3 s" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "giving up after 8 s" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "TCPStore.cpp" not in result.stderr, result.stderr  # no request of the count cut off by the close
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("meshrun: error: not all 2 nodes joined the rendezvous") and "within 3 s" in last
+    assert last.startswith("meshrun: error: not all 2 nodes joined the rendezvous") and "within 8 s" in last
     assert "(1 of 2 nodes had joined)" in last
     assert "OMP_NUM_THREADS" not in result.stderr  # set for the workers: no torchrun banner
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -36,12 +37,15 @@ class RendezvousWatch:
         )
         self.host, self.port = host.strip("[]"), int(port or 29400)
         self.endpoint, self.nnodes, self.key = launch.rdzv_endpoint, launch.nnodes, f"meshrun/nodes/{launch.rdzv_id}"
+        self.timeout = launch.rdzv_timeout
+        self.started = time.monotonic()
         self.joined = 0
         self.unreachable: str | None = None  # why the endpoint took no connection, while it does not
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="meshrun-rendezvous-watch", daemon=True)
 
     def start(self) -> None:
+        self.started = time.monotonic()
         self._thread.start()
 
     def stop(self) -> None:
@@ -73,13 +77,20 @@ class RendezvousWatch:
         if store is None:
             return
         self.unreachable = None
-        store.add(self.key, 1)
-        while not self._done.is_set() and self.joined < self.nnodes:
-            count = int(store.add(self.key, 0))
-            if count != self.joined:
-                self.joined = count
-                say(f"rendezvous {self.endpoint}: {count} of {self.nnodes} nodes here")
-            self._done.wait(POLL_SECONDS)
+        # The host's agent closes its store when it gives up, rdzv_timeout after its rendezvous began,
+        # which is after this watch started (with torchrun): stop asking a second before this watch's
+        # own deadline, so no request is cut off by the close (torch would print a C++ stack for it).
+        quiet_after = self.started + self.timeout - 1
+        try:
+            store.add(self.key, 1)
+            while not self._done.is_set() and self.joined < self.nnodes and time.monotonic() < quiet_after:
+                count = int(store.add(self.key, 0))
+                if count != self.joined:
+                    self.joined = count
+                    say(f"rendezvous {self.endpoint}: {count} of {self.nnodes} nodes here")
+                self._done.wait(POLL_SECONDS)
+        except (RuntimeError, OSError):  # the store went away (the job ended or gave up): nothing more to say
+            return
 
     def _probe(self) -> str | None:
         """None when the endpoint accepts a TCP connection, else what it does instead."""
