@@ -28,9 +28,10 @@ from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.run_dir import start_run_record
 from meshrun.models.encdec import source_len
 from meshrun.models.families import build_model, flops_at
-from meshrun.parallel.fsdp import full_norm, measured_state_bytes
+from meshrun.parallel.fsdp import measured_state_bytes
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.parallelize import parallelize
+from meshrun.parallel.tensor import clip_to_norm_, global_norm
 from meshrun.parallel.timeline import on_one_clock
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import Optimizers, schedule_change_note
@@ -119,7 +120,9 @@ class Trainer:
         self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
         self.optimizers = Optimizers(self.model.parts, cfg.train)
         # fsdp/hsdp: each rank checks only its gradient shards, so every rank must agree on found_inf
-        self.scaler = make_scaler(cfg, self.device, mesh.pp_group if mesh.data_mesh is None else dist.group.WORLD)
+        # (and tp: each rank checks its shards)
+        sharded = mesh.data_mesh is not None or mesh.tp > 1
+        self.scaler = make_scaler(cfg, self.device, dist.group.WORLD if sharded else mesh.pp_group)
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
         # how pairs data (if any) is batched: the encoder's share, the samples sharing a length bucket
         pairs_layout = {"source_len": source_len(cfg.model), "global_batch": cfg.train.global_batch}
@@ -353,17 +356,16 @@ class Trainer:
         return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens, skipped=skipped, state_bytes=held)
 
     def clip_gradients(self) -> torch.Tensor:
-        """Global norm over all stages (dp replicas already agree after DDP's all-reduce; fsdp
-        shards are summed over the data mesh first)."""
-        grads = [p.grad for p in self.norm_params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
-        norm = full_norm(norm)  # fsdp/hsdp: summed over the gradient shards
+        """Global norm over all stages (dp replicas already agree after DDP's all-reduce; fsdp and
+        tp shards are summed over their meshes first)."""
+        # fsdp/hsdp and tp: each gradient shard counted once, replicated ones once
+        norm = global_norm([p.grad for p in self.norm_params if p.grad is not None], self.device)
         if self.mesh.pp > 1:
             squared = norm.to(torch.float32) ** 2
             dist.all_reduce(squared, group=self.mesh.pp_group)
             norm = squared.sqrt()
         if self.cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, norm, foreach=True)
+            clip_to_norm_(self.params, self.cfg.train.grad_clip, norm)
         return norm
 
     @torch.no_grad()
@@ -381,13 +383,14 @@ class Trainer:
         return self._across_ranks(total / tokens).loss
 
     def _across_ranks(self, loss: torch.Tensor) -> AcrossRanks:
-        """`loss` averaged over dp, with every rank's peak memory and training-state bytes."""
+        """`loss` averaged over dp (the last stage's tp ranks hold the same value: counted once), with
+        every rank's peak memory and training-state bytes."""
         extra = torch.tensor([peak_memory_gb(self.device), self.state_bytes], dtype=torch.float64, device=self.device)
         mine = torch.cat([loss.double().reshape(1), extra])
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
         return AcrossRanks(
-            loss=sum(g[0].item() for g in gathered) / self.mesh.dp,
+            loss=sum(g[0].item() for g in gathered) / (self.mesh.dp * self.mesh.tp),
             memory_gb=[g[1].item() for g in gathered],
             state_bytes=int(max(g[2].item() for g in gathered)),
         )
