@@ -73,9 +73,13 @@ def test_tensor_parallel_matches_plain_torch(row: str, rows, plain_reference) ->
 
 @pytest.mark.timeout(900)
 def test_tp_pipeline_weights_equal_one_process_after_clipped_steps(rows, one_process: Path) -> None:
-    """tp2 x pp2: the whole model, gathered from its DTensor shards, after 10 clipped AdamW steps
-    (the plain reference's unfused AdamW rounds differently: 2e-5 apart after 10 steps)."""
-    assert max_weight_diff(final_weights(rows("tp2-pp2-1f1b")), final_weights(one_process)) < 1e-5
+    """tp2 x pp2: the whole model, gathered from its DTensor shards, after 10 clipped AdamW steps.
+
+    Row-parallel matmuls sum their halves in another order (fp32 rounding, ~1e-7), and AdamW
+    divides a near-zero gradient by its own size: measured, every weight within 3e-6 except one
+    element of blocks.3.mlp.fc.weight at 1.8e-5, hence 1e-4 here (an unsummed or doubled shard
+    moves weights by ~lr = 3e-3; the grad norms above hold to 1e-5 relative)."""
+    assert max_weight_diff(final_weights(rows("tp2-pp2-1f1b")), final_weights(one_process)) < 1e-4
 
 
 @pytest.mark.timeout(900)
