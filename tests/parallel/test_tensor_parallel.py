@@ -24,6 +24,7 @@ ODD_VOCAB = {"model.vocab_size": 257}
 ROWS = {
     "tp2-odd-vocab": {"parallel.tp": 2, **ODD_VOCAB},
     "tp2-pp2-1f1b": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "every:2"},
+    "tp2-pp2-zbv": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zbv"},  # split backward
     "fsdp-dp2-tp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
 }
 

@@ -73,6 +73,11 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def full_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A norm computed over sharded gradients (fsdp, tp) is a partial DTensor: reduce it over their mesh."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 def measured_state_bytes(params: list[nn.Parameter], optimizers: Sequence[torch.optim.Optimizer]) -> int:
     """Bytes this rank holds of parameters, their gradients and optimizer state (local shards)."""
     total = 0

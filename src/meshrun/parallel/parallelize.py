@@ -43,9 +43,7 @@ class LocalModel:
 
     tied: TiedEmbeddings  # set by parallelize
 
-    def __init__(
-        self, part: ProtocolModule, wrapped: nn.Module, *, loss: LossFn, amp: AmpContext, tp: int = 1
-    ) -> None:
+    def __init__(self, part: ProtocolModule, wrapped: nn.Module, *, loss: LossFn, amp: AmpContext, tp: int = 1) -> None:
         self.parts, self.wrapped, self.loss, self.amp = [part], wrapped, loss, amp
         self.tp = tp  # > 1: the loss runs on vocabulary-sharded logits (tensor.py)
 

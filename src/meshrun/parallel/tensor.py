@@ -1,6 +1,6 @@
 """Tensor parallelism (`parallel.tp`): the model's declared split (`tp_plan`, models/protocol.py)
-applied with torch.distributed.tensor.parallel over the layout's tp mesh, the vocabulary-parallel
-loss, and the global gradient norm over sharded gradients.
+applied with torch.distributed.tensor.parallel over the layout's tp mesh, and the
+vocabulary-parallel loss.
 
 Megatron's split: column-parallel q, k, v and MLP input, row-parallel output projections (one
 all-reduce per attention and per MLP, forward and backward), the embedding and the head split by
@@ -8,19 +8,23 @@ vocabulary. The head's logits stay sharded by vocabulary and `loss_parallel` com
 entropy from the shards (never gathering B x T x V). Activations between blocks, and so between
 pipeline stages, are plain replicated tensors. The vocabulary need not divide by tp: DTensor
 shards unevenly (torch.chunk's split) and the embedding's and the loss's masks follow the shards.
+
+Parameters the plan leaves whole (norms, position embeddings) become replicated DTensors, so every
+parameter of a tp stage is a DTensor on one mesh: fused AdamW, clipping and the fp16 scaler run
+foreach kernels that take no mix of plain tensors and DTensors. Their gradients are equal on every
+tp rank, and a replicated DTensor's norm counts them once (fsdp.full_norm reduces the shards').
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from fnmatch import fnmatch
-from typing import TypeVar
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -40,7 +44,6 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "vocab_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
 }
 assert tuple(STYLES) == TP_STYLES
-T = TypeVar("T", bound=torch.Tensor)
 
 
 def check_plan(model: nn.Module, tp: int, source: str) -> None:
@@ -68,6 +71,30 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh) -> None:
     names = [name for name, _ in part.named_modules()]
     concrete = {name: STYLES[style]() for pattern, style in plan.items() for name in names if fnmatch(name, pattern)}
     parallelize_module(part, tp_mesh, concrete)
+    for module in part.modules():
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            # torch annotates the hooks as returning None but uses what they return (as nn.Module hooks do)
+            distribute_module(
+                module,
+                tp_mesh,
+                input_fn=_replicated_inputs,  # pyright: ignore[reportArgumentType]
+                output_fn=_local_outputs,  # pyright: ignore[reportArgumentType]
+            )
+
+
+def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """A module the plan leaves whole computes on replicated DTensors (its inputs are equal on every tp rank)."""
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _local_outputs(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """It hands the next module a plain tensor, as without tp."""
+    return output.to_local() if isinstance(output, DTensor) else output
 
 
 def vocab_parallel(tp: int) -> contextlib.AbstractContextManager:
@@ -94,35 +121,8 @@ class LocalLoss:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         value = self.loss(logits, targets)
-        return value.to_local() if isinstance(value, DTensor) else value
+        # a copy, not to_local's view: split-backward schedules (zbv, zero-bubble) detach the loss in place
+        return value.to_local().clone() if isinstance(value, DTensor) else value
 
     def unscaled(self, losses: list[torch.Tensor]) -> torch.Tensor:
         return self.loss.unscaled(losses)
-
-
-def by_mesh(tensors: Iterable[T]) -> list[list[T]]:
-    """`tensors` grouped by the mesh a DTensor lives on (tp, fsdp's dp, or both; plain tensors
-    together): torch's foreach kernels take no mix of the two, nor of meshes."""
-    groups: dict[object, list[T]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
-    return list(groups.values())
-
-
-def global_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The 2-norm of all `grads`, each element counted once: DTensor gradients reduced over their
-    mesh (a sharded one sums its shards, a replicated one counts once); plain ones are whole on
-    every rank."""
-    norms = []
-    for group in by_mesh(grads):
-        norm = torch.nn.utils.get_total_norm(group, foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
-        return torch.zeros((), device=device)
-    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-
-
-def clip_to_norm_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-    """Scale every gradient by max_norm / norm where the global `norm` exceeds it."""
-    for group in by_mesh(params):
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)

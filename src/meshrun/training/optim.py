@@ -15,21 +15,14 @@ from torch import nn
 from torch.amp import GradScaler
 
 from meshrun.config.schema import TrainConfig
-from meshrun.parallel.tensor import by_mesh
 
 
 def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """Matrices decay, the rest does not; under tp (and fsdp x tp) each group is split by the mesh
-    its parameters live on, as fused AdamW runs one kernel over a group's tensors."""
     decay, no_decay = [], []
     for param in part.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [
-        {"params": same_mesh, "weight_decay": weight_decay}
-        for params, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0))
-        for same_mesh in by_mesh(params) or [[]]
-    ]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Fused (CPU and CUDA): it can skip a step on the device (see step_unless), with no host sync.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
 

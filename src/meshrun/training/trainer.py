@@ -28,10 +28,9 @@ from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.run_dir import start_run_record
 from meshrun.models.encdec import source_len
 from meshrun.models.families import build_model, flops_at
-from meshrun.parallel.fsdp import measured_state_bytes
+from meshrun.parallel.fsdp import full_norm, measured_state_bytes
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.parallelize import parallelize
-from meshrun.parallel.tensor import clip_to_norm_, global_norm
 from meshrun.parallel.timeline import on_one_clock
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import Optimizers, schedule_change_note
@@ -358,14 +357,15 @@ class Trainer:
     def clip_gradients(self) -> torch.Tensor:
         """Global norm over all stages (dp replicas already agree after DDP's all-reduce; fsdp and
         tp shards are summed over their meshes first)."""
-        # fsdp/hsdp and tp: each gradient shard counted once, replicated ones once
-        norm = global_norm([p.grad for p in self.norm_params if p.grad is not None], self.device)
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
+        norm = full_norm(norm)  # fsdp/hsdp and tp: summed over the gradient shards, replicated ones once
         if self.mesh.pp > 1:
             squared = norm.to(torch.float32) ** 2
             dist.all_reduce(squared, group=self.mesh.pp_group)
             norm = squared.sqrt()
         if self.cfg.train.grad_clip > 0:
-            clip_to_norm_(self.params, self.cfg.train.grad_clip, norm)
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, norm, foreach=True)
         return norm
 
     @torch.no_grad()
