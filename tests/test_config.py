@@ -918,6 +918,20 @@ CASES = [
             "importing mt_boom raised RuntimeError: no GPU here",
         ),
     ),
+    Case(  # a user model's plan names a style parallel/tensor.py does not know
+        "tp-plan-unknown-style",
+        lambda c: [
+            *_module(
+                "mt_badplan",
+                "from meshrun.models.gpt import GPT\n\n\nclass Diagonal(GPT):\n"
+                "    def tp_plan(self):\n        return {'blocks.*.mlp.fc': 'diagonal'}\n\n\n"
+                "def build(cfg):\n    return Diagonal(cfg)\n",
+                "mt_badplan:build",
+            )(c),
+            "--set=parallel.tp=2",
+        ],
+        ("model.factory mt_badplan:build's tp_plan gives blocks.*.mlp.fc style 'diagonal'", "choose one of colwise"),
+    ),
     Case(
         "factory-sys-exit",
         _module("mt_exit", "import sys\n\ndef build(cfg):\n    sys.exit(3)\n", "mt_exit:build"),

@@ -151,7 +151,7 @@ def check_layout(
 
 
 def check_tensor_split(par: ParallelConfig, splits: Mapping[str, int]) -> None:
-    """Each size a tp shard holds a part of (heads, the MLP width) divides by parallel.tp."""
+    """Each size a tp shard holds a part of (whole heads) divides by parallel.tp."""
     for key, size in splits.items():
         if size % par.tp:
             raise ConfigError(f"{key} ({size}) must be divisible by parallel.tp ({par.tp}); change one of these keys")
