@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import final_weights, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
 from plain_reference import Reference, assert_grad_norms_match
 from test_checkpoint import interrupted_copy
 
@@ -93,3 +93,15 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(rows, data_dir: Path, tmp_path: 
     assert max_weight_diff(final_weights(run), final_weights(full)) < 1e-5
     assert losses(run) == pytest.approx(losses(full), rel=1e-5)
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 11))
+
+
+def test_fp16_overflow_on_one_tp_rank_skips_the_step_everywhere(data_dir: Path, tmp_path: Path) -> None:
+    """Only rank 1 sees an inf gradient (its embedding shard); rank 0, which logs, skips the step
+    and halves its scale too: found_inf is agreed over the tp group, not only over pp."""
+    here = str(Path(__file__).parent)  # faulty_gpt.py
+    env = meshrun_env(tmp_path, PYTHONPATH=here, MESHRUN_TEST_INF_AT="9", MESHRUN_TEST_INF_RANK="1")  # step 3
+    overrides = {"train.steps": 5, "parallel.tp": 2, "precision": "fp16", "model.factory": "faulty_gpt:build"}
+    run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **overrides)], tmp_path=tmp_path, env=env)
+    rows = [r for r in read_metrics(tmp_path / "run") if "skipped_steps" in r]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1]
+    assert rows[2]["loss_scale"] == rows[1]["loss_scale"] / 2
