@@ -564,6 +564,44 @@ CASES = [
         ("parallel.virtual_stages is for a pipeline (pp is 1)",),
         torch_free=True,
     ),
+    # --- tensor parallelism (parallel.tp) ---
+    Case(  # a tp group's ranks are neighbours on one node
+        "tp-does-not-divide-nproc-per-node",
+        lambda c: [
+            "train",
+            *c.set(
+                parallel__tp=2,
+                launch__nnodes=2,
+                launch__nproc_per_node=1,
+                launch__rdzv_endpoint="localhost:29400",
+            ),
+        ],
+        ("parallel.tp (2) must divide launch.nproc_per_node (1)",),
+        torch_free=True,
+    ),
+    Case(
+        "tp-does-not-divide-workers-per-node",
+        lambda c: ["train", *c.set(parallel__tp=2, launch__nnodes=2, launch__rdzv_endpoint="localhost:29400")],
+        ("parallel.tp (2) must divide the workers per node (1", "launch.nnodes"),
+        torch_free=True,
+    ),
+    Case(  # whole heads per shard
+        "tp-does-not-divide-heads",
+        lambda c: ["train", *c.set(parallel__tp=4, model__num_heads=2)],
+        ("model.num_heads (2) must be divisible by parallel.tp (4)",),
+        torch_free=True,
+    ),
+    Case(
+        "tp-with-ddp",
+        lambda c: ["train", *c.set(parallel__tp=2, parallel__dp=2)],
+        ("parallel.dp_mode ddp with parallel.dp > 1 and parallel.tp > 1 is refused", "parallel.dp_mode=fsdp"),
+        torch_free=True,
+    ),
+    Case(  # the model names its split; encdec declares none
+        "tp-model-without-a-plan",
+        lambda c: ["train", *c.set(parallel__tp=2, model__name="encdec")],
+        ("parallel.tp 2: model.name encdec declares no tensor-parallel plan", "model.name gpt"),
+    ),
     Case(
         "profile-steps-after-the-last",
         lambda c: ["train", *c.set(profile__steps=[100], train__steps=2)],
@@ -879,6 +917,20 @@ CASES = [
             "invalid model.factory 'mt_boom:build'",
             "importing mt_boom raised RuntimeError: no GPU here",
         ),
+    ),
+    Case(  # a user model's plan names a style parallel/tensor.py does not know
+        "tp-plan-unknown-style",
+        lambda c: [
+            *_module(
+                "mt_badplan",
+                "from meshrun.models.gpt import GPT\n\n\nclass Diagonal(GPT):\n"
+                "    def tp_plan(self):\n        return {'blocks.*.mlp.fc': 'diagonal'}\n\n\n"
+                "def build(cfg):\n    return Diagonal(cfg)\n",
+                "mt_badplan:build",
+            )(c),
+            "--set=parallel.tp=2",
+        ],
+        ("model.factory mt_badplan:build's tp_plan gives blocks.*.mlp.fc style 'diagonal'", "choose one of colwise"),
     ),
     Case(
         "factory-sys-exit",

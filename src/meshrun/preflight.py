@@ -43,11 +43,15 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     else:
         check_extras(cfg, trains=False)  # transformers for a Hugging Face model, before torch is imported
         check_model_size(cfg)  # sizes bounded before anything is built (check_job does it too)
-    from meshrun.models.families import build_model  # imports torch: after every torch-free check, so those fail fast
+    from meshrun.models.families import build_model, model_source  # imports torch: after every torch-free check
     from meshrun.models.protocol import check_weights
 
     model = build_model(cfg.model)
     if scope == "job":
+        if cfg.parallel.tp > 1:
+            from meshrun.parallel.tensor import check_plan
+
+            check_plan(model, cfg.parallel.tp, model_source(cfg.model))  # a plan of known styles and modules
         check_weights(model)  # pretrained weights: present, shaped as the config says
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))

@@ -1,7 +1,8 @@
 """A GPT whose embedding output gradient becomes inf once, to force an fp16 overflow in one stage.
 
 Used through `model.factory: faulty_gpt:build`. MESHRUN_TEST_INF_AT=k poisons the k-th
-backward through the embedding (1-based, counted per process).
+backward through the embedding (1-based, counted per process); with MESHRUN_TEST_INF_RANK=r,
+only on global rank r (an overflow one tensor-parallel rank sees alone).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ class _PoisonGrad(torch.autograd.Function):
         _calls["backward"] += 1
         if os.environ.get("MESHRUN_TEST_LOG_CALLS"):
             print(f"poison-backward {_calls['backward']}", flush=True)
-        if _calls["backward"] == int(os.environ.get("MESHRUN_TEST_INF_AT", "0")):
+        rank = os.environ.get("MESHRUN_TEST_INF_RANK")
+        here = rank is None or rank == os.environ.get("RANK", "0")
+        if here and _calls["backward"] == int(os.environ.get("MESHRUN_TEST_INF_AT", "0")):
             return grad * float("inf")
         return grad
 

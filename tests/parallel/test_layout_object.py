@@ -92,3 +92,21 @@ def test_the_mesh_of_a_lone_process_has_every_named_axis() -> None:
 def test_a_layout_validates_its_degrees(layout: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         Layout(**layout)
+
+
+@pytest.mark.parametrize(("pp", "replicate", "shard", "tp"), [(1, 1, 1, 2), (2, 2, 1, 2), (2, 1, 2, 4), (1, 2, 2, 2)])
+def test_tp_is_the_innermost_axis(pp: int, replicate: int, shard: int, tp: int) -> None:
+    """A tp group is neighbouring ranks: rank = (pp_rank * dp + dp_rank) * tp + tp_rank."""
+    layout = Layout(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp)
+    assert layout.world_size == pp * replicate * shard * tp
+    for rank, coords in enumerated(layout).items():
+        assert layout.coordinates(rank) == coords
+        assert rank == (coords["pp"] * layout.dp + coords["dp"]) * tp + coords["tp"]
+    assert layout.mesh_degrees == {"pp": pp, "dp": replicate * shard, "tp": tp}
+
+
+def test_messages_name_tp_only_when_it_splits() -> None:
+    assert Layout(pp=2, dp_replicate=2).world_text() == "parallel.dp x parallel.pp (2 x 2 = 4)"
+    split = Layout(pp=2, dp_replicate=2, tp=2)
+    assert split.world_text() == "parallel.dp x parallel.pp x parallel.tp (2 x 2 x 2 = 8)"
+    assert split.grid() == "world size 8 = dp 2 x pp 2 x tp 2 (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)"

@@ -51,7 +51,7 @@ def test_matmuls_run_in_the_configured_precision(precision: str, dtype: torch.dt
         module.register_forward_hook(lambda m, args, out, name=name: seen.setdefault(name, set()).add(out.dtype))
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     loss = model.forward_backward(tokens[:, :-1], tokens[:, 1:])
-    assert len(seen) == len(linears) == 2 * 4 + 1  # qkv, proj, fc, proj per block; the head
+    assert len(seen) == len(linears) == 2 * 6 + 1  # q, k, v, proj, fc, proj per block; the head
     assert all(dtypes == {dtype} for dtypes in seen.values()), seen
     assert loss.dtype == torch.float32 and torch.isfinite(loss)  # cross-entropy in fp32
     assert all(

@@ -48,11 +48,22 @@ class ModelSection(Section):
             )
         return self
 
+    def tp_splits(self) -> dict[str, int]:
+        """The sizes tensor parallelism divides among parallel.tp ranks, by the key that sets each
+        (checked before any worker). Default: none known from the config alone."""
+        return {}
+
 
 class GPTSection(ModelSection):
     family: ClassVar[str] = "gpt"
     name: Literal["gpt"] = "gpt"
     """Built-in model to train: gpt, encdec; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+
+    def tp_splits(self) -> dict[str, int]:
+        """Whole heads per tp shard (which also splits model.dim and the MLP width 4 x dim, multiples
+        of the heads). The vocabulary needs no divisor: DTensor shards it unevenly, and the loss is
+        the same (tests/parallel/test_tensor_parallel.py)."""
+        return {"model.num_heads": self.num_heads}
 
 
 class EncDecSection(ModelSection):

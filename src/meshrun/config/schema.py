@@ -245,6 +245,7 @@ class Config(Section):
             global_batch=self.train.global_batch,
             micro_batch=self.train.micro_batch,
             profiled_ranks=self.profile.ranks or [],
+            tp_splits=self.model.tp_splits(),
         )
         late = [step for step in self.profile.steps if step > self.train.steps]
         if late:

@@ -10,7 +10,7 @@ model's depth, maybe read from a Hugging Face folder: `preflight` checks that (w
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
@@ -32,6 +32,8 @@ class ParallelConfig(Section):
     """Data-parallel degree (ranks per pipeline stage; see dp_mode)."""
     pp: Int = Field(default=1, ge=1)
     """Pipeline-parallel degree (stages over Transformer blocks)."""
+    tp: Int = Field(default=1, ge=1)
+    """Tensor-parallel degree: each layer's matrices split over tp neighbouring ranks of one node (DTensor)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule from torch.distributed.pipelining (used when pp > 1)."""
     virtual_stages: Int | None = Field(default=None, ge=1)
@@ -74,6 +76,11 @@ class ParallelConfig(Section):
         if self.pp == 1 and self.stage_layers is not None and len(self.stage_layers) > 1:
             raise ValueError(
                 f"parallel.stage_layers lists {len(self.stage_layers)} stages but pp is 1; remove it or set parallel.pp"
+            )
+        if self.dp_mode == "ddp" and self.dp > 1 and self.tp > 1:
+            raise ValueError(
+                "parallel.dp_mode ddp with parallel.dp > 1 and parallel.tp > 1 is refused: DistributedDataParallel takes "
+                "no tensor-parallel (DTensor) parameters in torch 2.13; set parallel.dp_mode=fsdp or hsdp"
             )
         if self.dp_mode == "ddp":
             unused = [f"fsdp_{n}" for n in ("param_dtype", "reduce_dtype") if getattr(self, f"fsdp_{n}") != "fp32"]
@@ -129,12 +136,27 @@ class LaunchConfig(Section):
 
 
 def check_layout(
-    par: ParallelConfig, launch: LaunchConfig, *, global_batch: int, micro_batch: int, profiled_ranks: Sequence[int]
+    par: ParallelConfig,
+    launch: LaunchConfig,
+    *,
+    global_batch: int,
+    micro_batch: int,
+    profiled_ranks: Sequence[int],
+    tp_splits: Mapping[str, int],
 ) -> None:
-    """Every rule over several sections that needs only the config's numbers."""
+    """Every rule over several sections that needs only the config's numbers (`tp_splits`: the
+    model's sizes tensor parallelism divides, by the key that sets each)."""
     check_batch_maths(par, global_batch=global_batch, micro_batch=micro_batch)
     check_nodes(par, launch)
     check_profiled_ranks(par, profiled_ranks)
+    check_tensor_split(par, tp_splits)
+
+
+def check_tensor_split(par: ParallelConfig, splits: Mapping[str, int]) -> None:
+    """Each size a tp shard holds a part of (whole heads) divides by parallel.tp."""
+    for key, size in splits.items():
+        if size % par.tp:
+            raise ConfigError(f"{key} ({size}) must be divisible by parallel.tp ({par.tp}); change one of these keys")
 
 
 def check_batch_maths(par: ParallelConfig, *, global_batch: int, micro_batch: int) -> None:
@@ -147,13 +169,23 @@ def check_batch_maths(par: ParallelConfig, *, global_batch: int, micro_batch: in
 
 
 def check_nodes(par: ParallelConfig, launch: LaunchConfig) -> None:
-    """Refuse node counts that do not split dp x pp workers evenly."""
+    """Refuse node counts that do not split dp x pp workers evenly, and tp groups that would span nodes."""
     if launch.nproc_per_node is None:
-        workers_per_node(par, launch.nnodes, named=f"launch.nnodes ({launch.nnodes})", change="--nnodes")
+        per_node = workers_per_node(par, launch.nnodes, named=f"launch.nnodes ({launch.nnodes})", change="--nnodes")
+        if per_node % par.tp:
+            raise ConfigError(
+                f"parallel.tp ({par.tp}) must divide the workers per node ({per_node} = world size / "
+                f"launch.nnodes {launch.nnodes}): a tp group stays on one node; change parallel.tp or launch.nnodes"
+            )
     elif launch.nnodes * launch.nproc_per_node != (layout := Layout.of(par)).world_size:
         raise ConfigError(
             f"launch.nnodes x launch.nproc_per_node ({launch.nnodes} x {launch.nproc_per_node}) must equal "
             f"{layout.world_text()}; change one of these keys"
+        )
+    elif launch.nproc_per_node % par.tp:
+        raise ConfigError(
+            f"parallel.tp ({par.tp}) must divide launch.nproc_per_node ({launch.nproc_per_node}): "
+            "a tp group stays on one node; change one of these keys"
         )
 
 
@@ -169,7 +201,7 @@ def check_profiled_ranks(par: ParallelConfig, ranks: Sequence[int]) -> None:
 
 
 def workers_per_node(par: ParallelConfig, nodes: int, *, named: str, change: str) -> int:
-    """dp x pp workers split evenly over `nodes` (`named` and `change` say where the count was set)."""
+    """dp x pp x tp workers split evenly over `nodes` (`named` and `change` say where the count was set)."""
     layout = Layout.of(par)
     if nodes < 1 or layout.world_size % nodes:
         raise ConfigError(f"{named} must divide {layout.world_text()}; change {change} or the parallel degrees")

@@ -113,12 +113,17 @@ class _SkipRandomInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def model_source(cfg: ModelConfig) -> str:
+    """Where the model comes from, as messages name it: `model.name gpt`, `model.factory pkg:fn`, ..."""
+    if is_hf(cfg):
+        return f"model.hf {cfg.hf}" if cfg.hf is not None else "model.hf_config"
+    return f"model.factory {cfg.factory}" if cfg.factory else f"model.name {cfg.name}"
+
+
 def build_model(cfg: ModelConfig) -> ProtocolModule:
     """Construct the model on the meta device (no memory, no values) and check it follows the protocol."""
     factory = resolve_factory(cfg)
-    source = f"model.factory {cfg.factory}" if cfg.factory else f"model.name {cfg.name}"
-    if is_hf(cfg):
-        source = f"model.hf {cfg.hf}" if cfg.hf is not None else "model.hf_config"
+    source = model_source(cfg)
     try:
         with torch.device("meta"), _SkipRandomInit():
             model = factory(cfg)

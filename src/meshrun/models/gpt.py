@@ -28,20 +28,22 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
+    """Separate q, k, v projections: a column split of each holds whole heads (a split of one fused
+    [q; k; v] matrix would not), so the same forward runs on a tensor-parallel shard: the head
+    count comes from the width the projections return."""
+
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
-        self.num_heads, self.dropout = cfg.num_heads, cfg.dropout
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.head_dim, self.dropout = cfg.dim // cfg.num_heads, cfg.dropout
+        self.q, self.k, self.v = (nn.Linear(cfg.dim, cfg.dim) for _ in range(3))
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (
-            self.qkv(x).view(b, t, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
-        )  # (B, H, T, D) each
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, H, T, D)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -77,6 +79,20 @@ class GPT(StagedModel):
         self.norm: nn.Module | None = nn.LayerNorm(cfg.dim)
         # Not tied to the embedding: the two usually live on different pipeline stages.
         self.head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def tp_plan(self) -> dict[str, str]:
+        """Megatron's split: q, k, v and the MLP's first matrix by columns (whole heads per rank),
+        their output projections by rows; the vocabulary split in the embedding and the head."""
+        return {
+            "embed.tok": "vocab_embedding",
+            "blocks.*.attn.q": "colwise",
+            "blocks.*.attn.k": "colwise",
+            "blocks.*.attn.v": "colwise",
+            "blocks.*.attn.proj": "rowwise",
+            "blocks.*.mlp.fc": "colwise",
+            "blocks.*.mlp.proj": "rowwise",
+            "head": "vocab_head",
+        }
 
     def init_weights(self, seed: int) -> None:
         """Initialise the parts present, each from its own seed, so any pipeline split starts identical."""

@@ -56,6 +56,8 @@ class OptionalHooks(Protocol):
 
     def pretrained_dir(self) -> Path | None: ...
 
+    def tp_plan(self) -> dict[str, str] | None: ...
+
 
 def keep_stage(model: ProtocolModule, *, first: bool, last: bool) -> None:
     """Drop the parts another pipeline stage owns (its blocks are already gone). Default: `embed`
@@ -95,6 +97,19 @@ def pretrained_dir(model: nn.Module) -> Path | None:
     """The folder the model's weights are loaded from (for the run's description). Default: None,
     the weights come from `init_weights(seed)`."""
     hook = getattr(model, "pretrained_dir", None)
+    return hook() if hook is not None else None
+
+
+TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
+
+
+def tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """How tensor parallelism splits the model: module-path patterns (`*` for a block index) ->
+    a style of `TP_STYLES` (colwise / rowwise Linear; vocab_embedding: an Embedding split by
+    vocabulary; vocab_head: the output Linear split by vocabulary, its logits left sharded for a
+    vocabulary-parallel loss). The model names the split; parallel/tensor.py applies it. Default:
+    None, the model cannot be split (parallel.tp > 1 is refused)."""
+    hook = getattr(model, "tp_plan", None)
     return hook() if hook is not None else None
 
 

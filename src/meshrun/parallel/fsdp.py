@@ -74,7 +74,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:
-    """A norm computed over sharded gradients is a partial DTensor: reduce it over the data mesh."""
+    """A norm computed over sharded gradients (fsdp, tp) is a partial DTensor: reduce it over their mesh."""
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 

@@ -2,11 +2,11 @@
 place, including which pipeline stages a rank holds. Everything else asks it instead of computing.
 
 Axes, outermost first (`AXES`): `pp`, then data parallelism as `dp_replicate` x `dp_shard` (ddp:
-dp x 1, fsdp: 1 x dp, hsdp: dp / dp_shard x dp_shard). A rank is the mixed-radix number of its
-coordinates, so `rank = pp_rank * dp + dp_rank` with `dp_rank = replica * dp_shard + shard`: a
-copy's shards are neighbouring ranks (one node's fast links carry the heavy gradient traffic) and
-consecutive pipeline stages are `dp` ranks apart (activations are small point-to-point messages).
-An axis added later (tensor parallelism) is one more name here, innermost.
+dp x 1, fsdp: 1 x dp, hsdp: dp / dp_shard x dp_shard), then tensor parallelism `tp`. A rank is the
+mixed-radix number of its coordinates, so `rank = (pp_rank * dp + dp_rank) * tp + tp_rank` with
+`dp_rank = replica * dp_shard + shard`: a tp group is neighbouring ranks (it talks at every block,
+so it gets one node's fastest links), a copy's shards come next (the heavy gradient traffic) and
+consecutive pipeline stages are `dp x tp` ranks apart (activations are small point-to-point messages).
 
 Torch-free (the config's own rules ask it for the world size); `build_device_mesh` imports torch.
 """
@@ -22,9 +22,11 @@ from meshrun.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-AXES = ("pp", "dp_replicate", "dp_shard")  # outermost first
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
 DATA_AXES = ("dp_replicate", "dp_shard")  # flattened, they are the data-parallel axis `dp`
-KEYS = {"dp": "parallel.dp", "pp": "parallel.pp"}  # the config keys whose product is the world size
+# The config keys whose product is the world size; `parallel.tp` is named only when tp > 1 (`keys`),
+# so messages about dp x pp layouts read as they always have.
+KEYS = {"dp": "parallel.dp", "pp": "parallel.pp", "tp": "parallel.tp"}
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: one stage per rank
 V_SCHEDULES = ("zbv",)  # exactly two stages per rank, placed in a V: rank r holds r and 2 pp - 1 - r
 
@@ -40,6 +42,8 @@ class ParallelSection(Protocol):
     def dp_mode(self) -> str: ...
     @property
     def dp_shard(self) -> int | None: ...
+    @property
+    def tp(self) -> int: ...
     @property
     def schedule(self) -> str: ...
     @property
@@ -66,6 +70,7 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    tp: int = 1
     schedule: str = "1f1b"
     per_rank: int = 1  # pipeline stages each pp rank holds
 
@@ -81,7 +86,9 @@ class Layout:
         """The layout a `parallel` section describes."""
         shard = {"ddp": 1, "fsdp": par.dp, "hsdp": par.dp_shard or 1}[par.dp_mode]
         per_rank = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
-        return cls(pp=par.pp, dp_replicate=par.dp // shard, dp_shard=shard, schedule=par.schedule, per_rank=per_rank)
+        return cls(
+            pp=par.pp, dp_replicate=par.dp // shard, dp_shard=shard, tp=par.tp, schedule=par.schedule, per_rank=per_rank
+        )
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -102,14 +109,18 @@ class Layout:
         later = {axis: getattr(self, axis) for axis in AXES if axis not in ("pp", *DATA_AXES)}
         return {"pp": self.pp, "dp": self.dp, **later}
 
-    @staticmethod
-    def axes_text() -> str:
+    @property
+    def keys(self) -> dict[str, str]:
+        """The mesh axes messages name, with their config keys: dp and pp, and tp when it splits."""
+        return {name: key for name, key in KEYS.items() if name != "tp" or self.tp > 1}
+
+    def axes_text(self) -> str:
         """The keys whose product is the world size, for messages."""
-        return " x ".join(KEYS.values())
+        return " x ".join(self.keys.values())
 
     def degrees_text(self) -> str:
         """`2 x 4`: the degrees in the order of `axes_text`."""
-        return " x ".join(str(self.mesh_degrees[name]) for name in KEYS)
+        return " x ".join(str(self.mesh_degrees[name]) for name in self.keys)
 
     def world_text(self) -> str:
         """The world size as the config spells it, for messages: `parallel.dp x parallel.pp (2 x 4 = 8)`."""
@@ -117,11 +128,12 @@ class Layout:
 
     def short_text(self) -> str:
         """`dp 2 x pp 4`, for headers and summaries."""
-        return " x ".join(f"{name} {self.mesh_degrees[name]}" for name in KEYS)
+        return " x ".join(f"{name} {self.mesh_degrees[name]}" for name in self.keys)
 
     def grid(self) -> str:
         """The rank order, for --dry-run."""
-        return f"world size {self.world_size} = {self.short_text()} (rank = pp_rank * dp + dp_rank)"
+        order = "(pp_rank * dp + dp_rank) * tp + tp_rank" if self.tp > 1 else "pp_rank * dp + dp_rank"
+        return f"world size {self.world_size} = {self.short_text()} (rank = {order})"
 
     # ranks <-> coordinates
 
@@ -175,17 +187,18 @@ class Layout:
 
     # the device mesh
 
-    def build_device_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None]:
+    def build_device_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, DeviceMesh]:
         """The named meshes of this layout (the process group must exist): `mesh_degrees` (pp, dp and
-        any later axis) for the groups of each axis, and the mesh FSDP shards over (None for ddp):
-        `dp_shard`, or (`dp_replicate`, `dp_shard`) for hsdp."""
+        tp) for the groups of each axis; the mesh FSDP shards over (None for ddp): `dp_shard`, or
+        (`dp_replicate`, `dp_shard`) for hsdp; and the tp mesh, cut from the same root as the FSDP
+        mesh (FSDP2 shards a tensor-parallel DTensor over dp only when both share one)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         degrees = self.mesh_degrees
         mesh = init_device_mesh(device_type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
         if self.dp_shard == 1:
-            return mesh, None
+            return mesh, None, mesh["tp"]
         if self.dp_replicate == 1:
-            return mesh, mesh["dp"]
+            return mesh, mesh["dp"], mesh["tp"]
         hybrid = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
-        return mesh, hybrid[DATA_AXES]
+        return mesh, hybrid[DATA_AXES], hybrid["tp"]

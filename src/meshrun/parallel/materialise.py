@@ -1,9 +1,11 @@
 """One pipeline stage of the model made real: built on the meta device and pruned to its blocks (the
-planner sizes this), then materialised on the device, initialised and wrapped for recompute."""
+planner sizes this), then materialised on the device, initialised, split over the tp mesh and
+wrapped for recompute."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.config.schema import Config
 from meshrun.models.families import build_model
@@ -23,11 +25,22 @@ def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: boo
 
 
 def materialise_part(
-    cfg: Config, device: torch.device, *, layers: list[int] | None, first: bool, last: bool
+    cfg: Config,
+    device: torch.device,
+    *,
+    layers: list[int] | None,
+    first: bool,
+    last: bool,
+    tp_mesh: DeviceMesh | None = None,
 ) -> ProtocolModule:
-    """Steps 1-4 for one stage (layers=None: the whole model)."""
+    """Steps 1-5 for one stage (layers=None: the whole model); `tp_mesh` of more than one rank:
+    tensor parallel (before recompute wraps the blocks, whose module paths the plan names)."""
     part = build_stage(cfg, layers=layers, first=first, last=last)
     part.to_empty(device=device)
     part.init_weights(cfg.train.seed)
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        from meshrun.parallel.tensor import apply_tensor_parallel  # torch's tensor.parallel: only when used
+
+        apply_tensor_parallel(part, tp_mesh)
     apply_recompute(part.blocks, cfg.recompute)
     return part

@@ -19,8 +19,9 @@ class Mesh:
 
     layout: Layout
     device: torch.device
-    device_mesh: DeviceMesh  # (pp, dp)
-    data_mesh: DeviceMesh | None = None  # fsdp: the dp axis; hsdp: (dp_replicate, dp_shard); ddp: None
+    device_mesh: DeviceMesh  # (pp, dp, tp)
+    data_mesh: DeviceMesh | None  # fsdp: the dp axis; hsdp: (dp_replicate, dp_shard); ddp: None
+    tp_mesh: DeviceMesh  # the tp axis (same root as data_mesh)
 
     @property
     def dp(self) -> int:
@@ -29,6 +30,10 @@ class Mesh:
     @property
     def pp(self) -> int:
         return self.layout.pp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
 
     @property
     def rank(self) -> int:
@@ -69,8 +74,8 @@ def init_mesh(layout: Layout) -> Mesh:
 
 def mesh_on(layout: Layout, device: torch.device) -> Mesh:
     """The layout's meshes over the existing process group (which may hold several layouts of one world size)."""
-    device_mesh, data_mesh = layout.build_device_mesh(device.type)
-    return Mesh(layout=layout, device=device, device_mesh=device_mesh, data_mesh=data_mesh)
+    device_mesh, data_mesh, tp_mesh = layout.build_device_mesh(device.type)
+    return Mesh(layout=layout, device=device, device_mesh=device_mesh, data_mesh=data_mesh, tp_mesh=tp_mesh)
 
 
 def shutdown() -> None:

@@ -1,14 +1,16 @@
-"""Turn a model config into this rank's trainable part of the dp x pp mesh.
+"""Turn a model config into this rank's trainable part of the dp x tp x pp mesh.
 
-`parallelize` applies the steps in one fixed order:
+`parallelize` applies the steps in one fixed order (torchtitan's: TP, recompute, then FSDP):
   1. build the whole model on the meta device (no memory, no init cost);
   2. keep only this rank's pipeline stage(s) (embedding first, norm + head last);
   3. materialise on the device and initialise (per-parameter seeds: layout independent);
-  4. wrap blocks for activation recompute;
-  5. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp)
-     fully_shard per block + the stage root (fsdp.py);
-  6. pp > 1: PipelineStage + a torch.distributed.pipelining schedule;
-  7. tied embeddings: the group that sums the first and last stage's gradients (tied.py).
+  4. tp > 1: split the model's planned modules over the tp mesh (tensor.py);
+  5. wrap blocks for activation recompute;
+  6. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp)
+     fully_shard per block + the stage root (fsdp.py; 2-D with tp's DTensors);
+  7. pp > 1: PipelineStage + a torch.distributed.pipelining schedule;
+  8. tied embeddings: the group that sums the first and last stage's gradients (tied.py).
+Under tp the loss runs on vocabulary-sharded logits (`vocab_parallel`, forward and backward).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.materialise import materialise_part
 from meshrun.parallel.mesh import Mesh
+from meshrun.parallel.tensor import tp_loss, vocab_parallel
 from meshrun.parallel.tied import TiedEmbeddings
 
 if TYPE_CHECKING:
@@ -41,20 +44,21 @@ class LocalModel:
 
     tied: TiedEmbeddings  # set by parallelize
 
-    def __init__(self, part: ProtocolModule, wrapped: nn.Module, *, loss: LossFn, amp: AmpContext) -> None:
+    def __init__(self, part: ProtocolModule, wrapped: nn.Module, *, loss: LossFn, amp: AmpContext, tp: int = 1) -> None:
         self.parts, self.wrapped, self.loss, self.amp = [part], wrapped, loss, amp
+        self.tp = tp  # > 1: the loss runs on vocabulary-sharded logits (tensor.py)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, loss: LossFn | None = None) -> torch.Tensor:
         """Accumulate gradients of the whole local batch; returns its (unscaled) loss.
 
         `loss`: this step's (its token divisor and fp16 scale); None: the one given at construction.
         """
-        loss_fn = self.loss if loss is None else loss
+        loss_fn = tp_loss(self.loss if loss is None else loss, self.tp)
         n, losses = loss_fn.num_microbatches, []
         ddp = self.wrapped if isinstance(self.wrapped, DistributedDataParallel) else None
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
             set_gradient_sync(self.wrapped, i == n - 1)  # fsdp: reduce-scatter once, after the last
-            with ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext():
+            with ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext(), vocab_parallel(self.tp):
                 progress.mark("forward", f"microbatch {i + 1} of {n}")
                 with self.amp():
                     logits = self.wrapped(xm)
@@ -69,9 +73,9 @@ class LocalModel:
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, *, loss: LossFn | None = None) -> torch.Tensor:
-        loss_fn = self.loss if loss is None else loss
+        loss_fn = tp_loss(self.loss if loss is None else loss, self.tp)
         n = loss_fn.num_microbatches
-        with self.amp():
+        with self.amp(), vocab_parallel(self.tp):
             return loss_fn.unscaled([loss_fn(self.wrapped(xm), ym) for xm, ym in zip(x.chunk(n), y.chunk(n))])
 
     def train(self, mode: bool = True) -> None:
@@ -89,8 +93,8 @@ def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Modu
 
 def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> LocalModel | PipelineModel:
     if mesh.pp == 1:
-        part = materialise_part(cfg, mesh.device, layers=None, first=True, last=True)
-        local = LocalModel(part, wrap_data_parallel(part, mesh, cfg), loss=loss, amp=amp)
+        part = materialise_part(cfg, mesh.device, layers=None, first=True, last=True, tp_mesh=mesh.tp_mesh)
+        local = LocalModel(part, wrap_data_parallel(part, mesh, cfg), loss=loss, amp=amp, tp=mesh.tp)
         local.tied = TiedEmbeddings([part], [0], num_stages=1, mesh=mesh)
         return local
     # torch.distributed.pipelining costs about 1.3 s of CPU to import: only pipelines pay it
@@ -98,7 +102,9 @@ def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> Lo
 
     plan = plan_for(cfg, mesh)
     parts = [
-        materialise_part(cfg, mesh.device, layers=plan.split[i], first=i == 0, last=i == plan.num_stages - 1)
+        materialise_part(
+            cfg, mesh.device, layers=plan.split[i], first=i == 0, last=i == plan.num_stages - 1, tp_mesh=mesh.tp_mesh
+        )
         for i in plan.local_stages
     ]
     model = PipelineModel(cfg, mesh, plan, parts, [wrap_data_parallel(p, mesh, cfg) for p in parts], loss=loss, amp=amp)

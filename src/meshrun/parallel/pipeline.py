@@ -30,6 +30,7 @@ from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.stages import TORCH_SCHEDULE_NAMES, static_split
+from meshrun.parallel.tensor import tp_loss, vocab_parallel
 from meshrun.parallel.timeline import STEP_MARK, action_mark
 
 if TYPE_CHECKING:
@@ -128,6 +129,7 @@ class PipelineModel:
     ) -> None:
         self.parts, self.wrapped, self.loss, self.amp, self.plan = parts, wrapped, loss, amp, plan
         self.device, self.pp_group, self.schedule_name = mesh.device, mesh.pp_group, cfg.parallel.schedule
+        self.tp = mesh.tp  # > 1: the last stage's loss runs on vocabulary-sharded logits (tensor.py)
         self.schedules: dict[tuple, Any] = {}  # one per batch shape, see _schedule_for
         self.has_first = 0 in plan.local_stages
         self.has_last = plan.num_stages - 1 in plan.local_stages
@@ -162,12 +164,12 @@ class PipelineModel:
         The step and each stage action are marked for the profiler (see timeline.py).
         """
         schedule, args, target = self._inputs(x, y)
-        loss_fn = self.loss if loss is None else loss
+        loss_fn = tp_loss(self.loss if loss is None else loss, self.tp)
         losses: list[torch.Tensor] = []
         progress.mark(
             "forward", "pipeline step started, before this rank's first action (its input, from the stage before)"
         )
-        with record_function(STEP_MARK), self._ddp_no_sync(), self.amp():
+        with record_function(STEP_MARK), self._ddp_no_sync(), self.amp(), vocab_parallel(self.tp):
             schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs={"loss": loss_fn})
         return self._total(losses, loss_fn)
 
@@ -188,9 +190,9 @@ class PipelineModel:
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, *, loss: LossFn | None = None) -> torch.Tensor:
         schedule, args, target = self._inputs(x, y)
-        loss_fn = self.loss if loss is None else loss
+        loss_fn = tp_loss(self.loss if loss is None else loss, self.tp)
         losses: list[torch.Tensor] = []
-        with self.amp():
+        with self.amp(), vocab_parallel(self.tp):
             schedule.eval(*args, target=target, losses=losses, loss_kwargs={"loss": loss_fn})
         return self._total(losses, loss_fn)
 

@@ -123,7 +123,9 @@ class Trainer:
         self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
         self.optimizers = Optimizers(self.model.parts, cfg.train)
         # fsdp/hsdp: each rank checks only its gradient shards, so every rank must agree on found_inf
-        self.scaler = make_scaler(cfg, self.device, mesh.pp_group if mesh.data_mesh is None else dist.group.WORLD)
+        # (and tp: each rank checks its shards)
+        sharded = mesh.data_mesh is not None or mesh.tp > 1
+        self.scaler = make_scaler(cfg, self.device, dist.group.WORLD if sharded else mesh.pp_group)
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
         # how pairs data (if any) is batched: the encoder's share, the samples sharing a length bucket
         pairs_layout = {"source_len": source_len(cfg.model), "global_batch": cfg.train.global_batch}
@@ -385,11 +387,11 @@ class Trainer:
         return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens, skipped=skipped, state_bytes=held)
 
     def clip_gradients(self) -> torch.Tensor:
-        """Global norm over all stages (dp replicas already agree after DDP's all-reduce; fsdp
-        shards are summed over the data mesh first)."""
+        """Global norm over all stages (dp replicas already agree after DDP's all-reduce; fsdp and
+        tp shards are summed over their meshes first)."""
         grads = [p.grad for p in self.norm_params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
-        norm = full_norm(norm)  # fsdp/hsdp: summed over the gradient shards
+        norm = full_norm(norm)  # fsdp/hsdp and tp: summed over the gradient shards, replicated ones once
         if self.mesh.pp > 1:
             squared = norm.to(torch.float32) ** 2
             dist.all_reduce(squared, group=self.mesh.pp_group)
@@ -413,13 +415,14 @@ class Trainer:
         return self._across_ranks(total / tokens).loss
 
     def _across_ranks(self, loss: torch.Tensor) -> AcrossRanks:
-        """`loss` averaged over dp, with every rank's peak memory and training-state bytes."""
+        """`loss` averaged over dp (the last stage's tp ranks hold the same value: counted once), with
+        every rank's peak memory and training-state bytes."""
         extra = torch.tensor([peak_memory_gb(self.device), self.state_bytes], dtype=torch.float64, device=self.device)
         mine = torch.cat([loss.double().reshape(1), extra])
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
         return AcrossRanks(
-            loss=sum(g[0].item() for g in gathered) / self.mesh.dp,
+            loss=sum(g[0].item() for g in gathered) / (self.mesh.dp * self.mesh.tp),
             memory_gb=[g[1].item() for g in gathered],
             state_bytes=int(max(g[2].item() for g in gathered)),
         )

@@ -1,0 +1,128 @@
+"""Tensor parallelism (`parallel.tp`): the model's declared split (`tp_plan`, models/protocol.py)
+applied with torch.distributed.tensor.parallel over the layout's tp mesh, and the
+vocabulary-parallel loss.
+
+Megatron's split: column-parallel q, k, v and MLP input, row-parallel output projections (one
+all-reduce per attention and per MLP, forward and backward), the embedding and the head split by
+vocabulary. The head's logits stay sharded by vocabulary and `loss_parallel` computes the cross
+entropy from the shards (never gathering B x T x V). Activations between blocks, and so between
+pipeline stages, are plain replicated tensors. The vocabulary need not divide by tp: DTensor
+shards unevenly (torch.chunk's split) and the embedding's and the loss's masks follow the shards.
+
+Parameters the plan leaves whole (norms, position embeddings) become replicated DTensors, so every
+parameter of a tp stage is a DTensor on one mesh: fused AdamW, clipping and the fp16 scaler run
+foreach kernels that take no mix of plain tensors and DTensors. Their gradients are equal on every
+tp rank, and a replicated DTensor's norm counts them once (fsdp.full_norm reduces the shards').
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from fnmatch import fnmatch
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from meshrun.errors import ConfigError
+from meshrun.models.protocol import TP_STYLES, tp_plan
+from meshrun.parallel.loss_fn import LossFn
+
+STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "vocab_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+}
+assert tuple(STYLES) == TP_STYLES
+
+
+def check_plan(model: nn.Module, tp: int, source: str) -> None:
+    """Before spawn (tp > 1): a plan of known styles that names modules the model has."""
+    plan = tp_plan(model)
+    if plan is None:
+        raise ConfigError(
+            f"parallel.tp {tp}: {source} declares no tensor-parallel plan (tp_plan); "
+            "use model.name gpt, give the model a tp_plan, or set parallel.tp=1"
+        )
+    names = [name for name, _ in model.named_modules()]
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"{source}'s tp_plan gives {pattern} style {style!r}: choose one of {', '.join(STYLES)}")
+        if not any(fnmatch(name, pattern) for name in names):
+            raise ConfigError(f"{source}'s tp_plan names {pattern}, which matches no module of the model; fix the plan")
+
+
+def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split this stage's modules over the tp mesh as the model's plan says (patterns matching
+    nothing here belong to other pipeline stages). Every tp rank holds the same initialised
+    values: each keeps its slice, so a shard equals that slice of what one process draws."""
+    plan = tp_plan(part)
+    assert plan is not None  # check_plan refused tp > 1 without one
+    names = [name for name, _ in part.named_modules()]
+    concrete = {name: STYLES[style]() for pattern, style in plan.items() for name in names if fnmatch(name, pattern)}
+    parallelize_module(part, tp_mesh, concrete)
+    for module in part.modules():
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            # torch annotates the hooks as returning None but uses what they return (as nn.Module hooks do)
+            distribute_module(
+                module,
+                tp_mesh,
+                input_fn=_replicated_inputs,  # pyright: ignore[reportArgumentType]
+                output_fn=_local_outputs,  # pyright: ignore[reportArgumentType]
+            )
+
+
+def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """A module the plan leaves whole computes on replicated DTensors (its inputs are equal on every tp rank)."""
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _local_outputs(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """It hands the next module a plain tensor, as without tp."""
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def vocab_parallel(tp: int) -> contextlib.AbstractContextManager:
+    """The context a forward + loss + backward runs in: loss_parallel under tp (the cross entropy
+    of vocabulary-sharded logits, forward and backward), nothing otherwise."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def tp_loss(loss: LossFn, tp: int) -> LossFn:
+    """The loss a step under `tp` calls: its value as a plain tensor (LocalLoss) when tp > 1."""
+    return LocalLoss(loss) if tp > 1 else loss
+
+
+class LocalLoss:
+    """A loss over vocabulary-sharded logits, returned as a plain tensor (every tp rank holds the
+    same value), so schedules, accumulation and logging see what they see without tp."""
+
+    def __init__(self, loss: LossFn) -> None:
+        self.loss = loss
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.loss.num_microbatches
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        value = self.loss(logits, targets)
+        # a copy, not to_local's view: split-backward schedules (zbv, zero-bubble) detach the loss in place
+        return value.to_local().clone() if isinstance(value, DTensor) else value
+
+    def unscaled(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        return self.loss.unscaled(losses)
