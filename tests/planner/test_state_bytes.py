@@ -21,6 +21,8 @@ TINY = {"model": {"num_layers": 4, "dim": 32, "num_heads": 2, "vocab_size": 256,
         {"pp": 2},
         {"pp": 2, "dp": 2, "dp_mode": "fsdp"},
         {"pp": 2, "dp": 4, "dp_mode": "hsdp", "dp_shard": 2, "schedule": "interleaved-1f1b"},
+        {"pp": 2, "tp": 2},
+        {"dp": 2, "dp_mode": "fsdp", "tp": 2},
     ],
 )
 def test_dry_run_prints_the_planners_state_bytes(parallel: dict) -> None:
@@ -37,5 +39,14 @@ def test_dry_run_prints_the_planners_state_bytes(parallel: dict) -> None:
     exact = rank_state_bytes(cfg)
     assert exact is not None
     assert [(m.params, m.grads, m.optimizer) for m in exact] == [(m.params, m.grads, m.optimizer) for m in planned]
-    whole = sum(p.numel() for p in build_model(cfg.model).parameters()) * 4
-    assert sum(m.params for m in planned) * cfg.layout.dp_shard == pytest.approx(whole, abs=4 * cfg.layout.dp_shard)
+    # GPT's tp plan splits every matrix but the position embedding, and the biases of q, k, v and fc
+    # (not those of the row-split projections, nor the norms)
+    tp = cfg.parallel.tp
+    split = ("embed.tok.", "attn.q.", "attn.k.", "attn.v.", "mlp.fc.", "proj.weight", "head.")
+    per_rank = sum(
+        p.numel() // tp if tp > 1 and any(s in n for s in split) else p.numel()
+        for n, p in build_model(cfg.model).named_parameters()
+    )
+    assert sum(m.params for m in planned) * cfg.layout.dp_shard == pytest.approx(
+        per_rank * 4, abs=4 * cfg.layout.dp_shard
+    )

@@ -46,6 +46,33 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
 assert tuple(STYLES) == TP_STYLES
 
 
+# The dimension each style splits, per parameter name (others of the module stay whole)
+SPLIT_DIMS: dict[str, dict[str, int]] = {
+    "colwise": {"weight": 0, "bias": 0},
+    "rowwise": {"weight": 1},
+    "vocab_embedding": {"weight": 0},
+    "vocab_head": {"weight": 0, "bias": 0},
+}
+assert tuple(SPLIT_DIMS) == TP_STYLES
+
+
+def shard_numels(part: nn.Module, tp: int) -> dict[str, int]:
+    """Elements of each parameter on the tp rank that holds the most (the first: torch.chunk's
+    split gives it the ceiling), by name; the whole tensor for what the plan leaves whole. Works on
+    the meta device: the planner and --dry-run size a tp stage with it."""
+    plan = tp_plan(part) if tp > 1 else None
+    split: dict[str, int] = {}
+    for name, _ in part.named_modules():
+        for pattern, style in (plan or {}).items():
+            if fnmatch(name, pattern):
+                split |= {f"{name}.{param}": dim for param, dim in SPLIT_DIMS[style].items()}
+    numels = {}
+    for name, p in part.named_parameters():
+        dim = split.get(name)
+        numels[name] = p.numel() if dim is None else p.numel() // p.shape[dim] * -(-p.shape[dim] // tp)
+    return numels
+
+
 def check_plan(model: nn.Module, tp: int, source: str) -> None:
     """Before spawn (tp > 1): a plan of known styles that names modules the model has."""
     plan = tp_plan(model)

@@ -20,6 +20,7 @@ from meshrun.hardware.precision import DTYPES
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
+from meshrun.parallel.tensor import shard_numels
 from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.training.loss import MicrobatchLoss
 
@@ -49,12 +50,14 @@ class StageProfile:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
-def state_bytes(part: nn.Module) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer state) bytes of a stage, exactly as training allocates them."""
-    params = list(part.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
+def state_bytes(part: nn.Module, tp: int = 1) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes of a stage on one rank, exactly as training
+    allocates them: each tensor the model's tp plan splits counted as its largest shard."""
+    numels = shard_numels(part, tp)
+    params = list(part.named_parameters())
+    trainable = [(n, p) for n, p in params if p.requires_grad]
+    param_bytes = sum(numels[n] * p.element_size() for n, p in params)
+    grad_bytes = sum(numels[n] * p.element_size() for n, p in trainable)
     return param_bytes, grad_bytes, 2 * grad_bytes + _STEP_COUNTER_BYTES * len(trainable)
 
 
@@ -115,7 +118,7 @@ def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precis
                 loss = MicrobatchLoss(1)(out, targets) if last else None  # its saved log-softmax counts
             profiles.append(
                 StageProfile(
-                    *state_bytes(part),
+                    *state_bytes(part, cfg.parallel.tp),
                     activation_bytes=counter.live,
                     flops_per_token=flops,
                     model_flops_per_token=useful,
