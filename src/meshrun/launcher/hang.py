@@ -12,7 +12,7 @@ before its peers have reported. A step that is slow but progressing
 marks each microbatch and pipeline action, so it never fires.
 
 Launcher side (`hang_summary`): after torchrun ends without a recorded outcome, the newest attempt's
-reports become one summary: the rank whose last progress is oldest (the odd one out: its stage, dp index,
+reports become one summary: the rank furthest behind (step, phase, microbatch: the odd one out; its stage, dp index,
 phase and stack file) and where the others wait. Under `launch.max_restarts` torchrun restarts the
 group from the newest checkpoint like after any failure; a rank that stalls every time uses up the
 restarts and is reported, not restarted forever.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -146,7 +147,7 @@ def hang_summary(run_dir: Path, timeout: int) -> tuple[list[str], HangError] | N
     if found is None:
         return None
     folder, reports = found
-    odd = min(reports, key=lambda r: r["last_progress"])  # stalled first: the others wait on it
+    odd = min(reports, key=_how_far)  # the furthest behind: the others ran on until they waited for it
     stacks = folder / f"rank{odd['rank']}.stacks.txt"
     where = f"pipeline rank {odd['pp_rank']}, stages {list(odd['stages'])}, dp {odd['dp_rank']}"
     first = (
@@ -164,6 +165,18 @@ def hang_summary(run_dir: Path, timeout: int) -> tuple[list[str], HangError] | N
         f"launch.hang_timeout ({timeout} s): stacks and reports in {folder}"
     )
     return lines, error
+
+
+PHASE_ORDER = ("data", "forward", "backward", "optimizer", "log", "eval", "checkpoint", "finishing")
+
+
+def _how_far(report: dict) -> tuple[int, int, int, float]:
+    """How far a rank got in the job: step, phase, microbatch; a pipeline rank still waiting for its
+    first input counts as past every microbatch (it waits on another). Ties: the older mark."""
+    phase = PHASE_ORDER.index(report["phase"]) if report["phase"] in PHASE_ORDER else len(PHASE_ORDER)
+    found = re.search(r"microbatch (\d+)", report.get("detail", ""))
+    microbatch = int(found[1]) if found else (1 << 30 if "pipeline step started" in report.get("detail", "") else 0)
+    return report["step"], phase, microbatch, report["last_progress"]
 
 
 def _phase(report: dict) -> str:
