@@ -252,3 +252,8 @@ def max_weight_diff(a: dict, b: dict) -> float:
 
 def losses(run_dir: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(run_dir) if "loss" in row]
+
+
+def grad_norms(run_dir: Path) -> list[float]:
+    """Each logged step's pre-clip gradient norm."""
+    return [row["grad_norm"] for row in read_metrics(run_dir) if "grad_norm" in row]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from plain_reference import assert_grad_norms_match
 from test_checkpoint import interrupted_copy
 
@@ -39,10 +39,6 @@ ROWS = {
     },  # refused under ddp (its hooks are bypassed)
     "ddp-dp2-pp1": {"parallel.dp": 2},  # the resume source and the memory baseline
 }
-
-
-def grad_norms(run: Path) -> list[float]:
-    return [row["grad_norm"] for row in read_metrics(run) if "grad_norm" in row]
 
 
 def train(data_dir: Path, run: Path, **overrides: object) -> Path:

@@ -15,16 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import final_weights, grad_norms, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
 from plain_reference import assert_grad_norms_match
 
 HERE = Path(__file__).parent
 # 8 blocks so pp=4 x 2 virtual stages fits; lr/clip chosen so clipping is active every step.
 BASE = {"model.num_layers": 8, "train.global_batch": 16, "train.steps": 4, "train.lr": 3e-3, "train.grad_clip": 0.5}
-
-
-def grad_norms(run: Path) -> list[float]:
-    return [row["grad_norm"] for row in read_metrics(run) if "grad_norm" in row]
 
 
 def train(data_dir: Path, run: Path, **overrides: object) -> Path:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import final_weights, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import final_weights, grad_norms, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
 from plain_reference import Reference, assert_grad_norms_match
 from test_checkpoint import interrupted_copy
 
@@ -27,10 +27,6 @@ ROWS = {
     "tp2-pp2-zbv": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zbv"},  # split backward
     "fsdp-dp2-tp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
 }
-
-
-def grad_norms(run: Path) -> list[float]:
-    return [row["grad_norm"] for row in read_metrics(run) if "grad_norm" in row]
 
 
 def train(data_dir: Path, run: Path, **overrides: object) -> Path:

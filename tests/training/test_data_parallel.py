@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import final_weights, grad_norms, losses, max_weight_diff, run_meshrun, tiny
 from plain_reference import assert_grad_norms_match
 
 # lr high enough and clip low enough that clipping is active on every step.
@@ -19,10 +19,6 @@ def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("ref")
     run_meshrun(["train", *tiny(data_dir, tmp / "run", **STEPS)], tmp_path=tmp)
     return tmp / "run"
-
-
-def grad_norms(run: Path) -> list[float]:
-    return [row["grad_norm"] for row in read_metrics(run) if "grad_norm" in row]
 
 
 def test_one_process_matches_plain_torch(reference: Path, plain_reference) -> None:
