@@ -22,7 +22,7 @@ from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
 from meshrun.hardware.device import local_device, rank_memory_bytes
 from meshrun.hardware.precision import resolve_precision
-from meshrun.launcher.hang import HangWatchdog, Place, clear_reports, hang_came_first, hang_summary
+from meshrun.launcher.hang import HangWatchdog, Place, clear_reports, hang_summary
 from meshrun.launcher.lifetime import PARENT_PID, die_with_parent
 from meshrun.launcher.outcome import (
     RECORD,
@@ -225,8 +225,8 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         raise StoppedBeforeTraining(stop)
     run_dir = Path(cfg.run_dir)
     hung = None  # a failure recorded after the hang's trigger is its consequence (a peer's collective broke)
-    if outcome in (None, Outcome.FAILED) and hang_came_first(run_dir, run_dir / RECORD):
-        hung = hang_summary(run_dir, cfg.launch.hang_timeout)
+    if outcome in (None, Outcome.FAILED):
+        hung = hang_summary(run_dir, cfg.launch.hang_timeout, record=run_dir / RECORD)
     if hung is not None:
         lines, error = hung
         for line in lines:

@@ -128,23 +128,21 @@ def read_reports(run_dir: Path) -> tuple[Path, list[dict]] | None:
     return (attempts[-1], reports) if reports else None
 
 
-def hang_came_first(run_dir: Path, record: Path) -> bool:
-    """Whether the newest attempt's hang was triggered before the failure `record` was written (or no
+def _came_first(folder: Path, record: Path) -> bool:
+    """Whether the hang of `folder` was triggered before the failure `record` was written (or no
     failure was): then the failure is the hang's consequence, a peer's broken collective. A worker that
     failed first (an exception that left its peers waiting) is the cause, and its error is the story."""
-    found = read_reports(run_dir)
-    if found is None:
-        return False
     try:
-        return not record.exists() or record.stat().st_mtime >= (found[0] / TRIGGER).stat().st_mtime
+        return not record.exists() or record.stat().st_mtime >= (folder / TRIGGER).stat().st_mtime
     except OSError:
         return True  # no trigger file: the reports were the first thing written
 
 
-def hang_summary(run_dir: Path, timeout: int) -> tuple[list[str], HangError] | None:
-    """The summary lines and the last line's error of the newest hang; None when there was none."""
+def hang_summary(run_dir: Path, timeout: int, *, record: Path) -> tuple[list[str], HangError] | None:
+    """The summary lines and the last line's error of the newest hang; None when there was none, or
+    when the workers' failure `record` came before it (see `_came_first`)."""
     found = read_reports(run_dir)
-    if found is None:
+    if found is None or not _came_first(found[0], record):
         return None
     folder, reports = found
     odd = min(reports, key=_how_far)  # the furthest behind: the others ran on until they waited for it
