@@ -597,6 +597,28 @@ CASES = [
         ("parallel.dp_mode ddp with parallel.dp > 1 and parallel.tp > 1 is refused", "parallel.dp_mode=fsdp"),
         torch_free=True,
     ),
+    Case(  # Hugging Face sizes come from config.json: kv heads split whole (grouped-query attention)
+        "tp-does-not-divide-hf-kv-heads",
+        lambda c: [
+            "train",
+            *c.set(
+                model__hf=c.write("m/config.json", json.dumps({**HF_LLAMA, "num_key_value_heads": 2})).parent,
+                parallel__tp=4,
+            ),
+        ],
+        ("num_key_value_heads in", "m/config.json (2) must be divisible by parallel.tp (4)"),
+    ),
+    Case(  # transformers slices Phi-3's fused qkv_proj by the config's head counts
+        "tp-hf-fused-projections",
+        lambda c: [
+            "train",
+            *c.set(
+                model__hf_config={**HF_LLAMA, "model_type": "phi3", "pad_token_id": 0, "eos_token_id": 1},
+                parallel__tp=2,
+            ),
+        ],
+        ("parallel.tp 2: phi3 fuses its projections (qkv_proj and gate_up_proj)", "set parallel.tp=1", "llama"),
+    ),
     Case(  # the model names its split; encdec declares none
         "tp-model-without-a-plan",
         lambda c: ["train", *c.set(parallel__tp=2, model__name="encdec")],

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from meshrun.checkpoint.paths import checkpoint_root, complete_checkpoints
 from meshrun.config.schema import Config
+from meshrun.config.topology import check_tensor_split
 from meshrun.data.locations import data_dir, reads_in_place, training_data_dir
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
@@ -24,7 +25,7 @@ from meshrun.files.json_reader import read_json
 from meshrun.files.writable import check_writable
 from meshrun.launcher.rerun import check_rerun
 from meshrun.launcher.torchrun import in_launched_worker
-from meshrun.models.hf_config import hf_dir, is_hf, model_tokenizer, vocab_key, vocab_size
+from meshrun.models.hf_config import hf_dir, is_hf, model_tokenizer, tp_splits, vocab_key, vocab_size
 from meshrun.parallel.stages import validate_layout
 from meshrun.planner.model_size import check_model_size
 from meshrun.versions import check_extras
@@ -46,6 +47,8 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     from meshrun.models.families import build_model, model_source  # imports torch: after every torch-free check
     from meshrun.models.protocol import check_weights
 
+    if scope == "job" and cfg.parallel.tp > 1 and is_hf(cfg.model):
+        check_tensor_split(cfg.parallel, tp_splits(cfg.model, cfg.parallel.tp))  # the sizes config.json sets
     model = build_model(cfg.model)
     if scope == "job":
         if cfg.parallel.tp > 1:

@@ -27,7 +27,7 @@ from torch import nn
 
 from meshrun.config.model_sections import HFSection
 from meshrun.errors import ConfigError
-from meshrun.models.hf_config import LAYOUT_OF, check_fits, hf_dir, load_hf_config
+from meshrun.models.hf_config import FUSED_PROJECTIONS, LAYOUT_OF, WHOLE_WIDTH_NORMS, check_fits, hf_dir, load_hf_config
 from meshrun.models.hf_weights import check_shapes, has_weights, load_weights
 from meshrun.models.init import seeded_normal_
 from meshrun.models.protocol import StagedModel
@@ -104,6 +104,31 @@ class HFCausalLM(StagedModel):
     def tied_weight(self) -> str | None:
         """Name of the embedding matrix the head shares, when tied (the same name on every stage)."""
         return self.layout.tied_weight if self.tied else None
+
+    def tp_plan(self) -> dict[str, str] | None:
+        """Megatron's split of transformers' own layers: q, k, v and the gated MLP's gate and up by
+        columns (whole heads, whole kv heads per rank: the attention reshapes with -1 heads and a
+        group ratio that the split keeps), o and down by rows, the vocabulary in embedding and
+        head. OLMo 2 normalises q and k over the whole projected width: those two are gathered
+        for their norm, which hands on this rank's heads. None for fused projections (refused)."""
+        model_type = self.hf_config.model_type
+        if model_type in FUSED_PROJECTIONS:
+            return None
+        q_k = "colwise_gathered" if model_type in WHOLE_WIDTH_NORMS else "colwise"
+        attn, mlp = "blocks.*.self_attn.", "blocks.*.mlp."
+        plan = {
+            "embed": "vocab_embedding",
+            **{f"{attn}{name}_proj": q_k for name in "qk"},
+            f"{attn}v_proj": "colwise",
+            f"{attn}o_proj": "rowwise",
+            f"{mlp}gate_proj": "colwise",
+            f"{mlp}up_proj": "colwise",
+            f"{mlp}down_proj": "rowwise",
+            "head": "tied_vocab_head" if self.tied else "vocab_head",
+        }
+        if model_type in WHOLE_WIDTH_NORMS:
+            plan |= {f"{attn}q_norm": "sliced_output", f"{attn}k_norm": "sliced_output"}
+        return plan
 
     def keep_stage(self, *, first: bool, last: bool) -> None:
         """Drop the parts another stage owns; a tied last stage keeps only the embedding matrix."""

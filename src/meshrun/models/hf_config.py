@@ -78,6 +78,12 @@ LAYOUTS = (
 )
 LAYOUT_OF = {model_type: layout for layout in LAYOUTS for model_type in layout.model_types}
 """model_type -> its layout: the supported Hugging Face families."""
+FUSED_PROJECTIONS = {"phi3": "qkv_proj and gate_up_proj", "gpt2": "c_attn, a Conv1D of q, k and v"}
+"""Model types whose layers slice one fused projection by the config's head counts (transformers'
+forward, which meshrun runs as it is): a column split would cut across q, k and v, so tensor
+parallelism refuses them."""
+WHOLE_WIDTH_NORMS = ("olmo2",)
+"""Model types whose q_norm / k_norm normalise the whole projected width, not one head."""
 TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
 TOKENIZER_FILES = (  # what export copies into a Hugging Face folder, and transformers reads
     "tokenizer.json",
@@ -211,6 +217,22 @@ def _check_family(model_type: object, key: str) -> None:
         raise ConfigError(
             f"{key}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(LAYOUT_OF))}"
         )
+
+
+def tp_splits(cfg: HFSection, tp: int) -> dict[str, int]:
+    """The sizes tensor parallelism divides among `tp` ranks (whole heads, whole kv heads, the MLP
+    width), by where each is set; a layout with fused projections is refused in one line."""
+    config = load_hf_config(cfg)
+    if config.model_type in FUSED_PROJECTIONS:
+        works = sorted(set(LAYOUT_OF) - set(FUSED_PROJECTIONS))
+        raise ConfigError(
+            f"parallel.tp {tp}: {config.model_type} fuses its projections ({FUSED_PROJECTIONS[config.model_type]}), "
+            f"which tensor parallelism does not split; set parallel.tp=1 (dp, fsdp and pp work), or use one of "
+            f"{', '.join(works)}"
+        )
+    where = "model.hf_config" if cfg.hf_config is not None else f"{cfg.hf}/config.json"
+    sizes = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    return {f"{key} in {where}": getattr(config, key) for key in sizes}
 
 
 def check_fits(cfg: HFSection) -> None:

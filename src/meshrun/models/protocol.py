@@ -100,14 +100,25 @@ def pretrained_dir(model: nn.Module) -> Path | None:
     return hook() if hook is not None else None
 
 
-TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
+TP_STYLES = (
+    "colwise",
+    "rowwise",
+    "vocab_embedding",
+    "vocab_head",
+    "tied_vocab_head",
+    "colwise_gathered",
+    "sliced_output",
+)
 
 
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
     """How tensor parallelism splits the model: module-path patterns (`*` for a block index) ->
     a style of `TP_STYLES` (colwise / rowwise Linear; vocab_embedding: an Embedding split by
     vocabulary; vocab_head: the output Linear split by vocabulary, its logits left sharded for a
-    vocabulary-parallel loss). The model names the split; parallel/tensor.py applies it. Default:
+    vocabulary-parallel loss; tied_vocab_head: a head reading a vocab_embedding's matrix;
+    colwise_gathered: a colwise Linear whose output every rank gathers whole, for a module that
+    needs the whole width, which takes sliced_output: it runs whole and hands on this rank's
+    columns, as a colwise output). The model names the split; parallel/tensor.py applies it. Default:
     None, the model cannot be split (parallel.tp > 1 is refused)."""
     hook = getattr(model, "tp_plan", None)
     return hook() if hook is not None else None

@@ -28,6 +28,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     loss_parallel,
     parallelize_module,
@@ -42,6 +44,14 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "rowwise": RowwiseParallel,
     "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
     "vocab_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    # a head that reads a vocab_embedding's matrix (tied): replicated hidden states in, logits left sharded
+    "tied_vocab_head": lambda: PrepareModuleInput(
+        input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=False
+    ),
+    # a column split whose output every rank gathers whole, for a module that needs the whole width
+    "colwise_gathered": lambda: ColwiseParallel(output_layouts=Replicate()),
+    # that module (computed whole, as every unsplit one) hands on only this rank's columns
+    "sliced_output": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(-1)),
 }
 assert tuple(STYLES) == TP_STYLES
 
@@ -52,6 +62,9 @@ SPLIT_DIMS: dict[str, dict[str, int]] = {
     "rowwise": {"weight": 1},
     "vocab_embedding": {"weight": 0},
     "vocab_head": {"weight": 0, "bias": 0},
+    "tied_vocab_head": {},
+    "colwise_gathered": {"weight": 0, "bias": 0},
+    "sliced_output": {},
 }
 assert tuple(SPLIT_DIMS) == TP_STYLES
 

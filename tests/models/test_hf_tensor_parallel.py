@@ -1,0 +1,95 @@
+"""Hugging Face decoders under tensor parallelism (models/hf.py's tp_plan), fp32, gloo, real
+torchrun: step 1 equals transformers itself, and a tp2 run exports full tensors.
+
+The Llama (tests/models/hf_models.py) has 4 query and 2 kv heads, so tp2 holds one kv head per
+rank (grouped-query attention with local head counts). OLMo 2 normalises q and k over the whole
+projected width: its tp2 x pp2 row proves the gathered norms; its head is tied, so the
+vocabulary-split embedding matrix also serves a head on the other pipeline stage. The refusals
+(fused projections, kv heads) live in tests/test_config.py's table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_metrics, run_meshrun, tiny
+from hf_models import CONFIGS, SEQ_LEN, load_reference, make_model, reference_loss_and_grad_norm
+
+BASE = {"model.seq_len": SEQ_LEN, "train.global_batch": 8, "train.steps": 2, "train.lr": 3e-3, "train.grad_clip": 0.5}
+OLMO2 = {  # GQA, whole-width q/k norms, tied head; 4 layers: two per pipeline stage
+    **CONFIGS["llama"],
+    "model_type": "olmo2",
+    "num_hidden_layers": 4,
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+}
+ROWS = {
+    "llama-tp2": ("llama", {"parallel.tp": 2}),
+    "olmo2-tp2-pp2": ("olmo2", {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"}),
+}
+
+
+def _save_olmo2(out: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(OLMO2)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf-tp")
+    return {"llama": make_model("llama", root / "llama", shard=True), "olmo2": _save_olmo2(root / "olmo2")}
+
+
+@pytest.fixture(scope="module")
+def runs(models, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`runs(row)`: that row's finished run, trained the first time a test asks for it."""
+    root, done = tmp_path_factory.mktemp("hf-tp-runs"), {}
+
+    def get(row: str) -> Path:
+        if row not in done:
+            family, layout = ROWS[row]
+            args = tiny(data_dir, root / row, **{**BASE, "model.hf": models[family], **layout})
+            run_meshrun(["train", *args], tmp_path=root, timeout=420)
+            done[row] = root / row
+        return done[row]
+
+    return get
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("row", list(ROWS))
+def test_first_step_equals_transformers(row: str, runs, models, data_dir: Path) -> None:
+    """Pretrained weights split over tp ranks: step 1's loss and pre-clip gradient norm are plain
+    transformers' (1e-5 relative); a shard counted twice or a replicated norm counted tp times
+    moves the norm."""
+    from meshrun.data.dataset import TokenDataset
+
+    x, y = TokenDataset(data_dir, "train", seq_len=SEQ_LEN, seed=1337).batch(0, 8)
+    loss, grad_norm = reference_loss_and_grad_norm(models[ROWS[row][0]], x, y, num_microbatches=4)
+    first = read_metrics(runs(row))[0]
+    assert first["loss"] == pytest.approx(loss, rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    assert first["grad_norm"] > 0.5, "clipping must be active for the step to move weights"
+
+
+@pytest.mark.timeout(600)
+def test_export_from_tp2_loads_in_transformers(runs, tmp_path: Path) -> None:
+    """export --hf of a tp2 checkpoint writes whole tensors: transformers computes the trained
+    model's logits, as meshrun's one-process load of the same checkpoint does."""
+    from meshrun.cli.use_checkpoint import load_full_model
+
+    run, out = runs("llama-tp2"), tmp_path / "exported"
+    run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
+    theirs, ours = load_reference(out).eval(), load_full_model(run)[0]
+    assert theirs.model.layers[0].self_attn.k_proj.weight.shape == (16, 32)  # both kv heads of 8
+    tokens = torch.randint(0, 256, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (theirs(input_ids=tokens).logits - ours(tokens)).abs().max().item() < 1e-5
