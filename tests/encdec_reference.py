@@ -95,8 +95,8 @@ class TorchEncDec(nn.Module):
             self._copy(getattr(layer, theirs), w, f"{prefix}{ours}.")
         for theirs, ours in attentions.items():
             mha = getattr(layer, theirs)
-            mha.in_proj_weight.copy_(torch.cat([w[f"{prefix}{ours}.q.weight"], w[f"{prefix}{ours}.kv.weight"]]))
-            mha.in_proj_bias.copy_(torch.cat([w[f"{prefix}{ours}.q.bias"], w[f"{prefix}{ours}.kv.bias"]]))
+            mha.in_proj_weight.copy_(torch.cat([w[f"{prefix}{ours}.{m}.weight"] for m in "qkv"]))
+            mha.in_proj_bias.copy_(torch.cat([w[f"{prefix}{ours}.{m}.bias"] for m in "qkv"]))
             self._copy(mha.out_proj, w, f"{prefix}{ours}.proj.")
         self._copy(layer.linear1, w, f"{prefix}mlp.fc.")
         self._copy(layer.linear2, w, f"{prefix}mlp.proj.")

@@ -591,6 +591,12 @@ CASES = [
         ("model.num_heads (2) must be divisible by parallel.tp (4)",),
         torch_free=True,
     ),
+    Case(  # the encoder-decoder splits whole heads too
+        "tp-does-not-divide-encdec-heads",
+        lambda c: ["train", *c.set(parallel__tp=2, model__name="encdec", model__num_heads=1)],
+        ("model.num_heads (1) must be divisible by parallel.tp (2)",),
+        torch_free=True,
+    ),
     Case(
         "tp-with-ddp",
         lambda c: ["train", *c.set(parallel__tp=2, parallel__dp=2)],
@@ -618,11 +624,6 @@ CASES = [
             ),
         ],
         ("parallel.tp 2: phi3 fuses its projections (qkv_proj and gate_up_proj)", "set parallel.tp=1", "llama"),
-    ),
-    Case(  # the model names its split; encdec declares none
-        "tp-model-without-a-plan",
-        lambda c: ["train", *c.set(parallel__tp=2, model__name="encdec")],
-        ("parallel.tp 2: model.name encdec declares no tensor-parallel plan", "model.name gpt"),
     ),
     Case(
         "profile-steps-after-the-last",
@@ -939,6 +940,20 @@ CASES = [
             "invalid model.factory 'mt_boom:build'",
             "importing mt_boom raised RuntimeError: no GPU here",
         ),
+    ),
+    Case(  # the model names its split; this one declares none
+        "tp-model-without-a-plan",
+        lambda c: [
+            *_module(
+                "mt_noplan",
+                "from meshrun.models.gpt import GPT\n\n\nclass Whole(GPT):\n"
+                "    def tp_plan(self):\n        return None\n\n\n"
+                "def build(cfg):\n    return Whole(cfg)\n",
+                "mt_noplan:build",
+            )(c),
+            "--set=parallel.tp=2",
+        ],
+        ("parallel.tp 2: model.factory mt_noplan:build declares no tensor-parallel plan", "model.name gpt"),
     ),
     Case(  # a user model's plan names a style parallel/tensor.py does not know
         "tp-plan-unknown-style",

@@ -49,14 +49,26 @@ def reference(lopsided_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return train(lopsided_dir, tmp_path_factory.mktemp("ref") / "run")
 
 
-def test_one_process_step_one_equals_torch_transformer(reference: Path, lopsided_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def torch_step(lopsided_dir: Path) -> tuple[TorchEncDec, torch.Tensor, torch.Tensor]:
+    """torch's nn.Transformer with meshrun's initial weights, and the first global batch."""
     cfg = config_from_set_args(tiny(lopsided_dir, "unused", **ENCDEC))
     model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
     data = open_dataset(
         cfg.data, lopsided_dir, "train", seq_len=80, seed=cfg.train.seed, source_len=source_len(cfg.model)
     )
-    x, y = data.batch(0, 16)
-    assert_step_one_matches(reference, TorchEncDec(model), x, y, micro_batch=2)
+    return TorchEncDec(model), *data.batch(0, 16)
+
+
+def test_one_process_step_one_equals_torch_transformer(reference: Path, torch_step) -> None:
+    assert_step_one_matches(reference, *torch_step, micro_batch=2)
+
+
+def test_tensor_parallel_step_one_equals_torch_transformer(torch_step, lopsided_dir: Path, tmp_path: Path) -> None:
+    """tp2 x pp2: self- and cross-attention split by heads, the tied matrix split by vocabulary
+    (260 over 2) on the first and the last stage, the padded-token loss from sharded logits."""
+    layout = {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "train.steps": 2}
+    assert_step_one_matches(train(lopsided_dir, tmp_path / "run", **layout), *torch_step, micro_batch=2)
 
 
 @pytest.mark.parametrize(

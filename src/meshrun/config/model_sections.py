@@ -79,6 +79,10 @@ class EncDecSection(ModelSection):
     tie_embeddings: bool = False
     """encdec: one token embedding matrix for the encoder, the decoder and the output head."""
 
+    def tp_splits(self) -> dict[str, int]:
+        """Whole heads per tp shard, as GPT's (self- and cross-attention alike)."""
+        return {"model.num_heads": self.num_heads}
+
 
 class HFSection(ModelSection):
     family: ClassVar[str] = "hf"

@@ -78,28 +78,26 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention of x over `memory` (itself for self-attention)."""
+    """Multi-head attention of x over `memory` (itself for self-attention). Separate q, k, v
+    projections and a head count read from the width they return, as in gpt.py: a column split
+    of each holds whole heads, so the same forward runs on a tensor-parallel shard."""
 
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
-        self.num_heads, self.dropout = cfg.num_heads, cfg.dropout
-        self.q = nn.Linear(cfg.dim, cfg.dim)
-        self.kv = nn.Linear(cfg.dim, 2 * cfg.dim)
+        self.head_dim, self.dropout = cfg.dim // cfg.num_heads, cfg.dropout
+        self.q, self.k, self.v = (nn.Linear(cfg.dim, cfg.dim) for _ in range(3))
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(
         self, x: torch.Tensor, memory: torch.Tensor, *, keep: torch.Tensor | None = None, causal: bool = False
     ) -> torch.Tensor:
-        b, t, c = x.shape
-        heads = (b, -1, self.num_heads, c // self.num_heads)
-        q = self.q(x).view(heads).transpose(1, 2)  # (B, H, T, D)
-        k, v = (
-            self.kv(memory).view(b, -1, 2, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
-        )  # (B, H, S, D)
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k, v = (p(memory).view(b, memory.shape[1], -1, self.head_dim).transpose(1, 2) for p in (self.k, self.v))
         mask = keep.bool()[:, None, None, :] if keep is not None else None  # (B, 1, 1, S): True = attend
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class EncoderBlock(nn.Module):
@@ -182,6 +180,21 @@ class EncDec(StagedModel):
             TiedHead(self.embed.tok) if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         )
 
+    def tp_plan(self) -> dict[str, str]:
+        """Megatron's split, as gpt.py's: every attention's q, k, v (cross-attention's k and v read
+        the encoder output) and each MLP's first matrix by columns, their output projections by
+        rows; the vocabulary split in the token embedding and the head (tied or not)."""
+        attention = {f"blocks.*.{a}.{m}": "colwise" for a in ("attn", "cross") for m in "qkv"}
+        return {
+            "embed.tok": "vocab_embedding",
+            **attention,
+            "blocks.*.attn.proj": "rowwise",
+            "blocks.*.cross.proj": "rowwise",
+            "blocks.*.mlp.fc": "colwise",
+            "blocks.*.mlp.proj": "rowwise",
+            "head": "tied_vocab_head" if self.cfg.tie_embeddings else "vocab_head",
+        }
+
     @property
     def tied_weight(self) -> str | None:
         """The matrix the first and last pipeline stage each hold a copy of (see parallel/tied.py)."""
@@ -225,7 +238,8 @@ class EncDec(StagedModel):
         for name, p in self.named_parameters():
             if name.startswith("blocks."):
                 encoder = int(name.split(".")[1]) < self.num_encoder
-                params["enc" if encoder else "memory" if ".cross.kv." in name else "dec"] += p.numel()
+                memory = ".cross.k." in name or ".cross.v." in name
+                params["enc" if encoder else "memory" if memory else "dec"] += p.numel()
         head = c.dim * c.vocab_size
         num_decoder = c.num_layers - self.num_encoder
         per_sample = 6.0 * ((params["enc"] + params["memory"]) * source + (params["dec"] + head) * target)

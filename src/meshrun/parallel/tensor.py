@@ -92,7 +92,7 @@ def check_plan(model: nn.Module, tp: int, source: str) -> None:
     if plan is None:
         raise ConfigError(
             f"parallel.tp {tp}: {source} declares no tensor-parallel plan (tp_plan); "
-            "use model.name gpt, give the model a tp_plan, or set parallel.tp=1"
+            "give the model a tp_plan, use model.name gpt or encdec, or set parallel.tp=1"
         )
     names = [name for name, _ in model.named_modules()]
     for pattern, style in plan.items():
@@ -123,9 +123,12 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-    """A module the plan leaves whole computes on replicated DTensors (its inputs are equal on every tp rank)."""
+    """A module the plan leaves whole computes on replicated DTensors (its inputs are equal on every
+    tp rank), inside a tuple too (a model's state between blocks: encdec's final norm takes one)."""
     return tuple(
-        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        _replicated_inputs(module, x, mesh)
+        if isinstance(x, tuple)
+        else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
         else x
         for x in inputs
