@@ -27,7 +27,7 @@ from torch import nn
 
 from meshrun.config.model_sections import HFSection
 from meshrun.errors import ConfigError
-from meshrun.models.hf_config import FUSED_PROJECTIONS, LAYOUT_OF, WHOLE_WIDTH_NORMS, check_fits, hf_dir, load_hf_config
+from meshrun.models.hf_config import FUSED_PROJECTIONS, LAYOUT_OF, QK_NORMS, check_fits, hf_dir, load_hf_config
 from meshrun.models.hf_weights import check_shapes, has_weights, load_weights
 from meshrun.models.init import seeded_normal_
 from meshrun.models.protocol import StagedModel
@@ -109,16 +109,17 @@ class HFCausalLM(StagedModel):
         """Megatron's split of transformers' own layers: q, k, v and the gated MLP's gate and up by
         columns (whole heads, whole kv heads per rank: the attention reshapes with -1 heads and a
         group ratio that the split keeps), o and down by rows, the vocabulary in embedding and
-        head. OLMo 2 normalises q and k over the whole projected width: those two are gathered
-        for their norm, which hands on this rank's heads. None for fused projections (refused)."""
+        head. Qwen3's q/k norms run per head on this rank's heads; OLMo 2's normalise the whole
+        projected width, so q and k are gathered for them and they hand on this rank's heads.
+        None for fused projections (refused before spawn)."""
         model_type = self.hf_config.model_type
         if model_type in FUSED_PROJECTIONS:
             return None
-        q_k = "colwise_gathered" if model_type in WHOLE_WIDTH_NORMS else "colwise"
+        whole_width = model_type in QK_NORMS and QK_NORMS[model_type] == "whole_width"
         attn, mlp = "blocks.*.self_attn.", "blocks.*.mlp."
         plan = {
             "embed": "vocab_embedding",
-            **{f"{attn}{name}_proj": q_k for name in "qk"},
+            **{f"{attn}{name}_proj": "colwise_gathered" if whole_width else "colwise" for name in "qk"},
             f"{attn}v_proj": "colwise",
             f"{attn}o_proj": "rowwise",
             f"{mlp}gate_proj": "colwise",
@@ -126,8 +127,8 @@ class HFCausalLM(StagedModel):
             f"{mlp}down_proj": "rowwise",
             "head": "tied_vocab_head" if self.tied else "vocab_head",
         }
-        if model_type in WHOLE_WIDTH_NORMS:
-            plan |= {f"{attn}q_norm": "sliced_output", f"{attn}k_norm": "sliced_output"}
+        if model_type in QK_NORMS:
+            plan |= {f"{attn}{name}_norm": "sliced_output" if whole_width else "per_head" for name in "qk"}
         return plan
 
     def keep_stage(self, *, first: bool, last: bool) -> None:

@@ -82,8 +82,8 @@ FUSED_PROJECTIONS = {"phi3": "qkv_proj and gate_up_proj", "gpt2": "c_attn, a Con
 """Model types whose layers slice one fused projection by the config's head counts (transformers'
 forward, which meshrun runs as it is): a column split would cut across q, k and v, so tensor
 parallelism refuses them."""
-WHOLE_WIDTH_NORMS = ("olmo2",)
-"""Model types whose q_norm / k_norm normalise the whole projected width, not one head."""
+QK_NORMS = {"qwen3": "per_head", "olmo2": "whole_width"}
+"""Model types with q_norm / k_norm, and what they normalise: each head, or the whole projected width."""
 TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
 TOKENIZER_FILES = (  # what export copies into a Hugging Face folder, and transformers reads
     "tokenizer.json",

@@ -52,6 +52,9 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise_gathered": lambda: ColwiseParallel(output_layouts=Replicate()),
     # that module (computed whole, as every unsplit one) hands on only this rank's columns
     "sliced_output": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(-1)),
+    # a module left whole that runs on this rank's heads (B, T, H, D), e.g. a per-head norm: its input
+    # marked sharded by heads, so its weight's gradient sums every rank's heads, not only its own
+    "per_head": lambda: PrepareModuleInput(input_layouts=Shard(-2), desired_input_layouts=Shard(-2)),
 }
 assert tuple(STYLES) == TP_STYLES
 
@@ -65,6 +68,7 @@ SPLIT_DIMS: dict[str, dict[str, int]] = {
     "tied_vocab_head": {},
     "colwise_gathered": {"weight": 0, "bias": 0},
     "sliced_output": {},
+    "per_head": {},
 }
 assert tuple(SPLIT_DIMS) == TP_STYLES
 
