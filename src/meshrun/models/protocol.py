@@ -121,8 +121,8 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
     needs the whole width, which takes sliced_output: it runs whole and hands on this rank's
     columns, as a colwise output; per_head: a module left whole that runs on this rank's heads,
     e.g. a per-head norm, whose weight gradient sums all heads). The model names the split;
-    parallel/tensor.py applies it. Default:
-    None, the model cannot be split (parallel.tp > 1 is refused)."""
+    parallel/tensor.py applies it. Default: None, the model cannot be split (parallel.tp > 1 is
+    refused)."""
     hook = getattr(model, "tp_plan", None)
     return hook() if hook is not None else None
 
