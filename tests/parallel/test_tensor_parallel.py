@@ -13,9 +13,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from conftest import final_weights, grad_norms, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
 from plain_reference import Reference, assert_grad_norms_match
 from test_checkpoint import interrupted_copy
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
 
 # global 8 / micro 2: 4 microbatches in one process (2 per rank at dp 2); clipping active every step.
 BASE = {"train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5, "checkpoint.interval": 5}
@@ -129,3 +135,27 @@ def test_fp16_overflow_on_one_tp_rank_skips_the_step_everywhere(data_dir: Path, 
     rows = [r for r in read_metrics(tmp_path / "run") if "skipped_steps" in r]
     assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1]
     assert rows[2]["loss_scale"] == rows[1]["loss_scale"] / 2
+
+
+def test_torch_still_has_no_ddp_for_tensor_parallel_modules() -> None:
+    """Why parallel.dp_mode ddp with dp > 1 and tp > 1 is refused (config/topology.py), checked on
+    the installed torch so an upgrade that changes it fails here: DDP's first broadcast has no
+    DTensor rule (and, without it, its reducer mixes DTensor gradients with plain buckets); torch's
+    own route, the private `parallel.ddp._pre_dp_module_transform`, leaves the module without
+    parameters after its first forward (its pre-forward hook swaps each Parameter for a plain
+    DTensor attribute that its post-forward hook no longer finds), so a checkpoint would save
+    nothing and clipping would see local shards. When this fails, revisit the refusal."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = parallelize_module(
+            nn.Sequential(nn.Linear(4, 4)), init_device_mesh("cpu", (1,)), {"0": ColwiseParallel()}
+        )
+        with pytest.raises(NotImplementedError, match="broadcast"):
+            DistributedDataParallel(model)
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(model)
+        DistributedDataParallel(model)(torch.ones(1, 4)).sum().backward()
+        assert list(model.state_dict()) == [], "torch's DDP route for TP now keeps the parameters: revisit the refusal"
+    finally:
+        dist.destroy_process_group()
