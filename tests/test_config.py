@@ -597,6 +597,18 @@ CASES = [
         ("parallel.dp_mode ddp with parallel.dp > 1 and parallel.tp > 1 is refused", "parallel.dp_mode=fsdp"),
         torch_free=True,
     ),
+    Case(  # a setting tp 1 does not use is refused, not ignored
+        "sequence-parallel-without-tp",
+        lambda c: ["train", *c.set(parallel__sequence_parallel=True)],
+        ("parallel.sequence_parallel splits activations over the tp ranks but tp is 1", "parallel.tp > 1"),
+        torch_free=True,
+    ),
+    Case(  # each tp rank holds seq_len / tp positions
+        "sequence-parallel-seq-len-does-not-divide",
+        lambda c: ["train", *c.set(parallel__tp=2, parallel__sequence_parallel=True, model__seq_len=15)],
+        ("model.seq_len (15) must be divisible by parallel.tp (2) under parallel.sequence_parallel",),
+        torch_free=True,
+    ),
     Case(  # the model names its split; encdec declares none
         "tp-model-without-a-plan",
         lambda c: ["train", *c.set(parallel__tp=2, model__name="encdec")],
@@ -931,6 +943,21 @@ CASES = [
             "--set=parallel.tp=2",
         ],
         ("model.factory mt_badplan:build's tp_plan gives blocks.*.mlp.fc style 'diagonal'", "choose one of colwise"),
+    ),
+    Case(  # a plan of colwise/rowwise only does not say where activations split by sequence
+        "sequence-parallel-plan-without-scatter",
+        lambda c: [
+            *_module(
+                "mt_nosp",
+                "from meshrun.models.gpt import GPT\n\n\nclass Plain(GPT):\n"
+                "    def tp_plan(self):\n        return {'blocks.*.mlp.fc': 'colwise', 'blocks.*.mlp.proj': 'rowwise'}\n\n\n"
+                "def build(cfg):\n    return Plain(cfg)\n",
+                "mt_nosp:build",
+            )(c),
+            "--set=parallel.tp=2",
+            "--set=parallel.sequence_parallel=true",
+        ],
+        ("parallel.sequence_parallel: model.factory mt_nosp:build's tp_plan has no scatter", "sequence_parallel=false"),
     ),
     Case(
         "factory-sys-exit",

@@ -51,7 +51,8 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
         if cfg.parallel.tp > 1:
             from meshrun.parallel.tensor import check_plan
 
-            check_plan(model, cfg.parallel.tp, model_source(cfg.model))  # a plan of known styles and modules
+            source = model_source(cfg.model)
+            check_plan(model, cfg.parallel.tp, source, sequence_parallel=cfg.parallel.sequence_parallel)
         check_weights(model)  # pretrained weights: present, shaped as the config says
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))

@@ -32,6 +32,9 @@ ROWS = {
     "tp2-pp2-1f1b": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "every:2"},
     "tp2-pp2-zbv": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zbv"},  # split backward
     "fsdp-dp2-tp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
+    # Megatron's sequence parallel: norms on a rank's positions, reduce-scatter + all-gather per block
+    "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+    "tp2-sp-pp2": {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.pp": 2, "recompute": "full"},
     # all three axes, 8 ranks: each of 2 stages split over tp 2 and sharded over dp 2
     "fsdp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"},
 }

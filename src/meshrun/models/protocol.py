@@ -100,14 +100,18 @@ def pretrained_dir(model: nn.Module) -> Path | None:
     return hook() if hook is not None else None
 
 
-TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
+TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "scatter", "norm", "gather")
 
 
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
     """How tensor parallelism splits the model: module-path patterns (`*` for a block index) ->
     a style of `TP_STYLES` (colwise / rowwise Linear; vocab_embedding: an Embedding split by
     vocabulary; vocab_head: the output Linear split by vocabulary, its logits left sharded for a
-    vocabulary-parallel loss). The model names the split; parallel/tensor.py applies it. Default:
+    vocabulary-parallel loss). Three more say where activations are split by sequence under
+    `parallel.sequence_parallel` (and do nothing without it): scatter (the module whose output
+    starts the split residual stream, e.g. the embedding), norm (a module with weights that acts
+    on each position alone), gather (a module that needs the whole sequence, e.g. attention: its
+    input is all-gathered). The model names the split; parallel/tensor.py applies it. Default:
     None, the model cannot be split (parallel.tp > 1 is refused)."""
     hook = getattr(model, "tp_plan", None)
     return hook() if hook is not None else None

@@ -9,6 +9,12 @@ entropy from the shards (never gathering B x T x V). Activations between blocks,
 pipeline stages, are plain replicated tensors. The vocabulary need not divide by tp: DTensor
 shards unevenly (torch.chunk's split) and the embedding's and the loss's masks follow the shards.
 
+Sequence parallel (`parallel.sequence_parallel`, Megatron's): the residual stream is split by
+position from the embedding's output to the head's input, so norms and dropout hold 1/tp of the
+activations; a row-parallel output is reduce-scattered to the positions instead of all-reduced, and
+attention and the MLP all-gather their input (the same bytes as the all-reduce it replaces). The
+plan's scatter, norm and gather styles say where; pipeline stages pass a rank's positions.
+
 Parameters the plan leaves whole (norms, position embeddings) become replicated DTensors, so every
 parameter of a tp stage is a DTensor on one mesh: fused AdamW, clipping and the fp16 scaler run
 foreach kernels that take no mix of plain tensors and DTensors. Their gradients are equal on every
@@ -28,7 +34,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
@@ -37,13 +46,29 @@ from meshrun.errors import ConfigError
 from meshrun.models.protocol import TP_STYLES, tp_plan
 from meshrun.parallel.loss_fn import LossFn
 
-STYLES: dict[str, Callable[[], ParallelStyle]] = {
+STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
     "vocab_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    "scatter": None,  # sequence parallel's styles: nothing without it (norms left whole, below)
+    "norm": None,
+    "gather": None,
 }
 assert tuple(STYLES) == TP_STYLES
+
+# Under sequence parallel, activations between the scatter and the head are split on dim 1 (B, T/tp, C)
+SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
+    "colwise": ColwiseParallel,  # its input already gathered by the enclosing gather module
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter, not all-reduce
+    "vocab_embedding": STYLES["vocab_embedding"],  # whole output: the embedding adds positions, then scatters
+    "vocab_head": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    "scatter": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+    "norm": lambda: SequenceParallel(use_local_output=True),  # weight gradients summed over the positions' ranks
+    # a DTensor input: its q, k, v (fc) gradients sum as partials, reduce-scattered once
+    "gather": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+}
+assert tuple(SEQUENCE_STYLES) == TP_STYLES
 
 
 # The dimension each style splits, per parameter name (others of the module stay whole)
@@ -52,6 +77,9 @@ SPLIT_DIMS: dict[str, dict[str, int]] = {
     "rowwise": {"weight": 1},
     "vocab_embedding": {"weight": 0},
     "vocab_head": {"weight": 0, "bias": 0},
+    "scatter": {},
+    "norm": {},
+    "gather": {},
 }
 assert tuple(SPLIT_DIMS) == TP_STYLES
 
@@ -73,13 +101,19 @@ def shard_numels(part: nn.Module, tp: int) -> dict[str, int]:
     return numels
 
 
-def check_plan(model: nn.Module, tp: int, source: str) -> None:
-    """Before spawn (tp > 1): a plan of known styles that names modules the model has."""
+def check_plan(model: nn.Module, tp: int, source: str, *, sequence_parallel: bool = False) -> None:
+    """Before spawn (tp > 1): a plan of known styles that names modules the model has (and, for
+    sequence parallel, says where the split starts)."""
     plan = tp_plan(model)
     if plan is None:
         raise ConfigError(
             f"parallel.tp {tp}: {source} declares no tensor-parallel plan (tp_plan); "
             "use model.name gpt, give the model a tp_plan, or set parallel.tp=1"
+        )
+    if sequence_parallel and "scatter" not in plan.values():
+        raise ConfigError(
+            f"parallel.sequence_parallel: {source}'s tp_plan has no scatter, norm and gather styles "
+            "(where activations are split by sequence); set parallel.sequence_parallel=false"
         )
     names = [name for name, _ in model.named_modules()]
     for pattern, style in plan.items():
@@ -89,14 +123,21 @@ def check_plan(model: nn.Module, tp: int, source: str) -> None:
             raise ConfigError(f"{source}'s tp_plan names {pattern}, which matches no module of the model; fix the plan")
 
 
-def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
     """Split this stage's modules over the tp mesh as the model's plan says (patterns matching
     nothing here belong to other pipeline stages). Every tp rank holds the same initialised
     values: each keeps its slice, so a shard equals that slice of what one process draws."""
     plan = tp_plan(part)
     assert plan is not None  # check_plan refused tp > 1 without one
+    styles = SEQUENCE_STYLES if sequence_parallel else STYLES
     names = [name for name, _ in part.named_modules()]
-    concrete = {name: STYLES[style]() for pattern, style in plan.items() for name in names if fnmatch(name, pattern)}
+    concrete = {
+        name: make()
+        for pattern, style in plan.items()
+        if (make := styles[style]) is not None
+        for name in names
+        if fnmatch(name, pattern)
+    }
     parallelize_module(part, tp_mesh, concrete)
     for module in part.modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
