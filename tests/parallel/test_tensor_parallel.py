@@ -16,15 +16,24 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import final_weights, grad_norms, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
-from plain_reference import Reference, assert_grad_norms_match
+from plain_reference import Reference, assert_grad_norms_match, config_from_set_args
 from test_checkpoint import interrupted_copy
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from meshrun.planner.layout_memory import rank_state_bytes
+
 # global 8 / micro 2: 4 microbatches in one process (2 per rank at dp 2); clipping active every step.
-BASE = {"train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5, "checkpoint.interval": 5}
+# A peak (any) makes every row log its MFU.
+BASE = {
+    "train.steps": 10,
+    "train.lr": 3e-3,
+    "train.grad_clip": 0.5,
+    "checkpoint.interval": 5,
+    "metrics.peak_tflops": 1.0,
+}
 ODD_VOCAB = {"model.vocab_size": 257}
 
 ROWS = {
@@ -90,6 +99,22 @@ def test_tp_weights_equal_one_process_after_clipped_steps(row: str, rows, one_pr
     element of blocks.3.mlp.fc.weight at 1.8e-5 (both rows), hence 1e-4 here (an unsummed or
     doubled shard moves weights by ~lr = 3e-3; the grad norms above hold to 1e-5 relative)."""
     assert max_weight_diff(final_weights(rows(row)), final_weights(one_process)) < 1e-4
+
+
+@pytest.mark.timeout(900)
+def test_metrics_count_the_model_once_and_a_rank_its_shard(rows, one_process: Path, data_dir: Path) -> None:
+    """tp2 x pp2 (4 ranks): the FLOPs behind tokens/s and TFLOP/s are the model's once (their ratio,
+    the FLOPs per token, equals one process's, not tp times it), MFU shares them over every device,
+    and state_bytes (params + grads + AdamW state, largest rank) is that rank's shards: exactly the
+    planner's count of them, about half of one process's."""
+    row = "tp2-pp2-1f1b"
+    tp2, one = read_metrics(rows(row))[0], read_metrics(one_process)[0]
+    assert tp2["tflops"] / tp2["tokens_per_s"] == pytest.approx(one["tflops"] / one["tokens_per_s"], rel=1e-12)
+    assert tp2["mfu"] == pytest.approx(tp2["tflops"] / (1.0 * 4), rel=1e-12)
+    planned = rank_state_bytes(config_from_set_args(tiny(data_dir, "unused", **BASE, **ROWS[row])))
+    assert planned is not None
+    assert tp2["state_bytes"] == max(m.params + m.grads + m.optimizer for m in planned)
+    assert tp2["state_bytes"] < 0.3 * one["state_bytes"]  # pp halves it, tp halves what the norms leave
 
 
 @pytest.mark.timeout(900)

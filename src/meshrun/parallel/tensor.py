@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from fnmatch import fnmatch
+from functools import partial
 
 import torch
 from torch import nn
@@ -139,6 +140,9 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
         if fnmatch(name, pattern)
     }
     parallelize_module(part, tp_mesh, concrete)
+    for param in part.parameters():
+        if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+            param.register_hook(partial(_sharded_like_param, placements=param.placements))
     for module in part.modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             # torch annotates the hooks as returning None but uses what they return (as nn.Module hooks do)
@@ -148,6 +152,15 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
                 input_fn=_replicated_inputs,  # pyright: ignore[reportArgumentType]
                 output_fn=_local_outputs,  # pyright: ignore[reportArgumentType]
             )
+
+
+def _sharded_like_param(grad: torch.Tensor, *, placements: tuple) -> torch.Tensor:
+    """A sharded parameter's gradient as its own shard. DTensor's embedding backward returns the
+    vocabulary-split weight's gradient replicated (the whole V x C on every tp rank, kept until
+    the optimizer steps); its rows are exact, so keeping this rank's is a slice, no collective."""
+    if isinstance(grad, DTensor) and grad.placements != placements and all(p.is_replicate() for p in grad.placements):
+        return grad.redistribute(grad.device_mesh, placements)
+    return grad
 
 
 def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
