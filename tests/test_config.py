@@ -591,12 +591,6 @@ CASES = [
         ("model.num_heads (2) must be divisible by parallel.tp (4)",),
         torch_free=True,
     ),
-    Case(
-        "tp-with-ddp",
-        lambda c: ["train", *c.set(parallel__tp=2, parallel__dp=2)],
-        ("parallel.dp_mode ddp with parallel.dp > 1 and parallel.tp > 1 is refused", "parallel.dp_mode=fsdp"),
-        torch_free=True,
-    ),
     Case(  # a setting tp 1 does not use is refused, not ignored
         "sequence-parallel-without-tp",
         lambda c: ["train", *c.set(parallel__sequence_parallel=True)],

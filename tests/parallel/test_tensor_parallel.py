@@ -40,6 +40,7 @@ ROWS = {
     "tp2-odd-vocab": {"parallel.tp": 2, **ODD_VOCAB},
     "tp2-pp2-1f1b": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "every:2"},
     "tp2-pp2-zbv": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zbv"},  # split backward
+    "ddp-dp2-tp2": {"parallel.tp": 2, "parallel.dp": 2},  # FSDP2 with a shard degree of 1 (fsdp.py)
     "fsdp-dp2-tp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
     # Megatron's sequence parallel: norms on a rank's positions, reduce-scatter + all-gather per block
     "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
@@ -89,14 +90,14 @@ def test_tensor_parallel_matches_plain_torch(row: str, rows, plain_reference) ->
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("row", ["tp2-pp2-1f1b", "fsdp-dp2-tp2"])
+@pytest.mark.parametrize("row", ["tp2-pp2-1f1b", "ddp-dp2-tp2", "fsdp-dp2-tp2"])
 def test_tp_weights_equal_one_process_after_clipped_steps(row: str, rows, one_process: Path) -> None:
-    """tp2 x pp2 and dp2 x tp2 (FSDP): the whole model, gathered from its DTensor shards, after 10
+    """tp2 x pp2 and dp2 x tp2 (ddp and fsdp): the whole model, gathered from its DTensor shards, after 10
     clipped AdamW steps.
 
     Row-parallel matmuls sum their halves in another order (fp32 rounding, ~1e-7), and AdamW
     divides a near-zero gradient by its own size: measured, every weight within 3.1e-6 except one
-    element of blocks.3.mlp.fc.weight at 1.8e-5 (both rows), hence 1e-4 here (an unsummed or
+    element of blocks.3.mlp.fc.weight at 1.8e-5 (every row), hence 1e-4 here (an unsummed or
     doubled shard moves weights by ~lr = 3e-3; the grad norms above hold to 1e-5 relative)."""
     assert max_weight_diff(final_weights(rows(row)), final_weights(one_process)) < 1e-4
 
@@ -166,13 +167,14 @@ def test_fp16_overflow_on_one_tp_rank_skips_the_step_everywhere(data_dir: Path, 
 
 
 def test_torch_still_has_no_ddp_for_tensor_parallel_modules() -> None:
-    """Why parallel.dp_mode ddp with dp > 1 and tp > 1 is refused (config/topology.py), checked on
-    the installed torch so an upgrade that changes it fails here: DDP's first broadcast has no
+    """Why parallel.dp_mode ddp with dp > 1 and tp > 1 runs on FSDP2 (fsdp.py), not on
+    DistributedDataParallel, checked on the installed torch so an upgrade that changes it fails
+    here: DDP's first broadcast has no
     DTensor rule (and, without it, its reducer mixes DTensor gradients with plain buckets); torch's
     own route, the private `parallel.ddp._pre_dp_module_transform`, leaves the module without
     parameters after its first forward (its pre-forward hook swaps each Parameter for a plain
     DTensor attribute that its post-forward hook no longer finds), so a checkpoint would save
-    nothing and clipping would see local shards. When this fails, revisit the refusal."""
+    nothing and clipping would see local shards. When this fails, DDP itself may do."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = parallelize_module(
@@ -184,6 +186,6 @@ def test_torch_still_has_no_ddp_for_tensor_parallel_modules() -> None:
 
         _pre_dp_module_transform(model)
         DistributedDataParallel(model)(torch.ones(1, 4)).sum().backward()
-        assert list(model.state_dict()) == [], "torch's DDP route for TP now keeps the parameters: revisit the refusal"
+        assert list(model.state_dict()) == [], "torch's DDP route for TP now keeps the parameters: DDP itself may do"
     finally:
         dist.destroy_process_group()

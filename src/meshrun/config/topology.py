@@ -83,11 +83,6 @@ class ParallelConfig(Section):
             raise ValueError(
                 "parallel.sequence_parallel splits activations over the tp ranks but tp is 1; remove it or set parallel.tp > 1"
             )
-        if self.dp_mode == "ddp" and self.dp > 1 and self.tp > 1:
-            raise ValueError(
-                "parallel.dp_mode ddp with parallel.dp > 1 and parallel.tp > 1 is refused: DistributedDataParallel takes "
-                "no tensor-parallel (DTensor) parameters in torch 2.13; set parallel.dp_mode=fsdp or hsdp"
-            )
         if self.dp_mode == "ddp":
             unused = [f"fsdp_{n}" for n in ("param_dtype", "reduce_dtype") if getattr(self, f"fsdp_{n}") != "fp32"]
             unused += ["fsdp_reshard_after_forward"] if self.fsdp_reshard_after_forward is not None else []
