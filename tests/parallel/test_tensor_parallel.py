@@ -47,6 +47,7 @@ ROWS = {
     "tp2-sp-pp2": {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.pp": 2, "recompute": "full"},
     # all three axes, 8 ranks: each of 2 stages split over tp 2 and sharded over dp 2
     "fsdp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"},
+    "ddp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2},
 }
 
 
