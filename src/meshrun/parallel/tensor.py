@@ -6,14 +6,15 @@ Megatron's split: column-parallel q, k, v and MLP input, row-parallel output pro
 all-reduce per attention and per MLP, forward and backward), the embedding and the head split by
 vocabulary. The head's logits stay sharded by vocabulary and `loss_parallel` computes the cross
 entropy from the shards (never gathering B x T x V). Activations between blocks, and so between
-pipeline stages, are plain replicated tensors. The vocabulary need not divide by tp: DTensor
-shards unevenly (torch.chunk's split) and the embedding's and the loss's masks follow the shards.
+pipeline stages, are plain replicated tensors (without sequence parallel). The vocabulary need not
+divide by tp: DTensor shards unevenly (torch.chunk's split) and the embedding's and the loss's
+masks follow the shards.
 
 Sequence parallel (`parallel.sequence_parallel`, Megatron's): the residual stream is split by
 position from the embedding's output to the head's input, so norms and dropout hold 1/tp of the
 activations; a row-parallel output is reduce-scattered to the positions instead of all-reduced, and
-attention and the MLP all-gather their input (the same bytes as the all-reduce it replaces). The
-plan's scatter, norm and gather styles say where; pipeline stages pass a rank's positions.
+attention and the MLP all-gather their input (together the bytes of the all-reduce they replace).
+The plan's scatter, norm and gather styles say where; pipeline stages pass a rank's positions.
 
 Parameters the plan leaves whole (norms, position embeddings) become replicated DTensors, so every
 parameter of a tp stage is a DTensor on one mesh: fused AdamW, clipping and the fp16 scaler run
