@@ -597,10 +597,16 @@ CASES = [
         ("model.num_heads (1) must be divisible by parallel.tp (2)",),
         torch_free=True,
     ),
-    Case(
-        "tp-with-ddp",
-        lambda c: ["train", *c.set(parallel__tp=2, parallel__dp=2)],
-        ("parallel.dp_mode ddp with parallel.dp > 1 and parallel.tp > 1 is refused", "parallel.dp_mode=fsdp"),
+    Case(  # a setting tp 1 does not use is refused, not ignored
+        "sequence-parallel-without-tp",
+        lambda c: ["train", *c.set(parallel__sequence_parallel=True)],
+        ("parallel.sequence_parallel splits activations over the tp ranks but tp is 1", "parallel.tp > 1"),
+        torch_free=True,
+    ),
+    Case(  # each tp rank holds seq_len / tp positions
+        "sequence-parallel-seq-len-does-not-divide",
+        lambda c: ["train", *c.set(parallel__tp=2, parallel__sequence_parallel=True, model__seq_len=15)],
+        ("model.seq_len (15) must be divisible by parallel.tp (2) under parallel.sequence_parallel",),
         torch_free=True,
     ),
     Case(  # Hugging Face sizes come from config.json: kv heads split whole (grouped-query attention)
@@ -968,6 +974,39 @@ CASES = [
             "--set=parallel.tp=2",
         ],
         ("model.factory mt_badplan:build's tp_plan gives blocks.*.mlp.fc style 'diagonal'", "choose one of colwise"),
+    ),
+    Case(  # a plan of colwise/rowwise only does not say where activations split by sequence
+        "sequence-parallel-plan-without-scatter",
+        lambda c: [
+            *_module(
+                "mt_nosp",
+                "from meshrun.models.gpt import GPT\n\n\nclass Plain(GPT):\n"
+                "    def tp_plan(self):\n        return {'blocks.*.mlp.fc': 'colwise', 'blocks.*.mlp.proj': 'rowwise'}\n\n\n"
+                "def build(cfg):\n    return Plain(cfg)\n",
+                "mt_nosp:build",
+            )(c),
+            "--set=parallel.tp=2",
+            "--set=parallel.sequence_parallel=true",
+        ],
+        ("parallel.sequence_parallel: model.factory mt_nosp:build's tp_plan has no scatter", "sequence_parallel=false"),
+    ),
+    Case(  # a style with no sequence-parallel form (here the tied head) is refused under it
+        "sequence-parallel-plan-with-a-whole-style",
+        lambda c: [
+            *_module(
+                "mt_tiedsp",
+                "from meshrun.models.gpt import GPT\n\n\nclass Tied(GPT):\n"
+                "    def tp_plan(self):\n        return {**super().tp_plan(), 'head': 'tied_vocab_head'}\n\n\n"
+                "def build(cfg):\n    return Tied(cfg)\n",
+                "mt_tiedsp:build",
+            )(c),
+            "--set=parallel.tp=2",
+            "--set=parallel.sequence_parallel=true",
+        ],
+        (
+            "mt_tiedsp:build's tp_plan uses tied_vocab_head, which has no sequence-parallel form",
+            "sequence_parallel=false",
+        ),
     ),
     Case(
         "factory-sys-exit",

@@ -48,13 +48,16 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     from meshrun.models.protocol import check_weights
 
     if scope == "job" and cfg.parallel.tp > 1 and is_hf(cfg.model):
-        check_tensor_split(cfg.parallel, tp_splits(cfg.model, cfg.parallel.tp))  # the sizes config.json sets
+        check_tensor_split(
+            cfg.parallel, tp_splits(cfg.model, cfg.parallel.tp), seq_len=cfg.model.seq_len
+        )  # the sizes config.json sets
     model = build_model(cfg.model)
     if scope == "job":
         if cfg.parallel.tp > 1:
             from meshrun.parallel.tensor import check_plan
 
-            check_plan(model, cfg.parallel.tp, model_source(cfg.model))  # a plan of known styles and modules
+            source = model_source(cfg.model)
+            check_plan(model, cfg.parallel.tp, source, sequence_parallel=cfg.parallel.sequence_parallel)
         check_weights(model)  # pretrained weights: present, shaped as the config says
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))

@@ -34,6 +34,8 @@ class ParallelConfig(Section):
     """Pipeline-parallel degree (stages over Transformer blocks)."""
     tp: Int = Field(default=1, ge=1)
     """Tensor-parallel degree: each layer's matrices split over tp neighbouring ranks of one node (DTensor)."""
+    sequence_parallel: bool = False
+    """tp > 1: also split norms' and dropout's activations by sequence over the tp ranks (Megatron's; model.seq_len divisible by tp)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule from torch.distributed.pipelining (used when pp > 1)."""
     virtual_stages: Int | None = Field(default=None, ge=1)
@@ -77,10 +79,9 @@ class ParallelConfig(Section):
             raise ValueError(
                 f"parallel.stage_layers lists {len(self.stage_layers)} stages but pp is 1; remove it or set parallel.pp"
             )
-        if self.dp_mode == "ddp" and self.dp > 1 and self.tp > 1:
+        if self.sequence_parallel and self.tp == 1:
             raise ValueError(
-                "parallel.dp_mode ddp with parallel.dp > 1 and parallel.tp > 1 is refused: DistributedDataParallel takes "
-                "no tensor-parallel (DTensor) parameters in torch 2.13; set parallel.dp_mode=fsdp or hsdp"
+                "parallel.sequence_parallel splits activations over the tp ranks but tp is 1; remove it or set parallel.tp > 1"
             )
         if self.dp_mode == "ddp":
             unused = [f"fsdp_{n}" for n in ("param_dtype", "reduce_dtype") if getattr(self, f"fsdp_{n}") != "fp32"]
@@ -143,20 +144,26 @@ def check_layout(
     micro_batch: int,
     profiled_ranks: Sequence[int],
     tp_splits: Mapping[str, int],
+    seq_len: int,
 ) -> None:
     """Every rule over several sections that needs only the config's numbers (`tp_splits`: the
     model's sizes tensor parallelism divides, by the key that sets each)."""
     check_batch_maths(par, global_batch=global_batch, micro_batch=micro_batch)
     check_nodes(par, launch)
     check_profiled_ranks(par, profiled_ranks)
-    check_tensor_split(par, tp_splits)
+    check_tensor_split(par, tp_splits, seq_len=seq_len)
 
 
-def check_tensor_split(par: ParallelConfig, splits: Mapping[str, int]) -> None:
-    """Each size a tp shard holds a part of (whole heads) divides by parallel.tp."""
+def check_tensor_split(par: ParallelConfig, splits: Mapping[str, int], *, seq_len: int) -> None:
+    """Each size a tp shard holds a part of (whole heads; the sequence under sequence parallel) divides by parallel.tp."""
     for key, size in splits.items():
         if size % par.tp:
             raise ConfigError(f"{key} ({size}) must be divisible by parallel.tp ({par.tp}); change one of these keys")
+    if par.sequence_parallel and seq_len % par.tp:
+        raise ConfigError(
+            f"model.seq_len ({seq_len}) must be divisible by parallel.tp ({par.tp}) under parallel.sequence_parallel; "
+            "change one of these keys or set parallel.sequence_parallel=false"
+        )
 
 
 def check_batch_maths(par: ParallelConfig, *, global_batch: int, micro_batch: int) -> None:

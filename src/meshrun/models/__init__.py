@@ -26,7 +26,8 @@ functions of the same name there, which fall back to the default when a model la
 - `check_weights()`: before any worker exists, the weights it would load exist and fit (default: nothing).
 - `pretrained_dir()`: the folder its weights load from, for the run's description (default: None).
 - `tp_plan()`: module-path patterns -> tensor-parallel style names (`protocol.TP_STYLES`: colwise,
-  rowwise, vocab_embedding, vocab_head, ...) that `parallel.tp > 1` applies (default: None, tp > 1 refused).
+  rowwise, vocab_embedding, vocab_head, ...; scatter, norm, gather for sequence parallel) that
+  `parallel.tp > 1` applies (default: None, tp > 1 refused).
 
 Subclassing `meshrun.models.protocol.StagedModel` provides that forward; `ModelProtocol` there
 is the protocol as a type, and `meshrun.models.families.build_model` returns a `ProtocolModule` (nn.Module + protocol).

@@ -82,9 +82,17 @@ class GPT(StagedModel):
 
     def tp_plan(self) -> dict[str, str]:
         """Megatron's split: q, k, v and the MLP's first matrix by columns (whole heads per rank),
-        their output projections by rows; the vocabulary split in the embedding and the head."""
+        their output projections by rows; the vocabulary split in the embedding and the head.
+        Sequence parallel splits the residual stream by position from the embedding's output on:
+        the norms run on a rank's positions, attention and the MLP gather the whole sequence."""
         return {
+            "embed": "scatter",
             "embed.tok": "vocab_embedding",
+            "blocks.*.ln1": "norm",
+            "blocks.*.ln2": "norm",
+            "norm": "norm",
+            "blocks.*.attn": "gather",
+            "blocks.*.mlp": "gather",
             "blocks.*.attn.q": "colwise",
             "blocks.*.attn.k": "colwise",
             "blocks.*.attn.v": "colwise",

@@ -109,6 +109,9 @@ TP_STYLES = (
     "colwise_gathered",
     "sliced_output",
     "per_head",
+    "scatter",
+    "norm",
+    "gather",
 )
 
 
@@ -120,9 +123,12 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
     colwise_gathered: a colwise Linear whose output every rank gathers whole, for a module that
     needs the whole width, which takes sliced_output: it runs whole and hands on this rank's
     columns, as a colwise output; per_head: a module left whole that runs on this rank's heads,
-    e.g. a per-head norm, whose weight gradient sums all heads). The model names the split;
-    parallel/tensor.py applies it. Default: None, the model cannot be split (parallel.tp > 1 is
-    refused)."""
+    e.g. a per-head norm, whose weight gradient sums all heads). Three more say where activations
+    are split by sequence under `parallel.sequence_parallel` (and do nothing without it): scatter
+    (the module whose output starts the split residual stream, e.g. the embedding), norm (a module
+    with weights that acts on each position alone), gather (a module that needs the whole sequence,
+    e.g. attention: its input is all-gathered). The model names the split; parallel/tensor.py
+    applies it. Default: None, the model cannot be split (parallel.tp > 1 is refused)."""
     hook = getattr(model, "tp_plan", None)
     return hook() if hook is not None else None
 

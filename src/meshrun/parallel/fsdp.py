@@ -16,6 +16,12 @@ When gradients are reduced and parameters resharded:
   defaults to off under pipelining: the gathered stage stays resident for the step, a stage is
   only 1/pp of the model.
 
+ddp with tp > 1 runs here too, as HSDP with a shard degree of 1: every dp rank keeps a whole
+replica of its tp shards and gradients are all-reduced over dp, DDP's arithmetic. torch 2.13's
+DistributedDataParallel takes no DTensor parameters (its first broadcast has no DTensor rule), and
+its private TP route (`tensor.parallel.ddp._pre_dp_module_transform`) leaves the module without
+parameters after one forward (tests/parallel/test_tensor_parallel.py checks both on the installed torch).
+
 Mixed precision: by default FSDP casts nothing (autocast computes in bf16/fp16 exactly as
 with ddp) and reduces in fp32, so fsdp and ddp run the same arithmetic.
 """
@@ -96,7 +102,8 @@ def describe_data_parallel(cfg: Config) -> list[str]:
     par = cfg.parallel
     shard = cfg.layout.dp_shard
     mesh = {
-        "ddp": f"  ddp: {par.dp} full replicas per stage (shard 1 x replicate {par.dp})",
+        "ddp": f"  ddp: {par.dp} full replicas per stage (shard 1 x replicate {par.dp})"
+        + (" kept by FSDP2 (DistributedDataParallel takes no tp DTensors)" if par.tp > 1 else ""),
         "fsdp": f"  fsdp: each stage sharded over its {par.dp} dp ranks (shard {par.dp} x replicate 1)",
         "hsdp": f"  hsdp: shard {shard} x replicate {par.dp // shard} (a copy is sharded over neighbouring ranks)",
     }[par.dp_mode]

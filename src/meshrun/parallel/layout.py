@@ -190,13 +190,14 @@ class Layout:
     def build_device_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, DeviceMesh]:
         """The named meshes of this layout (the process group must exist): `mesh_degrees` (pp, dp and
         tp) for the groups of each axis; the mesh FSDP shards over (None for ddp): `dp_shard`, or
-        (`dp_replicate`, `dp_shard`) for hsdp; and the tp mesh, cut from the same root as the FSDP
-        mesh (FSDP2 shards a tensor-parallel DTensor over dp only when both share one)."""
+        (`dp_replicate`, `dp_shard`) for hsdp and for ddp with tp > 1 (FSDP2 keeps its replicas, a
+        shard degree of 1: fsdp.py); and the tp mesh, cut from the same root as the FSDP mesh (FSDP2
+        shards a tensor-parallel DTensor over dp only when both share one)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         degrees = self.mesh_degrees
         mesh = init_device_mesh(device_type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
-        if self.dp_shard == 1:
+        if self.dp_shard == 1 and (self.tp == 1 or self.dp_replicate == 1):
             return mesh, None, mesh["tp"]
         if self.dp_replicate == 1:
             return mesh, mesh["dp"], mesh["tp"]

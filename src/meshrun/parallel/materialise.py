@@ -41,6 +41,6 @@ def materialise_part(
     if tp_mesh is not None and tp_mesh.size() > 1:
         from meshrun.parallel.tensor import apply_tensor_parallel  # torch's tensor.parallel: only when used
 
-        apply_tensor_parallel(part, tp_mesh)
+        apply_tensor_parallel(part, tp_mesh, sequence_parallel=cfg.parallel.sequence_parallel)
     apply_recompute(part.blocks, cfg.recompute)
     return part

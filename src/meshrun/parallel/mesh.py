@@ -20,7 +20,7 @@ class Mesh:
     layout: Layout
     device: torch.device
     device_mesh: DeviceMesh  # (pp, dp, tp)
-    data_mesh: DeviceMesh | None  # fsdp: the dp axis; hsdp: (dp_replicate, dp_shard); ddp: None
+    data_mesh: DeviceMesh | None  # fsdp: the dp axis; hsdp and ddp x tp: (dp_replicate, dp_shard); ddp: None
     tp_mesh: DeviceMesh  # the tp axis (same root as data_mesh)
 
     @property

@@ -6,8 +6,8 @@
   3. materialise on the device and initialise (per-parameter seeds: layout independent);
   4. tp > 1: split the model's planned modules over the tp mesh (tensor.py);
   5. wrap blocks for activation recompute;
-  6. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp)
-     fully_shard per block + the stage root (fsdp.py; 2-D with tp's DTensors);
+  6. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp, and
+     ddp with tp > 1) fully_shard per block + the stage root (fsdp.py; 2-D with tp's DTensors);
   7. pp > 1: PipelineStage + a torch.distributed.pipelining schedule;
   8. tied embeddings: the group that sums the first and last stage's gradients (tied.py).
 Under tp the loss runs on vocabulary-sharded logits (`vocab_parallel`, forward and backward).

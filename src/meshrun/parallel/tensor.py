@@ -6,8 +6,15 @@ Megatron's split: column-parallel q, k, v and MLP input, row-parallel output pro
 all-reduce per attention and per MLP, forward and backward), the embedding and the head split by
 vocabulary. The head's logits stay sharded by vocabulary and `loss_parallel` computes the cross
 entropy from the shards (never gathering B x T x V). Activations between blocks, and so between
-pipeline stages, are plain replicated tensors. The vocabulary need not divide by tp: DTensor
-shards unevenly (torch.chunk's split) and the embedding's and the loss's masks follow the shards.
+pipeline stages, are plain replicated tensors (without sequence parallel). The vocabulary need not
+divide by tp: DTensor shards unevenly (torch.chunk's split) and the embedding's and the loss's
+masks follow the shards.
+
+Sequence parallel (`parallel.sequence_parallel`, Megatron's): the residual stream is split by
+position from the embedding's output to the head's input, so norms and dropout hold 1/tp of the
+activations; a row-parallel output is reduce-scattered to the positions instead of all-reduced, and
+attention and the MLP all-gather their input (together the bytes of the all-reduce they replace).
+The plan's scatter, norm and gather styles say where; pipeline stages pass a rank's positions.
 
 Parameters the plan leaves whole (norms, position embeddings) become replicated DTensors, so every
 parameter of a tp stage is a DTensor on one mesh: fused AdamW, clipping and the fp16 scaler run
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from fnmatch import fnmatch
+from functools import partial
 
 import torch
 from torch import nn
@@ -31,6 +39,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
@@ -39,7 +48,7 @@ from meshrun.errors import ConfigError
 from meshrun.models.protocol import TP_STYLES, tp_plan
 from meshrun.parallel.loss_fn import LossFn
 
-STYLES: dict[str, Callable[[], ParallelStyle]] = {
+STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
@@ -55,8 +64,26 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     # a module left whole that runs on this rank's heads (B, T, H, D), e.g. a per-head norm: its input
     # marked sharded by heads, so its weight's gradient sums every rank's heads, not only its own
     "per_head": lambda: PrepareModuleInput(input_layouts=Shard(-2), desired_input_layouts=Shard(-2)),
+    "scatter": None,  # sequence parallel's styles: nothing without it (norms left whole, below)
+    "norm": None,
+    "gather": None,
 }
 assert tuple(STYLES) == TP_STYLES
+
+# Under sequence parallel, activations between the scatter and the head are split on dim 1 (B, T/tp, C).
+# The styles not here (a tied head, a gathered projection, per-head modules) have no sequence form yet:
+# check_plan refuses sequence parallel with a plan that uses them.
+SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
+    "colwise": ColwiseParallel,  # its input already gathered by the enclosing gather module
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter, not all-reduce
+    "vocab_embedding": STYLES["vocab_embedding"],  # whole output: the embedding adds positions, then scatters
+    "vocab_head": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    "scatter": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+    "norm": lambda: SequenceParallel(use_local_output=True),  # weight gradients summed over the positions' ranks
+    # a DTensor input: its q, k, v (fc) gradients sum as partials, reduce-scattered once
+    "gather": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+}
+assert set(SEQUENCE_STYLES) <= set(TP_STYLES)
 
 
 # The dimension each style splits, per parameter name (others of the module stay whole)
@@ -69,6 +96,9 @@ SPLIT_DIMS: dict[str, dict[str, int]] = {
     "colwise_gathered": {"weight": 0, "bias": 0},
     "sliced_output": {},
     "per_head": {},
+    "scatter": {},
+    "norm": {},
+    "gather": {},
 }
 assert tuple(SPLIT_DIMS) == TP_STYLES
 
@@ -90,13 +120,24 @@ def shard_numels(part: nn.Module, tp: int) -> dict[str, int]:
     return numels
 
 
-def check_plan(model: nn.Module, tp: int, source: str) -> None:
-    """Before spawn (tp > 1): a plan of known styles that names modules the model has."""
+def check_plan(model: nn.Module, tp: int, source: str, *, sequence_parallel: bool = False) -> None:
+    """Before spawn (tp > 1): a plan of known styles that names modules the model has (and, for
+    sequence parallel, says where the split starts)."""
     plan = tp_plan(model)
     if plan is None:
         raise ConfigError(
             f"parallel.tp {tp}: {source} declares no tensor-parallel plan (tp_plan); "
             "give the model a tp_plan, use model.name gpt or encdec, or set parallel.tp=1"
+        )
+    if sequence_parallel and "scatter" not in plan.values():
+        raise ConfigError(
+            f"parallel.sequence_parallel: {source}'s tp_plan has no scatter, norm and gather styles "
+            "(where activations are split by sequence); set parallel.sequence_parallel=false"
+        )
+    if sequence_parallel and (whole := sorted(set(plan.values()) - set(SEQUENCE_STYLES))):
+        raise ConfigError(
+            f"parallel.sequence_parallel: {source}'s tp_plan uses {', '.join(whole)}, which has no "
+            "sequence-parallel form; set parallel.sequence_parallel=false"
         )
     names = [name for name, _ in model.named_modules()]
     for pattern, style in plan.items():
@@ -106,15 +147,25 @@ def check_plan(model: nn.Module, tp: int, source: str) -> None:
             raise ConfigError(f"{source}'s tp_plan names {pattern}, which matches no module of the model; fix the plan")
 
 
-def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
     """Split this stage's modules over the tp mesh as the model's plan says (patterns matching
     nothing here belong to other pipeline stages). Every tp rank holds the same initialised
     values: each keeps its slice, so a shard equals that slice of what one process draws."""
     plan = tp_plan(part)
     assert plan is not None  # check_plan refused tp > 1 without one
+    styles = SEQUENCE_STYLES if sequence_parallel else STYLES
     names = [name for name, _ in part.named_modules()]
-    concrete = {name: STYLES[style]() for pattern, style in plan.items() for name in names if fnmatch(name, pattern)}
+    concrete = {
+        name: make()
+        for pattern, style in plan.items()
+        if (make := styles[style]) is not None
+        for name in names
+        if fnmatch(name, pattern)
+    }
     parallelize_module(part, tp_mesh, concrete)
+    for param in part.parameters():
+        if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+            param.register_hook(partial(_sharded_like_param, placements=param.placements))
     for module in part.modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             # torch annotates the hooks as returning None but uses what they return (as nn.Module hooks do)
@@ -124,6 +175,15 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh) -> None:
                 input_fn=_replicated_inputs,  # pyright: ignore[reportArgumentType]
                 output_fn=_local_outputs,  # pyright: ignore[reportArgumentType]
             )
+
+
+def _sharded_like_param(grad: torch.Tensor, *, placements: tuple) -> torch.Tensor:
+    """A sharded parameter's gradient as its own shard. DTensor's embedding backward returns the
+    vocabulary-split weight's gradient replicated (the whole V x C on every tp rank, kept until
+    the optimizer steps); its rows are exact, so keeping this rank's is a slice, no collective."""
+    if isinstance(grad, DTensor) and grad.placements != placements and all(p.is_replicate() for p in grad.placements):
+        return grad.redistribute(grad.device_mesh, placements)
+    return grad
 
 
 def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
