@@ -114,7 +114,9 @@ class AcrossRanks:
 class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
-        torch.manual_seed(cfg.train.seed + mesh.rank)  # dropout streams; weights and data have their own seeds
+        # Dropout streams (weights and data have their own seeds): one per tp group, as tp ranks hold
+        # the same activations outside the split matrices and must drop the same ones.
+        torch.manual_seed(cfg.train.seed + mesh.rank // mesh.tp)
         # Steps and evaluations pass their own loss (batch_loss); this one only sets the microbatch count.
         self.model = parallelize(
             cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=partial(autocast, cfg, mesh.device)
