@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshrun.errors import RunError
 from meshrun.models.protocol import tied_weight
@@ -58,10 +57,7 @@ class TiedEmbeddings:
         """Sum the embedding and head gradients into both copies (call after backward, before unscale/clip)."""
         if not self.copies:
             return
-        for p in self.copies:  # tp: a vocab_embedding's gradient comes back replicated, the head's sharded
-            if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # this rank's rows: a slice, no message
-        # fsdp: both copies are sharded alike over dp
+        # tp and fsdp: both copies' gradients are sharded alike (parallel/tensor.py keeps an embedding's as its shard)
         grads = [local(p.grad) for p in self.copies if p.grad is not None]
         if len(grads) < len(self.copies):
             raise RunError("a copy of the tied embedding got no gradient in the backward; this is a bug")
