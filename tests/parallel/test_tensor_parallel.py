@@ -131,6 +131,12 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(rows, data_dir: Path, tmp_path: 
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 11))
 
 
+def test_sample_reads_a_tp2_checkpoint(rows, tmp_path: Path) -> None:
+    """`meshrun sample` runs one process: it loads the vocabulary-split (uneven) shards whole."""
+    sampled = run_meshrun(["sample", str(rows("tp2-odd-vocab")), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path)
+    assert sampled.stdout.strip()
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "resumed_as",
