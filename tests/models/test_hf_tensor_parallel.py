@@ -5,8 +5,9 @@ The Llama (tests/models/hf_models.py) has 4 query and 2 kv heads, so tp2 holds o
 rank (grouped-query attention with local head counts). OLMo 2 normalises q and k over the whole
 projected width: its tp2 x pp2 row proves the gathered norms; its head is tied, so the
 vocabulary-split embedding matrix also serves a head on the other pipeline stage. Qwen3's norms
-run per head on this rank's heads. The refusals (fused projections, kv heads) live in
-tests/test_config.py's table.
+run per head on this rank's heads. Qwen2's q, k and v carry biases (split with their
+columns); Mistral is Llama-shaped with its own attention module. The refusals (fused projections,
+kv heads) live in tests/test_config.py's table.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ FAMILIES = {  # beside hf_models.py's llama (8 layers; 4 query heads, 2 kv heads
         "pad_token_id": 0,
     },
     "qwen3": {**CONFIGS["llama"], "model_type": "qwen3", "num_hidden_layers": 2, "head_dim": 8},  # per-head q/k norms
+    "qwen2": {**CONFIGS["llama"], "model_type": "qwen2", "num_hidden_layers": 2},  # q, k, v with biases
+    "mistral": {**CONFIGS["llama"], "model_type": "mistral", "num_hidden_layers": 2},
 }
 ROWS = {
     "llama-tp2": ("llama", {"parallel.tp": 2}),
@@ -36,6 +39,8 @@ ROWS = {
     "olmo2-one-process": ("olmo2", {}),
     "qwen3-tp2": ("qwen3", {"parallel.tp": 2}),
     "qwen3-one-process": ("qwen3", {}),
+    "qwen2-tp2": ("qwen2", {"parallel.tp": 2}),
+    "mistral-tp2": ("mistral", {"parallel.tp": 2}),
 }
 
 
@@ -72,7 +77,7 @@ def runs(models, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ca
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("row", ["llama-tp2", "olmo2-tp2-pp2"])
+@pytest.mark.parametrize("row", ["llama-tp2", "olmo2-tp2-pp2", "qwen2-tp2", "mistral-tp2"])
 def test_first_step_equals_transformers(row: str, runs, models, data_dir: Path) -> None:
     """Pretrained weights split over tp ranks: step 1's loss and pre-clip gradient norm are plain
     transformers' (1e-5 relative); a shard counted twice or a replicated norm counted tp times
