@@ -31,17 +31,19 @@ def test_table_ranks_layouts_and_writes_the_best(tmp_path: Path) -> None:
     out = tmp_path / "best.yaml"
     done = plan(tmp_path, "--gpus=2", "--gpu=h100", f"--write={out}", "--top=50")
     rows = [line.split() for line in done.stdout.splitlines() if line[:3].strip().isdigit()]
-    assert rows and all(row[12] == "yes" for row in rows)  # 2 x 80 GiB holds every layout of a tiny model
-    assert {(row[1], row[2]) for row in rows} == {("1", "2"), ("2", "1")}
-    times = [float(row[13]) for row in rows]
+    assert rows and all(row[16] == "yes" for row in rows)  # 2 x 80 GiB holds every layout of a tiny model
+    assert {(row[1], row[2], row[4]) for row in rows} == {("1", "1", "2"), ("1", "2", "1"), ("2", "1", "1")}
+    assert {row[3] for row in rows} == {"ddp", "fsdp"}  # dp 2: both data-parallel modes
+    times = [float(row[17]) for row in rows]
     assert times == sorted(times)
     best = load_config(out)
     first = rows[0]
-    assert (best.parallel.dp, best.parallel.pp, best.train.micro_batch, best.recompute) == (
+    assert (best.parallel.tp, best.parallel.dp, best.parallel.pp, best.train.micro_batch, best.recompute) == (
         int(first[1]),
         int(first[2]),
         int(first[4]),
-        first[6],
+        int(first[6]),
+        first[8],
     )
     assert best.train.global_batch == 4 and best.model.dim == 32
 
@@ -86,7 +88,7 @@ def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -
     assert record["device"] == "cpu" and record["achieved_flops"] > 0 and record["p2p_s"] >= 0
     layouts = {(probe["dp"], probe["pp"], probe["microbatches"]) for probe in record["probes"]}
     assert {(1, 1, 4), (2, 1, 2), (1, 2, 2), (1, 2, 4)} <= layouts  # two-rank probes ran under torchrun
-    assert "GFLOP/s achieved" in done.stdout and "per pipeline message" in done.stdout
+    assert "GFLOP/s achieved" in done.stdout and "per message" in done.stdout
     run_dir = tmp_path / "run"
     run_meshrun(["train", *tiny(data_dir, run_dir)], tmp_path=tmp_path)
     measured = [row["step_time_s"] for row in read_metrics(run_dir) if "step_time_s" in row][1:]
