@@ -35,6 +35,8 @@ def test_table_ranks_layouts_and_writes_the_best(tmp_path: Path) -> None:
     assert {(row[1], row[2], row[4]) for row in rows} == {("1", "1", "2"), ("1", "2", "1"), ("2", "1", "1")}
     assert {row[3] for row in rows} == {"ddp", "fsdp"}  # dp 2: both data-parallel modes
     times = [float(row[17]) for row in rows]
+    terms = [line for line in done.stdout.splitlines() if line.startswith("  pp rank ")]
+    assert terms and all("activations" in t and "buffers" in t and "baseline" in t for t in terms)
     assert times == sorted(times)
     best = load_config(out)
     first = rows[0]
@@ -97,10 +99,16 @@ def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -
     predicted, shown, ratio = (float(x) for x in line.split()[-3:])
     assert shown == pytest.approx(sum(measured) / len(measured), rel=1e-3)
     assert predicted > 0 and ratio == pytest.approx(predicted / shown, rel=1e-2)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("memory GB, pp rank 0"))
+    predicted, shown, ratio = (float(x) for x in line.split()[-3:])
+    peak = max(row["memory_gb"] for row in read_metrics(run_dir) if "memory_gb" in row)
+    assert shown == pytest.approx(peak, rel=1e-3) and 0.5 < ratio < 2  # the calibrated baseline dominates
     # against an H100's numbers the ratios are huge: every column still reads apart
     done = run_meshrun(["plan", "--run", str(run_dir), "--gpu", "h100"], tmp_path=tmp_path)
-    rows = [line for line in done.stdout.splitlines() if line.startswith(("step time s", "bubble", "tokens/s"))]
-    assert len(rows) == 4
+    rows = [
+        line for line in done.stdout.splitlines() if line.startswith(("step time s", "bubble", "tokens/s", "memory"))
+    ]
+    assert len(rows) == 4 + 1  # and the memory of the run's one pipeline stage
     for row in (row for row in rows if not row.endswith("-")):  # no bubble measured without a pipeline
         predicted, shown, ratio = (float(x) for x in row.split()[-3:])
         assert ratio == pytest.approx(predicted / shown, rel=1e-2), row

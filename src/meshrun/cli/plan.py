@@ -267,6 +267,19 @@ def _probe_hardware(args: argparse.Namespace, device: str, requested: str) -> tu
         return Hardware(device, float("inf"), None, args.intra_gbs or intra, args.inter_gbs or inter, 2), precision
 
 
+def memory_rows(prediction: Prediction, rows: list[dict], *, cpu: bool) -> list[tuple[str, float, float | None]]:
+    """(name, predicted GB, measured GB) per pipeline stage: the run's peak `memory_gb/stage{s}`
+    against the stage's rank. A CPU run measures its processes' peak resident set (the runtime
+    baseline included), a GPU run the bytes torch allocated (tensors only: the baseline left out)."""
+    out = []
+    for stage, mem in enumerate(prediction.ranks):
+        key = f"memory_gb/stage{stage}" if f"memory_gb/stage{stage}" in rows[-1] else "memory_gb"
+        measured = [row[key] for row in rows if key in row]
+        predicted = (mem.total if cpu else mem.total - mem.baseline) / 1e9
+        out.append((f"memory GB, pp rank {stage}", predicted, max(measured) if measured else None))
+    return out
+
+
 def compare_run(args: argparse.Namespace) -> int:
     """A finished run's measured step time, bubble and throughput next to the prediction for its layout."""
     run = Path(args.run)
@@ -303,6 +316,7 @@ def compare_run(args: argparse.Namespace) -> int:
         ("step time s (measured bubble)", with_bubble.time.total, measured_time),
         ("bubble", formula.time.bubble_fraction, measured_bubble),
         ("tokens/s", formula.tokens_per_s, cfg.tokens_per_step / measured_time),
+        *memory_rows(formula, timed, cpu=hw.name == "cpu"),
     ):
         shown = f"{measured:>12.4g}{predicted / measured:>10.3g}" if measured else f"{'-':>12}{'-':>10}"
         print(f"{name:<28}{predicted:>12.4g}{shown}")
