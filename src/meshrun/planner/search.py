@@ -86,7 +86,8 @@ def data_modes(dp: int) -> list[tuple[str, int | None]]:
     """(dp_mode, dp_shard) for dp ranks: DDP, FSDP over all, HSDP over each shard size between."""
     if dp == 1:
         return [("ddp", None)]
-    return [("ddp", None), ("fsdp", None)] + [("hsdp", s) for s in _divisors(dp)[1:-1]]
+    hybrid: list[tuple[str, int | None]] = [("hsdp", s) for s in _divisors(dp)[1:-1]]
+    return [("ddp", None), ("fsdp", None), *hybrid]
 
 
 def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
