@@ -158,6 +158,23 @@ def tensor_parallel_s(held: list[StageProfile], tp: int, *, gbs: float, eff: Eff
     return messages * (_ring(hidden, tp, gbs, 2.0) + eff.p2p_s)
 
 
+def rank_compute_s(
+    held: list[StageProfile], total_units: int, tokens: int, flops_per_s: float, eff: Efficiency
+) -> float:
+    """One microbatch's forward and backward through the stages a rank holds: FLOPs at the achieved
+    rate but not below the launch floor, plus the fixed cost of a whole-model forward and backward
+    (launches, Python) shared by the stages' modules: a stage of half the blocks launches about
+    half the kernels, whatever their FLOPs."""
+    return sum(
+        max(
+            (s.model_flops_per_token + eff.recompute_cost * s.recompute_flops_per_token) * tokens / flops_per_s,
+            eff.kernel_floor_s * (s.units + s.recomputed_blocks / 3),  # recompute launches a forward again
+        )
+        + 2 * eff.action_s * s.units / total_units
+        for s in held
+    )
+
+
 def step_time(
     stages: list[StageProfile],
     local: list[list[int]],
@@ -176,19 +193,8 @@ def step_time(
     flops_per_s = eff.flops_per_s(hw)
     total_units = sum(s.units for s in stages)
     tp_gbs = hw.intra_gbs if tp <= hw.gpus_per_node else hw.inter_gbs
-    # the fixed cost of a whole-model forward and backward (launches, Python), shared by the stages'
-    # modules: a stage of half the blocks launches about half the kernels, whatever their FLOPs
     per_rank = [
-        sum(
-            max(
-                (s.model_flops_per_token + eff.recompute_cost * s.recompute_flops_per_token)
-                * tokens_per_microbatch
-                / flops_per_s,
-                eff.kernel_floor_s * (s.units + s.recomputed_blocks / 3),  # recompute launches a forward again
-            )
-            + 2 * eff.action_s * s.units / total_units
-            for s in (stages[i] for i in held)
-        )
+        rank_compute_s([stages[i] for i in held], total_units, tokens_per_microbatch, flops_per_s, eff)
         + tensor_parallel_s([stages[i] for i in held], tp, gbs=tp_gbs, eff=eff)
         for held in local
     ]
