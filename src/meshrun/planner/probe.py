@@ -9,6 +9,7 @@ sum and fused AdamW, with the ranks competing for the machine.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -89,9 +90,17 @@ def message_seconds(device: torch.device, *, rounds: int = 50) -> float:
     return (time.perf_counter() - start) / rounds / 2
 
 
-def runtime_bytes(device: torch.device) -> int:
-    """What this process holds before any model: its resident memory on a CPU (torch, Python,
-    the process group), the CUDA context and libraries on a GPU (in use less torch's reserved)."""
+def runtime_bytes(cfg: Config, device: torch.device) -> int:
+    """What a training worker holds before its model's tensors: its resident memory on a CPU
+    (Python, torch, the process group and the code a `meshrun train` worker imports: trainer,
+    data, metrics, checkpointing, pipelining, FSDP and the model's family, e.g. transformers),
+    the CUDA context and libraries on a GPU (in use less torch's reserved)."""
+    from meshrun.models.families import build_model
+
+    for module in ("meshrun.cli.train", "meshrun.parallel.fsdp", "meshrun.parallel.pipeline"):
+        importlib.import_module(module)  # what a worker imports: resident like its tensors
+
+    build_model(cfg.model)  # on meta: imports the family's code (transformers for a Hugging Face model)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return total - free - torch.cuda.memory_reserved(device)
@@ -163,7 +172,7 @@ def probe_worker(argv: list[str]) -> None:
     layouts = [Config.model_validate(data) for data in json.loads(Path(configs).read_text())]
     mesh = init_mesh(layouts[0].layout)
     try:
-        baseline = runtime_bytes(mesh.device)
+        baseline = runtime_bytes(layouts[0], mesh.device)
         message_s = statistics.median(message_seconds(mesh.device) for _ in range(5))
         times = []
         for layout in layouts:
