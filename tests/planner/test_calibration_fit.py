@@ -133,3 +133,21 @@ def test_floors_are_never_below_what_was_measured(cfg: Config) -> None:
 def test_a_fit_where_compute_costs_nothing_is_refused() -> None:
     with pytest.raises(RunError, match="implausible"):
         fit([(1e9, 0.0, 2, 0.01), (2e9, 0.0, 2, 0.01)], step_floor=0.02)
+
+
+def test_the_runtime_baseline_takes_in_what_a_cpu_step_keeps_resident(cfg: Config) -> None:
+    """On a CPU the baseline is the probes' peak resident set less the most tensor bytes planned
+    for any of their ranks (allocator slack and a step's transients stay resident), never less
+    than the memory measured before the model."""
+    layouts = probe_layouts(cfg, max_ranks=2)
+    bare = dataclasses.replace(MACHINE, runtime_bytes=0)
+    tensors = max(
+        r.total for c in layouts if c.world_size == 2 for r in predict(c, CPU, bare, precision="fp32", margin=0.0).ranks
+    )
+    for peak, baseline in (
+        (MACHINE.runtime_bytes + tensors + 5_000_000, MACHINE.runtime_bytes + 5_000_000),
+        (MACHINE.runtime_bytes, MACHINE.runtime_bytes),
+    ):
+        times = dataclasses.replace(probe_times(layouts, MACHINE, 1e-4), peak_bytes=peak)
+        fit, _ = fit_constants(layouts, times, CPU, precision="fp32", shared_machine=True)
+        assert fit.runtime_bytes == baseline

@@ -177,7 +177,7 @@ def fit_constants(
     eff, warnings = fit(samples, step_floor=step_floor)
     two_rank = [i for i, layout in enumerate(layouts) if layout.world_size == 2]
     if times.runtime_bytes is not None:
-        eff = dataclasses.replace(eff, runtime_bytes=times.runtime_bytes)
+        eff = dataclasses.replace(eff, runtime_bytes=_baseline(layouts, times, hw, eff, precision))
     if not two_rank:
         return eff, warnings
     alone = dataclasses.replace(eff, p2p_s=0.0, parallel_devices=None)
@@ -193,6 +193,24 @@ def fit_constants(
         )
         p2p_s = times.message_s
     return dataclasses.replace(eff, p2p_s=p2p_s, parallel_devices=2.0 / slowdown if slowdown > 1.0 else None), warnings
+
+
+def _baseline(layouts: list[Config], times: ProbeTimes, hw: Hardware, eff: Efficiency, precision: str) -> int:
+    """A rank's runtime bytes: its memory before the model, or on a CPU (whose processes' peak
+    resident set is what a run reports) that peak over the two-rank probes less the most tensor
+    bytes the plan gives any of their ranks, when more: the allocator's slack and a step's
+    transient tensors, which a process keeps resident once touched, belong to the runtime."""
+    assert times.runtime_bytes is not None
+    if times.peak_bytes is None:
+        return times.runtime_bytes
+    bare = dataclasses.replace(eff, runtime_bytes=0)
+    tensors = max(
+        rank.total
+        for layout in layouts
+        if layout.world_size == 2
+        for rank in predict(layout, hw, bare, precision=precision, margin=0.0).ranks
+    )
+    return max(times.runtime_bytes, times.peak_bytes - tensors)
 
 
 def _flops(layout: Config, precision: str) -> tuple[float, float]:
@@ -217,11 +235,13 @@ def calibrate(
         per_round.append(probe_seconds(layouts, steps=steps, say=say))
     messages = [t.message_s for t in per_round if t.message_s is not None]
     baselines = [t.runtime_bytes for t in per_round if t.runtime_bytes is not None]
+    peaks = [t.peak_bytes for t in per_round if t.peak_bytes is not None]
     times = ProbeTimes(
         seconds=[statistics.median(t.seconds[i] for t in per_round) for i in range(len(layouts))],
         optimizer_s=[statistics.median(t.optimizer_s[i] for t in per_round) for i in range(len(layouts))],
         message_s=statistics.median(messages) if messages else None,
         runtime_bytes=int(statistics.median(baselines)) if baselines else None,
+        peak_bytes=max(peaks) if peaks else None,
     )
     rows = [
         {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -114,6 +115,7 @@ class ProbeTimes:
     optimizer_s: list[float]  # median optimizer seconds, per layout
     message_s: float | None  # one small message (two-rank probes only)
     runtime_bytes: int | None  # a rank's memory before its model (two-rank probes only)
+    peak_bytes: int | None = None  # rank 0's peak resident memory over its probes (CPU, two-rank probes only)
 
 
 def probe_seconds(
@@ -131,16 +133,16 @@ def probe_seconds(
             medians[index] = (statistics.median(t for t, _ in times), statistics.median(o for _, o in times))
             say(f"probe {index + 1}/{len(layouts)}: {describe(layout)}: {medians[index][0] * 1e3:.1f} ms/step")
     together = [index for index, layout in enumerate(layouts) if layout.world_size > 1]
-    message_s = baseline = None
+    message_s = baseline = peak = None
     if together:
         say(f"probes {', '.join(str(i + 1) for i in together)}/{len(layouts)}: two ranks under torchrun")
         result = _torchrun([layouts[i] for i in together], steps=steps, timeout=timeout)
         for index, times in zip(together, result["times"]):
             medians[index] = (statistics.median(t for t, _ in times), statistics.median(o for _, o in times))
             say(f"probe {index + 1}/{len(layouts)}: {describe(layouts[index])}: {medians[index][0] * 1e3:.1f} ms/step")
-        message_s, baseline = result["message_s"], result["runtime_bytes"]
+        message_s, baseline, peak = result["message_s"], result["runtime_bytes"], result["peak_bytes"]
     ordered = [medians[index] for index in range(len(layouts))]
-    return ProbeTimes([t for t, _ in ordered], [o for _, o in ordered], message_s, baseline)
+    return ProbeTimes([t for t, _ in ordered], [o for _, o in ordered], message_s, baseline, peak if together else None)
 
 
 def describe(layout: Config) -> str:
@@ -182,7 +184,9 @@ def probe_worker(argv: list[str]) -> None:
     finally:
         shutdown()
     if os.environ.get("RANK") == "0":
-        Path(out).write_text(json.dumps({"times": times, "message_s": message_s, "runtime_bytes": baseline}))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if mesh.device.type == "cpu" else None
+        result = {"times": times, "message_s": message_s, "runtime_bytes": baseline, "peak_bytes": peak}
+        Path(out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
