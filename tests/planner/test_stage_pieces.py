@@ -4,9 +4,12 @@ at that micro_batch, field by field (fake tensors: no memory, deterministic, sin
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from measure_memory import layout_config
 
+from meshrun.config.schema import load_config
 from meshrun.planner.layout_memory import layout_split
 from meshrun.planner.stage_cost import _trace_stages, profile_stages
 
@@ -61,3 +64,12 @@ def test_tensor_parallel_shrinks_state_flops_and_activations() -> None:
     assert 0.45 < two.param_bytes / one.param_bytes < 0.6
     assert two.flops_per_token == pytest.approx(one.flops_per_token / 2)
     assert 0.5 < two.activation_bytes / one.activation_bytes < 0.9
+
+
+def test_a_model_handing_on_a_state_tuple_is_profiled() -> None:
+    """The encoder-decoder's stages pass (encoder, decoder, mask) on, and its logits cover the
+    target only: each later stage is traced on that tuple, the loss on the logits' rows."""
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "encdec-example.yaml", ["parallel.dp=1", "parallel.pp=2"])
+    stages = profile_stages(cfg, layout_split(cfg), cfg.train.micro_batch, "fp32")
+    assert len(stages) == 2 and all(s.activation_bytes > 0 for s in stages)
+    assert stages[0].boundary_bytes > 0 and stages[1].boundary_bytes == 0

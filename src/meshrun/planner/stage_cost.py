@@ -28,6 +28,7 @@ from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.planner.stage_pieces import compose, consecutive
 from meshrun.training.loss import MicrobatchLoss
 
+Spec = tuple  # (shape, dtype) of a stage's output, or a tuple of those (a model handing on a state)
 _STEP_COUNTER_BYTES = 4  # AdamW's per-tensor `step` (a float32 scalar)
 
 
@@ -139,7 +140,7 @@ def _stage_module(model_json: str, layers: tuple[int, ...], first: bool, last: b
 @functools.lru_cache(maxsize=4096)
 def _piece(
     model_json: str, micro_batch: int, precision: str, tp: int, layers: tuple[int, ...], first: bool, last: bool
-) -> tuple[StageProfile, tuple[tuple[int, ...], torch.dtype]]:
+) -> tuple[StageProfile, Spec]:
     """One traced stage of these consecutive blocks (and its output's shape and dtype). Beyond a
     micro_batch of 2, from those of 1 and 2: every saved tensor has the batch dimension or none
     (a rotary table), so a microbatch's bytes are affine in its size (test_stage_pieces checks)."""
@@ -151,7 +152,7 @@ def _piece(
             boundary_bytes=micro_batch * one.boundary_bytes,
             hidden_bytes=micro_batch * one.hidden_bytes,
         )
-        return grown, ((micro_batch, *out[0][1:]), out[1])
+        return grown, _with_batch(out, micro_batch)
     cfg = Config.model_validate_json(model_json)
     cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp})})
     hidden = None
@@ -195,7 +196,7 @@ def _trace_stages(cfg: Config, split: list[list[int]], micro_batch: int, precisi
         for i, layers in enumerate(split)
     ]
     traced: dict[tuple, StageProfile] = {}
-    hidden: tuple[tuple[int, ...], torch.dtype] | None = None  # what a stage hands the next one
+    hidden: Spec | None = None  # what a stage hands the next one
     for key, layers in zip(keys, split):
         if key in traced and (key[0] or hidden is not None):
             continue
@@ -216,8 +217,8 @@ def _trace(
     *,
     first: bool,
     last: bool,
-    hidden: tuple[tuple[int, ...], torch.dtype] | None,
-) -> tuple[StageProfile, tuple[tuple[int, ...], torch.dtype]]:
+    hidden: Spec | None,
+) -> tuple[StageProfile, Spec]:
     """One forward of the stage (and the loss, on the last) under fake tensors: the bytes kept for
     backward, the state bytes and the output's shape and dtype (the next stage's input)."""
     param_bytes, grad_bytes, optimizer_bytes = state_bytes(part)  # already shrunk to one tp rank's shards
@@ -226,11 +227,10 @@ def _trace(
     block_out: list[int] = []
     with _fake_mode():
         if first:
-            x: torch.Tensor = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
+            x: object = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
         else:
             assert hidden is not None  # stages are traced in pipeline order
-            x = torch.zeros(hidden[0], dtype=hidden[1]).requires_grad_(True)
-        targets = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
+            x = _input(hidden)
         part.to_empty(device="cpu")
         apply_recompute(part.blocks, cfg.recompute)
         first_block = next(iter(part.blocks.values()))
@@ -238,8 +238,9 @@ def _trace(
         counter = SavedBytes(exclude=list(part.parameters()))
         counter.count_checkpoint_inputs(part)
         with counter.hooks(), _amp(precision):
-            out = part(x)
-            loss = MicrobatchLoss(1)(out, targets) if last else None  # its saved log-softmax counts
+            out = part(*x) if isinstance(x, tuple) else part(x)  # a state tuple arrives as arguments
+            # the loss's saved log-softmax counts; a target per logits row
+            loss = MicrobatchLoss(1)(out, torch.zeros(out.shape[:-1], dtype=torch.long)) if last else None
         profile = StageProfile(
             param_bytes,
             grad_bytes,
@@ -247,15 +248,42 @@ def _trace(
             activation_bytes=counter.live,
             flops_per_token=0.0,
             model_flops_per_token=0.0,
-            boundary_bytes=0 if last else _nbytes(out),
+            boundary_bytes=0 if last else sum(t.numel() * t.element_size() for t in _tensors(out)),
             units=len(blocks) + first + last,
             blocks=len(blocks),
             recomputed_blocks=recomputed,
             hidden_bytes=block_out[0] if block_out else 0,
         )
-        spec = (tuple(out.shape), out.dtype)
+        spec = _spec(out)
         del out, loss
     return profile, spec
+
+
+def _spec(out: object) -> Spec:
+    if isinstance(out, torch.Tensor):
+        return (tuple(out.shape), out.dtype)
+    assert isinstance(out, tuple)
+    return tuple(_spec(o) for o in out)
+
+
+def _with_batch(spec: Spec, batch: int) -> Spec:
+    if len(spec) == 2 and isinstance(spec[1], torch.dtype):
+        return ((batch, *spec[0][1:]), spec[1])
+    return tuple(_with_batch(s, batch) for s in spec)
+
+
+def _input(spec: Spec) -> object:
+    """What the next stage receives: zeros of the spec's shapes, floating ones requiring grad."""
+    if len(spec) == 2 and isinstance(spec[1], torch.dtype):
+        x = torch.zeros(spec[0], dtype=spec[1])
+        return x.requires_grad_(True) if x.is_floating_point() else x
+    return tuple(_input(s) for s in spec)
+
+
+def _tensors(out: object) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in _tensors(o)] if isinstance(out, tuple) else []
 
 
 def _nbytes(out: object) -> int:
