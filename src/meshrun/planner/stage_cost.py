@@ -169,7 +169,7 @@ def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precis
     """Every stage of `split` (blocks per stage, pipeline order) for one microbatch of `micro_batch`,
     on one tp rank: composed from one- and two-block stages (stage_pieces.py) when the blocks are
     all of one kind, else each distinct stage traced whole."""
-    model_json = cfg.model_copy(update={"parallel": type(cfg.parallel)(), "train": type(cfg.train)()}).model_dump_json()
+    model_json = _model_json(cfg, cfg.recompute)
     whole = _whole(model_json)
     num_layers = len(whole.blocks)
     flags = [wants_recompute(cfg.recompute, i) for i in range(num_layers)]
@@ -178,11 +178,33 @@ def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precis
     tp = cfg.parallel.tp
 
     def trace(wanted: tuple, first: bool, last: bool) -> StageProfile:
-        layers = tuple(consecutive(flags, wanted))
-        return _piece(model_json, micro_batch, precision, tp, layers, first, last)[0]
+        policy, layers = _shared_piece(cfg.recompute, wanted, num_layers)
+        if policy is None:  # a policy of its own (selective): its own blocks
+            policy, layers = cfg.recompute, tuple(consecutive(flags, wanted))
+        return _piece(_model_json(cfg, policy), micro_batch, precision, tp, layers, first, last)[0]
 
     n = len(split)
     return [compose(layers, first=i == 0, last=i == n - 1, flags=flags, trace=trace) for i, layers in enumerate(split)]
+
+
+def _model_json(cfg: Config, recompute: str) -> str:
+    """The config a piece depends on: the model and a recompute policy (layout and training reset)."""
+    update = {"parallel": type(cfg.parallel)(), "train": type(cfg.train)(), "recompute": recompute}
+    return cfg.model_copy(update=update).model_dump_json()
+
+
+def _shared_piece(policy: str, wanted: tuple[bool, ...], num_layers: int) -> tuple[str | None, tuple[int, ...]]:
+    """Plain checkpointing (none, every:k, full) wraps a block the same way whatever the policy, so
+    one piece serves them all: blocks all plain under none, all wrapped under full, alternating
+    under every:2 from an even (wrapped) or odd block. (None, ()) for other policies."""
+    if policy not in ("none", "full") and not policy.startswith("every:"):
+        return None, ()
+    if len(set(wanted)) == 1:
+        return ("full" if wanted[0] else "none"), tuple(range(len(wanted)))
+    start = 0 if wanted[0] else 1
+    if start + len(wanted) > num_layers:
+        return None, ()
+    return "every:2", tuple(range(start, start + len(wanted)))
 
 
 def _trace_stages(cfg: Config, split: list[list[int]], micro_batch: int, precision: str) -> list[StageProfile]:
