@@ -91,6 +91,9 @@ def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -
     layouts = {(probe["dp"], probe["pp"], probe["microbatches"]) for probe in record["probes"]}
     assert {(1, 1, 4), (2, 1, 2), (1, 2, 2), (1, 2, 4)} <= layouts  # two-rank probes ran under torchrun
     assert "GFLOP/s achieved" in done.stdout and "per message" in done.stdout
+    assert "calibration round 1/1" in done.stderr and "probe 1/" in done.stderr  # progress as it goes
+    assert record["step_s"] >= min(p["optimizer_s"] for p in record["probes"]) > 0  # a measured floor
+    assert record["runtime_bytes"] > 100 * 2**20  # a worker's resident torch
     run_dir = tmp_path / "run"
     run_meshrun(["train", *tiny(data_dir, run_dir)], tmp_path=tmp_path)
     measured = [row["step_time_s"] for row in read_metrics(run_dir) if "step_time_s" in row][1:]
