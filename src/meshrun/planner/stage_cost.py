@@ -4,7 +4,8 @@ State bytes come from the real model built on the meta device (the same `build_s
 trainer uses), so they are exact: fp32 parameters, fp32 gradients, and fused AdamW's two fp32
 moments plus one fp32 step counter per parameter tensor. Activation bytes are what one
 microbatch keeps for backward: one forward (and the loss, on the last stage) traced under fake
-tensors on the CPU (shapes and kernel choices only, no memory), counted by `SavedBytes`.
+tensors on the CPU (shapes and kernel choices only, no memory), counted by `SavedBytes`. Under
+tp the traced parameters have their shard's shape, so what is traced is one tp rank's forward.
 """
 
 from __future__ import annotations
