@@ -24,7 +24,7 @@ from meshrun.config.schema import Config, load_config
 from meshrun.models.hf_config import vocab_size
 from meshrun.parallel.mesh import Mesh, mesh_on
 from meshrun.parallel.parallelize import parallelize
-from meshrun.planner.saved_bytes import SavedBytes
+from meshrun.planner.saved_bytes import SavedBytes, local
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import build_optimizer
 
@@ -47,7 +47,8 @@ def layout_config(overrides: list[str]) -> Config:
 
 
 def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """Bytes this rank holds (a DTensor's local shard)."""
+    return sum(local(t).numel() * local(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def measure(cfg: Config, mesh: Mesh) -> dict[str, int]:
