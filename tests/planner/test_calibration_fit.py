@@ -10,14 +10,24 @@ import dataclasses
 import pytest
 
 from meshrun.config.schema import Config, load_config
-from meshrun.planner.calibrate import fit_constants, probe_layouts
+from meshrun.errors import RunError
+from meshrun.planner.calibrate import RECOMPUTE_RANGE, fit, fit_constants, probe_layouts
 from meshrun.planner.cost import Efficiency, Hardware
+from meshrun.planner.probe import ProbeTimes
 from meshrun.planner.search import predict, with_layout
 
 CPU = Hardware("cpu", float("inf"), None, intra_gbs=10.0, inter_gbs=1.25, gpus_per_node=2)
 MACHINE = Efficiency(
-    achieved_flops=3e9, action_s=2e-3, recompute_cost=1.7, step_s=5e-3, p2p_s=4e-4, parallel_devices=1.6
+    achieved_flops=3e9,
+    action_s=2e-3,
+    recompute_cost=1.7,
+    step_s=5e-3,
+    p2p_s=4e-4,
+    parallel_devices=1.6,
+    kernel_floor_s=0.0,
+    runtime_bytes=400 * 2**20,
 )
+OPTIMIZER_S = 3e-3  # the part of step_s measured directly (the optimizer's seconds)
 UNPROBED = [  # (dp, pp, schedule, micro_batch, recompute)
     (1, 2, "interleaved-1f1b", 1, "none"),
     (1, 2, "gpipe", 2, "none"),
@@ -33,9 +43,25 @@ def cfg() -> Config:
     return load_config(None, [*settings, "train.global_batch=8", "precision=fp32"])
 
 
-def fitted(layouts: list[Config], eff: Efficiency, *, shared_machine: bool = True) -> Efficiency:
-    """The fit of the step times `eff` predicts for `layouts`."""
-    return fit_constants(layouts, seconds(layouts, eff), CPU, precision="fp32", shared_machine=shared_machine)
+def fitted(
+    layouts: list[Config], eff: Efficiency, *, shared_machine: bool = True, message_s: float | None = 1e-4
+) -> Efficiency:
+    """The fit of the step times `eff` predicts for `layouts` (no warnings: nothing implausible)."""
+    fit, warnings = fit_constants(
+        layouts, probe_times(layouts, eff, message_s), CPU, precision="fp32", shared_machine=shared_machine
+    )
+    assert warnings == []
+    return fit
+
+
+def probe_times(layouts: list[Config], eff: Efficiency, message_s: float | None) -> ProbeTimes:
+    two_ranks = any(layout.world_size == 2 for layout in layouts)
+    return ProbeTimes(
+        seconds=seconds(layouts, eff),
+        optimizer_s=[OPTIMIZER_S] * len(layouts),
+        message_s=message_s if two_ranks else None,
+        runtime_bytes=eff.runtime_bytes if two_ranks else None,
+    )
 
 
 def seconds(layouts: list[Config], eff: Efficiency) -> list[float]:
@@ -54,7 +80,7 @@ def test_probes_cover_one_and_two_ranks(cfg: Config) -> None:
 def test_fit_recovers_the_constants_and_their_predictions(cfg: Config, parallel_devices: float | None) -> None:
     machine = dataclasses.replace(MACHINE, parallel_devices=parallel_devices)
     fit = fitted(probe_layouts(cfg, max_ranks=2), machine)
-    for field in ("achieved_flops", "action_s", "recompute_cost", "step_s", "p2p_s"):
+    for field in ("achieved_flops", "action_s", "recompute_cost", "step_s", "p2p_s", "runtime_bytes"):
         assert getattr(fit, field) == pytest.approx(getattr(machine, field), rel=1e-6), field
     assert fit.slowdown(2) == pytest.approx(machine.slowdown(2), rel=1e-6)
     others = [with_layout(cfg, dp=d, pp=p, schedule=s, micro_batch=b, recompute=r) for d, p, s, b, r in UNPROBED]
@@ -78,3 +104,50 @@ def test_one_device_keeps_the_default_pipeline_constants(cfg: Config) -> None:
     fit = fitted(probe_layouts(cfg, max_ranks=1), MACHINE, shared_machine=False)
     assert fit.achieved_flops == pytest.approx(MACHINE.achieved_flops, rel=1e-6)
     assert (fit.p2p_s, fit.parallel_devices) == (Efficiency.p2p_s, None)
+
+
+def test_an_implausible_recompute_factor_is_clamped_with_a_warning(cfg: Config) -> None:
+    """Times where recomputed FLOPs cost 7x another's (the noise issue 29 saw) are fitted at the
+    range's edge, said so, and the other constants refitted around it."""
+    layouts = probe_layouts(cfg, max_ranks=1)
+    noisy = dataclasses.replace(MACHINE, recompute_cost=7.0)
+    fit, warnings = fit_constants(
+        layouts, probe_times(layouts, noisy, None), CPU, precision="fp32", shared_machine=False
+    )
+    assert fit.recompute_cost == RECOMPUTE_RANGE[1]
+    assert len(warnings) == 1 and "7.00x" in warnings[0] and "outside" in warnings[0]
+    assert fit.achieved_flops > 0 and fit.step_s >= OPTIMIZER_S
+
+
+def test_floors_are_never_below_what_was_measured(cfg: Config) -> None:
+    """Step times that a machine without fixed costs gives: the per-step floor is the optimizer's
+    measured seconds, the per-message one the measured small message (with a warning), not 0."""
+    layouts = probe_layouts(cfg, max_ranks=2)
+    free = dataclasses.replace(MACHINE, step_s=OPTIMIZER_S, p2p_s=0.0, action_s=0.0)
+    fit, warnings = fit_constants(layouts, probe_times(layouts, free, 2e-4), CPU, precision="fp32", shared_machine=True)
+    assert fit.step_s == pytest.approx(OPTIMIZER_S, rel=1e-6) and fit.p2p_s == 2e-4
+    assert any("below the 0.200 ms one small message" in w for w in warnings)
+    assert any("fixed cost per forward" in w for w in warnings)
+
+
+def test_a_fit_where_compute_costs_nothing_is_refused() -> None:
+    with pytest.raises(RunError, match="implausible"):
+        fit([(1e9, 0.0, 2, 0.01), (2e9, 0.0, 2, 0.01)], step_floor=0.02)
+
+
+def test_the_runtime_baseline_takes_in_what_a_cpu_step_keeps_resident(cfg: Config) -> None:
+    """On a CPU the baseline is the probes' peak resident set less the most tensor bytes planned
+    for any of their ranks (allocator slack and a step's transients stay resident), never less
+    than the memory measured before the model."""
+    layouts = probe_layouts(cfg, max_ranks=2)
+    bare = dataclasses.replace(MACHINE, runtime_bytes=0)
+    tensors = max(
+        r.total for c in layouts if c.world_size == 2 for r in predict(c, CPU, bare, precision="fp32", margin=0.0).ranks
+    )
+    for peak, baseline in (
+        (MACHINE.runtime_bytes + tensors + 5_000_000, MACHINE.runtime_bytes + 5_000_000),
+        (MACHINE.runtime_bytes, MACHINE.runtime_bytes),
+    ):
+        times = dataclasses.replace(probe_times(layouts, MACHINE, 1e-4), peak_bytes=peak)
+        fit, _ = fit_constants(layouts, times, CPU, precision="fp32", shared_machine=True)
+        assert fit.runtime_bytes == baseline

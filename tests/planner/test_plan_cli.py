@@ -31,17 +31,21 @@ def test_table_ranks_layouts_and_writes_the_best(tmp_path: Path) -> None:
     out = tmp_path / "best.yaml"
     done = plan(tmp_path, "--gpus=2", "--gpu=h100", f"--write={out}", "--top=50")
     rows = [line.split() for line in done.stdout.splitlines() if line[:3].strip().isdigit()]
-    assert rows and all(row[12] == "yes" for row in rows)  # 2 x 80 GiB holds every layout of a tiny model
-    assert {(row[1], row[2]) for row in rows} == {("1", "2"), ("2", "1")}
-    times = [float(row[13]) for row in rows]
+    assert rows and all(row[16] == "yes" for row in rows)  # 2 x 80 GiB holds every layout of a tiny model
+    assert {(row[1], row[2], row[4]) for row in rows} == {("1", "1", "2"), ("1", "2", "1"), ("2", "1", "1")}
+    assert {row[3] for row in rows} == {"ddp", "fsdp"}  # dp 2: both data-parallel modes
+    times = [float(row[17]) for row in rows]
+    terms = [line for line in done.stdout.splitlines() if line.startswith("  pp rank ")]
+    assert terms and all("activations" in t and "buffers" in t and "baseline" in t for t in terms)
     assert times == sorted(times)
     best = load_config(out)
     first = rows[0]
-    assert (best.parallel.dp, best.parallel.pp, best.train.micro_batch, best.recompute) == (
+    assert (best.parallel.tp, best.parallel.dp, best.parallel.pp, best.train.micro_batch, best.recompute) == (
         int(first[1]),
         int(first[2]),
         int(first[4]),
-        first[6],
+        int(first[6]),
+        first[8],
     )
     assert best.train.global_batch == 4 and best.model.dim == 32
 
@@ -86,7 +90,10 @@ def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -
     assert record["device"] == "cpu" and record["achieved_flops"] > 0 and record["p2p_s"] >= 0
     layouts = {(probe["dp"], probe["pp"], probe["microbatches"]) for probe in record["probes"]}
     assert {(1, 1, 4), (2, 1, 2), (1, 2, 2), (1, 2, 4)} <= layouts  # two-rank probes ran under torchrun
-    assert "GFLOP/s achieved" in done.stdout and "per pipeline message" in done.stdout
+    assert "GFLOP/s achieved" in done.stdout and "per message" in done.stdout
+    assert "calibration round 1/1" in done.stderr and "probe 1/" in done.stderr  # progress as it goes
+    assert record["step_s"] >= min(p["optimizer_s"] for p in record["probes"]) > 0  # a measured floor
+    assert record["runtime_bytes"] > 100 * 2**20  # a worker's resident torch
     run_dir = tmp_path / "run"
     run_meshrun(["train", *tiny(data_dir, run_dir)], tmp_path=tmp_path)
     measured = [row["step_time_s"] for row in read_metrics(run_dir) if "step_time_s" in row][1:]
@@ -95,10 +102,16 @@ def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -
     predicted, shown, ratio = (float(x) for x in line.split()[-3:])
     assert shown == pytest.approx(sum(measured) / len(measured), rel=1e-3)
     assert predicted > 0 and ratio == pytest.approx(predicted / shown, rel=1e-2)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("memory GB, pp rank 0"))
+    predicted, shown, ratio = (float(x) for x in line.split()[-3:])
+    peak = max(row["memory_gb"] for row in read_metrics(run_dir) if "memory_gb" in row)
+    assert shown == pytest.approx(peak, rel=1e-3) and 0.5 < ratio < 2  # the calibrated baseline dominates
     # against an H100's numbers the ratios are huge: every column still reads apart
     done = run_meshrun(["plan", "--run", str(run_dir), "--gpu", "h100"], tmp_path=tmp_path)
-    rows = [line for line in done.stdout.splitlines() if line.startswith(("step time s", "bubble", "tokens/s"))]
-    assert len(rows) == 4
+    rows = [
+        line for line in done.stdout.splitlines() if line.startswith(("step time s", "bubble", "tokens/s", "memory"))
+    ]
+    assert len(rows) == 4 + 1  # and the memory of the run's one pipeline stage
     for row in (row for row in rows if not row.endswith("-")):  # no bubble measured without a pipeline
         predicted, shown, ratio = (float(x) for x in row.split()[-3:])
         assert ratio == pytest.approx(predicted / shown, rel=1e-2), row

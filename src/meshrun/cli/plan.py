@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import yaml
 
 from meshrun.config.schema import Config, check_code_trusted, load_config
 from meshrun.errors import ConfigError
 from meshrun.files.atomic import write_atomic
+from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
 from meshrun.hardware.peaks import PCIE4_LINKS_GBS, device_by_short_name, links_gbs
+from meshrun.hardware.precision import choose_precision, resolve_precision
 from meshrun.metrics.record import read_metrics_rows
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
@@ -27,7 +32,8 @@ GIB = 1024**3
 
 def hardware(args: argparse.Namespace, requested: str) -> tuple[Hardware, str]:
     """The device named by --gpu (or the calibrated one) with --memory-gb / link overrides, and the
-    precision planned on it (`auto`: bf16 where the device has it, else fp16; fp32 on a CPU)."""
+    precision planned on it: `auto` resolved by the rule training applies (`choose_precision`),
+    to this machine's CPU for `cpu`, to the table's GPU otherwise (bf16 where it has bf16 tensor cores)."""
     name = args.gpu or _calibrated_device(args)
     per_node = max(1, args.gpus // args.nodes)
     if name.lower() == "cpu":
@@ -36,13 +42,15 @@ def hardware(args: argparse.Namespace, requested: str) -> tuple[Hardware, str]:
             if args.memory_gb
             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / args.gpus
         )
-        precision = "fp32" if requested == "auto" else requested
+        precision = resolve_precision(requested, torch.device("cpu")).precision
         return Hardware("cpu", memory, None, args.intra_gbs or 10.0, args.inter_gbs or 1.25, per_node), precision
     try:
         spec = device_by_short_name(name)
     except KeyError as exc:
         raise ConfigError(f"--gpu: {exc.args[0]}, or cpu; for another device pass --memory-gb and calibrate") from None
-    precision = ("bf16" if spec.bf16_tflops else "fp16") if requested == "auto" else requested
+    precision = choose_precision(
+        requested, native_bf16=spec.bf16_tflops is not None, gpu=True, hardware=spec.key
+    ).precision
     peak = spec.peak(precision)
     if peak is None:
         raise ConfigError(f"--gpu {name}: {spec.key} has no dense {precision} peak; set precision=fp16 or fp32")
@@ -82,8 +90,8 @@ def _gib(n: float) -> str:
 
 def table(predictions: list[Prediction], top: int) -> str:
     head = (
-        f"{'#':>3} {'dp':>3} {'pp':>3} {'schedule':<20} {'mb':>3} {'m':>3} {'recompute':<9} "
-        f"{'param':>7} {'grad':>7} {'optim':>7} {'act':>7} {'total GiB':>9} {'fits':<4} "
+        f"{'#':>3} {'tp':>2} {'dp':>3} {'dp mode':<7} {'pp':>3} {'schedule':<20} {'mb':>3} {'m':>3} {'recompute':<9} "
+        f"{'param':>7} {'grad':>7} {'optim':>7} {'act':>7} {'buf':>7} {'base':>5} {'total GiB':>9} {'fits':<4} "
         f"{'step s':>9} {'bubble':>6} {'tok/s':>10} {'MFU':>6}"
     )
     lines = [head, "-" * len(head)]
@@ -92,11 +100,24 @@ def table(predictions: list[Prediction], top: int) -> str:
         lab, mem = p.label, p.memory
         mfu = f"{p.mfu:.1%}" if p.mfu is not None else "-"
         lines.append(
-            f"{i:>3} {lab['dp']:>3} {lab['pp']:>3} {lab['schedule']:<20} {lab['micro_batch']:>3} {lab['microbatches']:>3} "
-            f"{lab['recompute']:<9} {_gib(mem.params):>7} {_gib(mem.grads):>7} {_gib(mem.optimizer):>7} "
-            f"{_gib(mem.activations):>7} {_gib(mem.total):>9} {'yes' if p.fits else 'NO':<4} {p.time.total:>9.4g} "
+            f"{i:>3} {lab['tp']:>2} {lab['dp']:>3} {lab['dp_mode']:<7} {lab['pp']:>3} {lab['schedule']:<20} "
+            f"{lab['micro_batch']:>3} {lab['microbatches']:>3} {lab['recompute']:<9} {_gib(mem.params):>7} "
+            f"{_gib(mem.grads):>7} {_gib(mem.optimizer):>7} {_gib(mem.activations):>7} {_gib(mem.buffers):>7} "
+            f"{_gib(mem.baseline):>5} {_gib(mem.total):>9} {'yes' if p.fits else 'NO':<4} {p.time.total:>9.4g} "
             f"{p.time.bubble_fraction:>6.1%} {p.tokens_per_s:>10.4g} {mfu:>6}"
         )
+    return "\n".join(lines)
+
+
+def rank_terms(prediction: Prediction) -> str:
+    """Every pp rank's memory as its named terms (dp and tp ranks of a pp rank hold alike)."""
+    lines = []
+    for rank, mem in enumerate(prediction.ranks):
+        terms = " + ".join(
+            f"{name} {_gib(value)}" + (f" ({mem.in_flight} in flight)" if name == "activations" else "")
+            for name, value in mem.terms().items()
+        )
+        lines.append(f"  pp rank {rank}: {terms} = {_gib(mem.total)} GiB")
     return "\n".join(lines)
 
 
@@ -144,6 +165,18 @@ def write_config(prediction: Prediction, out: Path, hw: Hardware, precision: str
     return run_dir
 
 
+def _every(seconds: float, what: str) -> Callable[[str], None]:
+    """A progress callback that says at most one line per `seconds` (stderr)."""
+    last = [time.monotonic()]
+
+    def progress(message: str) -> None:
+        if time.monotonic() - last[0] >= seconds:
+            last[0] = time.monotonic()
+            say(f"{what}: {message}")
+
+    return progress
+
+
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     preflight(cfg, scope="model")  # the model builds, before any layout is profiled
@@ -153,7 +186,9 @@ def run_plan(args: argparse.Namespace) -> int:
         return compare_run(args)
     hw, precision = hardware(args, cfg.precision)
     eff, source = efficiency(args, hw)
-    ranked = rank_layouts(cfg, args.gpus, hw, eff, precision=precision, margin=args.margin)
+    ranked = rank_layouts(
+        cfg, args.gpus, hw, eff, precision=precision, margin=args.margin, progress=_every(2.0, "planning")
+    )
     if not ranked:
         raise ConfigError(
             f"no layout of {args.gpus} devices divides train.global_batch ({cfg.train.global_batch}) "
@@ -165,6 +200,9 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     print(table(ranked, args.top))
     fitting = [p for p in ranked if p.fits]
+    baseline = "measured by --calibrate" if source.startswith("calibrated") else "an estimate, hardware/peaks.py"
+    print(f"memory per rank of #1 (GiB; the runtime's baseline is {baseline}):")
+    print(rank_terms(ranked[0]))
     if args.write:
         if not fitting:
             raise ConfigError("no layout fits in memory, nothing written; add devices or raise --memory-gb")
@@ -183,7 +221,7 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     hw, precision = _probe_hardware(args, device, cfg.precision)
     max_ranks = torch.cuda.device_count() if torch.cuda.is_available() else 2  # CPU ranks share its cores
-    eff, rows = calibration.calibrate(
+    eff, rows, warnings = calibration.calibrate(
         cfg,
         hw,
         precision=precision,
@@ -208,9 +246,12 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
     print(
         f"{device}: {eff.achieved_flops / 1e9:.2f} GFLOP/s achieved, {eff.action_s * 1e3:.3f} ms per forward or "
         f"backward (whole model), recomputed FLOPs cost {eff.recompute_cost:.2f}x, "
-        f"{eff.step_s * 1e3:.3f} ms per step, {eff.p2p_s * 1e3:.3f} ms per pipeline message, "
+        f"{eff.step_s * 1e3:.3f} ms per step, {eff.p2p_s * 1e3:.3f} ms per message, "
+        f"{eff.runtime_bytes / 2**20:.0f} MiB per rank before its model, {precision}, "
         f"{shared}; saved to {path}"
     )
+    for warning in warnings:
+        say(f"warning: {warning}")
     return 0
 
 
@@ -221,9 +262,22 @@ def _probe_hardware(args: argparse.Namespace, device: str, requested: str) -> tu
     try:
         return hardware(probe_args, requested)
     except ConfigError:
-        precision = "bf16" if requested == "auto" else requested
+        precision = resolve_precision(requested, torch.device("cuda")).precision
         intra, inter = PCIE4_LINKS_GBS
         return Hardware(device, float("inf"), None, args.intra_gbs or intra, args.inter_gbs or inter, 2), precision
+
+
+def memory_rows(prediction: Prediction, rows: list[dict], *, cpu: bool) -> list[tuple[str, float, float | None]]:
+    """(name, predicted GB, measured GB) per pipeline stage: the run's peak `memory_gb/stage{s}`
+    against the stage's rank. A CPU run measures its processes' peak resident set (the runtime
+    baseline included), a GPU run the bytes torch allocated (tensors only: the baseline left out)."""
+    out = []
+    for stage, mem in enumerate(prediction.ranks):
+        key = f"memory_gb/stage{stage}" if f"memory_gb/stage{stage}" in rows[-1] else "memory_gb"
+        measured = [row[key] for row in rows if key in row]
+        predicted = (mem.total if cpu else mem.total - mem.baseline) / 1e9
+        out.append((f"memory GB, pp rank {stage}", predicted, max(measured) if measured else None))
+    return out
 
 
 def compare_run(args: argparse.Namespace) -> int:
@@ -262,6 +316,7 @@ def compare_run(args: argparse.Namespace) -> int:
         ("step time s (measured bubble)", with_bubble.time.total, measured_time),
         ("bubble", formula.time.bubble_fraction, measured_bubble),
         ("tokens/s", formula.tokens_per_s, cfg.tokens_per_step / measured_time),
+        *memory_rows(formula, timed, cpu=hw.name == "cpu"),
     ):
         shown = f"{measured:>12.4g}{predicted / measured:>10.3g}" if measured else f"{'-':>12}{'-':>10}"
         print(f"{name:<28}{predicted:>12.4g}{shown}")

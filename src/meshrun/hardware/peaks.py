@@ -131,3 +131,20 @@ def device_by_short_name(name: str) -> DeviceSpec:
 def links_gbs(spec: DeviceSpec) -> tuple[float, float]:
     """(intra-node, inter-node) GB/s defaults for this device."""
     return LINKS_GBS.get(spec.key, PCIE4_LINKS_GBS)
+
+
+# Fixed costs no GPU step goes below, for plans made before `meshrun plan --calibrate` ran on the
+# GPU (which measures them there). The same for every entry above: they are the host's and the
+# runtime's costs more than the chip's. Estimates with their sources; calibration replaces them.
+KERNEL_LAUNCH_S = 5e-6  # one CUDA kernel launch: 4-6 us measured (https://susun-blog.com/blog/pegainfer-3-cuda-graph,
+# RTX 5070 Ti, CUDA 13); NVIDIA's https://developer.nvidia.com/blog/cuda-graphs/ sizes it "a few microseconds"
+KERNELS_PER_UNIT = 60  # eager kernels of one block per microbatch, forward (~20: norms, q k v o, attention,
+# MLP, residuals) and backward (~40): counted from a transformer block's ops, an estimate
+STEP_FLOOR_S = 1e-3  # per optimizer step: fused AdamW, foreach clip-norm, zero_grad and the loss's host sync,
+# about 200 launches (~40 kernels per parameter group and phase) at KERNEL_LAUNCH_S: an estimate
+MESSAGE_FLOOR_S = 2e-5  # per NCCL send/receive or small all-reduce: NCCL's small-message latency is
+# 10-30 us within an NVLink node (its LL protocol; nccl-tests' 8-byte rows, https://github.com/NVIDIA/nccl-tests)
+RUNTIME_BYTES = 1 << 30  # per GPU rank before the model: the CUDA context and its kernels' code (0.3-0.6 GiB
+# for torch's CUDA libraries, seen as nvidia-smi's use minus torch.cuda.memory_reserved), NCCL's buffers
+# (NCCL_BUFFSIZE 4 MiB per channel and peer, https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html)
+# and the caching allocator's fragmentation: an estimate, measured by --calibrate on the GPU

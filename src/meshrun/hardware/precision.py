@@ -44,20 +44,26 @@ class PrecisionChoice:
 
 
 def resolve_precision(requested: str, device: torch.device) -> PrecisionChoice:
+    """What `requested` means on `device` (see `choose_precision`)."""
+    native, hardware = _native_bf16(device)
+    return choose_precision(requested, native_bf16=native, gpu=device.type == "cuda", hardware=hardware)
+
+
+def choose_precision(requested: str, *, native_bf16: bool, gpu: bool, hardware: str) -> PrecisionChoice:
     """`auto` -> bf16 where the hardware computes it natively (CUDA compute capability >= 8.0,
     a CPU with AVX512-BF16 or AMX), fp16 with loss scaling on older GPUs, fp32 otherwise.
     Explicit values are kept; bf16 without native support gets a warning (emulated bf16
-    measured 8x slower than fp32 on an AVX2 CPU: 1695 vs 214 ms per step)."""
-    native, hardware = _native_bf16(device)
+    measured 8x slower than fp32 on an AVX2 CPU: 1695 vs 214 ms per step). The one rule: training
+    applies it to its device, `meshrun plan` to the device it plans for (a GPU table entry)."""
     if requested == "auto":
-        if native:
+        if native_bf16:
             return PrecisionChoice("bf16", f"precision auto -> bf16: {hardware} computes bf16 natively")
-        if device.type == "cuda":
+        if gpu:
             return PrecisionChoice("fp16", f"precision auto -> fp16 with loss scaling: {hardware} has no fast bf16")
         return PrecisionChoice("fp32", f"precision auto -> fp32: {hardware} would emulate bf16 (about 8x slower)")
     warning = None
-    if requested == "bf16" and not native:
-        slowdown = "about 8x slower than fp32" if device.type == "cpu" else "slower than fp16"
+    if requested == "bf16" and not native_bf16:
+        slowdown = "slower than fp16" if gpu else "about 8x slower than fp32"
         warning = f"precision bf16 on {hardware} is emulated, expect it to be {slowdown}; set precision=auto"
     return PrecisionChoice(requested, f"precision {requested} (set in the config)", warning)
 

@@ -103,16 +103,22 @@ SPLIT_DIMS: dict[str, dict[str, int]] = {
 assert tuple(SPLIT_DIMS) == TP_STYLES
 
 
-def shard_numels(part: nn.Module, tp: int) -> dict[str, int]:
-    """Elements of each parameter on the tp rank that holds the most (the first: torch.chunk's
-    split gives it the ceiling), by name; the whole tensor for what the plan leaves whole. Works on
-    the meta device: the planner and --dry-run size a tp stage with it."""
+def split_dims(part: nn.Module, tp: int) -> dict[str, int]:
+    """The dimension the model's tp plan splits, per parameter name (parameters left whole are absent)."""
     plan = tp_plan(part) if tp > 1 else None
     split: dict[str, int] = {}
     for name, _ in part.named_modules():
         for pattern, style in (plan or {}).items():
             if fnmatch(name, pattern):
                 split |= {f"{name}.{param}": dim for param, dim in SPLIT_DIMS[style].items()}
+    return split
+
+
+def shard_numels(part: nn.Module, tp: int) -> dict[str, int]:
+    """Elements of each parameter on the tp rank that holds the most (the first: torch.chunk's
+    split gives it the ceiling), by name; the whole tensor for what the plan leaves whole. Works on
+    the meta device: the planner and --dry-run size a tp stage with it."""
+    split = split_dims(part, tp)
     numels = {}
     for name, p in part.named_parameters():
         dim = split.get(name)

@@ -1,10 +1,14 @@
-"""`meshrun plan`: which dp x pp x schedule x micro_batch x recompute layout fits and runs fastest.
+"""`meshrun plan`: which tp x dp (ddp / fsdp / hsdp) x pp x schedule x micro_batch x recompute
+layout fits and runs fastest.
 
-- `profile`: per pipeline stage, exact parameter / gradient / optimizer bytes (the real model,
-  built on the meta device) and the activation bytes one microbatch keeps for backward (one
-  forward traced under fake tensors: shapes only, no memory, no compute).
-- `memory`: per rank, those bytes times the microbatches each schedule keeps in flight.
-- `cost`: step time from FLOPs, the schedule's bubble and dp / pp communication.
-- `search`: every layout of N devices, ranked; its CLI is `meshrun.cli.plan`.
-- `calibrate`: real steps on this machine fit the efficiency constants the cost model uses.
+- `stage_cost` (+ `stage_pieces`): per pipeline stage and tp rank, exact parameter / gradient /
+  optimizer bytes (the real model, built on the meta device) and the activation bytes one
+  microbatch keeps for backward (forwards traced under fake tensors: shapes only, no memory, no
+  compute; a stage composed from one- and two-block pieces).
+- `memory`: per rank, named terms: state, activations times the microbatches each schedule keeps
+  in flight, communication buffers, the runtime's baseline.
+- `cost`: step time from FLOPs and launch floors, the schedule's bubble, dp / tp / pp communication.
+- `search`: every layout of N devices, pruned and ranked; its CLI is `meshrun.cli.plan`.
+- `calibrate` (+ `probe`): real steps on this machine fit the constants the cost model uses and
+  measure its floors.
 """

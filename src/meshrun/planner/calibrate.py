@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 
 from meshrun.config.schema import Config
-from meshrun.errors import ConfigError
+from meshrun.errors import ConfigError, RunError
 from meshrun.files.atomic import write_atomic
+from meshrun.files.console import say
 from meshrun.hardware.peaks import find_device
 from meshrun.parallel.stages import validate_layout
 from meshrun.planner.cost import Efficiency, Hardware
-from meshrun.planner.probe import probe_seconds
+from meshrun.planner.probe import ProbeTimes, probe_seconds
 from meshrun.planner.search import predict, stage_profiles, with_layout
 
 # (micro_batch, recompute, share of the global batch): the half batch tells per-step from per-FLOP costs
@@ -105,22 +106,49 @@ def _nonnegative_lstsq(a: torch.Tensor, b: torch.Tensor, *, required: int) -> li
     return best
 
 
-def fit(samples: list[tuple[float, float, int, float]]) -> Efficiency:
+RECOMPUTE_RANGE = (0.5, 2.0)  # a recomputed forward runs the kernels the first forward ran: its FLOPs cost
+# what training FLOPs cost, within the spread of forward vs backward efficiency; outside, the fit is noise
+
+
+def fit(samples: list[tuple[float, float, int, float]], *, step_floor: float = 0.0) -> tuple[Efficiency, list[str]]:
     """Stage 1: (step model FLOPs, recomputed FLOPs, actions, seconds) of one-rank probes -> seconds
     per FLOP, per recomputed FLOP, per action and per step (compute must cost something; a
-    recomputed FLOP costs what another does when no probe recomputes)."""
+    recomputed FLOP costs what another does when no probe recomputes). `step_floor`: the per-step
+    seconds measured directly (the optimizer's); the fit adds what else each step costs. Also the
+    warnings of `plausible`."""
     a = torch.tensor([[flops, again, actions, 1.0] for flops, again, actions, _ in samples], dtype=torch.float64)
-    b = torch.tensor([[seconds] for *_, seconds in samples], dtype=torch.float64)
+    b = torch.tensor([[seconds - step_floor] for *_, seconds in samples], dtype=torch.float64)
     per_flop, per_recomputed, action_s, step_s = _nonnegative_lstsq(a, b, required=0)
-    per_flop = max(per_flop, 1e-30)
-    recompute_cost = per_recomputed / per_flop if a[:, 1].any() else 1.0
-    return Efficiency(achieved_flops=1.0 / per_flop, action_s=action_s, step_s=step_s, recompute_cost=recompute_cost)
+    recompute_cost = per_recomputed / max(per_flop, 1e-30) if a[:, 1].any() else 1.0
+    warnings = []
+    low, high = RECOMPUTE_RANGE
+    if not low <= recompute_cost <= high:
+        clamped = min(max(recompute_cost, low), high)
+        warnings.append(
+            f"recomputed FLOPs fitted at {recompute_cost:.2f}x another's, outside {low}-{high}x: "
+            f"planned at {clamped}x (the probes' times were too noisy to tell; more --rounds helps)"
+        )
+        recompute_cost = clamped
+        folded = torch.stack([a[:, 0] + clamped * a[:, 1], a[:, 2], a[:, 3]], dim=1)
+        per_flop, action_s, step_s = _nonnegative_lstsq(folded, b, required=0)
+    if per_flop <= 0:
+        raise RunError("calibration fit implausible: compute cost nothing; run again with more --rounds and --steps")
+    if action_s == 0:
+        warnings.append("no fixed cost per forward or backward could be told from FLOPs: planned as 0 ms")
+    eff = Efficiency(
+        achieved_flops=1.0 / per_flop,
+        action_s=action_s,
+        step_s=step_floor + step_s,
+        recompute_cost=recompute_cost,
+        kernel_floor_s=0.0,  # measured: action_s is this machine's launch and Python cost
+    )
+    return eff, warnings
 
 
 def fit_parallel(samples: list[tuple[float, int, float]], *, shared_machine: bool) -> tuple[float, float]:
-    """Stage 2: (one-rank seconds of a rank's work, pipeline messages, seconds less the bandwidth
-    terms) of two-rank probes -> (slowdown >= 1, p2p_s >= 0). The slowdown is fitted only where the
-    ranks share the machine's compute (a CPU's cores; a GPU rank has its device to itself: 1)."""
+    """Stage 2: (one-rank seconds of a rank's work, messages, seconds less the bandwidth terms) of
+    two-rank probes -> (slowdown >= 1, p2p_s >= 0). The slowdown is fitted only where the ranks
+    share the machine's compute (a CPU's cores; a GPU rank has its device to itself: 1)."""
     if shared_machine:
         a = torch.tensor([[work, messages] for work, messages, _ in samples], dtype=torch.float64)
         b = torch.tensor([[seconds] for *_, seconds in samples], dtype=torch.float64)
@@ -133,21 +161,56 @@ def fit_parallel(samples: list[tuple[float, int, float]], *, shared_machine: boo
 
 
 def fit_constants(
-    layouts: list[Config], seconds: list[float], hw: Hardware, *, precision: str, shared_machine: bool
-) -> Efficiency:
-    """Both stages over the probes' median step times."""
-    one_rank = [(layout, s) for layout, s in zip(layouts, seconds) if layout.world_size == 1]
-    eff = fit([(*_flops(layout, precision), 2 * layout.accumulation_steps, s) for layout, s in one_rank])
-    two_rank = [(layout, s) for layout, s in zip(layouts, seconds) if layout.world_size == 2]
+    layouts: list[Config],
+    times: ProbeTimes,
+    hw: Hardware,
+    *,
+    precision: str,
+    shared_machine: bool,
+) -> tuple[Efficiency, list[str]]:
+    """Both stages over the probes' median step times, with the floors measured directly: the
+    optimizer's seconds per step, one small message's seconds (a fitted p2p_s below it is raised
+    to it, with a warning) and a rank's memory before its model."""
+    one_rank = [i for i, layout in enumerate(layouts) if layout.world_size == 1]
+    step_floor = statistics.median(times.optimizer_s[i] for i in one_rank)
+    samples = [(*_flops(layouts[i], precision), 2 * layouts[i].accumulation_steps, times.seconds[i]) for i in one_rank]
+    eff, warnings = fit(samples, step_floor=step_floor)
+    two_rank = [i for i, layout in enumerate(layouts) if layout.world_size == 2]
+    if times.runtime_bytes is not None:
+        eff = dataclasses.replace(eff, runtime_bytes=_baseline(layouts, times, hw, eff, precision))
     if not two_rank:
-        return eff
+        return eff, warnings
     alone = dataclasses.replace(eff, p2p_s=0.0, parallel_devices=None)
-    samples = []
-    for layout, measured in two_rank:
-        t = predict(layout, hw, alone, precision=precision, margin=0.0).time
-        samples.append((t.compute + t.bubble + t.fixed, t.messages, measured - t.allreduce - t.p2p))
-    slowdown, p2p_s = fit_parallel(samples, shared_machine=shared_machine)
-    return dataclasses.replace(eff, p2p_s=p2p_s, parallel_devices=2.0 / slowdown if slowdown > 1.0 else None)
+    parallel_samples = []
+    for i in two_rank:
+        t = predict(layouts[i], hw, alone, precision=precision, margin=0.0).time
+        parallel_samples.append((t.compute + t.bubble + t.fixed, t.messages, times.seconds[i] - t.allreduce - t.p2p))
+    slowdown, p2p_s = fit_parallel(parallel_samples, shared_machine=shared_machine)
+    if times.message_s is not None and p2p_s < times.message_s:
+        warnings.append(
+            f"a message fitted at {p2p_s * 1e3:.3f} ms, below the {times.message_s * 1e3:.3f} ms one small message "
+            "was measured to take: planned at the measured floor"
+        )
+        p2p_s = times.message_s
+    return dataclasses.replace(eff, p2p_s=p2p_s, parallel_devices=2.0 / slowdown if slowdown > 1.0 else None), warnings
+
+
+def _baseline(layouts: list[Config], times: ProbeTimes, hw: Hardware, eff: Efficiency, precision: str) -> int:
+    """A rank's runtime bytes: its memory before the model, or on a CPU (whose processes' peak
+    resident set is what a run reports) that peak over the two-rank probes less the most tensor
+    bytes the plan gives any of their ranks, when more: the allocator's slack and a step's
+    transient tensors, which a process keeps resident once touched, belong to the runtime."""
+    assert times.runtime_bytes is not None
+    if times.peak_bytes is None:
+        return times.runtime_bytes
+    bare = dataclasses.replace(eff, runtime_bytes=0)
+    tensors = max(
+        rank.total
+        for layout in layouts
+        if layout.world_size == 2
+        for rank in predict(layout, hw, bare, precision=precision, margin=0.0).ranks
+    )
+    return max(times.runtime_bytes, times.peak_bytes - tensors)
 
 
 def _flops(layout: Config, precision: str) -> tuple[float, float]:
@@ -161,15 +224,25 @@ def _flops(layout: Config, precision: str) -> tuple[float, float]:
 
 def calibrate(
     cfg: Config, hw: Hardware, *, precision: str, steps: int, rounds: int, max_ranks: int, shared_machine: bool
-) -> tuple[Efficiency, list[dict]]:
-    """Time the probes in alternating rounds on this machine and fit; also returns the probes' rows.
-    `shared_machine`: ranks share its compute (CPU cores) rather than each having a device."""
-    layouts = probe_layouts(cfg, max_ranks=max_ranks)
-    timings: list[list[float]] = [[] for _ in layouts]
-    for _ in range(rounds):
-        for times, seconds in zip(timings, probe_seconds(layouts, steps=steps)):
-            times.append(seconds)
-    seconds = [statistics.median(times) for times in timings]
+) -> tuple[Efficiency, list[dict], list[str]]:
+    """Time the probes in alternating rounds on this machine (saying each as it finishes) and fit;
+    also returns the probes' rows and the fit's warnings. `shared_machine`: ranks share its compute
+    (CPU cores) rather than each having a device. The probes run at `precision` (autocast)."""
+    layouts = probe_layouts(cfg.model_copy(update={"precision": precision}), max_ranks=max_ranks)
+    per_round: list[ProbeTimes] = []
+    for r in range(rounds):
+        say(f"calibration round {r + 1}/{rounds}: {len(layouts)} probes")
+        per_round.append(probe_seconds(layouts, steps=steps, say=say))
+    messages = [t.message_s for t in per_round if t.message_s is not None]
+    baselines = [t.runtime_bytes for t in per_round if t.runtime_bytes is not None]
+    peaks = [t.peak_bytes for t in per_round if t.peak_bytes is not None]
+    times = ProbeTimes(
+        seconds=[statistics.median(t.seconds[i] for t in per_round) for i in range(len(layouts))],
+        optimizer_s=[statistics.median(t.optimizer_s[i] for t in per_round) for i in range(len(layouts))],
+        message_s=statistics.median(messages) if messages else None,
+        runtime_bytes=int(statistics.median(baselines)) if baselines else None,
+        peak_bytes=max(peaks) if peaks else None,
+    )
     rows = [
         {
             "dp": layout.parallel.dp,
@@ -178,42 +251,40 @@ def calibrate(
             "microbatches": layout.accumulation_steps,
             "recompute": layout.recompute,
             "flops": sum(_flops(layout, precision)),
-            "seconds": median,
-            "rounds": times,
+            "seconds": times.seconds[i],
+            "optimizer_s": times.optimizer_s[i],
+            "rounds": [t.seconds[i] for t in per_round],
         }
-        for layout, median, times in zip(layouts, seconds, timings)
+        for i, layout in enumerate(layouts)
     ]
-    return fit_constants(layouts, seconds, hw, precision=precision, shared_machine=shared_machine), rows
+    eff, warnings = fit_constants(layouts, times, hw, precision=precision, shared_machine=shared_machine)
+    return eff, rows, warnings
+
+
+FIELDS = (
+    "achieved_flops",
+    "action_s",
+    "step_s",
+    "recompute_cost",
+    "p2p_s",
+    "parallel_devices",
+    "kernel_floor_s",
+    "runtime_bytes",
+)
 
 
 def save_calibration(path: Path, device: str, precision: str, eff: Efficiency, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "device": device,
-        "precision": precision,
-        "achieved_flops": eff.achieved_flops,
-        "action_s": eff.action_s,
-        "step_s": eff.step_s,
-        "recompute_cost": eff.recompute_cost,
-        "p2p_s": eff.p2p_s,
-        "parallel_devices": eff.parallel_devices,
-        "probes": rows,
-    }
+    record = {"device": device, "precision": precision, **{f: getattr(eff, f) for f in FIELDS}, "probes": rows}
     write_atomic(path, json.dumps(record, indent=1))
 
 
 def load_calibration(path: Path) -> tuple[str, Efficiency]:
-    """(device, constants) saved by `save`; one line naming the file when it is not such a record."""
+    """(device, constants) saved by `save`; one line naming the file when it is not such a record.
+    Files saved before a field existed get its default, except the kernel floor: 0 (measured)."""
     try:
         record = json.loads(path.read_text())
-        return record["device"], Efficiency(
-            achieved_flops=record["achieved_flops"],
-            action_s=record["action_s"],
-            step_s=record["step_s"],
-            # files saved before recompute and two-rank probes: the defaults
-            recompute_cost=record.get("recompute_cost", Efficiency.recompute_cost),
-            p2p_s=record.get("p2p_s", Efficiency.p2p_s),
-            parallel_devices=record.get("parallel_devices"),
-        )
+        known = {f: record[f] for f in FIELDS if f in record}
+        return record["device"], Efficiency(**{"kernel_floor_s": 0.0, **known})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise ConfigError(f"{path} is not a calibration record; run `meshrun plan --calibrate CONFIG` again") from None

@@ -1,25 +1,31 @@
-"""Predicted step time of a layout: compute + pipeline bubble + dp all-reduce + pp transfers.
+"""Predicted step time of a layout: compute + pipeline bubble + dp / tp / pp communication + fixed costs.
 
 Compute per microbatch and stage = its training FLOPs / achieved FLOP/s (recomputed FLOPs at their
-own calibrated cost), plus the fixed cost of a forward and a backward (kernel launches, Python) in
-proportion to the stage's share of the model's modules (blocks; embedding and head one each): a
-stage of half the blocks launches about half the kernels, however many FLOPs its head has. The
-pipeline runs m microbatches through p stages; the slowest rank sets the pace and the schedule adds its
-bubble: GPipe and 1F1B (p - 1) slots, interleaved (p - 1) / v, zero bubble a third of that
-(the weight backwards fill most of it). When a run is given, its measured bubble replaces the
-formula. The dp gradient all-reduce (ring: 2 (dp - 1) / dp of the gradient bytes) and the
-pp activation transfers run at the link's bandwidth, not overlapped (an upper bound); each
-pipeline message also costs a fixed `p2p_s` (the schedule's send/receive handling and the link's
-latency). Where ranks share one machine's compute (a CPU's cores, calibrated as `parallel_devices`
-full-speed ranks' worth; GPUs: None, a device per rank), compute, bubble and per-step work take
-max(1, ranks / parallel_devices) times what they take one rank alone: ranks beyond the cores
-are time-shared.
+own calibrated cost), but never less than its kernels' launch floor (`kernel_floor_s` per unit, a
+GPU's: a tiny model is launch-bound), plus the fixed cost of a forward and a backward (kernel
+launches, Python) in proportion to the stage's share of the model's modules (blocks; embedding and
+head one each): a stage of half the blocks launches about half the kernels, however many FLOPs its
+head has. The pipeline runs m microbatches through p stages; the slowest rank sets the pace and
+the schedule adds its bubble: GPipe and 1F1B (p - 1) slots, interleaved (p - 1) / v, zero bubble a
+third of that (the weight backwards fill most of it). When a run is given, its measured bubble
+replaces the formula. Communication runs at the link's bandwidth, not overlapped (an upper
+bound), and each message also costs the fixed `p2p_s` (the link's latency, the schedule's
+handling): the dp gradient all-reduce (ring: 2 (dp - 1) / dp of the gradient bytes; FSDP: an
+all-gather of the parameters per forward and per backward when it reshards after forward, else
+once per step, and a reduce-scatter of the gradients, each (s - 1) / s of the bytes, then HSDP's
+all-reduce over replicas of the shard); tp: two all-reduces of the hidden state per block
+forward and backward (Megatron's split; a recomputed block's forward again); pp: the activation
+transfers. Where ranks share one machine's compute (a CPU's cores, calibrated as
+`parallel_devices` full-speed ranks' worth; GPUs: None, a device per rank), compute, bubble and
+per-step work take max(1, ranks / parallel_devices) times what they take one rank alone.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from meshrun.hardware.peaks import KERNEL_LAUNCH_S, KERNELS_PER_UNIT, MESSAGE_FLOOR_S, RUNTIME_BYTES, STEP_FLOOR_S
 from meshrun.planner.stage_cost import StageProfile
 
 
@@ -35,17 +41,21 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Constants `meshrun plan --calibrate` fits on a machine (defaults: typical large-model GPU runs)."""
+    """Constants `meshrun plan --calibrate` fits on a machine (defaults: a GPU's, from the table's
+    floors in hardware/peaks.py and typical large-model efficiency)."""
 
     flops_fraction: float = 0.45  # achieved / peak FLOP/s in the model's compute
     achieved_flops: float | None = None  # measured FLOP/s per device (wins over the fraction; CPUs have no peak)
     action_s: float = 0.0  # fixed seconds per forward or backward of one microbatch through the whole model
     recompute_cost: float = 1.0  # a recomputed FLOP's seconds / another's (checkpoints re-enter autograd)
-    step_s: float = 0.0  # fixed seconds per optimizer step (optimizer, clipping, bookkeeping)
-    p2p_s: float = 3e-5  # fixed seconds per pipeline message a rank handles (NCCL's latency + schedule bookkeeping)
+    step_s: float = STEP_FLOOR_S  # fixed seconds per optimizer step (optimizer, clipping, bookkeeping)
+    p2p_s: float = MESSAGE_FLOOR_S  # fixed seconds per message a rank handles (latency + bookkeeping)
     parallel_devices: float | None = (
         None  # full-speed ranks a machine's shared compute is worth; None: a device per rank
     )
+    kernel_floor_s: float = KERNELS_PER_UNIT * KERNEL_LAUNCH_S  # per unit and microbatch (forward +
+    # backward): the least a GPU's launches take however few FLOPs; 0 where calibrated (action_s measured it)
+    runtime_bytes: int = RUNTIME_BYTES  # each rank's memory before the model (a CPU process's resident torch)
 
     def slowdown(self, ranks_per_machine: int) -> float:
         """Each rank's compute time relative to one rank alone when this many share one machine
@@ -66,14 +76,15 @@ class Efficiency:
 class StepTime:
     compute: float  # busy seconds of the slowest rank
     bubble: float  # idle seconds the schedule adds
-    allreduce: float
-    p2p: float
+    allreduce: float  # the dp collectives' bytes at the link's bandwidth
+    p2p: float  # the pipeline transfers' bytes at the link's bandwidth
     fixed: float
-    messages: int = 0  # pipeline messages the busiest rank handles per step
+    messages: int = 0  # pipeline messages and dp collectives the busiest rank handles per step
+    latency: float = 0.0  # messages x p2p_s
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.allreduce + self.p2p + self.fixed
+        return self.compute + self.bubble + self.allreduce + self.p2p + self.fixed + self.latency
 
     @property
     def bubble_fraction(self) -> float:
@@ -102,35 +113,92 @@ def pipeline_messages(num_stages: int, local: list[list[int]], m: int) -> int:
     return m * max(per_microbatch)
 
 
+DDP_BUCKET_BYTES = 25 * 2**20  # torch's DistributedDataParallel bucket_cap_mb default
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """How gradients and parameters cross the dp ranks: `shard` ranks hold a shard each (FSDP /
+    HSDP; 1 = DDP), replicas of a shard all-reduce; `regather` = FSDP gathers the parameters for
+    every forward and backward (reshard after forward) rather than once per step."""
+
+    dp: int = 1
+    shard: int = 1
+    regather: bool = False
+
+
+def _ring(nbytes: float, ranks: int, gbs: float, factor: float) -> float:
+    """Seconds of a ring collective moving factor x (ranks - 1) / ranks of `nbytes` per rank."""
+    return factor * (ranks - 1) / ranks * nbytes / (gbs * 1e9) if ranks > 1 else 0.0
+
+
+def data_parallel(
+    grad_bytes: int, param_bytes: int, units: int, dp: DataParallel, *, m: int, gbs: float
+) -> tuple[float, int]:
+    """One step's dp communication on a rank (bytes: its stages', unsharded): (seconds at the
+    link's bandwidth, collectives)."""
+    if dp.dp == 1:
+        return 0.0, 0
+    if dp.shard == 1:  # DDP: one all-reduce of the gradients in 25 MiB buckets (its default)
+        return _ring(grad_bytes, dp.dp, gbs, 2.0), math.ceil(grad_bytes / DDP_BUCKET_BYTES)
+    gathers = 2 * m if dp.regather else 1
+    replicas = dp.dp // dp.shard
+    seconds = gathers * _ring(param_bytes, dp.shard, gbs, 1.0) + _ring(grad_bytes, dp.shard, gbs, 1.0)
+    seconds += _ring(grad_bytes / dp.shard, replicas, gbs, 2.0)  # HSDP: the shard's all-reduce over replicas
+    return seconds, (gathers + 1 + (replicas > 1)) * units  # a collective per block and the root
+
+
+def tensor_parallel_s(held: list[StageProfile], tp: int, *, gbs: float, eff: Efficiency) -> float:
+    """Seconds of one microbatch's tp all-reduces on a rank: two per block forward and two backward
+    (a recomputed block's forward twice), each of the hidden state (the stage boundary's size)."""
+    if tp == 1:
+        return 0.0
+    messages = sum(4 * s.blocks + 2 * s.recomputed_blocks for s in held)
+    hidden = max(s.hidden_bytes for s in held)
+    return messages * (_ring(hidden, tp, gbs, 2.0) + eff.p2p_s)
+
+
+def rank_compute_s(
+    held: list[StageProfile], total_units: int, tokens: int, flops_per_s: float, eff: Efficiency
+) -> float:
+    """One microbatch's forward and backward through the stages a rank holds: FLOPs at the achieved
+    rate but not below the launch floor, plus the fixed cost of a whole-model forward and backward
+    (launches, Python) shared by the stages' modules: a stage of half the blocks launches about
+    half the kernels, whatever their FLOPs."""
+    return sum(
+        max(
+            (s.model_flops_per_token + eff.recompute_cost * s.recompute_flops_per_token) * tokens / flops_per_s,
+            eff.kernel_floor_s * (s.units + s.recomputed_blocks / 3),  # recompute launches a forward again
+        )
+        + 2 * eff.action_s * s.units / total_units
+        for s in held
+    )
+
+
 def step_time(
     stages: list[StageProfile],
     local: list[list[int]],
     *,
     schedule: str,
-    dp: int,
+    dp: DataParallel,
+    tp: int = 1,
     m: int,
     tokens_per_microbatch: int,
     hw: Hardware,
     eff: Efficiency,
     measured_bubble: float | None = None,
 ) -> StepTime:
-    """`local[r]`: the stage indices pp rank r holds."""
+    """`local[r]`: the stage indices pp rank r holds (stage profiles are per tp rank)."""
     pp, v = len(local), len(local[0])
     flops_per_s = eff.flops_per_s(hw)
     total_units = sum(s.units for s in stages)
-    # the fixed cost of a whole-model forward and backward (launches, Python), shared by the stages'
-    # modules: a stage of half the blocks launches about half the kernels, whatever their FLOPs
+    tp_gbs = hw.intra_gbs if tp <= hw.gpus_per_node else hw.inter_gbs
     per_rank = [
-        sum(
-            (s.model_flops_per_token + eff.recompute_cost * s.recompute_flops_per_token)
-            * tokens_per_microbatch
-            / flops_per_s
-            + 2 * eff.action_s * s.units / total_units
-            for s in (stages[i] for i in held)
-        )
+        rank_compute_s([stages[i] for i in held], total_units, tokens_per_microbatch, flops_per_s, eff)
+        + tensor_parallel_s([stages[i] for i in held], tp, gbs=tp_gbs, eff=eff)
         for held in local
     ]
-    world = dp * pp
+    world = dp.dp * pp * tp
     slowdown = eff.slowdown(min(world, hw.gpus_per_node))
     slowest = max(per_rank) * slowdown
     compute = m * slowest
@@ -138,13 +206,28 @@ def step_time(
         bubble = compute * measured_bubble / (1.0 - measured_bubble)
     else:
         bubble = bubble_slots(schedule, pp, v) * slowest
-    dp_gbs = hw.intra_gbs if dp <= hw.gpus_per_node else hw.inter_gbs
+    dp_gbs = hw.intra_gbs if dp.dp * tp <= hw.gpus_per_node else hw.inter_gbs
     pp_gbs = hw.intra_gbs if world <= hw.gpus_per_node else hw.inter_gbs
-    grad_bytes = max(sum(stages[i].grad_bytes for i in held) for held in local)
-    allreduce = 2 * (dp - 1) / dp * grad_bytes / (dp_gbs * 1e9) if dp > 1 else 0.0
+    allreduce, dp_messages = max(
+        data_parallel(
+            sum(stages[i].grad_bytes for i in held),
+            sum(stages[i].param_bytes for i in held),
+            sum(stages[i].units for i in held),
+            dp,
+            m=m,
+            gbs=dp_gbs,
+        )
+        for held in local
+    )
     boundary = max(s.boundary_bytes for s in stages)
-    messages = pipeline_messages(len(stages), local, m)
-    p2p = 2 * (m * v + pp - 1) * boundary / (pp_gbs * 1e9) + messages * eff.p2p_s if pp > 1 else 0.0
+    messages = pipeline_messages(len(stages), local, m) + dp_messages
+    p2p = 2 * (m * v + pp - 1) * boundary / (pp_gbs * 1e9) if pp > 1 else 0.0
     return StepTime(
-        compute=compute, bubble=bubble, allreduce=allreduce, p2p=p2p, fixed=eff.step_s * slowdown, messages=messages
+        compute=compute,
+        bubble=bubble,
+        allreduce=allreduce,
+        p2p=p2p,
+        fixed=eff.step_s * slowdown,
+        messages=messages,
+        latency=messages * eff.p2p_s,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshrun.config.schema import Config
+from meshrun.parallel.fsdp import reshard_after_forward
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.stages import static_split
 from meshrun.planner.memory import RankMemory, rank_memory
@@ -30,14 +31,20 @@ def layout_split(cfg: Config) -> list[list[int]]:
     return split
 
 
-def layout_memory(cfg: Config, precision: str) -> LayoutMemory:
+def regathers(cfg: Config) -> bool:
+    """FSDP gathers the parameters for every forward and backward (it reshards after forward)."""
+    return cfg.layout.dp_shard > 1 and reshard_after_forward(cfg.parallel)
+
+
+def layout_memory(cfg: Config, precision: str, *, baseline: int = 0) -> LayoutMemory:
     """Profiles every stage of this layout and the memory of every pp rank."""
     stages = profile_stages(cfg, layout_split(cfg), cfg.train.micro_batch, precision)
-    return LayoutMemory(stages=stages, ranks=ranks_memory(cfg, stages))
+    return LayoutMemory(stages=stages, ranks=ranks_memory(cfg, stages, baseline=baseline))
 
 
-def ranks_memory(cfg: Config, stages: list[StageProfile]) -> list[RankMemory]:
-    """The memory of every pp rank of this layout, from its stages' profiles."""
+def ranks_memory(cfg: Config, stages: list[StageProfile], *, baseline: int = 0) -> list[RankMemory]:
+    """The memory of every pp rank of this layout, from its stages' profiles (dp and tp ranks of
+    one pp rank hold alike; `baseline`: the runtime's own bytes, each rank's)."""
     layout, par = cfg.layout, cfg.parallel
     return [
         rank_memory(
@@ -49,6 +56,8 @@ def ranks_memory(cfg: Config, stages: list[StageProfile]) -> list[RankMemory]:
             dp=par.dp,
             shard=layout.dp_shard,
             m=cfg.accumulation_steps,
+            regather=regathers(cfg),
+            baseline=baseline,
         )
         for r in range(par.pp)
     ]

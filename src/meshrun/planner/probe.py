@@ -9,14 +9,18 @@ sum and fused AdamW, with the ranks competing for the machine.
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,19 +28,22 @@ import torch.distributed as dist
 
 from meshrun.config.schema import Config
 from meshrun.errors import RunError
+from meshrun.hardware.precision import autocast
 from meshrun.launcher.torchrun import WORKER_ENV
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, init_mesh, mesh_on, shutdown
 
 
-def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1) -> list[float]:
-    """Seconds of each of `steps` training steps after `warmup` (forward, backward, optimizer); with
-    several ranks each step starts and ends at a barrier, so the time is the slowest rank's."""
+def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1) -> list[tuple[float, float]]:
+    """(seconds, optimizer seconds) of each of `steps` training steps after `warmup` (forward,
+    backward, optimizer) under the layout's precision (resolved: autocast as training runs it;
+    fp16's loss scaling left out); with several ranks each step starts and ends at a barrier, so
+    the time is the slowest rank's. The optimizer's part (AdamW, zero_grad) is the per-step floor."""
     from meshrun.parallel.parallelize import parallelize
     from meshrun.training.loss import MicrobatchLoss
     from meshrun.training.optim import build_optimizer
 
-    model = parallelize(cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=contextlib.nullcontext)
+    model = parallelize(cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=partial(autocast, cfg, mesh.device))
     optimizers = [build_optimizer(part, cfg.train) for part in model.parts]
     tokens = torch.randint(
         0,
@@ -50,12 +57,14 @@ def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1) -> list[
         start = time.perf_counter()
         model.forward_backward(tokens[:, :-1], tokens[:, 1:])
         model.tied.sync_gradients()
+        _sync(mesh.device)
+        update = time.perf_counter()
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         _sync(mesh.device)
         if step >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start, time.perf_counter() - update))
     return times
 
 
@@ -66,24 +75,84 @@ def _sync(device: torch.device) -> None:
         dist.barrier()
 
 
-def probe_seconds(layouts: list[Config], *, steps: int, timeout: float = 900) -> list[float]:
+def message_seconds(device: torch.device, *, rounds: int = 50) -> float:
+    """One small message's seconds between ranks 0 and 1 (half a send/receive round trip): the
+    per-message floor."""
+    rank, tensor = dist.get_rank(), torch.zeros(1, device=device)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(rounds):
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+        elif rank == 1:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
+    return (time.perf_counter() - start) / rounds / 2
+
+
+def runtime_bytes(cfg: Config, device: torch.device) -> int:
+    """What a training worker holds before its model's tensors: its resident memory on a CPU
+    (Python, torch, the process group and the code a `meshrun train` worker imports: trainer,
+    data, metrics, checkpointing, pipelining, FSDP and the model's family, e.g. transformers),
+    the CUDA context and libraries on a GPU (in use less torch's reserved)."""
+    from meshrun.models.families import build_model
+
+    for module in ("meshrun.cli.train", "meshrun.parallel.fsdp", "meshrun.parallel.pipeline"):
+        importlib.import_module(module)  # what a worker imports: resident like its tensors
+
+    build_model(cfg.model)  # on meta: imports the family's code (transformers for a Hugging Face model)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free - torch.cuda.memory_reserved(device)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class ProbeTimes:
+    seconds: list[float]  # median step seconds, per layout
+    optimizer_s: list[float]  # median optimizer seconds, per layout
+    message_s: float | None  # one small message (two-rank probes only)
+    runtime_bytes: int | None  # a rank's memory before its model (two-rank probes only)
+    peak_bytes: int | None = None  # rank 0's peak resident memory over its probes (CPU, two-rank probes only)
+
+
+def probe_seconds(
+    layouts: list[Config], *, steps: int, timeout: float = 900, say: Callable[[str], None] = lambda _: None
+) -> ProbeTimes:
     """Median step time of each layout on this machine (all of two ranks in one torchrun job)."""
-    medians: dict[int, float] = {}
+    medians: dict[int, tuple[float, float]] = {}
     for index, layout in enumerate(layouts):
         if layout.world_size == 1:
             mesh = init_mesh(Layout())
             try:
-                medians[index] = statistics.median(time_steps(layout, mesh, steps=steps))
+                times = time_steps(layout, mesh, steps=steps)
             finally:
                 shutdown()
+            medians[index] = (statistics.median(t for t, _ in times), statistics.median(o for _, o in times))
+            say(f"probe {index + 1}/{len(layouts)}: {describe(layout)}: {medians[index][0] * 1e3:.1f} ms/step")
     together = [index for index, layout in enumerate(layouts) if layout.world_size > 1]
+    message_s = baseline = peak = None
     if together:
-        times = _torchrun([layouts[i] for i in together], steps=steps, timeout=timeout)
-        medians.update(zip(together, map(statistics.median, times)))
-    return [medians[index] for index in range(len(layouts))]
+        say(f"probes {', '.join(str(i + 1) for i in together)}/{len(layouts)}: two ranks under torchrun")
+        result = _torchrun([layouts[i] for i in together], steps=steps, timeout=timeout)
+        for index, times in zip(together, result["times"]):
+            medians[index] = (statistics.median(t for t, _ in times), statistics.median(o for _, o in times))
+            say(f"probe {index + 1}/{len(layouts)}: {describe(layouts[index])}: {medians[index][0] * 1e3:.1f} ms/step")
+        message_s, baseline, peak = result["message_s"], result["runtime_bytes"], result["peak_bytes"]
+    ordered = [medians[index] for index in range(len(layouts))]
+    return ProbeTimes([t for t, _ in ordered], [o for _, o in ordered], message_s, baseline, peak if together else None)
 
 
-def _torchrun(layouts: list[Config], *, steps: int, timeout: float) -> list[list[float]]:
+def describe(layout: Config) -> str:
+    return (
+        f"{layout.layout.short_text()} micro_batch {layout.train.micro_batch} x {layout.accumulation_steps} "
+        f"recompute {layout.recompute}"
+    )
+
+
+def _torchrun(layouts: list[Config], *, steps: int, timeout: float) -> dict:
     world = layouts[0].world_size
     assert all(layout.world_size == world for layout in layouts)  # one job, one process group
     with tempfile.TemporaryDirectory(prefix="meshrun-probe-") as tmp:
@@ -99,11 +168,14 @@ def _torchrun(layouts: list[Config], *, steps: int, timeout: float) -> list[list
 
 
 def probe_worker(argv: list[str]) -> None:
-    """torchrun worker: time every layout in CONFIGS on one process group; rank 0 writes the times to OUT."""
+    """torchrun worker: time every layout in CONFIGS on one process group; rank 0 writes the times,
+    the message floor and its memory before any model to OUT."""
     configs, out, steps = argv
     layouts = [Config.model_validate(data) for data in json.loads(Path(configs).read_text())]
     mesh = init_mesh(layouts[0].layout)
     try:
+        baseline = runtime_bytes(layouts[0], mesh.device)
+        message_s = statistics.median(message_seconds(mesh.device) for _ in range(5))
         times = []
         for layout in layouts:
             if layout.layout != mesh.layout:  # the same processes in another shape
@@ -112,7 +184,9 @@ def probe_worker(argv: list[str]) -> None:
     finally:
         shutdown()
     if os.environ.get("RANK") == "0":
-        Path(out).write_text(json.dumps(times))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if mesh.device.type == "cpu" else None
+        result = {"times": times, "message_s": message_s, "runtime_bytes": baseline, "peak_bytes": peak}
+        Path(out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -18,11 +18,21 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
 )
+from torch.distributed.tensor import DTensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (tp's saved parameters and replicated
+    activations are DTensors; their storage is the shard's), read without recording a graph."""
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
 
 
 class SavedBytes:
     def __init__(self, *, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self.excluded = [t.untyped_storage() for t in exclude]  # kept alive, so their ids stay theirs
+        self.excluded = [local(t).untyped_storage() for t in exclude]  # kept alive, so their ids stay theirs
         self.skip = {id(storage) for storage in self.excluded}
         self.refs: dict[int, int] = {}  # id(storage) -> number of live holders
         self.live = 0
@@ -81,7 +91,7 @@ class _Held:
     __slots__ = ("counted", "counter", "key", "nbytes", "storage", "tensor")
 
     def __init__(self, counter: SavedBytes, tensor: torch.Tensor, *, counted: bool) -> None:
-        self.storage = tensor.untyped_storage()  # held: its id stays this storage's while counted
+        self.storage = local(tensor).untyped_storage()  # held: its id stays this storage's while counted
         self.tensor, self.counter = tensor, counter
         self.key, self.nbytes = id(self.storage), self.storage.nbytes()
         self.counted = counted and counter._add(self.key, self.nbytes)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshrun.config.schema import Config, validate
 from meshrun.errors import ConfigError
+from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.stages import validate_layout
-from meshrun.planner.cost import Efficiency, Hardware, StepTime, step_time
-from meshrun.planner.layout_memory import layout_split, ranks_memory
+from meshrun.planner.cost import DataParallel, Efficiency, Hardware, StepTime, step_time
+from meshrun.planner.layout_memory import layout_split, ranks_memory, regathers
 from meshrun.planner.memory import RankMemory
 from meshrun.planner.stage_cost import StageProfile, profile_stages
 
@@ -21,6 +24,7 @@ RECOMPUTE = ("none", "every:2", "full")
 class Prediction:
     cfg: Config
     memory: RankMemory  # the rank with the most memory
+    ranks: list[RankMemory]  # every pp rank's (dp and tp ranks of one pp rank hold alike)
     time: StepTime
     tokens_per_s: float
     mfu: float | None
@@ -31,7 +35,9 @@ class Prediction:
         par = self.cfg.parallel
         v = self.cfg.layout.per_rank
         return {
+            "tp": par.tp,
             "dp": par.dp,
+            "dp_mode": par.dp_mode if par.dp_mode != "hsdp" else f"hsdp/{self.cfg.layout.dp_shard}",
             "pp": par.pp,
             "schedule": (par.schedule + (f"/v{v}" if v > 1 else "")) if par.pp > 1 else "-",
             "micro_batch": self.cfg.train.micro_batch,
@@ -41,11 +47,30 @@ class Prediction:
 
 
 def with_layout(
-    cfg: Config, *, dp: int, pp: int, schedule: str, micro_batch: int, recompute: str, global_batch: int | None = None
+    cfg: Config,
+    *,
+    dp: int,
+    pp: int,
+    schedule: str,
+    micro_batch: int,
+    recompute: str,
+    global_batch: int | None = None,
+    tp: int = 1,
+    dp_mode: str = "ddp",
+    dp_shard: int | None = None,
 ) -> Config:
     """`cfg` with another layout (explicit stage_layers are dropped: they belong to one pp)."""
     data = cfg.model_dump(mode="json")
-    data["parallel"].update(dp=dp, pp=pp, schedule=schedule, virtual_stages=None, stage_layers=None)
+    data["parallel"].update(
+        dp=dp,
+        pp=pp,
+        tp=tp,
+        dp_mode=dp_mode,
+        dp_shard=dp_shard,
+        schedule=schedule,
+        virtual_stages=None,
+        stage_layers=None,
+    )
     data["train"]["micro_batch"] = micro_batch
     data["train"]["global_batch"] = global_batch or cfg.train.global_batch
     data["recompute"] = recompute
@@ -53,41 +78,112 @@ def with_layout(
     return validate(data)
 
 
-def candidates(cfg: Config, num_devices: int) -> list[Config]:
-    """Layouts meshrun can run on `num_devices`: dp x pp = N, micro_batch dividing the batch."""
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def data_modes(dp: int) -> list[tuple[str, int | None]]:
+    """(dp_mode, dp_shard) for dp ranks: DDP, FSDP over all, HSDP over each shard size between."""
+    if dp == 1:
+        return [("ddp", None)]
+    hybrid: list[tuple[str, int | None]] = [("hsdp", s) for s in _divisors(dp)[1:-1]]
+    return [("ddp", None), ("fsdp", None), *hybrid]
+
+
+def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
+    """Every (tp, dp, dp_mode, pp, schedule) of `num_devices` that validates, at micro_batch 1 and
+    full recompute (its least memory): tp within a node and only where the model has a tp plan."""
     found = []
-    for dp in [d for d in range(1, num_devices + 1) if num_devices % d == 0]:
-        pp = num_devices // dp
-        if cfg.train.global_batch % dp:
-            continue
-        per_dp = cfg.train.global_batch // dp
-        for schedule in SCHEDULES if pp > 1 else ("1f1b",):
-            for micro_batch in [b for b in range(1, per_dp + 1) if per_dp % b == 0]:
-                for recompute in RECOMPUTE:
-                    try:
-                        layout = with_layout(
-                            cfg, dp=dp, pp=pp, schedule=schedule, micro_batch=micro_batch, recompute=recompute
-                        )
-                        validate_layout(layout)
-                    except ConfigError:
-                        continue
-                    found.append(layout)
+    tps = [t for t in _divisors(min(num_devices, per_node)) if num_devices % t == 0] if has_tp_plan(cfg) else [1]
+    for tp in tps:
+        for dp in _divisors(num_devices // tp):
+            pp = num_devices // tp // dp
+            if cfg.train.global_batch % dp:
+                continue
+            for (dp_mode, shard), schedule in itertools.product(data_modes(dp), SCHEDULES if pp > 1 else ("1f1b",)):
+                try:
+                    layout = with_layout(
+                        cfg,
+                        dp=dp,
+                        pp=pp,
+                        tp=tp,
+                        dp_mode=dp_mode,
+                        dp_shard=shard,
+                        schedule=schedule,
+                        micro_batch=1,
+                        recompute="full",
+                    )
+                    validate_layout(layout)
+                except ConfigError:
+                    continue
+                found.append(layout)
     return found
 
 
-@functools.lru_cache(maxsize=256)
+def variants(mesh: Config) -> list[list[Config]]:
+    """The micro_batch x recompute layouts of one mesh: one list per recompute policy, smallest
+    micro_batch first (activations grow with it: the first that does not fit ends the list)."""
+    par = mesh.parallel
+    per_dp = mesh.train.global_batch // par.dp
+    out = []
+    for recompute in RECOMPUTE:
+        row = []
+        for micro_batch in _divisors(per_dp):
+            try:
+                layout = with_layout(
+                    mesh,
+                    dp=par.dp,
+                    pp=par.pp,
+                    tp=par.tp,
+                    dp_mode=par.dp_mode,
+                    dp_shard=par.dp_shard,
+                    schedule=par.schedule,
+                    micro_batch=micro_batch,
+                    recompute=recompute,
+                )
+                validate_layout(layout)
+            except ConfigError:
+                continue
+            row.append(layout)
+        out.append(row)
+    return out
+
+
+def candidates(cfg: Config, num_devices: int, per_node: int | None = None) -> list[Config]:
+    """Layouts meshrun can run on `num_devices`: dp x pp x tp = N, micro_batch dividing the batch."""
+    return [c for mesh in meshes(cfg, num_devices, per_node or num_devices) for row in variants(mesh) for c in row]
+
+
+@functools.lru_cache(maxsize=8)
+def _has_tp_plan(model_json: str) -> bool:
+    from meshrun.models.protocol import tp_plan
+
+    cfg = Config.model_validate_json(model_json)
+    return tp_plan(build_stage(cfg, layers=None, first=True, last=True)) is not None
+
+
+def has_tp_plan(cfg: Config) -> bool:
+    return _has_tp_plan(_model_key(cfg))
+
+
+def _model_key(cfg: Config) -> str:
+    """The config less its layout and training (what a stage's profile does not depend on)."""
+    return cfg.model_copy(update={"parallel": type(cfg.parallel)(), "train": type(cfg.train)()}).model_dump_json()
+
+
+@functools.lru_cache(maxsize=1024)
 def _profiles(
-    cfg_json: str, split: tuple[tuple[int, ...], ...], micro_batch: int, precision: str
+    cfg_json: str, split: tuple[tuple[int, ...], ...], micro_batch: int, precision: str, tp: int
 ) -> tuple[StageProfile, ...]:
     cfg = Config.model_validate_json(cfg_json)
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp})})
     return tuple(profile_stages(cfg, [list(s) for s in split], micro_batch, precision))
 
 
 def stage_profiles(cfg: Config, precision: str) -> list[StageProfile]:
-    """Profiles depend on the model, split, micro_batch and recompute only: cached across layouts."""
-    key = cfg.model_copy(update={"parallel": type(cfg.parallel)(), "train": type(cfg.train)()}).model_dump_json()
+    """Profiles depend on the model, split, micro_batch, recompute and tp only: cached across layouts."""
     split = tuple(tuple(s) for s in layout_split(cfg))
-    return list(_profiles(key, split, cfg.train.micro_batch, precision))
+    return list(_profiles(_model_key(cfg), split, cfg.train.micro_batch, precision, cfg.parallel.tp))
 
 
 def predict(
@@ -97,12 +193,14 @@ def predict(
     stages = stage_profiles(cfg, precision)
     local = [cfg.layout.stages_of(r) for r in range(par.pp)]
     m = cfg.accumulation_steps
-    worst = max(ranks_memory(cfg, stages), key=lambda rank: rank.total)
+    ranks = ranks_memory(cfg, stages, baseline=eff.runtime_bytes)
+    worst = max(ranks, key=lambda rank: rank.total)
     time = step_time(
         stages,
         local,
         schedule=par.schedule,
-        dp=par.dp,
+        dp=DataParallel(dp=par.dp, shard=cfg.layout.dp_shard, regather=regathers(cfg)),
+        tp=par.tp,
         m=m,
         tokens_per_microbatch=cfg.train.micro_batch * cfg.model.seq_len,
         hw=hw,
@@ -110,11 +208,12 @@ def predict(
         measured_bubble=measured_bubble,
     )
     tokens_per_s = cfg.tokens_per_step / time.total
-    model_flops = sum(s.model_flops_per_token for s in stages)
+    model_flops = sum(s.model_flops_per_token for s in stages) * par.tp
     mfu = tokens_per_s * model_flops / (cfg.world_size * hw.peak_flops) if hw.peak_flops else None
     return Prediction(
         cfg=cfg,
         memory=worst,
+        ranks=ranks,
         time=time,
         tokens_per_s=tokens_per_s,
         mfu=mfu,
@@ -123,8 +222,35 @@ def predict(
 
 
 def rank_layouts(
-    cfg: Config, num_devices: int, hw: Hardware, eff: Efficiency, *, precision: str, margin: float
+    cfg: Config,
+    num_devices: int,
+    hw: Hardware,
+    eff: Efficiency,
+    *,
+    precision: str,
+    margin: float,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Prediction]:
-    """Fitting layouts first, fastest first; then the ones that do not fit, smallest first."""
-    predictions = [predict(c, hw, eff, precision=precision, margin=margin) for c in candidates(cfg, num_devices)]
+    """Fitting layouts first, fastest first; then the ones that do not fit, smallest first.
+
+    Pruned before costing: a mesh whose least-memory layout (micro_batch 1, full recompute) does not
+    fit is reported by that layout alone, and per recompute policy the micro_batches beyond the
+    first that does not fit are skipped (activations only grow with micro_batch)."""
+    predictions = []
+    all_meshes = meshes(cfg, num_devices, hw.gpus_per_node)
+    for index, mesh in enumerate(all_meshes, 1):
+        if progress is not None:
+            progress(
+                f"mesh {index}/{len(all_meshes)}: {mesh.layout.short_text()} {mesh.parallel.dp_mode} {mesh.parallel.schedule}"
+            )
+        least = predict(mesh, hw, eff, precision=precision, margin=margin)
+        if not least.fits:
+            predictions.append(least)
+            continue
+        for row in variants(mesh):
+            for layout in row:
+                prediction = least if layout == mesh else predict(layout, hw, eff, precision=precision, margin=margin)
+                predictions.append(prediction)
+                if not prediction.fits:
+                    break
     return sorted(predictions, key=lambda p: (not p.fits, p.time.total if p.fits else p.memory.total, p.memory.total))

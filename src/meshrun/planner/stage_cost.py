@@ -4,12 +4,16 @@ State bytes come from the real model built on the meta device (the same `build_s
 trainer uses), so they are exact: fp32 parameters, fp32 gradients, and fused AdamW's two fp32
 moments plus one fp32 step counter per parameter tensor. Activation bytes are what one
 microbatch keeps for backward: one forward (and the loss, on the last stage) traced under fake
-tensors on the CPU (shapes and kernel choices only, no memory), counted by `SavedBytes`.
+tensors on the CPU (shapes and kernel choices only, no memory), counted by `SavedBytes`. Under
+tp the traced parameters have their shard's shape, so what is traced is one tp rank's forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +24,12 @@ from meshrun.hardware.precision import DTYPES
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
-from meshrun.parallel.tensor import shard_numels
+from meshrun.parallel.tensor import shard_numels, split_dims
 from meshrun.planner.saved_bytes import SavedBytes
+from meshrun.planner.stage_pieces import compose, consecutive
 from meshrun.training.loss import MicrobatchLoss
 
+Spec = tuple  # (shape, dtype) of a stage's output, or a tuple of those (a model handing on a state)
 _STEP_COUNTER_BYTES = 4  # AdamW's per-tensor `step` (a float32 scalar)
 
 
@@ -39,6 +45,9 @@ class StageProfile:
     model_flops_per_token: float  # the same without recompute: the useful work MFU counts
     boundary_bytes: int  # the hidden state this stage sends to the next one, per microbatch
     units: int = 1  # blocks + 1 for the embedding (first stage) + 1 for the head (last): what fixed costs scale with
+    blocks: int = 0
+    recomputed_blocks: int = 0
+    hidden_bytes: int = 0  # one block's output per microbatch: what a tp all-reduce moves
 
     @property
     def recompute_flops_per_token(self) -> float:
@@ -94,38 +103,212 @@ def stage_flops_per_token(cfg: Config, part: ProtocolModule, whole: ProtocolModu
     return useful + extra, useful
 
 
+def _shrink_to_tp_shard(part: nn.Module, tp: int) -> None:
+    """Give each parameter the model's tp plan splits its shard's shape (meta device), so a forward
+    traced on the part computes what one tp rank computes: column-split matmuls make 1/tp of the
+    heads and MLP features (models size heads with -1), the head 1/tp of the vocabulary."""
+    shrunk: dict[int, nn.Parameter] = {}  # a tied matrix stays one parameter
+    for name, dim in split_dims(part, tp).items():
+        module_name, _, param_name = name.rpartition(".")
+        module = part.get_submodule(module_name)
+        param = getattr(module, param_name, None)
+        if not isinstance(param, nn.Parameter):
+            continue
+        if id(param) not in shrunk:
+            shape = list(param.shape)
+            shape[dim] = -(-shape[dim] // tp)
+            shrunk[id(param)] = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=param.requires_grad)
+        setattr(module, param_name, shrunk[id(param)])
+
+
+def _block_kind(block: nn.Module) -> tuple:
+    """Blocks of one kind (class and parameter shapes) cost the same: one is traced for all."""
+    return (type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
+
+
+@functools.lru_cache(maxsize=4)
+def _whole(model_json: str) -> ProtocolModule:
+    """The whole model on the meta device (read only: its blocks' kinds and FLOPs)."""
+    return build_stage(Config.model_validate_json(model_json), layers=None, first=True, last=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_module(model_json: str, layers: tuple[int, ...], first: bool, last: bool) -> ProtocolModule:
+    """A stage of these blocks on the meta device, built once (traces work on deep copies)."""
+    return build_stage(Config.model_validate_json(model_json), layers=list(layers), first=first, last=last)
+
+
+@functools.lru_cache(maxsize=4096)
+def _piece(
+    model_json: str, micro_batch: int, precision: str, tp: int, layers: tuple[int, ...], first: bool, last: bool
+) -> tuple[StageProfile, Spec]:
+    """One traced stage of these consecutive blocks (and its output's shape and dtype). Beyond a
+    micro_batch of 2, from those of 1 and 2: every saved tensor has the batch dimension or none
+    (a rotary table), so a microbatch's bytes are affine in its size (test_stage_pieces checks)."""
+    if micro_batch > 2:
+        (one, out), (two, _) = (_piece(model_json, b, precision, tp, layers, first, last) for b in (1, 2))
+        grown = dataclasses.replace(
+            one,
+            activation_bytes=one.activation_bytes + (micro_batch - 1) * (two.activation_bytes - one.activation_bytes),
+            boundary_bytes=micro_batch * one.boundary_bytes,
+            hidden_bytes=micro_batch * one.hidden_bytes,
+        )
+        return grown, _with_batch(out, micro_batch)
+    cfg = Config.model_validate_json(model_json)
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp})})
+    hidden = None
+    if not first:  # a later stage's input: what the first stage hands on
+        hidden = _piece(model_json, micro_batch, precision, tp, layers[:1], True, False)[1]
+    part = copy.deepcopy(_stage_module(model_json, layers, first, last))
+    flops, useful = stage_flops_per_token(cfg, part, _whole(model_json))
+    _shrink_to_tp_shard(part, tp)
+    profile, out = _trace(cfg, part, micro_batch, precision, first=first, last=last, hidden=hidden)
+    return dataclasses.replace(profile, flops_per_token=flops / tp, model_flops_per_token=useful / tp), out
+
+
 def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precision: str) -> list[StageProfile]:
-    """Every stage of `split` (blocks per stage, pipeline order) for one microbatch of `micro_batch`."""
+    """Every stage of `split` (blocks per stage, pipeline order) for one microbatch of `micro_batch`,
+    on one tp rank: composed from one- and two-block stages (stage_pieces.py) when the blocks are
+    all of one kind, else each distinct stage traced whole."""
+    model_json = _model_json(cfg, cfg.recompute)
+    whole = _whole(model_json)
+    num_layers = len(whole.blocks)
+    flags = [wants_recompute(cfg.recompute, i) for i in range(num_layers)]
+    if num_layers < 2 or len({_block_kind(block) for block in whole.blocks.values()}) > 1:
+        return _trace_stages(cfg, split, micro_batch, precision)
+    tp = cfg.parallel.tp
+
+    def trace(wanted: tuple, first: bool, last: bool) -> StageProfile:
+        policy, layers = _shared_piece(cfg.recompute, wanted, num_layers)
+        if policy is None:  # a policy of its own (selective): its own blocks
+            policy, layers = cfg.recompute, tuple(consecutive(flags, wanted))
+        return _piece(_model_json(cfg, policy), micro_batch, precision, tp, layers, first, last)[0]
+
+    n = len(split)
+    return [compose(layers, first=i == 0, last=i == n - 1, flags=flags, trace=trace) for i, layers in enumerate(split)]
+
+
+def _model_json(cfg: Config, recompute: str) -> str:
+    """The config a piece depends on: the model and a recompute policy (layout and training reset)."""
+    update = {"parallel": type(cfg.parallel)(), "train": type(cfg.train)(), "recompute": recompute}
+    return cfg.model_copy(update=update).model_dump_json()
+
+
+def _shared_piece(policy: str, wanted: tuple[bool, ...], num_layers: int) -> tuple[str | None, tuple[int, ...]]:
+    """Plain checkpointing (none, every:k, full) wraps a block the same way whatever the policy, so
+    one piece serves them all: blocks all plain under none, all wrapped under full, alternating
+    under every:2 from an even (wrapped) or odd block. (None, ()) for other policies."""
+    if policy not in ("none", "full") and not policy.startswith("every:"):
+        return None, ()
+    if len(set(wanted)) == 1:
+        return ("full" if wanted[0] else "none"), tuple(range(len(wanted)))
+    start = 0 if wanted[0] else 1
+    if start + len(wanted) > num_layers:
+        return None, ()
+    return "every:2", tuple(range(start, start + len(wanted)))
+
+
+def _trace_stages(cfg: Config, split: list[list[int]], micro_batch: int, precision: str) -> list[StageProfile]:
+    """Each distinct stage traced whole (blocks of several kinds): stages alike (first / last,
+    their blocks' kinds and recompute) once."""
     whole = build_stage(cfg, layers=None, first=True, last=True)
-    num_stages = len(split)
-    parts = [
-        build_stage(cfg, layers=layers if num_stages > 1 else None, first=i == 0, last=i == num_stages - 1)
+    kinds = {key: _block_kind(block) for key, block in whole.blocks.items()}
+    num_stages, tp = len(split), cfg.parallel.tp
+    keys = [
+        (i == 0, i == num_stages - 1, tuple((kinds[str(b)], wants_recompute(cfg.recompute, b)) for b in layers))
         for i, layers in enumerate(split)
-    ]  # on meta, outside the fake mode (it converts them)
-    profiles = []
+    ]
+    traced: dict[tuple, StageProfile] = {}
+    hidden: Spec | None = None  # what a stage hands the next one
+    for key, layers in zip(keys, split):
+        if key in traced and (key[0] or hidden is not None):
+            continue
+        part = build_stage(cfg, layers=layers if num_stages > 1 else None, first=key[0], last=key[1])
+        flops, useful = stage_flops_per_token(cfg, part, whole)
+        _shrink_to_tp_shard(part, tp)
+        profile, out = _trace(cfg, part, micro_batch, precision, first=key[0], last=key[1], hidden=hidden)
+        traced[key] = dataclasses.replace(profile, flops_per_token=flops / tp, model_flops_per_token=useful / tp)
+        hidden = out if not key[1] else hidden
+    return [traced[key] for key in keys]
+
+
+def _trace(
+    cfg: Config,
+    part: ProtocolModule,
+    micro_batch: int,
+    precision: str,
+    *,
+    first: bool,
+    last: bool,
+    hidden: Spec | None,
+) -> tuple[StageProfile, Spec]:
+    """One forward of the stage (and the loss, on the last) under fake tensors: the bytes kept for
+    backward, the state bytes and the output's shape and dtype (the next stage's input)."""
+    param_bytes, grad_bytes, optimizer_bytes = state_bytes(part)  # already shrunk to one tp rank's shards
+    blocks = list(part.blocks.keys())
+    recomputed = sum(wants_recompute(cfg.recompute, int(b)) for b in blocks)
+    block_out: list[int] = []
     with _fake_mode():
-        x: torch.Tensor = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
-        targets = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
-        for index, part in enumerate(parts):
-            last = index == num_stages - 1
-            flops, useful = stage_flops_per_token(cfg, part, whole)
-            part.to_empty(device="cpu")
-            apply_recompute(part.blocks, cfg.recompute)
-            counter = SavedBytes(exclude=list(part.parameters()))
-            counter.count_checkpoint_inputs(part)
-            with counter.hooks(), _amp(precision):
-                out = part(x)
-                loss = MicrobatchLoss(1)(out, targets) if last else None  # its saved log-softmax counts
-            profiles.append(
-                StageProfile(
-                    *state_bytes(part, cfg.parallel.tp),
-                    activation_bytes=counter.live,
-                    flops_per_token=flops,
-                    model_flops_per_token=useful,
-                    boundary_bytes=0 if last else out.numel() * out.element_size(),
-                    units=len(part.blocks) + (index == 0) + last,
-                )
-            )
-            x = out.detach().requires_grad_(True)
-            del out, loss
-    return profiles
+        if first:
+            x: object = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
+        else:
+            assert hidden is not None  # stages are traced in pipeline order
+            x = _input(hidden)
+        part.to_empty(device="cpu")
+        apply_recompute(part.blocks, cfg.recompute)
+        first_block = next(iter(part.blocks.values()))
+        first_block.register_forward_hook(lambda _m, _i, out: block_out.append(_nbytes(out)))
+        counter = SavedBytes(exclude=list(part.parameters()))
+        counter.count_checkpoint_inputs(part)
+        with counter.hooks(), _amp(precision):
+            out = part(*x) if isinstance(x, tuple) else part(x)  # a state tuple arrives as arguments
+            # the loss's saved log-softmax counts; a target per logits row
+            loss = MicrobatchLoss(1)(out, torch.zeros(out.shape[:-1], dtype=torch.long)) if last else None
+        profile = StageProfile(
+            param_bytes,
+            grad_bytes,
+            optimizer_bytes,
+            activation_bytes=counter.live,
+            flops_per_token=0.0,
+            model_flops_per_token=0.0,
+            boundary_bytes=0 if last else sum(t.numel() * t.element_size() for t in _tensors(out)),
+            units=len(blocks) + first + last,
+            blocks=len(blocks),
+            recomputed_blocks=recomputed,
+            hidden_bytes=block_out[0] if block_out else 0,
+        )
+        spec = _spec(out)
+        del out, loss
+    return profile, spec
+
+
+def _spec(out: object) -> Spec:
+    if isinstance(out, torch.Tensor):
+        return (tuple(out.shape), out.dtype)
+    assert isinstance(out, tuple)
+    return tuple(_spec(o) for o in out)
+
+
+def _with_batch(spec: Spec, batch: int) -> Spec:
+    if len(spec) == 2 and isinstance(spec[1], torch.dtype):
+        return ((batch, *spec[0][1:]), spec[1])
+    return tuple(_with_batch(s, batch) for s in spec)
+
+
+def _input(spec: Spec) -> object:
+    """What the next stage receives: zeros of the spec's shapes, floating ones requiring grad."""
+    if len(spec) == 2 and isinstance(spec[1], torch.dtype):
+        x = torch.zeros(spec[0], dtype=spec[1])
+        return x.requires_grad_(True) if x.is_floating_point() else x
+    return tuple(_input(s) for s in spec)
+
+
+def _tensors(out: object) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in _tensors(o)] if isinstance(out, tuple) else []
+
+
+def _nbytes(out: object) -> int:
+    tensor = out[0] if isinstance(out, tuple) else out
+    return tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0

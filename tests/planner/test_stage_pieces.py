@@ -1,0 +1,75 @@
+"""The planner's fast paths against its exact one: every stage composed from one- and two-block
+traces (stage_pieces.py), and microbatches beyond 2 grown affinely, equal the stage traced whole
+at that micro_batch, field by field (fake tensors: no memory, deterministic, single process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from measure_memory import layout_config
+
+from meshrun.config.schema import load_config
+from meshrun.planner.layout_memory import layout_split
+from meshrun.planner.stage_cost import _trace_stages, profile_stages
+
+LLAMA = (
+    "model.hf_config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 4, "
+    "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256, max_position_embeddings: 64}"
+)
+LAYOUTS = {
+    "single-none-mb4": ["train.global_batch=4", "train.micro_batch=4"],
+    "single-every2-mb3": ["train.global_batch=6", "train.micro_batch=3", "recompute=every:2"],
+    "pp2-full-mb2": ["parallel.pp=2", "train.global_batch=4", "train.micro_batch=2", "recompute=full"],
+    "pp2-interleaved-every2-mb4": [
+        "parallel.pp=2",
+        "parallel.schedule=interleaved-1f1b",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+        "recompute=every:2",
+    ],
+    "tp2-pp2-mb4-bf16": [
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+        "precision=bf16",
+    ],
+    "llama-pp2-mb4": [LLAMA, "parallel.pp=2", "train.global_batch=8", "train.micro_batch=4"],
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_composed_stages_equal_whole_stage_traces(name: str) -> None:
+    cfg = layout_config(LAYOUTS[name])
+    split, micro_batch = layout_split(cfg), cfg.train.micro_batch
+    composed = profile_stages(cfg, split, micro_batch, cfg.precision)
+    traced = _trace_stages(cfg, split, micro_batch, cfg.precision)
+    assert composed == traced
+    assert all(stage.activation_bytes > 0 and stage.hidden_bytes > 0 for stage in composed)
+
+
+def test_tensor_parallel_shrinks_state_flops_and_activations() -> None:
+    """A tp rank holds about half the matrices, computes half the FLOPs and keeps less for backward
+    (the column-split activations), but not half (norm inputs and residuals stay whole)."""
+    one, two = (
+        profile_stages(
+            layout_config(["train.global_batch=4", "train.micro_batch=2", f"parallel.tp={tp}"]),
+            [[0, 1, 2, 3]],
+            2,
+            "fp32",
+        )[0]
+        for tp in (1, 2)
+    )
+    assert 0.45 < two.param_bytes / one.param_bytes < 0.6
+    assert two.flops_per_token == pytest.approx(one.flops_per_token / 2)
+    assert 0.5 < two.activation_bytes / one.activation_bytes < 0.9
+
+
+def test_a_model_handing_on_a_state_tuple_is_profiled() -> None:
+    """The encoder-decoder's stages pass (encoder, decoder, mask) on, and its logits cover the
+    target only: each later stage is traced on that tuple, the loss on the logits' rows."""
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "encdec-example.yaml", ["parallel.dp=1", "parallel.pp=2"])
+    stages = profile_stages(cfg, layout_split(cfg), cfg.train.micro_batch, "fp32")
+    assert len(stages) == 2 and all(s.activation_bytes > 0 for s in stages)
+    assert stages[0].boundary_bytes > 0 and stages[1].boundary_bytes == 0
