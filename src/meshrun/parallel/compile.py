@@ -15,7 +15,7 @@ warning naming the block and the reason, and the other blocks stay compiled.
 
 The inductor cache (compiled kernels, FX graphs) lives in a per-user cache folder,
 $XDG_CACHE_HOME/meshrun/inductor (else ~/.cache/meshrun/inductor), unless TORCHINDUCTOR_CACHE_DIR
-is set: every rank of the node and every restart or rerun of the same model reuses it (its writes
+is set (launcher/torchrun.py sets it for the workers): every rank of the node and every restart or rerun of the same model reuses it (its writes
 are atomic renames), where the run directory would start cold on every new run and often sits on
 a network filesystem that many small files slow down; torch's own default (/tmp) does not survive
 a container or a reboot.
@@ -30,11 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshrun.data.locations import cache_root
 from meshrun.errors import RunError
 from meshrun.launcher import progress
-
-CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+from meshrun.launcher.torchrun import inductor_cache
 
 
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:
@@ -45,9 +43,9 @@ def compile_enabled(setting: bool | str, device: torch.device) -> bool:
 
 
 def inductor_cache_dir() -> str:
-    """Where inductor caches: TORCHINDUCTOR_CACHE_DIR as set, else meshrun's per-user cache (set here,
-    before the first compilation reads it)."""
-    return os.environ.setdefault(CACHE_ENV, str(cache_root() / "inductor"))
+    """Where inductor caches (the launcher set it for its workers; a lone process sets it here,
+    before its first compilation)."""
+    return inductor_cache(os.environ)
 
 
 def compile_failures() -> tuple[type[BaseException], ...]:
