@@ -163,3 +163,34 @@ def test_auto_compiles_on_cuda_only() -> None:
     assert load_config(None).train.compile == "auto"
     assert compile_enabled("auto", torch.device("cuda")) and not compile_enabled("auto", torch.device("cpu"))
     assert compile_enabled(True, torch.device("cpu")) and not compile_enabled(False, torch.device("cuda"))
+
+
+def test_a_compiling_block_marks_progress_that_the_watchdog_waits_longer_for(tmp_path: Path) -> None:
+    """The first call of a compiled block marks the phase `compile`, which the hang watchdog allows
+    SLOW_FACTOR x launch.hang_timeout, as it does the warm-up step (here: a later step, resumed)."""
+    from meshrun.launcher import progress
+    from meshrun.launcher.hang import SLOW_FACTOR, HangWatchdog, Place
+
+    class AddOne(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    blocks = nn.ModuleDict({"7": AddOne()})
+    apply_compile(blocks, strict=True, warn=print)
+    progress.mark("forward", step=5)
+    blocks["7"](torch.zeros(2))
+    now = progress.current()  # nothing marked since the block's first call
+    assert now.phase == "compile" and now.detail.startswith("block 7: torch.compile")
+    watchdog = HangWatchdog(tmp_path, Place(rank=0, pp_rank=0, dp_rank=0, stages=(0,)), timeout=10, attempt=0)
+    later = progress.Progress(step=9, phase="compile", first_step=5)
+    assert watchdog.limit(later) == 10 * SLOW_FACTOR
+    assert watchdog.limit(progress.Progress(step=9, phase="forward", first_step=5)) == 10
+
+
+def test_workers_share_one_per_user_inductor_cache_unless_the_user_named_one(monkeypatch, tmp_path: Path) -> None:
+    from meshrun.launcher.torchrun import INDUCTOR_CACHE_ENV, inductor_cache, worker_env
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
+    assert worker_env(load_config(None))[INDUCTOR_CACHE_ENV] == str(tmp_path / "meshrun" / "inductor")
+    assert inductor_cache({INDUCTOR_CACHE_ENV: "/scratch/mine"}) == "/scratch/mine"
