@@ -1,5 +1,5 @@
 """train.compile: each block compiled with torch.compile trains the same numbers as eager, in one
-process, under dp2 x pp2 1F1B and under FSDP; a block that cannot compile runs eager after one
+process, under dp2 x pp2 1F1B, FSDP, pp2 ZBV (the backward in two passes) and tp2; a block that cannot compile runs eager after one
 warning (auto) or stops the run in one line (true).
 
 Tolerances, measured on a 2-core x86 CPU (inductor fuses and reorders the blocks' float32
@@ -35,6 +35,8 @@ ROWS = {
     "one-process-selective": {"recompute": "selective", "checkpoint.interval": 5},
     "dp2-pp2-1f1b-every2": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "every:2"},
     "fsdp-dp2-full": {"parallel.dp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
+    "pp2-zbv": {"parallel.pp": 2, "parallel.schedule": "zbv"},  # the backward split in two passes
+    "tp2": {"parallel.tp": 2},  # the blocks' DTensor hooks inside the compiled graph
 }
 PLAIN = {k: v for k, v in BASE.items() if k != "train.compile"}
 
@@ -150,6 +152,14 @@ def test_a_block_that_cannot_compile_stops_an_explicit_compile_in_one_line() -> 
         blocks["3"](torch.arange(3.0))
     message = str(failed.value)
     assert message.startswith("train.compile: block 3 cannot compile (") and "\n" not in message
+
+
+def test_torchs_donated_buffer_flag_exists() -> None:
+    """keep_saved_buffers sets a private flag (torch._functorch.config.donated_buffer) that the
+    split-backward schedules need under compile: an upgrade that drops it fails here."""
+    import torch._functorch.config as functorch_config
+
+    assert isinstance(functorch_config.donated_buffer, bool)
 
 
 def test_torchs_compile_failure_type_is_where_meshrun_catches_it() -> None:

@@ -57,6 +57,16 @@ def compile_failures() -> tuple[type[BaseException], ...]:
     return (TorchDynamoException,)
 
 
+def keep_saved_buffers() -> None:
+    """Let a compiled block's backward run with retain_graph, as the schedules that split the backward
+    (zero-bubble, zbv: inputs first, weights later) run it; AOTAutograd's donated buffers (freed in
+    the backward) refuse that. torch._functorch.config is private: this is its one use
+    (tests/parallel/test_compile.py fails loudly if the flag goes)."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
+
+
 class CompiledForward:
     """A block's forward, compiled; its first call marks the progress as compilation. A compile
     failure stops the run (`strict`) or turns this block to eager after one warning."""
@@ -86,9 +96,14 @@ class CompiledForward:
             return self.eager(*args, **kwargs)
 
 
-def apply_compile(blocks: nn.ModuleDict, *, strict: bool, warn: Callable[[str], None]) -> None:
-    """Compile each block's forward in place (parameter names and hooks unchanged)."""
+def apply_compile(
+    blocks: nn.ModuleDict, *, strict: bool, warn: Callable[[str], None], split_backward: bool = False
+) -> None:
+    """Compile each block's forward in place (parameter names and hooks unchanged); `split_backward`:
+    a pipeline schedule runs the backward in two passes (see keep_saved_buffers)."""
     inductor_cache_dir()
+    if split_backward:
+        keep_saved_buffers()
     for key, block in blocks.items():
         block.forward = CompiledForward(key, block.forward, strict=strict, warn=warn)
 

@@ -36,6 +36,8 @@ from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.tensor import tp_loss, vocab_parallel
 from meshrun.parallel.tied import TiedEmbeddings
 
+SPLIT_BACKWARD = ("zero-bubble", "zbv")  # the input gradients first, the weights' later
+
 if TYPE_CHECKING:
     from meshrun.parallel.pipeline import PipelineModel
 
@@ -101,7 +103,12 @@ def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:
         if mesh.rank == 0 and part.embed is not None:
             say(f"train.compile: the first step compiles each block (inductor cache {inductor_cache_dir()})")
         speaks = mesh.dp_rank == 0 and mesh.device_mesh.get_local_rank("tp") == 0
-        apply_compile(part.blocks, strict=cfg.train.compile is True, warn=say if speaks else lambda _: None)
+        apply_compile(
+            part.blocks,
+            strict=cfg.train.compile is True,
+            warn=say if speaks else lambda _: None,
+            split_backward=mesh.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD,
+        )
     return part
 
 
