@@ -3,8 +3,8 @@
 Worker side (`HangWatchdog`): a daemon thread reads this worker's progress mark (launcher/progress.py)
 twice a second. Once training has begun, a worker whose mark has not moved for `launch.hang_timeout`
 seconds (three times that in its first step, which warms up, while a block compiles (train.compile),
-and while it evaluates or checkpoints, which may take long without a mark) writes a report and its Python stacks, all threads
-(`faulthandler`, which needs no GIL), under `RUN_DIR/hang/attempt-N/`, and exits with
+and while it evaluates or checkpoints, which may take long without a mark) writes a report and its
+Python stacks, all threads (`faulthandler`, which needs no GIL), under `RUN_DIR/hang/attempt-N/`, and exits with
 `HUNG_EXIT_CODE`. The first worker to fire leaves a trigger file there: every other worker sees
 it within a poll and reports too, waiting where it waits (the collective it is blocked in is on its
 stack); all exit together a few seconds after the trigger, so no exit tears down a collective

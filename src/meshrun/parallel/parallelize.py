@@ -100,8 +100,6 @@ def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:
     """Step 5b: the part with its blocks compiled when train.compile says so on this device; one
     rank per stage (dp and tp index 0) warns of a block that runs eager."""
     if compile_enabled(cfg.train.compile, mesh.device):
-        if mesh.rank == 0 and part.embed is not None:
-            say(f"train.compile: the first step compiles each block (inductor cache {inductor_cache_dir()})")
         speaks = mesh.dp_rank == 0 and mesh.device_mesh.get_local_rank("tp") == 0
         apply_compile(
             part.blocks,
@@ -113,6 +111,8 @@ def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:
 
 
 def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> LocalModel | PipelineModel:
+    if mesh.rank == 0 and compile_enabled(cfg.train.compile, mesh.device):
+        say(f"train.compile: the first step compiles each block (inductor cache {inductor_cache_dir()})")
     if mesh.pp == 1:
         part = compiled(
             materialise_part(cfg, mesh.device, layers=None, first=True, last=True, tp_mesh=mesh.tp_mesh), mesh, cfg
