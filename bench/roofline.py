@@ -5,8 +5,8 @@
 2. The model FLOP/s (the model's own flops_per_token x tokens / step time) of meshrun's real
    `Trainer.train_step` and of the hand loop of bench/overhead.py on the same model, weights and
    batches, for the default job's model and a larger one (8 layers, dim 512, seq 512), eager and
-   with train.compile (the hand loop's blocks compiled the same way). The sides take turns step by
-   step through alternating rounds; medians of the rounds.
+   with train.compile (the hand loop's blocks compiled the same way). The four sides of a model take
+   turns step by step, the order rotating; medians of the rounds.
 
     python bench/roofline.py                # ~4-6 minutes on 2 cores
     python bench/roofline.py --rounds 5 --steps 3
@@ -119,34 +119,39 @@ def step_seconds(fn: Callable[[int], object], step: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(cfg: Config, data_dir: Path, args: argparse.Namespace) -> dict[str, float]:
-    """Model TFLOP/s of meshrun and the hand loop on cfg's job: medians over alternating rounds."""
-    flops_per_step = flops_at(build_model(cfg.model), cfg.model.seq_len) * cfg.tokens_per_step
+def measure(cfgs: dict[bool, Config], data_dir: Path, args: argparse.Namespace) -> dict[tuple[str, bool], float]:
+    """Model TFLOP/s of meshrun and the hand loop, eager and compiled (`cfgs` by compiled), on one
+    model: the four sides take turns step by step (the order rotating), medians over rounds."""
+    eager = cfgs[False]
+    flops_per_step = flops_at(build_model(eager.model), eager.model.seq_len) * eager.tokens_per_step
     mesh = init_mesh(Layout())
+    trainers = []
     try:
-        trainer = Trainer(cfg, mesh, data_dir)
-        try:
+        sides: dict[tuple[str, bool], Callable[[int], object]] = {}
+        for compiled, cfg in cfgs.items():
+            trainers.append(Trainer(cfg, mesh, data_dir))
             hand = HandLoop(cfg, mesh.device, data_dir)
-            if cfg.train.compile is True:
+            if compiled:
                 apply_compile(hand.model.blocks, strict=True, warn=print)
-            sides: dict[str, Callable[[int], object]] = {"meshrun": trainer.train_step, "hand": hand.train_step}
-            for fn in sides.values():
-                fn(0)  # warm-up (and compilation)
-                fn(1)
-            rounds: dict[str, list[float]] = {name: [] for name in sides}
-            step = 2
-            for r in range(args.rounds):
-                times: dict[str, list[float]] = {name: [] for name in sides}
-                for k in range(args.steps):
-                    for name in list(sides) if (r + k) % 2 == 0 else list(reversed(sides)):
-                        times[name].append(step_seconds(sides[name], step))
-                    step += 1
-                for name in sides:
-                    rounds[name].append(flops_per_step / statistics.median(times[name]) / 1e12)
-            return {name: statistics.median(values) for name, values in rounds.items()}
-        finally:
-            trainer.close()
+            sides[("meshrun", compiled)], sides[("hand", compiled)] = trainers[-1].train_step, hand.train_step
+        for fn in sides.values():
+            fn(0)  # warm-up (and compilation)
+            fn(1)
+        order, rounds = list(sides), {key: [] for key in sides}
+        step = 2
+        for r in range(args.rounds):
+            times: dict[tuple[str, bool], list[float]] = {key: [] for key in sides}
+            for k in range(args.steps):
+                shift = (r * args.steps + k) % len(order)
+                for key in order[shift:] + order[:shift]:
+                    times[key].append(step_seconds(sides[key], step))
+                step += 1
+            for key in sides:
+                rounds[key].append(flops_per_step / statistics.median(times[key]) / 1e12)
+        return {key: statistics.median(values) for key, values in rounds.items()}
     finally:
+        for trainer in trainers:
+            trainer.close()
         shutdown()
 
 
@@ -163,18 +168,19 @@ def main() -> int:
             (m, c): make_config(m, tmp, data_dir, compiled=c, steps=steps) for m in args.models for c in (False, True)
         }
         peaks = matmul_peaks({m: cfgs[(m, False)] for m in args.models})
-        results = {key: measure(cfg, data_dir, args) for key, cfg in cfgs.items()}
+        results = {m: measure({c: cfgs[(m, c)] for c in (False, True)}, data_dir, args) for m in args.models}
     print(f"\nmodel TFLOP/s and fraction of the fp32 matmul peak ({peaks['fp32']:.3f} TFLOP/s), fp32, medians")
     print(f"{'model':>8} {'mode':>9} {'meshrun':>9} {'hand':>9} {'frac mr':>8} {'frac hand':>9} {'mr/hand':>8}")
     ok = True
-    for (model, compiled), r in results.items():
-        ratio = r["meshrun"] / r["hand"]
-        ok &= ratio >= HAND_TARGET
-        mode = "compiled" if compiled else "eager"
-        fractions = f"{r['meshrun'] / peaks['fp32']:>8.1%} {r['hand'] / peaks['fp32']:>9.1%}"
-        print(f"{model:>8} {mode:>9} {r['meshrun']:>9.4f} {r['hand']:>9.4f} {fractions} {ratio:>8.3f}")
-    for model in args.models:
-        speedup = results[(model, True)]["meshrun"] / results[(model, False)]["meshrun"]
+    for model, r in results.items():
+        for compiled in (False, True):
+            mine, hand = r[("meshrun", compiled)], r[("hand", compiled)]
+            ok &= mine / hand >= HAND_TARGET
+            mode = "compiled" if compiled else "eager"
+            fractions = f"{mine / peaks['fp32']:>8.1%} {hand / peaks['fp32']:>9.1%}"
+            print(f"{model:>8} {mode:>9} {mine:>9.4f} {hand:>9.4f} {fractions} {mine / hand:>8.3f}")
+    for model, r in results.items():
+        speedup = r[("meshrun", True)] / r[("meshrun", False)]
         print(f"{model}: compiled / eager (meshrun) {speedup:.3f}x")
         ok &= speedup >= COMPILE_TARGET or model != "larger"
     print(
