@@ -8,7 +8,7 @@
    with train.compile (the hand loop's blocks compiled the same way). The four sides of a model take
    turns step by step, the order rotating; medians of the rounds.
 
-    python bench/roofline.py                # ~4-6 minutes on 2 cores
+    python bench/roofline.py                # 10-17 minutes on 2 shared cores
     python bench/roofline.py --rounds 5 --steps 3
 
 Targets: meshrun's fraction of the peak >= 0.97x the hand loop's in both modes; compiled >= 1.10x
