@@ -68,12 +68,12 @@ def check(precision: str, args: argparse.Namespace, tmp: Path, data_dir: Path) -
         trainer = Trainer(cfg, mesh, data_dir)
         window = torch.zeros((), device=mesh.device)
         for step in range(args.warmup):
-            window = window + trainer.train_step(step)
+            window = window + trainer.train_step(step).loss
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for step in range(args.warmup, args.warmup + args.steps):
-                window = window + trainer.train_step(step)
+                window = window + trainer.train_step(step).loss
                 trainer.requests.poll()
         except RuntimeError:
             print(f"{precision}: FAIL, the step synchronised with the device (step {step + 1}):")

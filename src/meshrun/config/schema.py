@@ -119,6 +119,8 @@ class TrainConfig(Section):
     """Log metrics every N steps."""
     seed: Int = 1337
     """Seed for weights (per layer, so any layout starts identical) and data order."""
+    compile: Annotated[Literal["auto", True, False], BeforeValidator(lowercase)] = "auto"
+    """torch.compile each Transformer block: auto (on CUDA; off on CPU, where compiling outlasts short jobs), true (a block that cannot compile stops the run), false (eager)."""
     resume: PathText = "auto"
     """auto: continue from the run directory's newest complete checkpoint; none: refuse an existing run; or a
     checkpoint path to start from (a rerun of the same config continues from the checkpoints saved since)."""

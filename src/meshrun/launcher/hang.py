@@ -2,9 +2,9 @@
 
 Worker side (`HangWatchdog`): a daemon thread reads this worker's progress mark (launcher/progress.py)
 twice a second. Once training has begun, a worker whose mark has not moved for `launch.hang_timeout`
-seconds (three times that in its first step, which warms up, and while it evaluates or checkpoints,
-which may take long without a mark) writes a report and its Python stacks, all threads
-(`faulthandler`, which needs no GIL), under `RUN_DIR/hang/attempt-N/`, and exits with
+seconds (three times that in its first step, which warms up, while a block compiles (train.compile),
+and while it evaluates or checkpoints, which may take long without a mark) writes a report and its
+Python stacks, all threads (`faulthandler`, which needs no GIL), under `RUN_DIR/hang/attempt-N/`, and exits with
 `HUNG_EXIT_CODE`. The first worker to fire leaves a trigger file there: every other worker sees
 it within a poll and reports too, waiting where it waits (the collective it is blocked in is on its
 stack); all exit together a few seconds after the trigger, so no exit tears down a collective
@@ -42,7 +42,7 @@ HANG_DIR = "hang"
 TRIGGER = "trigger"
 HUNG_EXIT_CODE = 124  # as coreutils' timeout: the job was ended for making no progress
 POLL_SECONDS = 0.5
-SLOW_PHASES = ("eval", "checkpoint")  # long without a mark by nature: watched at SLOW_FACTOR x the timeout
+SLOW_PHASES = ("compile", "eval", "checkpoint")  # long without a mark by nature: watched at SLOW_FACTOR x the timeout
 SLOW_FACTOR = 3
 GRACE_SECONDS = 3.0  # every rank exits this long after the trigger: time for all to report
 
@@ -165,7 +165,7 @@ def hang_summary(run_dir: Path, timeout: int, *, record: Path) -> tuple[list[str
     return lines, error
 
 
-PHASE_ORDER = ("data", "forward", "backward", "optimizer", "log", "eval", "checkpoint", "finishing")
+PHASE_ORDER = ("data", "compile", "forward", "backward", "optimizer", "log", "eval", "checkpoint", "finishing")
 
 
 def _how_far(report: dict) -> tuple[int, int, int, float]:

@@ -30,6 +30,7 @@ RESUMABLE: dict[str, str] = {
     "launch": "how the processes are started: nodes, rendezvous, restarts",
     "precision": "`auto` resolves per machine (config.json records the result): a resume on other hardware may differ",
     "recompute": "trades memory for compute; the gradients are the same",
+    "train.compile": "how the blocks run (compiled or eager): the same parameters, the same gradients to rounding",
     "tracker": "where the metric rows go",
     "metrics": "what is measured and drawn (peak FLOP/s for MFU, plots)",
     "profile": "which steps are traced",

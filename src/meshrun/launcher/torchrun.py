@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import MutableMapping
 
 from meshrun.config.schema import Config
+from meshrun.data.locations import cache_root
 
 # torchrun's agent shares its TCPStore with the workers by default; after a restart the store
 # keeps stale addresses and gloo fails to connect (pytorch #135712). Not sharing it is reliable.
 WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 AGENT = "meshrun.launcher.agent"
 RDZV_TIMEOUT_EXIT = 3  # the agent's status when not all nodes joined within launch.rdzv_timeout
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def inductor_cache(env: MutableMapping[str, str]) -> str:
+    """Where torch.compile's inductor caches: `env`'s TORCHINDUCTOR_CACHE_DIR as the user set it,
+    else meshrun's per-user cache folder, set into `env` (see parallel/compile.py for why there).
+    Set before the workers start: torch writes its own default (/tmp) into the environment as soon
+    as torch._dynamo loads."""
+    return env.setdefault(INDUCTOR_CACHE_ENV, str(cache_root() / "inductor"))
 
 
 def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
@@ -55,6 +66,7 @@ def worker_env(cfg: Config) -> dict[str, str]:
     explicitly (this node's CPUs shared out over its workers) unless the user set it, so torchrun
     neither prints its banner nor pins every worker to one thread."""
     env = {**os.environ, **WORKER_ENV}
+    inductor_cache(env)
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // cfg.nproc_per_node))
     return env

@@ -1,11 +1,12 @@
 """Turn a model config into this rank's trainable part of the dp x tp x pp mesh.
 
-`parallelize` applies the steps in one fixed order (torchtitan's: TP, recompute, then FSDP):
+`parallelize` applies the steps in one fixed order (torchtitan's: TP, recompute, compile, then FSDP):
   1. build the whole model on the meta device (no memory, no init cost);
   2. keep only this rank's pipeline stage(s) (embedding first, norm + head last);
   3. materialise on the device and initialise (per-parameter seeds: layout independent);
   4. tp > 1: split the model's planned modules over the tp mesh (tensor.py);
   5. wrap blocks for activation recompute;
+  5b. train.compile: torch.compile each block's forward (compile.py);
   6. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp, and
      ddp with tp > 1) fully_shard per block + the stage root (fsdp.py; 2-D with tp's DTensors);
   7. pp > 1: PipelineStage + a torch.distributed.pipelining schedule;
@@ -24,14 +25,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.config.schema import Config
+from meshrun.files.console import say
 from meshrun.launcher import progress
 from meshrun.models.protocol import ProtocolModule
+from meshrun.parallel.compile import apply_compile, compile_enabled, inductor_cache_dir
 from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.materialise import materialise_part
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.tensor import tp_loss, vocab_parallel
 from meshrun.parallel.tied import TiedEmbeddings
+
+SPLIT_BACKWARD = ("zero-bubble", "zbv")  # the input gradients first, the weights' later
 
 if TYPE_CHECKING:
     from meshrun.parallel.pipeline import PipelineModel
@@ -91,9 +96,27 @@ def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Modu
     return DistributedDataParallel(part, process_group=mesh.dp_group, device_ids=device_ids)
 
 
+def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:
+    """Step 5b: the part with its blocks compiled when train.compile says so on this device; one
+    rank per stage (dp and tp index 0) warns of a block that runs eager."""
+    if compile_enabled(cfg.train.compile, mesh.device):
+        speaks = mesh.dp_rank == 0 and mesh.device_mesh.get_local_rank("tp") == 0
+        apply_compile(
+            part.blocks,
+            strict=cfg.train.compile is True,
+            warn=say if speaks else lambda _: None,
+            split_backward=mesh.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD,
+        )
+    return part
+
+
 def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> LocalModel | PipelineModel:
+    if mesh.rank == 0 and compile_enabled(cfg.train.compile, mesh.device):
+        say(f"train.compile: the first step compiles each block (inductor cache {inductor_cache_dir()})")
     if mesh.pp == 1:
-        part = materialise_part(cfg, mesh.device, layers=None, first=True, last=True, tp_mesh=mesh.tp_mesh)
+        part = compiled(
+            materialise_part(cfg, mesh.device, layers=None, first=True, last=True, tp_mesh=mesh.tp_mesh), mesh, cfg
+        )
         local = LocalModel(part, wrap_data_parallel(part, mesh, cfg), loss=loss, amp=amp, tp=mesh.tp)
         local.tied = TiedEmbeddings([part], [0], num_stages=1, mesh=mesh)
         return local
@@ -102,8 +125,17 @@ def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> Lo
 
     plan = plan_for(cfg, mesh)
     parts = [
-        materialise_part(
-            cfg, mesh.device, layers=plan.split[i], first=i == 0, last=i == plan.num_stages - 1, tp_mesh=mesh.tp_mesh
+        compiled(
+            materialise_part(
+                cfg,
+                mesh.device,
+                layers=plan.split[i],
+                first=i == 0,
+                last=i == plan.num_stages - 1,
+                tp_mesh=mesh.tp_mesh,
+            ),
+            mesh,
+            cfg,
         )
         for i in plan.local_stages
     ]

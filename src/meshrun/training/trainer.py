@@ -32,6 +32,7 @@ from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.run_dir import start_run_record
 from meshrun.models.encdec import source_len
 from meshrun.models.families import build_model, flops_at
+from meshrun.parallel.compile import is_compiled
 from meshrun.parallel.fsdp import full_norm, measured_state_bytes
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.parallelize import parallelize
@@ -122,6 +123,7 @@ class Trainer:
             cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=partial(autocast, cfg, mesh.device)
         )
         self.params = [p for part in self.model.parts for p in part.parameters()]
+        self.compiles = any(is_compiled(part.blocks) for part in self.model.parts)
         self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
         self.optimizers = Optimizers(self.model.parts, cfg.train)
         # fsdp/hsdp: each rank checks only its gradient shards, so every rank must agree on found_inf
@@ -227,6 +229,8 @@ class Trainer:
             log_due = done % cfg.log_interval == 0 or done == cfg.steps
             with self.profiler.step(done, measure=self.mesh.pp > 1 and log_due):  # the timeline of a logged step
                 result = self.train_step(step)
+            if step == self.start_step and self.compiles:  # the first step compiled the blocks
+                self.report.note(f"step {done} compiled and ran in {time.perf_counter() - window.start:.1f} s")
             window.add(result, flops_per_token=self.flops_per_token(result.tokens // cfg.global_batch))
             self.skipped_steps += result.skipped
             if result.state_bytes is not None:
