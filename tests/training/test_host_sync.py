@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
-from meshrun.training.trainer import NonFiniteLossError, Trainer
+from meshrun.training.nonfinite import NonFiniteLossError
+from meshrun.training.trainer import Trainer
 
 FAULTY = str(Path(__file__).parents[1] / "parallel")
 
