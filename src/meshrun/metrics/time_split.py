@@ -34,10 +34,10 @@ PHASES = {  # a trainer phase -> what its time counts as, outside sections
     "optimizer": "optimizer",
     "eval": "eval",
     "checkpoint": "checkpoint",
-    "other": "other",  # stop-request poll, the progress bar, the log line and its gather
+    "other": "other",  # the progress bar, the log line; the stop-request poll and log gather wait in sections
 }
 
-STEP_PHASES = ("forward_backward", "optimizer")  # where sections count; an evaluation's forwards are eval time
+STEP_PHASES = ("forward_backward", "optimizer", "other")  # sections count there; inside eval, all is eval time
 Stamp = float | torch.cuda.Event
 
 
@@ -90,7 +90,7 @@ class TimeSplit:
         """Seconds per part since the last close (or start), up to `at` (perf_counter, taken after a
         device sync); the next window starts there."""
         self._switch(self.kind, self._stamp(at))
-        seconds = dict.fromkeys(PARTS, 0.0)
+        seconds: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         for kind, start, end in self.stretches:
             seconds[kind] += _elapsed(start, end)
         self.stretches = []
@@ -120,7 +120,8 @@ def phase(name: str) -> None:
 
 
 def section(kind: str) -> contextlib.AbstractContextManager[None]:
-    """Time inside counts as `kind` (one of PARTS), whatever the phase around it."""
+    """Time inside counts as `kind` (one of PARTS) within a training step's phases (STEP_PHASES);
+    within validation and checkpoints all time is theirs."""
     return _split.section(kind) if _split is not None else contextlib.nullcontext()
 
 
@@ -187,7 +188,7 @@ class Stragglers:
         coordinates), and the warning line naming it when it has been slow long enough."""
         slow = slowest([figures[PARTS.index("compute")] for figures in per_rank])
         at = where(slow.rank)
-        row = {"straggler/rank": slow.rank, "straggler/pp": at["pp"], "straggler/dp": at["dp"]}
+        row: dict[str, float] = {"straggler/rank": slow.rank, "straggler/pp": at["pp"], "straggler/dp": at["dp"]}
         row["straggler/ratio"] = slow.ratio
         if not self.persistent(slow):
             return row, None

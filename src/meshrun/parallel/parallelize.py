@@ -16,6 +16,7 @@ Under tp the loss runs on vocabulary-sharded logits (`vocab_parallel`, forward a
 from __future__ import annotations
 
 import contextlib
+import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -104,6 +105,10 @@ def timed_allreduce(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.
     ready: the last bucket marks where its backward ended and waiting for the others began."""
     time_split.gradients_ready()
     return default_hooks.allreduce_hook(group, bucket)
+
+
+# DDP refuses a hook whose annotations are not the classes themselves (here they are strings: PEP 563)
+timed_allreduce.__annotations__ = typing.get_type_hints(timed_allreduce)
 
 
 def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> LocalModel | PipelineModel:

@@ -407,7 +407,8 @@ class Trainer:
         own = [peak_memory_gb(self.device), self.state_bytes, *extra]
         mine = torch.cat([loss.double().reshape(1), torch.tensor(own, dtype=torch.float64, device=self.device)])
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
+        with time_split.section("wait"):  # at a log step (inside an evaluation: its time)
+            dist.all_gather(gathered, mine)
         return AcrossRanks(
             loss=sum(g[0].item() for g in gathered) / (self.mesh.dp * self.mesh.tp),
             memory_gb=[g[1].item() for g in gathered],
