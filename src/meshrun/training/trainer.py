@@ -422,7 +422,9 @@ class Trainer:
             self.flops_by_length[length] = flops_at(self.flops_model, length)
         return self.flops_by_length[length]
 
-    def _log_window(self, window: Window, last: StepResult, done: int, *, train_s: float, split: dict) -> dict:
+    def _log_window(
+        self, window: Window, last: StepResult, done: int, *, train_s: float, split: dict[str, float]
+    ) -> dict:
         """The row of a window ending with step `last`: `train_s` are its steps' seconds, validation
         and checkpoints left out; `split`: this rank's seconds per part of the whole window."""
         utilisation = device_utilisation(self.device)
