@@ -185,7 +185,7 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, cfg: Config, trainer: Trainer, hand: HandLoop, device: torch.device) -> int:
-    sides = {"meshrun": trainer.train_step, "hand": hand.train_step}
+    sides = {"meshrun": lambda step: trainer.train_step(step).loss, "hand": hand.train_step}  # its StepResult's loss
     chunk = args.chunk or (10 if device.type == "cuda" else 1)
     print(
         f"meshrun overhead bench: {cfg.model.num_layers}L d{cfg.model.dim} h{cfg.model.num_heads} "

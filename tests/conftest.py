@@ -17,11 +17,15 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from plain_reference import Reference, config_from_set_args, train_plain
 
 from meshrun.data.prepare import prepare
+
+if TYPE_CHECKING:
+    from meshrun.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -257,3 +261,21 @@ def losses(run_dir: Path) -> list[float]:
 def grad_norms(run_dir: Path) -> list[float]:
     """Each logged step's pre-clip gradient norm."""
     return [row["grad_norm"] for row in read_metrics(run_dir) if "grad_norm" in row]
+
+
+@contextlib.contextmanager
+def in_process_trainer(data_dir: Path, run_dir: Path, **overrides: object) -> Iterator[Trainer]:
+    """meshrun's real Trainer on a one-process mesh, as `meshrun train` builds it for dp=pp=1."""
+    from meshrun.parallel.layout import Layout
+    from meshrun.parallel.mesh import init_mesh, shutdown
+    from meshrun.training.trainer import Trainer
+
+    mesh = init_mesh(Layout())
+    trainer = None
+    try:
+        trainer = Trainer(config_from_set_args(tiny(data_dir, run_dir, **overrides)), mesh, data_dir)
+        yield trainer
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown()

@@ -90,6 +90,8 @@ def assert_same_scalars(run_dir: Path, steps: range) -> None:
         "mfu",
         "bubble",
         "memory_gb/stage1",
+        "time/rank1/wait_s",
+        "straggler/ratio",
     } <= expected.keys()
     assert sorted(events.Tags()["scalars"]) == sorted(expected)
     for tag, rows in expected.items():
@@ -199,8 +201,8 @@ def test_clocks_that_disagree_never_draw_a_forward_before_its_input() -> None:
 
 
 def table_cells(output: str) -> dict[str, dict[str, str]]:
-    """`meshrun report`'s Markdown table as run -> column -> cell."""
-    lines = [line for line in output.splitlines() if line.startswith("| ")]
+    """`meshrun report`'s first Markdown table (the summaries) as run -> column -> cell."""
+    lines = [line for line in output.split("\n\n")[0].splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines[1:]]
     return {row["run"]: row for row in rows}

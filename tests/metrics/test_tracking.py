@@ -19,7 +19,7 @@ from wandb_files import offline_runs, read_run
 
 SECRET = "sk-secret-3f9c2e7b41d08a6512ce77"
 STEPS, EVAL_INTERVAL = 4, 2
-TRAIN_KEYS = {"loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_time_s", "memory_gb"}
+TRAIN_KEYS = {"loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_time_s", "memory_gb", "time/rank0/compute_s"}
 SUMMARY_KEYS = ("steps", "final_loss", "final_val_loss", "tokens_per_s", "tflops", "peak_memory_gb", "run_dir")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -9,19 +9,14 @@ are kept on the device, skip the update there, and are reported at the next log 
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
-from plain_reference import config_from_set_args
+from conftest import in_process_trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshrun.parallel.layout import Layout
-from meshrun.parallel.mesh import init_mesh, shutdown
-from meshrun.training.trainer import NonFiniteLossError, Trainer
+from meshrun.training.nonfinite import NonFiniteLossError
 
 FAULTY = str(Path(__file__).parents[1] / "parallel")
 
@@ -37,20 +32,6 @@ class HostReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.where.append("".join(traceback.format_stack(limit=10)[:-1]))
         return func(*args, **(kwargs or {}))
-
-
-@contextmanager
-def in_process_trainer(data_dir: Path, run_dir: Path, **overrides: object) -> Iterator[Trainer]:
-    """meshrun's real Trainer on a one-process mesh, as `meshrun train` builds it for dp=pp=1."""
-    mesh = init_mesh(Layout())
-    trainer = None
-    try:
-        trainer = Trainer(config_from_set_args(tiny(data_dir, run_dir, **overrides)), mesh, data_dir)
-        yield trainer
-    finally:
-        if trainer is not None:
-            trainer.close()
-        shutdown()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

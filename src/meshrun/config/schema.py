@@ -181,6 +181,10 @@ class MetricsConfig(Section):
     """Peak TFLOP/s of one device for MFU; None = look the GPU up in a table (unknown on CPU)."""
     plots: bool = True
     """Draw loss.png and pipeline_timeline.png into run_dir at the end (rank 0, matplotlib: ~1 s)."""
+    straggler_ratio: Float = Field(default=1.2, gt=1.0)
+    """A log window where one rank's compute time (its waits excluded) is this many times the median rank's is slow."""
+    straggler_windows: Int = Field(default=3, ge=1)
+    """The slowest rank of this many slow log windows in a row is named in one warning line (once per rank)."""
 
 
 class ProfileConfig(Section):

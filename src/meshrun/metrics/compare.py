@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.errors import ConfigError
-from meshrun.metrics.record import read_metrics_rows, read_summary
+from meshrun.metrics.record import read_metrics_rows, read_summary, slowest_rank, time_split_totals
 
 COLUMNS = ("run", "layout", "precision", "tokens/s", "MFU", "peak GB per stage", "bubble", "final loss", "val loss")
 
@@ -87,8 +87,35 @@ def table_row(run: RunRecord) -> list[str]:
 
 def format_table(runs: list[RunRecord]) -> str:
     """A Markdown table: aligned in a terminal, pasteable into an issue."""
-    cells = [list(COLUMNS), *(table_row(run) for run in runs)]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    return markdown([list(COLUMNS), *(table_row(run) for run in runs)])
+
+
+def time_split_row(run: RunRecord, parts: list[str]) -> list[str]:
+    """Where one run's time went (each part's share of every rank's logged windows) and its slowest
+    rank; '-' for a run from before the time split."""
+    shares = time_split_totals(run.rows)
+    slow = slowest_rank(run.rows)
+    slowest = "-"
+    if slow is not None:
+        slowest = (
+            f"rank {slow['rank']} (pp {slow['pp']}, dp {slow['dp']}): {slow['ratio']:.2f}x the median, "
+            f"in {slow['windows']}/{slow['of']} windows"
+        )
+    return [run.name, *(_number(shares[p] * 100, ".1f") + "%" if p in shares else "-" for p in parts), slowest]
+
+
+def format_time_split(runs: list[RunRecord]) -> str:
+    """Where the time goes, per run: the shares of wall time of every rank (see README); the parts
+    in the order the runs logged them."""
+    parts = list(dict.fromkeys(part for run in runs for part in time_split_totals(run.rows)))
+    return "where the time goes (share of every rank's wall time):\n" + markdown(
+        [["run", *parts, "slowest rank (compute)"], *(time_split_row(run, parts) for run in runs)]
+    )
+
+
+def markdown(cells: list[list[str]]) -> str:
+    """Rows of cells (the first: the header) as an aligned Markdown table."""
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
@@ -132,4 +159,4 @@ def report(paths: list[str], *, out: str, force: bool = False) -> str:
         raise ConfigError(f"--out {out} appeared while the picture was drawn; choose another --out") from None
     except OSError as exc:
         raise ConfigError(f"--out {out} cannot be written ({exc.strerror}); choose another --out") from None
-    return format_table(runs) + f"\n\nloss curves: {target}"
+    return f"{format_table(runs)}\n\n{format_time_split(runs)}\n\nloss curves: {target}"

@@ -37,6 +37,17 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
 
 
+def device_utilisation(device: torch.device) -> float | None:
+    """Percent of the last NVML sample period (1/6 s to 1 s) in which the GPU ran a kernel, read at
+    a log step; None where the backend reports none (CPU, or no NVML library): absent, not zero."""
+    if device.type != "cuda":
+        return None
+    try:
+        return float(torch.cuda.utilization(device))
+    except Exception:  # noqa: BLE001 - pynvml missing or NVML refusing: no figure rather than a wrong one
+        return None
+
+
 def throughput(*, tokens: int, seconds: float, flops: float, world_size: int, peak: float | None) -> dict[str, float]:
     """Global tokens/s, achieved TFLOP/s (whole job) and MFU (per-device average) for a window
     that trained `tokens` positions with `flops` model FLOPs."""

@@ -9,6 +9,7 @@ computed from it would be wrong without saying so.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +127,35 @@ def run_totals(rows: list[dict[str, Any]]) -> dict[str, float]:
     if memory := [row["memory_gb"] for row in windows if "memory_gb" in row]:
         totals["peak_memory_gb"] = max(memory)
     return totals
+
+
+def time_split_totals(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each part's share of the time of every rank over every logged window ({}: a run from before
+    the time split). Keys are the parts (data, compute, wait, ...)."""
+    seconds: dict[str, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("time/rank") and key.endswith("_s"):
+                part = key.rsplit("/", 1)[1].removesuffix("_s")
+                seconds[part] = seconds.get(part, 0.0) + value
+    total = sum(seconds.values())
+    return {part: s / total for part, s in seconds.items()} if total > 0 else {}
+
+
+def slowest_rank(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The rank slowest in the most logged windows: its rank, pp and dp index, in how many windows of
+    how many, and its median compute ratio to the median rank over those (None: never measured)."""
+    named = [row for row in rows if "straggler/rank" in row]
+    if not named:
+        return None
+    ranks = [row["straggler/rank"] for row in named]
+    rank = max(set(ranks), key=ranks.count)
+    mine = [row for row in named if row["straggler/rank"] == rank]
+    return {
+        "rank": rank,
+        "pp": mine[0]["straggler/pp"],
+        "dp": mine[0]["straggler/dp"],
+        "windows": len(mine),
+        "of": len(named),
+        "ratio": statistics.median(row["straggler/ratio"] for row in mine),
+    }

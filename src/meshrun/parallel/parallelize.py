@@ -17,16 +17,20 @@ Under tp the loss runs on vocabulary-sharded logits (`vocab_parallel`, forward a
 from __future__ import annotations
 
 import contextlib
+import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.config.schema import Config
 from meshrun.files.console import say
 from meshrun.launcher import progress
+from meshrun.metrics import time_split
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.compile import apply_compile, compile_enabled, inductor_cache_dir
 from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
@@ -59,22 +63,25 @@ class LocalModel:
         `loss`: this step's (its token divisor and fp16 scale); None: the one given at construction.
         """
         loss_fn = tp_loss(self.loss if loss is None else loss, self.tp)
-        n, losses = loss_fn.num_microbatches, []
-        ddp = self.wrapped if isinstance(self.wrapped, DistributedDataParallel) else None
-        for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
-            set_gradient_sync(self.wrapped, i == n - 1)  # fsdp: reduce-scatter once, after the last
-            with ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext(), vocab_parallel(self.tp):
-                progress.mark("forward", f"microbatch {i + 1} of {n}")
-                with self.amp():
-                    logits = self.wrapped(xm)
-                microbatch_loss = loss_fn(logits, ym)
-                synced = (
-                    " and the gradient reduction over dp" if i == n - 1 and self.wrapped is not self.parts[0] else ""
-                )
-                progress.mark("backward", f"microbatch {i + 1} of {n}{synced}")
-                microbatch_loss.backward()
-            losses.append(microbatch_loss)
+        n = loss_fn.num_microbatches
+        with time_split.section("compute"):  # ends at this rank's last gradient: DDP's all-reduce after it waits
+            losses = [self._microbatch(i, xm, ym, loss_fn) for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n)))]
         return loss_fn.unscaled(losses)
+
+    def _microbatch(self, i: int, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of microbatch `i`; DDP and FSDP reduce the gradients on the last one."""
+        n = loss_fn.num_microbatches
+        ddp = self.wrapped if isinstance(self.wrapped, DistributedDataParallel) else None
+        set_gradient_sync(self.wrapped, i == n - 1)  # fsdp: reduce-scatter once, after the last
+        with ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext(), vocab_parallel(self.tp):
+            progress.mark("forward", f"microbatch {i + 1} of {n}")
+            with self.amp():
+                logits = self.wrapped(x)
+            microbatch_loss = loss_fn(logits, y)
+            synced = " and the gradient reduction over dp" if i == n - 1 and self.wrapped is not self.parts[0] else ""
+            progress.mark("backward", f"microbatch {i + 1} of {n}{synced}")
+            microbatch_loss.backward()
+        return microbatch_loss
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, *, loss: LossFn | None = None) -> torch.Tensor:
@@ -93,7 +100,20 @@ def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Modu
     if mesh.data_mesh is not None:
         return wrap_fsdp(part, mesh, cfg.parallel)
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
-    return DistributedDataParallel(part, process_group=mesh.dp_group, device_ids=device_ids)
+    ddp = DistributedDataParallel(part, process_group=mesh.dp_group, device_ids=device_ids)
+    ddp.register_comm_hook(mesh.dp_group, timed_allreduce)
+    return ddp
+
+
+def timed_allreduce(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own all-reduce (torch's `allreduce_hook`), once this rank's gradients in `bucket` are
+    ready: the last bucket marks where its backward ended and waiting for the others began."""
+    time_split.gradients_ready()
+    return default_hooks.allreduce_hook(group, bucket)
+
+
+# DDP refuses a hook whose annotations are not the classes themselves (here they are strings: PEP 563)
+timed_allreduce.__annotations__ = typing.get_type_hints(timed_allreduce)
 
 
 def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:

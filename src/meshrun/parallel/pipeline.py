@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.launcher import progress
+from meshrun.metrics import time_split
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.mesh import Mesh
@@ -65,23 +66,24 @@ def loss_of_step(output: torch.Tensor, target: torch.Tensor, *, loss: LossFn) ->
 
 
 class MarkedStage(PipelineStage):
-    """A PipelineStage whose computations show up, named, in profiler traces, and mark this worker's
-    progress (the hang watchdog's: a slow pipeline step still moves action by action)."""
+    """A PipelineStage whose computations show up, named, in profiler traces, mark this worker's
+    progress (the hang watchdog's: a slow pipeline step still moves action by action) and count as
+    compute in the time split (receiving their inputs, outside these, is waiting)."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         progress.mark("forward", f"stage {self.stage_index} microbatch {fwd_chunk_id}")
-        with record_function(action_mark(self.stage_index, "F", fwd_chunk_id)):
+        with record_function(action_mark(self.stage_index, "F", fwd_chunk_id)), time_split.section("compute"):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         kind = "B" if kwargs.get("full_backward", True) else "I"
         progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id}")
-        with record_function(action_mark(self.stage_index, kind, bwd_chunk_id)):
+        with record_function(action_mark(self.stage_index, kind, bwd_chunk_id)), time_split.section("compute"):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id} weights")
-        with record_function(action_mark(self.stage_index, "W", bwd_chunk_id)):
+        with record_function(action_mark(self.stage_index, "W", bwd_chunk_id)), time_split.section("compute"):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 

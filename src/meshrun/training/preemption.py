@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from meshrun.files.console import say
 from meshrun.launcher.outcome import STOP_SIGNALS
+from meshrun.metrics import time_split
 
 
 class Requests:
@@ -64,7 +65,8 @@ class Requests:
         previous, self.pending = self.pending, (work, flags)
         if previous is None:
             return False, False
-        previous[0].wait()
+        with time_split.section("wait"):  # for the previous step's flags of every rank: a straggler's come last
+            previous[0].wait()
         save, stop = (bool(v) for v in previous[1].tolist())
         return save or stop, stop
 

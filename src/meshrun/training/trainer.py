@@ -21,12 +21,12 @@ from meshrun.config.schema import Config
 from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
 from meshrun.data.locations import training_data_dir
 from meshrun.data.pairs import PairsDataset
-from meshrun.errors import RunError
 from meshrun.files.console import say
 from meshrun.hardware.precision import autocast, make_scaler
 from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome
-from meshrun.metrics.meters import mfu_note, peak_memory_gb, peak_tflops, throughput
+from meshrun.metrics import time_split
+from meshrun.metrics.meters import device_utilisation, mfu_note, peak_memory_gb, peak_tflops, throughput
 from meshrun.metrics.profiler import StepProfiler
 from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.run_dir import start_run_record
@@ -38,38 +38,11 @@ from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.parallelize import parallelize
 from meshrun.parallel.timeline import on_one_clock
 from meshrun.training.loss import MicrobatchLoss
+from meshrun.training.nonfinite import NonFiniteSteps
 from meshrun.training.optim import Optimizers, schedule_change_note
 from meshrun.training.preemption import Requests
 
 T = TypeVar("T")
-
-
-class NonFiniteLossError(RunError):
-    """Loss or gradients became inf/NaN outside an fp16 scaler skip."""
-
-
-class NonFiniteSteps:
-    """Non-finite gradients (fp32/bf16), tracked on the device so that no step waits for the host.
-
-    From the first non-finite step on, every optimizer step is skipped on the device (weights,
-    moments and AdamW's step counter stay as they were before it); `raise_if_any` reports it the
-    next time the host reads anything anyway: a log line, a validation, a checkpoint, the end.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.first = torch.zeros((), dtype=torch.int64, device=device)  # 1-based step; 0: none yet
-
-    def skip(self, grad_norm: torch.Tensor, step: int) -> torch.Tensor:
-        """1.0 when this step must not be applied (it, or an earlier one, was non-finite)."""
-        self.first = torch.where((self.first == 0) & ~torch.isfinite(grad_norm), step + 1, self.first)
-        return (self.first > 0).float()
-
-    def raise_if_any(self) -> None:
-        first = int(self.first.item())  # the host sync, at a step boundary that syncs anyway
-        if first:
-            raise NonFiniteLossError(
-                f"non-finite loss/gradients at step {first}; lower train.lr, set train.grad_clip, or use bf16"
-            )
 
 
 @dataclass(frozen=True)
@@ -110,6 +83,7 @@ class AcrossRanks:
     loss: float  # averaged over dp (it lives on the last stage)
     memory_gb: list[float]  # each rank's peak, by rank
     state_bytes: int  # the largest rank's params + grads + optimizer state
+    extra: list[list[float]]  # each rank's own further figures, by rank
 
 
 class Trainer:
@@ -161,6 +135,10 @@ class Trainer:
         self.requests = Requests(self.run_dir, is_rank0=mesh.rank == 0)
         self.background = BackgroundSaves() if cfg.checkpoint.async_ else None  # checkpoint.async
         self.profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=mesh.rank, device=self.device)
+        self.stragglers = time_split.Stragglers(
+            ratio=cfg.metrics.straggler_ratio, windows=cfg.metrics.straggler_windows
+        )
+        time_split.start(self.device, at=time.perf_counter())  # train() starts it again with its first window
 
     def resume(self) -> int:
         """Load the newest loadable checkpoint (falling back past ones that fail); returns its step.
@@ -217,7 +195,8 @@ class Trainer:
     def train(self) -> Outcome:
         """Run to train.steps (COMPLETED), or until a stop request (STOPPED, a checkpoint written)."""
         cfg = self.cfg.train
-        window, row = Window(), {}
+        window, row = Window(start=self.clock()), {}
+        time_split.start(self.device, at=window.start)
         if self.start_step >= cfg.steps:  # no tracker was opened (the record stays as it is): say it here
             if self.mesh.rank == 0:
                 say(f"run already complete at step {self.start_step}; nothing to do")
@@ -246,15 +225,18 @@ class Trainer:
             if log_due:
                 progress.mark("log")
                 end = self.clock()  # the next window starts where this one ends: no time is lost
-                row = self._log_window(window, result, done, train_s=end - window.start - window.paused)
+                split = time_split.close(at=end)
+                row = self._log_window(window, result, done, train_s=end - window.start - window.paused, split=split)
                 window = Window(start=end)
             pauses: dict[str, float] = {}  # validation and checkpoint: timed apart, their own row at this step
             if eval_due:
                 progress.mark("eval")
+                time_split.phase("eval")
                 pauses["val_loss"], pauses["eval_s"] = self.timed(self.evaluate)
                 row["val_loss"] = pauses["val_loss"]
             if save_due:  # preemption and the end of the run save synchronously
                 progress.mark("checkpoint")
+                time_split.phase("checkpoint")
                 background = self.background is not None and not stop and done < cfg.steps
                 path, pauses["checkpoint_s"] = self.timed(partial(self.save, done, background=background))
                 blocked = f"in {pauses['checkpoint_s']:.2f} s"
@@ -362,6 +344,7 @@ class Trainer:
         # What the step needs, fixed before it runs: the batch, the learning rate, and the loss
         # (this global batch's token count; fp16: the scale every stage multiplies by).
         progress.mark("data", step=step + 1)
+        time_split.phase("data")
         x, y = self.local_batch(self.train_data, self.samples_seen)
         loss_fn = self.batch_loss(self.train_data, self.samples_seen, scaler=self.scaler)
         tokens = self.cfg.train.global_batch * x.shape[-1]  # a length bucket may be shorter
@@ -369,9 +352,11 @@ class Trainer:
         lr = self.optimizers.set_lr(step)
         # Forward and backward over every microbatch; DDP all-reduces only on the last one.
         self.model.train()
+        time_split.phase("forward_backward")
         loss = self.model.forward_backward(x, y, loss=loss_fn)
         self.model.tied.sync_gradients()  # both copies of a tied embedding get the summed gradient
         progress.mark("optimizer", "gradient norm over the stages, then AdamW")
+        time_split.phase("optimizer")
         # fp16: back to real units; found_inf is all-reduced over the pipeline stages.
         if self.scaler is not None:
             self.optimizers.unscale_(self.scaler)
@@ -390,6 +375,7 @@ class Trainer:
         # Measured once, while the gradients are still held.
         held = measured_state_bytes(self.params, self.optimizers.optimizers) if step == self.start_step else None
         self.optimizers.zero_grad()  # now, not at the next step: evaluation and checkpoints hold no gradients
+        time_split.phase("other")
         return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens, skipped=skipped, state_bytes=held)
 
     def clip_gradients(self) -> torch.Tensor:
@@ -400,7 +386,8 @@ class Trainer:
         norm = full_norm(norm)  # fsdp/hsdp and tp: summed over the gradient shards, replicated ones once
         if self.mesh.pp > 1:
             squared = norm.to(torch.float32) ** 2
-            dist.all_reduce(squared, group=self.mesh.pp_group)
+            with time_split.section("wait"):  # for the stage that finishes its backward last
+                dist.all_reduce(squared, group=self.mesh.pp_group)
             norm = squared.sqrt()
         if self.cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, norm, foreach=True)
@@ -420,17 +407,19 @@ class Trainer:
             tokens += weight
         return self._across_ranks(total / tokens).loss
 
-    def _across_ranks(self, loss: torch.Tensor) -> AcrossRanks:
+    def _across_ranks(self, loss: torch.Tensor, extra: tuple[float, ...] = ()) -> AcrossRanks:
         """`loss` averaged over dp (the last stage's tp ranks hold the same value: counted once), with
-        every rank's peak memory and training-state bytes."""
-        extra = torch.tensor([peak_memory_gb(self.device), self.state_bytes], dtype=torch.float64, device=self.device)
-        mine = torch.cat([loss.double().reshape(1), extra])
+        every rank's peak memory, training-state bytes and `extra`."""
+        own = [peak_memory_gb(self.device), self.state_bytes, *extra]
+        mine = torch.cat([loss.double().reshape(1), torch.tensor(own, dtype=torch.float64, device=self.device)])
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
+        with time_split.section("wait"):  # at a log step (inside an evaluation: its time)
+            dist.all_gather(gathered, mine)
         return AcrossRanks(
             loss=sum(g[0].item() for g in gathered) / (self.mesh.dp * self.mesh.tp),
             memory_gb=[g[1].item() for g in gathered],
             state_bytes=int(max(g[2].item() for g in gathered)),
+            extra=[g[3:].tolist() for g in gathered],
         )
 
     def flops_per_token(self, length: int) -> float:
@@ -439,10 +428,14 @@ class Trainer:
             self.flops_by_length[length] = flops_at(self.flops_model, length)
         return self.flops_by_length[length]
 
-    def _log_window(self, window: Window, last: StepResult, done: int, *, train_s: float) -> dict:
+    def _log_window(
+        self, window: Window, last: StepResult, done: int, *, train_s: float, split: dict[str, float]
+    ) -> dict:
         """The row of a window ending with step `last`: `train_s` are its steps' seconds, validation
-        and checkpoints left out."""
-        ranks = self._across_ranks(window.loss / window.steps)
+        and checkpoints left out; `split`: this rank's seconds per part of the whole window."""
+        utilisation = device_utilisation(self.device)
+        figures = (*split.values(), float("nan") if utilisation is None else utilisation)
+        ranks = self._across_ranks(window.loss / window.steps, figures)
         memory = ranks.memory_gb
         row = {
             "loss": ranks.loss,
@@ -465,6 +458,11 @@ class Trainer:
                 for s in range(self.mesh.pp)
             },
         }
+        row.update(time_split.split_row(ranks.extra, wall_s=train_s + window.paused))
+        straggler, warning = self.stragglers.row(ranks.extra, where=self.mesh.layout.coordinates)
+        row.update(straggler)
+        if warning:
+            self.report.note(warning)
         if self.scaler is not None:
             row.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped_steps)
         if self.mesh.pp > 1:
