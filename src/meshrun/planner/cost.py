@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from meshrun.hardware.peaks import KERNEL_LAUNCH_S, KERNELS_PER_UNIT, MESSAGE_FLOOR_S, RUNTIME_BYTES, STEP_FLOOR_S
-from meshrun.planner.stage_cost import StageProfile
+from meshrun.planner.stage_profile import StageProfile
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from meshrun.parallel.fsdp import reshard_after_forward
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.stages import static_split
 from meshrun.planner.memory import RankMemory, rank_memory
-from meshrun.planner.stage_cost import StageProfile, profile_stages, state_bytes
+from meshrun.planner.stage_cost import profile_stages, state_bytes
+from meshrun.planner.stage_profile import StageProfile
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshrun.planner.stage_cost import StageProfile
+from meshrun.planner.stage_profile import StageProfile
 
 
 @dataclass(frozen=True)

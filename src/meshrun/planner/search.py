@@ -14,7 +14,8 @@ from meshrun.parallel.stages import validate_layout
 from meshrun.planner.cost import DataParallel, Efficiency, Hardware, StepTime, step_time
 from meshrun.planner.layout_memory import layout_split, ranks_memory, regathers
 from meshrun.planner.memory import RankMemory
-from meshrun.planner.stage_cost import StageProfile, profile_stages
+from meshrun.planner.stage_cost import profile_stages
+from meshrun.planner.stage_profile import StageProfile
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "every:2", "full")

@@ -14,7 +14,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,36 +26,11 @@ from meshrun.parallel.recompute import apply_recompute, wants_recompute
 from meshrun.parallel.tensor import shard_numels, split_dims
 from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.planner.stage_pieces import compose, consecutive
+from meshrun.planner.stage_profile import StageProfile
 from meshrun.training.loss import MicrobatchLoss
 
 Spec = tuple  # (shape, dtype) of a stage's output, or a tuple of those (a model handing on a state)
 _STEP_COUNTER_BYTES = 4  # AdamW's per-tensor `step` (a float32 scalar)
-
-
-@dataclass(frozen=True)
-class StageProfile:
-    """One pipeline stage (the whole model when pp = 1) at one micro_batch and recompute policy."""
-
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    activation_bytes: int  # kept for backward per microbatch
-    flops_per_token: float  # training FLOPs (forward + backward, recompute's extra forward included)
-    model_flops_per_token: float  # the same without recompute: the useful work MFU counts
-    boundary_bytes: int  # the hidden state this stage sends to the next one, per microbatch
-    units: int = 1  # blocks + 1 for the embedding (first stage) + 1 for the head (last): what fixed costs scale with
-    blocks: int = 0
-    recomputed_blocks: int = 0
-    hidden_bytes: int = 0  # one block's output per microbatch: what a tp all-reduce moves
-
-    @property
-    def recompute_flops_per_token(self) -> float:
-        """The extra forward that recompute runs."""
-        return self.flops_per_token - self.model_flops_per_token
-
-    @property
-    def state_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
 def state_bytes(part: nn.Module, tp: int = 1) -> tuple[int, int, int]:

@@ -20,10 +20,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from meshrun.planner.stage_cost import StageProfile
+from meshrun.planner.stage_profile import StageProfile
 
 ADDED = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "flops_per_token", "model_flops_per_token")
 

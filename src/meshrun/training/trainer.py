@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -41,49 +40,9 @@ from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.nonfinite import NonFiniteSteps
 from meshrun.training.optim import Optimizers, schedule_change_note
 from meshrun.training.preemption import Requests
+from meshrun.training.step_records import AcrossRanks, StepResult, Window
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step produced. Its tensors stay on the device: the step never waits for
-    the host; a log line reads them."""
-
-    loss: torch.Tensor  # this rank's loss (0 off the last stage)
-    grad_norm: torch.Tensor  # the global norm over every stage, before clipping
-    lr: float
-    tokens: int  # positions trained on: global batch x this batch's length (a length bucket is shorter)
-    skipped: bool  # fp16: the scaler found inf/NaN and backed off (fp32/bf16: see NonFiniteSteps)
-    state_bytes: int | None = None  # a segment's first step: params + grads + optimizer state on this rank
-
-
-@dataclass
-class Window:
-    """Sums over the steps since the last log line (kept on device: no per-step sync)."""
-
-    steps: int = 0
-    tokens: int = 0  # positions trained on: global batch x its (bucket's) length, summed
-    flops: float = 0.0  # those tokens x the FLOPs per token at their length
-    loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    start: float = field(default_factory=time.perf_counter)
-    paused: float = 0.0  # seconds of validation and checkpoints inside the window: not training time
-
-    def add(self, step: StepResult, *, flops_per_token: float) -> None:
-        self.steps += 1
-        self.tokens += step.tokens
-        self.flops += step.tokens * flops_per_token
-        self.loss = self.loss + step.loss
-
-
-@dataclass(frozen=True)
-class AcrossRanks:
-    """A window's figures from every rank, in one all_gather."""
-
-    loss: float  # averaged over dp (it lives on the last stage)
-    memory_gb: list[float]  # each rank's peak, by rank
-    state_bytes: int  # the largest rank's params + grads + optimizer state
-    extra: list[list[float]]  # each rank's own further figures, by rank
 
 
 class Trainer:
