@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from conftest import final_weights, grad_norms, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
 from plain_reference import Reference, assert_grad_norms_match, config_from_set_args
+from split_sum_gpt import SplitSumLinear
 from test_checkpoint import interrupted_copy
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.planner.layout_memory import rank_state_bytes
@@ -119,6 +120,35 @@ def test_tp_weights_equal_one_process_after_clipped_steps(
     weights = final_weights(rows(row))
     assert max_weight_diff(weights, final_weights(split_sum_one_process)) < 1e-5
     assert max_weight_diff(weights, final_weights(one_process)) < 5e-5
+
+
+def _rowwise_equals_split_sum(rank: int, store: str) -> None:
+    """On tp rank `rank` of 2: RowwiseParallel's output and gradients equal SplitSumLinear's bit for bit."""
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        whole, x, probe = SplitSumLinear(64, 32), torch.randn(2, 16, 64, requires_grad=True), torch.randn(2, 16, 32)
+        nn.init.normal_(whole.bias)  # nonzero: where the bias is added shows
+        split = nn.Linear(64, 32)
+        split.load_state_dict(whole.state_dict())  # equal on both ranks (one seed): each keeps its slice
+        parallelize_module(split, init_device_mesh("cpu", (2,)), RowwiseParallel())
+        mine = x.detach()[..., 32 * rank : 32 * (rank + 1)].clone().requires_grad_()
+        (whole(x) * probe).sum().backward()
+        out = split(mine)
+        (out * probe).sum().backward()
+        assert torch.equal(out, whole(x)), "forward"
+        assert torch.equal(mine.grad, x.grad[..., 32 * rank : 32 * (rank + 1)]), "input gradient"  # pyright: ignore[reportOptionalSubscript]
+        for name, param in split.named_parameters():
+            assert torch.equal(param.grad.full_tensor(), getattr(whole, name).grad), name  # pyright: ignore[reportOptionalMemberAccess]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_split_sum_linear_is_rowwise_parallel_bit_for_bit(tmp_path: Path) -> None:
+    """What split_sum_gpt.py claims, on the installed torch (2 gloo ranks): where RowwiseParallel adds
+    the bias and how it sums is what the weights test above compares against."""
+    torch.multiprocessing.spawn(_rowwise_equals_split_sum, args=(str(tmp_path / "store"),), nprocs=2)
 
 
 @pytest.mark.timeout(900)
