@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from conftest import final_weights, grad_norms, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
 from plain_reference import Reference, assert_grad_norms_match, config_from_set_args
+from split_sum_gpt import SplitSumLinear
 from test_checkpoint import interrupted_copy
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.planner.layout_memory import rank_state_bytes
@@ -51,8 +52,8 @@ ROWS = {
 }
 
 
-def train(data_dir: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data_dir, run, **{**BASE, **overrides})], tmp_path=run.parent, timeout=420)
+def train(data_dir: Path, run: Path, *, env: dict[str, str] | None = None, **overrides: object) -> Path:
+    run_meshrun(["train", *tiny(data_dir, run, **{**BASE, **overrides})], tmp_path=run.parent, env=env, timeout=420)
     return run
 
 
@@ -60,6 +61,14 @@ def train(data_dir: Path, run: Path, **overrides: object) -> Path:
 def one_process(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """meshrun on one process, the same 4 microbatches of 2 and fused AdamW: only the split differs."""
     return train(data_dir, tmp_path_factory.mktemp("tp-ref") / "run")
+
+
+@pytest.fixture(scope="module")
+def split_sum_one_process(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process whose row-parallel Linears sum two half matmuls, as tp2's all-reduce does (split_sum_gpt.py)."""
+    tmp = tmp_path_factory.mktemp("tp-split-sum")
+    env = meshrun_env(tmp, PYTHONPATH=str(Path(__file__).parent))
+    return train(data_dir, tmp / "run", env=env, **{"model.factory": "split_sum_gpt:build"})
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +101,54 @@ def test_tensor_parallel_matches_plain_torch(row: str, rows, plain_reference) ->
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("row", ["tp2-pp2-1f1b", "ddp-dp2-tp2", "fsdp-dp2-tp2"])
-def test_tp_weights_equal_one_process_after_clipped_steps(row: str, rows, one_process: Path) -> None:
+def test_tp_weights_equal_one_process_after_clipped_steps(
+    row: str, rows, one_process: Path, split_sum_one_process: Path
+) -> None:
     """tp2 x pp2 and dp2 x tp2 (ddp and fsdp): the whole model, gathered from its DTensor shards, after 10
-    clipped AdamW steps.
+    clipped AdamW steps, equals to 1e-5 one process that sums its row-parallel matmuls' halves as tp2
+    does (split_sum_gpt.py; measured 3.6e-6 and 4.5e-6).
 
-    Row-parallel matmuls sum their halves in another order (fp32 rounding, ~1e-7), and AdamW
-    divides a near-zero gradient by its own size: measured, every weight within 3.1e-6 except one
-    element of blocks.3.mlp.fc.weight at 1.8e-5 (every row), hence 1e-4 here (an unsummed or
-    doubled shard moves weights by ~lr = 3e-3; the grad norms above hold to 1e-5 relative)."""
-    assert max_weight_diff(final_weights(rows(row)), final_weights(one_process)) < 1e-4
+    The plain one process differs by up to 1.8e-5 in one element (blocks.3.mlp.fc.weight[104, 14]),
+    all of it at step 1: its gradient there is -4.2e-9 (3e-6 of the tensor's largest), below AdamW's
+    eps 1e-8, where the first update lr * g / (|g| + eps) moves by lr * eps / (|g| + eps)**2 = 1.5e5 per
+    unit of g, so fp32 rounding of ~1e-10 in g moves the weight ~1.5e-5. Both one process, the
+    split-sum run and the plain one differ there by 2.2e-5 (in fp64 by 1e-14); every other weight
+    differs from tp2 by <= 3.1e-6. What the split-sum run leaves (3.6e-6 in that element) is the
+    vocabulary-parallel cross entropy's sum of two shards' exponentials: with that sum too, one
+    process's step-1 gradient of the element is bit-equal to tp2's (a loss a model cannot change).
+    Hence 5e-5 against the plain run: an unsummed or doubled shard moves weights by ~lr = 3e-3."""
+    weights = final_weights(rows(row))
+    assert max_weight_diff(weights, final_weights(split_sum_one_process)) < 1e-5
+    assert max_weight_diff(weights, final_weights(one_process)) < 5e-5
+
+
+def _rowwise_equals_split_sum(rank: int, store: str) -> None:
+    """On tp rank `rank` of 2: RowwiseParallel's output and gradients equal SplitSumLinear's bit for bit."""
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        whole, x, probe = SplitSumLinear(64, 32), torch.randn(2, 16, 64, requires_grad=True), torch.randn(2, 16, 32)
+        nn.init.normal_(whole.bias)  # nonzero: where the bias is added shows
+        split = nn.Linear(64, 32)
+        split.load_state_dict(whole.state_dict())  # equal on both ranks (one seed): each keeps its slice
+        parallelize_module(split, init_device_mesh("cpu", (2,)), RowwiseParallel())
+        mine = x.detach()[..., 32 * rank : 32 * (rank + 1)].clone().requires_grad_()
+        (whole(x) * probe).sum().backward()
+        out = split(mine)
+        (out * probe).sum().backward()
+        assert torch.equal(out, whole(x)), "forward"
+        assert torch.equal(mine.grad, x.grad[..., 32 * rank : 32 * (rank + 1)]), "input gradient"  # pyright: ignore[reportOptionalSubscript]
+        for name, param in split.named_parameters():
+            assert torch.equal(param.grad.full_tensor(), getattr(whole, name).grad), name  # pyright: ignore[reportOptionalMemberAccess]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_split_sum_linear_is_rowwise_parallel_bit_for_bit(tmp_path: Path) -> None:
+    """What split_sum_gpt.py claims, on the installed torch (2 gloo ranks): where RowwiseParallel adds
+    the bias and how it sums is what the weights test above compares against."""
+    torch.multiprocessing.spawn(_rowwise_equals_split_sum, args=(str(tmp_path / "store"),), nprocs=2)
 
 
 @pytest.mark.timeout(900)
