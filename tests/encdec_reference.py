@@ -15,10 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from plain_reference import config_from_set_args
 from torch import nn
 
+from meshrun.data.dataset import open_dataset
 from meshrun.data.pairs import prepare_pairs
-from meshrun.models.encdec import EncDec, sinusoids, split_lengths
+from meshrun.models.encdec import EncDec, sinusoids, source_len, split_lengths
+from meshrun.parallel.materialise import materialise_part
 
 WORDS = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "nobler"]
 
@@ -45,6 +48,18 @@ def train_encdec(pairs_dir: Path, run: Path, settings: dict[str, object], **over
     """`meshrun train` of the tiny job `settings` describes (overrides win); returns the run folder."""
     run_meshrun(["train", *tiny(pairs_dir, run, **{**settings, **overrides})], tmp_path=run.parent)
     return run
+
+
+def torch_first_step(pairs_dir: Path, settings: dict[str, object]) -> tuple[TorchEncDec, torch.Tensor, torch.Tensor]:
+    """torch's nn.Transformer with the initial weights of the job `settings` describes, and that
+    job's first global batch (for assert_step_one_matches)."""
+    cfg = config_from_set_args(tiny(pairs_dir, "unused", **settings))
+    model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
+    assert isinstance(model, EncDec)
+    data = open_dataset(
+        cfg.data, pairs_dir, "train", seq_len=cfg.model.seq_len, seed=cfg.train.seed, source_len=source_len(cfg.model)
+    )
+    return TorchEncDec(model), *data.batch(0, cfg.train.global_batch)
 
 
 class TorchEncDec(nn.Module):

@@ -10,18 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
 from encdec_reference import (
     TorchEncDec,
     assert_same_training,
     assert_step_one_matches,
+    torch_first_step,
     train_encdec,
 )
-from plain_reference import config_from_set_args
-
-from meshrun.data.dataset import open_dataset
-from meshrun.models.encdec import source_len
-from meshrun.parallel.materialise import materialise_part
 
 # Tied embeddings (one matrix on the first and last stage), sinusoids; clipping active every step.
 ENCDEC = {
@@ -52,12 +47,7 @@ def reference(lopsided_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 @pytest.fixture(scope="module")
 def torch_step(lopsided_dir: Path) -> tuple[TorchEncDec, torch.Tensor, torch.Tensor]:
     """torch's nn.Transformer with meshrun's initial weights, and the first global batch."""
-    cfg = config_from_set_args(tiny(lopsided_dir, "unused", **ENCDEC))
-    model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
-    data = open_dataset(
-        cfg.data, lopsided_dir, "train", seq_len=80, seed=cfg.train.seed, source_len=source_len(cfg.model)
-    )
-    return TorchEncDec(model), *data.batch(0, 16)
+    return torch_first_step(lopsided_dir, ENCDEC)
 
 
 def test_one_process_step_one_equals_torch_transformer(reference: Path, torch_step) -> None:
