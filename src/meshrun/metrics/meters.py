@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
@@ -29,12 +30,23 @@ def mfu_note(device: torch.device, peak: float | None) -> str | None:
     return f"MFU omitted: no peak TFLOP/s known for {name!r} at this precision; set metrics.peak_tflops to report it"
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size. Linux: the memory map's high-water mark (VmHWM), not
+    getrusage's ru_maxrss, which execve keeps from the process that started it: a worker spawned
+    by a 0.8 GB parent read 0.8 GB however little it used itself."""
+    if sys.platform.startswith("linux"):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """CUDA: max allocated by tensors. CPU: the process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
+    return peak_rss_bytes() / 1e9
 
 
 def device_utilisation(device: torch.device) -> float | None:

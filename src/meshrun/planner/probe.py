@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from meshrun.config.schema import Config
 from meshrun.errors import RunError
 from meshrun.hardware.precision import autocast
 from meshrun.launcher.torchrun import WORKER_ENV
+from meshrun.metrics.meters import peak_rss_bytes
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, init_mesh, mesh_on, shutdown
 
@@ -184,7 +184,7 @@ def probe_worker(argv: list[str]) -> None:
     finally:
         shutdown()
     if os.environ.get("RANK") == "0":
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if mesh.device.type == "cpu" else None
+        peak = peak_rss_bytes() if mesh.device.type == "cpu" else None
         result = {"times": times, "message_s": message_s, "runtime_bytes": baseline, "peak_bytes": peak}
         Path(out).write_text(json.dumps(result))
 
