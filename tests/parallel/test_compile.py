@@ -45,6 +45,8 @@ ROWS = {
     "tp2": {"parallel.tp": 2},  # the blocks' DTensor hooks inside the compiled graph
     "tp2-sequence-parallel": {"parallel.tp": 2, "parallel.sequence_parallel": True},
     "pp2-interleaved-1f1b": {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},  # 2 stages a rank
+    "pp2-looped-bfs": {"parallel.pp": 2, "parallel.schedule": "looped-bfs"},
+    "pp2-zero-bubble": {"parallel.pp": 2, "parallel.schedule": "zero-bubble"},  # split backward, 2 stages a rank
     "hsdp-2x2": {"parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2},
 }
 PLAIN = {k: v for k, v in BASE.items() if k != "train.compile"}
