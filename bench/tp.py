@@ -28,8 +28,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from meshrun.config.schema import load_config
 from meshrun.data.prepare import default_sources, prepare
+from meshrun.models.families import build_model
+from meshrun.models.protocol import tp_plan
 from meshrun.planner.layout_memory import rank_state_bytes
 
 TARGET = 0.55  # tp2 / tp1 per-rank state, for a model whose blocks dominate
@@ -115,11 +119,16 @@ def run_side(args: argparse.Namespace, data_dir: Path, run_dir: Path, tp: int) -
 
 
 def embedding_share(args: argparse.Namespace) -> float:
-    """The embedding and head's share of the parameters (they split by vocabulary, as the blocks do;
-    position embeddings and norms stay whole)."""
-    vocab = 2 * args.vocab * args.dim
-    blocks = args.layers * (12 * args.dim**2 + 13 * args.dim)
-    return vocab / (vocab + blocks + args.seq_len * args.dim + 2 * args.dim)
+    """The vocabulary-split modules' share of the parameters (the embedding and the head, which tp
+    splits as it does the blocks; position embeddings and norms stay whole), counted on the model
+    itself, built on the meta device."""
+    cfg = load_config(None, [s.removeprefix("--set=") for s in settings(args, Path("data"), Path("run"), tp=1)])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    plan = tp_plan(model) or {}
+    vocab = {name for name, style in plan.items() if style in ("vocab_embedding", "vocab_head")}
+    total = sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for name, p in model.named_parameters() if name.rsplit(".", 1)[0] in vocab) / total
 
 
 def main() -> None:
