@@ -1,6 +1,6 @@
 """How accurate is `meshrun plan`? Per-rank memory, step time and ranking, predicted vs measured.
 
-    python bench/plan.py [--rounds 2] [--steps 6] [--log-interval 2] [--calibration-rounds 2] [--timeout 900]
+    python bench/plan.py [--rounds 2] [--steps 20] [--log-interval 5] [--calibration-rounds 2] [--timeout 900]
 
 1. `meshrun plan --calibrate` (the real CLI) on this machine, once per model (the bench GPT and a
    tiny Hugging Face Llama), saved to temporary calibration files (one thread, like every worker
@@ -119,8 +119,9 @@ def loads() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def predict_all(calibrations: dict[str, Path]) -> dict[str, tuple[float, list[int]]]:
-    """Each layout's predicted step time and per-pp-rank memory, from its model's calibration."""
+def predict_all(calibrations: dict[str, Path], log_interval: int) -> dict[str, tuple[float, list[int]]]:
+    """Each layout's predicted step time (logged every `log_interval` steps, as measured) and
+    per-pp-rank memory, from its model's calibration."""
     from meshrun.config.schema import load_config
     from meshrun.planner.calibrate import load_calibration
     from meshrun.planner.cost import Hardware
@@ -130,7 +131,8 @@ def predict_all(calibrations: dict[str, Path]) -> dict[str, tuple[float, list[in
     out = {}
     for name, layout in LAYOUTS.items():
         _, eff = load_calibration(calibrations[layout[0]])
-        cfg = load_config(None, [f"{k}={v}" for k, v in layout_settings(*layout).items()])
+        settings = {**layout_settings(*layout), "train.log_interval": log_interval}
+        cfg = load_config(None, [f"{k}={v}" for k, v in settings.items()])
         prediction = predict(cfg, hw, eff, precision="fp32", margin=0.0)
         out[name] = (prediction.time.total, [rank.total for rank in prediction.ranks])
     return out
@@ -203,8 +205,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds over the layouts (median)")
     p.add_argument("--calibration-rounds", type=int, default=2, help="alternating rounds over the calibration probes")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--log-interval", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--log-interval", type=int, default=5, help="train.log_interval's default: a window's steps")
     p.add_argument("--tie", type=float, default=0.05, help="measured medians closer than this share are a tie")
     p.add_argument("--timeout", type=float, default=900)
     args = p.parse_args()
@@ -222,7 +224,7 @@ def main() -> int:
             calibrate(tmp, calibration, model, args)
         print(f"load averages after calibrating: {loads()}")
         per_round = measure_rounds(tmp, data, args)
-        predicted = predict_all(calibrations)
+        predicted = predict_all(calibrations, args.log_interval)
     worst = memory_report(predicted, per_round)
     mape, share = time_report(
         {n: t for n, (t, _) in predicted.items()}, {n: [t for t, _ in r] for n, r in per_round.items()}, args.tie

@@ -26,14 +26,18 @@ MACHINE = Efficiency(
     parallel_devices=1.6,
     kernel_floor_s=0.0,
     runtime_bytes=400 * 2**20,
+    shard_s=1.5e-3,
+    log_s=1e-3,
+    timeline_share=0.4,
 )
 OPTIMIZER_S = 3e-3  # the part of step_s measured directly (the optimizer's seconds)
-UNPROBED = [  # (dp, pp, schedule, micro_batch, recompute)
-    (1, 2, "interleaved-1f1b", 1, "none"),
-    (1, 2, "gpipe", 2, "none"),
-    (2, 1, "1f1b", 1, "none"),
-    (1, 2, "1f1b", 2, "full"),
-    (1, 1, "1f1b", 8, "every:2"),
+UNPROBED = [  # (dp, pp, schedule, micro_batch, recompute, dp_mode)
+    (1, 2, "interleaved-1f1b", 1, "none", "ddp"),
+    (1, 2, "gpipe", 2, "none", "ddp"),
+    (2, 1, "1f1b", 1, "none", "ddp"),
+    (1, 2, "1f1b", 2, "full", "ddp"),
+    (1, 1, "1f1b", 8, "every:2", "ddp"),
+    (2, 1, "1f1b", 1, "none", "fsdp"),
 ]
 
 
@@ -55,12 +59,18 @@ def fitted(
 
 
 def probe_times(layouts: list[Config], eff: Efficiency, message_s: float | None) -> ProbeTimes:
+    """What the probes would time on a machine of `eff`: steps not logged, and logged ones."""
     two_ranks = any(layout.world_size == 2 for layout in layouts)
+    plain = seconds(layouts, dataclasses.replace(eff, log_s=0.0, timeline_share=0.0))
+    logged = [
+        t + eff.log_s + (eff.timeline_share * t if layout.parallel.pp > 1 else 0.0) for t, layout in zip(plain, layouts)
+    ]
     return ProbeTimes(
-        seconds=seconds(layouts, eff),
+        seconds=plain,
         optimizer_s=[OPTIMIZER_S] * len(layouts),
         message_s=message_s if two_ranks else None,
         runtime_bytes=eff.runtime_bytes if two_ranks else None,
+        logged_s=logged,
     )
 
 
@@ -73,6 +83,7 @@ def test_probes_cover_one_and_two_ranks(cfg: Config) -> None:
         (c.parallel.dp, c.parallel.pp, c.accumulation_steps, c.recompute) for c in probe_layouts(cfg, max_ranks=2)
     }
     assert {(2, 1, 2, "none"), (1, 2, 2, "none"), (1, 2, 8, "none"), (1, 1, 8, "full")} <= shapes
+    assert any(c.layout.dp_shard == 2 for c in probe_layouts(cfg, max_ranks=2))  # an FSDP probe
     assert all(c.world_size == 1 for c in probe_layouts(cfg, max_ranks=1))
 
 
@@ -80,10 +91,14 @@ def test_probes_cover_one_and_two_ranks(cfg: Config) -> None:
 def test_fit_recovers_the_constants_and_their_predictions(cfg: Config, parallel_devices: float | None) -> None:
     machine = dataclasses.replace(MACHINE, parallel_devices=parallel_devices)
     fit = fitted(probe_layouts(cfg, max_ranks=2), machine)
-    for field in ("achieved_flops", "action_s", "recompute_cost", "step_s", "p2p_s", "runtime_bytes"):
+    fields = ("achieved_flops", "action_s", "recompute_cost", "step_s", "p2p_s", "runtime_bytes", "shard_s", "log_s")
+    for field in (*fields, "timeline_share"):
         assert getattr(fit, field) == pytest.approx(getattr(machine, field), rel=1e-6), field
     assert fit.slowdown(2) == pytest.approx(machine.slowdown(2), rel=1e-6)
-    others = [with_layout(cfg, dp=d, pp=p, schedule=s, micro_batch=b, recompute=r) for d, p, s, b, r in UNPROBED]
+    others = [
+        with_layout(cfg, dp=d, pp=p, schedule=s, micro_batch=b, recompute=r, dp_mode=mode)
+        for d, p, s, b, r, mode in UNPROBED
+    ]
     assert seconds(others, fit) == pytest.approx(seconds(others, machine), rel=1e-6)
 
 

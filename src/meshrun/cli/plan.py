@@ -235,7 +235,7 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
     assert eff.achieved_flops is not None  # calibrate measures it
     for row in rows:
         print(
-            f"dp {row['dp']} pp {row['pp']} micro_batch {row['micro_batch']} x {row['microbatches']:<2} recompute "
+            f"dp {row['dp']} {row.get('dp_mode', 'ddp'):<4} pp {row['pp']} micro_batch {row['micro_batch']} x {row['microbatches']:<2} recompute "
             f"{row['recompute']:<5} {row['flops'] / 1e9:8.3f} GFLOP {row['seconds'] * 1e3:9.2f} ms/step (median of "
             + ", ".join(f"{t * 1e3:.1f}" for t in row["rounds"])
             + ")"
@@ -247,6 +247,8 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
         f"{device}: {eff.achieved_flops / 1e9:.2f} GFLOP/s achieved, {eff.action_s * 1e3:.3f} ms per forward or "
         f"backward (whole model), recomputed FLOPs cost {eff.recompute_cost:.2f}x, "
         f"{eff.step_s * 1e3:.3f} ms per step, {eff.p2p_s * 1e3:.3f} ms per message, "
+        f"{eff.shard_s * 1e3:.3f} ms per FSDP collective, a logged step +{eff.log_s * 1e3:.3f} ms "
+        f"(+{eff.timeline_share:.0%} under pp: its timeline), "
         f"{eff.runtime_bytes / 2**20:.0f} MiB per rank before its model, {precision}, "
         f"{shared}; saved to {path}"
     )

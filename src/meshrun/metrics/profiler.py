@@ -14,13 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.autograd.profiler import profile
 from torch.profiler import DeviceType
 
 from meshrun.config.schema import ProfileConfig
 from meshrun.files.atomic import atomic_target
 from meshrun.metrics.report import say
-from meshrun.parallel.timeline import MARK_PREFIX, StepTimeline, step_timeline
+from meshrun.parallel.layout import Layout
+from meshrun.parallel.timeline import MARK_PREFIX, StepTimeline, on_one_clock, step_timeline
 
 
 class StepProfiler:
@@ -72,6 +74,15 @@ class StepProfiler:
             spans, origin_ns = mark_spans(self._recorded), _first_mark_ns(self._recorded)
             self.timeline, self._recorded = step_timeline(spans, origin_ns=origin_ns), None
         return self.timeline
+
+
+def gather_timelines(profiler: StepProfiler, layout: Layout) -> tuple[float, dict[int, StepTimeline]]:
+    """Every rank's last measured step (a collective: every rank calls it): the mean bubble
+    fraction and each pipeline stage's timeline on one clock."""
+    timelines: list = [None] * dist.get_world_size()
+    dist.all_gather_object(timelines, profiler.measured())
+    bubble = sum(t.bubble for t in timelines) / len(timelines)
+    return bubble, on_one_clock({s: timelines[layout.rank_at(pp=s)] for s in range(layout.pp)})
 
 
 def mark_spans(prof: profile) -> list[tuple[str, float, float, bool]]:

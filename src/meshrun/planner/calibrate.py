@@ -2,7 +2,9 @@
 
 Probes are small layouts of the user's model on random tokens (`probe.py`), timed in alternating
 rounds (every probe once, then again) and summarised by their median, so that a machine whose
-load drifts affects every probe alike. The fit has two stages:
+load drifts affects every probe alike. Each probe times plain steps and logged ones (a log step
+gathers every rank's figures and, under pp, measures the pipeline timeline under torch's
+profiler). The fit has three stages:
 1. one-rank probes (different micro_batch, microbatch count and recompute), by non-negative least
    squares: step = FLOPs / achieved_flops + actions x action_s + step_s (actions = a forward and a
    backward per microbatch);
@@ -12,7 +14,10 @@ load drifts affects every probe alike. The fit has two stages:
    processes take some), saved as parallel_devices = 2 / slowdown: r ranks then compute
    max(1, r / parallel_devices) times slower than one alone. GPU ranks each have a device: 1.
    p2p_s is each pipeline message's fixed cost.
-A machine with one GPU runs only stage 1 (p2p_s keeps its default).
+3. with those: an FSDP collective's fixed cost (`shard_s`) from the FSDP probe, what a logged step
+   adds (`log_s` from the one-rank probes; `timeline_share` of the step from the pipeline ones).
+A machine with one GPU runs only stage 1 and the logged steps' cost (p2p_s and shard_s keep their
+defaults).
 The result is saved as JSON per device.
 """
 
@@ -23,6 +28,7 @@ import itertools
 import json
 import os
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -39,7 +45,8 @@ from meshrun.planner.search import predict, stage_profiles, with_layout
 
 # (micro_batch, recompute, share of the global batch): the half batch tells per-step from per-FLOP costs
 ONE_RANK_PROBES = ((1, "none", 1), (2, "none", 1), (4, "none", 1), (1, "full", 1), (4, "full", 1), (2, "none", 2))
-TWO_RANK_PROBES = ((2, 1, 2), (1, 2, 2), (1, 2, 8))  # (dp, pp, microbatches per rank), 1F1B, no recompute
+# (dp, pp, microbatches per rank, dp_mode), 1F1B, no recompute
+TWO_RANK_PROBES = ((2, 1, 2, "ddp"), (1, 2, 2, "ddp"), (1, 2, 8, "ddp"), (2, 1, 2, "fsdp"))
 
 
 def device_name(device: torch.device) -> str:
@@ -68,13 +75,14 @@ def probe_layouts(cfg: Config, *, max_ranks: int) -> list[Config]:
                     cfg, dp=1, pp=1, schedule="1f1b", micro_batch=micro_batch, recompute=recompute, global_batch=share
                 )
             )
-    for dp, pp, microbatches in TWO_RANK_PROBES if max_ranks >= 2 else ():
+    for dp, pp, microbatches, dp_mode in TWO_RANK_PROBES if max_ranks >= 2 else ():
         microbatches = min(microbatches, batch // dp)
         if batch % (dp * microbatches):
             continue
+        micro_batch = batch // dp // microbatches
         try:
             layout = with_layout(
-                cfg, dp=dp, pp=pp, schedule="1f1b", micro_batch=batch // dp // microbatches, recompute="none"
+                cfg, dp=dp, pp=pp, schedule="1f1b", micro_batch=micro_batch, recompute="none", dp_mode=dp_mode
             )
             validate_layout(layout)
         except ConfigError:  # too few blocks for two stages
@@ -178,11 +186,16 @@ def fit_constants(
     two_rank = [i for i, layout in enumerate(layouts) if layout.world_size == 2]
     if times.runtime_bytes is not None:
         eff = dataclasses.replace(eff, runtime_bytes=_baseline(layouts, times, hw, eff, precision))
+    if times.logged_s is not None:
+        eff = dataclasses.replace(eff, log_s=_median_or_zero(times.logged_s[i] - times.seconds[i] for i in one_rank))
     if not two_rank:
         return eff, warnings
+    sharded = [i for i in two_rank if layouts[i].layout.dp_shard > 1]
     alone = dataclasses.replace(eff, p2p_s=0.0, parallel_devices=None)
     parallel_samples = []
     for i in two_rank:
+        if i in sharded:
+            continue
         t = predict(layouts[i], hw, alone, precision=precision, margin=0.0).time
         parallel_samples.append((t.compute + t.bubble + t.fixed, t.messages, times.seconds[i] - t.allreduce - t.p2p))
     slowdown, p2p_s = fit_parallel(parallel_samples, shared_machine=shared_machine)
@@ -192,7 +205,34 @@ def fit_constants(
             "was measured to take: planned at the measured floor"
         )
         p2p_s = times.message_s
-    return dataclasses.replace(eff, p2p_s=p2p_s, parallel_devices=2.0 / slowdown if slowdown > 1.0 else None), warnings
+    eff = dataclasses.replace(eff, p2p_s=p2p_s, parallel_devices=2.0 / slowdown if slowdown > 1.0 else None)
+    return _fit_shard_and_timeline(eff, layouts, times, hw, precision=precision, sharded=sharded), warnings
+
+
+def _fit_shard_and_timeline(
+    eff: Efficiency, layouts: list[Config], times: ProbeTimes, hw: Hardware, *, precision: str, sharded: list[int]
+) -> Efficiency:
+    """Stage 3, with the constants of stages 1 and 2: an FSDP collective's fixed seconds (what the
+    FSDP probes take beyond the rest of their step, per collective, not below a message's), and
+    what a logged pipeline step adds as a share of the step."""
+    unlogged = dataclasses.replace(eff, log_s=0.0, timeline_share=0.0)
+    shard_s = []
+    for i in sharded:
+        t = predict(layouts[i], hw, dataclasses.replace(unlogged, shard_s=0.0), precision=precision, margin=0.0).time
+        shard_s.append((times.seconds[i] - t.total) / max(t.shard_collectives, 1))
+    if shard_s:
+        eff = dataclasses.replace(eff, shard_s=max(eff.p2p_s, statistics.median(shard_s)))
+    if times.logged_s is not None:
+        piped = [i for i, layout in enumerate(layouts) if layout.parallel.pp > 1]
+        share = ((times.logged_s[i] - times.seconds[i] - eff.log_s) / times.seconds[i] for i in piped)
+        eff = dataclasses.replace(eff, timeline_share=_median_or_zero(share))
+    return eff
+
+
+def _median_or_zero(values: Iterable[float]) -> float:
+    """The median of measured extras, never below 0 (noise can make a difference negative); 0 for none."""
+    kept = list(values)
+    return max(0.0, statistics.median(kept)) if kept else 0.0
 
 
 def _baseline(layouts: list[Config], times: ProbeTimes, hw: Hardware, eff: Efficiency, precision: str) -> int:
@@ -242,10 +282,12 @@ def calibrate(
         message_s=statistics.median(messages) if messages else None,
         runtime_bytes=int(statistics.median(baselines)) if baselines else None,
         peak_bytes=max(peaks) if peaks else None,
+        logged_s=[statistics.median(t.logged_s[i] for t in per_round if t.logged_s) for i in range(len(layouts))],
     )
     rows = [
         {
             "dp": layout.parallel.dp,
+            "dp_mode": layout.parallel.dp_mode,
             "pp": layout.parallel.pp,
             "micro_batch": layout.train.micro_batch,
             "microbatches": layout.accumulation_steps,
@@ -253,6 +295,7 @@ def calibrate(
             "flops": sum(_flops(layout, precision)),
             "seconds": times.seconds[i],
             "optimizer_s": times.optimizer_s[i],
+            "logged_s": times.logged_s[i] if times.logged_s is not None else None,
             "rounds": [t.seconds[i] for t in per_round],
         }
         for i, layout in enumerate(layouts)
@@ -270,6 +313,9 @@ FIELDS = (
     "parallel_devices",
     "kernel_floor_s",
     "runtime_bytes",
+    "shard_s",
+    "log_s",
+    "timeline_share",
 )
 
 

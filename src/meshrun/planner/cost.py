@@ -17,7 +17,11 @@ all-reduce over replicas of the shard); tp: two all-reduces of the hidden state 
 forward and backward (Megatron's split; a recomputed block's forward again); pp: the activation
 transfers. Where ranks share one machine's compute (a CPU's cores, calibrated as
 `parallel_devices` full-speed ranks' worth; GPUs: None, a device per rank), compute, bubble and
-per-step work take max(1, ranks / parallel_devices) times what they take one rank alone.
+per-step work take max(1, ranks / parallel_devices) times what they take one rank alone. An FSDP
+collective costs its own fixed `shard_s` (calibrated apart: its hooks copy and bookkeep far more
+than a send). A logged step adds the gather of every rank's figures (`log_s`) and, under pp, its
+timeline measured under torch's profiler (`timeline_share` of the step), shared over the steps of
+`train.log_interval`.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ class Efficiency:
     kernel_floor_s: float = KERNELS_PER_UNIT * KERNEL_LAUNCH_S  # per unit and microbatch (forward +
     # backward): the least a GPU's launches take however few FLOPs; 0 where calibrated (action_s measured it)
     runtime_bytes: int = RUNTIME_BYTES  # each rank's memory before the model (a CPU process's resident torch)
+    shard_s: float = MESSAGE_FLOOR_S  # fixed seconds per FSDP/HSDP collective (its hooks' copies and bookkeeping)
+    log_s: float = 0.0  # seconds a logged step adds: every rank's figures gathered and read on the host
+    timeline_share: float = 0.0  # under pp, what a logged step adds as a share of the step: its timeline is
+    # measured under torch's profiler (every op recorded) and gathered from every rank
 
     def slowdown(self, ranks_per_machine: int) -> float:
         """Each rank's compute time relative to one rank alone when this many share one machine
@@ -79,12 +87,14 @@ class StepTime:
     allreduce: float  # the dp collectives' bytes at the link's bandwidth
     p2p: float  # the pipeline transfers' bytes at the link's bandwidth
     fixed: float
-    messages: int = 0  # pipeline messages and dp collectives the busiest rank handles per step
-    latency: float = 0.0  # messages x p2p_s
+    messages: int = 0  # pipeline messages and DDP's collectives the busiest rank handles per step
+    latency: float = 0.0  # messages x p2p_s + shard_collectives x shard_s
+    shard_collectives: int = 0  # FSDP/HSDP collectives per step (a block's gathers, reduce-scatters)
+    logging: float = 0.0  # a logged step's extra, shared over the steps of a log interval
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.allreduce + self.p2p + self.fixed + self.latency
+        return self.compute + self.bubble + self.allreduce + self.p2p + self.fixed + self.latency + self.logging
 
     @property
     def bubble_fraction(self) -> float:
@@ -186,9 +196,11 @@ def step_time(
     tokens_per_microbatch: int,
     hw: Hardware,
     eff: Efficiency,
+    log_interval: int = 1,
     measured_bubble: float | None = None,
 ) -> StepTime:
-    """`local[r]`: the stage indices pp rank r holds (stage profiles are per tp rank)."""
+    """`local[r]`: the stage indices pp rank r holds (stage profiles are per tp rank); a step of
+    `log_interval` is logged."""
     pp, v = len(local), len(local[0])
     flops_per_s = eff.flops_per_s(hw)
     total_units = sum(s.units for s in stages)
@@ -220,14 +232,20 @@ def step_time(
         for held in local
     )
     boundary = max(s.boundary_bytes for s in stages)
-    messages = pipeline_messages(len(stages), local, m) + dp_messages
+    shard_collectives = dp_messages if dp.shard > 1 else 0
+    messages = pipeline_messages(len(stages), local, m) + dp_messages - shard_collectives
     p2p = 2 * (m * v + pp - 1) * boundary / (pp_gbs * 1e9) if pp > 1 else 0.0
+    fixed = eff.step_s * slowdown
+    latency = messages * eff.p2p_s + shard_collectives * eff.shard_s
+    step = compute + bubble + allreduce + p2p + fixed + latency
     return StepTime(
         compute=compute,
         bubble=bubble,
         allreduce=allreduce,
         p2p=p2p,
-        fixed=eff.step_s * slowdown,
+        fixed=fixed,
         messages=messages,
-        latency=messages * eff.p2p_s,
+        latency=latency,
+        shard_collectives=shard_collectives,
+        logging=(eff.log_s + (eff.timeline_share * step if pp > 1 else 0.0)) / log_interval,
     )

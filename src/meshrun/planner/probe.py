@@ -9,6 +9,7 @@ sum and fused AdamW, with the ranks competing for the machine.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -30,42 +31,83 @@ from meshrun.errors import RunError
 from meshrun.hardware.precision import autocast
 from meshrun.launcher.torchrun import WORKER_ENV
 from meshrun.metrics.meters import peak_rss_bytes
+from meshrun.metrics.profiler import StepProfiler, gather_timelines
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, init_mesh, mesh_on, shutdown
 
 
-def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1) -> list[tuple[float, float]]:
-    """(seconds, optimizer seconds) of each of `steps` training steps after `warmup` (forward,
-    backward, optimizer) under the layout's precision (resolved: autocast as training runs it;
-    fp16's loss scaling left out); with several ranks each step starts and ends at a barrier, so
-    the time is the slowest rank's. The optimizer's part (AdamW, zero_grad) is the per-step floor."""
+@dataclass(frozen=True)
+class StepTimes:
+    """One probe's timed steps (seconds each)."""
+
+    seconds: list[float]  # a whole step: forward, backward, clipping and AdamW
+    optimizer_s: list[float]  # of which the update: clipping, AdamW, zero_grad (the per-step floor)
+    logged_s: list[float]  # a step as training logs it: the ranks' figures gathered, under pp its timeline
+
+
+def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1, logged: int = 2) -> StepTimes:
+    """`steps` training steps after `warmup`, then `logged` more as a log step runs them, under the
+    layout's precision (resolved: autocast as training runs it; fp16's loss scaling left out). The
+    step is the trainer's: forward and backward, the tied gradients' sum, the global-norm clip and
+    AdamW (optim.py's functions). With several ranks each step starts and ends at a barrier, so the
+    time is the slowest rank's."""
     from meshrun.parallel.parallelize import parallelize
     from meshrun.training.loss import MicrobatchLoss
-    from meshrun.training.optim import build_optimizer
+    from meshrun.training.optim import Optimizers, clip_global_norm
 
     model = parallelize(cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=partial(autocast, cfg, mesh.device))
-    optimizers = [build_optimizer(part, cfg.train) for part in model.parts]
+    optimizers = Optimizers(model.parts, cfg.train)
+    params = [p for part in model.parts for p in part.parameters()]
+    counted = model.tied.counted_once(params)
+    pp_group = mesh.pp_group if mesh.pp > 1 else None
     tokens = torch.randint(
         0,
         cfg.model.vocab_size,
         (cfg.train.global_batch // mesh.dp, cfg.model.seq_len + 1),
         generator=torch.Generator().manual_seed(0),
     ).to(mesh.device)
-    times = []
-    for step in range(warmup + steps):
-        _sync(mesh.device)
-        start = time.perf_counter()
+    keep = torch.zeros((), device=mesh.device)
+
+    def step() -> float:
         model.forward_backward(tokens[:, :-1], tokens[:, 1:])
         model.tied.sync_gradients()
         _sync(mesh.device)
         update = time.perf_counter()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        clip_global_norm(params, counted, max_norm=cfg.train.grad_clip, pp_group=pp_group)
+        optimizers.step_unless(keep)
+        optimizers.zero_grad()
         _sync(mesh.device)
-        if step >= warmup:
-            times.append((time.perf_counter() - start, time.perf_counter() - update))
-    return times
+        return update
+
+    times, updates, logs = [], [], []
+    with tempfile.TemporaryDirectory(prefix="meshrun-probe-") as folder:
+        profiler = StepProfiler(cfg.profile, run_dir=Path(folder), rank=mesh.rank, device=mesh.device)
+        for index in range(warmup + steps + logged):
+            _sync(mesh.device)
+            start = time.perf_counter()
+            if index < warmup + steps:
+                update = step()
+                if index >= warmup:
+                    times.append(time.perf_counter() - start)
+                    updates.append(time.perf_counter() - update)
+                continue
+            with profiler.step(index + 1, measure=mesh.pp > 1):
+                step()
+            _log_collectives(profiler, mesh)
+            _sync(mesh.device)
+            logs.append(time.perf_counter() - start)
+    return StepTimes(times, updates, logs)
+
+
+def _log_collectives(profiler: StepProfiler, mesh: Mesh) -> None:
+    """What a log step adds to a step (trainer._log_window): every rank's figures gathered and read
+    on the host, and under pp every rank's measured timeline."""
+    figures = torch.zeros(8, dtype=torch.float64, device=mesh.device)
+    gathered = [torch.zeros_like(figures) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, figures)
+    _ = [g[0].item() for g in gathered]
+    if mesh.pp > 1:
+        gather_timelines(profiler, mesh.layout)
 
 
 def _sync(device: torch.device) -> None:
@@ -116,33 +158,39 @@ class ProbeTimes:
     message_s: float | None  # one small message (two-rank probes only)
     runtime_bytes: int | None  # a rank's memory before its model (two-rank probes only)
     peak_bytes: int | None = None  # rank 0's peak resident memory over its probes (CPU, two-rank probes only)
+    logged_s: list[float] | None = None  # median seconds of a logged step, per layout
 
 
 def probe_seconds(
     layouts: list[Config], *, steps: int, timeout: float = 900, say: Callable[[str], None] = lambda _: None
 ) -> ProbeTimes:
-    """Median step time of each layout on this machine (all of two ranks in one torchrun job)."""
-    medians: dict[int, tuple[float, float]] = {}
+    """Median step times of each layout on this machine (all of two ranks in one torchrun job)."""
+    medians: dict[int, tuple[float, float, float]] = {}
+
+    def keep(index: int, times: StepTimes) -> None:
+        seconds, optimizer_s, logged_s = (
+            statistics.median(t) for t in (times.seconds, times.optimizer_s, times.logged_s)
+        )
+        medians[index] = (seconds, optimizer_s, logged_s)
+        say(f"probe {index + 1}/{len(layouts)}: {describe(layouts[index])}: {medians[index][0] * 1e3:.1f} ms/step")
+
     for index, layout in enumerate(layouts):
         if layout.world_size == 1:
             mesh = init_mesh(Layout())
             try:
-                times = time_steps(layout, mesh, steps=steps)
+                keep(index, time_steps(layout, mesh, steps=steps))
             finally:
                 shutdown()
-            medians[index] = (statistics.median(t for t, _ in times), statistics.median(o for _, o in times))
-            say(f"probe {index + 1}/{len(layouts)}: {describe(layout)}: {medians[index][0] * 1e3:.1f} ms/step")
     together = [index for index, layout in enumerate(layouts) if layout.world_size > 1]
     message_s = baseline = peak = None
     if together:
         say(f"probes {', '.join(str(i + 1) for i in together)}/{len(layouts)}: two ranks under torchrun")
         result = _torchrun([layouts[i] for i in together], steps=steps, timeout=timeout)
         for index, times in zip(together, result["times"]):
-            medians[index] = (statistics.median(t for t, _ in times), statistics.median(o for _, o in times))
-            say(f"probe {index + 1}/{len(layouts)}: {describe(layouts[index])}: {medians[index][0] * 1e3:.1f} ms/step")
+            keep(index, StepTimes(**times))
         message_s, baseline, peak = result["message_s"], result["runtime_bytes"], result["peak_bytes"]
-    ordered = [medians[index] for index in range(len(layouts))]
-    return ProbeTimes([t for t, _ in ordered], [o for _, o in ordered], message_s, baseline, peak if together else None)
+    seconds, optimizer_s, logged_s = (list(column) for column in zip(*(medians[i] for i in range(len(layouts)))))
+    return ProbeTimes(seconds, optimizer_s, message_s, baseline, peak if together else None, logged_s)
 
 
 def describe(layout: Config) -> str:
@@ -180,7 +228,7 @@ def probe_worker(argv: list[str]) -> None:
         for layout in layouts:
             if layout.layout != mesh.layout:  # the same processes in another shape
                 mesh = mesh_on(layout.layout, mesh.device)
-            times.append(time_steps(layout, mesh, steps=int(steps)))
+            times.append(dataclasses.asdict(time_steps(layout, mesh, steps=int(steps))))
     finally:
         shutdown()
     if os.environ.get("RANK") == "0":

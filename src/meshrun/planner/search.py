@@ -206,6 +206,7 @@ def predict(
         tokens_per_microbatch=cfg.train.micro_batch * cfg.model.seq_len,
         hw=hw,
         eff=eff,
+        log_interval=cfg.train.log_interval,
         measured_bubble=measured_bubble,
     )
     tokens_per_s = cfg.tokens_per_step / time.total

@@ -11,10 +11,13 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.amp import GradScaler
 
 from meshrun.config.schema import TrainConfig
+from meshrun.metrics import time_split
+from meshrun.parallel.fsdp import full_norm
 
 
 def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -40,6 +43,31 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
         optimizer.step()
     finally:
         del optimizer.found_inf, optimizer.grad_scale  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def clip_global_norm(
+    params: Sequence[torch.Tensor],
+    counted: Sequence[torch.Tensor],
+    *,
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """The gradients' global norm over every stage, and clipped to `max_norm` (0: not clipped).
+    `counted`: the parameters whose gradients the norm counts (a tied matrix's two copies once);
+    dp replicas already agree after DDP's all-reduce, fsdp and tp shards are summed over their
+    meshes (fsdp.full_norm), pipeline stages over `pp_group` (None: one stage)."""
+    grads = [p.grad for p in counted if p.grad is not None]
+    device = params[0].device if params else torch.device("cpu")
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=device)
+    norm = full_norm(norm)
+    if pp_group is not None:
+        squared = norm.to(torch.float32) ** 2
+        with time_split.section("wait"):  # for the stage that finishes its backward last
+            dist.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

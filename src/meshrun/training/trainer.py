@@ -26,19 +26,18 @@ from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome
 from meshrun.metrics import time_split
 from meshrun.metrics.meters import device_utilisation, mfu_note, peak_memory_gb, peak_tflops, throughput
-from meshrun.metrics.profiler import StepProfiler
+from meshrun.metrics.profiler import StepProfiler, gather_timelines
 from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.run_dir import start_run_record
 from meshrun.models.encdec import source_len
 from meshrun.models.families import build_model, flops_at
 from meshrun.parallel.compile import is_compiled
-from meshrun.parallel.fsdp import full_norm, measured_state_bytes
+from meshrun.parallel.fsdp import measured_state_bytes
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.parallelize import parallelize
-from meshrun.parallel.timeline import on_one_clock
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.nonfinite import NonFiniteSteps
-from meshrun.training.optim import Optimizers, schedule_change_note
+from meshrun.training.optim import Optimizers, clip_global_norm, schedule_change_note
 from meshrun.training.preemption import Requests
 from meshrun.training.step_records import AcrossRanks, StepResult, Window
 
@@ -338,19 +337,9 @@ class Trainer:
         return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens, skipped=skipped, state_bytes=held)
 
     def clip_gradients(self) -> torch.Tensor:
-        """Global norm over all stages (dp replicas already agree after DDP's all-reduce; fsdp and
-        tp shards are summed over their meshes first)."""
-        grads = [p.grad for p in self.norm_params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
-        norm = full_norm(norm)  # fsdp/hsdp and tp: summed over the gradient shards, replicated ones once
-        if self.mesh.pp > 1:
-            squared = norm.to(torch.float32) ** 2
-            with time_split.section("wait"):  # for the stage that finishes its backward last
-                dist.all_reduce(squared, group=self.mesh.pp_group)
-            norm = squared.sqrt()
-        if self.cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, norm, foreach=True)
-        return norm
+        """The global norm over all stages, the gradients clipped to it (optim.clip_global_norm)."""
+        pp_group = self.mesh.pp_group if self.mesh.pp > 1 else None
+        return clip_global_norm(self.params, self.norm_params, max_norm=self.cfg.train.grad_clip, pp_group=pp_group)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -431,11 +420,7 @@ class Trainer:
 
     def _gather_timeline(self, done: int) -> float:
         """Every rank's measured step to rank 0 (kept for the timeline picture); mean bubble fraction."""
-        timelines: list = [None] * dist.get_world_size()
-        dist.all_gather_object(timelines, self.profiler.measured())
-        bubble = sum(t.bubble for t in timelines) / len(timelines)
-        layout = self.mesh.layout
-        by_stage = on_one_clock({s: timelines[layout.rank_at(pp=s)] for s in range(layout.pp)})
+        bubble, by_stage = gather_timelines(self.profiler, self.mesh.layout)
         self.report.keep_timeline(done, by_stage, bubble=bubble)
         return bubble
 
