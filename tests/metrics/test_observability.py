@@ -154,7 +154,8 @@ def test_only_the_chosen_ranks_and_steps_are_traced(resumed_run: Path) -> None:
 
 def test_timeline_picture_shows_the_logged_bubble_of_its_step(profiled_run: Path) -> None:
     """pipeline_timeline.png is drawn from pipeline_timeline.json; its bubble is the one logged for
-    step 4, and the one computed independently from the step-4 traces (same profiler records)."""
+    step 4, and agrees with the one computed independently from the step-4 traces (the profiler's
+    records of the same marks, whose spans enclose the timeline's own clock reads)."""
     timeline = json.loads((profiled_run / "pipeline_timeline.json").read_text())
     [logged] = [row["bubble"] for row in read_metrics(profiled_run) if row["step"] == 4 and "bubble" in row]
     assert timeline["step"] == 4 and timeline["bubble"] == logged
@@ -168,8 +169,8 @@ def test_timeline_picture_shows_the_logged_bubble_of_its_step(profiled_run: Path
         assert sorted(f"{a['kind']}{a['microbatch']}" for a in drawn["actions"]) == sorted(
             f"{kind}{mb}" for kind in "FB" for mb in range(4)
         )
-        assert abs(drawn["wall"] * 1e6 - (end - start)) < 0.01  # microseconds: the trace rounds to ns
-    assert abs(sum(from_traces) / 2 - timeline["bubble"]) < 1e-6
+        assert 0.95 * (end - start) <= drawn["wall"] * 1e6 <= end - start + 1  # microseconds
+    assert abs(sum(from_traces) / 2 - timeline["bubble"]) < 0.05
     assert 0.0 < timeline["bubble"] < 1.0
     assert (profiled_run / "pipeline_timeline.png").read_bytes().startswith(b"\x89PNG")
 
@@ -284,25 +285,28 @@ def test_profiled_ranks_must_exist(tmp_path: Path) -> None:
         check_observability(load_config(None, ["profile.ranks=[0,4]", "parallel.dp=2", "parallel.pp=2"]))
 
 
-def test_mark_spans_read_the_profilers_own_events() -> None:
-    """The timeline reads the profiler's raw records (metrics/profile.py: mark_spans), not its event
-    tree: both must give the same marks and times, or a torch upgrade changed the records."""
+def test_a_measured_step_is_timed_by_its_own_stamps_without_a_profiler() -> None:
+    """The timeline of a measured step comes from the marks' own clock reads (no profiler, which
+    would slow the step it measures); steps not measured record nothing."""
+    import time
+
     import torch
-    from torch.autograd.profiler import profile, record_function
 
-    from meshrun.metrics.profiler import mark_spans
+    from meshrun.parallel import timeline
 
-    with profile(use_kineto=True) as prof:
-        for name in ("meshrun.pp:step", "meshrun.pp:0F0", "other"):
-            with record_function(name):
-                torch.ones(8, 8).matmul(torch.ones(8, 8))
-    spans = mark_spans(prof)
-    tree = [
-        (e.name, e.time_range.start, e.time_range.end) for e in prof.function_events if e.name.startswith("meshrun")
-    ]
-    assert [name for name, *_ in spans] == [name for name, *_ in tree] == ["meshrun.pp:step", "meshrun.pp:0F0"]
-    origin, tree_origin = spans[0][1], tree[0][1]  # the tree counts from the profiler's start
-    for (_, start, end, on_device), (_, tree_start, tree_end) in zip(spans, tree):
-        assert not on_device
-        assert abs((start - origin) - (tree_start - tree_origin)) < 0.01  # microseconds
-        assert abs((end - start) - (tree_end - tree_start)) < 0.01
+    def run_step(work_s: float) -> None:
+        with timeline.step():
+            with timeline.action(0, "F", 0):
+                time.sleep(work_s)
+            time.sleep(0.02)  # waiting: the bubble
+
+    with timeline.measuring(torch.device("cpu")):
+        run_step(0.02)
+    measured = timeline.last_measured()
+    run_step(0.05)  # not measured: the last measured step stays
+    assert timeline.last_measured() is measured
+    [action] = measured.actions
+    assert (action.stage, action.kind, action.microbatch) == (0, "F", 0)
+    assert 0.02 <= action.end - action.start < measured.wall
+    assert 0.04 <= measured.wall < 1.0 and 0.0 < measured.bubble < 0.6
+    assert abs(measured.epoch_ns - time.time_ns()) < 60e9

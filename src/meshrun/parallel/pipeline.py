@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
@@ -28,11 +27,11 @@ from meshrun.errors import ConfigError
 from meshrun.launcher import progress
 from meshrun.metrics import time_split
 from meshrun.models.protocol import ProtocolModule
+from meshrun.parallel import timeline
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.stages import TORCH_SCHEDULE_NAMES, static_split
 from meshrun.parallel.tensor import tp_loss, vocab_parallel
-from meshrun.parallel.timeline import STEP_MARK, action_mark
 
 if TYPE_CHECKING:
     from meshrun.parallel.tied import TiedEmbeddings
@@ -72,18 +71,18 @@ class MarkedStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         progress.mark("forward", f"stage {self.stage_index} microbatch {fwd_chunk_id}")
-        with record_function(action_mark(self.stage_index, "F", fwd_chunk_id)), time_split.section("compute"):
+        with timeline.action(self.stage_index, "F", fwd_chunk_id), time_split.section("compute"):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         kind = "B" if kwargs.get("full_backward", True) else "I"
         progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id}")
-        with record_function(action_mark(self.stage_index, kind, bwd_chunk_id)), time_split.section("compute"):
+        with timeline.action(self.stage_index, kind, bwd_chunk_id), time_split.section("compute"):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id} weights")
-        with record_function(action_mark(self.stage_index, "W", bwd_chunk_id)), time_split.section("compute"):
+        with timeline.action(self.stage_index, "W", bwd_chunk_id), time_split.section("compute"):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
@@ -163,7 +162,7 @@ class PipelineModel:
         """Run the schedule; returns the local batch's (unscaled) loss on the last stage, else 0.
 
         `loss`: this step's (its token divisor and fp16 scale); None: the one given at construction.
-        The step and each stage action are marked for the profiler (see timeline.py).
+        The step and each stage action are marked for the timeline and the profiler (see timeline.py).
         """
         schedule, args, target = self._inputs(x, y)
         loss_fn = tp_loss(self.loss if loss is None else loss, self.tp)
@@ -171,7 +170,7 @@ class PipelineModel:
         progress.mark(
             "forward", "pipeline step started, before this rank's first action (its input, from the stage before)"
         )
-        with record_function(STEP_MARK), self._ddp_no_sync(), self.amp(), vocab_parallel(self.tp):
+        with timeline.step(), self._ddp_no_sync(), self.amp(), vocab_parallel(self.tp):
             schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs={"loss": loss_fn})
         return self._total(losses, loss_fn)
 

@@ -1,34 +1,38 @@
-"""Pipeline timelines read from profiler records: when each stage ran which microbatch's F and B.
+"""Pipeline timelines: when each stage ran which microbatch's F and B, on measured steps.
 
-`pipeline.MarkedStage` names every action it computes with a `torch.profiler.record_function` mark
-(`meshrun.pp:0F3` = stage 0, forward, microbatch 3), and the pipeline names the whole step
-(`meshrun.pp:step`). The marks cost nothing unless a profiler is running; a profiled step's
-marks are both in its Chrome trace and, read back by `step_timeline`, the timeline picture.
+`pipeline.MarkedStage` runs every action it computes inside `action(stage, kind, microbatch)`,
+and the pipeline the whole step inside `step()`. On a step being measured (`measuring`: the
+trainer's logged steps under pp) each records a start and an end stamp: a clock read on the CPU,
+a CUDA timing event on the current stream on a GPU (the device's own time, read after the
+trainer's sync at the log step: no host sync per action). Unmeasured steps record nothing. Both
+are also `record_function` marks (`meshrun.pp:0F3` = stage 0, forward, microbatch 3;
+`meshrun.pp:step`), so a profiled step's Chrome trace names them.
 
-Why our own marks and not the schedules': in torch 2.13, Schedule1F1B marks nothing, and the
-marks of ScheduleGPipe and of the runtime schedules (`PP:0F3`) include the wait for the
-neighbour's activations, which is exactly the bubble to be measured. Busy time is the sum of
-the marked computations; the rest of the step's wall time is the bubble.
+Why not torch's profiler for the timeline: it records every op, which made a logged pipeline step
+of a small model take about twice an unlogged one (and so the logged step times wrong). Why our
+own marks and not the schedules': in torch 2.13, Schedule1F1B marks nothing, and the marks of
+ScheduleGPipe and of the runtime schedules (`PP:0F3`) include the wait for the neighbour's
+activations, which is exactly the bubble to be measured. Busy time is the sum of the marked
+computations; the rest of the step's wall time is the bubble.
 
 Each rank times its step from its own start; `on_one_clock` puts the ranks' timelines on one
-clock for the picture (the profiler's clock is the epoch, shared by the processes of a machine),
-and where machines' clocks disagree, no stage is drawn starting a microbatch's forward before the
-previous stage finished computing it.
+clock for the picture (each step's start is also read on the epoch clock, shared by the
+processes of a machine), and where machines' clocks disagree, no stage is drawn starting a
+microbatch's forward before the previous stage finished computing it.
 """
 
 from __future__ import annotations
 
-import re
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.profiler import record_function
 
 MARK_PREFIX = "meshrun.pp:"
 STEP_MARK = f"{MARK_PREFIX}step"
-_ACTION_MARK = re.compile(rf"^{re.escape(MARK_PREFIX)}(\d+)([FBIW])(\d+)$")
-
-
-def action_mark(stage: int, kind: str, microbatch: int) -> str:
-    """The profiler name of one action (kind: F, B, I = input half of a split backward, W = weight half)."""
-    return f"{MARK_PREFIX}{stage}{kind}{microbatch}"
 
 
 @dataclass
@@ -46,7 +50,7 @@ class StepTimeline:
 
     actions: list[Action] = field(default_factory=list)
     wall: float = 0.0
-    epoch_ns: int = 0  # when the step began on the profiler's clock (ns since the epoch)
+    epoch_ns: int = 0  # when the step began on the epoch clock (ns)
     offset: float = 0.0  # seconds after the earliest rank's step began (set by `on_one_clock`)
 
     @property
@@ -55,28 +59,81 @@ class StepTimeline:
         return max(0.0, 1.0 - busy / self.wall) if self.wall else 0.0
 
 
-def step_timeline(events: list[tuple[str, float, float, bool]], *, origin_ns: int = 0) -> StepTimeline:
-    """The timeline in profiler events given as (name, start_us, end_us, on_device), timed from
-    `origin_ns` on the profiler's clock.
+Stamp = float | torch.cuda.Event
 
-    Spans are the device's where the profiler recorded one (on CUDA a mark's kernels run after
-    their launch: the host's span would time the launches), else the host's (CPU).
-    """
-    by_device = sorted(events, key=lambda e: e[3])  # device spans come last and win
-    steps = [(start, end) for name, start, end, _ in by_device if name == STEP_MARK]
-    if not steps:
-        return StepTimeline()
-    origin, end_of_step = steps[-1]
-    spans: dict[tuple[int, str, int], tuple[float, float]] = {}
-    for name, start, end, _ in by_device:
-        if (match := _ACTION_MARK.match(name)) and origin <= start <= end_of_step:
-            spans[(int(match[1]), match[2], int(match[3]))] = (start, end)
-    actions = [
-        Action(stage, kind, microbatch, (start - origin) / 1e6, (end - origin) / 1e6)
-        for (stage, kind, microbatch), (start, end) in spans.items()
-    ]
-    epoch_ns = origin_ns + round(origin * 1e3)
-    return StepTimeline(sorted(actions, key=lambda a: a.start), (end_of_step - origin) / 1e6, epoch_ns)
+
+class _Recorder:
+    """The stamps of the step being measured (one per process, like time_split's)."""
+
+    def __init__(self) -> None:
+        self.cuda: bool | None = None  # None: not measuring
+        self.step: tuple[Stamp, Stamp, int] | None = None  # start, end, start on the epoch clock (ns)
+        self.actions: list[tuple[tuple[int, str, int], Stamp, Stamp]] = []
+        self.timeline = StepTimeline()  # the last measured step, once read
+
+    def stamp(self) -> Stamp:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Stamp, end: Stamp) -> float:
+        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+            return start.elapsed_time(end) / 1e3
+        assert isinstance(start, float) and isinstance(end, float)
+        return end - start
+
+
+_RECORDER = _Recorder()
+
+
+@contextlib.contextmanager
+def measuring(device: torch.device) -> Iterator[None]:
+    """Record the timeline of the step run inside (every rank of the pipeline measures the same steps)."""
+    _RECORDER.cuda, _RECORDER.step, _RECORDER.actions = device.type == "cuda", None, []
+    try:
+        yield
+    finally:
+        _RECORDER.cuda = None
+
+
+@contextlib.contextmanager
+def step() -> Iterator[None]:
+    """Around a pipeline step: its span, when measured."""
+    with record_function(STEP_MARK):
+        if _RECORDER.cuda is None:
+            yield
+            return
+        start, epoch_ns = _RECORDER.stamp(), time.time_ns()
+        yield
+        _RECORDER.step = (start, _RECORDER.stamp(), epoch_ns)
+
+
+@contextlib.contextmanager
+def action(stage: int, kind: str, microbatch: int) -> Iterator[None]:
+    """Around one stage action (kind: F, B, I = input half of a split backward, W = weight half)."""
+    with record_function(f"{MARK_PREFIX}{stage}{kind}{microbatch}"):
+        if _RECORDER.cuda is None:
+            yield
+            return
+        start = _RECORDER.stamp()
+        yield
+        _RECORDER.actions.append(((stage, kind, microbatch), start, _RECORDER.stamp()))
+
+
+def last_measured() -> StepTimeline:
+    """The timeline of the last measured step, read once after it (on CUDA, after a sync)."""
+    if _RECORDER.step is not None:
+        origin, end, epoch_ns = _RECORDER.step
+        actions = [
+            Action(*key, _RECORDER.seconds(origin, start), _RECORDER.seconds(origin, stop))
+            for key, start, stop in _RECORDER.actions
+        ]
+        wall = _RECORDER.seconds(origin, end)
+        _RECORDER.timeline = StepTimeline(sorted(actions, key=lambda a: a.start), wall, epoch_ns)
+        _RECORDER.step, _RECORDER.actions = None, []
+    return _RECORDER.timeline
 
 
 def on_one_clock(by_rank: dict[int, StepTimeline]) -> dict[int, StepTimeline]:

@@ -9,6 +9,7 @@ sum and fused AdamW, with the ranks competing for the machine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -31,7 +32,8 @@ from meshrun.errors import RunError
 from meshrun.hardware.precision import autocast
 from meshrun.launcher.torchrun import WORKER_ENV
 from meshrun.metrics.meters import peak_rss_bytes
-from meshrun.metrics.profiler import StepProfiler, gather_timelines
+from meshrun.metrics.profiler import gather_timelines
+from meshrun.parallel import timeline
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, init_mesh, mesh_on, shutdown
 
@@ -80,26 +82,24 @@ def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1, logged: 
         return update
 
     times, updates, logs = [], [], []
-    with tempfile.TemporaryDirectory(prefix="meshrun-probe-") as folder:
-        profiler = StepProfiler(cfg.profile, run_dir=Path(folder), rank=mesh.rank, device=mesh.device)
-        for index in range(warmup + steps + logged):
-            _sync(mesh.device)
-            start = time.perf_counter()
-            if index < warmup + steps:
-                update = step()
-                if index >= warmup:
-                    times.append(time.perf_counter() - start)
-                    updates.append(time.perf_counter() - update)
-                continue
-            with profiler.step(index + 1, measure=mesh.pp > 1):
-                step()
-            _log_collectives(profiler, mesh)
-            _sync(mesh.device)
-            logs.append(time.perf_counter() - start)
+    for index in range(warmup + steps + logged):
+        _sync(mesh.device)
+        start = time.perf_counter()
+        if index < warmup + steps:
+            update = step()
+            if index >= warmup:
+                times.append(time.perf_counter() - start)
+                updates.append(time.perf_counter() - update)
+            continue
+        with timeline.measuring(mesh.device) if mesh.pp > 1 else contextlib.nullcontext():
+            step()
+        _log_collectives(mesh)
+        _sync(mesh.device)
+        logs.append(time.perf_counter() - start)
     return StepTimes(times, updates, logs)
 
 
-def _log_collectives(profiler: StepProfiler, mesh: Mesh) -> None:
+def _log_collectives(mesh: Mesh) -> None:
     """What a log step adds to a step (trainer._log_window): every rank's figures gathered and read
     on the host, and under pp every rank's measured timeline."""
     figures = torch.zeros(8, dtype=torch.float64, device=mesh.device)
@@ -107,7 +107,7 @@ def _log_collectives(profiler: StepProfiler, mesh: Mesh) -> None:
     dist.all_gather(gathered, figures)
     _ = [g[0].item() for g in gathered]
     if mesh.pp > 1:
-        gather_timelines(profiler, mesh.layout)
+        gather_timelines(mesh.layout)
 
 
 def _sync(device: torch.device) -> None:

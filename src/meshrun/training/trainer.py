@@ -420,7 +420,7 @@ class Trainer:
 
     def _gather_timeline(self, done: int) -> float:
         """Every rank's measured step to rank 0 (kept for the timeline picture); mean bubble fraction."""
-        bubble, by_stage = gather_timelines(self.profiler, self.mesh.layout)
+        bubble, by_stage = gather_timelines(self.mesh.layout)
         self.report.keep_timeline(done, by_stage, bubble=bubble)
         return bubble
 
