@@ -233,7 +233,8 @@ def step_time(
     )
     boundary = max(s.boundary_bytes for s in stages)
     shard_collectives = dp_messages if dp.shard > 1 else 0
-    messages = pipeline_messages(len(stages), local, m) + dp_messages - shard_collectives
+    poll = 1 if world > 1 else 0  # the trainer's stop-request poll: an all-reduce of every rank's flags
+    messages = pipeline_messages(len(stages), local, m) + dp_messages - shard_collectives + poll
     p2p = 2 * (m * v + pp - 1) * boundary / (pp_gbs * 1e9) if pp > 1 else 0.0
     fixed = eff.step_s * slowdown
     latency = messages * eff.p2p_s + shard_collectives * eff.shard_s

@@ -50,8 +50,8 @@ class StepTimes:
 def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1, logged: int = 2) -> StepTimes:
     """`steps` training steps after `warmup`, then `logged` more as a log step runs them, under the
     layout's precision (resolved: autocast as training runs it; fp16's loss scaling left out). The
-    step is the trainer's: forward and backward, the tied gradients' sum, the global-norm clip and
-    AdamW (optim.py's functions). With several ranks each step starts and ends at a barrier, so the
+    step is the trainer's: forward and backward, the tied gradients' sum, the global-norm clip,
+    AdamW (optim.py's functions) and the stop-request poll's all-reduce. With several ranks each step starts and ends at a barrier, so the
     time is the slowest rank's."""
     from meshrun.parallel.parallelize import parallelize
     from meshrun.training.loss import MicrobatchLoss
@@ -78,6 +78,8 @@ def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1, logged: 
         clip_global_norm(params, counted, max_norm=cfg.train.grad_clip, pp_group=pp_group)
         optimizers.step_unless(keep)
         optimizers.zero_grad()
+        if dist.get_world_size() > 1:  # the trainer's stop-request poll: every rank's flags, each step
+            dist.all_reduce(torch.zeros(2, dtype=torch.int32), op=dist.ReduceOp.MAX)
         _sync(mesh.device)
         return update
 
