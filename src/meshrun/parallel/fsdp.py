@@ -84,9 +84,9 @@ def mark_collectives(module: nn.Module) -> None:
     forward hook hangs the backward's all-gather on the outputs as a tensor hook, between ours from
     a prepended and an appended forward hook; its reduce-scatter runs in the backward of the node its
     pre-forward wraps the inputs in, so a hook on the wrapped input starts that wait and one on the
-    input itself ends it. Outside: the root's reduce-scatter when its inputs take no gradient (token
-    ids: torch's end-of-backward callback). tests/metrics/test_time_split.py (fsdp2) fails if these
-    stop bracketing FSDP's collectives."""
+    input itself ends it. Outside (compute): torch's end-of-backward callback, which reduce-scatters a
+    root whose inputs take no gradient (token ids) and, on CUDA, waits for the reduce-scatters in
+    flight. tests/metrics/test_time_split.py (fsdp2) fails if these stop bracketing them."""
     unwrapped: list[torch.Tensor] = []  # this forward's inputs, as FSDP's pre-forward found them
 
     def before_unshard(_: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
