@@ -1,6 +1,7 @@
 """Where the time goes (metrics/time_split.py): each log window's split per rank sums to the window's
 wall time with no negative part; a rank that sleeps in its forward (tests/metrics/straggling_gpt.py)
-is the slowest rank of every window, its peers wait for it, and it is named in one warning line."""
+is the slowest rank of every window, its peers wait for it (under ddp, fsdp and pp: in FSDP's
+all-gathers, which its hooks count as waiting, not compute), and it is named in one warning line."""
 
 from __future__ import annotations
 
@@ -63,6 +64,33 @@ def test_evaluation_forwards_are_no_compute() -> None:
     assert split["eval"] >= 0.01 and 0.01 <= split["compute"] < 0.02 and split["wait"] >= 0.02
 
 
+def test_a_collective_inside_compute_is_waiting() -> None:
+    """FSDP's hooks (parallel/fsdp.py) carve its collectives out of a compute section as waiting;
+    the parts still sum to the window, and outside a compute section the marks do nothing."""
+    import torch
+
+    start = time.perf_counter()
+    time_split.start(torch.device("cpu"), at=start)
+    time_split.phase("forward_backward")
+    time_split.collective_starts()  # outside a section (a pipeline's explicit unshard): waiting already
+    with time_split.section("compute"):
+        time.sleep(0.005)
+        time_split.collective_starts()
+        time.sleep(0.03)
+        time_split.collective_starts()  # a second output's hook: still the same wait
+        time_split.collective_ends()
+        time_split.collective_ends()  # the input's hook after the gradient's: nothing open
+        time.sleep(0.005)
+        time_split.collective_starts()  # still open when the section ends: the section closes it
+        time.sleep(0.03)
+    time_split.collective_ends()
+    time_split.phase("optimizer")
+    end = time.perf_counter()
+    split = time_split.close(at=end)
+    assert math.isclose(sum(split.values()), end - start, rel_tol=1e-9)
+    assert split["wait"] >= 0.06 and 0.01 <= split["compute"] < 0.06, split
+
+
 def test_a_straggler_is_named_once_after_its_streak() -> None:
     stragglers = Stragglers(ratio=1.2, windows=3)
     seen = [stragglers.persistent(Slowest(rank, ratio)) for rank, ratio in [(1, 1.5), (1, 1.3), (2, 1.4), (2, 1.3)]]
@@ -75,8 +103,12 @@ def test_a_straggler_is_named_once_after_its_streak() -> None:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     ("layout", "straggler", "where"),
-    [({"parallel.dp": 2}, 1, {"pp": 0, "dp": 1}), ({"parallel.pp": 2, "model.num_layers": 2}, 1, {"pp": 1, "dp": 0})],
-    ids=["dp2", "pp2"],
+    [
+        ({"parallel.dp": 2}, 1, {"pp": 0, "dp": 1}),
+        ({"parallel.dp": 2, "parallel.dp_mode": "fsdp"}, 0, {"pp": 0, "dp": 0}),
+        ({"parallel.pp": 2, "model.num_layers": 2}, 1, {"pp": 1, "dp": 0}),
+    ],
+    ids=["dp2", "fsdp2", "pp2"],
 )
 def test_a_sleeping_rank_is_the_straggler(
     data_dir: Path, tmp_path: Path, layout: dict, straggler: int, where: dict[str, int]
@@ -103,7 +135,8 @@ def test_a_sleeping_rank_is_the_straggler(
             assert sum(parts.values()) == pytest.approx(row["time/wall_s"], rel=0.1, abs=0.05), (rank, parts, row)
         slow, fast = parts_of(row, straggler), parts_of(row, other)
         assert slow["compute"] >= 4 * SLEEP_S  # its forwards (2 steps x 2 microbatches) slept
-        assert fast["wait"] > slow["wait"]  # the other rank waited for it
+        assert fast["wait"] > slow["wait"]  # the other rank waited for it: most of what it slept
+        assert fast["wait"] >= 0.75 * 4 * SLEEP_S and fast["compute"] < 4 * SLEEP_S
         assert row["straggler/rank"] == straggler and row["straggler/ratio"] > 1.2
         assert {"pp": row["straggler/pp"], "dp": row["straggler/dp"]} == where
     warnings = [line for line in result.stderr.splitlines() if "is a straggler" in line]

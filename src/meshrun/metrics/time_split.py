@@ -5,8 +5,10 @@ The trainer marks its phases (`phase`); inside forward+backward the model marks 
 (`section("compute")`: a microbatch's forward and backward, or a pipeline stage's action), and the
 rest of that phase counts as waiting: pipeline receives and sends, and the data-parallel gradient
 all-reduce after this rank's last gradient was ready (`gradients_ready`, from DDP's comm hook).
-Collectives inside a computation (tensor parallelism, FSDP's all-gathers) count as compute: they
-cannot be told apart from it without a profiler.
+Inside a compute section FSDP's all-gathers and reduce-scatters are carved out as waiting again
+(`collective_starts` / `collective_ends`, from hooks around FSDP's own: parallel/fsdp.py). Tensor
+parallelism's collectives still count as compute: DTensor runs them inside its ops (a functional
+collective is waited for at the first use of its result), where no public hook reaches.
 
 Off the hot path: a mark is a clock read and a list append. On CPU the clock is the host's; on
 CUDA a timing event on the current stream (the device's own time, no host sync), read when the
@@ -51,6 +53,7 @@ class TimeSplit:
         self.stretches: list[tuple[str, Stamp, Stamp]] = []
         self.ready: Stamp | None = None  # this rank's last gradient bucket, inside the open section
         self.in_section = False
+        self.in_collective = False  # a collective inside the open section: waiting until it ends
 
     def _stamp(self, at: float | None = None) -> Stamp:
         if not self.cuda:
@@ -74,17 +77,27 @@ class TimeSplit:
             return
         outer = self.kind
         self._switch(kind, self._stamp())
-        self.in_section, self.ready = True, None
+        self.in_section, self.ready, self.in_collective = True, None, False
         try:
             yield
         finally:
-            self.in_section = False
+            self.in_section = self.in_collective = False
             # what follows this rank's last gradient is the all-reduce: the outer phase's (waiting)
             self._switch(outer, self.ready if self.ready is not None else self._stamp())
 
     def gradients_ready(self) -> None:
         if self.in_section:
             self.ready = self._stamp()
+
+    def collective_starts(self) -> None:
+        if self.in_section and self.kind == "compute":
+            self._switch("wait", self._stamp())
+            self.in_collective = True
+
+    def collective_ends(self) -> None:
+        if self.in_collective:
+            self._switch("compute", self._stamp())
+            self.in_collective = False
 
     def close(self, *, at: float) -> dict[str, float]:
         """Seconds per part since the last close (or start), up to `at` (perf_counter, taken after a
@@ -129,6 +142,19 @@ def gradients_ready() -> None:
     """A gradient bucket of this rank is complete (DDP's comm hook): its own backward got this far."""
     if _split is not None:
         _split.gradients_ready()
+
+
+def collective_starts() -> None:
+    """A collective inside a compute section begins: waiting, until `collective_ends` (a repeated start
+    is one wait; outside a compute section both do nothing)."""
+    if _split is not None:
+        _split.collective_starts()
+
+
+def collective_ends() -> None:
+    """The collective `collective_starts` marked is over: compute again (no-op when none is open)."""
+    if _split is not None:
+        _split.collective_ends()
 
 
 def close(*, at: float) -> dict[str, float]:

@@ -22,13 +22,17 @@ DistributedDataParallel takes no DTensor parameters (its first broadcast has no 
 its private TP route (`tensor.parallel.ddp._pre_dp_module_transform`) leaves the module without
 parameters after one forward (tests/parallel/test_tensor_parallel.py checks both on the installed torch).
 
+Time split (metrics/time_split.py): `mark_collectives` counts each module's all-gathers and
+reduce-scatters as waiting, not compute, from hooks around FSDP's own.
+
 Mixed precision: by default FSDP casts nothing (autocast computes in bf16/fp16 exactly as
 with ddp) and reduces in fp32, so fsdp and ddp run the same arithmetic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrun.config.schema import Config, ParallelConfig
 from meshrun.hardware.precision import DTYPES
+from meshrun.metrics import time_split
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.mesh import Mesh
 
@@ -64,8 +69,62 @@ def wrap_fsdp(part: ProtocolModule, mesh: Mesh, par: ParallelConfig) -> nn.Modul
     }
     for block in part.blocks.values():
         fully_shard(block, **options)
+        mark_collectives(block)
     fully_shard(part, **options)
+    mark_collectives(part)
     return part
+
+
+def mark_collectives(module: nn.Module) -> None:
+    """Count `module`'s FSDP all-gathers and reduce-scatters as waiting in the time split.
+
+    FSDPModule has no hook around its collectives; these public hooks bracket FSDP's own, and so rely
+    on where fully_shard (torch 2.13) puts them: its pre-forward hook (the all-gather) is prepended
+    at fully_shard, so one of ours prepended after it runs first and one appended runs last; its
+    forward hook hangs the backward's all-gather on the outputs as a tensor hook, between ours from
+    a prepended and an appended forward hook; its reduce-scatter runs in the backward of the node its
+    pre-forward wraps the inputs in, so a hook on the wrapped input starts that wait and one on the
+    input itself ends it. Outside (compute): torch's end-of-backward callback, which reduce-scatters a
+    root whose inputs take no gradient (token ids) and, on CUDA, waits for the reduce-scatters in
+    flight. tests/metrics/test_time_split.py (fsdp2) fails if these stop bracketing them."""
+    unwrapped: list[torch.Tensor] = []  # this forward's inputs, as FSDP's pre-forward found them
+
+    def before_unshard(_: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        time_split.collective_starts()
+        unwrapped[:] = _grad_tensors((*args, *kwargs.values()))
+        _hook_each(unwrapped, _wait_ends)  # its gradient is complete: the reduce-scatter is over
+
+    def after_unshard(_: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        time_split.collective_ends()
+        wrapped = [t for t in _grad_tensors((*args, *kwargs.values())) if all(t is not u for u in unwrapped)]
+        _hook_each(wrapped, _wait_starts)  # the backward reached FSDP's node: the reduce-scatter is next
+        unwrapped.clear()
+
+    module.register_forward_pre_hook(before_unshard, prepend=True, with_kwargs=True)
+    module.register_forward_pre_hook(after_unshard, with_kwargs=True)
+    module.register_forward_hook(lambda _, __, out: _hook_each(_grad_tensors((out,)), _wait_starts), prepend=True)
+    module.register_forward_hook(lambda _, __, out: _hook_each(_grad_tensors((out,)), _wait_ends))
+
+
+def _grad_tensors(values: Sequence[Any]) -> list[torch.Tensor]:
+    """The tensors among `values` (and tuples of them: the encoder-decoder's state) that take a gradient."""
+    if not torch.is_grad_enabled():
+        return []
+    flat = [v for value in values for v in (value if isinstance(value, tuple | list) else (value,))]
+    return [v for v in flat if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+def _hook_each(tensors: list[torch.Tensor], hook: Callable[[torch.Tensor], None]) -> None:
+    for tensor in tensors:
+        tensor.register_hook(hook)
+
+
+def _wait_starts(_: torch.Tensor) -> None:
+    time_split.collective_starts()
+
+
+def _wait_ends(_: torch.Tensor) -> None:
+    time_split.collective_ends()
 
 
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
