@@ -46,6 +46,15 @@ HF_LLAMA = {
     "num_attention_heads": 4,
     "vocab_size": 256,
 }
+HF_GPT2 = {
+    "model_type": "gpt2",
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 4,
+    "vocab_size": 256,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
 # internal names a user must never see in an error line
 INTERNAL_WORDS = re.compile(r"[A-Z]\w*Config\b|instance of|Field required|model\.factory gpt\b")
 
@@ -620,16 +629,33 @@ CASES = [
         ],
         ("num_key_value_heads in", "m/config.json (2) must be divisible by parallel.tp (4)"),
     ),
-    Case(  # transformers slices Phi-3's fused qkv_proj by the config's head counts
+    Case(  # transformers slices GPT-2's fused c_attn (a Conv1D) by the config's head counts
         "tp-hf-fused-projections",
         lambda c: [
             "train",
             *c.set(
-                model__hf_config={**HF_LLAMA, "model_type": "phi3", "pad_token_id": 0, "eos_token_id": 1},
+                model__hf_config=HF_GPT2,
                 parallel__tp=2,
             ),
         ],
-        ("parallel.tp 2: phi3 fuses its projections (qkv_proj and gate_up_proj)", "set parallel.tp=1", "llama"),
+        ("parallel.tp 2: gpt2 fuses its projections (c_attn, a Conv1D of q, k and v)", "set parallel.tp=1", "phi3"),
+    ),
+    Case(  # Phi-3's fused projections split by their parts: whole kv heads per rank, as for Llama
+        "tp-does-not-divide-phi3-kv-heads",
+        lambda c: [
+            "train",
+            *c.set(
+                model__hf_config={
+                    **HF_LLAMA,
+                    "model_type": "phi3",
+                    "num_key_value_heads": 2,
+                    "pad_token_id": 0,
+                    "eos_token_id": 1,
+                },
+                parallel__tp=4,
+            ),
+        ],
+        ("num_key_value_heads in model.hf_config (2) must be divisible by parallel.tp (4)",),
     ),
     Case(
         "profile-steps-after-the-last",

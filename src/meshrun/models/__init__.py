@@ -28,6 +28,8 @@ functions of the same name there, which fall back to the default when a model la
 - `tp_plan()`: module-path patterns -> tensor-parallel style names (`protocol.TP_STYLES`: colwise,
   rowwise, vocab_embedding, vocab_head, ...; scatter, norm, gather for sequence parallel) that
   `parallel.tp > 1` applies (default: None, tp > 1 refused).
+- `tp_local(tp)`: before the plan splits it, sizes a forward reads as numbers become one tp rank's
+  share (e.g. head counts used to slice a fused projection; default: nothing).
 
 Subclassing `meshrun.models.protocol.StagedModel` provides that forward; `ModelProtocol` there
 is the protocol as a type, and `meshrun.models.families.build_model` returns a `ProtocolModule` (nn.Module + protocol).

@@ -8,6 +8,8 @@ layout per family, not per class (its facts: `hf_config.LAYOUTS`):
 - llama (llama, mistral, qwen2, qwen3, phi3, olmo2): `model.embed_tokens`, `model.layers[i]`, `model.norm`,
   `lm_head`; rotary position embeddings are computed once per stage forward (transformers
   computes them at model level, which a pipeline stage does not run) and passed to each layer.
+  Phi-3's fused `qkv_proj` and `gate_up_proj` are held as their parts (`FusedParts`), whatever
+  the layout, so checkpoints name the same tensors at every tp.
 - gpt2: `transformer.wte` + `wpe` (learned positions), `transformer.h[i]`, `ln_f`, `lm_head`.
 
 Layers get no attention mask: sdpa then takes its `is_causal` path, so no (seq x seq) mask is
@@ -18,8 +20,10 @@ first stage (`parallel/tied.py` keeps the two copies equal).
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +31,15 @@ from torch import nn
 
 from meshrun.config.model_sections import HFSection
 from meshrun.errors import ConfigError
-from meshrun.models.hf_config import FUSED_PROJECTIONS, LAYOUT_OF, QK_NORMS, check_fits, hf_dir, load_hf_config
+from meshrun.models.hf_config import (
+    FUSED_PARTS,
+    FUSED_PROJECTIONS,
+    LAYOUT_OF,
+    QK_NORMS,
+    check_fits,
+    hf_dir,
+    load_hf_config,
+)
 from meshrun.models.hf_weights import check_shapes, has_weights, load_weights
 from meshrun.models.init import seeded_normal_
 from meshrun.models.protocol import StagedModel
@@ -55,6 +67,33 @@ class TiedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self._embedding[0].weight)  # (B, T, V)
+
+
+class FusedParts(nn.Module):
+    """A fused projection held as its parts, one Linear each (Phi-3's qkv_proj as q, k, v; its
+    gate_up_proj as gate, up): the forward concatenates their outputs, which is the fused Linear's
+    output, so transformers' forward slices it as before. A column split of each part keeps whole
+    heads where one of the fused matrix would cut across q, k and v; the Hugging Face files hold
+    the fused tensor (`HFCausalLM.hf_tensors` says which parts make it)."""
+
+    def __init__(self, fused: nn.Linear, **rows: int) -> None:
+        super().__init__()
+        assert sum(rows.values()) == fused.out_features, (rows, fused.out_features)
+        like = {"bias": fused.bias is not None, "device": fused.weight.device, "dtype": fused.weight.dtype}
+        for name, size in rows.items():
+            self.add_module(name, nn.Linear(fused.in_features, size, **like))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.children()], dim=-1)
+
+
+def _hold_parts(layer: Any, config: Any) -> None:
+    """Phi-3's fused projections as FusedParts, rows in transformers' order: q, k, v (sized as its
+    attention slices them: the config's heads and the module's kv heads), then gate and up halves."""
+    attn, mlp = layer.self_attn, layer.mlp
+    q, kv = config.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
+    attn.qkv_proj = FusedParts(attn.qkv_proj, q=q, k=kv, v=kv)
+    mlp.gate_up_proj = FusedParts(mlp.gate_up_proj, gate=config.intermediate_size, up=config.intermediate_size)
 
 
 class WithPositions(nn.Module):
@@ -98,6 +137,9 @@ class HFCausalLM(StagedModel):
             embedding = base.wte
             self.norm = base.ln_f
         self.blocks = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
+        if self.hf_config.model_type in FUSED_PARTS:
+            for layer in layers:
+                _hold_parts(layer, self.hf_config)
         self.head: nn.Module | None = TiedHead(embedding) if self.tied else hf.lm_head
 
     @property
@@ -108,28 +150,45 @@ class HFCausalLM(StagedModel):
     def tp_plan(self) -> dict[str, str] | None:
         """Megatron's split of transformers' own layers: q, k, v and the gated MLP's gate and up by
         columns (whole heads, whole kv heads per rank: the attention reshapes with -1 heads and a
-        group ratio that the split keeps), o and down by rows, the vocabulary in embedding and
-        head. Qwen3's q/k norms run per head on this rank's heads; OLMo 2's normalise the whole
-        projected width, so q and k are gathered for them and they hand on this rank's heads.
-        None for fused projections (refused before spawn)."""
+        group ratio that the split keeps; Phi-3's fused ones by their parts, see `tp_local`), o and
+        down by rows, the vocabulary in embedding and head. Qwen3's q/k norms run per head on this
+        rank's heads; OLMo 2's normalise the whole projected width, so q and k are gathered for
+        them and they hand on this rank's heads. None for GPT-2's fused Conv1D (refused before spawn)."""
         model_type = self.hf_config.model_type
         if model_type in FUSED_PROJECTIONS:
             return None
         whole_width = model_type in QK_NORMS and QK_NORMS[model_type] == "whole_width"
         attn, mlp = "blocks.*.self_attn.", "blocks.*.mlp."
+        fused = model_type in FUSED_PARTS
+        q, k, v = (f"{attn}qkv_proj.{p}" if fused else f"{attn}{p}_proj" for p in "qkv")
+        gate, up = (f"{mlp}gate_up_proj.{p}" if fused else f"{mlp}{p}_proj" for p in ("gate", "up"))
         plan = {
             "embed": "vocab_embedding",
-            **{f"{attn}{name}_proj": "colwise_gathered" if whole_width else "colwise" for name in "qk"},
-            f"{attn}v_proj": "colwise",
+            **{name: "colwise_gathered" if whole_width else "colwise" for name in (q, k)},
+            v: "colwise",
             f"{attn}o_proj": "rowwise",
-            f"{mlp}gate_proj": "colwise",
-            f"{mlp}up_proj": "colwise",
+            gate: "colwise",
+            up: "colwise",
             f"{mlp}down_proj": "rowwise",
             "head": "tied_vocab_head" if self.tied else "vocab_head",
         }
         if model_type in QK_NORMS:
             plan |= {f"{attn}{name}_norm": "sliced_output" if whole_width else "per_head" for name in "qk"}
         return plan
+
+    def tp_local(self, tp: int) -> None:
+        """This stage runs as one of `tp` ranks: Phi-3's attention slices its q, k, v output by the
+        config's head count and its own kv head count, so each attention gets one rank's share (a
+        copy of the config; the group ratio stays). The other layouts reshape with -1 heads."""
+        if self.hf_config.model_type not in FUSED_PARTS or not len(self.blocks):
+            return
+        attentions: list[Any] = [block.self_attn for block in self.blocks.values()]  # transformers' modules
+        local = copy.copy(attentions[0].config)
+        local.num_attention_heads //= tp
+        local.num_key_value_heads //= tp
+        for attn in attentions:
+            attn.config = local
+            attn.num_key_value_heads //= tp
 
     def keep_stage(self, *, first: bool, last: bool) -> None:
         """Drop the parts another stage owns; a tied last stage keeps only the embedding matrix."""
@@ -168,8 +227,19 @@ class HFCausalLM(StagedModel):
         return rotary(x, positions)  # (cos, sin), each (1, T, head_dim)
 
     def hf_names(self, name: str) -> list[str]:
-        """Hugging Face keys for one of our tensor names, most likely first."""
+        """Hugging Face keys for one of our tensor names (or a fused projection's, see `hf_tensors`), most likely first."""
         return self.layout.hf_names(name, tied=self.tied)
+
+    def hf_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Our tensors grouped as the Hugging Face files hold them, by our name: one tensor each,
+        but a fused projection's parts (their rows in order) under the fused module's name."""
+        fused = {name for name, module in self.named_modules() if isinstance(module, FusedParts)}
+        grouped: dict[str, list[torch.Tensor]] = {}
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            module, _, param = name.rpartition(".")
+            owner = module.rpartition(".")[0]
+            grouped.setdefault(f"{owner}.{param}" if owner in fused else name, []).append(tensor)
+        return grouped
 
     def pretrained_dir(self) -> Path | None:
         """The directory whose weights this model starts from, per `model.init`."""
@@ -187,14 +257,14 @@ class HFCausalLM(StagedModel):
         """Before spawning: the weights this model would load exist with the shapes config.json gives."""
         path = self.pretrained_dir()
         if path is not None:
-            check_shapes(self, self.hf_names, path)
+            check_shapes(self.hf_tensors(), self.hf_names, path)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Pretrained tensors of the parts present, or a seeded init per parameter name (layout independent)."""
         path = self.pretrained_dir()
         if path is not None:
-            load_weights(self, self.hf_names, path)
+            load_weights(self.hf_tensors(), self.hf_names, path)
             return
         std = self.hf_config.initializer_range
         depth_std = std / math.sqrt(2 * self.hf_config.num_hidden_layers)

@@ -78,10 +78,13 @@ LAYOUTS = (
 )
 LAYOUT_OF = {model_type: layout for layout in LAYOUTS for model_type in layout.model_types}
 """model_type -> its layout: the supported Hugging Face families."""
-FUSED_PROJECTIONS = {"phi3": "qkv_proj and gate_up_proj", "gpt2": "c_attn, a Conv1D of q, k and v"}
+FUSED_PROJECTIONS = {"gpt2": "c_attn, a Conv1D of q, k and v"}
 """Model types whose layers slice one fused projection by the config's head counts (transformers'
 forward, which meshrun runs as it is): a column split would cut across q, k and v, so tensor
 parallelism refuses them."""
+FUSED_PARTS = ("phi3",)
+"""Model types whose fused projections (Phi-3's qkv_proj, gate_up_proj) meshrun holds as their
+parts at every tp (models/hf.py's FusedParts), so a column split of each part keeps whole heads."""
 QK_NORMS = {"qwen3": "per_head", "olmo2": "whole_width"}
 """Model types with q_norm / k_norm, and what they normalise: each head, or the whole projected width."""
 TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
@@ -221,7 +224,8 @@ def _check_family(model_type: object, key: str) -> None:
 
 def tp_splits(cfg: HFSection, tp: int) -> dict[str, int]:
     """The sizes tensor parallelism divides among `tp` ranks (whole heads, whole kv heads, the MLP
-    width), by where each is set; a layout with fused projections is refused in one line."""
+    width: also the sizes of Phi-3's fused q, k, v and gate, up parts), by where each is set; a
+    layout with fused projections meshrun does not split into parts is refused in one line."""
     config = load_hf_config(cfg)
     if config.model_type in FUSED_PROJECTIONS:
         works = sorted(set(LAYOUT_OF) - set(FUSED_PROJECTIONS))

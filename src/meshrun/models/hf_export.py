@@ -39,7 +39,10 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | Non
     model = cast(HFCausalLM, model)  # what the hf family builds (models/families.py)
     if out.exists():
         raise ConfigError(f"{out} already exists; choose another --hf folder")
-    state = {model.hf_names(name)[0]: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    state = {  # a fused projection's parts joined back into transformers' one tensor (others not copied)
+        model.hf_names(name)[0]: torch.cat(parts).detach() if len(parts) > 1 else parts[0].detach().contiguous()
+        for name, parts in model.hf_tensors().items()
+    }
     config = model.hf_config
     config.architectures = [model.hf_class_name]
     config.dtype = torch.float32

@@ -1,9 +1,10 @@
 """Pretrained safetensors weights, read per stage: each rank opens the files it needs and reads
 only the tensors its stage owns (safetensors maps the file; nothing else is loaded).
 
-A model names its tensors with `hf_names(name)`: the Hugging Face keys to try, in order (a tied
-embedding may be stored as the input embedding or as lm_head; old GPT-2 files lack the
-`transformer.` prefix).
+A model hands its tensors grouped as the files hold them (`tensors`: our name -> the tensors whose
+rows, in order, make that file tensor: one, or a fused projection's parts) and names them with
+`hf_names(name)`: the Hugging Face keys to try, in order (a tied embedding may be stored as the
+input embedding or as lm_head; old GPT-2 files lack the `transformer.` prefix).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from meshrun.errors import ConfigError
 from meshrun.files.json_reader import read_json
@@ -55,39 +55,53 @@ def _locate(name: str, candidates: list[str], index: dict[str, Path], model_dir:
     )
 
 
+Tensors = dict[str, list[torch.Tensor]]
+"""Our name -> the tensors whose rows, in order, make one tensor of the files."""
+
+
 def _by_file(
-    module: nn.Module, hf_names: Callable[[str], list[str]], model_dir: Path
-) -> dict[Path, list[tuple[str, str, torch.Tensor]]]:
-    """(local name, file key, tensor) grouped by file, for every tensor `module` holds."""
+    tensors: Tensors, hf_names: Callable[[str], list[str]], model_dir: Path
+) -> dict[Path, list[tuple[str, list[torch.Tensor]]]]:
+    """(file key, our tensors) grouped by file."""
     index = weight_index(model_dir)
-    grouped: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    grouped: dict[Path, list[tuple[str, list[torch.Tensor]]]] = {}
+    for name, parts in tensors.items():
         key, file = _locate(name, hf_names(name), index, model_dir)
-        grouped.setdefault(file, []).append((name, key, tensor))
+        grouped.setdefault(file, []).append((key, parts))
     return grouped
 
 
-def check_shapes(module: nn.Module, hf_names: Callable[[str], list[str]], model_dir: Path) -> None:
+def _joined_shape(parts: list[torch.Tensor]) -> tuple[int, ...]:
+    if len(parts) == 1:
+        return tuple(parts[0].shape)
+    return (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+
+
+def check_shapes(tensors: Tensors, hf_names: Callable[[str], list[str]], model_dir: Path) -> None:
     """Every tensor the (meta) model needs exists in the files with the same shape; reads headers only."""
     from safetensors import safe_open
 
-    for file, entries in _by_file(module, hf_names, model_dir).items():
+    for file, entries in _by_file(tensors, hf_names, model_dir).items():
         with safe_open(file, "pt", device="cpu") as f:
-            for _name, key, tensor in entries:
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != tuple(tensor.shape):
+            for key, parts in entries:
+                shape, ours = tuple(f.get_slice(key).get_shape()), _joined_shape(parts)
+                if shape != ours:
                     raise ConfigError(
                         f"model.hf {model_dir}: tensor {key} in {file.name} has shape {list(shape)}, but config.json "
-                        f"makes it {list(tensor.shape)}; the weights and config.json disagree"
+                        f"makes it {list(ours)}; the weights and config.json disagree"
                     )
 
 
 @torch.no_grad()
-def load_weights(module: nn.Module, hf_names: Callable[[str], list[str]], model_dir: Path) -> None:
-    """Copy this module's tensors from the files, one tensor at a time (cast to the parameter dtype)."""
+def load_weights(tensors: Tensors, hf_names: Callable[[str], list[str]], model_dir: Path) -> None:
+    """Copy our tensors from the files, one file tensor at a time, a fused one split by rows into
+    its parts (cast to the parameter dtype)."""
     from safetensors import safe_open
 
-    for file, entries in _by_file(module, hf_names, model_dir).items():
+    for file, entries in _by_file(tensors, hf_names, model_dir).items():
         with safe_open(file, "pt", device="cpu") as f:
-            for _, key, tensor in entries:
-                tensor.copy_(f.get_tensor(key))
+            for key, parts in entries:
+                stored = f.get_tensor(key)
+                rows = stored.split([p.shape[0] for p in parts]) if len(parts) > 1 else [stored]
+                for part, values in zip(parts, rows, strict=True):
+                    part.copy_(values)

@@ -58,6 +58,8 @@ class OptionalHooks(Protocol):
 
     def tp_plan(self) -> dict[str, str] | None: ...
 
+    def tp_local(self, tp: int) -> None: ...
+
 
 def keep_stage(model: ProtocolModule, *, first: bool, last: bool) -> None:
     """Drop the parts another pipeline stage owns (its blocks are already gone). Default: `embed`
@@ -131,6 +133,16 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
     applies it. Default: None, the model cannot be split (parallel.tp > 1 is refused)."""
     hook = getattr(model, "tp_plan", None)
     return hook() if hook is not None else None
+
+
+def tp_local(model: nn.Module, tp: int) -> None:
+    """Before its plan splits it: the model (a stage) runs as one of `tp` ranks, so a module that
+    holds a size as a number where its forward needs this rank's share takes that share (Phi-3's
+    attention slices its fused q, k, v output by head counts). Default: nothing, for forwards that
+    reshape with -1 heads."""
+    hook = getattr(model, "tp_local", None)
+    if hook is not None:
+        hook(tp)
 
 
 class StagedModel(ProtocolModule):

@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshrun.errors import ConfigError
-from meshrun.models.protocol import TP_STYLES, tp_plan
+from meshrun.models.protocol import TP_STYLES, tp_local, tp_plan
 from meshrun.parallel.loss_fn import LossFn
 
 STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
@@ -159,6 +159,7 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
     values: each keeps its slice, so a shard equals that slice of what one process draws."""
     plan = tp_plan(part)
     assert plan is not None  # check_plan refused tp > 1 without one
+    tp_local(part, tp_mesh.size())
     styles = SEQUENCE_STYLES if sequence_parallel else STYLES
     names = [name for name, _ in part.named_modules()]
     concrete = {
