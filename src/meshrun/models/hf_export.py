@@ -8,6 +8,7 @@ so that `AutoTokenizer.from_pretrained` reads the ids the model learned.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -43,7 +44,7 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | Non
         model.hf_names(name)[0]: torch.cat(parts).detach() if len(parts) > 1 else parts[0].detach().contiguous()
         for name, parts in model.hf_tensors().items()
     }
-    config = model.hf_config
+    config = copy.deepcopy(model.hf_config)  # the model's is shared (load_hf_config caches it): not changed
     config.architectures = [model.hf_class_name]
     config.dtype = torch.float32
     tmp = temporary_name(out)  # this process's own: a folder named OUT.tmp may be the user's
