@@ -990,23 +990,10 @@ CASES = [
         ],
         ("parallel.sequence_parallel: model.factory mt_nosp:build's tp_plan has no scatter", "sequence_parallel=false"),
     ),
-    Case(  # a style with no sequence-parallel form (here the tied head) is refused under it
-        "sequence-parallel-plan-with-a-whole-style",
-        lambda c: [
-            *_module(
-                "mt_tiedsp",
-                "from meshrun.models.gpt import GPT\n\n\nclass Tied(GPT):\n"
-                "    def tp_plan(self):\n        return {**super().tp_plan(), 'head': 'tied_vocab_head'}\n\n\n"
-                "def build(cfg):\n    return Tied(cfg)\n",
-                "mt_tiedsp:build",
-            )(c),
-            "--set=parallel.tp=2",
-            "--set=parallel.sequence_parallel=true",
-        ],
-        (
-            "mt_tiedsp:build's tp_plan uses tied_vocab_head, which has no sequence-parallel form",
-            "sequence_parallel=false",
-        ),
+    Case(  # the encoder-decoder's plan has no sequence-parallel styles yet: refused, naming it
+        "sequence-parallel-encdec",
+        lambda c: ["train", *c.set(parallel__tp=2, parallel__sequence_parallel=True, model__name="encdec")],
+        ("parallel.sequence_parallel: model.name encdec's tp_plan has no scatter", "sequence_parallel=false"),
     ),
     Case(
         "factory-sys-exit",

@@ -28,6 +28,9 @@ functions of the same name there, which fall back to the default when a model la
 - `tp_plan()`: module-path patterns -> tensor-parallel style names (`protocol.TP_STYLES`: colwise,
   rowwise, vocab_embedding, vocab_head, ...; scatter, norm, gather for sequence parallel) that
   `parallel.tp > 1` applies (default: None, tp > 1 refused).
+- `sequence_shards`: written by meshrun under sequence parallel (tp): the hidden states a forward
+  receives hold 1/sequence_shards of the positions; a model deriving positions from their length
+  (rotary embeddings) multiplies by it.
 
 Subclassing `meshrun.models.protocol.StagedModel` provides that forward; `ModelProtocol` there
 is the protocol as a type, and `meshrun.models.families.build_model` returns a `ProtocolModule` (nn.Module + protocol).

@@ -70,6 +70,8 @@ class WithPositions(nn.Module):
 
 
 class HFCausalLM(StagedModel):
+    sequence_shards = 1  # hidden states hold 1/sequence_shards of the positions (models/protocol.py)
+
     def __init__(self, cfg: HFSection) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -111,14 +113,19 @@ class HFCausalLM(StagedModel):
         group ratio that the split keeps), o and down by rows, the vocabulary in embedding and
         head. Qwen3's q/k norms run per head on this rank's heads; OLMo 2's normalise the whole
         projected width, so q and k are gathered for them and they hand on this rank's heads.
-        None for fused projections (refused before spawn)."""
+        Under sequence parallel the RMSNorms run on a rank's positions, attention and the MLP
+        gather the whole sequence. None for fused projections (refused before spawn)."""
         model_type = self.hf_config.model_type
         if model_type in FUSED_PROJECTIONS:
             return None
         whole_width = model_type in QK_NORMS and QK_NORMS[model_type] == "whole_width"
         attn, mlp = "blocks.*.self_attn.", "blocks.*.mlp."
         plan = {
-            "embed": "vocab_embedding",
+            "embed": "vocab_embedding_scatter",
+            "blocks.*.*_layernorm": "norm",  # input/post-attention (OLMo 2: post-attention/feedforward)
+            "norm": "norm",
+            "blocks.*.self_attn": "gather_hidden_states",
+            "blocks.*.mlp": "gather",
             **{f"{attn}{name}_proj": "colwise_gathered" if whole_width else "colwise" for name in "qk"},
             f"{attn}v_proj": "colwise",
             f"{attn}o_proj": "rowwise",
@@ -164,7 +171,8 @@ class HFCausalLM(StagedModel):
         rotary = self._rotary[0]
         if rotary.inv_freq.device != x.device:
             rotary.to(x.device)
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        # attention runs on the whole sequence even where x holds a rank's positions (sequence parallel)
+        positions = torch.arange(x.shape[1] * self.sequence_shards, device=x.device).unsqueeze(0)
         return rotary(x, positions)  # (cos, sin), each (1, T, head_dim)
 
     def hf_names(self, name: str) -> list[str]:

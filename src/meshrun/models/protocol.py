@@ -48,6 +48,11 @@ class OptionalHooks(Protocol):
 
     tied_weight: str | None
 
+    sequence_shards: int
+    """Written by meshrun, not read: under sequence parallel the hidden states a forward receives
+    hold 1/sequence_shards of each sample's positions (parallel/tensor.py sets it to tp). A model
+    that derives positions from their length (rotary embeddings) multiplies by it."""
+
     def keep_stage(self, *, first: bool, last: bool) -> None: ...
 
     def standalone_blocks(self) -> list[nn.Module]: ...
@@ -104,6 +109,7 @@ TP_STYLES = (
     "colwise",
     "rowwise",
     "vocab_embedding",
+    "vocab_embedding_scatter",
     "vocab_head",
     "tied_vocab_head",
     "colwise_gathered",
@@ -112,6 +118,7 @@ TP_STYLES = (
     "scatter",
     "norm",
     "gather",
+    "gather_hidden_states",
 )
 
 
@@ -125,10 +132,12 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
     columns, as a colwise output; per_head: a module left whole that runs on this rank's heads,
     e.g. a per-head norm, whose weight gradient sums all heads). Three more say where activations
     are split by sequence under `parallel.sequence_parallel` (and do nothing without it): scatter
-    (the module whose output starts the split residual stream, e.g. the embedding), norm (a module
-    with weights that acts on each position alone), gather (a module that needs the whole sequence,
-    e.g. attention: its input is all-gathered). The model names the split; parallel/tensor.py
-    applies it. Default: None, the model cannot be split (parallel.tp > 1 is refused)."""
+    (the module whose output starts the split residual stream, e.g. the embedding; an embedding
+    whose output is that stream itself takes vocab_embedding_scatter), norm (a module with weights
+    that acts on each position alone), gather (a module that needs the whole sequence, e.g.
+    attention: its input is all-gathered; gather_hidden_states for one called with its input by
+    keyword `hidden_states`, as transformers' layers call their attention). The model names the
+    split; parallel/tensor.py applies it. Default: None, the model cannot be split (parallel.tp > 1 is refused)."""
     hook = getattr(model, "tp_plan", None)
     return hook() if hook is not None else None
 

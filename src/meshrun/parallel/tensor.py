@@ -52,6 +52,7 @@ STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "vocab_embedding_scatter": lambda: RowwiseParallel(input_layouts=Replicate()),  # splits only under SP
     "vocab_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     # a head that reads a vocab_embedding's matrix (tied): replicated hidden states in, logits left sharded
     "tied_vocab_head": lambda: PrepareModuleInput(
@@ -67,23 +68,35 @@ STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "scatter": None,  # sequence parallel's styles: nothing without it (norms left whole, below)
     "norm": None,
     "gather": None,
+    "gather_hidden_states": None,
 }
 assert tuple(STYLES) == TP_STYLES
 
 # Under sequence parallel, activations between the scatter and the head are split on dim 1 (B, T/tp, C).
-# The styles not here (a tied head, a gathered projection, per-head modules) have no sequence form yet:
-# check_plan refuses sequence parallel with a plan that uses them.
+# Inside a gather module the whole sequence is back: the styles used there keep their form.
 SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "colwise": ColwiseParallel,  # its input already gathered by the enclosing gather module
     "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter, not all-reduce
     "vocab_embedding": STYLES["vocab_embedding"],  # whole output: the embedding adds positions, then scatters
+    # the embedding's partial sums reduce-scattered to the positions (torchtitan's Llama embedding)
+    "vocab_embedding_scatter": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     "vocab_head": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    "tied_vocab_head": lambda: PrepareModuleInput(
+        input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=False
+    ),
+    "colwise_gathered": STYLES["colwise_gathered"],  # inside a gathered attention
+    "sliced_output": STYLES["sliced_output"],
+    "per_head": STYLES["per_head"],
     "scatter": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
     "norm": lambda: SequenceParallel(use_local_output=True),  # weight gradients summed over the positions' ranks
     # a DTensor input: its q, k, v (fc) gradients sum as partials, reduce-scattered once
     "gather": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "gather_hidden_states": lambda: PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+    ),
 }
-assert set(SEQUENCE_STYLES) <= set(TP_STYLES)
+assert tuple(SEQUENCE_STYLES) == TP_STYLES
+SCATTERS = ("scatter", "vocab_embedding_scatter")  # where a plan's split by sequence starts
 
 
 # The dimension each style splits, per parameter name (others of the module stay whole)
@@ -91,6 +104,7 @@ SPLIT_DIMS: dict[str, dict[str, int]] = {
     "colwise": {"weight": 0, "bias": 0},
     "rowwise": {"weight": 1},
     "vocab_embedding": {"weight": 0},
+    "vocab_embedding_scatter": {"weight": 0},
     "vocab_head": {"weight": 0, "bias": 0},
     "tied_vocab_head": {},
     "colwise_gathered": {"weight": 0, "bias": 0},
@@ -99,6 +113,7 @@ SPLIT_DIMS: dict[str, dict[str, int]] = {
     "scatter": {},
     "norm": {},
     "gather": {},
+    "gather_hidden_states": {},
 }
 assert tuple(SPLIT_DIMS) == TP_STYLES
 
@@ -135,15 +150,10 @@ def check_plan(model: nn.Module, tp: int, source: str, *, sequence_parallel: boo
             f"parallel.tp {tp}: {source} declares no tensor-parallel plan (tp_plan); "
             "give the model a tp_plan, use model.name gpt or encdec, or set parallel.tp=1"
         )
-    if sequence_parallel and "scatter" not in plan.values():
+    if sequence_parallel and not set(SCATTERS) & set(plan.values()):
         raise ConfigError(
             f"parallel.sequence_parallel: {source}'s tp_plan has no scatter, norm and gather styles "
             "(where activations are split by sequence); set parallel.sequence_parallel=false"
-        )
-    if sequence_parallel and (whole := sorted(set(plan.values()) - set(SEQUENCE_STYLES))):
-        raise ConfigError(
-            f"parallel.sequence_parallel: {source}'s tp_plan uses {', '.join(whole)}, which has no "
-            "sequence-parallel form; set parallel.sequence_parallel=false"
         )
     names = [name for name, _ in model.named_modules()]
     for pattern, style in plan.items():
@@ -169,6 +179,8 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
         if fnmatch(name, pattern)
     }
     parallelize_module(part, tp_mesh, concrete)
+    if sequence_parallel:  # what a stage's forward receives holds 1/tp of the positions (protocol.py)
+        part.sequence_shards = tp_mesh.size()
     for param in part.parameters():
         if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
             param.register_hook(partial(_sharded_like_param, placements=param.placements))
