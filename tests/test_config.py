@@ -990,10 +990,20 @@ CASES = [
         ],
         ("parallel.sequence_parallel: model.factory mt_nosp:build's tp_plan has no scatter", "sequence_parallel=false"),
     ),
-    Case(  # the encoder-decoder's plan has no sequence-parallel styles yet: refused, naming it
-        "sequence-parallel-encdec",
-        lambda c: ["train", *c.set(parallel__tp=2, parallel__sequence_parallel=True, model__name="encdec")],
-        ("parallel.sequence_parallel: model.name encdec's tp_plan has no scatter", "sequence_parallel=false"),
+    Case(  # the encoder-decoder splits its source and its target by position
+        "sequence-parallel-encdec-source-does-not-divide",
+        lambda c: [
+            "train",
+            *c.set(parallel__tp=2, parallel__sequence_parallel=True, model__name="encdec", model__source_len=7),
+        ],
+        ("model.source_len (7) must be divisible by parallel.tp (2) under parallel.sequence_parallel",),
+        torch_free=True,
+    ),
+    Case(  # a length bucket's batches are split by position too
+        "sequence-parallel-bucket-does-not-divide",
+        lambda c: ["train", *c.set(parallel__tp=2, parallel__sequence_parallel=True, data__buckets=[7])],
+        ("data.buckets[0] (7) must be divisible by parallel.tp (2) under parallel.sequence_parallel",),
+        torch_free=True,
     ),
     Case(
         "factory-sys-exit",

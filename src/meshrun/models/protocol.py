@@ -119,6 +119,9 @@ TP_STYLES = (
     "norm",
     "gather",
     "gather_hidden_states",
+    "scatter_state",
+    "gather_pair",
+    "norm_state",
 )
 
 
@@ -136,8 +139,10 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
     whose output is that stream itself takes vocab_embedding_scatter), norm (a module with weights
     that acts on each position alone), gather (a module that needs the whole sequence, e.g.
     attention: its input is all-gathered; gather_hidden_states for one called with its input by
-    keyword `hidden_states`, as transformers' layers call their attention). The model names the
-    split; parallel/tensor.py applies it. Default: None, the model cannot be split (parallel.tp > 1 is refused)."""
+    keyword `hidden_states`, as transformers' layers call their attention). For a state tuple
+    (encdec's: encoder hidden, decoder hidden, source mask): scatter_state, gather_pair (two
+    hidden-state inputs: cross-attention's queries and memory), norm_state (a norm taking the
+    state). The model names the split; parallel/tensor.py applies it. Default: None, the model cannot be split (parallel.tp > 1 is refused)."""
     hook = getattr(model, "tp_plan", None)
     return hook() if hook is not None else None
 

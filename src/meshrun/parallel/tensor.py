@@ -14,7 +14,9 @@ Sequence parallel (`parallel.sequence_parallel`, Megatron's): the residual strea
 position from the embedding's output to the head's input, so norms and dropout hold 1/tp of the
 activations; a row-parallel output is reduce-scattered to the positions instead of all-reduced, and
 attention and the MLP all-gather their input (together the bytes of the all-reduce they replace).
-The plan's scatter, norm and gather styles say where; pipeline stages pass a rank's positions.
+The plan's scatter, norm and gather styles (and their variants for an embedding, a keyword input,
+a state tuple) say where; pipeline stages pass a rank's positions, and the stage is told the split
+(`sequence_shards`) so rotary embeddings still cover the whole sequence attention gathers.
 
 Parameters the plan leaves whole (norms, position embeddings) become replicated DTensors, so every
 parameter of a tp stage is a DTensor on one mesh: fused AdamW, clipping and the fp16 scaler run
@@ -48,6 +50,22 @@ from meshrun.errors import ConfigError
 from meshrun.models.protocol import TP_STYLES, tp_plan
 from meshrun.parallel.loss_fn import LossFn
 
+
+class StateNorm(ParallelStyle):
+    """SequenceParallel for a norm called with the model's state tuple (torch's takes one tensor):
+    its weights replicated, the state's hidden states marked split by position, so the weights'
+    gradients sum over the positions' ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # torch annotates the hooks as returning None but uses what they return (as nn.Module hooks do)
+        return distribute_module(
+            module,
+            device_mesh,
+            input_fn=_sequence_inputs,  # pyright: ignore[reportArgumentType]
+            output_fn=_local_outputs,  # pyright: ignore[reportArgumentType]
+        )
+
+
 STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
@@ -69,6 +87,9 @@ STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "norm": None,
     "gather": None,
     "gather_hidden_states": None,
+    "scatter_state": None,
+    "gather_pair": None,
+    "norm_state": None,
 }
 assert tuple(STYLES) == TP_STYLES
 
@@ -94,9 +115,17 @@ SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "gather_hidden_states": lambda: PrepareModuleInput(
         input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
     ),
+    # a state (encoder hidden, decoder hidden, source mask): both hidden states split, the mask whole
+    "scatter_state": lambda: PrepareModuleOutput(
+        output_layouts=(Replicate(), Replicate(), None), desired_output_layouts=(Shard(1), Shard(1), None)
+    ),
+    "gather_pair": lambda: PrepareModuleInput(
+        input_layouts=(Shard(1), Shard(1)), desired_input_layouts=(Replicate(), Replicate())
+    ),
+    "norm_state": lambda: StateNorm(),
 }
 assert tuple(SEQUENCE_STYLES) == TP_STYLES
-SCATTERS = ("scatter", "vocab_embedding_scatter")  # where a plan's split by sequence starts
+SCATTERS = ("scatter", "vocab_embedding_scatter", "scatter_state")  # where a plan's split by sequence starts
 
 
 # The dimension each style splits, per parameter name (others of the module stay whole)
@@ -114,6 +143,9 @@ SPLIT_DIMS: dict[str, dict[str, int]] = {
     "norm": {},
     "gather": {},
     "gather_hidden_states": {},
+    "scatter_state": {},
+    "gather_pair": {},
+    "norm_state": {},
 }
 assert tuple(SPLIT_DIMS) == TP_STYLES
 
@@ -180,7 +212,7 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
     }
     parallelize_module(part, tp_mesh, concrete)
     if sequence_parallel:  # what a stage's forward receives holds 1/tp of the positions (protocol.py)
-        part.sequence_shards = tp_mesh.size()
+        setattr(part, "sequence_shards", tp_mesh.size())  # noqa: B010 (nn.Module types its attributes as tensors or modules)
     for param in part.parameters():
         if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
             param.register_hook(partial(_sharded_like_param, placements=param.placements))
@@ -212,6 +244,19 @@ def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tu
         if isinstance(x, tuple)
         else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _sequence_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """The hidden states among a module's inputs (a tuple's too) as split by position; integer
+    tensors (a mask) stay as they are."""
+    return tuple(
+        _sequence_inputs(module, x, mesh)
+        if isinstance(x, tuple)
+        else DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, DTensor)
         else x
         for x in inputs
     )
