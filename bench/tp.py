@@ -126,7 +126,9 @@ def embedding_share(args: argparse.Namespace) -> float:
     with torch.device("meta"):
         model = build_model(cfg.model)
     plan = tp_plan(model) or {}
-    vocab = {name for name, style in plan.items() if style in ("vocab_embedding", "vocab_head")}
+    vocab = {
+        name for name, style in plan.items() if style in ("vocab_embedding", "vocab_embedding_scatter", "vocab_head")
+    }
     total = sum(p.numel() for p in model.parameters())
     return sum(p.numel() for name, p in model.named_parameters() if name.rsplit(".", 1)[0] in vocab) / total
 

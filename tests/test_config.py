@@ -1016,23 +1016,20 @@ CASES = [
         ],
         ("parallel.sequence_parallel: model.factory mt_nosp:build's tp_plan has no scatter", "sequence_parallel=false"),
     ),
-    Case(  # a style with no sequence-parallel form (here the tied head) is refused under it
-        "sequence-parallel-plan-with-a-whole-style",
+    Case(  # the encoder-decoder splits its source and its target by position
+        "sequence-parallel-encdec-source-does-not-divide",
         lambda c: [
-            *_module(
-                "mt_tiedsp",
-                "from meshrun.models.gpt import GPT\n\n\nclass Tied(GPT):\n"
-                "    def tp_plan(self):\n        return {**super().tp_plan(), 'head': 'tied_vocab_head'}\n\n\n"
-                "def build(cfg):\n    return Tied(cfg)\n",
-                "mt_tiedsp:build",
-            )(c),
-            "--set=parallel.tp=2",
-            "--set=parallel.sequence_parallel=true",
+            "train",
+            *c.set(parallel__tp=2, parallel__sequence_parallel=True, model__name="encdec", model__source_len=7),
         ],
-        (
-            "mt_tiedsp:build's tp_plan uses tied_vocab_head, which has no sequence-parallel form",
-            "sequence_parallel=false",
-        ),
+        ("model.source_len (7) must be divisible by parallel.tp (2) under parallel.sequence_parallel",),
+        torch_free=True,
+    ),
+    Case(  # a length bucket's batches are split by position too
+        "sequence-parallel-bucket-does-not-divide",
+        lambda c: ["train", *c.set(parallel__tp=2, parallel__sequence_parallel=True, data__buckets=[7])],
+        ("data.buckets[0] (7) must be divisible by parallel.tp (2) under parallel.sequence_parallel",),
+        torch_free=True,
     ),
     Case(
         "factory-sys-exit",

@@ -49,7 +49,7 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
 
     if scope == "job" and cfg.parallel.tp > 1 and is_hf(cfg.model):
         check_tensor_split(
-            cfg.parallel, tp_splits(cfg.model, cfg.parallel.tp), seq_len=cfg.model.seq_len
+            cfg.parallel, tp_splits(cfg.model, cfg.parallel.tp), sequences=cfg.model.sequence_splits(cfg.data.buckets)
         )  # the sizes config.json sets
     model = build_model(cfg.model)
     if scope == "job":

@@ -9,7 +9,10 @@ run per head on this rank's heads. Qwen2's q, k and v carry biases (split with t
 columns); Mistral is Llama-shaped with its own attention module. Phi-3 fuses q, k, v and gate, up
 into one Linear each, which transformers' forward slices by head counts: meshrun holds them as
 their parts (a column split of each), and its files and exports hold transformers' fused tensors.
-The refusals (GPT-2's fused Conv1D, kv heads) live in tests/test_config.py's table.
+Under sequence parallel the RMSNorms run on a rank's positions while attention (called by keyword)
+gathers the whole sequence, whose rotary embeddings the stage computes for all positions; the tp2 x
+pp2 row passes a rank's positions between stages. The refusals (GPT-2's fused Conv1D, kv heads)
+live in tests/test_config.py's table.
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ ROWS = {
     "phi3-tp2": ("phi3", {"parallel.tp": 2, "checkpoint.interval": 2}),  # step 2's checkpoint resumes at tp1
     "phi3-tp2-pp2": ("phi3", {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"}),
     "phi3-one-process": ("phi3", {}),
+    # sequence parallel: RMSNorms on a rank's 8 of 16 positions, attention and MLP gather all 16
+    "llama-tp2-sp": ("llama", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    "llama-tp2-sp-pp2": ("llama", {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.pp": 2}),
+    "olmo2-tp2-sp": ("olmo2", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    "qwen3-tp2-sp": ("qwen3", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    "phi3-tp2-sp": ("phi3", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
 }
 
 
@@ -90,7 +99,21 @@ def runs(models, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ca
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("row", ["llama-tp2", "olmo2-tp2-pp2", "qwen2-tp2", "mistral-tp2", "phi3-tp2", "phi3-tp2-pp2"])
+@pytest.mark.parametrize(
+    "row",
+    [
+        "llama-tp2",
+        "olmo2-tp2-pp2",
+        "qwen2-tp2",
+        "mistral-tp2",
+        "phi3-tp2",
+        "phi3-tp2-pp2",
+        "llama-tp2-sp",
+        "llama-tp2-sp-pp2",
+        "olmo2-tp2-sp",
+        "phi3-tp2-sp",
+    ],
+)
 def test_first_step_equals_transformers(row: str, runs, models, data_dir: Path) -> None:
     """Pretrained weights split over tp ranks: step 1's loss and pre-clip gradient norm are plain
     transformers' (1e-5 relative); a shard counted twice or a replicated norm counted tp times
@@ -106,15 +129,24 @@ def test_first_step_equals_transformers(row: str, runs, models, data_dir: Path) 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", ["olmo2", "qwen3", "phi3"])
-def test_replicated_norms_train_as_one_process(family: str, runs) -> None:
+@pytest.mark.parametrize(
+    ("row", "against"),
+    [
+        ("olmo2-tp2-pp2", "olmo2-one-process"),
+        ("qwen3-tp2", "qwen3-one-process"),
+        ("phi3-tp2", "phi3-one-process"),
+        ("qwen3-tp2-sp", "qwen3-one-process"),
+        ("llama-tp2-sp", "llama-tp2"),
+    ],
+)
+def test_replicated_norms_train_as_one_process(row: str, against: str, runs) -> None:
     """A module left whole (a norm) on every tp rank must get the whole gradient: Qwen3's per-head
     norms see only this rank's heads, whose weight gradient is a sum over all heads (measured:
     left unsummed they end 1.2e-2 away after 2 steps, while step 1's grad norm still agrees to
-    1e-6, since those gradients are ~1e-3 of it). Weights after 3 clipped AdamW steps (measured
-    within 5e-7; Phi-3, whose parts the plan splits, 8.7e-7)."""
-    tp_row = next(row for row in ROWS if row.startswith(family) and "tp2" in row)
-    assert max_weight_diff(final_weights(runs(tp_row)), final_weights(runs(f"{family}-one-process"))) < 1e-5
+    1e-6, since those gradients are ~1e-3 of it); under sequence parallel every RMSNorm sees only
+    this rank's positions, its gradient a sum over all positions. Weights after 3 clipped AdamW
+    steps (measured within 5e-7; Phi-3, whose parts the plan splits, 8.7e-7)."""
+    assert max_weight_diff(final_weights(runs(row)), final_weights(runs(against))) < 1e-5
 
 
 @pytest.mark.timeout(600)

@@ -61,6 +61,20 @@ def test_tensor_parallel_step_one_equals_torch_transformer(torch_step, lopsided_
     assert_step_one_matches(train(lopsided_dir, tmp_path / "run", **layout), *torch_step, micro_batch=2)
 
 
+def test_sequence_parallel_trains_as_one_process(
+    torch_step, reference: Path, lopsided_dir: Path, tmp_path: Path
+) -> None:
+    """tp2 x pp2 with sequence parallel: the stages pass a rank's source and target positions (the
+    mask whole), cross-attention gathers its queries and the encoder output. Step 1 equals torch's
+    Transformer; the LayerNorms, the decoder's final one included (it takes the state), see a
+    rank's positions, so their weights must get every position's gradient to stay equal to one
+    process after 10 clipped steps."""
+    layout = {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "parallel.sequence_parallel": True}
+    run = train(lopsided_dir, tmp_path / "run", **layout)
+    assert_step_one_matches(run, *torch_step, micro_batch=2)
+    assert_same_training(run, reference)
+
+
 @pytest.mark.parametrize(
     "dp,pp,schedule,recompute",
     [(2, 2, "1f1b", "full"), (1, 4, "gpipe", "selective")],

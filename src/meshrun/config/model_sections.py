@@ -9,6 +9,7 @@ run folder's config.json): a key of another family left at its default is droppe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
@@ -53,6 +54,11 @@ class ModelSection(Section):
         (checked before any worker). Default: none known from the config alone."""
         return {}
 
+    def sequence_splits(self, buckets: Sequence[int] = ()) -> dict[str, int]:
+        """The lengths sequence parallelism splits among parallel.tp ranks, by the key that sets each
+        (a length bucket's batches are that long)."""
+        return {"model.seq_len": self.seq_len} | {f"data.buckets[{i}]": n for i, n in enumerate(buckets)}
+
 
 class GPTSection(ModelSection):
     family: ClassVar[str] = "gpt"
@@ -82,6 +88,13 @@ class EncDecSection(ModelSection):
     def tp_splits(self) -> dict[str, int]:
         """Whole heads per tp shard, as GPT's (self- and cross-attention alike)."""
         return {"model.num_heads": self.num_heads}
+
+    def sequence_splits(self, buckets: Sequence[int] = ()) -> dict[str, int]:
+        """The source and the target split by position: the source and the whole of each length
+        (a bucket keeps the source's share of its length)."""
+        source = self.source_len or self.seq_len // 2
+        shares = {f"data.buckets[{i}]'s source share": n * source // self.seq_len for i, n in enumerate(buckets)}
+        return super().sequence_splits(buckets) | {"model.source_len": source} | shares
 
 
 class HFSection(ModelSection):

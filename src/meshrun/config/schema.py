@@ -252,7 +252,7 @@ class Config(Section):
             micro_batch=self.train.micro_batch,
             profiled_ranks=self.profile.ranks or [],
             tp_splits=self.model.tp_splits(),
-            seq_len=self.model.seq_len,
+            sequences=self.model.sequence_splits(self.data.buckets),
         )
         late = [step for step in self.profile.steps if step > self.train.steps]
         if late:

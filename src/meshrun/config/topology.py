@@ -144,26 +144,28 @@ def check_layout(
     micro_batch: int,
     profiled_ranks: Sequence[int],
     tp_splits: Mapping[str, int],
-    seq_len: int,
+    sequences: Mapping[str, int],
 ) -> None:
     """Every rule over several sections that needs only the config's numbers (`tp_splits`: the
     model's sizes tensor parallelism divides, by the key that sets each)."""
     check_batch_maths(par, global_batch=global_batch, micro_batch=micro_batch)
     check_nodes(par, launch)
     check_profiled_ranks(par, profiled_ranks)
-    check_tensor_split(par, tp_splits, seq_len=seq_len)
+    check_tensor_split(par, tp_splits, sequences=sequences)
 
 
-def check_tensor_split(par: ParallelConfig, splits: Mapping[str, int], *, seq_len: int) -> None:
-    """Each size a tp shard holds a part of (whole heads; the sequence under sequence parallel) divides by parallel.tp."""
+def check_tensor_split(par: ParallelConfig, splits: Mapping[str, int], *, sequences: Mapping[str, int]) -> None:
+    """Each size a tp shard holds a part of (whole heads; the sequences, by the key that sets each,
+    under sequence parallel) divides by parallel.tp."""
     for key, size in splits.items():
         if size % par.tp:
             raise ConfigError(f"{key} ({size}) must be divisible by parallel.tp ({par.tp}); change one of these keys")
-    if par.sequence_parallel and seq_len % par.tp:
-        raise ConfigError(
-            f"model.seq_len ({seq_len}) must be divisible by parallel.tp ({par.tp}) under parallel.sequence_parallel; "
-            "change one of these keys or set parallel.sequence_parallel=false"
-        )
+    for key, length in sequences.items() if par.sequence_parallel else ():
+        if length % par.tp:
+            raise ConfigError(
+                f"{key} ({length}) must be divisible by parallel.tp ({par.tp}) under parallel.sequence_parallel; "
+                "change one of these keys or set parallel.sequence_parallel=false"
+            )
 
 
 def check_batch_maths(par: ParallelConfig, *, global_batch: int, micro_batch: int) -> None:

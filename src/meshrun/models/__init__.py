@@ -30,6 +30,9 @@ functions of the same name there, which fall back to the default when a model la
   `parallel.tp > 1` applies (default: None, tp > 1 refused).
 - `tp_local(tp)`: before the plan splits it, sizes a forward reads as numbers become one tp rank's
   share (e.g. head counts used to slice a fused projection; default: nothing).
+- `sequence_shards`: written by meshrun under sequence parallel (tp): the hidden states a forward
+  receives hold 1/sequence_shards of the positions; a model deriving positions from their length
+  (rotary embeddings) multiplies by it.
 
 Subclassing `meshrun.models.protocol.StagedModel` provides that forward; `ModelProtocol` there
 is the protocol as a type, and `meshrun.models.families.build_model` returns a `ProtocolModule` (nn.Module + protocol).

@@ -89,8 +89,15 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(
-        self, x: torch.Tensor, memory: torch.Tensor, *, keep: torch.Tensor | None = None, causal: bool = False
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        *,
+        keep: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> torch.Tensor:
+        """Self-attention without `memory`: x is given once (a sequence-parallel gather gathers it once)."""
+        memory = x if memory is None else memory
         b, t, _ = x.shape
         q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k, v = (p(memory).view(b, memory.shape[1], -1, self.head_dim).transpose(1, 2) for p in (self.k, self.v))
@@ -113,7 +120,7 @@ class EncoderBlock(nn.Module):
     def forward(self, state: State) -> State:
         enc, dec, keep = state
         h = self.ln1(enc)
-        enc = enc + self.drop(self.attn(h, h, keep=keep))
+        enc = enc + self.drop(self.attn(h, keep=keep))
         enc = enc + self.drop(self.mlp(self.ln2(enc)))
         return (self.out_norm(enc) if self.out_norm is not None else enc), dec, keep
 
@@ -131,7 +138,7 @@ class DecoderBlock(nn.Module):
     def forward(self, state: State) -> State:
         enc, dec, keep = state
         h = self.ln1(dec)
-        dec = dec + self.drop(self.attn(h, h, causal=True))
+        dec = dec + self.drop(self.attn(h, causal=True))
         dec = dec + self.drop(self.cross(self.ln2(dec), enc, keep=keep))
         return enc, dec + self.drop(self.mlp(self.ln3(dec))), keep
 
@@ -183,9 +190,19 @@ class EncDec(StagedModel):
     def tp_plan(self) -> dict[str, str]:
         """Megatron's split, as gpt.py's: every attention's q, k, v (cross-attention's k and v read
         the encoder output) and each MLP's first matrix by columns, their output projections by
-        rows; the vocabulary split in the token embedding and the head (tied or not)."""
+        rows; the vocabulary split in the token embedding and the head (tied or not). Sequence
+        parallel splits the state's encoder and decoder hidden states by position (the source
+        mask stays whole): the norms run on a rank's positions, attention (cross-attention: its
+        queries and the encoder output) and the MLPs gather the whole sequences."""
         attention = {f"blocks.*.{a}.{m}": "colwise" for a in ("attn", "cross") for m in "qkv"}
         return {
+            "embed": "scatter_state",
+            "blocks.*.ln?": "norm",
+            "blocks.*.out_norm": "norm",
+            "norm": "norm_state",
+            "blocks.*.attn": "gather",
+            "blocks.*.cross": "gather_pair",
+            "blocks.*.mlp": "gather",
             "embed.tok": "vocab_embedding",
             **attention,
             "blocks.*.attn.proj": "rowwise",

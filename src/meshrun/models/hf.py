@@ -109,6 +109,8 @@ class WithPositions(nn.Module):
 
 
 class HFCausalLM(StagedModel):
+    sequence_shards = 1  # hidden states hold 1/sequence_shards of the positions (models/protocol.py)
+
     def __init__(self, cfg: HFSection) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -153,7 +155,9 @@ class HFCausalLM(StagedModel):
         group ratio that the split keeps; Phi-3's fused ones by their parts, see `tp_local`), o and
         down by rows, the vocabulary in embedding and head. Qwen3's q/k norms run per head on this
         rank's heads; OLMo 2's normalise the whole projected width, so q and k are gathered for
-        them and they hand on this rank's heads. None for GPT-2's fused Conv1D (refused before spawn)."""
+        them and they hand on this rank's heads. Under sequence parallel the RMSNorms run on a
+        rank's positions, attention and the MLP gather the whole sequence. None for GPT-2's fused
+        Conv1D (refused before spawn)."""
         model_type = self.hf_config.model_type
         if model_type in FUSED_PROJECTIONS:
             return None
@@ -163,7 +167,11 @@ class HFCausalLM(StagedModel):
         q, k, v = (f"{attn}qkv_proj.{p}" if fused else f"{attn}{p}_proj" for p in "qkv")
         gate, up = (f"{mlp}gate_up_proj.{p}" if fused else f"{mlp}{p}_proj" for p in ("gate", "up"))
         plan = {
-            "embed": "vocab_embedding",
+            "embed": "vocab_embedding_scatter",
+            "blocks.*.*_layernorm": "norm",  # input/post-attention (OLMo 2: post-attention/feedforward)
+            "norm": "norm",
+            "blocks.*.self_attn": "gather_hidden_states",
+            "blocks.*.mlp": "gather",
             **{name: "colwise_gathered" if whole_width else "colwise" for name in (q, k)},
             v: "colwise",
             f"{attn}o_proj": "rowwise",
@@ -223,7 +231,8 @@ class HFCausalLM(StagedModel):
         rotary = self._rotary[0]
         if rotary.inv_freq.device != x.device:
             rotary.to(x.device)
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        # attention runs on the whole sequence even where x holds a rank's positions (sequence parallel)
+        positions = torch.arange(x.shape[1] * self.sequence_shards, device=x.device).unsqueeze(0)
         return rotary(x, positions)  # (cos, sin), each (1, T, head_dim)
 
     def hf_names(self, name: str) -> list[str]:

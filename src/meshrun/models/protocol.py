@@ -48,6 +48,11 @@ class OptionalHooks(Protocol):
 
     tied_weight: str | None
 
+    sequence_shards: int
+    """Written by meshrun, not read: under sequence parallel the hidden states a forward receives
+    hold 1/sequence_shards of each sample's positions (parallel/tensor.py sets it to tp). A model
+    that derives positions from their length (rotary embeddings) multiplies by it."""
+
     def keep_stage(self, *, first: bool, last: bool) -> None: ...
 
     def standalone_blocks(self) -> list[nn.Module]: ...
@@ -106,6 +111,7 @@ TP_STYLES = (
     "colwise",
     "rowwise",
     "vocab_embedding",
+    "vocab_embedding_scatter",
     "vocab_head",
     "tied_vocab_head",
     "colwise_gathered",
@@ -114,6 +120,10 @@ TP_STYLES = (
     "scatter",
     "norm",
     "gather",
+    "gather_hidden_states",
+    "scatter_state",
+    "gather_pair",
+    "norm_state",
 )
 
 
@@ -125,12 +135,18 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
     colwise_gathered: a colwise Linear whose output every rank gathers whole, for a module that
     needs the whole width, which takes sliced_output: it runs whole and hands on this rank's
     columns, as a colwise output; per_head: a module left whole that runs on this rank's heads,
-    e.g. a per-head norm, whose weight gradient sums all heads). Three more say where activations
+    e.g. a per-head norm, whose weight gradient sums all heads). The rest say where activations
     are split by sequence under `parallel.sequence_parallel` (and do nothing without it): scatter
-    (the module whose output starts the split residual stream, e.g. the embedding), norm (a module
-    with weights that acts on each position alone), gather (a module that needs the whole sequence,
-    e.g. attention: its input is all-gathered). The model names the split; parallel/tensor.py
-    applies it. Default: None, the model cannot be split (parallel.tp > 1 is refused)."""
+    (the module whose output starts the split residual stream, e.g. the embedding; an embedding
+    whose output is that stream itself takes vocab_embedding_scatter: a vocab_embedding that
+    also scatters), norm (a module with weights
+    that acts on each position alone), gather (a module that needs the whole sequence, e.g.
+    attention: its input is all-gathered; gather_hidden_states for one called with its input by
+    keyword `hidden_states`, as transformers' layers call their attention). For a state tuple
+    (encdec's: encoder hidden, decoder hidden, source mask): scatter_state, gather_pair (two
+    hidden-state inputs: cross-attention's queries and memory), norm_state (a norm taking the
+    state). The model names the split; parallel/tensor.py applies it. Default: None, the model
+    cannot be split (parallel.tp > 1 is refused)."""
     hook = getattr(model, "tp_plan", None)
     return hook() if hook is not None else None
 

@@ -14,7 +14,9 @@ Sequence parallel (`parallel.sequence_parallel`, Megatron's): the residual strea
 position from the embedding's output to the head's input, so norms and dropout hold 1/tp of the
 activations; a row-parallel output is reduce-scattered to the positions instead of all-reduced, and
 attention and the MLP all-gather their input (together the bytes of the all-reduce they replace).
-The plan's scatter, norm and gather styles say where; pipeline stages pass a rank's positions.
+The plan's scatter, norm and gather styles (and their variants for an embedding, a keyword input,
+a state tuple) say where; pipeline stages pass a rank's positions, and the stage is told the split
+(`sequence_shards`) so rotary embeddings still cover the whole sequence attention gathers.
 
 Parameters the plan leaves whole (norms, position embeddings) become replicated DTensors, so every
 parameter of a tp stage is a DTensor on one mesh: fused AdamW, clipping and the fp16 scaler run
@@ -48,10 +50,27 @@ from meshrun.errors import ConfigError
 from meshrun.models.protocol import TP_STYLES, tp_local, tp_plan
 from meshrun.parallel.loss_fn import LossFn
 
+
+class StateNorm(ParallelStyle):
+    """SequenceParallel for a norm called with the model's state tuple (torch's takes one tensor):
+    its weights replicated, the state's hidden states marked split by position, so the weights'
+    gradients sum over the positions' ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # torch annotates the hooks as returning None but uses what they return (as nn.Module hooks do)
+        return distribute_module(
+            module,
+            device_mesh,
+            input_fn=_sequence_inputs,  # pyright: ignore[reportArgumentType]
+            output_fn=_local_outputs,  # pyright: ignore[reportArgumentType]
+        )
+
+
 STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "vocab_embedding_scatter": lambda: RowwiseParallel(input_layouts=Replicate()),  # splits only under SP
     "vocab_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     # a head that reads a vocab_embedding's matrix (tied): replicated hidden states in, logits left sharded
     "tied_vocab_head": lambda: PrepareModuleInput(
@@ -67,23 +86,46 @@ STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "scatter": None,  # sequence parallel's styles: nothing without it (norms left whole, below)
     "norm": None,
     "gather": None,
+    "gather_hidden_states": None,
+    "scatter_state": None,
+    "gather_pair": None,
+    "norm_state": None,
 }
 assert tuple(STYLES) == TP_STYLES
 
 # Under sequence parallel, activations between the scatter and the head are split on dim 1 (B, T/tp, C).
-# The styles not here (a tied head, a gathered projection, per-head modules) have no sequence form yet:
-# check_plan refuses sequence parallel with a plan that uses them.
+# Inside a gather module the whole sequence is back: the styles used there keep their form.
 SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "colwise": ColwiseParallel,  # its input already gathered by the enclosing gather module
     "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter, not all-reduce
     "vocab_embedding": STYLES["vocab_embedding"],  # whole output: the embedding adds positions, then scatters
+    # the embedding's partial sums reduce-scattered to the positions (torchtitan's Llama embedding)
+    "vocab_embedding_scatter": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     "vocab_head": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    "tied_vocab_head": lambda: PrepareModuleInput(
+        input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=False
+    ),
+    "colwise_gathered": STYLES["colwise_gathered"],  # inside a gathered attention
+    "sliced_output": STYLES["sliced_output"],
+    "per_head": STYLES["per_head"],
     "scatter": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
     "norm": lambda: SequenceParallel(use_local_output=True),  # weight gradients summed over the positions' ranks
     # a DTensor input: its q, k, v (fc) gradients sum as partials, reduce-scattered once
     "gather": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "gather_hidden_states": lambda: PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+    ),
+    # a state (encoder hidden, decoder hidden, source mask): both hidden states split, the mask whole
+    "scatter_state": lambda: PrepareModuleOutput(
+        output_layouts=(Replicate(), Replicate(), None), desired_output_layouts=(Shard(1), Shard(1), None)
+    ),
+    "gather_pair": lambda: PrepareModuleInput(
+        input_layouts=(Shard(1), Shard(1)), desired_input_layouts=(Replicate(), Replicate())
+    ),
+    "norm_state": lambda: StateNorm(),
 }
-assert set(SEQUENCE_STYLES) <= set(TP_STYLES)
+assert tuple(SEQUENCE_STYLES) == TP_STYLES
+SCATTERS = ("scatter", "vocab_embedding_scatter", "scatter_state")  # where a plan's split by sequence starts
 
 
 # The dimension each style splits, per parameter name (others of the module stay whole)
@@ -91,6 +133,7 @@ SPLIT_DIMS: dict[str, dict[str, int]] = {
     "colwise": {"weight": 0, "bias": 0},
     "rowwise": {"weight": 1},
     "vocab_embedding": {"weight": 0},
+    "vocab_embedding_scatter": {"weight": 0},
     "vocab_head": {"weight": 0, "bias": 0},
     "tied_vocab_head": {},
     "colwise_gathered": {"weight": 0, "bias": 0},
@@ -99,6 +142,10 @@ SPLIT_DIMS: dict[str, dict[str, int]] = {
     "scatter": {},
     "norm": {},
     "gather": {},
+    "gather_hidden_states": {},
+    "scatter_state": {},
+    "gather_pair": {},
+    "norm_state": {},
 }
 assert tuple(SPLIT_DIMS) == TP_STYLES
 
@@ -135,15 +182,10 @@ def check_plan(model: nn.Module, tp: int, source: str, *, sequence_parallel: boo
             f"parallel.tp {tp}: {source} declares no tensor-parallel plan (tp_plan); "
             "give the model a tp_plan, use model.name gpt or encdec, or set parallel.tp=1"
         )
-    if sequence_parallel and "scatter" not in plan.values():
+    if sequence_parallel and not set(SCATTERS) & set(plan.values()):
         raise ConfigError(
             f"parallel.sequence_parallel: {source}'s tp_plan has no scatter, norm and gather styles "
             "(where activations are split by sequence); set parallel.sequence_parallel=false"
-        )
-    if sequence_parallel and (whole := sorted(set(plan.values()) - set(SEQUENCE_STYLES))):
-        raise ConfigError(
-            f"parallel.sequence_parallel: {source}'s tp_plan uses {', '.join(whole)}, which has no "
-            "sequence-parallel form; set parallel.sequence_parallel=false"
         )
     names = [name for name, _ in model.named_modules()]
     for pattern, style in plan.items():
@@ -170,6 +212,8 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
         if fnmatch(name, pattern)
     }
     parallelize_module(part, tp_mesh, concrete)
+    if sequence_parallel:  # what a stage's forward receives holds 1/tp of the positions (protocol.py)
+        setattr(part, "sequence_shards", tp_mesh.size())  # noqa: B010 (nn.Module types its attributes as tensors or modules)
     for param in part.parameters():
         if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
             param.register_hook(partial(_sharded_like_param, placements=param.placements))
@@ -201,6 +245,19 @@ def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tu
         if isinstance(x, tuple)
         else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _sequence_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """The hidden states among a module's inputs (a tuple's too) as split by position; integer
+    tensors (a mask) stay as they are."""
+    return tuple(
+        _sequence_inputs(module, x, mesh)
+        if isinstance(x, tuple)
+        else DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, DTensor)
         else x
         for x in inputs
     )
