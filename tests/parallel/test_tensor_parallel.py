@@ -62,6 +62,14 @@ ROWS = {
     # all three axes, 8 ranks: each of 2 stages split over tp 2 and sharded over dp 2
     "fsdp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"},
     "ddp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2},
+    # split backward with dp: refused under DDP (its hooks are bypassed), but ddp with tp runs on FSDP2
+    "ddp-dp2-tp2-pp2-zero-bubble": {
+        "parallel.tp": 2,
+        "parallel.dp": 2,
+        "parallel.pp": 2,
+        "parallel.schedule": "zero-bubble",
+        **SHORT,
+    },
 }
 
 
