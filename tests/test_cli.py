@@ -60,6 +60,21 @@ def test_dry_run_prints_config_layout_and_batch_maths(data_dir: Path, tmp_path: 
     assert "starting" not in result.stderr
 
 
+def test_dry_run_grid_of_tp_and_an_interleaved_pipeline(data_dir: Path, tmp_path: Path) -> None:
+    """tp2 x pp2 interleaved: the schedule, the stages each pipeline rank holds (loop style) and
+    their blocks, each stage split over a tp pair; at dp 1 nothing wraps for data parallelism."""
+    layout = {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"}
+    result = run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **layout), "--dry-run"], tmp_path=tmp_path)
+    _, plan = _split(result.stdout)
+    assert plan.splitlines()[:4] == [
+        "  world size 4 = dp 1 x pp 2 x tp 2 (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)",
+        "  schedule interleaved-1f1b: 4 stages, 2 a pipeline rank, each split over its 2 tp ranks",
+        "  pipeline rank 0: ranks [0, 1], stages [0, 2], blocks [0] + [2]",
+        "  pipeline rank 1: ranks [2, 3], stages [1, 3], blocks [1] + [3]",
+    ]
+    assert "  ddp: 1 full replicas per stage (shard 1 x replicate 1)\n" in plan  # no FSDP2 at dp 1
+
+
 def test_dry_run_default_config_from_any_directory(tmp_path: Path) -> None:
     """No CONFIG: the packaged default (same as configs/default.yaml); no data is prepared."""
     result = run_meshrun(["train", "--dry-run", "--set", "train.steps=7"], tmp_path=tmp_path, timeout=60)

@@ -1,10 +1,12 @@
 """Tensor parallelism (parallel.tp) against the plain-torch reference, fp32, gloo, real torchrun.
 
-Each row trains 10 clipped AdamW steps (a checkpoint at step 5) and must log every step's loss
-and pre-clip grad norm as the independent one-process reference computes them (1e-5 relative):
-a tp shard counted twice, or a replicated norm weight counted tp times, moves the norm. The tp2
+Each row trains 10 clipped AdamW steps (a checkpoint at step 5; 2 steps for a row that only adds a
+combination, against a 2-step reference) and must log every step's loss and pre-clip grad norm as
+the independent one-process reference computes them (1e-5 relative): a tp shard counted twice, or
+a replicated norm weight counted tp times, moves the norm. The tp2
 row uses an odd vocabulary (257: shards of 129 and 128, Megatron-LM #1754's case), so the loss of
-unevenly sharded logits is proven equal too. The refusals live in tests/test_config.py's table.
+unevenly sharded logits is proven equal too. tp2 x pp2 runs every pipeline schedule (each stage
+split over tp) and tp2 every recompute policy. The refusals live in tests/test_config.py's table.
 """
 
 from __future__ import annotations
@@ -36,11 +38,22 @@ BASE = {
     "metrics.peak_tflops": 1.0,
 }
 ODD_VOCAB = {"model.vocab_size": 257}
+SHORT = {"train.steps": 2}  # a row that only adds a combination: its reference trains 2 steps too
 
 ROWS = {
     "tp2-odd-vocab": {"parallel.tp": 2, **ODD_VOCAB},
     "tp2-pp2-1f1b": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "every:2"},
     "tp2-pp2-zbv": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zbv"},  # split backward
+    # the other schedules, each stage split over tp; 2 steps (the first clipped, the second after it)
+    "tp2-pp2-gpipe": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "gpipe", **SHORT},
+    # two stages a rank (4 stages of one block: the tiny model's 4 layers are the minimum); 10 steps,
+    # whose weights are compared below
+    "tp2-pp2-interleaved-1f1b": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},
+    "tp2-pp2-looped-bfs": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "looped-bfs", **SHORT},
+    "tp2-pp2-zero-bubble": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zero-bubble", **SHORT},
+    # selective keeps the matmuls' outputs and their sums over tp (test_recompute.py), recomputes the rest
+    "tp2-selective": {"parallel.tp": 2, "recompute": "selective", **SHORT},
+    "tp2-sp-selective": {"parallel.tp": 2, "parallel.sequence_parallel": True, "recompute": "selective", **SHORT},
     "ddp-dp2-tp2": {"parallel.tp": 2, "parallel.dp": 2},  # FSDP2 with a shard degree of 1 (fsdp.py)
     "fsdp-dp2-tp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
     # Megatron's sequence parallel: norms on a rank's positions, reduce-scatter + all-gather per block
@@ -49,6 +62,14 @@ ROWS = {
     # all three axes, 8 ranks: each of 2 stages split over tp 2 and sharded over dp 2
     "fsdp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"},
     "ddp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2},
+    # split backward with dp: refused under DDP (its hooks are bypassed), but ddp with tp runs on FSDP2
+    "ddp-dp2-tp2-pp2-zero-bubble": {
+        "parallel.tp": 2,
+        "parallel.dp": 2,
+        "parallel.pp": 2,
+        "parallel.schedule": "zero-bubble",
+        **SHORT,
+    },
 }
 
 
@@ -85,8 +106,9 @@ def rows(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[
 
 
 def reference_of(row: str, plain_reference: Callable[..., Reference]) -> Reference:
-    """The plain-torch run of the row's model and batch (its layout keys do not change the maths)."""
-    return plain_reference(**BASE, **({} if "vocab" not in row else ODD_VOCAB))
+    """The plain-torch run of the row's model, batch and steps (its layout keys do not change the maths)."""
+    maths = {key: value for key, value in ROWS[row].items() if key in ("model.vocab_size", "train.steps")}
+    return plain_reference(**{**BASE, **maths})
 
 
 @pytest.mark.timeout(900)
@@ -100,13 +122,13 @@ def test_tensor_parallel_matches_plain_torch(row: str, rows, plain_reference) ->
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("row", ["tp2-pp2-1f1b", "ddp-dp2-tp2", "fsdp-dp2-tp2"])
+@pytest.mark.parametrize("row", ["tp2-pp2-1f1b", "tp2-pp2-interleaved-1f1b", "ddp-dp2-tp2", "fsdp-dp2-tp2"])
 def test_tp_weights_equal_one_process_after_clipped_steps(
     row: str, rows, one_process: Path, split_sum_one_process: Path
 ) -> None:
-    """tp2 x pp2 and dp2 x tp2 (ddp and fsdp): the whole model, gathered from its DTensor shards, after 10
-    clipped AdamW steps, equals to 1e-5 one process that sums its row-parallel matmuls' halves as tp2
-    does (split_sum_gpt.py; measured 3.6e-6 and 4.5e-6).
+    """tp2 x pp2 (1F1B; interleaved 1F1B, two stages a rank) and dp2 x tp2 (ddp and fsdp): the whole
+    model, gathered from its DTensor shards, after 10 clipped AdamW steps, equals to 1e-5 one process
+    that sums its row-parallel matmuls' halves as tp2 does (split_sum_gpt.py; measured 3.6e-6 and 4.5e-6).
 
     The plain one process differs by up to 1.8e-5 in one element (blocks.3.mlp.fc.weight[104, 14]),
     all of it at step 1: its gradient there is -4.2e-9 (3e-6 of the tensor's largest), below AdamW's

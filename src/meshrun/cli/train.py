@@ -93,6 +93,23 @@ def describe_split(cfg: Config) -> list[str] | None:
     return [" + ".join(str(split[s]) for s in cfg.layout.stages_of(rank)) for rank in range(par.pp)]
 
 
+def describe_layout(cfg: Config) -> list[str]:
+    """The rank order, the schedule's stages, and each pipeline rank's ranks, stages and blocks."""
+    layout, par = cfg.layout, cfg.parallel
+    lines = ["layout:", f"  {layout.grid()}"]
+    if par.pp > 1:
+        split_over = f", each split over its {par.tp} tp ranks" if par.tp > 1 else ""
+        lines.append(
+            f"  schedule {par.schedule}: {layout.num_stages} stages, {layout.per_rank} a pipeline rank{split_over}"
+        )
+    split = describe_split(cfg)
+    for rank in range(par.pp):
+        stages = f", stages {layout.stages_of(rank)}" if layout.per_rank > 1 else ""
+        blocks = f", blocks {split[rank]}" if split else ""
+        lines.append(f"  pipeline rank {rank}: ranks {layout.ranks_of_pp_rank(rank)}{stages}{blocks}")
+    return lines
+
+
 # what a Hugging Face model takes from its own config.json, not from these keys of `model`
 _HF_IGNORES = ("name", "num_layers", "dim", "num_heads", "vocab_size")
 
@@ -125,12 +142,7 @@ def describe_job(cfg: Config, model: nn.Module) -> str:
     resolved = cfg.model_dump(mode="json")
     if is_hf(cfg.model):
         resolved["model"] = {k: v for k, v in resolved["model"].items() if k not in _HF_IGNORES}
-    lines = [yaml.safe_dump(resolved, sort_keys=False).rstrip(), "", "layout:"]
-    lines.append(f"  {cfg.layout.grid()}")
-    split = describe_split(cfg)
-    for stage in range(par.pp):
-        ranks = cfg.layout.ranks_of_pp_rank(stage)
-        lines.append(f"  pipeline rank {stage}: ranks {ranks}" + (f", blocks {split[stage]}" if split else ""))
+    lines = [yaml.safe_dump(resolved, sort_keys=False).rstrip(), "", *describe_layout(cfg)]
     lines += describe_model(cfg, model)
     lines += [
         "batch:",
