@@ -50,3 +50,33 @@ def test_dry_run_prints_the_planners_state_bytes(parallel: dict) -> None:
     assert sum(m.params for m in planned) * cfg.layout.dp_shard == pytest.approx(
         per_rank * 4, abs=4 * cfg.layout.dp_shard
     )
+
+
+def test_a_phi3_tp_stage_is_traced_with_one_ranks_heads() -> None:
+    """Phi-3's attention slices its fused q, k, v output by head counts it reads as numbers: the
+    planner's trace of a tp rank gives it one rank's share as training does (models' tp_local),
+    else the traced matmuls do not fit (the plan crashed)."""
+    hf_config = {
+        "model_type": "phi3",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "partial_rotary_factor": 0.5,
+        "pad_token_id": 0,
+    }
+    cfg = Config.model_validate(
+        {
+            "model": {"hf_config": hf_config, "seq_len": 16},
+            "parallel": {"tp": 2, "pp": 2},
+            "train": {"global_batch": 4, "micro_batch": 1},
+        }
+    )
+    planned = layout_memory(cfg, "fp32").ranks
+    exact = rank_state_bytes(cfg)
+    assert exact is not None
+    assert [(m.params, m.grads, m.optimizer) for m in exact] == [(m.params, m.grads, m.optimizer) for m in planned]
+    assert all(m.activations > 0 for m in planned)

@@ -20,7 +20,7 @@ from torch import nn
 
 from meshrun.config.schema import Config
 from meshrun.hardware.precision import DTYPES
-from meshrun.models.protocol import ProtocolModule
+from meshrun.models.protocol import ProtocolModule, tp_local
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
 from meshrun.parallel.tensor import shard_numels, split_dims
@@ -93,6 +93,8 @@ def _shrink_to_tp_shard(part: nn.Module, tp: int) -> None:
             shape[dim] = -(-shape[dim] // tp)
             shrunk[id(param)] = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=param.requires_grad)
         setattr(module, param_name, shrunk[id(param)])
+    if tp > 1:
+        tp_local(part, tp)  # sizes the forward reads as numbers (Phi-3's head counts), as training sets them
 
 
 def _block_kind(block: nn.Module) -> tuple:
