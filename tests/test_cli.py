@@ -72,7 +72,7 @@ def test_dry_run_grid_of_tp_and_an_interleaved_pipeline(data_dir: Path, tmp_path
         "  pipeline rank 0: ranks [0, 1], stages [0, 2], blocks [0] + [2]",
         "  pipeline rank 1: ranks [2, 3], stages [1, 3], blocks [1] + [3]",
     ]
-    assert "  ddp: 1 full replicas per stage (shard 1 x replicate 1)\n" in plan  # no FSDP2 at dp 1
+    assert "data parallel:\n  none (dp 1)\n" in plan  # no FSDP2 at dp 1
 
 
 def test_dry_run_default_config_from_any_directory(tmp_path: Path) -> None:

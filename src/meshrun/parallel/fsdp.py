@@ -161,7 +161,9 @@ def describe_data_parallel(cfg: Config) -> list[str]:
     par = cfg.parallel
     shard = cfg.layout.dp_shard
     mesh = {
-        "ddp": f"  ddp: {par.dp} full replicas per stage (shard 1 x replicate {par.dp})"
+        "ddp": (
+            f"  ddp: {par.dp} full replicas per stage (shard 1 x replicate {par.dp})" if par.dp > 1 else "  none (dp 1)"
+        )
         + (" kept by FSDP2 (DistributedDataParallel takes no tp DTensors)" if par.tp > 1 and par.dp > 1 else ""),
         "fsdp": f"  fsdp: each stage sharded over its {par.dp} dp ranks (shard {par.dp} x replicate 1)",
         "hsdp": f"  hsdp: shard {shard} x replicate {par.dp // shard} (a copy is sharded over neighbouring ranks)",

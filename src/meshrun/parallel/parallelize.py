@@ -37,10 +37,9 @@ from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.materialise import materialise_part
 from meshrun.parallel.mesh import Mesh
+from meshrun.parallel.stages import SPLIT_BACKWARD_SCHEDULES
 from meshrun.parallel.tensor import tp_loss, vocab_parallel
 from meshrun.parallel.tied import TiedEmbeddings
-
-SPLIT_BACKWARD = ("zero-bubble", "zbv")  # the input gradients first, the weights' later
 
 if TYPE_CHECKING:
     from meshrun.parallel.pipeline import PipelineModel
@@ -125,7 +124,7 @@ def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:
             part.blocks,
             strict=cfg.train.compile is True,
             warn=say if speaks else lambda _: None,
-            split_backward=mesh.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD,
+            split_backward=mesh.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD_SCHEDULES,
         )
     return part
 
