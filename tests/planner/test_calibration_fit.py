@@ -16,6 +16,7 @@ from meshrun.errors import RunError
 from meshrun.planner.calibrate import (
     COMPILED_RANGE,
     RECOMPUTE_RANGE,
+    _compiled_compute,
     fit,
     fit_constants,
     load_calibration,
@@ -236,3 +237,19 @@ def test_a_calibration_saved_before_compile_was_measured_plans_compiled_jobs_as_
     assert old.compiled_compute is None and old.compute_factor(True) == 1.0
     eager = compiled_cfg.model_copy(update={"train": compiled_cfg.train.model_copy(update={"compile": False})})
     assert seconds([compiled_cfg], old) == seconds([eager], old)
+
+
+def test_a_step_floor_fitted_above_the_eager_probe_compares_whole_steps(compiled_cfg: Config) -> None:
+    """Noise that fits the per-step floor above the eager twin's whole step: the factor is then
+    the ratio of whole steps (a number, never a division by a negative compute), clamped."""
+    layouts = probe_layouts(compiled_cfg, max_ranks=1, compiled=True)
+    times = probe_times(layouts, dataclasses.replace(MACHINE, compiled_compute=0.6), None)
+    twin = layouts.index(
+        layouts[-1].model_copy(update={"train": layouts[-1].train.model_copy(update={"compile": False})})
+    )
+    warnings: list[str] = []
+    factor = _compiled_compute(layouts, times, CPU, times.seconds[twin] * 2, warnings)
+    assert factor == pytest.approx(times.seconds[-1] / times.seconds[twin]) and warnings == []
+    slow = [*times.seconds[:-1], 2 * times.seconds[twin]]  # the compiled step twice the eager one
+    factor = _compiled_compute(layouts, dataclasses.replace(times, seconds=slow), CPU, 1.0, warnings)
+    assert factor == COMPILED_RANGE[1] and len(warnings) == 1 and "2.00x" in warnings[0]

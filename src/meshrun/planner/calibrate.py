@@ -237,17 +237,15 @@ def _compiled_compute(
     """Stage 4: a compiled step's compute seconds / its eager twin's (None: no compiled probe). The
     per-step seconds (`step_s`: clipping, AdamW, bookkeeping) are left out of both: compile touches
     only the blocks, so the factor then carries to layouts whose compute outweighs that floor more
-    or less than the probe's. Outside COMPILED_RANGE it is clamped, with a warning in `warnings`."""
+    or less than the probe's. Outside COMPILED_RANGE it is clamped, with a warning in `warnings`
+    (never None with a compiled probe: a plan then says what was measured)."""
     found = [i for i, layout in enumerate(layouts) if layout.world_size == 1 and compiles(layout, hw)]
     if not found:
         return None
     compiled = found[0]
     eager = layouts.index(_with_compile(layouts[compiled], False))
-    compute = times.seconds[eager] - step_s
-    if compute <= 0:
-        warnings.append("compile's effect could not be told (the eager probe took no longer than a step's floor)")
-        return None
-    factor = (times.seconds[compiled] - step_s) / compute
+    floor = step_s if times.seconds[eager] > step_s else 0.0  # a floor fitted above the probe is noise: whole steps
+    factor = (times.seconds[compiled] - floor) / (times.seconds[eager] - floor)
     low, high = COMPILED_RANGE
     if low <= factor <= high:
         return factor
