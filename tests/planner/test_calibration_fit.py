@@ -6,12 +6,23 @@ microbatches, recompute in a pipeline). Deterministic: profiles are traced under
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
 from meshrun.config.schema import Config, load_config
 from meshrun.errors import RunError
-from meshrun.planner.calibrate import RECOMPUTE_RANGE, fit, fit_constants, probe_layouts
+from meshrun.planner.calibrate import (
+    COMPILED_RANGE,
+    RECOMPUTE_RANGE,
+    _compiled_compute,
+    fit,
+    fit_constants,
+    load_calibration,
+    probe_layouts,
+    save_calibration,
+)
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.probe import ProbeTimes
 from meshrun.planner.search import predict, with_layout
@@ -166,3 +177,79 @@ def test_the_runtime_baseline_takes_in_what_a_cpu_step_keeps_resident(cfg: Confi
         times = dataclasses.replace(probe_times(layouts, MACHINE, 1e-4), peak_bytes=peak)
         fit, _ = fit_constants(layouts, times, CPU, precision="fp32", shared_machine=True)
         assert fit.runtime_bytes == baseline
+
+
+@pytest.fixture(scope="module")
+def compiled_cfg(cfg: Config) -> Config:
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": True})})
+
+
+def test_probes_run_eager_but_the_one_compiled_twin(compiled_cfg: Config) -> None:
+    """The fit's probes are eager whatever the config says; the compiled probe is the whole-batch
+    one-rank layout without recompute at the largest micro_batch, as the user set train.compile."""
+    layouts = probe_layouts(compiled_cfg, max_ranks=2, compiled=True)
+    *eager, twin = layouts
+    assert all(c.train.compile is False for c in eager) and twin.train.compile is True
+    assert (twin.world_size, twin.recompute, twin.train.micro_batch, twin.train.global_batch) == (1, "none", 4, 8)
+    assert twin.model_copy(update={"train": twin.train.model_copy(update={"compile": False})}) in eager
+    assert all(c.train.compile is False for c in probe_layouts(compiled_cfg, max_ranks=2))
+
+
+def test_the_compiled_factor_is_fitted_back_and_applied_to_unprobed_layouts(compiled_cfg: Config) -> None:
+    """Probe times of a machine where compiled blocks compute 0.6x as long: the factor comes back,
+    the eager constants are unchanged, and a compiled layout no probe ran is predicted as that
+    machine predicts it (its compute and bubble scaled, the optimizer's floor not)."""
+    machine = dataclasses.replace(MACHINE, compiled_compute=0.6)
+    fit = fitted(probe_layouts(compiled_cfg, max_ranks=2, compiled=True), machine)
+    assert fit.compiled_compute == pytest.approx(0.6, rel=1e-6)
+    assert fit.achieved_flops == pytest.approx(MACHINE.achieved_flops, rel=1e-6)
+    assert fit.recompute_cost == pytest.approx(MACHINE.recompute_cost, rel=1e-6)
+    assert fitted(probe_layouts(compiled_cfg, max_ranks=2), machine).compiled_compute is None  # not measured
+    piped = with_layout(compiled_cfg, dp=1, pp=2, schedule="gpipe", micro_batch=1, recompute="full")
+    eager = piped.model_copy(update={"train": piped.train.model_copy(update={"compile": False})})
+    compiled_time, eager_time = (predict(c, CPU, fit, precision="fp32", margin=0.0).time for c in (piped, eager))
+    assert compiled_time.total == pytest.approx(seconds([piped], machine)[0], rel=1e-6)
+    assert compiled_time.compute == pytest.approx(0.6 * eager_time.compute, rel=1e-9)
+    assert compiled_time.bubble == pytest.approx(0.6 * eager_time.bubble, rel=1e-9) and eager_time.bubble > 0
+    assert compiled_time.fixed == eager_time.fixed
+
+
+def test_an_implausible_compiled_factor_is_clamped_with_a_warning(compiled_cfg: Config) -> None:
+    layouts = probe_layouts(compiled_cfg, max_ranks=1, compiled=True)
+    slow = dataclasses.replace(MACHINE, compiled_compute=4.0)  # a step that recompiled every time
+    fit, warnings = fit_constants(
+        layouts, probe_times(layouts, slow, None), CPU, precision="fp32", shared_machine=False
+    )
+    assert fit.compiled_compute == COMPILED_RANGE[1]
+    assert len(warnings) == 1 and "compiled compute fitted at 4.00x" in warnings[0] and "outside" in warnings[0]
+
+
+def test_a_calibration_saved_before_compile_was_measured_plans_compiled_jobs_as_eager(
+    tmp_path: Path, compiled_cfg: Config
+) -> None:
+    path = tmp_path / "cal.json"
+    save_calibration(path, "cpu", "fp32", dataclasses.replace(MACHINE, compiled_compute=0.6), [])
+    assert load_calibration(path)[1].compiled_compute == 0.6
+    record = json.loads(path.read_text())
+    del record["compiled_compute"]
+    path.write_text(json.dumps(record))
+    old = load_calibration(path)[1]
+    assert old.compiled_compute is None and old.compute_factor(True) == 1.0
+    eager = compiled_cfg.model_copy(update={"train": compiled_cfg.train.model_copy(update={"compile": False})})
+    assert seconds([compiled_cfg], old) == seconds([eager], old)
+
+
+def test_a_step_floor_fitted_above_the_eager_probe_compares_whole_steps(compiled_cfg: Config) -> None:
+    """Noise that fits the per-step floor above the eager twin's whole step: the factor is then
+    the ratio of whole steps (a number, never a division by a negative compute), clamped."""
+    layouts = probe_layouts(compiled_cfg, max_ranks=1, compiled=True)
+    times = probe_times(layouts, dataclasses.replace(MACHINE, compiled_compute=0.6), None)
+    twin = layouts.index(
+        layouts[-1].model_copy(update={"train": layouts[-1].train.model_copy(update={"compile": False})})
+    )
+    warnings: list[str] = []
+    factor = _compiled_compute(layouts, times, CPU, times.seconds[twin] * 2, warnings)
+    assert factor == pytest.approx(times.seconds[-1] / times.seconds[twin]) and warnings == []
+    slow = [*times.seconds[:-1], 2 * times.seconds[twin]]  # the compiled step twice the eager one
+    factor = _compiled_compute(layouts, dataclasses.replace(times, seconds=slow), CPU, 1.0, warnings)
+    assert factor == COMPILED_RANGE[1] and len(warnings) == 1 and "2.00x" in warnings[0]

@@ -84,9 +84,17 @@ def test_every_short_name_is_one_table_entry() -> None:
 
 
 def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -> None:
+    """Calibrated with train.compile on (explicit on a CPU): the probes run eager but one, run compiled
+    (a cold compile, ~25 s on 2 shared cores); then an eager run is compared and a compiled job planned."""
     calibration = tmp_path / "cal.json"
-    done = plan(tmp_path, "--calibrate", f"--calibration={calibration}", "--steps=1", "--rounds=1")
+    compiled = "--set=train.compile=true"
+    done = plan(tmp_path, "--calibrate", f"--calibration={calibration}", "--steps=1", "--rounds=1", compiled)
     record = json.loads(calibration.read_text())
+    assert [p["compile"] for p in record["probes"]].count(True) == 1 and "compiled: x" in done.stdout
+    assert 0.2 <= record["compiled_compute"] <= 1.5  # measured (or clamped to the range, with a warning)
+    assert any((tmp_path / "cache" / "meshrun" / "inductor").iterdir())  # meshrun's inductor cache, not /tmp
+    planned = plan(tmp_path, f"--calibration={calibration}", "--gpus=2", compiled)
+    assert f"compiled: x{record['compiled_compute']:.2f} compute (measured" in planned.stdout
     assert record["device"] == "cpu" and record["achieved_flops"] > 0 and record["p2p_s"] >= 0
     layouts = {(probe["dp"], probe["pp"], probe["microbatches"]) for probe in record["probes"]}
     assert {(1, 1, 4), (2, 1, 2), (1, 2, 2), (1, 2, 4)} <= layouts  # two-rank probes ran under torchrun
@@ -98,6 +106,7 @@ def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -
     run_meshrun(["train", *tiny(data_dir, run_dir)], tmp_path=tmp_path)
     measured = [row["step_time_s"] for row in read_metrics(run_dir) if "step_time_s" in row][1:]
     done = run_meshrun(["plan", "--run", str(run_dir), f"--calibration={calibration}"], tmp_path=tmp_path)
+    assert "compile: off (train.compile auto on cpu), eager" in done.stdout
     line = next(line for line in done.stdout.splitlines() if line.startswith("step time s (bubble formula)"))
     predicted, shown, ratio = (float(x) for x in line.split()[-3:])
     assert shown == pytest.approx(sum(measured) / len(measured), rel=1e-3)

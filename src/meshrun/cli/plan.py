@@ -20,10 +20,11 @@ from meshrun.files.json_reader import read_json
 from meshrun.hardware.peaks import PCIE4_LINKS_GBS, device_by_short_name, links_gbs
 from meshrun.hardware.precision import choose_precision, resolve_precision
 from meshrun.metrics.record import read_metrics_rows
+from meshrun.parallel.compile import inductor_cache_dir
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.model_size import check_model_size
-from meshrun.planner.search import Prediction, predict, rank_layouts
+from meshrun.planner.search import Prediction, compiles, predict, rank_layouts
 from meshrun.preflight import preflight
 from meshrun.versions import check_extras
 
@@ -82,6 +83,15 @@ def efficiency(args: argparse.Namespace, hw: Hardware) -> tuple[Efficiency, str]
     if hw.peak_flops is None:
         raise ConfigError(f"no peak FLOP/s for {hw.name}: run `meshrun plan --calibrate CONFIG` here first")
     return Efficiency(), f"default efficiency {Efficiency().flops_fraction:.0%} of peak (not calibrated)"
+
+
+def compile_note(cfg: Config, hw: Hardware, eff: Efficiency) -> str:
+    """How the plan treats train.compile: off, on at the calibrated factor, or on but planned as eager."""
+    if not compiles(cfg, hw):
+        return f"compile: off (train.compile {str(cfg.train.compile).lower()} on {hw.name}), eager"
+    if eff.compiled_compute is None:
+        return "compile: not measured, planned as eager (`meshrun plan --calibrate` of this config on the device measures it)"
+    return f"compiled: x{eff.compiled_compute:.2f} compute (measured by --calibrate)"
 
 
 def _gib(n: float) -> str:
@@ -179,6 +189,8 @@ def _every(seconds: float, what: str) -> Callable[[str], None]:
 
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.calibrate:  # a compiled probe caches in meshrun's folder: set before torch._dynamo loads (it sets /tmp)
+        inductor_cache_dir()
     preflight(cfg, scope="model")  # the model builds, before any layout is profiled
     if args.calibrate:
         return _calibrate(args, cfg)
@@ -198,6 +210,7 @@ def run_plan(args: argparse.Namespace) -> int:
         f"meshrun plan: {args.gpus} x {hw.name} ({args.nodes} node(s)), {hw.memory_bytes / GIB:.1f} GiB per device "
         f"with a {args.margin:.0%} margin, {precision}, global batch {cfg.train.global_batch}; {source}"
     )
+    print(compile_note(cfg, hw, eff))
     print(table(ranked, args.top))
     fitting = [p for p in ranked if p.fits]
     baseline = "measured by --calibrate" if source.startswith("calibrated") else "an estimate, hardware/peaks.py"
@@ -239,6 +252,7 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
             f"{row['recompute']:<5} {row['flops'] / 1e9:8.3f} GFLOP {row['seconds'] * 1e3:9.2f} ms/step (median of "
             + ", ".join(f"{t * 1e3:.1f}" for t in row["rounds"])
             + ")"
+            + (" compiled" if row["compile"] else "")
         )
     shared = (
         f"2 ranks compute {eff.slowdown(2):.2f}x as long as 1" if eff.parallel_devices else "2 ranks no slower than 1"
@@ -252,6 +266,10 @@ def _calibrate(args: argparse.Namespace, cfg: Config) -> int:
         f"{eff.runtime_bytes / 2**20:.0f} MiB per rank before its model, {precision}, "
         f"{shared}; saved to {path}"
     )
+    if eff.compiled_compute is not None:
+        print(f"compiled: x{eff.compiled_compute:.2f} compute (train.compile {str(cfg.train.compile).lower()})")
+    else:
+        print(f"compile: not measured (train.compile {str(cfg.train.compile).lower()} is off on {device})")
     for warning in warnings:
         say(f"warning: {warning}")
     return 0
@@ -312,6 +330,7 @@ def compare_run(args: argparse.Namespace) -> int:
         f"run {run}: {cfg.layout.short_text()} {cfg.parallel.schedule}, micro_batch "
         f"{cfg.train.micro_batch}, recompute {cfg.recompute} on {hw.name}; {source}"
     )
+    print(compile_note(cfg, hw, eff))
     print(f"{'':<28}{'predicted':>12}{'measured':>12}{'ratio':>10}")
     for name, predicted, measured in (
         ("step time s (bubble formula)", formula.time.total, measured_time),

@@ -4,7 +4,7 @@ Probes are small layouts of the user's model on random tokens (`probe.py`), time
 rounds (every probe once, then again) and summarised by their median, so that a machine whose
 load drifts affects every probe alike. Each probe times plain steps and logged ones (a log step
 gathers every rank's figures and, under pp, measures the pipeline timeline under torch's
-profiler). The fit has three stages:
+profiler). The fit has three stages, and a fourth for train.compile:
 1. one-rank probes (different micro_batch, microbatch count and recompute), by non-negative least
    squares: step = FLOPs / achieved_flops + actions x action_s + step_s (actions = a forward and a
    backward per microbatch);
@@ -16,6 +16,9 @@ profiler). The fit has three stages:
    p2p_s is each pipeline message's fixed cost.
 3. with those: an FSDP collective's fixed cost (`shard_s`) from the FSDP probe, what a logged step
    adds (`log_s` from the one-rank probes; `timeline_share` of the step from the pipeline ones).
+4. where the config's train.compile resolves to on here: what compiling does to compute
+   (`compiled_compute`), from one more one-rank probe run compiled (its warm-up step compiles)
+   against its eager twin. Every other probe runs eager, so the fit above is eager's.
 A machine with one GPU runs only stage 1 and the logged steps' cost (p2p_s and shard_s keep their
 defaults).
 The result is saved as JSON per device.
@@ -41,7 +44,7 @@ from meshrun.hardware.peaks import find_device
 from meshrun.parallel.stages import validate_layout
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.probe import ProbeTimes, probe_seconds
-from meshrun.planner.search import predict, stage_profiles, with_layout
+from meshrun.planner.search import compiles, predict, stage_profiles, with_layout
 
 # (micro_batch, recompute, share of the global batch): the half batch tells per-step from per-FLOP costs
 ONE_RANK_PROBES = ((1, "none", 1), (2, "none", 1), (4, "none", 1), (1, "full", 1), (4, "full", 1), (2, "none", 2))
@@ -64,9 +67,12 @@ def default_path(device: str) -> Path:
     return cache / "meshrun" / f"calibration-{'-'.join(device.lower().split())}.json"
 
 
-def probe_layouts(cfg: Config, *, max_ranks: int) -> list[Config]:
-    """The probes `cfg`'s model and global batch allow (two-rank ones only where the machine has two devices)."""
+def probe_layouts(cfg: Config, *, max_ranks: int, compiled: bool = False) -> list[Config]:
+    """The probes `cfg`'s model and global batch allow (two-rank ones only where the machine has two
+    devices), all eager; `compiled`: and the compiled twin of one (see compiled_probe)."""
     batch, layouts = cfg.train.global_batch, []
+    setting = cfg.train.compile
+    cfg = _with_compile(cfg, False)
     for micro_batch, recompute, divisor in ONE_RANK_PROBES:
         if batch % (micro_batch * divisor) == 0:
             share = batch // divisor
@@ -89,7 +95,20 @@ def probe_layouts(cfg: Config, *, max_ranks: int) -> list[Config]:
             continue
         if all(layout != known for known in layouts):
             layouts.append(layout)
-    return layouts
+    return [*layouts, compiled_probe(layouts, setting)] if compiled else layouts
+
+
+def compiled_probe(layouts: list[Config], setting: bool | str) -> Config:
+    """The one-rank probe of the whole batch without recompute and the largest micro_batch (the
+    most compute beside the per-step floor), with train.compile as the user set it: `auto` runs a
+    block that cannot compile eager, as the job will."""
+    whole = layouts[0].train.global_batch  # the first probe's: (1, "none", 1) always runs
+    eager = [c for c in layouts if c.world_size == 1 and c.recompute == "none" and c.train.global_batch == whole]
+    return _with_compile(max(eager, key=lambda c: c.train.micro_batch), setting)
+
+
+def _with_compile(cfg: Config, setting: bool | str) -> Config:
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": setting})})
 
 
 def _nonnegative_lstsq(a: torch.Tensor, b: torch.Tensor, *, required: int) -> list[float]:
@@ -114,6 +133,8 @@ def _nonnegative_lstsq(a: torch.Tensor, b: torch.Tensor, *, required: int) -> li
     return best
 
 
+COMPILED_RANGE = (0.2, 1.5)  # compiling fuses kernels: a few times faster at most, and slower than eager
+# only where its graphs break or recompile; outside, the probe caught a compilation or noise
 RECOMPUTE_RANGE = (0.5, 2.0)  # a recomputed forward runs the kernels the first forward ran: its FLOPs cost
 # what training FLOPs cost, within the spread of forward vs backward efficiency; outside, the fit is noise
 
@@ -176,13 +197,14 @@ def fit_constants(
     precision: str,
     shared_machine: bool,
 ) -> tuple[Efficiency, list[str]]:
-    """Both stages over the probes' median step times, with the floors measured directly: the
+    """Every stage over the probes' median step times, with the floors measured directly: the
     optimizer's seconds per step, one small message's seconds (a fitted p2p_s below it is raised
     to it, with a warning) and a rank's memory before its model."""
-    one_rank = [i for i, layout in enumerate(layouts) if layout.world_size == 1]
+    one_rank = [i for i, layout in enumerate(layouts) if layout.world_size == 1 and not compiles(layout, hw)]
     step_floor = statistics.median(times.optimizer_s[i] for i in one_rank)
     samples = [(*_flops(layouts[i], precision), 2 * layouts[i].accumulation_steps, times.seconds[i]) for i in one_rank]
     eff, warnings = fit(samples, step_floor=step_floor)
+    eff = dataclasses.replace(eff, compiled_compute=_compiled_compute(layouts, times, hw, eff.step_s, warnings))
     two_rank = [i for i, layout in enumerate(layouts) if layout.world_size == 2]
     if times.runtime_bytes is not None:
         eff = dataclasses.replace(eff, runtime_bytes=_baseline(layouts, times, hw, eff, precision))
@@ -207,6 +229,33 @@ def fit_constants(
         p2p_s = times.message_s
     eff = dataclasses.replace(eff, p2p_s=p2p_s, parallel_devices=2.0 / slowdown if slowdown > 1.0 else None)
     return _fit_shard_and_timeline(eff, layouts, times, hw, precision=precision, sharded=sharded), warnings
+
+
+def _compiled_compute(
+    layouts: list[Config], times: ProbeTimes, hw: Hardware, step_s: float, warnings: list[str]
+) -> float | None:
+    """Stage 4: a compiled step's compute seconds / its eager twin's (None: no compiled probe). The
+    per-step seconds (`step_s`: clipping, AdamW, bookkeeping) are left out of both: compile touches
+    only the blocks, so the factor then carries to layouts whose compute outweighs that floor more
+    or less than the probe's. Outside COMPILED_RANGE it is clamped, with a warning in `warnings`
+    (never None with a compiled probe: a plan then says what was measured)."""
+    found = [i for i, layout in enumerate(layouts) if layout.world_size == 1 and compiles(layout, hw)]
+    if not found:
+        return None
+    compiled = found[0]
+    eager = layouts.index(_with_compile(layouts[compiled], False))
+    floor = step_s if times.seconds[eager] > step_s else 0.0  # a floor fitted above the probe is noise: whole steps
+    factor = (times.seconds[compiled] - floor) / (times.seconds[eager] - floor)
+    low, high = COMPILED_RANGE
+    if low <= factor <= high:
+        return factor
+    clamped = min(max(factor, low), high)
+    warnings.append(
+        f"compiled compute fitted at {factor:.2f}x eager's ({times.seconds[compiled] * 1e3:.1f} vs "
+        f"{times.seconds[eager] * 1e3:.1f} ms per step), outside {low}-{high}x: planned at {clamped}x "
+        "(a step recompiled or the times were noisy; more --steps and --rounds help)"
+    )
+    return clamped
 
 
 def _fit_shard_and_timeline(
@@ -268,7 +317,8 @@ def calibrate(
     """Time the probes in alternating rounds on this machine (saying each as it finishes) and fit;
     also returns the probes' rows and the fit's warnings. `shared_machine`: ranks share its compute
     (CPU cores) rather than each having a device. The probes run at `precision` (autocast)."""
-    layouts = probe_layouts(cfg.model_copy(update={"precision": precision}), max_ranks=max_ranks)
+    cfg = cfg.model_copy(update={"precision": precision})
+    layouts = probe_layouts(cfg, max_ranks=max_ranks, compiled=compiles(cfg, hw))
     per_round: list[ProbeTimes] = []
     for r in range(rounds):
         say(f"calibration round {r + 1}/{rounds}: {len(layouts)} probes")
@@ -292,6 +342,7 @@ def calibrate(
             "micro_batch": layout.train.micro_batch,
             "microbatches": layout.accumulation_steps,
             "recompute": layout.recompute,
+            "compile": compiles(layout, hw),
             "flops": sum(_flops(layout, precision)),
             "seconds": times.seconds[i],
             "optimizer_s": times.optimizer_s[i],
@@ -316,6 +367,7 @@ FIELDS = (
     "shard_s",
     "log_s",
     "timeline_share",
+    "compiled_compute",
 )
 
 
@@ -327,7 +379,8 @@ def save_calibration(path: Path, device: str, precision: str, eff: Efficiency, r
 
 def load_calibration(path: Path) -> tuple[str, Efficiency]:
     """(device, constants) saved by `save`; one line naming the file when it is not such a record.
-    Files saved before a field existed get its default, except the kernel floor: 0 (measured)."""
+    Files saved before a field existed get its default (compiled_compute: not measured, a compiled
+    job planned as eager), except the kernel floor: 0 (measured)."""
     try:
         record = json.loads(path.read_text())
         known = {f: record[f] for f in FIELDS if f in record}

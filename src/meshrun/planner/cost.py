@@ -21,7 +21,9 @@ per-step work take max(1, ranks / parallel_devices) times what they take one ran
 collective costs its own fixed `shard_s` (calibrated apart: its hooks copy and bookkeep far more
 than a send). A logged step adds the gather of every rank's figures (`log_s`) and, under pp, its
 timeline measured under torch's profiler (`timeline_share` of the step), shared over the steps of
-`train.log_interval`.
+`train.log_interval`. A job whose blocks run compiled (train.compile on for the planned device)
+computes `compiled_compute` times as long as eager, where calibration measured it (its bubble
+with it: the bubble is idle compute slots); the optimizer step stays eager.
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ class Efficiency:
     log_s: float = 0.0  # seconds a logged step adds: every rank's figures gathered and read on the host
     timeline_share: float = 0.0  # under pp, what a logged step adds as a share of the step: its timeline is
     # measured under torch's profiler (every op recorded) and gathered from every rank
+    compiled_compute: float | None = None  # a compiled job's compute seconds / eager's (train.compile: its
+    # blocks compiled, embedding and head eager, as the probe ran); None: not measured, planned as eager
+
+    def compute_factor(self, compiled: bool) -> float:
+        """A rank's compute seconds relative to eager: the measured factor when its blocks compile, else 1."""
+        return self.compiled_compute if compiled and self.compiled_compute is not None else 1.0
 
     def slowdown(self, ranks_per_machine: int) -> float:
         """Each rank's compute time relative to one rank alone when this many share one machine
@@ -198,15 +206,17 @@ def step_time(
     eff: Efficiency,
     log_interval: int = 1,
     measured_bubble: float | None = None,
+    compiled: bool = False,
 ) -> StepTime:
     """`local[r]`: the stage indices pp rank r holds (stage profiles are per tp rank); a step of
-    `log_interval` is logged."""
+    `log_interval` is logged; `compiled`: the blocks run compiled (train.compile)."""
     pp, v = len(local), len(local[0])
     flops_per_s = eff.flops_per_s(hw)
     total_units = sum(s.units for s in stages)
     tp_gbs = hw.intra_gbs if tp <= hw.gpus_per_node else hw.inter_gbs
+    factor = eff.compute_factor(compiled)
     per_rank = [
-        rank_compute_s([stages[i] for i in held], total_units, tokens_per_microbatch, flops_per_s, eff)
+        factor * rank_compute_s([stages[i] for i in held], total_units, tokens_per_microbatch, flops_per_s, eff)
         + tensor_parallel_s([stages[i] for i in held], tp, gbs=tp_gbs, eff=eff)
         for held in local
     ]

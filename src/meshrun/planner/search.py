@@ -7,8 +7,11 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from meshrun.config.schema import Config, validate
 from meshrun.errors import ConfigError
+from meshrun.parallel.compile import compile_enabled
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.stages import validate_layout
 from meshrun.planner.cost import DataParallel, Efficiency, Hardware, StepTime, step_time
@@ -187,6 +190,12 @@ def stage_profiles(cfg: Config, precision: str) -> list[StageProfile]:
     return list(_profiles(_model_key(cfg), split, cfg.train.micro_batch, precision, cfg.parallel.tp))
 
 
+def compiles(cfg: Config, hw: Hardware) -> bool:
+    """Whether `cfg`'s blocks run compiled on `hw` (train.compile resolved as training resolves it:
+    auto is on for any GPU, off for a CPU)."""
+    return compile_enabled(cfg.train.compile, torch.device("cpu" if hw.name == "cpu" else "cuda"))
+
+
 def predict(
     cfg: Config, hw: Hardware, eff: Efficiency, *, precision: str, margin: float, measured_bubble: float | None = None
 ) -> Prediction:
@@ -208,6 +217,7 @@ def predict(
         eff=eff,
         log_interval=cfg.train.log_interval,
         measured_bubble=measured_bubble,
+        compiled=compiles(cfg, hw),
     )
     tokens_per_s = cfg.tokens_per_step / time.total
     model_flops = sum(s.model_flops_per_token for s in stages) * par.tp
