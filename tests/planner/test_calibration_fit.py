@@ -159,6 +159,8 @@ def test_floors_are_never_below_what_was_measured(cfg: Config) -> None:
 def test_a_fit_where_compute_costs_nothing_is_refused() -> None:
     with pytest.raises(RunError, match="implausible"):
         fit([(1e9, 0.0, 2, 0.01), (2e9, 0.0, 2, 0.01)], step_floor=0.02)
+    with pytest.raises(RunError, match="no longer than its optimizer"):  # was a division by zero in lstsq
+        fit([(1e9, 0.0, 2, 0.02), (2e9, 0.0, 2, 0.03)], step_floor=0.02)
 
 
 def test_the_runtime_baseline_takes_in_what_a_cpu_step_keeps_resident(cfg: Config) -> None:

@@ -147,6 +147,10 @@ def fit(samples: list[tuple[float, float, int, float]], *, step_floor: float = 0
     warnings of `plausible`."""
     a = torch.tensor([[flops, again, actions, 1.0] for flops, again, actions, _ in samples], dtype=torch.float64)
     b = torch.tensor([[seconds - step_floor] for *_, seconds in samples], dtype=torch.float64)
+    if (b <= 0).any():  # a probe no slower than its optimizer alone: its compute cost nothing
+        raise RunError(
+            "calibration fit implausible: a probe took no longer than its optimizer step; run again with more --rounds and --steps"
+        )
     per_flop, per_recomputed, action_s, step_s = _nonnegative_lstsq(a, b, required=0)
     recompute_cost = per_recomputed / max(per_flop, 1e-30) if a[:, 1].any() else 1.0
     warnings = []
