@@ -36,7 +36,17 @@ LAYOUTS = {
         "precision=bf16",
     ],
     "llama-pp2-mb4": [LLAMA, "parallel.pp=2", "train.global_batch=8", "train.micro_batch=4"],
+    "llama-tp2-pp2-sp-every2-mb4": [
+        LLAMA,
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+        "recompute=every:2",
+    ],
 }
+SP_PP = ["parallel.pp=2", "parallel.tp=2", "train.global_batch=4", "train.micro_batch=2"]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -73,3 +83,18 @@ def test_a_model_handing_on_a_state_tuple_is_profiled() -> None:
     stages = profile_stages(cfg, layout_split(cfg), cfg.train.micro_batch, "fp32")
     assert len(stages) == 2 and all(s.activation_bytes > 0 for s in stages)
     assert stages[0].boundary_bytes > 0 and stages[1].boundary_bytes == 0
+
+
+@pytest.mark.parametrize("model", [[], [LLAMA]], ids=["gpt", "llama"])
+def test_sequence_parallel_hands_on_a_ranks_positions(model: list[str]) -> None:
+    """Under sequence parallel a stage hands the next one 1/tp of the positions (half the bytes at
+    tp 2) and keeps less (norm inputs and residuals split), while the hidden state tp's collectives
+    move stays whole (a reduce-scatter plus an all-gather carry what the all-reduce did)."""
+    plain, split = (
+        profile_stages(cfg, layout_split(cfg), 2, "fp32")
+        for cfg in (layout_config([*model, *SP_PP]), layout_config([*model, *SP_PP, "parallel.sequence_parallel=true"]))
+    )
+    assert split[0].boundary_bytes * 2 == plain[0].boundary_bytes > 0
+    assert [s.hidden_bytes for s in split] == [s.hidden_bytes for s in plain]
+    assert all(s.activation_bytes < p.activation_bytes for s, p in zip(split, plain))
+    assert [s.param_bytes for s in split] == [s.param_bytes for s in plain]

@@ -197,6 +197,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(
         f"meshrun plan: {args.gpus} x {hw.name} ({args.nodes} node(s)), {hw.memory_bytes / GIB:.1f} GiB per device "
         f"with a {args.margin:.0%} margin, {precision}, global batch {cfg.train.global_batch}; {source}"
+        + ("; sequence parallel where tp > 1" if cfg.parallel.sequence_parallel else "")
     )
     print(table(ranked, args.top))
     fitting = [p for p in ranked if p.fits]
