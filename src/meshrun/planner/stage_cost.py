@@ -5,8 +5,9 @@ trainer uses), so they are exact: fp32 parameters, fp32 gradients, and fused Ada
 moments plus one fp32 step counter per parameter tensor. Activation bytes are what one
 microbatch keeps for backward: one forward (and the loss, on the last stage) traced under fake
 tensors on the CPU (shapes and kernel choices only, no memory), counted by `SavedBytes`. Under
-tp the traced parameters have their shard's shape, so what is traced is one tp rank's forward;
-under sequence parallel too its split of the positions (sequence_split.py).
+tp the traced parameters have their shard's shape and the collectives' results are emulated
+(tp_shapes.py: gathered widths, under sequence parallel the split of the positions), so what is
+traced is one tp rank's forward.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from torch import nn
 
 from meshrun.config.schema import Config
 from meshrun.hardware.precision import DTYPES
-from meshrun.models.protocol import ProtocolModule
+from meshrun.models.protocol import ProtocolModule, tp_local
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
 from meshrun.parallel.tensor import shard_numels, split_dims
 from meshrun.planner.saved_bytes import SavedBytes
-from meshrun.planner.sequence_split import emulate_sequence_parallel
 from meshrun.planner.stage_pieces import compose, consecutive
 from meshrun.planner.stage_profile import StageProfile
+from meshrun.planner.tp_shapes import emulate_tp_shapes
 from meshrun.training.loss import MicrobatchLoss
 
 Spec = tuple  # (shape, dtype) of a stage's output, or a tuple of those (a model handing on a state)
@@ -82,7 +83,10 @@ def stage_flops_per_token(cfg: Config, part: ProtocolModule, whole: ProtocolModu
 def _shrink_to_tp_shard(part: nn.Module, tp: int) -> None:
     """Give each parameter the model's tp plan splits its shard's shape (meta device), so a forward
     traced on the part computes what one tp rank computes: column-split matmuls make 1/tp of the
-    heads and MLP features (models size heads with -1), the head 1/tp of the vocabulary."""
+    heads and MLP features (models size heads with -1, or take their share in `tp_local`, as
+    apply_tensor_parallel has them), the head 1/tp of the vocabulary."""
+    if tp > 1:
+        tp_local(part, tp)
     shrunk: dict[int, nn.Parameter] = {}  # a tied matrix stays one parameter
     for name, dim in split_dims(part, tp).items():
         module_name, _, param_name = name.rpartition(".")
@@ -240,9 +244,10 @@ def _trace(
             assert hidden is not None  # stages are traced in pipeline order
             x = _input(hidden)
         part.to_empty(device="cpu")
-        shards = cfg.parallel.tp if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else 1
-        if shards > 1:  # before recompute wraps the blocks: the hooks sit on the modules themselves
-            emulate_sequence_parallel(part, shards)
+        tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
+        if tp > 1:  # before recompute wraps the blocks: the hooks sit on the modules themselves
+            emulate_tp_shapes(part, tp, sequence_parallel=sp)
+        shards = tp if sp else 1
         apply_recompute(part.blocks, cfg.recompute)
         first_block = next(iter(part.blocks.values()))
         first_block.register_forward_hook(lambda _m, _i, out: block_out.append(_nbytes(out)))
