@@ -206,6 +206,7 @@ def predict(
         schedule=par.schedule,
         dp=DataParallel(dp=par.dp, shard=cfg.layout.dp_shard, regather=regathers(cfg)),
         tp=par.tp,
+        sequence_parallel=par.sequence_parallel,
         m=m,
         tokens_per_microbatch=cfg.train.micro_batch * cfg.model.seq_len,
         hw=hw,
