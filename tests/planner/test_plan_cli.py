@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_meshrun, tiny
+from conftest import meshrun_env, read_metrics, run_meshrun, tiny
 
 from meshrun.config.schema import load_config
 from meshrun.hardware.peaks import SHORT_NAMES, device_by_short_name
@@ -24,7 +24,10 @@ TINY_MODEL = [
 
 
 def plan(tmp_path: Path, *args: str, check: bool = True):
-    return run_meshrun(["plan", *TINY_MODEL, *args], tmp_path=tmp_path, timeout=180, check=check)
+    """`meshrun plan` with a private cache: XDG_CACHE_HOME in tmp_path, and no inductor cache folder
+    inherited from this pytest process (a test that compiled in-process set one into its environment)."""
+    env = {k: v for k, v in meshrun_env(tmp_path).items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    return run_meshrun(["plan", *TINY_MODEL, *args], tmp_path=tmp_path, timeout=180, check=check, env=env)
 
 
 def test_table_ranks_layouts_and_writes_the_best(tmp_path: Path) -> None:

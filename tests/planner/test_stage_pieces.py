@@ -36,7 +36,17 @@ LAYOUTS = {
         "precision=bf16",
     ],
     "llama-pp2-mb4": [LLAMA, "parallel.pp=2", "train.global_batch=8", "train.micro_batch=4"],
+    "llama-tp2-pp2-sp-every2-mb4": [
+        LLAMA,
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+        "recompute=every:2",
+    ],
 }
+SP_PP = ["parallel.pp=2", "parallel.tp=2", "train.global_batch=4", "train.micro_batch=2"]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -68,8 +78,17 @@ def test_tensor_parallel_shrinks_state_flops_and_activations() -> None:
 
 def test_a_model_handing_on_a_state_tuple_is_profiled() -> None:
     """The encoder-decoder's stages pass (encoder, decoder, mask) on, and its logits cover the
-    target only: each later stage is traced on that tuple, the loss on the logits' rows."""
-    cfg = load_config(Path(__file__).parents[2] / "configs" / "encdec-example.yaml", ["parallel.dp=1", "parallel.pp=2"])
-    stages = profile_stages(cfg, layout_split(cfg), cfg.train.micro_batch, "fp32")
-    assert len(stages) == 2 and all(s.activation_bytes > 0 for s in stages)
-    assert stages[0].boundary_bytes > 0 and stages[1].boundary_bytes == 0
+    target only: each later stage is traced on that tuple, the loss on the logits' rows; at tp 2
+    with sequence parallel both hidden states go on split by position (the mask whole)."""
+    path = Path(__file__).parents[2] / "configs" / "encdec-example.yaml"
+    plain, split = (
+        profile_stages(cfg, layout_split(cfg), cfg.train.micro_batch, "fp32")
+        for cfg in (
+            load_config(path, ["parallel.dp=1", "parallel.pp=2", *tp])
+            for tp in ([], ["parallel.tp=2", "parallel.sequence_parallel=true"])
+        )
+    )
+    assert len(plain) == 2 and all(s.activation_bytes > 0 for s in plain)
+    assert plain[0].boundary_bytes > 0 and plain[1].boundary_bytes == 0
+    mask = 16 * 24 * 8  # micro_batch x source_len, int64
+    assert (split[0].boundary_bytes - mask) * 2 == plain[0].boundary_bytes - mask

@@ -209,6 +209,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(
         f"meshrun plan: {args.gpus} x {hw.name} ({args.nodes} node(s)), {hw.memory_bytes / GIB:.1f} GiB per device "
         f"with a {args.margin:.0%} margin, {precision}, global batch {cfg.train.global_batch}; {source}"
+        + ("; sequence parallel where tp > 1" if cfg.parallel.sequence_parallel else "")
     )
     print(compile_note(cfg, hw, eff))
     print(table(ranked, args.top))

@@ -4,7 +4,8 @@ layout fits and runs fastest.
 - `stage_cost` (+ `stage_pieces`): per pipeline stage and tp rank, exact parameter / gradient /
   optimizer bytes (the real model, built on the meta device) and the activation bytes one
   microbatch keeps for backward (forwards traced under fake tensors: shapes only, no memory, no
-  compute; a stage composed from one- and two-block pieces).
+  compute; a stage composed from one- and two-block pieces; `tp_shapes`: what tp's collectives,
+  sequence parallel's included, hand one rank's traced forward).
 - `memory`: per rank, named terms: state, activations times the microbatches each schedule keeps
   in flight, communication buffers, the runtime's baseline.
 - `cost`: step time from FLOPs and launch floors, the schedule's bubble, dp / tp / pp communication.

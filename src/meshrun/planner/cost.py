@@ -14,7 +14,8 @@ handling): the dp gradient all-reduce (ring: 2 (dp - 1) / dp of the gradient byt
 all-gather of the parameters per forward and per backward when it reshards after forward, else
 once per step, and a reduce-scatter of the gradients, each (s - 1) / s of the bytes, then HSDP's
 all-reduce over replicas of the shard); tp: two all-reduces of the hidden state per block
-forward and backward (Megatron's split; a recomputed block's forward again); pp: the activation
+forward and backward (Megatron's split; a recomputed block's forward again; under sequence
+parallel each a reduce-scatter plus an all-gather: the same bytes in twice the messages); pp: the activation
 transfers. Where ranks share one machine's compute (a CPU's cores, calibrated as
 `parallel_devices` full-speed ranks' worth; GPUs: None, a device per rank), compute, bubble and
 per-step work take max(1, ranks / parallel_devices) times what they take one rank alone. An FSDP
@@ -166,13 +167,18 @@ def data_parallel(
     return seconds, (gathers + 1 + (replicas > 1)) * units  # a collective per block and the root
 
 
-def tensor_parallel_s(held: list[StageProfile], tp: int, *, gbs: float, eff: Efficiency) -> float:
+def tensor_parallel_s(
+    held: list[StageProfile], tp: int, *, gbs: float, eff: Efficiency, sequence_parallel: bool = False
+) -> float:
     """Seconds of one microbatch's tp all-reduces on a rank: two per block forward and two backward
-    (a recomputed block's forward twice), each of the hidden state (the stage boundary's size)."""
+    (a recomputed block's forward twice), each of the whole hidden state; under sequence parallel
+    each is a reduce-scatter and an all-gather, each moving half an all-reduce's bytes."""
     if tp == 1:
         return 0.0
     messages = sum(4 * s.blocks + 2 * s.recomputed_blocks for s in held)
     hidden = max(s.hidden_bytes for s in held)
+    if sequence_parallel:
+        return 2 * messages * (_ring(hidden, tp, gbs, 1.0) + eff.p2p_s)
     return messages * (_ring(hidden, tp, gbs, 2.0) + eff.p2p_s)
 
 
@@ -200,6 +206,7 @@ def step_time(
     schedule: str,
     dp: DataParallel,
     tp: int = 1,
+    sequence_parallel: bool = False,
     m: int,
     tokens_per_microbatch: int,
     hw: Hardware,
@@ -217,7 +224,7 @@ def step_time(
     factor = eff.compute_factor(compiled)
     per_rank = [
         factor * rank_compute_s([stages[i] for i in held], total_units, tokens_per_microbatch, flops_per_s, eff)
-        + tensor_parallel_s([stages[i] for i in held], tp, gbs=tp_gbs, eff=eff)
+        + tensor_parallel_s([stages[i] for i in held], tp, gbs=tp_gbs, eff=eff, sequence_parallel=sequence_parallel)
         for held in local
     ]
     world = dp.dp * pp * tp

@@ -63,12 +63,14 @@ def with_layout(
     dp_mode: str = "ddp",
     dp_shard: int | None = None,
 ) -> Config:
-    """`cfg` with another layout (explicit stage_layers are dropped: they belong to one pp)."""
+    """`cfg` with another layout (explicit stage_layers are dropped: they belong to one pp;
+    sequence parallel, when the config asks for it, where tp > 1)."""
     data = cfg.model_dump(mode="json")
     data["parallel"].update(
         dp=dp,
         pp=pp,
         tp=tp,
+        sequence_parallel=cfg.parallel.sequence_parallel and tp > 1,
         dp_mode=dp_mode,
         dp_shard=dp_shard,
         schedule=schedule,
@@ -177,17 +179,19 @@ def _model_key(cfg: Config) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _profiles(
-    cfg_json: str, split: tuple[tuple[int, ...], ...], micro_batch: int, precision: str, tp: int
+    cfg_json: str, split: tuple[tuple[int, ...], ...], micro_batch: int, precision: str, tp: int, sp: bool
 ) -> tuple[StageProfile, ...]:
     cfg = Config.model_validate_json(cfg_json)
-    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp})})
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "sequence_parallel": sp})})
     return tuple(profile_stages(cfg, [list(s) for s in split], micro_batch, precision))
 
 
 def stage_profiles(cfg: Config, precision: str) -> list[StageProfile]:
-    """Profiles depend on the model, split, micro_batch, recompute and tp only: cached across layouts."""
+    """Profiles depend on the model, split, micro_batch, recompute, tp and sequence parallel only:
+    cached across layouts."""
     split = tuple(tuple(s) for s in layout_split(cfg))
-    return list(_profiles(_model_key(cfg), split, cfg.train.micro_batch, precision, cfg.parallel.tp))
+    par = cfg.parallel
+    return list(_profiles(_model_key(cfg), split, cfg.train.micro_batch, precision, par.tp, par.sequence_parallel))
 
 
 def compiles(cfg: Config, hw: Hardware) -> bool:
@@ -211,6 +215,7 @@ def predict(
         schedule=par.schedule,
         dp=DataParallel(dp=par.dp, shard=cfg.layout.dp_shard, regather=regathers(cfg)),
         tp=par.tp,
+        sequence_parallel=par.sequence_parallel,
         m=m,
         tokens_per_microbatch=cfg.train.micro_batch * cfg.model.seq_len,
         hw=hw,

@@ -5,7 +5,9 @@ trainer uses), so they are exact: fp32 parameters, fp32 gradients, and fused Ada
 moments plus one fp32 step counter per parameter tensor. Activation bytes are what one
 microbatch keeps for backward: one forward (and the loss, on the last stage) traced under fake
 tensors on the CPU (shapes and kernel choices only, no memory), counted by `SavedBytes`. Under
-tp the traced parameters have their shard's shape, so what is traced is one tp rank's forward.
+tp the traced parameters have their shard's shape and the collectives' results are emulated
+(tp_shapes.py: gathered widths, under sequence parallel the split of the positions), so what is
+traced is one tp rank's forward.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from meshrun.parallel.tensor import shard_numels, split_dims
 from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.planner.stage_pieces import compose, consecutive
 from meshrun.planner.stage_profile import StageProfile
+from meshrun.planner.tp_shapes import emulate_tp_shapes
 from meshrun.training.loss import MicrobatchLoss
 
 Spec = tuple  # (shape, dtype) of a stage's output, or a tuple of those (a model handing on a state)
@@ -80,7 +83,10 @@ def stage_flops_per_token(cfg: Config, part: ProtocolModule, whole: ProtocolModu
 def _shrink_to_tp_shard(part: nn.Module, tp: int) -> None:
     """Give each parameter the model's tp plan splits its shard's shape (meta device), so a forward
     traced on the part computes what one tp rank computes: column-split matmuls make 1/tp of the
-    heads and MLP features (models size heads with -1), the head 1/tp of the vocabulary."""
+    heads and MLP features (models size heads with -1, or take their share in `tp_local`, as
+    apply_tensor_parallel has them), the head 1/tp of the vocabulary."""
+    if tp > 1:
+        tp_local(part, tp)
     shrunk: dict[int, nn.Parameter] = {}  # a tied matrix stays one parameter
     for name, dim in split_dims(part, tp).items():
         module_name, _, param_name = name.rpartition(".")
@@ -93,8 +99,6 @@ def _shrink_to_tp_shard(part: nn.Module, tp: int) -> None:
             shape[dim] = -(-shape[dim] // tp)
             shrunk[id(param)] = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=param.requires_grad)
         setattr(module, param_name, shrunk[id(param)])
-    if tp > 1:
-        tp_local(part, tp)  # sizes the forward reads as numbers (Phi-3's head counts), as training sets them
 
 
 def _block_kind(block: nn.Module) -> tuple:
@@ -116,13 +120,20 @@ def _stage_module(model_json: str, layers: tuple[int, ...], first: bool, last: b
 
 @functools.lru_cache(maxsize=4096)
 def _piece(
-    model_json: str, micro_batch: int, precision: str, tp: int, layers: tuple[int, ...], first: bool, last: bool
+    model_json: str,
+    micro_batch: int,
+    precision: str,
+    tp: int,
+    sp: bool,
+    layers: tuple[int, ...],
+    first: bool,
+    last: bool,
 ) -> tuple[StageProfile, Spec]:
     """One traced stage of these consecutive blocks (and its output's shape and dtype). Beyond a
     micro_batch of 2, from those of 1 and 2: every saved tensor has the batch dimension or none
     (a rotary table), so a microbatch's bytes are affine in its size (test_stage_pieces checks)."""
     if micro_batch > 2:
-        (one, out), (two, _) = (_piece(model_json, b, precision, tp, layers, first, last) for b in (1, 2))
+        (one, out), (two, _) = (_piece(model_json, b, precision, tp, sp, layers, first, last) for b in (1, 2))
         grown = dataclasses.replace(
             one,
             activation_bytes=one.activation_bytes + (micro_batch - 1) * (two.activation_bytes - one.activation_bytes),
@@ -131,10 +142,10 @@ def _piece(
         )
         return grown, _with_batch(out, micro_batch)
     cfg = Config.model_validate_json(model_json)
-    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp})})
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "sequence_parallel": sp})})
     hidden = None
     if not first:  # a later stage's input: what the first stage hands on
-        hidden = _piece(model_json, micro_batch, precision, tp, layers[:1], True, False)[1]
+        hidden = _piece(model_json, micro_batch, precision, tp, sp, layers[:1], True, False)[1]
     part = copy.deepcopy(_stage_module(model_json, layers, first, last))
     flops, useful = stage_flops_per_token(cfg, part, _whole(model_json))
     _shrink_to_tp_shard(part, tp)
@@ -152,13 +163,13 @@ def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precis
     flags = [wants_recompute(cfg.recompute, i) for i in range(num_layers)]
     if num_layers < 2 or len({_block_kind(block) for block in whole.blocks.values()}) > 1:
         return _trace_stages(cfg, split, micro_batch, precision)
-    tp = cfg.parallel.tp
+    tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
 
     def trace(wanted: tuple, first: bool, last: bool) -> StageProfile:
         policy, layers = _shared_piece(cfg.recompute, wanted, num_layers)
         if policy is None:  # a policy of its own (selective): its own blocks
             policy, layers = cfg.recompute, tuple(consecutive(flags, wanted))
-        return _piece(_model_json(cfg, policy), micro_batch, precision, tp, layers, first, last)[0]
+        return _piece(_model_json(cfg, policy), micro_batch, precision, tp, sp, layers, first, last)[0]
 
     n = len(split)
     return [compose(layers, first=i == 0, last=i == n - 1, flags=flags, trace=trace) for i, layers in enumerate(split)]
@@ -219,7 +230,9 @@ def _trace(
     hidden: Spec | None,
 ) -> tuple[StageProfile, Spec]:
     """One forward of the stage (and the loss, on the last) under fake tensors: the bytes kept for
-    backward, the state bytes and the output's shape and dtype (the next stage's input)."""
+    backward, the state bytes and the output's shape and dtype (the next stage's input). Under
+    sequence parallel a block's output holds 1/tp of the positions (so does what the stage hands
+    on); `hidden_bytes` stays the whole hidden state, the size of the collectives tp runs."""
     param_bytes, grad_bytes, optimizer_bytes = state_bytes(part)  # already shrunk to one tp rank's shards
     blocks = list(part.blocks.keys())
     recomputed = sum(wants_recompute(cfg.recompute, int(b)) for b in blocks)
@@ -231,6 +244,10 @@ def _trace(
             assert hidden is not None  # stages are traced in pipeline order
             x = _input(hidden)
         part.to_empty(device="cpu")
+        tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
+        if tp > 1:  # before recompute wraps the blocks: the hooks sit on the modules themselves
+            emulate_tp_shapes(part, tp, sequence_parallel=sp)
+        shards = tp if sp else 1
         apply_recompute(part.blocks, cfg.recompute)
         first_block = next(iter(part.blocks.values()))
         first_block.register_forward_hook(lambda _m, _i, out: block_out.append(_nbytes(out)))
@@ -251,7 +268,7 @@ def _trace(
             units=len(blocks) + first + last,
             blocks=len(blocks),
             recomputed_blocks=recomputed,
-            hidden_bytes=block_out[0] if block_out else 0,
+            hidden_bytes=shards * block_out[0] if block_out else 0,
         )
         spec = _spec(out)
         del out, loss

@@ -20,7 +20,7 @@ class StageProfile:
     units: int = 1  # blocks + 1 for the embedding (first stage) + 1 for the head (last): what fixed costs scale with
     blocks: int = 0
     recomputed_blocks: int = 0
-    hidden_bytes: int = 0  # one block's output per microbatch: what a tp all-reduce moves
+    hidden_bytes: int = 0  # one block's whole output per microbatch (all positions): what a tp all-reduce moves
 
     @property
     def recompute_flops_per_token(self) -> float:
