@@ -1,6 +1,7 @@
 """Dropout under tensor parallelism (parallel/tp_rng.py), tp2 on gloo, real torchrun: masks equal
 where the tp ranks hold the same activations and different where each holds its own part
-(tp_masks_gpt.py checks them every step), and recompute reruns the masks its first forward drew."""
+(tp_masks_gpt.py checks them every step), recompute reruns the masks its first forward drew, and
+a resumed run continues them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ from pathlib import Path
 
 import pytest
 from conftest import grad_norms, losses, meshrun_env, run_meshrun, tiny
+from test_checkpoint import interrupted_copy
+
+from meshrun.config.model_sections import EncDecSection, GPTSection
+from meshrun.models.encdec import EncDec
+from meshrun.models.families import build_model
+from meshrun.models.protocol import tp_plan
+from meshrun.parallel.tp_rng import rank_stream_regions
 
 DROPOUT = {"model.dropout": 0.1, "parallel.tp": 2, "train.steps": 2}
 
@@ -25,7 +33,9 @@ def test_masks_differ_where_tp_ranks_hold_different_activations(
 
 
 def train(data_dir: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data_dir, run, **DROPOUT, **overrides)], tmp_path=run.parent, timeout=240)
+    """4 steps, a checkpoint every 2."""
+    keys = {**DROPOUT, "train.steps": 4, "checkpoint.interval": 2, **overrides}
+    run_meshrun(["train", *tiny(data_dir, run, **keys)], tmp_path=run.parent, timeout=240)
     return run
 
 
@@ -48,3 +58,30 @@ def test_recompute_reruns_the_same_masks(
     reference = without_recompute[sequence_parallel]
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
     assert grad_norms(run) == pytest.approx(grad_norms(reference), rel=1e-6)
+
+
+def test_a_resumed_run_continues_the_masks(without_recompute: dict[bool, Path], data_dir: Path, tmp_path: Path) -> None:
+    """The rank streams are seeded from the shared one, whose state the checkpoint holds: resumed
+    at step 2, tp2 with sequence parallel logs the uninterrupted run's losses and grad norms."""
+    full = without_recompute[True]
+    run = train(data_dir, interrupted_copy(full, tmp_path / "run", at_step=2), **{"parallel.sequence_parallel": True})
+    assert losses(run) == losses(full) and grad_norms(run) == grad_norms(full)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_regions_are_attention_and_mlp_or_every_block_under_sequence_parallel(sequence_parallel: bool) -> None:
+    """Without sequence parallel: each module holding a row-parallel Linear (self-attention,
+    cross-attention, MLP), ending at that Linear; with it: every block, to its exit."""
+    for model in (build_model(GPTSection(num_layers=2)), build_model(EncDecSection(num_layers=2))):
+        plan = tp_plan(model)
+        assert plan is not None
+        names = {module: name for name, module in model.named_modules()}
+        regions = rank_stream_regions(model, plan, sequence_parallel=sequence_parallel)
+        got = {(names[module], names[end] if end is not None else None) for module, end in regions}
+        if sequence_parallel:
+            assert got == {(f"blocks.{i}", None) for i in range(2)}
+        else:
+            parts = ["attn", "mlp"] + (["cross"] if isinstance(model, EncDec) else [])
+            assert got == {
+                (f"blocks.{i}.{p}", f"blocks.{i}.{p}.proj") for i in range(2) for p in parts if (p, i) != ("cross", 0)
+            }

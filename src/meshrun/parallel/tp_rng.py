@@ -30,8 +30,6 @@ from fnmatch import fnmatch
 import torch
 from torch import nn
 
-from meshrun.models.protocol import ProtocolModule
-
 
 class RankStream:
     """One region's switch to this tp rank's stream of the `generator` (the device's default)."""
@@ -56,11 +54,11 @@ class RankStream:
 
 
 def rank_stream_regions(
-    part: ProtocolModule, plan: dict[str, str], *, sequence_parallel: bool
+    part: nn.Module, plan: dict[str, str], *, sequence_parallel: bool
 ) -> list[tuple[nn.Module, nn.Module | None]]:
     """(module, the child where its region ends, None: at its exit) for each region of `part`."""
     if sequence_parallel:
-        return [(block, None) for block in part.blocks.values()]
+        return [(block, None) for block in part.get_submodule("blocks").children()]
     rowwise = [
         name
         for name, _ in part.named_modules()
@@ -69,9 +67,7 @@ def rank_stream_regions(
     return [(part.get_submodule(name.rsplit(".", 1)[0]), part.get_submodule(name)) for name in rowwise]
 
 
-def use_rank_streams(
-    part: ProtocolModule, plan: dict[str, str], *, tp_rank: int, tp: int, sequence_parallel: bool
-) -> None:
+def use_rank_streams(part: nn.Module, plan: dict[str, str], *, tp_rank: int, tp: int, sequence_parallel: bool) -> None:
     """Hook each region of this tp stage (before recompute wraps its blocks: the reruns pass the hooks)."""
     device = next(part.parameters()).device
     generator = torch.default_generator if device.type == "cpu" else _cuda_generator(device)

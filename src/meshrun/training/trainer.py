@@ -48,7 +48,8 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
         # Dropout streams (weights and data have their own seeds): one per tp group, as tp ranks hold
-        # the same activations outside the split matrices and must drop the same ones.
+        # the same activations outside the split matrices and must drop the same ones (where they hold
+        # different ones, parallel/tp_rng.py seeds a stream per tp rank from this one).
         torch.manual_seed(cfg.train.seed + mesh.rank // mesh.tp)
         # Steps and evaluations pass their own loss (batch_loss); this one only sets the microbatch count.
         self.model = parallelize(
