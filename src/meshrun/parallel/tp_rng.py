@@ -70,7 +70,7 @@ def rank_stream_regions(
 def use_rank_streams(part: nn.Module, plan: dict[str, str], *, tp_rank: int, tp: int, sequence_parallel: bool) -> None:
     """Hook each region of this tp stage (before recompute wraps its blocks: the reruns pass the hooks)."""
     device = next(part.parameters()).device
-    generator = torch.default_generator if device.type == "cpu" else _cuda_generator(device)
+    generator = _cuda_generator(device) if device.type == "cuda" else torch.default_generator
     for module, end in rank_stream_regions(part, plan, sequence_parallel=sequence_parallel):
         stream = RankStream(generator, tp_rank=tp_rank, tp=tp)
         module.register_forward_pre_hook(stream.enter)
