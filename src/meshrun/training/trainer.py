@@ -108,7 +108,8 @@ class Trainer:
         failures: list[tuple[Path, checkpoint.CheckpointError]] = []
         for path in candidates:
             try:
-                same_layout = resume.saved_world_size(path) == self.cfg.world_size
+                par = self.cfg.parallel
+                same_layout = resume.saved_degrees(path) == (par.dp, par.tp, par.pp)
                 state = checkpoint.load(self.state_dict(0, rng=same_layout), path)
             except checkpoint.CheckpointError as exc:
                 if self.cfg.train.resume != "auto" and path == candidates[-1]:
@@ -236,7 +237,7 @@ class Trainer:
     def state_dict(self, step: int, *, rng: bool = True) -> dict[str, torch.Tensor]:
         """Everything needed to continue exactly, as named tensors (see checkpoint.py).
 
-        RNG states (dropout) are per rank: they are restored only into the same world size.
+        RNG states (dropout) are per rank: they are restored only into the same dp, tp and pp.
         """
         state = {
             **checkpoint.model_state(self.model.parts),
