@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 from conftest import grad_norms, losses, meshrun_env, run_meshrun, tiny
+from encdec_reference import train_encdec
 from test_checkpoint import interrupted_copy
+from test_encdec_parity import ENCDEC
 
 from meshrun.config.model_sections import EncDecSection, GPTSection
 from meshrun.models.encdec import EncDec
@@ -58,6 +60,16 @@ def test_recompute_reruns_the_same_masks(
     reference = without_recompute[sequence_parallel]
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
     assert grad_norms(run) == pytest.approx(grad_norms(reference), rel=1e-6)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_encdec_recompute_reruns_the_same_masks(sequence_parallel: bool, lopsided_dir: Path, tmp_path: Path) -> None:
+    """The encoder-decoder's regions (self- and cross-attention, MLP; blocks taking the state tuple
+    under sequence parallel): tp2 with dropout and full recompute logs what it logs without."""
+    keys = {**DROPOUT, "parallel.sequence_parallel": sequence_parallel}
+    runs = [train_encdec(lopsided_dir, tmp_path / r, ENCDEC, **keys, recompute=r) for r in ("none", "full")]
+    assert losses(runs[1]) == pytest.approx(losses(runs[0]), rel=1e-6)
+    assert grad_norms(runs[1]) == pytest.approx(grad_norms(runs[0]), rel=1e-6)
 
 
 def test_a_resumed_run_continues_the_masks(without_recompute: dict[bool, Path], data_dir: Path, tmp_path: Path) -> None:
