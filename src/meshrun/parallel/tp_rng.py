@@ -9,7 +9,8 @@ tracker), in these regions:
 
 - a module holding a row-parallel Linear (the plan's `rowwise`: attention, the MLP), from its
   entry to that Linear: its interior runs on this rank's heads or columns (attention-probability
-  dropout); the row-parallel output, summed over the ranks, is replicated again;
+  dropout; such a module draws nothing before its column-parallel projections, whose input is
+  replicated); the row-parallel output, summed over the ranks, is replicated again;
 - under sequence parallel, every block: between the scatter and the gather a block holds this
   rank's positions or, inside attention and the MLP, this rank's heads or columns.
 
@@ -18,9 +19,10 @@ generator with (seed, tp rank); at its exit the shared state comes back. Nothing
 is kept between entries, so the checkpointed RNG state (the shared stream) resumes them exactly,
 and recompute reruns the same masks: torch.utils.checkpoint restores the shared states before it
 reruns a block, so the rerun draws the same seed. The draw is a host (CPU) op and the device
-generator's state is host-side (seed, offset): no device sync. Inside a compiled block
-(train.compile) the hooks step aside, as dynamo cannot capture a generator swap: masks there come
-from the shared stream.
+generator's state is host-side (seed, offset): no device sync. A hook that runs inside a compiled
+block's graph (train.compile) steps aside, as dynamo cannot capture a generator swap: masks there
+come from the shared stream. The model declares nothing for this: the regions are read from the tp
+plan it declares, and the hooks are set here, so it stays free of distributed code.
 """
 
 from __future__ import annotations
