@@ -286,11 +286,3 @@ def test_torch_still_has_no_ddp_for_tensor_parallel_modules() -> None:
         assert list(model.state_dict()) == [], "torch's DDP route for TP now keeps the parameters: DDP itself may do"
     finally:
         dist.destroy_process_group()
-
-
-def test_tp_ranks_drop_the_same_activations(data_dir: Path, tmp_path: Path) -> None:
-    """Dropout on the replicated residual stream draws one mask per tp group: with a stream per
-    rank the tp ranks' hidden states drifted apart (tp_dropout_gpt.py checks them every step)."""
-    keys = {"model.factory": "tp_dropout_gpt:build", "model.dropout": 0.1, "parallel.tp": 2, "train.steps": 2}
-    env = meshrun_env(tmp_path, PYTHONPATH=str(Path(__file__).parent))
-    run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **keys)], tmp_path=tmp_path, env=env, timeout=240)

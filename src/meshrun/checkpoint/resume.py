@@ -85,11 +85,12 @@ def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:
     return tuple(p for p in complete_checkpoints(run_dir) if step_of(p) > step)
 
 
-def saved_world_size(path: Path) -> int | None:
-    """dp x pp of the job that wrote a checkpoint (None if its config is unreadable)."""
+def saved_degrees(path: Path) -> tuple[int, int, int] | None:
+    """(dp, tp, pp) of the job that wrote a checkpoint (None if its config is unreadable): a rank's
+    RNG state continues only on the rank of the same coordinates (tp ranks share a dropout stream)."""
     try:
         parallel = read_json(Path(path) / CONFIG)["parallel"]
-        return int(parallel["dp"]) * int(parallel["pp"])
+        return int(parallel["dp"]), int(parallel.get("tp", 1)), int(parallel["pp"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

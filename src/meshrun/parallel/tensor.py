@@ -18,6 +18,8 @@ The plan's scatter, norm and gather styles (and their variants for an embedding,
 a state tuple) say where; pipeline stages pass a rank's positions, and the stage is told the split
 (`sequence_shards`) so rotary embeddings still cover the whole sequence attention gathers.
 
+Dropout where a rank holds its own heads or positions draws from a stream of its own (tp_rng.py).
+
 Parameters the plan leaves whole (norms, position embeddings) become replicated DTensors, so every
 parameter of a tp stage is a DTensor on one mesh: fused AdamW, clipping and the fp16 scaler run
 foreach kernels that take no mix of plain tensors and DTensors. Their gradients are equal on every
@@ -49,6 +51,7 @@ from torch.distributed.tensor.parallel import (
 from meshrun.errors import ConfigError
 from meshrun.models.protocol import TP_STYLES, tp_local, tp_plan
 from meshrun.parallel.loss_fn import LossFn
+from meshrun.parallel.tp_rng import use_rank_streams
 
 
 class StateNorm(ParallelStyle):
@@ -212,6 +215,9 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
         if fnmatch(name, pattern)
     }
     parallelize_module(part, tp_mesh, concrete)
+    use_rank_streams(
+        part, plan, tp_rank=tp_mesh.get_local_rank(), tp=tp_mesh.size(), sequence_parallel=sequence_parallel
+    )
     if sequence_parallel:  # what a stage's forward receives holds 1/tp of the positions (protocol.py)
         setattr(part, "sequence_shards", tp_mesh.size())  # noqa: B010 (nn.Module types its attributes as tensors or modules)
     for param in part.parameters():

@@ -48,7 +48,8 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
         # Dropout streams (weights and data have their own seeds): one per tp group, as tp ranks hold
-        # the same activations outside the split matrices and must drop the same ones.
+        # the same activations outside the split matrices and must drop the same ones (where they hold
+        # different ones, parallel/tp_rng.py seeds a stream per tp rank from this one).
         torch.manual_seed(cfg.train.seed + mesh.rank // mesh.tp)
         # Steps and evaluations pass their own loss (batch_loss); this one only sets the microbatch count.
         self.model = parallelize(
@@ -107,7 +108,8 @@ class Trainer:
         failures: list[tuple[Path, checkpoint.CheckpointError]] = []
         for path in candidates:
             try:
-                same_layout = resume.saved_world_size(path) == self.cfg.world_size
+                par = self.cfg.parallel
+                same_layout = resume.saved_degrees(path) == (par.dp, par.tp, par.pp)
                 state = checkpoint.load(self.state_dict(0, rng=same_layout), path)
             except checkpoint.CheckpointError as exc:
                 if self.cfg.train.resume != "auto" and path == candidates[-1]:
@@ -235,7 +237,7 @@ class Trainer:
     def state_dict(self, step: int, *, rng: bool = True) -> dict[str, torch.Tensor]:
         """Everything needed to continue exactly, as named tensors (see checkpoint.py).
 
-        RNG states (dropout) are per rank: they are restored only into the same world size.
+        RNG states (dropout) are per rank: they are restored only into the same dp, tp and pp.
         """
         state = {
             **checkpoint.model_state(self.model.parts),
