@@ -15,15 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.autograd.profiler import profile
 
 from meshrun.config.schema import ProfileConfig
 from meshrun.files.atomic import atomic_target
 from meshrun.metrics.report import say
 from meshrun.parallel import timeline
-from meshrun.parallel.layout import Layout
-from meshrun.parallel.timeline import StepTimeline, on_one_clock
 
 
 class StepProfiler:
@@ -59,15 +56,6 @@ class StepProfiler:
                     _record_memory_history(False)
             with atomic_target(self.folder / f"step{done}-rank{self.rank}.json") as tmp:
                 prof.export_chrome_trace(str(tmp))
-
-
-def gather_timelines(layout: Layout) -> tuple[float, dict[int, StepTimeline]]:
-    """Every rank's last measured step (a collective: every rank calls it): the mean bubble
-    fraction and each pipeline stage's timeline on one clock."""
-    timelines: list = [None] * dist.get_world_size()
-    dist.all_gather_object(timelines, timeline.last_measured())
-    bubble = sum(t.bubble for t in timelines) / len(timelines)
-    return bubble, on_one_clock({s: timelines[layout.rank_at(pp=s)] for s in range(layout.pp)})
 
 
 def _record_memory_history(enabled: bool) -> None:

@@ -56,11 +56,7 @@ class TimeSplit:
         self.in_collective = False  # a collective inside the open section: waiting until it ends
 
     def _stamp(self, at: float | None = None) -> Stamp:
-        if not self.cuda:
-            return time.perf_counter() if at is None else at
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return at if at is not None and not self.cuda else stamp(cuda=self.cuda)
 
     def _switch(self, kind: str, until: Stamp) -> None:
         self.stretches.append((self.kind, self.since, until))
@@ -105,12 +101,22 @@ class TimeSplit:
         self._switch(self.kind, self._stamp(at))
         seconds: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         for kind, start, end in self.stretches:
-            seconds[kind] += _elapsed(start, end)
+            seconds[kind] += elapsed(start, end)
         self.stretches = []
         return seconds
 
 
-def _elapsed(start: Stamp, end: Stamp) -> float:
+def stamp(*, cuda: bool) -> Stamp:
+    """Now: the host's clock, or on CUDA a timing event on the current stream (no host sync)."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed(start: Stamp, end: Stamp) -> float:
+    """Seconds between two stamps (CUDA events: once both have run, e.g. after a sync)."""
     if isinstance(start, float) and isinstance(end, float):
         return end - start
     assert isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event)

@@ -29,7 +29,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.autograd.profiler import record_function
+
+from meshrun.metrics.time_split import Stamp, elapsed, stamp
+from meshrun.parallel.layout import Layout
 
 MARK_PREFIX = "meshrun.pp:"
 STEP_MARK = f"{MARK_PREFIX}step"
@@ -59,9 +63,6 @@ class StepTimeline:
         return max(0.0, 1.0 - busy / self.wall) if self.wall else 0.0
 
 
-Stamp = float | torch.cuda.Event
-
-
 class _Recorder:
     """The stamps of the step being measured (one per process, like time_split's)."""
 
@@ -72,17 +73,7 @@ class _Recorder:
         self.timeline = StepTimeline()  # the last measured step, once read
 
     def stamp(self) -> Stamp:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start: Stamp, end: Stamp) -> float:
-        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
-            return start.elapsed_time(end) / 1e3
-        assert isinstance(start, float) and isinstance(end, float)
-        return end - start
+        return stamp(cuda=bool(self.cuda))
 
 
 _RECORDER = _Recorder()
@@ -127,13 +118,21 @@ def last_measured() -> StepTimeline:
     if _RECORDER.step is not None:
         origin, end, epoch_ns = _RECORDER.step
         actions = [
-            Action(*key, _RECORDER.seconds(origin, start), _RECORDER.seconds(origin, stop))
-            for key, start, stop in _RECORDER.actions
+            Action(*key, elapsed(origin, start), elapsed(origin, stop)) for key, start, stop in _RECORDER.actions
         ]
-        wall = _RECORDER.seconds(origin, end)
+        wall = elapsed(origin, end)
         _RECORDER.timeline = StepTimeline(sorted(actions, key=lambda a: a.start), wall, epoch_ns)
         _RECORDER.step, _RECORDER.actions = None, []
     return _RECORDER.timeline
+
+
+def gather_timelines(layout: Layout) -> tuple[float, dict[int, StepTimeline]]:
+    """Every rank's last measured step (a collective: every rank calls it): the mean bubble
+    fraction and each pipeline stage's timeline on one clock."""
+    timelines: list = [None] * dist.get_world_size()
+    dist.all_gather_object(timelines, last_measured())
+    bubble = sum(t.bubble for t in timelines) / len(timelines)
+    return bubble, on_one_clock({s: timelines[layout.rank_at(pp=s)] for s in range(layout.pp)})
 
 
 def on_one_clock(by_rank: dict[int, StepTimeline]) -> dict[int, StepTimeline]:

@@ -3,8 +3,8 @@
 Probes are small layouts of the user's model on random tokens (`probe.py`), timed in alternating
 rounds (every probe once, then again) and summarised by their median, so that a machine whose
 load drifts affects every probe alike. Each probe times plain steps and logged ones (a log step
-gathers every rank's figures and, under pp, measures the pipeline timeline under torch's
-profiler). The fit has three stages, and a fourth for train.compile:
+gathers every rank's figures and, under pp, measures and gathers every rank's pipeline
+timeline). The fit has three stages, and a fourth for train.compile:
 1. one-rank probes (different micro_batch, microbatch count and recompute), by non-negative least
    squares: step = FLOPs / achieved_flops + actions x action_s + step_s (actions = a forward and a
    backward per microbatch);

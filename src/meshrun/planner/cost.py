@@ -21,7 +21,7 @@ transfers. Where ranks share one machine's compute (a CPU's cores, calibrated as
 per-step work take max(1, ranks / parallel_devices) times what they take one rank alone. An FSDP
 collective costs its own fixed `shard_s` (calibrated apart: its hooks copy and bookkeep far more
 than a send). A logged step adds the gather of every rank's figures (`log_s`) and, under pp, its
-timeline measured under torch's profiler (`timeline_share` of the step), shared over the steps of
+timeline measured and gathered from every rank (`timeline_share` of the step), shared over the steps of
 `train.log_interval`. A job whose blocks run compiled (train.compile on for the planned device)
 computes `compiled_compute` times as long as eager, where calibration measured it (its bubble
 with it: the bubble is idle compute slots); the optimizer step stays eager.
@@ -66,7 +66,7 @@ class Efficiency:
     shard_s: float = MESSAGE_FLOOR_S  # fixed seconds per FSDP/HSDP collective (its hooks' copies and bookkeeping)
     log_s: float = 0.0  # seconds a logged step adds: every rank's figures gathered and read on the host
     timeline_share: float = 0.0  # under pp, what a logged step adds as a share of the step: its timeline is
-    # measured under torch's profiler (every op recorded) and gathered from every rank
+    # measured (a clock read per action) and gathered from every rank
     compiled_compute: float | None = None  # a compiled job's compute seconds / eager's (train.compile: its
     # blocks compiled, embedding and head eager, as the probe ran); None: not measured, planned as eager
 

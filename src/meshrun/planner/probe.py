@@ -32,7 +32,6 @@ from meshrun.errors import RunError
 from meshrun.hardware.precision import autocast
 from meshrun.launcher.torchrun import WORKER_ENV
 from meshrun.metrics.meters import peak_rss_bytes
-from meshrun.metrics.profiler import gather_timelines
 from meshrun.parallel import timeline
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, init_mesh, mesh_on, shutdown
@@ -109,7 +108,7 @@ def _log_collectives(mesh: Mesh) -> None:
     dist.all_gather(gathered, figures)
     _ = [g[0].item() for g in gathered]
     if mesh.pp > 1:
-        gather_timelines(mesh.layout)
+        timeline.gather_timelines(mesh.layout)
 
 
 def _sync(device: torch.device) -> None:

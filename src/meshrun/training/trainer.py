@@ -26,11 +26,12 @@ from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome
 from meshrun.metrics import time_split
 from meshrun.metrics.meters import device_utilisation, mfu_note, peak_memory_gb, peak_tflops, throughput
-from meshrun.metrics.profiler import StepProfiler, gather_timelines
+from meshrun.metrics.profiler import StepProfiler
 from meshrun.metrics.report import RunReport, run_facts
 from meshrun.metrics.run_dir import start_run_record
 from meshrun.models.encdec import source_len
 from meshrun.models.families import build_model, flops_at
+from meshrun.parallel import timeline
 from meshrun.parallel.compile import is_compiled
 from meshrun.parallel.fsdp import measured_state_bytes
 from meshrun.parallel.mesh import Mesh
@@ -422,7 +423,7 @@ class Trainer:
 
     def _gather_timeline(self, done: int) -> float:
         """Every rank's measured step to rank 0 (kept for the timeline picture); mean bubble fraction."""
-        bubble, by_stage = gather_timelines(self.mesh.layout)
+        bubble, by_stage = timeline.gather_timelines(self.mesh.layout)
         self.report.keep_timeline(done, by_stage, bubble=bubble)
         return bubble
 
