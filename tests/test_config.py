@@ -911,6 +911,18 @@ CASES = [
         ("bad.json is not a calibration record", "meshrun plan --calibrate"),
     ),
     Case(
+        "plan-calibration-field-not-a-number",  # a TypeError traceback in the cost model, later
+        lambda c: [
+            "plan",
+            *c.set(),
+            "--gpu",
+            "h100",
+            "--calibration",
+            str(c.write("odd.json", '{"device": "h100", "achieved_flops": "fast"}')),
+        ],
+        ("odd.json is not a calibration record", "meshrun plan --calibrate"),
+    ),
+    Case(
         "report-run-config-not-a-run",  # a KeyError traceback
         lambda c: ["report", str(c.write("badrun/config.json", "{}").parent)],
         ("badrun/config.json is not a meshrun run's resolved config",),

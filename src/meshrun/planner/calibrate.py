@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import statistics
 from collections.abc import Iterable
@@ -388,6 +389,15 @@ def load_calibration(path: Path) -> tuple[str, Efficiency]:
     try:
         record = json.loads(path.read_text())
         known = {f: record[f] for f in FIELDS if f in record}
+        if not isinstance(record["device"], str) or not all(_a_constant(f, v) for f, v in known.items()):
+            raise ValueError("a field that is not a measured constant")
         return record["device"], Efficiency(**{"kernel_floor_s": 0.0, **known})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise ConfigError(f"{path} is not a calibration record; run `meshrun plan --calibrate CONFIG` again") from None
+
+
+def _a_constant(field: str, value: object) -> bool:
+    """A saved constant: a finite number >= 0 (None where "not measured" or "a device per rank" is one)."""
+    if value is None:
+        return field in ("parallel_devices", "compiled_compute")
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
