@@ -48,7 +48,7 @@ def test_dry_run_prints_config_layout_and_batch_maths(data_dir: Path, tmp_path: 
     assert resolved["train"]["warmup_steps"] == 1 and resolved["train"]["weight_decay"] == 0.1  # defaults filled in
 
     # layout: rank = pp_rank * dp + dp_rank
-    assert "world size 4 = dp 2 x pp 2" in plan
+    assert "world size 4 = dp 2 (ddp) x tp 1 x pp 2 (1f1b); rank = pp_rank * dp + dp_rank" in plan
     assert "pipeline rank 0: ranks [0, 1]" in plan
     assert "pipeline rank 1: ranks [2, 3]" in plan
 
@@ -67,7 +67,7 @@ def test_dry_run_grid_of_tp_and_an_interleaved_pipeline(data_dir: Path, tmp_path
     result = run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **layout), "--dry-run"], tmp_path=tmp_path)
     _, plan = _split(result.stdout)
     assert plan.splitlines()[:4] == [
-        "  world size 4 = dp 1 x pp 2 x tp 2 (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)",
+        "  world size 4 = dp 1 x tp 2 x pp 2 (interleaved-1f1b, 2 stages per rank); rank = (pp_rank * dp + dp_rank) * tp + tp_rank",
         "  schedule interleaved-1f1b: 4 stages, 2 a pipeline rank, each split over its 2 tp ranks",
         "  pipeline rank 0: ranks [0, 1], stages [0, 2], blocks [0] + [2]",
         "  pipeline rank 1: ranks [2, 3], stages [1, 3], blocks [1] + [3]",
@@ -85,7 +85,7 @@ def test_dry_run_default_config_from_any_directory(tmp_path: Path) -> None:
     assert resolved["precision"] == default["precision"]
     assert resolved["train"]["steps"] == 7
     dp, pp = default["parallel"]["dp"], default["parallel"]["pp"]
-    assert f"world size {dp * pp} = dp {dp} x pp {pp}" in plan
+    assert f"world size {dp * pp} = dp {dp} (ddp) x tp 1 x pp {pp} (1f1b)" in plan
     b = default["train"]
     accumulation = b["global_batch"] // (b["micro_batch"] * dp)
     assert f"micro batch {b['micro_batch']} x dp {dp} x accumulation steps {accumulation}" in plan
