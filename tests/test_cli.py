@@ -142,3 +142,30 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
         cli.main(["--version"])
     assert stop.value.code == 0
     assert capsys.readouterr().out == f"meshrun {version('meshrun')}\n"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fits", "misfits"),
+    [
+        ({}, ["sample RUN --prompt 'def '", "export RUN --out RUN/model.safetensors"], ["--hf"]),
+        ({"data.sources": ["x.txt"]}, ["--prompt 'TEXT TO CONTINUE'"], ["def "]),
+        ({"model.name": "encdec", "data.pairs": True}, ["--prompt get_terminal_size"], ["def "]),
+        ({"model.hf_config": {"model_type": "llama", "hidden_size": 32}}, ["export RUN --hf RUN/hf"], ["--out"]),
+    ],
+    ids=["embedded-code", "own-text", "encdec-example", "hf"],
+)
+def test_the_next_commands_fit_the_run(overrides: dict, fits: list[str], misfits: list[str]) -> None:
+    """A run's `next:` line: a prompt like its training text (a source to translate for pairs and an
+    encoder-decoder, not `def `), and the export a Hugging Face model is loaded back from."""
+    from meshrun.cli.train import sample_prompt
+    from meshrun.config.schema import load_config
+    from meshrun.files.console import next_steps
+    from meshrun.models.hf_config import is_hf
+
+    sets = {"run_dir": "RUN", **({"data.dir": "x"} if "data.sources" in overrides else {}), **overrides}
+    cfg = load_config(
+        None, [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip()}" for key, value in sets.items()]
+    )
+    line = next_steps(cfg.run_dir, offline_wandb=False, prompt=sample_prompt(cfg), hf=is_hf(cfg.model))
+    assert all(f"meshrun {text}" in line or text in line for text in fits), line
+    assert not any(text in line for text in misfits), line
