@@ -21,6 +21,7 @@ from meshrun.errors import ConfigError
 from meshrun.metrics.record import read_metrics_rows, read_summary, slowest_rank, time_split_totals
 from meshrun.parallel.layout import Layout, place_text
 
+REPORT_NAME = "report.png"  # the picture's name in the first run's directory when --out is not given
 COLUMNS = ("run", "layout", "precision", "tokens/s", "MFU", "peak GB per stage", "bubble", "final loss", "val loss")
 
 
@@ -157,23 +158,25 @@ def plot_losses(runs: list[RunRecord], path: Path, *, replace: bool = False) -> 
     save_figure(fig, path, replace=replace)
 
 
-def report(paths: list[str], *, out: str, force: bool = False) -> str:
-    """The table for these run directories; writes the loss picture to `out` (a new file, or
-    with `force` one that exists, never a run's own)."""
+def report(paths: list[str], *, out: str | None = None, force: bool = False) -> str:
+    """The table for these run directories; writes the loss picture to `out`, by default
+    REPORT_NAME in the first run's directory (a new file, or with `force` one that exists; never
+    another of a run's own files)."""
     runs = [read_run(Path(p)) for p in paths]
-    target = Path(out)
+    target = Path(out) if out is not None else Path(paths[0]) / REPORT_NAME
+    name = f"--out {out}" if out is not None else str(target)
     if target.is_dir():
-        raise ConfigError(f"--out {out} is a folder; name a .png file")
+        raise ConfigError(f"{name} is a folder; name a .png file")
     if target.suffix.lower() not in (".png", ".pdf", ".svg"):
-        raise ConfigError(f"--out {out}: name a .png (or .pdf, .svg) file for the loss curves")
-    if target.exists() and (target.parent / "config.json").is_file():
-        raise ConfigError(f"--out {out} is a file of the run in {target.parent}; choose another --out")
+        raise ConfigError(f"{name}: name a .png (or .pdf, .svg) file for the loss curves")
+    if target.exists() and target.name != REPORT_NAME and (target.parent / "config.json").is_file():
+        raise ConfigError(f"{name} is a file of the run in {target.parent}; choose another --out")
     if target.exists() and not force:
-        raise ConfigError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
+        raise ConfigError(f"{name} already exists; choose another --out, or pass --force to replace it")
     try:
         plot_losses(runs, target, replace=force)
     except FileExistsError:
-        raise ConfigError(f"--out {out} appeared while the picture was drawn; choose another --out") from None
+        raise ConfigError(f"{name} appeared while the picture was drawn; choose another --out") from None
     except OSError as exc:
-        raise ConfigError(f"--out {out} cannot be written ({exc.strerror}); choose another --out") from None
+        raise ConfigError(f"{name} cannot be written ({exc.strerror}); choose another --out") from None
     return f"{format_table(runs)}\n\n{format_time_split(runs)}\n\nloss curves: {target}"
