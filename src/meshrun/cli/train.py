@@ -41,6 +41,7 @@ from meshrun.launcher.run_lock import RunDirLock, hold_run_dir
 from meshrun.launcher.torchrun import (
     RDZV_TIMEOUT_EXIT,
     in_launched_worker,
+    run_tmpdir,
     timeout_message,
     torchrun_argv,
     waiting_line,
@@ -241,7 +242,8 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     clear_reports(Path(cfg.run_dir))  # nor its hang reports
     env = {**worker_env(cfg), PARENT_PID: str(os.getpid())}
     try:
-        code, stop = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
+        with run_tmpdir(env):
+            code, stop = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
     finally:
         if watch is not None:
             watch.stop()
