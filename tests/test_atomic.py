@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,21 @@ def test_a_new_file_is_never_written_over(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]
     write_atomic(tmp_path / "new.yaml", "ours", replace=False)
     assert (tmp_path / "new.yaml").read_text() == "ours"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_written_file_gets_the_usual_mode_whatever_the_writer_gave_it(tmp_path: Path, umask: int) -> None:
+    """safetensors' save_file makes its file 0600: an export was readable by its owner alone. The
+    file gets what `open` gives a new one under the umask (0644 under 022), like every other."""
+    import torch
+    from safetensors.torch import save_file
+
+    old = os.umask(umask)
+    try:
+        with atomic_target(tmp_path / "model.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp))
+        write_atomic(tmp_path / "meta.json", "{}")
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "meta.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name

@@ -48,7 +48,7 @@ def test_dry_run_prints_config_layout_and_batch_maths(data_dir: Path, tmp_path: 
     assert resolved["train"]["warmup_steps"] == 1 and resolved["train"]["weight_decay"] == 0.1  # defaults filled in
 
     # layout: rank = pp_rank * dp + dp_rank
-    assert "world size 4 = dp 2 x pp 2" in plan
+    assert "world size 4 = dp 2 (ddp) x tp 1 x pp 2 (1f1b); rank = pp_rank * dp + dp_rank" in plan
     assert "pipeline rank 0: ranks [0, 1]" in plan
     assert "pipeline rank 1: ranks [2, 3]" in plan
 
@@ -67,7 +67,7 @@ def test_dry_run_grid_of_tp_and_an_interleaved_pipeline(data_dir: Path, tmp_path
     result = run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **layout), "--dry-run"], tmp_path=tmp_path)
     _, plan = _split(result.stdout)
     assert plan.splitlines()[:4] == [
-        "  world size 4 = dp 1 x pp 2 x tp 2 (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)",
+        "  world size 4 = dp 1 x tp 2 x pp 2 (interleaved-1f1b, 2 stages per rank); rank = (pp_rank * dp + dp_rank) * tp + tp_rank",
         "  schedule interleaved-1f1b: 4 stages, 2 a pipeline rank, each split over its 2 tp ranks",
         "  pipeline rank 0: ranks [0, 1], stages [0, 2], blocks [0] + [2]",
         "  pipeline rank 1: ranks [2, 3], stages [1, 3], blocks [1] + [3]",
@@ -85,7 +85,7 @@ def test_dry_run_default_config_from_any_directory(tmp_path: Path) -> None:
     assert resolved["precision"] == default["precision"]
     assert resolved["train"]["steps"] == 7
     dp, pp = default["parallel"]["dp"], default["parallel"]["pp"]
-    assert f"world size {dp * pp} = dp {dp} x pp {pp}" in plan
+    assert f"world size {dp * pp} = dp {dp} (ddp) x tp 1 x pp {pp} (1f1b)" in plan
     b = default["train"]
     accumulation = b["global_batch"] // (b["micro_batch"] * dp)
     assert f"micro batch {b['micro_batch']} x dp {dp} x accumulation steps {accumulation}" in plan
@@ -142,3 +142,30 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
         cli.main(["--version"])
     assert stop.value.code == 0
     assert capsys.readouterr().out == f"meshrun {version('meshrun')}\n"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fits", "misfits"),
+    [
+        ({}, ["sample RUN --prompt 'def '", "export RUN --out RUN/model.safetensors"], ["--hf"]),
+        ({"data.sources": ["x.txt"]}, ["--prompt 'TEXT TO CONTINUE'"], ["def "]),
+        ({"model.name": "encdec", "data.pairs": True}, ["--prompt get_terminal_size"], ["def "]),
+        ({"model.hf_config": {"model_type": "llama", "hidden_size": 32}}, ["export RUN --hf RUN/hf"], ["--out"]),
+    ],
+    ids=["embedded-code", "own-text", "encdec-example", "hf"],
+)
+def test_the_next_commands_fit_the_run(overrides: dict, fits: list[str], misfits: list[str]) -> None:
+    """A run's `next:` line: a prompt like its training text (a source to translate for pairs and an
+    encoder-decoder, not `def `), and the export a Hugging Face model is loaded back from."""
+    from meshrun.cli.train import sample_prompt
+    from meshrun.config.schema import load_config
+    from meshrun.files.console import next_steps
+    from meshrun.models.hf_config import is_hf
+
+    sets = {"run_dir": "RUN", **({"data.dir": "x"} if "data.sources" in overrides else {}), **overrides}
+    cfg = load_config(
+        None, [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip()}" for key, value in sets.items()]
+    )
+    line = next_steps(cfg.run_dir, offline_wandb=False, prompt=sample_prompt(cfg), hf=is_hf(cfg.model))
+    assert all(f"meshrun {text}" in line or text in line for text in fits), line
+    assert not any(text in line for text in misfits), line

@@ -381,6 +381,21 @@ CASES = [
         ("model from mt_factory:not_a_protocol_model does not follow the model protocol", "embed", "blocks"),
         subprocess=True,
     ),
+    Case(  # the factory was never called: a user's wrapper (LoRA, a custom head) trained as the plain model
+        "factory-with-hf-dir",
+        lambda c: [
+            "train",
+            *c.set(model__hf=c.write("m/config.json", json.dumps(HF_LLAMA)).parent, model__factory="mt:build"),
+        ],
+        ("set model.factory or model.hf, not both", "load the Hugging Face model inside it", "model.lora"),
+        torch_free=True,
+    ),
+    Case(
+        "factory-with-hf-config",
+        lambda c: ["train", *c.set(model__hf_config=HF_LLAMA, model__factory="mt:build")],
+        ("set model.factory or model.hf_config, not both", "remove model.hf_config"),
+        torch_free=True,
+    ),
     # --- pipeline layout (job layer) ---
     Case(
         "pp-more-than-layers",

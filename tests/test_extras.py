@@ -10,13 +10,17 @@ Hiding torch as well proves the answer comes before torch is imported.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import meshrun_env
+import tomllib
+from conftest import REPO, meshrun_env
 from test_config import HF_LLAMA
+
+from meshrun.versions import EXTRA_OF
 
 HIDER = '''
 import os, sys
@@ -111,3 +115,15 @@ def test_a_sentencepiece_tokenizer_folder_needs_sentencepiece(tmp_path: Path) ->
     assert done.returncode == 2, done.stderr
     expect = f"data.tokenizer {tokenizer} (tokenizer.model) needs the sentencepiece package, which is not installed"
     assert done.stderr.splitlines() == [f"meshrun: error: {expect}: pip install sentencepiece"]
+
+
+def test_a_users_extras_are_what_meshrun_names_and_dev_holds_the_rest() -> None:
+    """The extras meshrun's messages name exist and hold only what a run needs; the tools of the
+    tests, lint and types live in `dev` (with both user extras: the tests use them), so a user's
+    install (`pip install -e .` or `.[hf]`) is not the 2 GB developer's one."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(EXTRA_OF.values()) | {"dev"} == set(extras)
+    for extra in EXTRA_OF.values():
+        assert [re.split(r"[<>=\[]", d)[0] for d in extras[extra]] == [p for p, e in EXTRA_OF.items() if e == extra]
+    assert "meshrun[hf,tensorboard]" in extras["dev"]
+    assert {"pytest", "ruff", "pyright[nodejs]"} <= {re.split(r"[<>=]", d)[0] for d in extras["dev"]}

@@ -3,11 +3,16 @@ tokenizes as one piece ("def " + name) must not start generation from an unseen 
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
+from conftest import tiny
+from plain_reference import config_from_set_args
 from tokenizers import Tokenizer
 
 from meshrun.data.tokenize import train_bpe
-from meshrun.generation.sample import heal_prompt
+from meshrun.generation.sample import codec, heal_prompt
 
 TEXTS = [f"def area_{i}(self, width):\n    return self.height * width + {i}\n" for i in range(300)]
 
@@ -26,3 +31,15 @@ def test_a_trailing_space_is_healed_into_the_next_token() -> None:
 
 def test_nothing_to_heal_in_a_one_token_prompt() -> None:
     assert heal_prompt([7], lambda ids: "x", 10) == ([7], None)
+
+
+def test_byte_level_data_needs_no_tokenizer_and_gets_no_warning(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model past 256 ids (pairs data: bytes + 3 specials) on byte-level data decodes bytes with no
+    "no tokenizer found" warning; data that records no tokenizer (nanoGPT files) still gets it."""
+    cfg = config_from_set_args(tiny(data_dir, tmp_path / "run", **{"model.vocab_size": 259}))
+    *_, num_ids = codec(cfg, data_dir)
+    assert num_ids == 256 and capsys.readouterr().err == ""
+    codec(cfg, tmp_path)  # no meta.json: nothing says what the ids are
+    assert "warning: no tokenizer found" in capsys.readouterr().err

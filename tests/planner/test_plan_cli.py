@@ -159,6 +159,6 @@ def test_write_gives_the_job_a_new_run_dir_and_the_layout_comment(tmp_path: Path
     assert not (tmp_path / written.run_dir).exists()
     header = [line for line in out.read_text().splitlines() if line.startswith("#")]
     layout = next(line for line in header if line.startswith("# layout: "))
-    assert layout.startswith(f"# layout: {written.layout.short_text()}, ")
+    assert layout.startswith(f"# layout: {written.layout.text()}, ")
     assert f"micro_batch {written.train.micro_batch} x {written.accumulation_steps} microbatches" in layout
     assert any("the source config's was runs/default" in line for line in header)

@@ -202,9 +202,10 @@ def _train(args: argparse.Namespace) -> int:
     code = job.train(cfg, worker_args, model)
     if code == 0 and not in_launched_worker():
         from meshrun.files.console import next_steps, say
+        from meshrun.models.hf_config import is_hf
 
         offline = any((Path(cfg.run_dir) / "wandb").glob("offline-run-*"))  # what the run wrote, not meant
-        say(next_steps(cfg.run_dir, offline_wandb=offline))
+        say(next_steps(cfg.run_dir, offline_wandb=offline, prompt=job.sample_prompt(cfg), hf=is_hf(cfg.model)))
     return code
 
 

@@ -81,10 +81,8 @@ def check_one_job(a: Config, b: Config) -> None:
 
 def describe(cfg: Config, precision: str | None = None) -> str:
     """One run's layout in a line: what may differ between A and B."""
-    par = cfg.parallel
-    schedule = f", {par.schedule}" if par.pp > 1 else ""
     return (
-        f"{cfg.layout.short_text()}{schedule}, micro_batch {cfg.train.micro_batch}, recompute {cfg.recompute}, "
+        f"{cfg.layout.text()}, micro_batch {cfg.train.micro_batch}, recompute {cfg.recompute}, "
         f"{precision or cfg.precision}"
     )
 

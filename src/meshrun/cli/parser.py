@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each a training job's run_dir)")
     compare.add_argument(
-        "--out", default="report.png", help="the loss-curves picture (a new PNG file; default report.png)"
+        "--out", help="the loss-curves picture (a new .png, .pdf or .svg file; default: report.png in the first RUN)"
     )
     compare.add_argument("--force", action="store_true", help="replace --out if it exists")
     return parser

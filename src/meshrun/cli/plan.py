@@ -147,7 +147,7 @@ def layout_comment(prediction: Prediction, hw: Hardware, precision: str, run_dir
     """The header of a written config: the layout chosen, what was predicted for it, its run_dir."""
     lab, mem, cfg = prediction.label, prediction.memory, prediction.cfg
     layout = (
-        f"{cfg.layout.short_text()}, schedule {lab['schedule']}, micro_batch {lab['micro_batch']} x "
+        f"{cfg.layout.text()}, micro_batch {lab['micro_batch']} x "
         f"{lab['microbatches']} microbatches, recompute {lab['recompute']}"
     )
     memory = (
@@ -328,7 +328,7 @@ def compare_run(args: argparse.Namespace) -> int:
     formula = predict(cfg, hw, eff, precision=precision, margin=args.margin)
     with_bubble = predict(cfg, hw, eff, precision=precision, margin=args.margin, measured_bubble=measured_bubble)
     print(
-        f"run {run}: {cfg.layout.short_text()} {cfg.parallel.schedule}, micro_batch "
+        f"run {run}: {cfg.layout.text()}, micro_batch "
         f"{cfg.train.micro_batch}, recompute {cfg.recompute} on {hw.name}; {source}"
     )
     print(compile_note(cfg, hw, eff))

@@ -14,8 +14,9 @@ from torch import nn
 
 from meshrun.checkpoint.paths import newest_first, resume_candidates, step_of
 from meshrun.config.schema import Config
-from meshrun.data.locations import data_dir, reads_in_place
+from meshrun.data.locations import data_dir, reads_in_place, training_data_dir
 from meshrun.data.prepare import default_sources, is_prepared, prepare
+from meshrun.data.storage import read_meta
 from meshrun.errors import ConfigError, RunError
 from meshrun.files.atomic import DiskFull
 from meshrun.files.console import say
@@ -40,11 +41,13 @@ from meshrun.launcher.run_lock import RunDirLock, hold_run_dir
 from meshrun.launcher.torchrun import (
     RDZV_TIMEOUT_EXIT,
     in_launched_worker,
+    run_tmpdir,
     timeout_message,
     torchrun_argv,
     waiting_line,
     worker_env,
 )
+from meshrun.models.encdec import source_len
 from meshrun.models.hf_config import is_hf, load_hf_config
 from meshrun.models.protocol import pretrained_dir
 from meshrun.parallel.mesh import Mesh, init_mesh, shutdown
@@ -82,6 +85,17 @@ def ensure_data(cfg: Config) -> Path:
         )
         check_data_fits(cfg, path)  # data that was already there was checked by `preflight`
     return path
+
+
+def sample_prompt(cfg: Config) -> str:
+    """A `sample --prompt` that fits what the run trained on, for its `next:` line: a source to
+    translate for pairs data or an encoder-decoder (a function name, for the built-in example),
+    code for the embedded standard-library corpus, a placeholder for the user's own text."""
+    meta = read_meta(training_data_dir(cfg)) or {}
+    if source_len(cfg.model) is not None or meta.get("format") == "pairs":
+        return "get_terminal_size" if cfg.data.pairs and not cfg.data.sources else "SOURCE TEXT"
+    embedded = not (cfg.data.sources or reads_in_place(cfg) or cfg.data.dir)
+    return "def " if embedded else "TEXT TO CONTINUE"
 
 
 def describe_split(cfg: Config) -> list[str] | None:
@@ -228,7 +242,8 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     clear_reports(Path(cfg.run_dir))  # nor its hang reports
     env = {**worker_env(cfg), PARENT_PID: str(os.getpid())}
     try:
-        code, stop = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
+        with run_tmpdir(env):
+            code, stop = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
     finally:
         if watch is not None:
             watch.stop()

@@ -114,6 +114,12 @@ class HFSection(ModelSection):
             raise ValueError("set model.hf (a directory) or model.hf_config (inline), not both")
         if self.hf is None and self.hf_config is None:
             raise ValueError("model.name hf needs model.hf (a directory) or model.hf_config (inline)")
+        if self.factory is not None:  # the factory would never be called: the user's wrapper silently lost
+            source = "model.hf" if self.hf is not None else "model.hf_config"
+            raise ValueError(
+                f"set model.factory or {source}, not both: a factory builds the whole model (load the "
+                f"Hugging Face model inside it and remove {source}); LoRA adapters are coming as model.lora"
+            )
         return self
 
 

@@ -123,8 +123,16 @@ def _write(
     shard_tokens: int,
     progress: bool,
 ) -> dict[str, Any]:
-    """The tokenizer and every split's shards into `staging`; returns the meta.json content."""
+    """The tokenizer and every split's shards into `staging`; returns the meta.json content.
+    `progress`: a line as each phase starts (training's first use took ~30 s with none), and the
+    tokenizing bar on a terminal."""
+    total = sum(source.size() for source in found)
+    if progress and train_tokenizer:
+        sample = min(total, BPE_TRAIN_BYTES)
+        say(f"training the {train_tokenizer} tokenizer on {sample / 1e6:.1f} MB sampled from {len(found)} files")
     spec = _tokenizer(tokenizer, train_tokenizer, found, field)
+    if progress:
+        say(f"tokenizing {total / 1e6:.1f} MB in {len(found)} files ({spec.name} tokenizer)")
     if spec.json_text is not None:
         (staging / "tokenizer.json").write_text(spec.json_text)
     dtype = smallest_dtype(spec.vocab_size)

@@ -4,7 +4,8 @@ The one helper every file meshrun writes into a run, data or output folder goes 
 temporary name unique to this process and call (two jobs, or two ranks, never share one), flushed
 to disk, renamed over the target, the folder entry made durable. A failed write removes its own
 temporary file and leaves the target as it was; a full disk is one line naming the file and the
-device, not a traceback.
+device, not a traceback. Every file gets the mode a plain `open` gives it (umask respected),
+whatever mode the writer gave its temporary file.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def atomic_target(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
     tmp = temporary_name(path)
     try:
         yield tmp
+        os.chmod(tmp, new_file_mode())  # a writer's own temporary mode (safetensors': 0600) is not the file's
         _fsync(tmp)
         if replace:
             os.replace(tmp, path)
@@ -56,6 +58,18 @@ def atomic_target(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
+
+
+def new_file_mode() -> int:
+    """The mode `open` gives a new file under this process's umask (0644 under the usual 022).
+    Read from /proc where it exists: setting the umask to read it races other threads' writes."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def publish_folder(tmp: Path, final: Path) -> Path:

@@ -11,12 +11,19 @@ def say(message: str) -> None:
     print(f"[meshrun] {message}", file=sys.stderr, flush=True)
 
 
-def next_steps(run_dir: str, *, offline_wandb: bool) -> str:
-    """What to do with a finished run, with its path: the commands people look up next."""
+def next_steps(run_dir: str, *, offline_wandb: bool, prompt: str, hf: bool) -> str:
+    """What to do with a finished run, with its path: the commands people look up next, fitted to
+    the run (`prompt`: one like its training text; `hf`: a Hugging Face model, exported as a folder
+    from_pretrained loads)."""
     run = shlex.quote(run_dir)
+    export = (
+        f"--hf {shlex.quote(str(Path(run_dir) / 'hf'))}"
+        if hf
+        else f"--out {shlex.quote(str(Path(run_dir) / 'model.safetensors'))}"
+    )
     commands = [
-        f"meshrun sample {run} --prompt 'def '",
-        f"meshrun export {run} --out {shlex.quote(str(Path(run_dir) / 'model.safetensors'))}",
+        f"meshrun sample {run} --prompt {shlex.quote(prompt)}",
+        f"meshrun export {run} {export}",
         f"meshrun report {run}",
     ]
     if offline_wandb:

@@ -15,7 +15,7 @@ from meshrun.config.schema import Config
 from meshrun.data.locations import training_data_dir
 from meshrun.data.pairs import BOS, EOS, NUM_SPECIAL, PAD
 from meshrun.data.storage import read_meta
-from meshrun.data.tokenize import id_count, read_tokenizer, text_codec
+from meshrun.data.tokenize import byte_tokenizer, id_count, read_tokenizer, text_codec
 from meshrun.errors import ConfigError
 from meshrun.files.console import say
 from meshrun.generation.seq2seq import decode as seq2seq_decode
@@ -112,6 +112,13 @@ def named_codec(
     return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode, num_ids
 
 
+def _byte_level(data: Path) -> bool:
+    """Whether the training data's meta.json (as `data` describes it) records byte-level tokens
+    (pairs data too: its ids are the bytes' plus the 3 specials, a vocabulary past 256)."""
+    tokenizer = (read_meta(data) or {}).get("tokenizer")
+    return isinstance(tokenizer, dict) and tokenizer.get("name") == byte_tokenizer().name
+
+
 def data_card(cfg: Config, checkpoint: Path) -> Path:
     """Where the training data's meta.json / tokenizer.json are: the copies saved with the
     checkpoint, else (a checkpoint of an older meshrun) the training data folder itself."""
@@ -164,6 +171,6 @@ def codec(
             f"this model has {vocab} token ids and no tokenizer (beside its data or in model.hf); "
             "byte-level sampling needs at least 256"
         )
-    if vocab > 256:
+    if vocab > 256 and not _byte_level(data):  # byte-level data needs no tokenizer: nothing is missing
         say(f"warning: no tokenizer found (none saved with the checkpoint, nor in {data}); decoding the 256 byte ids")
     return (*text_codec(None, 256), None if vocab == 256 else 256)

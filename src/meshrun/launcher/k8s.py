@@ -255,7 +255,7 @@ def render_manifest(cfg: Config, options: PodOptions, *, checkpoint_bytes: int) 
     }
     head = (
         f"# meshrun job rendered by `meshrun k8s`: run_dir {json.dumps(cfg.run_dir)}, {cfg.world_size} workers "
-        f"({cfg.layout.short_text()}) = {options.nodes} pods x {shape.nproc}.\n"
+        f"({cfg.layout.text()}) = {options.nodes} pods x {shape.nproc}.\n"
         "# Apply with `kubectl apply -f THIS_FILE`; the image is docker/Dockerfile's.\n"
     )
     if options.flavor == "trainjob":  # TrainJob's runtime patches cannot set the pod's grace period

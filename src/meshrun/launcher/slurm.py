@@ -154,7 +154,7 @@ def render_sbatch(
         "#!/usr/bin/env bash",
         (
             f"# meshrun job rendered by `meshrun slurm`: run_dir {json.dumps(str(cfg.run_dir))}, {world} workers "
-            f"({cfg.layout.short_text()}) = {nodes} nodes x {nproc}."
+            f"({cfg.layout.text()}) = {nodes} nodes x {nproc}."
         ),
         "# Submit with `sbatch THIS_FILE`; see launch/slurm.sbatch for the environment it reads.",
         *(f"#SBATCH {option}" for option in options),

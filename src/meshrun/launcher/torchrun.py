@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import sys
-from collections.abc import MutableMapping
+import tempfile
+from collections.abc import Iterator, MutableMapping
 
 from meshrun.config.schema import Config
 from meshrun.data.locations import cache_root
@@ -70,6 +73,20 @@ def worker_env(cfg: Config) -> dict[str, str]:
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // cfg.nproc_per_node))
     return env
+
+
+@contextlib.contextmanager
+def run_tmpdir(env: MutableMapping[str, str]) -> Iterator[str]:
+    """A folder this launch creates under the system's temporary folder (the user's TMPDIR) and
+    sets as `env`'s TMPDIR, for torchrun's agent and its workers: what torch leaves in a temporary
+    folder (the agent's torchelastic_* folders, ...) is removed with it when the launch ends. Only
+    this folder is removed, never anything meshrun did not create."""
+    folder = tempfile.mkdtemp(prefix="meshrun-run-")
+    env["TMPDIR"] = folder
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def waiting_line(cfg: Config) -> str:

@@ -14,9 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from meshrun.config.topology import ParallelConfig
 from meshrun.errors import ConfigError
 from meshrun.metrics.record import read_metrics_rows, read_summary, slowest_rank, time_split_totals
+from meshrun.parallel.layout import Layout, place_text
 
+REPORT_NAME = "report.png"  # the picture's name in the first run's directory when --out is not given
 COLUMNS = ("run", "layout", "precision", "tokens/s", "MFU", "peak GB per stage", "bubble", "final loss", "val loss")
 
 
@@ -26,6 +31,7 @@ class RunRecord:
     config: dict[str, Any]
     summary: dict[str, Any] | None  # None: the run has not completed
     rows: list[dict[str, Any]]
+    layout: Layout
 
     @property
     def tokens_per_step(self) -> int:
@@ -45,7 +51,21 @@ def read_run(path: Path) -> RunRecord:
             f"{path}/config.json is not a meshrun run's resolved config; pass the run_dir of a training job"
         )
     summary = read_summary(path / "summary.json")
-    return RunRecord(path.name or str(path), config, summary, read_metrics_rows(path / "metrics.jsonl"))
+    rows = read_metrics_rows(path / "metrics.jsonl")
+    return RunRecord(path.name or str(path), config, summary, rows, _run_layout(path, config["parallel"]))
+
+
+def _run_layout(path: Path, parallel: dict[str, Any]) -> Layout:
+    """The layout a run's config.json holds (keys of older versions that no longer exist are left out)."""
+    known = {key: value for key, value in parallel.items() if key in ParallelConfig.model_fields}
+    try:
+        return Layout.of(ParallelConfig.model_validate(known))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in ("parallel", *error["loc"]))
+        raise ConfigError(
+            f"{path}/config.json is not a meshrun run's resolved config ({where}: {error['msg']})"
+        ) from None
 
 
 def _is_run_config(config: Any) -> bool:
@@ -68,12 +88,10 @@ def _number(value: Any, fmt: str) -> str:
 def table_row(run: RunRecord) -> list[str]:
     """One run's cells; '-' where the run did not measure a value (no MFU on CPU, no pipeline)."""
     s = run.summary or {}
-    par = run.config["parallel"]
-    layout = s.get("layout") or f"dp{par['dp']} x pp{par['pp']}"
     memory = s.get("peak_memory_gb_per_stage") or ([s["peak_memory_gb"]] if "peak_memory_gb" in s else [])
     return [
         run.name + ("" if run.summary else " (not finished)"),
-        layout,
+        run.layout.text(),  # the config's, not summary.json's: older runs' summaries left tp out
         s.get("precision") or run.config["precision"],
         _number(s.get("tokens_per_s"), ".1f")
         + (f" (steps {s['measured_from_step']}+)" if "measured_from_step" in s else ""),
@@ -98,7 +116,7 @@ def time_split_row(run: RunRecord, parts: list[str]) -> list[str]:
     slowest = "-"
     if slow is not None:
         slowest = (
-            f"rank {slow['rank']} (pp {slow['pp']}, dp {slow['dp']}): {slow['ratio']:.2f}x the median, "
+            f"rank {slow['rank']} ({place_text(slow)}): {slow['ratio']:.2f}x the median, "
             f"in {slow['windows']}/{slow['of']} windows"
         )
     return [run.name, *(_number(shares[p] * 100, ".1f") + "%" if p in shares else "-" for p in parts), slowest]
@@ -140,23 +158,25 @@ def plot_losses(runs: list[RunRecord], path: Path, *, replace: bool = False) -> 
     save_figure(fig, path, replace=replace)
 
 
-def report(paths: list[str], *, out: str, force: bool = False) -> str:
-    """The table for these run directories; writes the loss picture to `out` (a new file, or
-    with `force` one that exists, never a run's own)."""
+def report(paths: list[str], *, out: str | None = None, force: bool = False) -> str:
+    """The table for these run directories; writes the loss picture to `out`, by default
+    REPORT_NAME in the first run's directory (a new file, or with `force` one that exists; never
+    another of a run's own files)."""
     runs = [read_run(Path(p)) for p in paths]
-    target = Path(out)
+    target = Path(out) if out is not None else Path(paths[0]) / REPORT_NAME
+    name = f"--out {out}" if out is not None else str(target)
     if target.is_dir():
-        raise ConfigError(f"--out {out} is a folder; name a .png file")
+        raise ConfigError(f"{name} is a folder; name a .png file")
     if target.suffix.lower() not in (".png", ".pdf", ".svg"):
-        raise ConfigError(f"--out {out}: name a .png (or .pdf, .svg) file for the loss curves")
-    if target.exists() and (target.parent / "config.json").is_file():
-        raise ConfigError(f"--out {out} is a file of the run in {target.parent}; choose another --out")
+        raise ConfigError(f"{name}: name a .png (or .pdf, .svg) file for the loss curves")
+    if target.exists() and target.name != REPORT_NAME and (target.parent / "config.json").is_file():
+        raise ConfigError(f"{name} is a file of the run in {target.parent}; choose another --out")
     if target.exists() and not force:
-        raise ConfigError(f"--out {out} already exists; choose another --out, or pass --force to replace it")
+        raise ConfigError(f"{name} already exists; choose another --out, or pass --force to replace it")
     try:
         plot_losses(runs, target, replace=force)
     except FileExistsError:
-        raise ConfigError(f"--out {out} appeared while the picture was drawn; choose another --out") from None
+        raise ConfigError(f"{name} appeared while the picture was drawn; choose another --out") from None
     except OSError as exc:
-        raise ConfigError(f"--out {out} cannot be written ({exc.strerror}); choose another --out") from None
+        raise ConfigError(f"{name} cannot be written ({exc.strerror}); choose another --out") from None
     return f"{format_table(runs)}\n\n{format_time_split(runs)}\n\nloss curves: {target}"

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from meshrun.errors import ConfigError
 from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
+from meshrun.parallel.layout import PLACE_AXES
 
 
 def _is_number(value: Any) -> bool:
@@ -143,8 +144,9 @@ def time_split_totals(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def slowest_rank(rows: list[dict[str, Any]]) -> dict[str, float] | None:
-    """The rank slowest in the most logged windows: its rank, pp and dp index, in how many windows of
-    how many, and its median compute ratio to the median rank over those (None: never measured)."""
+    """The rank slowest in the most logged windows: its rank, its index on each axis the rows record
+    (dp, tp, pp; runs from before tp was recorded hold dp and pp), in how many windows of how many,
+    and its median compute ratio to the median rank over those (None: never measured)."""
     named = [row for row in rows if "straggler/rank" in row]
     if not named:
         return None
@@ -153,8 +155,7 @@ def slowest_rank(rows: list[dict[str, Any]]) -> dict[str, float] | None:
     mine = [row for row in named if row["straggler/rank"] == rank]
     return {
         "rank": rank,
-        "pp": mine[0]["straggler/pp"],
-        "dp": mine[0]["straggler/dp"],
+        **{axis: mine[0][f"straggler/{axis}"] for axis in PLACE_AXES if f"straggler/{axis}" in mine[0]},
         "windows": len(mine),
         "of": len(named),
         "ratio": statistics.median(row["straggler/ratio"] for row in mine),

@@ -189,12 +189,11 @@ def _value(value: Any) -> str:
 def run_facts(cfg: Config, row: dict[str, Any]) -> dict[str, Any]:
     """What `meshrun report` compares runs by, beside the throughput: layout, precision, peak
     memory per pipeline stage and the last measured bubble (from the last logged row)."""
-    par = cfg.parallel
     stages = sorted(
         (k for k in row if k.startswith("memory_gb/stage")), key=lambda k: int(k.removeprefix("memory_gb/stage"))
     )
     facts = {
-        "layout": f"dp{par.dp} x pp{par.pp}" + (f" {par.schedule}" if par.pp > 1 else ""),
+        "layout": cfg.layout.text(),
         "microbatches": cfg.accumulation_steps,
         "precision": cfg.precision,
         "peak_memory_gb_per_stage": [row[k] for k in stages],

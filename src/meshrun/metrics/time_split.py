@@ -24,10 +24,12 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from meshrun.parallel.layout import PLACE_AXES, Layout
 
 PARTS = ("data", "compute", "wait", "optimizer", "eval", "checkpoint", "other")
 PHASES = {  # a trainer phase -> what its time counts as, outside sections
@@ -213,19 +215,17 @@ class Stragglers:
             return True
         return False
 
-    def row(
-        self, per_rank: list[list[float]], *, where: Callable[[int], dict[str, int]]
-    ) -> tuple[dict[str, float], str | None]:
-        """The slowest rank of a window (`per_rank` as in split_row; `where`: a rank's pp and dp
-        coordinates), and the warning line naming it when it has been slow long enough."""
+    def row(self, per_rank: list[list[float]], *, layout: Layout) -> tuple[dict[str, float], str | None]:
+        """The slowest rank of a window (`per_rank` as in split_row) with its place in `layout`, and
+        the warning line naming it when it has been slow long enough."""
         slow = slowest([figures[PARTS.index("compute")] for figures in per_rank])
-        at = where(slow.rank)
-        row: dict[str, float] = {"straggler/rank": slow.rank, "straggler/pp": at["pp"], "straggler/dp": at["dp"]}
+        at = layout.coordinates(slow.rank)
+        row: dict[str, float] = {"straggler/rank": slow.rank, **{f"straggler/{a}": at[a] for a in PLACE_AXES}}
         row["straggler/ratio"] = slow.ratio
         if not self.persistent(slow):
             return row, None
         return row, (
-            f"warning: rank {slow.rank} (pp {at['pp']}, dp {at['dp']}) is a straggler: its compute took "
+            f"warning: {layout.rank_text(slow.rank)} is a straggler: its compute took "
             f"{slow.ratio:.2f}x the median rank's in {self.windows} log windows in a row (metrics.straggler_ratio "
             f"{self.ratio:g}); the others wait for it (a slower device or host, or more work: an uneven pipeline split)"
         )

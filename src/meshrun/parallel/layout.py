@@ -14,6 +14,7 @@ Torch-free (the config's own rules ask it for the world size); `build_device_mes
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
+PLACE_AXES = ("dp", "tp", "pp")  # the order a layout and a rank's place are named in
 DATA_AXES = ("dp_replicate", "dp_shard")  # flattened, they are the data-parallel axis `dp`
 # The config keys whose product is the world size; `parallel.tp` is named only when tp > 1 (`keys`),
 # so messages about dp x pp layouts read as they always have.
@@ -44,6 +46,8 @@ class ParallelSection(Protocol):
     def dp_shard(self) -> int | None: ...
     @property
     def tp(self) -> int: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
     @property
     def schedule(self) -> str: ...
     @property
@@ -73,6 +77,7 @@ class Layout:
     tp: int = 1
     schedule: str = "1f1b"
     per_rank: int = 1  # pipeline stages each pp rank holds
+    sequence_parallel: bool = False  # tp ranks also split norms' and dropout's activations by position
 
     def __post_init__(self) -> None:
         for name, degree in {**self.degrees, "per_rank": self.per_rank}.items():
@@ -87,7 +92,13 @@ class Layout:
         shard = {"ddp": 1, "fsdp": par.dp, "hsdp": par.dp_shard or 1}[par.dp_mode]
         per_rank = stages_per_rank(par.schedule, par.virtual_stages) if par.pp > 1 else 1
         return cls(
-            pp=par.pp, dp_replicate=par.dp // shard, dp_shard=shard, tp=par.tp, schedule=par.schedule, per_rank=per_rank
+            pp=par.pp,
+            dp_replicate=par.dp // shard,
+            dp_shard=shard,
+            tp=par.tp,
+            schedule=par.schedule,
+            per_rank=per_rank,
+            sequence_parallel=par.sequence_parallel,
         )
 
     @property
@@ -126,14 +137,34 @@ class Layout:
         """The world size as the config spells it, for messages: `parallel.dp x parallel.pp (2 x 4 = 8)`."""
         return f"{self.axes_text()} ({self.degrees_text()} = {self.world_size})"
 
-    def short_text(self) -> str:
-        """`dp 2 x pp 4`, for headers and summaries."""
-        return " x ".join(f"{name} {self.mesh_degrees[name]}" for name in self.keys)
+    @property
+    def dp_mode(self) -> str:
+        """ddp (replicas), fsdp (one copy sharded over every dp rank) or hsdp (both), read off the degrees."""
+        if self.dp_shard == 1:
+            return "ddp"
+        return "fsdp" if self.dp_replicate == 1 else "hsdp"
+
+    def text(self) -> str:
+        """The whole layout, as every record names it (summaries, `meshrun report`, headers, plots):
+        `dp 4 (hsdp, shard 2) x tp 2 (sequence parallel) x pp 2 (interleaved-1f1b, 2 stages per rank)`;
+        an axis of degree 1 is named bare, so a layout never reads as if an axis were absent."""
+        dp = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": f"hsdp, shard {self.dp_shard}"}[self.dp_mode]
+        pp = self.schedule + (f", {self.per_rank} stages per rank" if self.per_rank > 1 else "")
+        parts = (
+            ("dp", self.dp, dp if self.dp > 1 else None),
+            ("tp", self.tp, "sequence parallel" if self.sequence_parallel else None),
+            ("pp", self.pp, pp if self.pp > 1 else None),
+        )
+        return " x ".join(f"{axis} {degree}" + (f" ({how})" if how else "") for axis, degree, how in parts)
+
+    def rank_text(self, rank: int) -> str:
+        """`rank 5 (dp 0, tp 1, pp 1)`: a rank as warnings and reports name it."""
+        return f"rank {rank} ({place_text(self.coordinates(rank))})"
 
     def grid(self) -> str:
         """The rank order, for --dry-run."""
         order = "(pp_rank * dp + dp_rank) * tp + tp_rank" if self.tp > 1 else "pp_rank * dp + dp_rank"
-        return f"world size {self.world_size} = {self.short_text()} (rank = {order})"
+        return f"world size {self.world_size} = {self.text()}; rank = {order}"
 
     # ranks <-> coordinates
 
@@ -203,3 +234,9 @@ class Layout:
             return mesh, mesh["dp"], mesh["tp"]
         hybrid = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
         return mesh, hybrid[DATA_AXES], hybrid["tp"]
+
+
+def place_text(coords: Mapping[str, float]) -> str:
+    """A rank's coordinates as labels name them, `dp 0, tp 1, pp 1` (the layout's order); an axis a
+    record does not hold (a run from before tp was recorded) is left out, not guessed."""
+    return ", ".join(f"{axis} {int(coords[axis])}" for axis in PLACE_AXES if axis in coords)

@@ -197,7 +197,7 @@ def probe_seconds(
 def describe(layout: Config) -> str:
     compiled = " compiled" if layout.train.compile is not False else ""  # calibration's probes: all eager but one
     return (
-        f"{layout.layout.short_text()} micro_batch {layout.train.micro_batch} x {layout.accumulation_steps} "
+        f"{layout.layout.text()} micro_batch {layout.train.micro_batch} x {layout.accumulation_steps} "
         f"recompute {layout.recompute}{compiled}"
     )
 

@@ -257,9 +257,7 @@ def rank_layouts(
     all_meshes = meshes(cfg, num_devices, hw.gpus_per_node)
     for index, mesh in enumerate(all_meshes, 1):
         if progress is not None:
-            progress(
-                f"mesh {index}/{len(all_meshes)}: {mesh.layout.short_text()} {mesh.parallel.dp_mode} {mesh.parallel.schedule}"
-            )
+            progress(f"mesh {index}/{len(all_meshes)}: {mesh.layout.text()}")
         least = predict(mesh, hw, eff, precision=precision, margin=margin)
         if not least.fits:
             predictions.append(least)

@@ -83,12 +83,11 @@ class Trainer:
         self.start_step = self.resume()
         # Rank 0 records the run; a complete one's record stays as it is (no tracker: nothing written).
         records = mesh.rank == 0 and self.start_step < cfg.train.steps
-        par = cfg.parallel
         self.report = RunReport(
             self.run_dir,
             steps=cfg.train.steps,
             tracker=start_run_record(cfg, start_step=self.start_step) if records else None,
-            timeline_title=f"{par.schedule}, dp={par.dp} pp={par.pp}, {cfg.accumulation_steps} microbatches:",
+            timeline_title=f"{cfg.layout.text()}, {cfg.accumulation_steps} microbatches:",
             start_step=self.start_step,
             plots=cfg.metrics.plots,
         )
@@ -410,7 +409,7 @@ class Trainer:
             },
         }
         row.update(time_split.split_row(ranks.extra, wall_s=train_s + window.paused))
-        straggler, warning = self.stragglers.row(ranks.extra, where=self.mesh.layout.coordinates)
+        straggler, warning = self.stragglers.row(ranks.extra, layout=self.mesh.layout)
         row.update(straggler)
         if warning:
             self.report.note(warning)
