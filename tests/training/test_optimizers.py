@@ -122,11 +122,14 @@ LAYOUT_RUN = {
 
 @pytest.mark.parametrize(
     "optimizer",
-    [LAYOUT_RUN, {"train.optimizer": "sgd", "train.momentum": 0.9, "train.nesterov": True, "train.lr": 0.05}],
-    ids=["rmsprop", "sgd"],
+    [
+        {**LAYOUT_RUN, "parallel.dp_mode": "fsdp"},  # RMSprop's skip works on the FSDP shards
+        {"train.optimizer": "sgd", "train.momentum": 0.9, "train.nesterov": True, "train.lr": 0.05},
+    ],
+    ids=["rmsprop-fsdp", "sgd"],
 )
 def test_dp2_x_pp2_trains_as_one_plain_torch_process(optimizer: dict, data_dir, plain_reference, tmp_path) -> None:
-    """10 clipped steps (8 for the rmsprop run, which the resume test below reuses)."""
+    """10 clipped steps (8 for the rmsprop run, whose settings the resume test below shares)."""
     overrides = {"train.steps": 10, **optimizer, "parallel.dp": 2, "parallel.pp": 2}
     run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **overrides)], tmp_path=tmp_path)
     plain = plain_reference(**{k: v for k, v in overrides.items() if not k.startswith(("parallel.", "checkpoint."))})
@@ -135,9 +138,9 @@ def test_dp2_x_pp2_trains_as_one_plain_torch_process(optimizer: dict, data_dir, 
 
 
 def test_optimizer_state_resumes_resharded(data_dir, tmp_path) -> None:
-    """RMSprop's squared averages and momentum written at dp2 x pp2, resumed at dp1 x pp1: the run
-    continues as the uninterrupted one."""
-    full, layout = tmp_path / "full", {"parallel.dp": 2, "parallel.pp": 2}
+    """RMSprop's squared averages and momentum written at fsdp dp2 x pp2, resumed at dp1 x pp1: the
+    run continues as the uninterrupted one."""
+    full, layout = tmp_path / "full", {"parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"}
     run_meshrun(["train", *tiny(data_dir, full, **LAYOUT_RUN, **layout)], tmp_path=tmp_path)
     run = interrupted_copy(full, tmp_path / "resumed", at_step=4)
     result = run_meshrun(["train", *tiny(data_dir, run, **LAYOUT_RUN)], tmp_path=tmp_path)
