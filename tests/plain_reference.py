@@ -4,7 +4,7 @@ meshrun's parity tests compare a layout with meshrun's own one-process run; a co
 in the gradient (a sum instead of a mean over dp ranks or microbatches) would survive that,
 since every step is clipped and AdamW is scale-invariant. This reference shares with meshrun
 only the model definition, its seeded initial weights and the token stream; the loss (mean
-token cross-entropy over the WHOLE global batch, one backward), the optimizer groups, the
+token cross-entropy over the WHOLE global batch, one backward), the optimizer groups (torch.optim's class, not fused), the
 learning-rate schedule and the clipping are written here again from their definitions.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from meshrun.config.schema import Config, load_config
+from meshrun.config.schema import Config, TrainConfig, load_config
 from meshrun.data.dataset import TokenDataset
 from meshrun.models.gpt import GPT
 
@@ -42,20 +42,32 @@ def cosine_lr(step: int, *, lr: float, warmup: int, steps: int, floor: float) ->
     return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def plain_optimizer(train: TrainConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    """torch.optim's own class for `train.optimizer`, single-tensor (not fused) and given each option by its torch name."""
+    if train.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=train.eps, foreach=False)
+    if train.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=train.lr, betas=train.betas, eps=train.eps, foreach=False)
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum, nesterov=train.nesterov, foreach=False)
+    assert train.optimizer == "rmsprop"
+    return torch.optim.RMSprop(
+        groups, lr=train.lr, alpha=train.alpha, eps=train.eps, momentum=train.momentum, foreach=False
+    )
+
+
 def train_plain(cfg: Config, data_dir: Path) -> Reference:
     """fp32, one process, whole global batch per step."""
     train = cfg.train
     model = GPT(cfg.model)
     model.init_weights(train.seed)
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(
+    optimizer = plain_optimizer(
+        cfg.train,
         [
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ],
-        lr=train.lr,
-        betas=train.betas,
-        foreach=False,
     )
     data = TokenDataset(data_dir, "train", seq_len=cfg.model.seq_len, seed=train.seed)
     losses, norms = [], []

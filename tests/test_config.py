@@ -821,6 +821,36 @@ CASES = [
         torch_free=True,
     ),
     Case(
+        "optimizer-unknown",
+        lambda c: ["train", *c.set(train__optimizer="adagrad")],
+        ("invalid train.optimizer", "'adamw', 'adam', 'sgd' or 'rmsprop'", "adagrad"),
+        torch_free=True,
+    ),
+    Case(
+        "momentum-for-adamw",  # an option the chosen optimizer does not take is refused, not ignored
+        lambda c: ["train", *c.set(train__momentum=0.9)],
+        ("train.momentum is an option of sgd and rmsprop, not of train.optimizer adamw",),
+        torch_free=True,
+    ),
+    Case(
+        "betas-for-sgd",
+        lambda c: ["train", *c.set(train__optimizer="sgd", train__betas="[0.8,0.9]")],
+        ("train.betas is an option of adamw and adam, not of train.optimizer sgd",),
+        torch_free=True,
+    ),
+    Case(
+        "alpha-for-adam",
+        lambda c: ["train", *c.set(train__optimizer="adam", train__alpha=0.9)],
+        ("train.alpha is an option of rmsprop, not of train.optimizer adam",),
+        torch_free=True,
+    ),
+    Case(
+        "nesterov-without-momentum",
+        lambda c: ["train", *c.set(train__optimizer="sgd", train__nesterov=True)],
+        ("train.nesterov needs train.momentum > 0",),
+        torch_free=True,
+    ),
+    Case(
         "lr-infinite",
         lambda c: ["train", *c.set(train__lr=".inf")],
         ("invalid train.lr", "finite number"),

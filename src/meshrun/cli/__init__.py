@@ -144,7 +144,8 @@ def _k8s(args: argparse.Namespace) -> int:
     validate_layout(cfg)  # the run_dir and data live on the cluster's volume: the pods check them
     model = preflight(cfg, scope="model")
     weights = sum(p.numel() for p in model.parameters())
-    manifest = render_manifest(cfg, options, checkpoint_bytes=12 * weights)  # fp32 weights + Adam's two moments
+    checkpoint_bytes = 4 * (1 + cfg.train.optimizer_state()[0]) * weights  # fp32 weights + the optimizer's values
+    manifest = render_manifest(cfg, options, checkpoint_bytes=checkpoint_bytes)
     if args.out is None:
         print(manifest, end="")
         return 0

@@ -99,16 +99,27 @@ class TrainConfig(Section):
     """Samples per forward/backward on one rank; accumulation = global_batch / (micro_batch * dp)."""
     steps: Int = Field(default=50, ge=1)
     """Optimizer steps to run."""
+    optimizer: Annotated[Literal["adamw", "adam", "sgd", "rmsprop"], BeforeValidator(lowercase)] = "adamw"
+    """The torch.optim class that updates the weights: adamw (decoupled weight decay), adam, sgd or rmsprop."""
     lr: Float = Field(default=1e-3, gt=0.0)
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (of whichever optimizer)."""
     min_lr_ratio: Float = Field(default=0.1, ge=0.0, le=1.0)
     """Cosine decay floor as a fraction of `lr`."""
     warmup_steps: Int = Field(default=5, ge=0)
     """Linear warmup steps before cosine decay."""
     weight_decay: Float = Field(default=0.1, ge=0.0)
-    """AdamW weight decay (not applied to norms and biases)."""
+    """Weight decay of matrices (not norms and biases): decoupled for adamw; for adam, sgd and rmsprop added to the
+    gradient (L2), as their torch.optim classes do."""
     betas: tuple[Beta, Beta] = (0.9, 0.95)
-    """AdamW betas (beta1, beta2), each in [0, 1)."""
+    """adamw and adam: betas (beta1, beta2), each in [0, 1)."""
+    eps: Float = Field(default=1e-8, gt=0.0)
+    """adamw, adam and rmsprop: the term added to the denominator (torch.optim's `eps`)."""
+    momentum: Float = Field(default=0.0, ge=0.0, lt=1.0)
+    """sgd and rmsprop: momentum factor in [0, 1) (0: none)."""
+    nesterov: bool = False
+    """sgd: Nesterov momentum (needs momentum > 0)."""
+    alpha: Float = Field(default=0.99, gt=0.0, lt=1.0)
+    """rmsprop: smoothing constant of the squared-gradient average, in (0, 1)."""
     grad_clip: Float = Field(default=1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     eval_interval: Int = Field(default=25, ge=0)
@@ -131,6 +142,38 @@ class TrainConfig(Section):
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise ValueError(f"give two numbers [beta1, beta2], each in [0, 1), e.g. [0.9, 0.95] (got {value!r})")
         return value
+
+    @model_validator(mode="after")
+    def _options_of_the_optimizer(self) -> TrainConfig:
+        """An option the chosen optimizer does not take is refused when set away from its default, not ignored."""
+        for key, takes in OPTIMIZER_OPTIONS.items():
+            if self.optimizer not in takes and getattr(self, key) != TrainConfig.model_fields[key].default:
+                raise ValueError(
+                    f"train.{key} is an option of {' and '.join(takes)}, not of train.optimizer {self.optimizer}; "
+                    f"remove it or choose one of those optimizers"
+                )
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("train.nesterov needs train.momentum > 0 (e.g. --set train.momentum=0.9)")
+        return self
+
+    def optimizer_state(self) -> tuple[int, int]:
+        """What the optimizer keeps: (fp32 values per trainable parameter value, bytes per parameter tensor).
+
+        adamw and adam keep two moments, rmsprop the squared-gradient average (and a momentum buffer when
+        momentum > 0), sgd a momentum buffer when momentum > 0; all but sgd count steps in a float32 scalar
+        per tensor. The planner, --dry-run and the k8s manifest's checkpoint size read it."""
+        per_value = {"adamw": 2, "adam": 2, "rmsprop": 1 + (self.momentum > 0), "sgd": int(self.momentum > 0)}
+        return per_value[self.optimizer], 0 if self.optimizer == "sgd" else 4
+
+
+# The options that are not every optimizer's, and which optimizers take them (TrainConfig refuses the rest).
+OPTIMIZER_OPTIONS = {
+    "betas": ("adamw", "adam"),
+    "eps": ("adamw", "adam", "rmsprop"),
+    "momentum": ("sgd", "rmsprop"),
+    "nesterov": ("sgd",),
+    "alpha": ("rmsprop",),
+}
 
 
 class CheckpointConfig(Section):

@@ -73,4 +73,6 @@ def rank_state_bytes(cfg: Config) -> list[RankMemory] | None:
         return None
     num_stages = len(split)
     parts = [build_stage(cfg, layers=layers, first=i == 0, last=i == num_stages - 1) for i, layers in enumerate(split)]
-    return ranks_memory(cfg, [StageProfile(*state_bytes(part, cfg.parallel.tp), 0, 0.0, 0.0, 0) for part in parts])
+    return ranks_memory(
+        cfg, [StageProfile(*state_bytes(part, cfg.train, cfg.parallel.tp), 0, 0.0, 0.0, 0) for part in parts]
+    )

@@ -30,7 +30,6 @@ MAX_BLOCKS = 10_000
 # few TiB. 4 TiB on ONE rank is beyond any of them: such a config is a mistaken size, not a model,
 # and would otherwise pass --dry-run and die allocating in a worker.
 MAX_RANK_BYTES = 4 * 2**40
-STATE_BYTES_PER_PARAM = 16  # fp32 weights + grads + AdamW's two moments
 LOGIT_BYTES = 4  # the loss reads fp32 logits: (micro_batch, seq_len, vocab) on the last stage
 # Hugging Face config keys meshrun sizes a model with (llama-style names, and GPT-2's own).
 HF_SIZE_KEYS = (
@@ -150,13 +149,14 @@ def rank_bytes(cfg: Config, size: ModelSize) -> list[int]:
         if par.stage_layers is not None and len(par.stage_layers) == num_stages
         else [size.num_blocks // num_stages + (s < size.num_blocks % num_stages) for s in range(num_stages)]
     )
+    state_bytes_per_param = 4 * (2 + cfg.train.optimizer_state()[0])  # fp32 weights, grads, optimizer values
     out = []
     for rank in range(par.pp):
         stages = layout.stages_of(rank)
         params = sum(blocks[s] * size.block for s in stages)
         params += size.embed * (0 in stages) + size.head * (num_stages - 1 in stages)
         logits = cfg.train.micro_batch * cfg.model.seq_len * size.vocab * LOGIT_BYTES * (num_stages - 1 in stages)
-        out.append(params * STATE_BYTES_PER_PARAM // layout.dp_shard + logits)
+        out.append(params * state_bytes_per_param // layout.dp_shard + logits)
     return out
 
 

@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import nn
 
-from meshrun.config.schema import Config
+from meshrun.config.schema import Config, TrainConfig
 from meshrun.hardware.precision import DTYPES
 from meshrun.models.protocol import ProtocolModule, tp_local
 from meshrun.parallel.materialise import build_stage
@@ -33,18 +33,19 @@ from meshrun.planner.tp_shapes import emulate_tp_shapes
 from meshrun.training.loss import MicrobatchLoss
 
 Spec = tuple  # (shape, dtype) of a stage's output, or a tuple of those (a model handing on a state)
-_STEP_COUNTER_BYTES = 4  # AdamW's per-tensor `step` (a float32 scalar)
 
 
-def state_bytes(part: nn.Module, tp: int = 1) -> tuple[int, int, int]:
+def state_bytes(part: nn.Module, train: TrainConfig, tp: int = 1) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer state) bytes of a stage on one rank, exactly as training
-    allocates them: each tensor the model's tp plan splits counted as its largest shard."""
+    allocates them: each tensor the model's tp plan splits counted as its largest shard, the
+    optimizer's state as `train.optimizer_state` says that optimizer keeps it."""
     numels = shard_numels(part, tp)
     params = list(part.named_parameters())
     trainable = [(n, p) for n, p in params if p.requires_grad]
     param_bytes = sum(numels[n] * p.element_size() for n, p in params)
     grad_bytes = sum(numels[n] * p.element_size() for n, p in trainable)
-    return param_bytes, grad_bytes, 2 * grad_bytes + _STEP_COUNTER_BYTES * len(trainable)
+    per_value, per_tensor = train.optimizer_state()
+    return param_bytes, grad_bytes, per_value * grad_bytes + per_tensor * len(trainable)
 
 
 def _fake_mode() -> contextlib.AbstractContextManager:
@@ -233,7 +234,7 @@ def _trace(
     backward, the state bytes and the output's shape and dtype (the next stage's input). Under
     sequence parallel a block's output holds 1/tp of the positions (so does what the stage hands
     on); `hidden_bytes` stays the whole hidden state, the size of the collectives tp runs."""
-    param_bytes, grad_bytes, optimizer_bytes = state_bytes(part)  # already shrunk to one tp rank's shards
+    param_bytes, grad_bytes, optimizer_bytes = state_bytes(part, cfg.train)  # already shrunk to one tp rank's shards
     blocks = list(part.blocks.keys())
     recomputed = sum(wants_recompute(cfg.recompute, int(b)) for b in blocks)
     block_out: list[int] = []

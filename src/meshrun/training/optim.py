@@ -1,4 +1,5 @@
-"""AdamW with weight decay on matrices only, linear warmup and cosine decay.
+"""The optimizer (torch.optim's AdamW, Adam, SGD or RMSprop) with weight decay on matrices only,
+linear warmup and cosine decay.
 
 One optimizer per model part (a rank holds several parts under interleaved schedules), so the
 checkpoint utilities can name every parameter by its model-wide name. The learning rate is a
@@ -17,32 +18,74 @@ from torch.amp import GradScaler
 
 from meshrun.config.schema import TrainConfig
 from meshrun.metrics import time_split
-from meshrun.parallel.fsdp import full_norm
+from meshrun.parallel.fsdp import full_norm, local
 
 
-def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """`cfg.optimizer`'s torch.optim class over `part`'s trainable parameters, matrices decayed."""
     decay, no_decay = [], []
     for param in part.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # Fused (CPU and CUDA): it can skip a step on the device (see step_unless), with no host sync.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
+    # Fused where torch has a fused kernel (AdamW, Adam, SGD; CPU and CUDA): it can skip a step on
+    # the device (see step_unless), with no host sync. RMSprop has none: foreach.
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
+    if cfg.optimizer == "sgd":
+        sgd = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, fused=True)
+        # Fused SGD makes its momentum buffers uninitialised (empty_like) at the first step and
+        # fills them in the kernel: a first step skipped on the device (found_inf) would keep that
+        # garbage. Zeros are equal to a first step's buffers (0 * momentum + grad = grad, bit for bit).
+        for param in (decay + no_decay) if cfg.momentum > 0 else []:
+            sgd.state[param]["momentum_buffer"] = torch.zeros_like(param)
+        return sgd
+    # capturable on CUDA keeps its step counters on the device, where step_unless's torch.where runs
+    on_cuda = any(p.is_cuda for p in decay + no_decay)
+    return torch.optim.RMSprop(
+        groups, lr=cfg.lr, alpha=cfg.alpha, eps=cfg.eps, momentum=cfg.momentum, foreach=True, capturable=on_cuda
+    )
 
 
 def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-    """`optimizer.step()`, except where the 0-d float `skip` is 1: then parameters, moments and
-    the step counter stay as they were, decided on the device (no host sync).
+    """`optimizer.step()`, except where the 0-d float `skip` is 1: then parameters, optimizer state
+    and step counters stay as they were, decided on the device (no host sync).
 
-    Fused AdamW reads the `found_inf` attribute that torch.amp.GradScaler sets on optimizers
+    A fused optimizer reads the `found_inf` attribute that torch.amp.GradScaler sets on optimizers
     with `_step_supports_amp_scaling`; torch has no public argument for it, so it lives here only.
+    Another (RMSprop) steps, then takes back what it changed with `torch.where`: the price is a
+    copy of its parameters and state per step, instead of a host sync.
     """
-    # The attributes are GradScaler's protocol with fused AdamW, not declared on Optimizer: hence the ignores.
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        _step_then_undo_unless(optimizer, skip)
+        return
+    # The attributes are GradScaler's protocol with fused optimizers, not declared on Optimizer: hence the ignores.
     optimizer.found_inf, optimizer.grad_scale = skip, None  # pyright: ignore[reportAttributeAccessIssue]
     try:
         optimizer.step()
     finally:
         del optimizer.found_inf, optimizer.grad_scale  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _step_then_undo_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """Step, then restore every parameter and state tensor where `skip` is 1. State the step
+    created (the first step) is restored to zeros, which is the state that optimizer starts from."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    before = {id(t): (t, local(t.detach()).clone()) for t in _tensors(optimizer, params)}
+    optimizer.step()
+    keep = skip.bool()
+    for tensor in _tensors(optimizer, params):
+        now = local(tensor.detach())
+        old = before[id(tensor)][1] if id(tensor) in before else torch.zeros_like(now)
+        now.copy_(torch.where(keep, old, now))
+
+
+def _tensors(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """`params` and the tensors of their optimizer state."""
+    state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return [*params, *state]
 
 
 def clip_global_norm(

@@ -315,7 +315,7 @@ class Trainer:
         time_split.phase("forward_backward")
         loss = self.model.forward_backward(x, y, loss=loss_fn)
         self.model.tied.sync_gradients()  # both copies of a tied embedding get the summed gradient
-        progress.mark("optimizer", "gradient norm over the stages, then AdamW")
+        progress.mark("optimizer", "gradient norm over the stages, then the optimizer step")
         time_split.phase("optimizer")
         # fp16: back to real units; found_inf is all-reduced over the pipeline stages.
         if self.scaler is not None:

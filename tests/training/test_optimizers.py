@@ -1,0 +1,149 @@
+"""train.optimizer: meshrun's AdamW, Adam, SGD and RMSprop step as torch.optim's own classes do,
+skip a non-finite step on the device leaving everything bit-identical, are planned at the bytes
+they hold, and train (and resume resharded) under a layout as one plain-torch process does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import final_weights, grad_norms, max_weight_diff, run_meshrun, tiny
+from plain_reference import assert_grad_norms_match, plain_optimizer
+from test_checkpoint import interrupted_copy
+
+from meshrun.config.schema import Config, TrainConfig
+from meshrun.models.gpt import GPT
+from meshrun.parallel.fsdp import measured_state_bytes
+from meshrun.planner.stage_cost import state_bytes
+from meshrun.training.optim import Optimizers
+
+TINY_GPT = {"num_layers": 2, "dim": 16, "num_heads": 2, "vocab_size": 64, "seq_len": 8}
+OPTIONS = {
+    "adamw": {"optimizer": "adamw", "betas": (0.8, 0.9), "eps": 1e-6},
+    "adam": {"optimizer": "adam", "weight_decay": 0.05},
+    "sgd": {"optimizer": "sgd"},
+    "sgd-nesterov": {"optimizer": "sgd", "momentum": 0.9, "nesterov": True},
+    "rmsprop": {"optimizer": "rmsprop", "alpha": 0.9},
+    "rmsprop-momentum": {"optimizer": "rmsprop", "momentum": 0.5, "eps": 1e-6},
+}
+
+
+def model_and_train(options: dict) -> tuple[GPT, TrainConfig]:
+    cfg = Config.model_validate({"model": TINY_GPT, "train": {"lr": 1e-2, "steps": 10, "warmup_steps": 2, **options}})
+    model = GPT(cfg.model)
+    model.init_weights(cfg.train.seed)
+    return model, cfg.train
+
+
+def set_gradients(model: torch.nn.Module, step: int) -> None:
+    generator = torch.Generator().manual_seed(step)
+    for param in model.parameters():
+        param.grad = torch.randn(param.shape, generator=generator)
+
+
+def snapshot(model: torch.nn.Module, optimizers: Optimizers) -> list[torch.Tensor]:
+    state = [v for o in optimizers.optimizers for s in o.state.values() for v in s.values()]
+    return [t.detach().clone() for t in [*model.parameters(), *state] if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_ten_steps_equal_torch_optims_own_class(name: str) -> None:
+    model, train = model_and_train(OPTIONS[name])
+    reference = GPT(model.cfg)
+    reference.load_state_dict(model.state_dict())
+    params = list(reference.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    plain = plain_optimizer(train, groups)
+    optimizers = Optimizers([model], train)
+    for step in range(10):
+        lr = optimizers.set_lr(step)
+        for group in plain.param_groups:
+            group["lr"] = lr
+        set_gradients(model, step)
+        set_gradients(reference, step)
+        optimizers.step_unless(torch.zeros(()))
+        plain.step()
+    for (key, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, key=key: f"{name} {key}: {m}")
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_a_skipped_step_leaves_weights_and_state_bit_identical(name: str) -> None:
+    """Skipped on the device: after three steps, and as the very first step (state not yet made:
+    what the optimizer holds afterwards must step on exactly as a fresh one)."""
+    model, train = model_and_train(OPTIONS[name])
+    optimizers = Optimizers([model], train)
+    for step in range(3):
+        set_gradients(model, step)
+        optimizers.step_unless(torch.zeros(()))
+    before = snapshot(model, optimizers)
+    set_gradients(model, 3)
+    next(model.parameters()).grad[0] = float("inf")  # pyright: ignore[reportOptionalSubscript]
+    optimizers.step_unless(torch.ones(()))
+    after = snapshot(model, optimizers)
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+
+    skipped_first, _ = model_and_train(OPTIONS[name])
+    fresh, _ = model_and_train(OPTIONS[name])
+    first, second = Optimizers([skipped_first], train), Optimizers([fresh], train)
+    set_gradients(skipped_first, 99)
+    first.step_unless(torch.ones(()))
+    assert all(torch.equal(a, b) for a, b in zip(skipped_first.parameters(), fresh.parameters()))
+    for step in range(2):
+        for model_, optimizers_ in ((skipped_first, first), (fresh, second)):
+            set_gradients(model_, step)
+            optimizers_.step_unless(torch.zeros(()))
+    assert all(torch.equal(a, b) for a, b in zip(skipped_first.parameters(), fresh.parameters()))
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_planned_optimizer_bytes_are_what_the_optimizer_holds(name: str) -> None:
+    model, train = model_and_train(OPTIONS[name])
+    optimizers = Optimizers([model], train)
+    set_gradients(model, 0)
+    optimizers.step_unless(torch.zeros(()))
+    params, grads, optimizer = state_bytes(model, train)
+    assert params + grads + optimizer == measured_state_bytes(list(model.parameters()), optimizers.optimizers)
+
+
+LAYOUT_RUN = {
+    "train.optimizer": "rmsprop",
+    "train.momentum": 0.5,
+    "train.alpha": 0.9,
+    "train.lr": 3e-3,
+    "train.steps": 8,
+    "checkpoint.interval": 4,
+}
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        {**LAYOUT_RUN, "parallel.dp_mode": "fsdp"},  # RMSprop's skip works on the FSDP shards
+        {"train.optimizer": "sgd", "train.momentum": 0.9, "train.nesterov": True, "train.lr": 0.05},
+    ],
+    ids=["rmsprop-fsdp", "sgd"],
+)
+def test_dp2_x_pp2_trains_as_one_plain_torch_process(optimizer: dict, data_dir, plain_reference, tmp_path) -> None:
+    """10 clipped steps (8 for the rmsprop run, whose settings the resume test below shares)."""
+    overrides = {"train.steps": 10, **optimizer, "parallel.dp": 2, "parallel.pp": 2}
+    run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **overrides)], tmp_path=tmp_path)
+    plain = plain_reference(**{k: v for k, v in overrides.items() if not k.startswith(("parallel.", "checkpoint."))})
+    assert_grad_norms_match(grad_norms(tmp_path / "run"), plain.grad_norms)
+    assert max_weight_diff(final_weights(tmp_path / "run"), plain.weights) < 1e-5
+
+
+def test_optimizer_state_resumes_resharded(data_dir, tmp_path) -> None:
+    """RMSprop's squared averages and momentum written at fsdp dp2 x pp2, resumed at dp1 x pp1: the
+    run continues as the uninterrupted one."""
+    full, layout = tmp_path / "full", {"parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"}
+    run_meshrun(["train", *tiny(data_dir, full, **LAYOUT_RUN, **layout)], tmp_path=tmp_path)
+    run = interrupted_copy(full, tmp_path / "resumed", at_step=4)
+    result = run_meshrun(["train", *tiny(data_dir, run, **LAYOUT_RUN)], tmp_path=tmp_path)
+    assert "resumed from" in result.stderr
+    assert max_weight_diff(final_weights(run), final_weights(full)) < 1e-5
+    assert json.loads((run / "config.json").read_text())["train"]["optimizer"] == "rmsprop"
