@@ -46,7 +46,11 @@ def _sections() -> Iterator[tuple[str, type[BaseModel], dict[str, Any]]]:
                 yield f"model ({family})", section, {"model": dict(_FAMILY_BASE[family])}
         elif _section_class(field.annotation):
             yield name, _section_class(field.annotation), {name: {}}  # type: ignore[misc]
-    yield "data.mixture[]", _list_item_class(Config, "data", "mixture"), {"data": {"mixture": [{"dir": "d", "weight": 1}]}}
+    yield (
+        "data.mixture[]",
+        _list_item_class(Config, "data", "mixture"),
+        {"data": {"mixture": [{"dir": "d", "weight": 1}]}},
+    )
     yield "", Config, {}
 
 
@@ -138,7 +142,9 @@ def _validators(section: type[BaseModel]) -> tuple[dict[str, list[str]], list[st
             per_key.setdefault(name, []).append(_doc(validator.func))
     shared = ModelSection.__pydantic_decorators__.model_validators
     inherited = shared if issubclass(section, ModelSection) and section is not SECTIONS["gpt"] else {}
-    rules = [_doc(v.func) for n, v in decorators.model_validators.items() if n not in inherited and n != "_text_as_written"]
+    rules = [
+        _doc(v.func) for n, v in decorators.model_validators.items() if n not in inherited and n != "_text_as_written"
+    ]
     return per_key, rules
 
 
@@ -166,7 +172,9 @@ def config_reference() -> str:
         for name, field in _own_fields(prefix, section).items():
             lines += _key_entry(prefix, name, field, base, per_key.get(name, []))
         if rules:
-            lines += ["", f"**Rules across the keys of {prefix or 'several sections'}:**", ""] + [f"- {r}" for r in rules if r]
+            lines += ["", f"**Rules across the keys of {prefix or 'several sections'}:**", ""] + [
+                f"- {r}" for r in rules if r
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -231,7 +239,9 @@ def cli_reference() -> str:
         lines += [f"## meshrun {name}", "", f"{help_text}.", "", f"```text\n{parser.format_usage().strip()}\n```", ""]
         lines += ["| argument | default | meaning |", "|---|---|---|"]
         for action in _flags(parser):
-            value = "" if action.nargs == 0 or not action.option_strings else f" {action.metavar or action.dest.upper()}"
+            value = (
+                "" if action.nargs == 0 or not action.option_strings else f" {action.metavar or action.dest.upper()}"
+            )
             names = (", ".join(action.option_strings) or action.metavar or action.dest) + value
             default = "" if action.default in (None, False, [], argparse.SUPPRESS) else f"`{action.default}`"
             choices = f" (one of {', '.join(map(str, action.choices))})" if action.choices else ""
@@ -249,7 +259,9 @@ def undocumented() -> list[str]:
     missing = []
     for prefix, section, _ in _sections():
         per_key, rules = _validators(section)
-        missing += [f"config key {_key(prefix, n, f)}" for n, f in _own_fields(prefix, section).items() if not f.description]
+        missing += [
+            f"config key {_key(prefix, n, f)}" for n, f in _own_fields(prefix, section).items() if not f.description
+        ]
         missing += [f"a check of config key {prefix}.{k}" for k, docs in per_key.items() if not all(docs)]
         missing += [f"a rule across the keys of {prefix or 'the config'}" for r in rules if not r]
     for name, help_text, parser in _commands():

@@ -7,7 +7,7 @@ import argparse
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and flag of `meshrun` (checked further in cli/arguments.py, before torch)."""
-    parser = argparse.ArgumentParser(prog="meshrun", description="DDP x pipeline-parallel Transformer training.")
+    parser = argparse.ArgumentParser(prog="meshrun", description="dp x tp x pp Transformer training.")
     parser.add_argument("--version", action="version", version=f"meshrun {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training job (starts torchrun itself when needed)")
@@ -211,7 +211,7 @@ def _parity_parser(sub: argparse._SubParsersAction) -> None:
         help="train one job in two layouts for a few steps and compare them (exit 0: equal, 1: different)",
         description="Train one job in two layouts (A and B) by real `meshrun train` launches, from the same "
         "weights on the same global batches, and compare each step's loss and pre-clip grad norm and the "
-        "weights, tensor by tensor, against tolerances for the precision (README: Parity).",
+        "weights, tensor by tensor, against tolerances for the precision (docs/tools/parity.md).",
         epilog="exit status: 0 equal within the tolerances, 1 different (or a run failed), 2 bad input",
     )
     parity.add_argument(
