@@ -106,7 +106,8 @@ def _bad_value(field: FieldInfo) -> Any:
         if isinstance(meta, (annotated_types.Lt, annotated_types.Le)):
             return getattr(meta, "lt", None) or meta.le + 1  # type: ignore[union-attr]
     literal = [a for a in _flat_args(field.annotation) if get_origin(a) is Literal]
-    return "bogus" if literal else None
+    listed = get_origin(field.annotation) is list
+    return (["bogus"] if listed else "bogus") if literal else None
 
 
 def _flat_args(annotation: Any) -> Iterator[Any]:
@@ -195,7 +196,9 @@ def _plain(value: Any) -> str:
         return "{...}"
     if isinstance(value, bool):
         return str(value).lower()
-    return "none" if value is None else str(list(value) if isinstance(value, tuple) else value)
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(map(_plain, value))}]"
+    return "none" if value is None else str(value)
 
 
 def _default_yaml_map() -> str:
