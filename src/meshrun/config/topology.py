@@ -100,7 +100,7 @@ class LaunchConfig(Section):
     nnodes: Int = Field(default=1, ge=1)
     """Nodes in the job, one torchrun agent (one `meshrun train`) each; > 1 needs `rdzv_endpoint`."""
     nproc_per_node: Int | None = Field(default=None, ge=1)
-    """Workers on each node; None = parallel.dp x parallel.pp / nnodes."""
+    """Workers on each node; None = parallel.dp x parallel.tp x parallel.pp / nnodes."""
     rdzv_endpoint: str | None = None
     """HOST[:PORT] of the c10d rendezvous on the host node (port default 29400); None on one node = a free local port."""
     rdzv_id: str = "meshrun"
