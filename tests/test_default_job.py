@@ -1,4 +1,4 @@
-"""The README's first commands, end to end: `meshrun train` with the packaged default config
+"""The README's first commands (and docs/getting-started/first-run.md's), end to end: `meshrun train` with the packaged default config
 (dp2 x pp2, 1F1B, precision auto, a BPE trained at first use), preparing the embedded corpus on first use, then
 `meshrun sample` and `meshrun export`; and the check that tells a Python-looking sample from noise."""
 
@@ -65,10 +65,10 @@ def test_the_python_check_tells_python_from_noise(make, looks_like_python: bool)
 
 
 def test_default_job_runs_end_to_end_and_samples_python(tmp_path: Path) -> None:
-    """The README's commands exactly, on a machine that has never run meshrun: `meshrun train`
+    """The README's commands exactly (docs/getting-started/first-run.md), on a machine that has never run meshrun: `meshrun train`
     (prepares the embedded corpus, trains 180 steps), then `meshrun sample runs/default --prompt
     "def "`, whose text must look like Python; then `meshrun export`. The wall time is printed
-    (the README states it; no timed assertion: machines differ)."""
+    (first-run.md states it; no timed assertion: machines differ)."""
     started = time.monotonic()
     result = run_meshrun(["train"], tmp_path=tmp_path, timeout=900)
     print(f"default job: {time.monotonic() - started:.0f} s wall")

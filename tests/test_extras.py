@@ -119,11 +119,11 @@ def test_a_sentencepiece_tokenizer_folder_needs_sentencepiece(tmp_path: Path) ->
 
 def test_a_users_extras_are_what_meshrun_names_and_dev_holds_the_rest() -> None:
     """The extras meshrun's messages name exist and hold only what a run needs; the tools of the
-    tests, lint and types live in `dev` (with both user extras: the tests use them), so a user's
+    tests, lint and types live in `dev` (with both user extras and `docs`: the tests use them), so a user's
     install (`pip install -e .` or `.[hf]`) is not the 2 GB developer's one."""
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert set(EXTRA_OF.values()) | {"dev"} == set(extras)
+    assert set(EXTRA_OF.values()) | {"dev", "docs"} == set(extras)
     for extra in EXTRA_OF.values():
         assert [re.split(r"[<>=\[]", d)[0] for d in extras[extra]] == [p for p, e in EXTRA_OF.items() if e == extra]
-    assert "meshrun[hf,tensorboard]" in extras["dev"]
+    assert "meshrun[hf,tensorboard,docs]" in extras["dev"]
     assert {"pytest", "ruff", "pyright[nodejs]"} <= {re.split(r"[<>=]", d)[0] for d in extras["dev"]}

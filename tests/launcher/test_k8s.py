@@ -280,9 +280,13 @@ def test_bad_input_exits_2_with_one_line(flags: list[str], message: str, tmp_pat
 
 def test_the_image_the_manifest_expects_installs_the_extras(tmp_path: Path) -> None:
     """docker/Dockerfile installs meshrun with hf and tensorboard (tests/docker builds it), and the
-    README's Kubernetes flow renders as written."""
+    Kubernetes page's flow (docs/launch/kubernetes.md) renders as written."""
     assert '"/tmp/meshrun-src[hf,tensorboard]"' in (REPO / "docker" / "Dockerfile").read_text()
-    (line,) = [ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith("meshrun k8s ")]
+    (line,) = [
+        ln
+        for ln in (REPO / "docs" / "launch" / "kubernetes.md").read_text().splitlines()
+        if ln.startswith("meshrun k8s ")
+    ]
     command = shlex.split(line.split("|")[0])
     assert command[:2] == ["meshrun", "k8s"]
     result = run_meshrun([*command[1:2], str(REPO / command[2]), *command[3:]], tmp_path=tmp_path, timeout=120)

@@ -7,7 +7,7 @@ import argparse
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and flag of `meshrun` (checked further in cli/arguments.py, before torch)."""
-    parser = argparse.ArgumentParser(prog="meshrun", description="DDP x pipeline-parallel Transformer training.")
+    parser = argparse.ArgumentParser(prog="meshrun", description="dp x tp x pp Transformer training.")
     parser.add_argument("--version", action="version", version=f"meshrun {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training job (starts torchrun itself when needed)")
@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="validate and print the plan, start nothing")
     nodes = train.add_argument_group("multi-node (each flag sets the launch.* key of the same name)")
     nodes.add_argument("--nnodes", type=int, help="nodes in the job; run the same command on each")
-    nodes.add_argument("--nproc-per-node", type=int, help="workers per node (default dp x pp / nnodes)")
+    nodes.add_argument("--nproc-per-node", type=int, help="workers per node (default dp x tp x pp / nnodes)")
     nodes.add_argument("--rdzv-endpoint", metavar="HOST[:PORT]", help="c10d rendezvous on the host node")
     nodes.add_argument("--rdzv-id", help="job id shared by all nodes (e.g. $SLURM_JOB_ID)")
     nodes.add_argument("--local-addr", help="this node's address as the other nodes reach it")
@@ -37,9 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     slurm = sub.add_parser("slurm", help="write (or submit) the sbatch script that trains a config on Slurm")
     _config_arguments(slurm, set_help="override a config key (repeatable); passed on to the job")
-    slurm.add_argument(
-        "--nodes", type=int, required=True, help="nodes; parallel.dp x parallel.pp workers are split over them"
-    )
+    slurm.add_argument("--nodes", type=int, required=True, help="nodes; the dp x tp x pp workers are split over them")
     slurm.add_argument(
         "--gpus-per-node", type=int, required=True, help="GPUs (= workers) per node; 0 for CPU-only nodes"
     )
@@ -155,7 +153,9 @@ def _k8s_parser(sub: argparse._SubParsersAction) -> None:
         k8s, set_help="override a config key (repeatable); the resolved config goes into the manifest's ConfigMap"
     )
     k8s.add_argument("--image", required=True, help="the meshrun image (docker/Dockerfile) the pods run")
-    k8s.add_argument("--nodes", type=int, required=True, help="pods, one per node; dp x pp workers are split over them")
+    k8s.add_argument(
+        "--nodes", type=int, required=True, help="pods, one per node; the dp x tp x pp workers are split over them"
+    )
     k8s.add_argument("--gpus-per-node", type=int, help="GPUs per pod (default: its workers; 0 for CPU nodes)")
     k8s.add_argument("--flavor", choices=("jobset", "trainjob"), default="jobset", help="JobSet or Kubeflow TrainJob")
     k8s.add_argument("--name", help="the job's name (default: run_dir's folder name)")
@@ -211,7 +211,7 @@ def _parity_parser(sub: argparse._SubParsersAction) -> None:
         help="train one job in two layouts for a few steps and compare them (exit 0: equal, 1: different)",
         description="Train one job in two layouts (A and B) by real `meshrun train` launches, from the same "
         "weights on the same global batches, and compare each step's loss and pre-clip grad norm and the "
-        "weights, tensor by tensor, against tolerances for the precision (README: Parity).",
+        "weights, tensor by tensor, against tolerances for the precision (docs/tools/parity.md).",
         epilog="exit status: 0 equal within the tolerances, 1 different (or a run failed), 2 bad input",
     )
     parity.add_argument(

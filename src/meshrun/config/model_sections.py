@@ -43,6 +43,7 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _heads_divide_dim(self) -> ModelSection:
+        """model.num_heads divides model.dim (each head gets dim / num_heads channels)."""
         if self.dim % self.num_heads:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must divide model.dim ({self.dim}); change one of these keys"
@@ -110,6 +111,7 @@ class HFSection(ModelSection):
 
     @model_validator(mode="after")
     def _one_hf_source(self) -> HFSection:
+        """Exactly one of model.hf (a directory) and model.hf_config (inline)."""
         if self.hf is not None and self.hf_config is not None:
             raise ValueError("set model.hf (a directory) or model.hf_config (inline), not both")
         if self.hf is None and self.hf_config is None:

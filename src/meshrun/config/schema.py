@@ -81,6 +81,7 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _dir_or_mixture(self) -> DataConfig:
+        """data.dir or data.mixture, not both; a format other than meshrun and data.sources need data.dir; data.tokenizer bpe:VOCAB has VOCAB >= 257."""
         if self.mixture and self.dir is not None:
             raise ValueError("set data.dir or data.mixture, not both")
         if self.format != "meshrun" and self.dir is None and not self.mixture:
@@ -139,6 +140,7 @@ class TrainConfig(Section):
     @field_validator("betas", mode="before")
     @classmethod
     def _two_betas(cls, value: Any) -> Any:
+        """Exactly two numbers [beta1, beta2], each in [0, 1)."""
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise ValueError(f"give two numbers [beta1, beta2], each in [0, 1), e.g. [0.9, 0.95] (got {value!r})")
         return value
@@ -214,6 +216,7 @@ class TrackerConfig(Section):
     @field_validator("backends")
     @classmethod
     def _backends_once(cls, value: list[str]) -> list[str]:
+        """Each backend named once (a row logged twice would count twice)."""
         if len(set(value)) != len(value):
             raise ValueError(f"name each backend once (got {value})")
         return value
@@ -240,6 +243,7 @@ class ProfileConfig(Section):
 
     @model_validator(mode="after")
     def _snapshot_needs_steps(self) -> ProfileConfig:
+        """profile.memory_snapshot needs profile.steps: the steps to snapshot."""
         if self.memory_snapshot and not self.steps:
             raise ValueError("profile.memory_snapshot needs profile.steps (the steps to snapshot), e.g. [5]")
         return self
@@ -274,6 +278,7 @@ class Config(Section):
     @field_validator("recompute")
     @classmethod
     def _recompute_policy(cls, value: str) -> str:
+        """One of none, full, selective, every:N with N >= 1 (any case)."""
         value = value.lower()
         if not _RECOMPUTE.match(value):
             raise ValueError(f"use one of none, full, selective, every:N with N >= 1 (got {value!r})")
@@ -282,12 +287,16 @@ class Config(Section):
     @field_validator("run_dir")
     @classmethod
     def _run_dir_named(cls, value: str) -> str:
+        """Not empty: an empty run_dir would write into the current directory."""
         if not value.strip():
             raise ValueError("is empty, which would write into the current directory; name a folder, e.g. runs/my-job")
         return value
 
     @model_validator(mode="after")
     def _layout_runs(self) -> Config:
+        """The layout runs: train.global_batch a multiple of micro_batch x dp; the world size split evenly over
+        launch.nnodes with each tp group on one node; the heads (and, under sequence parallel, the sequence
+        lengths) divisible by tp; profile.ranks and profile.steps that exist."""
         check_layout(  # the batch over ranks, workers over nodes, profiled ranks that exist
             self.parallel,
             self.launch,

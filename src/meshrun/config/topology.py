@@ -57,6 +57,7 @@ class ParallelConfig(Section):
 
     @model_validator(mode="after")
     def _shard_divides_dp(self) -> ParallelConfig:
+        """parallel.dp_shard only with dp_mode hsdp, where it is needed: a divisor of dp between 2 and dp / 2."""
         if self.dp_mode != "hsdp":
             if self.dp_shard is not None:
                 raise ValueError(
@@ -99,7 +100,7 @@ class LaunchConfig(Section):
     nnodes: Int = Field(default=1, ge=1)
     """Nodes in the job, one torchrun agent (one `meshrun train`) each; > 1 needs `rdzv_endpoint`."""
     nproc_per_node: Int | None = Field(default=None, ge=1)
-    """Workers on each node; None = parallel.dp x parallel.pp / nnodes."""
+    """Workers on each node; None = parallel.dp x parallel.tp x parallel.pp / nnodes."""
     rdzv_endpoint: str | None = None
     """HOST[:PORT] of the c10d rendezvous on the host node (port default 29400); None on one node = a free local port."""
     rdzv_id: str = "meshrun"
@@ -128,6 +129,7 @@ class LaunchConfig(Section):
 
     @model_validator(mode="after")
     def _multi_node_needs_endpoint(self) -> LaunchConfig:
+        """More than one node needs launch.rdzv_endpoint: where the nodes meet."""
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(
                 f"launch.nnodes is {self.nnodes}, so launch.rdzv_endpoint (HOST:PORT on the host node) is needed; "

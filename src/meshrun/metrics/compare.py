@@ -123,7 +123,7 @@ def time_split_row(run: RunRecord, parts: list[str]) -> list[str]:
 
 
 def format_time_split(runs: list[RunRecord]) -> str:
-    """Where the time goes, per run: the shares of wall time of every rank (see README); the parts
+    """Where the time goes, per run: the shares of wall time of every rank (docs/concepts/metrics.md); the parts
     in the order the runs logged them."""
     parts = list(dict.fromkeys(part for run in runs for part in time_split_totals(run.rows)))
     return "where the time goes (share of every rank's wall time):\n" + markdown(

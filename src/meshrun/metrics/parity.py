@@ -1,6 +1,6 @@
 """What `meshrun parity` calls equal: two runs of one job in two layouts, compared step by step
 (loss and pre-clip gradient norm, from metrics.jsonl) and tensor by tensor (weights, from their
-checkpoints), against tolerances that depend on precision (README: "Parity: what equal means").
+checkpoints), against tolerances that depend on precision (docs/tools/parity.md: what equal means).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Tolerance:
 
 # fp32: the bound the layout tests hold every layout to against one process (tests/training/
 # test_data_parallel.py, tests/parallel/test_pipeline.py). bf16 / fp16: ~10x the largest difference
-# measured between equal layouts on a 2-core CPU with AVX512-BF16 (README, "Parity").
+# measured between equal layouts on a 2-core CPU with AVX512-BF16 (docs/tools/parity.md).
 TOLERANCES = {
     "fp32": Tolerance(1e-5, 1e-5, 1e-5, "dp2 x pp2 vs dp1, 4 steps: 4e-8 loss, 9e-8 grad norm, 1.4e-6 weights"),
     "bf16": Tolerance(5e-4, 5e-3, None, "dp2 x pp2 and micro_batch 1/8 vs dp1, 8 steps: 4e-5 loss, 4.5e-4 grad norm"),
@@ -132,7 +132,7 @@ def _steps_table(steps: list[StepDiff], tol: Tolerance) -> list[str]:
 
 
 def _weights_table(at: WeightsAt, tol: Tolerance, top: int) -> list[str]:
-    judged = "" if tol.weights is not None else " (shown, not judged: see README)"
+    judged = "" if tol.weights is not None else " (shown, not judged: see docs/tools/parity.md)"
     lines = [f"weights after step {at.step}: {len(at.diffs)} tensors, largest difference first{judged}"]
     head = f"{'tensor':<44} {'max |a-b|':>10} {f'x {tol.weights or _RANKING:g}':>12}"
     lines += [head, "-" * len(head)]
