@@ -120,7 +120,7 @@ class HFSection(ModelSection):
             source = "model.hf" if self.hf is not None else "model.hf_config"
             raise ValueError(
                 f"set model.factory or {source}, not both: a factory builds the whole model (load the "
-                f"Hugging Face model inside it and remove {source}); LoRA adapters are coming as model.lora"
+                f"Hugging Face model inside it and remove {source})"
             )
         return self
 
