@@ -11,7 +11,17 @@ from pathlib import Path
 
 import netns
 import pytest
-from conftest import REPO, final_weights, kill_tree, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import (
+    REPO,
+    final_weights,
+    kill_tree,
+    max_weight_diff,
+    meshrun_env,
+    plant_hostile_modules,
+    read_metrics,
+    run_meshrun,
+    tiny,
+)
 
 from meshrun.config.schema import load_config
 from meshrun.launcher.torchrun import torchrun_argv
@@ -256,7 +266,9 @@ def test_two_agents_over_loopback_with_meshrun_train(
 def test_two_agents_over_loopback_with_launch_script(
     data_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """dp2 x pp1 through launch/torchrun.sh: gradient all-reduce crosses the node boundary."""
+    """dp2 x pp1 through launch/torchrun.sh: gradient all-reduce crosses the node boundary. Started
+    in a folder holding a yaml.py and a torch.py, which no process of the job imports."""
+    ran = plant_hostile_modules(tmp_path)
     env = meshrun_env(
         tmp_path,
         NNODES="2",
@@ -271,6 +283,7 @@ def test_two_agents_over_loopback_with_launch_script(
         *tiny(data_dir, tmp_path / "run", **STEPS, **{"parallel.dp": 2, "parallel.pp": 1}),
     ]
     run_nodes([(argv, env), (argv, env)], cwd=tmp_path)
+    assert ran() == []
     assert_same_as_one_node(tmp_path / "run", reference(data_dir, tmp_path_factory, 2, 1))
 
 
