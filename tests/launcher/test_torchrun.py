@@ -226,6 +226,30 @@ def test_a_guest_whose_host_never_answers_gives_up_in_one_line(data_dir: Path, t
     assert f"({endpoint} refuses connections (nothing listens there yet))" in last
 
 
+@pytest.mark.parametrize(("rank", "awaited"), [(1, "rank 0"), (0, "the other 1 workers")])
+def test_a_worker_whose_peers_never_come_says_so_and_gives_up_at_its_bound(
+    rank: int, awaited: str, data_dir: Path, tmp_path: Path
+) -> None:
+    """A worker started by hand whose rank 0 (or, on rank 0, whose peers) never arrives printed nothing
+    for minutes: it says what it waits for and for how long, then gives up at launch.rdzv_timeout."""
+    port = free_port()
+    env = meshrun_env(tmp_path, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    result = run_meshrun(
+        ["train", *tiny(data_dir, tmp_path / "run", **{"parallel.dp": 2}), "--rdzv-timeout=4"],
+        tmp_path=tmp_path,
+        env=env,
+        timeout=90,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"[meshrun] rank {rank}: waiting for {awaited} at the job's store 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT); "
+        "giving up after 4 s (launch.rdzv_timeout, --rdzv-timeout)",
+        f"meshrun: error: rank {rank}: {awaited} did not reach the job's store at 127.0.0.1:{port} within 4 s "
+        "(launch.rdzv_timeout); start every worker with the same MASTER_ADDR and MASTER_PORT, or raise --rdzv-timeout",
+    ]
+
+
 _references: dict[tuple[int, int], Path] = {}
 
 

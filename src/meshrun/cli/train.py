@@ -295,7 +295,7 @@ def run_worker(cfg: Config) -> Outcome:
     if in_launched_worker():  # Ctrl-C: torchrun passes SIGINT on; end at once, as every rank does,
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # not with tracebacks of peers gone mid-collective
     run_dir = Path(cfg.run_dir)
-    mesh = init_mesh(cfg.layout)
+    mesh = init_mesh(cfg.layout, join_timeout=cfg.launch.rdzv_timeout)
     rank, trainer = mesh.rank, None
     if cfg.launch.hang_timeout and in_launched_worker():
         place = Place(rank, mesh.pp_rank, mesh.dp_rank, tuple(mesh.local_stages))
