@@ -242,12 +242,15 @@ def test_a_worker_whose_peers_never_come_says_so_and_gives_up_at_its_bound(
         check=False,
     )
     assert result.returncode == 1, result.stderr
-    assert result.stderr.splitlines() == [
+    waiting = (
         f"[meshrun] rank {rank}: waiting for {awaited} at the job's store 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT); "
-        "giving up after 4 s (launch.rdzv_timeout, --rdzv-timeout)",
+        "giving up after 4 s (launch.rdzv_timeout, --rdzv-timeout)"
+    )
+    gave_up = (
         f"meshrun: error: rank {rank}: {awaited} did not reach the job's store at 127.0.0.1:{port} within 4 s "
-        "(launch.rdzv_timeout); start every worker with the same MASTER_ADDR and MASTER_PORT, or raise --rdzv-timeout",
-    ]
+        "(launch.rdzv_timeout); start every worker with the same MASTER_ADDR and MASTER_PORT, or raise --rdzv-timeout"
+    )
+    assert result.stderr.splitlines() == [waiting, gave_up]
 
 
 _references: dict[tuple[int, int], Path] = {}
