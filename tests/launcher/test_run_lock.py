@@ -8,6 +8,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,6 +75,26 @@ def test_a_filesystem_that_cannot_lock_a_folder_locks_a_file(tmp_path: Path, mon
             hold_run_dir(tmp_path, job="b", role="x"),
         ):
             pass
+
+
+def test_a_config_json_written_after_the_checks_is_checked_once_the_lock_is_held(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """Job B was checked while run_dir was empty; job A (another learning rate) then trained there and
+    ended, leaving its config.json: B, taking the now free lock, must not run over it."""
+    from meshrun.cli import train as job
+    from meshrun.config.schema import load_config
+
+    run = tmp_path / "run"
+    a, b = (
+        load_config(None, [s.removeprefix("--set=") for s in tiny(data_dir, run, **{"train.lr": lr})])
+        for lr in (1e-3, 5e-3)
+    )
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(a.model_dump(mode="json")))  # written after B's preflight
+    with pytest.raises(ConfigError, match=re.escape("other settings (train.lr is 0.001 there, 0.005 here)")):
+        job.train(b, [], model=None)  # type: ignore[arg-type]  (refused before the model is used)
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"]
 
 
 def two_node_job(data_dir: Path, run: Path, lr: float) -> list[str]:
