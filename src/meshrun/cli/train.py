@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -202,8 +202,8 @@ def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
 def launcher_job(cfg: Config) -> str:
     """This launch's job, as every node's launcher names it (meshrun.launcher.run_lock)."""
     launch = cfg.launch
-    if launch.nnodes == 1 and launch.rdzv_endpoint is None:  # a private rendezvous: this process is the job
-        return f"pid {os.getpid()} on {socket.gethostname()}"
+    if launch.nnodes == 1 and launch.rdzv_endpoint is None:  # a private rendezvous: a job of its own
+        return f"standalone {uuid.uuid4().hex[:12]}"
     return f"{launch.rdzv_id} at {launch.rdzv_endpoint}"
 
 
