@@ -50,8 +50,9 @@ def test_the_agent_is_torchruns_own_main() -> None:
 def test_one_node_uses_a_private_rendezvous() -> None:
     cfg = load_config(None, ["parallel.dp=2", "parallel.pp=2", "launch.max_restarts=3"])
     argv = torchrun_argv(cfg, ["train", "--set=parallel.dp=2"])
-    assert argv[:3] == [sys.executable, "-m", "meshrun.launcher.agent"]  # torchrun, quiet on a stop
-    assert argv[3:] == [
+    # torchrun, quiet on a stop; -P: not a module of the working folder (the workers: PYTHONSAFEPATH)
+    assert argv[:4] == [sys.executable, "-P", "-m", "meshrun.launcher.agent"]
+    assert argv[4:] == [
         "--standalone",
         "--nproc-per-node=4",
         "--max-restarts=3",
@@ -68,7 +69,7 @@ def test_multi_node_uses_c10d_rendezvous_with_workers_split_over_nodes() -> None
         ["parallel.dp=4", "parallel.pp=2", "launch.nnodes=2", "launch.rdzv_endpoint=head:29400", "launch.rdzv_id=77"],
     )
     argv = torchrun_argv(cfg, ["train"])
-    assert argv[3:] == [
+    assert argv[4:] == [
         "--nnodes=2",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=head:29400",

@@ -193,9 +193,8 @@ def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
             run_worker(cfg)
         return 0  # stopped on request too: torchrun restarts a group that exits non-zero
     with hold_run_dir(Path(cfg.run_dir), job=launcher_job(cfg), role="meshrun train") as lock:
-        check_run_dir(
-            cfg
-        )  # again, held: a job that ended meanwhile may have left a config.json this one would run over
+        # again, now held: a job that ended meanwhile may have left a config.json this one would run over
+        check_run_dir(cfg)
         return launch(cfg, worker_args, model, lock=lock)
 
 
