@@ -21,7 +21,7 @@ from test_torchrun import free_port
 
 from meshrun.errors import ConfigError
 from meshrun.launcher import run_lock
-from meshrun.launcher.run_lock import FALLBACK_LOCK, LOCK, hold_run_dir, read_owner
+from meshrun.launcher.run_lock import FALLBACK_LOCK, LOCK, hold_run_dir, pid_space, read_owner
 
 STEPS = 6
 
@@ -46,16 +46,21 @@ def test_one_job_holds_a_run_dir_its_own_processes_share_it(tmp_path: Path) -> N
 
 def test_a_record_of_holders_all_gone_does_not_make_a_sibling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A crashed run's record names this job, but another job holds the lock (its record not yet
-    written): not taken for this job's owner; refused once the wait for a record is over."""
+    written): not taken for this job's owner; refused once the wait for a record is over. A record
+    from another pid space (a container on this host) is believed."""
     monkeypatch.setattr(run_lock, "RECORD_WAIT_S", 0.3)
     with hold_run_dir(tmp_path, job="b", role="meshrun train"):
         dead = subprocess.run(
             [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
         )
-        record = {"job": "a", "host": os.uname().nodename, "holders": [[int(dead.stdout), "meshrun train"]]}
+        record = {"job": "a", "host": "here", "pids": pid_space(), "holders": [[int(dead.stdout), "meshrun train"]]}
         (tmp_path / LOCK).write_text(json.dumps(record))
         with pytest.raises(ConfigError, match="no living holder named"), hold_run_dir(tmp_path, job="a", role="x"):
             pass
+        record["pids"] = "another container's"  # its holders cannot be asked from here: taken as alive
+        (tmp_path / LOCK).write_text(json.dumps(record))
+        with hold_run_dir(tmp_path, job="a", role="meshrun train") as sibling:
+            assert sibling.fd is None
 
 
 def test_a_filesystem_that_cannot_lock_a_folder_locks_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

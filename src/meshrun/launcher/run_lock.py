@@ -46,15 +46,17 @@ RECORD_WAIT_S = 5.0  # a held lock whose record is not written yet (it follows t
 
 @dataclass
 class Owner:
-    """The owner record: which job holds the lock, on which host, and its holders (pid, role)."""
+    """The owner record: which job holds the lock, on which host, and its holders (pid, role);
+    `pids` names the process id space they live in (containers on one host share its name, not it)."""
 
     job: str
     host: str
+    pids: str
     holders: list[tuple[int, str]] = field(default_factory=list)
 
     def living(self) -> list[tuple[int, str]]:
-        """The holders still alive; on another host, all (their pids cannot be asked from here)."""
-        if self.host != socket.gethostname():
+        """The holders still alive; in another pid space, all (their pids cannot be asked from here)."""
+        if not self.pids or self.pids != pid_space():
             return self.holders
         return [(pid, role) for pid, role in self.holders if _alive(pid)]
 
@@ -63,13 +65,22 @@ class Owner:
         return f"{holders} on {self.host}, job {self.job}"
 
 
+def pid_space() -> str:
+    """This boot of this machine and this process's pid namespace ("" where /proc cannot say)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
 class RunDirLock:
     """The run_dir as this process has it: the held lock (`fd`), or None where another process of
     the same job holds it."""
 
     def __init__(self, run_dir: Path, job: str, fd: int | None) -> None:
         self.run_dir, self.job, self.fd = run_dir, job, fd
-        self.owner = Owner(job, socket.gethostname()) if fd is not None else None
+        self.owner = Owner(job, socket.gethostname(), pid_space()) if fd is not None else None
 
     def add_holder(self, pid: int, role: str) -> None:
         """Name a process that holds the lock too (the agent that inherits it) in the owner record."""
@@ -104,7 +115,8 @@ def read_owner(run_dir: Path) -> Owner | None:
     """The owner record, or None where it is missing or not one (being written, deleted, foreign)."""
     try:
         data = read_json(run_dir / LOCK, limit=2**16)
-        return Owner(str(data["job"]), str(data["host"]), [(int(p), str(r)) for p, r in data["holders"]])
+        holders = [(int(pid), str(role)) for pid, role in data["holders"]]
+        return Owner(str(data["job"]), str(data["host"]), str(data["pids"]), holders)
     except (OSError, ValueError, TypeError, KeyError):
         return None
 
