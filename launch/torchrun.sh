@@ -47,4 +47,4 @@ if [[ -n "${RDZV_ENDPOINT:-}" ]]; then  # else one node: a private rendezvous on
     [[ -n "${LOCAL_ADDR:-}" ]] && args+=(--local-addr="$LOCAL_ADDR")
 fi
 
-exec "${PYTHON:-python3}" -m meshrun train "$@" "${args[@]}"
+exec "${PYTHON:-python3}" -P -m meshrun train "$@" "${args[@]}"

@@ -85,9 +85,10 @@ def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def start_meshrun(args: list[str], *, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `python -m meshrun ARGS` (its own session, away from pytest's signals)."""
+    """Start `python -P -m meshrun ARGS` (its own session, away from pytest's signals); -P: as the
+    `meshrun` command does, the working folder is not on the Python path."""
     return subprocess.Popen(
-        [sys.executable, "-m", "meshrun", *args],
+        [sys.executable, "-P", "-m", "meshrun", *args],
         cwd=tmp_path,
         env=env or meshrun_env(tmp_path),
         stdout=subprocess.PIPE,
@@ -95,6 +96,18 @@ def start_meshrun(args: list[str], *, tmp_path: Path, env: dict[str, str] | None
         text=True,
         start_new_session=True,
     )
+
+
+HOSTILE_MODULES = ("yaml", "torch")
+
+
+def plant_hostile_modules(folder: Path) -> Callable[[], list[str]]:
+    """Put a yaml.py and a torch.py in `folder` (a job's working folder: files from elsewhere)
+    that leave a marker when imported; returns what reads the markers (none: nothing ran them)."""
+    for name in HOSTILE_MODULES:
+        marker = folder / f"{name}.ran"
+        (folder / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write('imported\\n')\n")
+    return lambda: sorted(p.name for p in folder.glob("*.ran"))
 
 
 def descendants(root: int) -> list[int]:

@@ -550,6 +550,35 @@ CASES = [
         env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "nonexistent.invalid", "MASTER_PORT": "29555"},
         torch_free=True,
     ),
+    *(
+        Case(  # `[::1` passed the check (brackets stripped) and torch retried it until its timeout
+            f"stray-master-{name}",
+            lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1)],
+            ("took this process for a torchrun worker", said),
+            env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29555", **env},
+            torch_free=True,
+        )
+        for name, env, said in (
+            ("addr-bracket-open", {"MASTER_ADDR": "[::1"}, "MASTER_ADDR='[::1' is not an IPv6 address in brackets"),
+            ("addr-empty", {"MASTER_ADDR": ""}, "MASTER_ADDR='' is empty"),
+            ("addr-space", {"MASTER_ADDR": "local host"}, "MASTER_ADDR='local host' contains spaces"),
+            ("addr-bad-ipv6", {"MASTER_ADDR": "::1::2"}, "MASTER_ADDR='::1::2' is not an IPv6 address"),
+            ("port-space", {"MASTER_PORT": " 29555"}, "MASTER_PORT=' 29555' is not a port (1-65535)"),
+            ("port-zero", {"MASTER_PORT": "0"}, "MASTER_PORT='0' is not a port (1-65535)"),
+        )
+    ),
+    Case(
+        "rdzv-endpoint-bracket-open",
+        lambda c: ["train", *c.set(), "--rdzv-endpoint", "[::1:29400"],
+        ("invalid launch.rdzv_endpoint", "host '[::1:29400' is not an IPv6 address in brackets"),
+        torch_free=True,
+    ),
+    Case(
+        "local-addr-with-a-space",
+        lambda c: ["train", *c.set(), "--local-addr", "10.0.0 .1"],
+        ("invalid launch.local_addr", "'10.0.0 .1' contains spaces"),
+        torch_free=True,
+    ),
     Case(
         "stray-local-rank-not-a-number",  # a 14-line ValueError traceback
         lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=1)],

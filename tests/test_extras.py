@@ -13,10 +13,10 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from conftest import REPO, meshrun_env
 from test_config import HF_LLAMA
 

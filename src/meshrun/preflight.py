@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from meshrun.checkpoint.paths import checkpoint_root, complete_checkpoints
+from meshrun.config.address import host_problem, port_problem, split_endpoint
 from meshrun.config.schema import Config
 from meshrun.config.topology import check_tensor_split
 from meshrun.data.locations import data_dir, reads_in_place, training_data_dir
@@ -118,9 +119,9 @@ def check_worker_env(cfg: Config) -> None:
             f"{took}, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set "
             f"(torchrun sets them); {advice}"
         )
-    port = os.environ["MASTER_PORT"]
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{took}, but MASTER_PORT={port!r} is not a port (1-65535); {advice}")
+    for name, problem in (("MASTER_ADDR", host_problem), ("MASTER_PORT", port_problem)):
+        if said := problem(os.environ[name]):
+            raise ConfigError(f"{took}, but {name}={os.environ[name]!r} {said}; {advice}")
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         value = os.environ.get(name)
         if value is not None and not value.isdigit():
@@ -149,8 +150,7 @@ def check_rendezvous(cfg: Config) -> None:
     if in_launched_worker():
         return
     if launch.rdzv_endpoint is not None and launch.host_node is not False:
-        host = launch.rdzv_endpoint.rpartition(":")[0] if ":" in launch.rdzv_endpoint else launch.rdzv_endpoint
-        check_resolves(host, "launch.rdzv_endpoint (--rdzv-endpoint) host")
+        check_resolves(split_endpoint(launch.rdzv_endpoint)[0], "launch.rdzv_endpoint (--rdzv-endpoint) host")
     if launch.local_addr is not None:
         check_resolves(launch.local_addr, "launch.local_addr (--local-addr)")
 

@@ -27,12 +27,12 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 from conftest import REPO, read_metrics
 

@@ -5,7 +5,6 @@ an agent killed outright takes its workers with it."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import descendants, kill_tree, run_meshrun, start_meshrun, tiny, wait_for
 
-from meshrun.launcher.run_lock import LOCK
+from meshrun.launcher.run_lock import hold_run_dir
 
 # Two workers under torchrun, far more steps than the test lasts, a row per step.
 LONG = {"parallel.dp": 2, "train.steps": 1_000_000, "checkpoint.interval": 0, "train.log_interval": 1}
@@ -112,12 +111,14 @@ def test_a_killed_launchers_job_keeps_the_run_dir_until_every_process_has_ended(
         second = run_meshrun(["train", *tiny(data_dir, run, **LONG)], tmp_path=tmp_path, timeout=120, check=False)
         assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr[-3000:]
         assert "is in use by another meshrun job" in second.stderr
+        assert f"(pid {agent} (its torchrun agent) on " in second.stderr  # the living holder, not its dead launcher
+        assert f"pid {proc.pid} " not in second.stderr
         os.kill(agent, signal.SIGCONT)  # the SIGTERM its launcher's death queued: the workers checkpoint and stop
         wait_until_ended(job, timeout=120, what="every process of the first job to end")
     stderr = output.stderr(timeout=60)  # every writer has ended
     assert "stop requested: checkpoint at step" in stderr, stderr[-3000:]
-    with open(run / LOCK) as lock:  # free once the last of them ended
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with hold_run_dir(run, job="next", role="test"):  # free once the last of them ended
+        pass
 
 
 @pytest.mark.timeout(600)

@@ -121,6 +121,14 @@ def test_cpus_per_task_default_one_per_worker_and_srun_passes_it_on() -> None:
     assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in srun
 
 
+def test_python_starts_without_the_working_folder_on_its_path() -> None:
+    """The script runs in the submit folder (shared storage): a yaml.py there must not be imported."""
+    cfg = load_config(None, ["parallel.dp=4", "parallel.pp=2"])
+    script = render_sbatch(cfg, config=None, overrides=[], nodes=2, gpus_per_node=4)
+    assert '"$PYTHON" -P -m meshrun train' in script
+    assert not [line for line in script.splitlines() if " -m meshrun" in line and " -P -m meshrun" not in line]
+
+
 def test_time_zero_is_no_limit_said_in_one_line(tmp_path: Path) -> None:
     """`--time 0` is Slurm's "no limit": rendered, with one line that no limit means no checkpoint before one."""
     result = run_meshrun([*BASE, "--time=0"], tmp_path=tmp_path, timeout=60)

@@ -11,7 +11,17 @@ from pathlib import Path
 
 import netns
 import pytest
-from conftest import REPO, final_weights, kill_tree, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import (
+    REPO,
+    final_weights,
+    kill_tree,
+    max_weight_diff,
+    meshrun_env,
+    plant_hostile_modules,
+    read_metrics,
+    run_meshrun,
+    tiny,
+)
 
 from meshrun.config.schema import load_config
 from meshrun.launcher.torchrun import torchrun_argv
@@ -40,8 +50,9 @@ def test_the_agent_is_torchruns_own_main() -> None:
 def test_one_node_uses_a_private_rendezvous() -> None:
     cfg = load_config(None, ["parallel.dp=2", "parallel.pp=2", "launch.max_restarts=3"])
     argv = torchrun_argv(cfg, ["train", "--set=parallel.dp=2"])
-    assert argv[:3] == [sys.executable, "-m", "meshrun.launcher.agent"]  # torchrun, quiet on a stop
-    assert argv[3:] == [
+    # torchrun, quiet on a stop; -P: not a module of the working folder (the workers: PYTHONSAFEPATH)
+    assert argv[:4] == [sys.executable, "-P", "-m", "meshrun.launcher.agent"]
+    assert argv[4:] == [
         "--standalone",
         "--nproc-per-node=4",
         "--max-restarts=3",
@@ -58,7 +69,7 @@ def test_multi_node_uses_c10d_rendezvous_with_workers_split_over_nodes() -> None
         ["parallel.dp=4", "parallel.pp=2", "launch.nnodes=2", "launch.rdzv_endpoint=head:29400", "launch.rdzv_id=77"],
     )
     argv = torchrun_argv(cfg, ["train"])
-    assert argv[3:] == [
+    assert argv[4:] == [
         "--nnodes=2",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=head:29400",
@@ -216,6 +227,33 @@ def test_a_guest_whose_host_never_answers_gives_up_in_one_line(data_dir: Path, t
     assert f"({endpoint} refuses connections (nothing listens there yet))" in last
 
 
+@pytest.mark.parametrize(("rank", "awaited"), [(1, "rank 0"), (0, "the other 1 workers")])
+def test_a_worker_whose_peers_never_come_says_so_and_gives_up_at_its_bound(
+    rank: int, awaited: str, data_dir: Path, tmp_path: Path
+) -> None:
+    """A worker started by hand whose rank 0 (or, on rank 0, whose peers) never arrives printed nothing
+    for minutes: it says what it waits for and for how long, then gives up at launch.rdzv_timeout."""
+    port = free_port()
+    env = meshrun_env(tmp_path, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    result = run_meshrun(
+        ["train", *tiny(data_dir, tmp_path / "run", **{"parallel.dp": 2}), "--rdzv-timeout=4"],
+        tmp_path=tmp_path,
+        env=env,
+        timeout=90,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    waiting = (
+        f"[meshrun] rank {rank}: waiting for {awaited} at the job's store 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT); "
+        "giving up after 4 s (launch.rdzv_timeout, --rdzv-timeout)"
+    )
+    gave_up = (
+        f"meshrun: error: rank {rank}: {awaited} did not reach the job's store at 127.0.0.1:{port} within 4 s "
+        "(launch.rdzv_timeout); start every worker with the same MASTER_ADDR and MASTER_PORT, or raise --rdzv-timeout"
+    )
+    assert result.stderr.splitlines() == [waiting, gave_up]
+
+
 _references: dict[tuple[int, int], Path] = {}
 
 
@@ -270,7 +308,9 @@ def test_two_agents_over_loopback_with_meshrun_train(
 def test_two_agents_over_loopback_with_launch_script(
     data_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """dp2 x pp1 through launch/torchrun.sh: gradient all-reduce crosses the node boundary."""
+    """dp2 x pp1 through launch/torchrun.sh: gradient all-reduce crosses the node boundary. Started
+    in a folder holding a yaml.py and a torch.py, which no process of the job imports."""
+    ran = plant_hostile_modules(tmp_path)
     env = meshrun_env(
         tmp_path,
         NNODES="2",
@@ -285,6 +325,7 @@ def test_two_agents_over_loopback_with_launch_script(
         *tiny(data_dir, tmp_path / "run", **STEPS, **{"parallel.dp": 2, "parallel.pp": 1}),
     ]
     run_nodes([(argv, env), (argv, env)], cwd=tmp_path)
+    assert ran() == []
     assert_same_as_one_node(tmp_path / "run", reference(data_dir, tmp_path_factory, 2, 1))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import meshrun_env, run_meshrun, tiny
+from conftest import meshrun_env, plant_hostile_modules, run_meshrun, tiny
 from dropped_grad_gpt import DROPPED
 
 HERE = str(Path(__file__).parent)  # dropped_grad_gpt.py
@@ -28,6 +28,9 @@ def step_rows(stdout: str) -> list[list[str]]:
 
 
 def test_dp2_pp2_equals_one_process(tmp_path: Path, data_dir: Path) -> None:
+    """Run in a folder holding a yaml.py and a torch.py: neither parity's runs, nor their torchrun
+    agents, nor the workers import them (python -P)."""
+    ran = plant_hostile_modules(tmp_path)
     done = parity(tmp_path, data_dir, "--set-a", "parallel.dp=2", "--set-a", "parallel.pp=2", check=True)
     assert "A: dp 2 (ddp) x tp 1 x pp 2 (1f1b), micro_batch" in done.stdout and "B: dp 1 x tp 1 x pp 1, " in done.stdout
     rows = step_rows(done.stdout)
@@ -36,6 +39,7 @@ def test_dp2_pp2_equals_one_process(tmp_path: Path, data_dir: Path) -> None:
     assert "verdict: EQUAL within the fp32 tolerances (4 steps, " in done.stdout
     for side in ("a", "b"):
         assert (tmp_path / "parity" / side / "metrics.jsonl").is_file()
+    assert ran() == []
 
 
 def test_a_layout_that_drops_a_gradient_is_named(tmp_path: Path, data_dir: Path) -> None:

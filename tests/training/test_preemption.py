@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import subprocess
@@ -23,7 +22,7 @@ from conftest import (
     wait_for,
 )
 
-from meshrun.launcher.run_lock import LOCK
+from meshrun.launcher.run_lock import LOCK, hold_run_dir
 
 # Long enough that a signal sent after the first checkpoint (step 5) always lands mid-run: 35
 # more steps at >= 0.1 s each on 2 cores, against the milliseconds the test takes to send it.
@@ -193,9 +192,10 @@ def test_a_second_job_on_a_run_dir_in_use_is_refused(data_dir: Path, tmp_path: P
         second = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path, check=False)
         assert second.returncode == 2, second.stderr[-3000:]
         assert len(second.stderr.splitlines()) == 1
-        assert f"is in use by another meshrun job (pid {first.pid} on " in second.stderr
+        assert f"is in use by another meshrun job (pid {first.pid} (meshrun train) on " in second.stderr
     finally:
         os.kill(first.pid, signal.SIGTERM)
         finish(first)
-    with open(run / LOCK) as lock:  # once the job ended, the kernel dropped its lock: free again
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert not (run / LOCK).exists()  # the job removed its owner record as it ended
+    with hold_run_dir(run, job="next", role="test"):  # and the kernel dropped its lock: free again
+        pass

@@ -92,7 +92,15 @@ def train_side(side: str, file: str | None, overrides: list[str], cfg: Config, o
     resolved (its config.json). A refused config is the user's input (exit 2); a failed run, exit 1."""
     log = out / f"{side.lower()}.log"
     say(f"parity: training {side} ({describe(cfg)}) for {cfg.train.steps} steps in {cfg.run_dir}; output in {log}")
-    argv = [sys.executable, "-m", "meshrun", "train", *([file] if file else []), *(f"--set={o}" for o in overrides)]
+    argv = [
+        sys.executable,
+        "-P",
+        "-m",
+        "meshrun",
+        "train",
+        *([file] if file else []),
+        *(f"--set={o}" for o in overrides),
+    ]
     with log.open("w") as sink:
         code = subprocess.run(argv, stdout=sink, stderr=subprocess.STDOUT, check=False).returncode
     if code:

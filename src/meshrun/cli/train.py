@@ -6,6 +6,8 @@ import contextlib
 import os
 import signal
 import subprocess
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -37,7 +39,7 @@ from meshrun.launcher.outcome import (
     write_record,
 )
 from meshrun.launcher.rendezvous import RendezvousWatch
-from meshrun.launcher.run_lock import RunDirLock, hold_run_dir
+from meshrun.launcher.run_lock import HELD_ENV, RunDirLock, hold_run_dir, worker_job
 from meshrun.launcher.torchrun import (
     RDZV_TIMEOUT_EXIT,
     in_launched_worker,
@@ -52,7 +54,7 @@ from meshrun.models.hf_config import is_hf, load_hf_config
 from meshrun.models.protocol import pretrained_dir
 from meshrun.parallel.mesh import Mesh, init_mesh, shutdown
 from meshrun.parallel.stages import static_split
-from meshrun.preflight import check_data_fits
+from meshrun.preflight import check_data_fits, check_run_dir
 
 
 def ensure_data(cfg: Config) -> Path:
@@ -199,17 +201,37 @@ def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
     Returns the exit code for the run's outcome (see meshrun.launcher.outcome)."""
     if in_launched_worker():
         die_with_parent(signal.SIGKILL)  # the agent that started this worker is gone: so is the job
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            ensure_data(cfg)
-        run_worker(cfg)
+        with worker_hold(cfg):
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                ensure_data(cfg)
+            run_worker(cfg)
         return 0  # stopped on request too: torchrun restarts a group that exits non-zero
-    if cfg.launch.nnodes > 1:
-        return launch(cfg, worker_args, model, lock=None)
-    with hold_run_dir(Path(cfg.run_dir)) as lock:
+    with hold_run_dir(Path(cfg.run_dir), job=launcher_job(cfg), role="meshrun train") as lock:
+        # again, now held: a job that ended meanwhile may have left a config.json this one would run over
+        check_run_dir(cfg)
         return launch(cfg, worker_args, model, lock=lock)
 
 
-def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDirLock | None) -> int:
+def launcher_job(cfg: Config) -> str:
+    """This launch's job, as every node's launcher names it (meshrun.launcher.run_lock)."""
+    launch = cfg.launch
+    if launch.nnodes == 1 and launch.rdzv_endpoint is None:  # a private rendezvous: a job of its own
+        return f"standalone {uuid.uuid4().hex[:12]}"
+    return f"{launch.rdzv_id} at {launch.rdzv_endpoint}"
+
+
+@contextlib.contextmanager
+def worker_hold(cfg: Config) -> Iterator[None]:
+    """A worker holds the run_dir for its job, unless its launcher does (torchrun started by hand)."""
+    if HELD_ENV in os.environ:
+        yield
+        return
+    with hold_run_dir(Path(cfg.run_dir), job=worker_job(), role=f"worker rank {os.environ['RANK']}"):
+        check_run_dir(cfg)
+        yield
+
+
+def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDirLock) -> int:
     """This node's part of the job: data, the resume check, then one process or torchrun. Nothing
     in the run directory changes before the run is known to train (a complete run: nothing to do)."""
     ensure_data(cfg)
@@ -228,8 +250,6 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
             f"run already complete: its summary.json records step {done} (train.steps {cfg.train.steps}); nothing to do"
         )
         return 0
-    if lock is not None:
-        lock.claim()
     if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
         return run_worker(cfg).exit_code  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)
@@ -240,10 +260,10 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         watch.start()
     clear_record(Path(cfg.run_dir))  # an earlier run's outcome must not be read as this one's
     clear_reports(Path(cfg.run_dir))  # nor its hang reports
-    env = {**worker_env(cfg), PARENT_PID: str(os.getpid())}
+    env = {**worker_env(cfg), PARENT_PID: str(os.getpid()), HELD_ENV: lock.job}
     try:
         with run_tmpdir(env):
-            code, stop = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
+            code, stop = run_torchrun(argv, env=env, lock=lock)
     finally:
         if watch is not None:
             watch.stop()
@@ -276,13 +296,14 @@ def completed_steps(run_dir: Path) -> int | None:
     return steps if isinstance(steps, int) else None
 
 
-def run_torchrun(argv: list[str], *, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> tuple[int, int | None]:
+def run_torchrun(argv: list[str], *, env: dict[str, str], lock: RunDirLock) -> tuple[int, int | None]:
     """Run torchrun, relaying a stop request sent to this process (a container's PID 1, a
     scheduler) as SIGTERM: torchrun passes SIGTERM on to its workers, which checkpoint and
     stop (torchrun itself then exits non-zero); it has no handler for SIGUSR1 and would die of it.
-    `pass_fds`: the run_dir lock, held by the agent too (meshrun.launcher.run_lock).
+    `lock`: the run_dir, whose lock (where this node holds it) the agent holds too.
     Returns torchrun's exit code and the stop signal relayed (None: none)."""
-    proc = subprocess.Popen(argv, env=env, pass_fds=pass_fds)
+    proc = subprocess.Popen(argv, env=env, pass_fds=() if lock.fd is None else (lock.fd,))
+    lock.add_holder(proc.pid, "its torchrun agent")
     relayed: list[int] = []
 
     def relay(signum: int, frame: object) -> None:
@@ -310,7 +331,7 @@ def run_worker(cfg: Config) -> Outcome:
     if in_launched_worker():  # Ctrl-C: torchrun passes SIGINT on; end at once, as every rank does,
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # not with tracebacks of peers gone mid-collective
     run_dir = Path(cfg.run_dir)
-    mesh = init_mesh(cfg.layout)
+    mesh = init_mesh(cfg.layout, join_timeout=cfg.launch.rdzv_timeout)
     rank, trainer = mesh.rank, None
     if cfg.launch.hang_timeout and in_launched_worker():
         place = Place(rank, mesh.pp_rank, mesh.dp_rank, tuple(mesh.local_stages))

@@ -9,12 +9,12 @@ model's depth, maybe read from a Hugging Face folder: `preflight` checks that (w
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
+from meshrun.config.address import host_problem, port_problem, split_endpoint
 from meshrun.config.fields import Int, Section, lowercase
 from meshrun.errors import ConfigError
 from meshrun.parallel.layout import Layout
@@ -120,12 +120,21 @@ class LaunchConfig(Section):
         """HOST[:PORT] as torchrun parses it, checked here rather than in a torchrun traceback."""
         if endpoint is None:
             return None
-        host, colon, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
-        if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+", host) or (
-            colon and not (port.isdigit() and 0 < int(port) < 65536)
-        ):
-            raise ValueError(f"use HOST[:PORT] with PORT 1-65535 (got {endpoint!r})")
+        host, port = split_endpoint(endpoint)
+        if problem := host_problem(host):
+            raise ValueError(f"use HOST[:PORT] with PORT 1-65535 (got {endpoint!r}: host {host!r} {problem})")
+        if port is not None and (problem := port_problem(port)):
+            raise ValueError(f"use HOST[:PORT] with PORT 1-65535 (got {endpoint!r}: {port!r} {problem})")
         return endpoint
+
+    @field_validator("local_addr")
+    @classmethod
+    def _address(cls, addr: str | None) -> str | None:
+        """An address torch would retry until its timeout is refused here."""
+        problem = host_problem(addr) if addr is not None else None
+        if problem:
+            raise ValueError(f"{addr!r} {problem}; use this node's host name or address")
+        return addr
 
     @model_validator(mode="after")
     def _multi_node_needs_endpoint(self) -> LaunchConfig:

@@ -16,6 +16,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from meshrun.config.address import split_endpoint
 from meshrun.config.schema import Config
 from meshrun.files.console import say
 
@@ -25,6 +26,20 @@ if TYPE_CHECKING:
 POLL_SECONDS = 1.0
 
 
+def probe(host: str, port: int) -> str | None:
+    """None when `host`:`port` accepts a TCP connection, else what it does instead (a store that is
+    not up yet: asked this way, torch's own client would print a C++ stack for each refused try)."""
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return None
+    except ConnectionRefusedError:
+        return "refuses connections (nothing listens there yet)"
+    except TimeoutError:
+        return "does not answer"
+    except OSError as exc:
+        return f"cannot be reached ({exc.strerror or exc})"
+
+
 class RendezvousWatch:
     """A daemon thread from `start()` to `stop()`: says once what the endpoint does when it does not
     accept connections, then the count of nodes each time it grows; `state()` for the last line."""
@@ -32,9 +47,7 @@ class RendezvousWatch:
     def __init__(self, cfg: Config) -> None:
         launch = cfg.launch
         assert launch.rdzv_endpoint is not None  # nnodes > 1 needs it (config/topology.py)
-        host, _, port = (
-            launch.rdzv_endpoint.rpartition(":") if ":" in launch.rdzv_endpoint else (launch.rdzv_endpoint, "", "")
-        )
+        host, port = split_endpoint(launch.rdzv_endpoint)
         self.host, self.port = host.strip("[]"), int(port or 29400)
         self.endpoint, self.nnodes, self.key = launch.rdzv_endpoint, launch.nnodes, f"meshrun/nodes/{launch.rdzv_id}"
         self.timeout = launch.rdzv_timeout
@@ -63,7 +76,7 @@ class RendezvousWatch:
     def _watch(self) -> None:
         store = None
         while not self._done.is_set() and store is None:
-            reason = self._probe()
+            reason = probe(self.host, self.port)
             if reason is None:
                 store = self._connect()
             elif reason != self.unreachable:
@@ -91,18 +104,6 @@ class RendezvousWatch:
                 self._done.wait(POLL_SECONDS)
         except (RuntimeError, OSError):  # the store went away (the job ended or gave up): nothing more to say
             return
-
-    def _probe(self) -> str | None:
-        """None when the endpoint accepts a TCP connection, else what it does instead."""
-        try:
-            with socket.create_connection((self.host, self.port), timeout=2):
-                return None
-        except ConnectionRefusedError:
-            return "refuses connections (nothing listens there yet)"
-        except TimeoutError:
-            return "does not answer"
-        except OSError as exc:
-            return f"cannot be reached ({exc.strerror or exc})"
 
     def _connect(self) -> TCPStore | None:
         """A client of the rendezvous store, or None while it is not serving yet (torch imported only here)."""

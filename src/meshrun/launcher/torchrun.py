@@ -14,7 +14,12 @@ from meshrun.data.locations import cache_root
 
 # torchrun's agent shares its TCPStore with the workers by default; after a restart the store
 # keeps stale addresses and gloo fails to connect (pytorch #135712). Not sharing it is reliable.
-WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# Python's `-P` for the processes torchrun starts (`python -m` would put the working folder first
+# on sys.path, where any `yaml.py` or `torch.py` there would run in every worker); a user's
+# model.factory module is found through PYTHONPATH. The agent, parity's runs and the Slurm script
+# pass -P themselves (Python >= 3.11: an older one refuses the flag instead of ignoring it).
+SAFE_PATH = {"PYTHONSAFEPATH": "1"}
+WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **SAFE_PATH}
 AGENT = "meshrun.launcher.agent"
 RDZV_TIMEOUT_EXIT = 3  # the agent's status when not all nodes joined within launch.rdzv_timeout
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -36,7 +41,7 @@ def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
     and `host_node` differ), and torchrun numbers the nodes as they join.
     """
     launch = cfg.launch
-    argv = [sys.executable, "-m", AGENT]  # torch.distributed.run, without a traceback on a stop
+    argv = [sys.executable, "-P", "-m", AGENT]  # torch.distributed.run, without a traceback on a stop
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
         argv.append("--standalone")
     else:
