@@ -298,10 +298,10 @@ def run_worker(cfg: Config) -> Outcome:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # not with tracebacks of peers gone mid-collective
     run_dir = Path(cfg.run_dir)
     progress.mark("init", "joining the process group")
-    watchdog = start_watchdog(cfg)
-    mesh = init_mesh(cfg.layout)
-    rank, trainer = mesh.rank, None
+    watchdog, rank, trainer = start_watchdog(cfg), 0, None
     try:
+        mesh = init_mesh(cfg.layout)
+        rank = mesh.rank
         progress.mark("init", "the first collective: every node's data prepared")
         torch.distributed.barrier()  # data prepared by every node's local rank 0
         cfg = with_resolved_precision(cfg, mesh)

@@ -91,8 +91,7 @@ class HangWatchdog:
 
     def limit(self, now: progress.Progress) -> float:
         """Seconds without a mark that make a hang, in the phase `now` is in."""
-        slow = now.phase in SLOW_PHASES or now.step == now.first_step
-        return self.timeout * (SLOW_FACTOR if slow else 1)
+        return self.timeout * (SLOW_FACTOR if _is_slow(now.phase, now.step, now.first_step) else 1)
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
@@ -238,11 +237,16 @@ def _at_step(step: int) -> str:
     return f"step {step}" if step else "initialisation (before step 1)"
 
 
+def _is_slow(phase: str, step: int, first_step: int) -> bool:
+    """Whether a worker in `phase` of `step` is watched at SLOW_FACTOR x the timeout."""
+    return phase in SLOW_PHASES or step == first_step
+
+
 def _bound_note(report: dict) -> str:
-    slow = report["phase"] in SLOW_PHASES or report["step"] == report.get("first_step")
-    return (
-        f"; x{SLOW_FACTOR} in {report['phase'] if report['phase'] in SLOW_PHASES else 'the first step'}" if slow else ""
-    )
+    """How the timeout was stretched where `report`'s rank stalled, for the last line."""
+    if not _is_slow(report["phase"], report["step"], report.get("first_step", -1)):
+        return ""
+    return f"; x{SLOW_FACTOR} in {report['phase'] if report['phase'] in SLOW_PHASES else 'the first step'}"
 
 
 def _phase(report: dict) -> str:
