@@ -61,10 +61,9 @@ def _tensor_problem(
         where = f"its chunk at offsets {list(offsets)} of sizes {list(sizes)}"
         if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
             return f"of shape {list(shape)}: {where} lies outside it"
-        nbytes = math.prod(sizes) * dtype.itemsize
-        if (
-            problem := _storage_problem(storage.get(MetadataIndex(name, offsets)), nbytes, folder, file_sizes)
-        ) is not None:
+        nbytes = math.prod(sizes) * dtype.itemsize  # an empty chunk (an FSDP shard past the end) holds none
+        info = storage.get(MetadataIndex(name, offsets))
+        if nbytes and (problem := _storage_problem(info, nbytes, folder, file_sizes)) is not None:
             return f"of shape {list(shape)}: {where} {problem}"
         boxes.append((offsets, sizes))
     return _cover_problem(shape, boxes)

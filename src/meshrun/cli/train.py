@@ -249,7 +249,7 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     if outcome is None and code == RDZV_TIMEOUT_EXIT:
         raise RunError(timeout_message(cfg, watch.state() if watch is not None else "one node"))
     if outcome is Outcome.FAILED and (error := read_error(Path(cfg.run_dir))):
-        raise RunError(error)  # the workers' reason, as the last line (their lines may interleave above)
+        raise error  # the workers' reason, as the last line (their lines may interleave above)
     return launcher_exit_code(outcome, code, stop_relayed=stop is not None)
 
 

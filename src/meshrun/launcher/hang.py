@@ -29,6 +29,7 @@ stacks are the record of which collective each rank waits in.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -45,6 +46,7 @@ from meshrun.files.atomic import write_atomic
 from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
 from meshrun.launcher import progress
+from meshrun.launcher.outcome import Outcome, write_record
 
 HANG_DIR = "hang"
 TRIGGER = "trigger"
@@ -139,13 +141,16 @@ class HangWatchdog:
             print(f"meshrun: error: {error}", file=sys.stderr, flush=True)
 
     def _say_unwritable(self, now: progress.Progress, stalled: float, exc: Exception) -> None:
-        print(
-            f"meshrun: error: rank {self.place.rank} made no progress for {stalled:.0f} s at "
-            f"{_at_step(now.step)} in {_phase(asdict(now))}; the job was ended (exit {HUNG_EXIT_CODE}) without "
-            f"a hang report: it could not be written to {self.folder}: {type(exc).__name__}: {exc}",
-            file=sys.stderr,
-            flush=True,
+        """No report: this line says why, and (under torchrun) the outcome record carries it to the launcher."""
+        line = (
+            f"rank {self.place.rank} made no progress for {stalled:.0f} s at {_at_step(now.step)} in "
+            f"{_phase(asdict(now))}; the job was ended (exit {HUNG_EXIT_CODE}) without a hang report: it could "
+            f"not be written to {self.folder}: {type(exc).__name__}: {exc}"
         )
+        print(f"meshrun: error: {line}", file=sys.stderr, flush=True)
+        if not self.summarise:
+            with contextlib.suppress(Exception):  # the run folder is unwritable too: the line above is all
+                write_record(self.run_dir, Outcome.FAILED, error=line, exit_code=HUNG_EXIT_CODE)
 
 
 def check_report_folder(run_dir: Path) -> None:
