@@ -297,15 +297,15 @@ def run_worker(cfg: Config) -> Outcome:
     if in_launched_worker():  # Ctrl-C: torchrun passes SIGINT on; end at once, as every rank does,
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # not with tracebacks of peers gone mid-collective
     run_dir = Path(cfg.run_dir)
-    progress.mark("init", "joining the process group")
+    progress.mark_init("joining the process group")
     watchdog, rank, trainer = start_watchdog(cfg), 0, None
     try:
         mesh = init_mesh(cfg.layout)
         rank = mesh.rank
-        progress.mark("init", "the first collective: every node's data prepared")
+        progress.mark_init("the first collective: every node's data prepared")
         torch.distributed.barrier()  # data prepared by every node's local rank 0
         cfg = with_resolved_precision(cfg, mesh)
-        progress.mark("init", "building the model: its stages, weights and their first collectives")
+        progress.mark_init("building the model and initialising its weights")
         trainer = Trainer(cfg, mesh, data_dir(cfg))
         if rank == 0 and trainer.start_step == 0:  # a resumed run said where it resumed from
             say(init_line(cfg, trainer.flops_model))

@@ -232,10 +232,18 @@ def _odd_one(reports: list[dict]) -> dict:
 
 
 def _how_far(report: dict) -> tuple[int, int, int, float]:
-    """How far a rank got in the job: step, phase, microbatch. Ties: the older mark."""
+    """How far a rank got in the job: step, phase, place in the phase. Ties: the older mark."""
     phase = PHASE_ORDER.index(report["phase"]) if report["phase"] in PHASE_ORDER else len(PHASE_ORDER)
-    found = re.search(r"microbatch (\d+)", report.get("detail", ""))
-    return report["step"], phase, int(found[1]) if found else 0, report["last_progress"]
+    return report["step"], phase, _place_in_phase(report), report["last_progress"]
+
+
+def _place_in_phase(report: dict) -> int:
+    """The initialisation stage (progress.INIT_STAGES) or the microbatch a rank is at; 0 if neither."""
+    detail = report.get("detail", "")
+    if report["phase"] == "init":
+        return next((i for i, stage in enumerate(progress.INIT_STAGES) if detail.startswith(stage)), 0)
+    found = re.search(r"microbatch (\d+)", detail)
+    return int(found[1]) if found else 0
 
 
 def _at_step(step: int) -> str:

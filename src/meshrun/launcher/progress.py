@@ -22,6 +22,15 @@ class Progress:
 
 _now = Progress(at=time.monotonic())
 
+# What a worker does before step 1, in order (phase "init"): a rank at an earlier stage is behind.
+INIT_STAGES = (
+    "joining the process group",
+    "the first collective: every node's data prepared",
+    "building the model and initialising its weights",
+    "the model's first collectives: its weights placed and synchronised",
+    "loading checkpoint",
+)
+
 
 def mark(phase: str, detail: str = "", *, step: int | None = None, waiting: bool = False) -> None:
     """This worker entered `phase` (of `step`, when a new step begins); `waiting`: it now waits for
@@ -35,3 +44,10 @@ def mark(phase: str, detail: str = "", *, step: int | None = None, waiting: bool
 def current() -> Progress:
     """A copy of the latest mark."""
     return replace(_now)
+
+
+def mark_init(stage: str, more: str = "") -> None:
+    """This worker reached `stage` of INIT_STAGES (before step 1); `more`: e.g. the checkpoint's path."""
+    if stage not in INIT_STAGES:
+        raise ValueError(f"{stage!r} is not one of progress.INIT_STAGES")
+    mark("init", f"{stage}{more}")
