@@ -405,8 +405,8 @@ def short(chunks: list, storage: dict, shape: tuple[int, ...]) -> None:
     ("change", "says"),
     [
         (outside, r"its chunk at offsets \[0, 0\] of sizes \[257, 32\] lies outside it"),
-        (overlapping, r"its 2 chunks overlap at element \[1, 0\]"),
-        (holed, r"its 1 chunks leave a hole at element \[255, 0\] \(they cover 8160 elements of 8192\)"),
+        (overlapping, r"its chunks \(2\) overlap at element \[1, 0\]"),
+        (holed, r"its chunks \(1\) leave a hole at element \[255, 0\] \(they cover 8160 elements of 8192\)"),
         (unstored, r"its chunk at offsets \[1, 0\] of sizes \[255, 32\] has no stored bytes"),
         (
             short,

@@ -124,7 +124,7 @@ def _cover_problem(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tu
             cell = [int(i) for i in bad.nonzero()[0]]
             element = [c[i] for c, i in zip(cuts, cell, strict=True)]
             return (
-                f"of shape {list(shape)}: its {len(boxes)} chunks {what} at element {element} "
+                f"of shape {list(shape)}: its chunks ({len(boxes)}) {what} at element {element} "
                 f"(they cover {covered} elements of {volume})"
             )
     return None
