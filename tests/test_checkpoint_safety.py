@@ -3,16 +3,20 @@ checkpoints all fail to load stops without changing anything (no silent restart 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
+import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import meshrun_env, run_meshrun, tiny
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from meshrun.checkpoint.dcp import _crc32, full_model_state, load, verify
 from meshrun.config.schema import Config
@@ -351,3 +355,106 @@ def test_a_latest_file_that_is_not_text_falls_back_to_the_step_order(finished: P
     run = shutil.copytree(finished, tmp_path / "run")
     (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe")
     assert [p.name for p in newest_first(run)] == list(CKPTS[::-1])
+
+
+# ---- indexes whose chunks do not tile a tensor: refused before anything loads ----------------------
+
+WEIGHT = "embed.tok.weight"  # (vocab, dim): one chunk in a one-process checkpoint
+
+
+def forge_index(ckpt: Path, change: Callable[[list, dict, tuple[int, ...]], None], name: str = WEIGHT) -> Path:
+    """`ckpt` with the index entry of tensor `name` changed by `change(chunks, storage, shape)`
+    (the storage map: chunk index -> file, offset, length), its manifest forged to match."""
+    from meshrun.checkpoint.safe_reader import SafeReader
+
+    metadata = SafeReader(ckpt).read_metadata()
+    entry = metadata.state_dict_metadata[name]
+    change(entry.chunks, metadata.storage_data, tuple(entry.size))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    forge(ckpt, ".metadata")
+    return ckpt
+
+
+def chunk(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+
+def outside(chunks: list, storage: dict, shape: tuple[int, ...]) -> None:
+    chunks[0] = chunk((0, 0), (shape[0] + 1, shape[1]))  # one row past the end
+
+
+def overlapping(chunks: list, storage: dict, shape: tuple[int, ...]) -> None:
+    chunks.append(chunk((1, 0), (1, shape[1])))  # row 1 twice, stored as the first bytes of the whole
+    storage[MetadataIndex(WEIGHT, (1, 0))] = storage[MetadataIndex(WEIGHT, (0, 0))]
+
+
+def holed(chunks: list, storage: dict, shape: tuple[int, ...]) -> None:
+    chunks[0] = chunk((0, 0), (shape[0] - 1, shape[1]))  # the last row is in no chunk
+
+
+def unstored(chunks: list, storage: dict, shape: tuple[int, ...]) -> None:
+    chunks[:] = [chunk((0, 0), (1, shape[1])), chunk((1, 0), (shape[0] - 1, shape[1]))]  # the second: no entry
+
+
+def short(chunks: list, storage: dict, shape: tuple[int, ...]) -> None:
+    key = MetadataIndex(WEIGHT, (0, 0))
+    storage[key] = dataclasses.replace(storage[key], length=16)  # fewer bytes than the chunk holds
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (outside, r"its chunk at offsets \[0, 0\] of sizes \[257, 32\] lies outside it"),
+        (overlapping, r"its chunks \(2\) overlap at element \[1, 0\]"),
+        (holed, r"its chunks \(1\) leave a hole at element \[255, 0\] \(they cover 8160 elements of 8192\)"),
+        (unstored, r"its chunk at offsets \[1, 0\] of sizes \[255, 32\] has no stored bytes"),
+        (
+            short,
+            r"its chunk at offsets \[0, 0\] of sizes \[256, 32\] is stored as 16 bytes at offset \d+ of '__0_0.distcp' \(\d+ bytes\), too few for its 32768",
+        ),
+    ],
+)
+def test_an_index_whose_chunks_do_not_tile_a_tensor_is_refused(
+    change, says: str, finished: Path, tmp_path: Path
+) -> None:
+    """DCP loads what the index lists: a chunk outside the tensor, an overlap, a hole or a chunk
+    without bytes loaded as garbage or fresh initialisation, with exit 0 (export, resume)."""
+    ckpt = forge_index(shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "ckpt"), change)
+    with pytest.raises(CheckpointError, match=rf"\.metadata: tensor '{WEIGHT}' of shape \[256, 32\]: {says}"):
+        verify(ckpt)
+
+
+def test_export_refuses_a_tensor_with_a_hole(finished: Path, tmp_path: Path) -> None:
+    ckpt = forge_index(shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "ckpt"), holed)
+    result = run_meshrun(["export", str(ckpt), "--out", "m.safetensors"], tmp_path=tmp_path, check=False, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"tensor '{WEIGHT}'" in result.stderr and "hole" in result.stderr
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+@pytest.fixture(scope="module")
+def tp2_checkpoint(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The step-2 checkpoint of a tp2 run: its split matrices stored as two chunks each."""
+    run = tmp_path_factory.mktemp("tp2") / "run"
+    run_meshrun(["train", *tiny(data_dir, run, **{"parallel.tp": 2, "train.steps": 2})], tmp_path=run.parent)
+    return run / "checkpoints" / "step-00000002"
+
+
+def test_a_tp2_checkpoint_with_a_shard_dropped_is_refused_at_tp1(
+    tp2_checkpoint: Path, finished: Path, tmp_path: Path
+) -> None:
+    """Resumed at tp1, the dropped half stayed at its fresh initialisation: now refused before workers."""
+    from meshrun.checkpoint.resume import check_resumable
+    from meshrun.checkpoint.safe_reader import SafeReader
+
+    ckpt = shutil.copytree(tp2_checkpoint, tmp_path / "ckpt")
+    check_resumable(tmp_path / "whole", str(ckpt), meta_model(finished))  # two chunks that tile: loads
+    entries = SafeReader(ckpt).read_metadata().state_dict_metadata
+    name = next(n for n, e in entries.items() if len(getattr(e, "chunks", ())) == 2 and not n.startswith("state."))
+
+    def drop_second(chunks: list, storage: dict, shape: tuple[int, ...]) -> None:
+        storage.pop(MetadataIndex(name, chunks.pop().offsets))
+
+    forge_index(ckpt, drop_second, name)
+    with pytest.raises(ConfigError, match=rf"train\.resume .*tensor '{re.escape(name)}' .*leave a hole"):
+        check_resumable(tmp_path / "new-run", str(ckpt), meta_model(finished))

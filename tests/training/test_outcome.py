@@ -158,3 +158,15 @@ def test_a_stop_before_the_first_step_claims_no_checkpoint(moment: str, data_dir
         "meshrun: stopped by SIGTERM before training began: no checkpoint written; rerun the same command to start"
     ], done.stderr[-3000:]
     assert "Traceback" not in done.stderr and not (run / "checkpoints").exists()
+
+
+def test_a_recorded_exit_code_reaches_the_launcher(tmp_path: Path) -> None:
+    """A hang whose report could not be written records its line and 124 (launcher/hang.py): the
+    launcher's last line and exit code; a code out of range in the record is no exit code."""
+    from meshrun.launcher.outcome import read_error, write_record
+
+    write_record(tmp_path, Outcome.FAILED, error="rank 1 made no progress", exit_code=124)
+    error = read_error(tmp_path)
+    assert error is not None and str(error) == "rank 1 made no progress" and error.exit_code == 124
+    (tmp_path / "outcome.json").write_text('{"outcome": "failed", "error": "x", "exit_code": 0}')
+    assert getattr(read_error(tmp_path), "exit_code", None) == 1

@@ -1,7 +1,8 @@
 """The only reader meshrun loads checkpoints with: DCP's pickled `.metadata` index is unpickled with
 an allowlist of DCP's own classes for what meshrun writes (tensor entries). A bytes entry (which
 DCP's planner would `torch.load` with `weights_only=False`) or a transformed (compressed) one is
-refused with the index's name; tensors themselves are read by DCP with `weights_only=True`."""
+refused with the index's name, and so is a tensor its chunks do not tile (checkpoint/chunk_tiling.py);
+tensors themselves are read by DCP with `weights_only=True`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from meshrun.checkpoint.chunk_tiling import tiling_problem
 from meshrun.errors import CheckpointError
 
 _ALLOWED = {
@@ -68,6 +70,8 @@ class SafeReader(dcp.FileSystemReader):
                 f"checkpoint index {path} names transformed (compressed) entries "
                 f"{next(filter(None, transformed))}, which meshrun never writes"
             )
+        if problem := tiling_problem(metadata, Path(self.path)):  # DCP would load it, part of a tensor missing
+            raise CheckpointError(f"checkpoint index {path}: {problem}; it is damaged or was not written by meshrun")
         meta = metadata.storage_meta
         meta = meta if isinstance(meta, dcp.metadata.StorageMeta) else dcp.metadata.StorageMeta()
         meta.load_id = self.load_id

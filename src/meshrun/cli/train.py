@@ -25,7 +25,8 @@ from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
 from meshrun.hardware.device import local_device, rank_memory_bytes
 from meshrun.hardware.precision import resolve_precision
-from meshrun.launcher.hang import HangWatchdog, Place, clear_reports, hang_summary
+from meshrun.launcher import progress
+from meshrun.launcher.hang import HangWatchdog, Place, check_report_folder, clear_reports, hang_summary
 from meshrun.launcher.lifetime import PARENT_PID, die_with_parent
 from meshrun.launcher.outcome import (
     RECORD,
@@ -250,6 +251,8 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
             f"run already complete: its summary.json records step {done} (train.steps {cfg.train.steps}); nothing to do"
         )
         return 0
+    check_report_folder(Path(cfg.run_dir))
+    clear_reports(Path(cfg.run_dir))  # an earlier launch's hang reports must not be read as this one's
     if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
         return run_worker(cfg).exit_code  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)
@@ -258,8 +261,7 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     if watch is not None:
         say(waiting_line(cfg))
         watch.start()
-    clear_record(Path(cfg.run_dir))  # an earlier run's outcome must not be read as this one's
-    clear_reports(Path(cfg.run_dir))  # nor its hang reports
+    clear_record(Path(cfg.run_dir))  # nor its outcome
     env = {**worker_env(cfg), PARENT_PID: str(os.getpid()), HELD_ENV: lock.job}
     try:
         with run_tmpdir(env):
@@ -282,7 +284,7 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     if outcome is None and code == RDZV_TIMEOUT_EXIT:
         raise RunError(timeout_message(cfg, watch.state() if watch is not None else "one node"))
     if outcome is Outcome.FAILED and (error := read_error(Path(cfg.run_dir))):
-        raise RunError(error)  # the workers' reason, as the last line (their lines may interleave above)
+        raise error  # the workers' reason, as the last line (their lines may interleave above)
     return launcher_exit_code(outcome, code, stop_relayed=stop is not None)
 
 
@@ -331,15 +333,15 @@ def run_worker(cfg: Config) -> Outcome:
     if in_launched_worker():  # Ctrl-C: torchrun passes SIGINT on; end at once, as every rank does,
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # not with tracebacks of peers gone mid-collective
     run_dir = Path(cfg.run_dir)
-    mesh = init_mesh(cfg.layout, join_timeout=cfg.launch.rdzv_timeout)
-    rank, trainer = mesh.rank, None
-    if cfg.launch.hang_timeout and in_launched_worker():
-        place = Place(rank, mesh.pp_rank, mesh.dp_rank, tuple(mesh.local_stages))
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        HangWatchdog(run_dir, place, timeout=cfg.launch.hang_timeout, attempt=attempt).start()
+    progress.mark_init("joining the process group")
+    watchdog, rank, trainer = start_watchdog(cfg), 0, None
     try:
+        mesh = init_mesh(cfg.layout, join_timeout=cfg.launch.rdzv_timeout)
+        rank = mesh.rank
+        progress.mark_init("the first collective: every node's data prepared")
         torch.distributed.barrier()  # data prepared by every node's local rank 0
         cfg = with_resolved_precision(cfg, mesh)
+        progress.mark_init("building the model and initialising its weights")
         trainer = Trainer(cfg, mesh, data_dir(cfg))
         if rank == 0 and trainer.start_step == 0:  # a resumed run said where it resumed from
             say(init_line(cfg, trainer.flops_model))
@@ -357,9 +359,28 @@ def run_worker(cfg: Config) -> Outcome:
         if trainer is not None:
             trainer.close()
         shutdown()
+        if watchdog is not None:
+            watchdog.stop()
     if rank == 0:
         write_record(run_dir, outcome)
     return outcome
+
+
+def start_watchdog(cfg: Config) -> HangWatchdog | None:
+    """This worker's hang watchdog (launch.hang_timeout 0: none), armed before it joins the process
+    group: its place comes from the layout and its rank, not from the group."""
+    if not cfg.launch.hang_timeout:
+        return None
+    rank = int(os.environ.get("RANK", "0"))
+    pp_rank, dp_rank = (cfg.layout.coordinates(rank)[axis] for axis in ("pp", "dp"))
+    place = Place(rank, pp_rank, dp_rank, tuple(cfg.layout.stages_of(pp_rank)))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    one_process = not in_launched_worker()  # its own launcher: it says the summary itself
+    watchdog = HangWatchdog(
+        Path(cfg.run_dir), place, timeout=cfg.launch.hang_timeout, attempt=attempt, summarise=one_process
+    )
+    watchdog.start()
+    return watchdog
 
 
 def init_line(cfg: Config, model: nn.Module) -> str:

@@ -112,7 +112,7 @@ class LaunchConfig(Section):
     rdzv_timeout: Int = Field(default=600, ge=1)
     """Seconds a node waits at the rendezvous for all `nnodes` nodes before it gives up (torchrun join_timeout)."""
     hang_timeout: Int = Field(default=600, ge=0)
-    """Seconds a worker may make no progress before the job is ended with a hang report (x3 in the first step, evaluation and checkpoints); 0 = never."""
+    """Seconds a worker may make no progress before the job is ended with a hang report (x3 while it initialises, in its first step, evaluation and checkpoints); 0 = never."""
 
     @field_validator("rdzv_endpoint")
     @classmethod

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
+from meshrun.errors import RunError
 from meshrun.files.atomic import write_atomic
 
 RECORD = "outcome.json"
@@ -38,11 +39,16 @@ class Outcome(Enum):
         return {Outcome.COMPLETED: 0, Outcome.STOPPED: STOPPED_EXIT_CODE, Outcome.FAILED: 1}[self]
 
 
-def write_record(run_dir: Path, outcome: Outcome, *, error: str | None = None) -> None:
+def write_record(run_dir: Path, outcome: Outcome, *, error: str | None = None, exit_code: int | None = None) -> None:
     """Write the outcome atomically (a reader never sees half a file). `error`: a failed worker's
-    one-line reason (a RunError's text), which the launcher repeats as its last line."""
+    one-line reason (a RunError's text), which the launcher repeats as its last line; `exit_code`:
+    the launcher's exit code for it, where not 1 (a hang whose report could not be written: 124)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"outcome": outcome.value} | ({"error": error} if error else {})
+    record = (
+        {"outcome": outcome.value}
+        | ({"error": error} if error else {})
+        | ({"exit_code": exit_code} if exit_code else {})
+    )
     write_atomic(run_dir / RECORD, json.dumps(record) + "\n")
 
 
@@ -54,13 +60,18 @@ def read_record(run_dir: Path) -> Outcome | None:
         return None
 
 
-def read_error(run_dir: Path) -> str | None:
-    """The one-line reason a failed worker recorded; None when it recorded none (a crash)."""
+def read_error(run_dir: Path) -> RunError | None:
+    """The one-line reason a failed worker recorded, with its exit code; None when it recorded none (a crash)."""
     try:
-        error = json.loads((run_dir / RECORD).read_text()).get("error")
+        record = json.loads((run_dir / RECORD).read_text())
+        error, code = record.get("error"), record.get("exit_code", 1)
     except (OSError, ValueError, AttributeError):
         return None
-    return error if isinstance(error, str) and error else None
+    if not isinstance(error, str) or not error:
+        return None
+    failure = RunError(error)
+    failure.exit_code = code if type(code) is int and 0 < code < 256 else 1
+    return failure
 
 
 def clear_record(run_dir: Path) -> None:

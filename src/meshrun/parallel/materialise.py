@@ -8,6 +8,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.config.schema import Config
+from meshrun.launcher import progress
 from meshrun.models.families import build_model
 from meshrun.models.protocol import ProtocolModule, keep_stage
 from meshrun.parallel.recompute import apply_recompute
@@ -38,6 +39,8 @@ def materialise_part(
     part = build_stage(cfg, layers=layers, first=first, last=last)
     part.to_empty(device=device)
     part.init_weights(cfg.train.seed)
+    if tp_mesh is not None:  # a training rank (not balance's lone measurement): what follows communicates
+        progress.mark_init("the model's first collectives: its weights placed and synchronised")
     if tp_mesh is not None and tp_mesh.size() > 1:
         from meshrun.parallel.tensor import apply_tensor_parallel  # torch's tensor.parallel: only when used
 

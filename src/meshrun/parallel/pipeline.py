@@ -72,18 +72,27 @@ class MarkedStage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         progress.mark("forward", f"stage {self.stage_index} microbatch {fwd_chunk_id}")
         with timeline.action(self.stage_index, "F", fwd_chunk_id), time_split.section("compute"):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        done("forward", f"stage {self.stage_index} microbatch {fwd_chunk_id}")
+        return output
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         kind = "B" if kwargs.get("full_backward", True) else "I"
         progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id}")
         with timeline.action(self.stage_index, kind, bwd_chunk_id), time_split.section("compute"):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        done("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id}")
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id} weights")
         with timeline.action(self.stage_index, "W", bwd_chunk_id), time_split.section("compute"):
-            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+            super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        done("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id} weights")
+
+
+def done(phase: str, action: str) -> None:
+    """A stage action finished: until the next begins this rank waits on the schedule's transfers."""
+    progress.mark(phase, f"{action} done; waiting for the next action's input", waiting=True)
 
 
 @dataclass(frozen=True)
@@ -168,7 +177,9 @@ class PipelineModel:
         loss_fn = tp_loss(self.loss if loss is None else loss, self.tp)
         losses: list[torch.Tensor] = []
         progress.mark(
-            "forward", "pipeline step started, before this rank's first action (its input, from the stage before)"
+            "forward",
+            "pipeline step started, before this rank's first action (its input, from the stage before)",
+            waiting=True,
         )
         with timeline.step(), self._ddp_no_sync(), self.amp(), vocab_parallel(self.tp):
             schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs={"loss": loss_fn})

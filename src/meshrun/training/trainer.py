@@ -110,6 +110,7 @@ class Trainer:
             try:
                 par = self.cfg.parallel
                 same_layout = resume.saved_degrees(path) == (par.dp, par.tp, par.pp)
+                progress.mark_init("loading checkpoint", f" {path}")
                 state = checkpoint.load(self.state_dict(0, rng=same_layout), path)
             except checkpoint.CheckpointError as exc:
                 if self.cfg.train.resume != "auto" and path == candidates[-1]:
