@@ -108,7 +108,7 @@ def _block_kind(block: nn.Module) -> tuple:
 def _whole(model_json: str) -> ProtocolModule:
     """The whole model on the meta device, built once per build key (see _build_key): read for its
     blocks' kinds and FLOPs, and copied for each traced piece (_stage_copy)."""
-    return build_stage(Config.model_validate_json(model_json), layers=None, first=True, last=True)
+    return build_stage(_config(model_json), layers=None, first=True, last=True)
 
 
 @functools.lru_cache(maxsize=4)
@@ -125,6 +125,11 @@ def _stage_copy(model_json: str, layers: tuple[int, ...], first: bool, last: boo
     whole, keep = _whole(model_json), {str(i) for i in layers}
     others = {id(block): block for key, block in whole.blocks.items() if key not in keep}  # shared, then pruned
     return prune_stage(copy.deepcopy(whole, others), layers=list(layers), first=first, last=last)
+
+
+@functools.lru_cache(maxsize=16)
+def _config(model_json: str) -> Config:
+    return Config.model_validate_json(model_json)
 
 
 def _build_key(model_json: str) -> str:
@@ -161,7 +166,7 @@ def _piece(
             hidden_bytes=micro_batch * one.hidden_bytes,
         )
         return grown, _with_batch(out, micro_batch)
-    cfg = Config.model_validate_json(model_json)
+    cfg = _config(model_json)
     cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "sequence_parallel": sp})})
     build = _build_key(model_json)
     part = _stage_copy(build, layers, first, last)
