@@ -48,10 +48,8 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     from meshrun.models.families import build_model, model_source  # imports torch: after every torch-free check
     from meshrun.models.protocol import check_weights
 
-    if scope == "job" and cfg.parallel.tp > 1 and is_hf(cfg.model):
-        check_tensor_split(
-            cfg.parallel, tp_splits(cfg.model, cfg.parallel.tp), sequences=cfg.model.sequence_splits(cfg.data.buckets)
-        )  # the sizes config.json sets
+    if scope == "job":
+        check_hf_tensor_split(cfg)
     model = build_model(cfg.model)
     if scope == "job":
         if cfg.parallel.tp > 1:
@@ -63,6 +61,15 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))
     return model
+
+
+def check_hf_tensor_split(cfg: Config) -> None:
+    """A Hugging Face model's sizes that tp splits (heads, kv heads, the MLP width: config.json
+    sets them, so the schema cannot check them) divide by parallel.tp. `meshrun plan` keeps only
+    the layouts that pass, as training would refuse the rest."""
+    if cfg.parallel.tp > 1 and is_hf(cfg.model):
+        splits = tp_splits(cfg.model, cfg.parallel.tp)
+        check_tensor_split(cfg.parallel, splits, sequences=cfg.model.sequence_splits(cfg.data.buckets))
 
 
 def check_job(cfg: Config) -> None:

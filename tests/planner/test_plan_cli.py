@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import REPO, meshrun_env, read_metrics, run_meshrun, tiny
 
 from meshrun.config.schema import load_config
 from meshrun.hardware.peaks import SHORT_NAMES, device_by_short_name
@@ -23,17 +23,21 @@ TINY_MODEL = [
 ]
 
 
-def plan(tmp_path: Path, *args: str, check: bool = True):
+def plan(tmp_path: Path, *args: str, check: bool = True, model: tuple[str, ...] = tuple(TINY_MODEL)):
     """`meshrun plan` with a private cache: XDG_CACHE_HOME in tmp_path, and no inductor cache folder
     inherited from this pytest process (a test that compiled in-process set one into its environment)."""
     env = {k: v for k, v in meshrun_env(tmp_path).items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    return run_meshrun(["plan", *TINY_MODEL, *args], tmp_path=tmp_path, timeout=180, check=check, env=env)
+    return run_meshrun(["plan", *model, *args], tmp_path=tmp_path, timeout=180, check=check, env=env)
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    return [line.split() for line in stdout.splitlines() if line[:3].strip().isdigit()]
 
 
 def test_table_ranks_layouts_and_writes_the_best(tmp_path: Path) -> None:
     out = tmp_path / "best.yaml"
     done = plan(tmp_path, "--gpus=2", "--gpu=h100", f"--write={out}", "--top=50")
-    rows = [line.split() for line in done.stdout.splitlines() if line[:3].strip().isdigit()]
+    rows = table_rows(done.stdout)
     assert rows and all(row[16] == "yes" for row in rows)  # 2 x 80 GiB holds every layout of a tiny model
     assert {(row[1], row[2], row[4]) for row in rows} == {("1", "1", "2"), ("1", "2", "1"), ("2", "1", "1")}
     assert {row[3] for row in rows} == {"ddp", "fsdp"}  # dp 2: both data-parallel modes
@@ -71,6 +75,14 @@ def test_layouts_that_do_not_fit_are_marked_and_not_written(tmp_path: Path) -> N
 def test_bad_arguments_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     done = plan(tmp_path, *args, check=False)
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_shipped_llama_plans_only_the_tp_its_kv_heads_allow(tmp_path: Path) -> None:
+    """configs/llama-tiny.yaml has 2 kv heads: training refuses tp 4 (whole kv heads per rank), so
+    a plan of 4 GPUs ranks tp 1 and 2 (it once traced tp 4 and crashed in k_proj's view)."""
+    config = str(REPO / "configs" / "llama-tiny.yaml")
+    done = plan(tmp_path, "--gpus=4", "--gpu=h100", "--top=1000", model=(config,))
+    assert {row[1] for row in table_rows(done.stdout)} == {"1", "2"}
 
 
 def test_write_never_overwrites(tmp_path: Path) -> None:

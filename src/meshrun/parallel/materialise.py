@@ -16,7 +16,11 @@ from meshrun.parallel.recompute import apply_recompute
 
 def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
     """Steps 1-2 for one stage (layers=None: the whole model), on the meta device (the planner sizes these)."""
-    part = build_model(cfg.model)
+    return prune_stage(build_model(cfg.model), layers=layers, first=first, last=last)
+
+
+def prune_stage(part: ProtocolModule, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
+    """Step 2: the whole model `part` cut to one stage's blocks and ends, in place (layers=None: all)."""
     if layers is not None:
         keep = {str(i) for i in layers}
         for key in [k for k in part.blocks if k not in keep]:

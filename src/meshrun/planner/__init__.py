@@ -5,7 +5,8 @@ layout fits and runs fastest.
   optimizer bytes (the real model, built on the meta device) and the activation bytes one
   microbatch keeps for backward (forwards traced under fake tensors: shapes only, no memory, no
   compute; a stage composed from one- and two-block pieces; `tp_shapes`: what tp's collectives,
-  sequence parallel's included, hand one rank's traced forward).
+  sequence parallel's included, hand one rank's traced forward; `fake_cpu`: the one fake mode
+  every trace runs in, and the fake parameters it hands each).
 - `memory`: per rank, named terms: state, activations times the microbatches each schedule keeps
   in flight, communication buffers, the runtime's baseline.
 - `cost`: step time from FLOPs and launch floors, the schedule's bubble, dp / tp / pp communication.

@@ -19,6 +19,7 @@ from meshrun.planner.layout_memory import layout_split, ranks_memory, regathers
 from meshrun.planner.memory import RankMemory
 from meshrun.planner.stage_cost import profile_stages
 from meshrun.planner.stage_profile import StageProfile
+from meshrun.preflight import check_hf_tensor_split
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "every:2", "full")
@@ -97,8 +98,9 @@ def data_modes(dp: int) -> list[tuple[str, int | None]]:
 
 
 def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
-    """Every (tp, dp, dp_mode, pp, schedule) of `num_devices` that validates, at micro_batch 1 and
-    full recompute (its least memory): tp within a node and only where the model has a tp plan."""
+    """Every (tp, dp, dp_mode, pp, schedule) of `num_devices` that training would run, at
+    micro_batch 1 and full recompute (its least memory): tp within a node, only where the model
+    has a tp plan and its heads (kv heads, MLP width) divide by tp."""
     found = []
     tps = [t for t in _divisors(min(num_devices, per_node)) if num_devices % t == 0] if has_tp_plan(cfg) else [1]
     for tp in tps:
@@ -120,6 +122,7 @@ def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
                         recompute="full",
                     )
                     validate_layout(layout)
+                    check_hf_tensor_split(layout)  # e.g. kv heads that tp does not divide
                 except ConfigError:
                     continue
                 found.append(layout)

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import json
 
 import torch
 from torch import nn
@@ -23,9 +24,10 @@ from torch import nn
 from meshrun.config.schema import Config, TrainConfig
 from meshrun.hardware.precision import DTYPES
 from meshrun.models.protocol import ProtocolModule, tp_local
-from meshrun.parallel.materialise import build_stage
+from meshrun.parallel.materialise import build_stage, prune_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
 from meshrun.parallel.tensor import shard_numels, split_dims
+from meshrun.planner.fake_cpu import fake_cpu
 from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.planner.stage_pieces import compose, consecutive
 from meshrun.planner.stage_profile import StageProfile
@@ -48,33 +50,29 @@ def state_bytes(part: nn.Module, train: TrainConfig, tp: int = 1) -> tuple[int, 
     return param_bytes, grad_bytes, per_value * grad_bytes + per_tensor * len(trainable)
 
 
-def _fake_mode() -> contextlib.AbstractContextManager:
-    """Tensors with shapes and CPU kernel choices but no storage. torch has no public fake-tensor
-    mode (torch.compile and torch's own memory tracker use this one); it is imported only here."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
 def _amp(precision: str) -> contextlib.AbstractContextManager:
     dtype = DTYPES.get(precision, torch.float32)  # auto was resolved before; fp32 runs without autocast
     return torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
 
-def stage_flops_per_token(cfg: Config, part: ProtocolModule, whole: ProtocolModule) -> tuple[float, float]:
+def attention_per_block(whole: ProtocolModule) -> float:
+    """The whole model's `flops_per_token()` less 6 per matmul parameter, per block: attention's."""
+    return max(0.0, whole.flops_per_token() - 6.0 * _matmul_params(whole)) / len(whole.blocks)
+
+
+def _matmul_params(module: ProtocolModule) -> int:
+    embed = {id(p) for p in module.embed.parameters()} if module.embed is not None else set()
+    return sum(p.numel() for p in module.parameters() if id(p) not in embed)
+
+
+def stage_flops_per_token(cfg: Config, part: ProtocolModule, attention: float) -> tuple[float, float]:
     """The whole model's `flops_per_token()` shared out: 6 FLOPs per matmul parameter to the stage
-    that holds it (embeddings are lookups: none), the rest (attention) evenly over blocks;
-    recomputed blocks add their forward again (a third of their training FLOPs)."""
-
-    def matmul_params(module: ProtocolModule) -> int:
-        embed = {id(p) for p in module.embed.parameters()} if module.embed is not None else set()
-        return sum(p.numel() for p in module.parameters() if id(p) not in embed)
-
-    total, layers = whole.flops_per_token(), len(whole.blocks)
-    attention_per_block = max(0.0, total - 6.0 * matmul_params(whole)) / layers
-    useful = 6.0 * matmul_params(part) + attention_per_block * len(part.blocks)
+    that holds it (embeddings are lookups: none), the rest (`attention`, per block: see
+    attention_per_block) evenly over blocks; recomputed blocks add their forward again (a third
+    of their training FLOPs)."""
+    useful = 6.0 * _matmul_params(part) + attention * len(part.blocks)
     extra = sum(
-        (6.0 * sum(p.numel() for p in block.parameters()) + attention_per_block) / 3
+        (6.0 * sum(p.numel() for p in block.parameters()) + attention) / 3
         for key, block in part.blocks.items()
         if wants_recompute(cfg.recompute, int(key))
     )
@@ -109,14 +107,36 @@ def _block_kind(block: nn.Module) -> tuple:
 
 @functools.lru_cache(maxsize=4)
 def _whole(model_json: str) -> ProtocolModule:
-    """The whole model on the meta device (read only: its blocks' kinds and FLOPs)."""
-    return build_stage(Config.model_validate_json(model_json), layers=None, first=True, last=True)
+    """The whole model on the meta device, built once per build key (see _build_key): read for its
+    blocks' kinds and FLOPs, and copied for each traced piece (_stage_copy)."""
+    return build_stage(_config(model_json), layers=None, first=True, last=True)
 
 
-@functools.lru_cache(maxsize=256)
-def _stage_module(model_json: str, layers: tuple[int, ...], first: bool, last: bool) -> ProtocolModule:
-    """A stage of these blocks on the meta device, built once (traces work on deep copies)."""
-    return build_stage(Config.model_validate_json(model_json), layers=list(layers), first=first, last=last)
+@functools.lru_cache(maxsize=4)
+def _model_facts(model_json: str) -> tuple[int, bool, float]:
+    """The whole model's blocks, whether they are all of one kind, and its attention_per_block."""
+    whole = _whole(model_json)
+    one_kind = len({_block_kind(block) for block in whole.blocks.values()}) == 1
+    return len(whole.blocks), one_kind, attention_per_block(whole)
+
+
+def _stage_copy(model_json: str, layers: tuple[int, ...], first: bool, last: bool) -> ProtocolModule:
+    """A stage of these blocks, as build_stage makes it, from a copy of the whole model that leaves
+    the other blocks out (a 7B model is built once, not once per piece)."""
+    whole, keep = _whole(model_json), {str(i) for i in layers}
+    others = {id(block): block for key, block in whole.blocks.items() if key not in keep}  # shared, then pruned
+    return prune_stage(copy.deepcopy(whole, others), layers=list(layers), first=first, last=last)
+
+
+@functools.lru_cache(maxsize=16)
+def _config(model_json: str) -> Config:
+    return Config.model_validate_json(model_json)
+
+
+def _build_key(model_json: str) -> str:
+    """A piece's config less its recompute policy: what building the model reads (the policy
+    wraps blocks only when traced), so every policy shares one built stage."""
+    return json.dumps({**json.loads(model_json), "recompute": "none"}, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -129,12 +149,17 @@ def _piece(
     layers: tuple[int, ...],
     first: bool,
     last: bool,
+    hidden: Spec | None,
 ) -> tuple[StageProfile, Spec]:
-    """One traced stage of these consecutive blocks (and its output's shape and dtype). Beyond a
-    micro_batch of 2, from those of 1 and 2: every saved tensor has the batch dimension or none
-    (a rotary table), so a microbatch's bytes are affine in its size (test_stage_pieces checks)."""
+    """One traced stage of these consecutive blocks, receiving `hidden` unless first (and its
+    output's shape and dtype). Beyond a micro_batch of 2, from those of 1 and 2: every saved
+    tensor has the batch dimension or none (a rotary table), so a microbatch's bytes are affine
+    in its size (test_stage_pieces checks)."""
     if micro_batch > 2:
-        (one, out), (two, _) = (_piece(model_json, b, precision, tp, sp, layers, first, last) for b in (1, 2))
+        (one, out), (two, _) = (
+            _piece(model_json, b, precision, tp, sp, layers, first, last, _with_batch(hidden, b) if hidden else None)
+            for b in (1, 2)
+        )
         grown = dataclasses.replace(
             one,
             activation_bytes=one.activation_bytes + (micro_batch - 1) * (two.activation_bytes - one.activation_bytes),
@@ -142,13 +167,11 @@ def _piece(
             hidden_bytes=micro_batch * one.hidden_bytes,
         )
         return grown, _with_batch(out, micro_batch)
-    cfg = Config.model_validate_json(model_json)
+    cfg = _config(model_json)
     cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "sequence_parallel": sp})})
-    hidden = None
-    if not first:  # a later stage's input: what the first stage hands on
-        hidden = _piece(model_json, micro_batch, precision, tp, sp, layers[:1], True, False)[1]
-    part = copy.deepcopy(_stage_module(model_json, layers, first, last))
-    flops, useful = stage_flops_per_token(cfg, part, _whole(model_json))
+    build = _build_key(model_json)
+    part = _stage_copy(build, layers, first, last)
+    flops, useful = stage_flops_per_token(cfg, part, _model_facts(build)[2])
     _shrink_to_tp_shard(part, tp)
     profile, out = _trace(cfg, part, micro_batch, precision, first=first, last=last, hidden=hidden)
     return dataclasses.replace(profile, flops_per_token=flops / tp, model_flops_per_token=useful / tp), out
@@ -158,22 +181,26 @@ def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precis
     """Every stage of `split` (blocks per stage, pipeline order) for one microbatch of `micro_batch`,
     on one tp rank: composed from one- and two-block stages (stage_pieces.py) when the blocks are
     all of one kind, else each distinct stage traced whole."""
-    model_json = _model_json(cfg, cfg.recompute)
-    whole = _whole(model_json)
-    num_layers = len(whole.blocks)
-    flags = [wants_recompute(cfg.recompute, i) for i in range(num_layers)]
-    if num_layers < 2 or len({_block_kind(block) for block in whole.blocks.values()}) > 1:
+    configs = {policy: _model_json(cfg, policy) for policy in {"none", "full", "every:2", cfg.recompute}}
+    num_layers, one_kind, _ = _model_facts(_build_key(configs[cfg.recompute]))
+    if num_layers < 2 or not one_kind:
         return _trace_stages(cfg, split, micro_batch, precision)
+    flags = [wants_recompute(cfg.recompute, i) for i in range(num_layers)]
     tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
 
-    def trace(wanted: tuple, first: bool, last: bool) -> StageProfile:
+    def piece(wanted: tuple, first: bool, last: bool) -> tuple[StageProfile, Spec]:
         policy, layers = _shared_piece(cfg.recompute, wanted, num_layers)
         if policy is None:  # a policy of its own (selective): its own blocks
             policy, layers = cfg.recompute, tuple(consecutive(flags, wanted))
-        return _piece(_model_json(cfg, policy), micro_batch, precision, tp, sp, layers, first, last)[0]
+        # a later stage receives what the first stage hands on (blocks of one kind: any stage's output)
+        hidden = None if first else piece((flags[0],), True, False)[1]
+        return _piece(configs[policy], micro_batch, precision, tp, sp, layers, first, last, hidden)
 
     n = len(split)
-    return [compose(layers, first=i == 0, last=i == n - 1, flags=flags, trace=trace) for i, layers in enumerate(split)]
+    return [
+        compose(layers, first=i == 0, last=i == n - 1, flags=flags, trace=lambda *key: piece(*key)[0])
+        for i, layers in enumerate(split)
+    ]
 
 
 def _model_json(cfg: Config, recompute: str) -> str:
@@ -201,6 +228,7 @@ def _trace_stages(cfg: Config, split: list[list[int]], micro_batch: int, precisi
     their blocks' kinds and recompute) once."""
     whole = build_stage(cfg, layers=None, first=True, last=True)
     kinds = {key: _block_kind(block) for key, block in whole.blocks.items()}
+    attention = attention_per_block(whole)
     num_stages, tp = len(split), cfg.parallel.tp
     keys = [
         (i == 0, i == num_stages - 1, tuple((kinds[str(b)], wants_recompute(cfg.recompute, b)) for b in layers))
@@ -212,7 +240,7 @@ def _trace_stages(cfg: Config, split: list[list[int]], micro_batch: int, precisi
         if key in traced and (key[0] or hidden is not None):
             continue
         part = build_stage(cfg, layers=layers if num_stages > 1 else None, first=key[0], last=key[1])
-        flops, useful = stage_flops_per_token(cfg, part, whole)
+        flops, useful = stage_flops_per_token(cfg, part, attention)
         _shrink_to_tp_shard(part, tp)
         profile, out = _trace(cfg, part, micro_batch, precision, first=key[0], last=key[1], hidden=hidden)
         traced[key] = dataclasses.replace(profile, flops_per_token=flops / tp, model_flops_per_token=useful / tp)
@@ -238,13 +266,14 @@ def _trace(
     blocks = list(part.blocks.keys())
     recomputed = sum(wants_recompute(cfg.recompute, int(b)) for b in blocks)
     block_out: list[int] = []
-    with _fake_mode():
+    fake = fake_cpu()
+    with fake.mode:
         if first:
             x: object = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
         else:
             assert hidden is not None  # stages are traced in pipeline order
             x = _input(hidden)
-        part.to_empty(device="cpu")
+        fake.to_empty(part)
         tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
         if tp > 1:  # before recompute wraps the blocks: the hooks sit on the modules themselves
             emulate_tp_shapes(part, tp, sequence_parallel=sp)

@@ -26,21 +26,22 @@ from meshrun.planner.stage_profile import StageProfile
 ADDED = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "flops_per_token", "model_flops_per_token")
 
 
-def _plus(a: StageProfile, b: StageProfile, sign: int = 1) -> StageProfile:
-    return dataclasses.replace(a, **{f: getattr(a, f) + sign * getattr(b, f) for f in ADDED})
-
-
 def compose(
     layers: list[int], *, first: bool, last: bool, flags: list[bool], trace: Callable[[tuple, bool, bool], StageProfile]
 ) -> StageProfile:
     """The profile of the stage holding `layers`; `flags[i]`: block i is recomputed; `trace(flags,
-    first, last)` profiles a stage of consecutive blocks with those flags (cached by the caller)."""
+    first, last)` profiles a stage of consecutive blocks with those flags (cached by the caller).
+    The sums run on plain numbers, in the formula's order (a 32-block stage adds 62 pieces, and
+    a plan composes thousands of stages)."""
     own = [flags[i] for i in layers]
-    profile = trace((own[0],), first, last)
+    base = trace((own[0],), first, last)
+    sums = [getattr(base, f) for f in ADDED]
     for before, block in itertools.pairwise(own):
-        profile = _plus(_plus(profile, trace((before, block), False, False)), trace((before,), False, False), -1)
+        two, one = trace((before, block), False, False), trace((before,), False, False)
+        sums = [total + getattr(two, f) - getattr(one, f) for total, f in zip(sums, ADDED)]
     return dataclasses.replace(
-        profile,
+        base,
+        **dict(zip(ADDED, sums)),
         units=len(layers) + first + last,
         blocks=len(layers),
         recomputed_blocks=sum(own),
