@@ -121,7 +121,8 @@ def _slurm(args: argparse.Namespace) -> int:
 def _k8s(args: argparse.Namespace) -> int:
     """Render the manifest for a config after the checks that need no cluster; print or write it."""
     from meshrun.files.atomic import write_atomic
-    from meshrun.launcher.k8s import PodOptions, check_options, render_manifest
+    from meshrun.files.console import say
+    from meshrun.launcher.k8s import PodOptions, check_options, k8s_notes, render_manifest
     from meshrun.parallel.stages import validate_layout
 
     cfg = load_config(args.config, args.overrides)
@@ -145,6 +146,8 @@ def _k8s(args: argparse.Namespace) -> int:
     model = preflight(cfg, scope="model")
     weights = sum(p.numel() for p in model.parameters())
     manifest = render_manifest(cfg, options, checkpoint_bytes=12 * weights)  # fp32 weights + Adam's two moments
+    for note in k8s_notes(cfg, options):
+        say(note)
     if args.out is None:
         print(manifest, end="")
         return 0
