@@ -84,7 +84,7 @@ def _slurm(args: argparse.Namespace) -> int:
     import subprocess
 
     from meshrun.files.console import say
-    from meshrun.launcher.slurm import partition_cpus, render_sbatch, slurm_notes
+    from meshrun.launcher.slurm import chosen, partition_cpus, render_sbatch, slurm_notes
 
     cfg = load_config(args.config, args.overrides)
     script = render_sbatch(
@@ -98,12 +98,13 @@ def _slurm(args: argparse.Namespace) -> int:
         time=args.time,
         cpus_per_task=args.cpus_per_task,
         node_cpus=None if args.cpus_per_task else partition_cpus(args.partition),
+        mem=args.mem,
         job_name=args.job_name,
         signal_seconds=args.signal_seconds,
         sbatch_options=args.sbatch_options,
     )
     preflight(cfg)  # the same checks as `meshrun train`, before the job waits for nodes
-    for note in slurm_notes(cfg, nodes=args.nodes, time=args.time):
+    for note in [*chosen(script), *slurm_notes(cfg, nodes=args.nodes, time=args.time)]:
         say(note)
     if not args.submit:
         print(script, end="")
