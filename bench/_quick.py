@@ -9,7 +9,6 @@ printed, marked as such, and never turned into a PASS it did not earn.
 from __future__ import annotations
 
 import argparse
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -28,7 +27,7 @@ def parse(p: argparse.ArgumentParser, tiny: dict[str, object], argv: list[str] |
     """Add `--quick` to `p` and parse; under `--quick` the `tiny` values replace the defaults
     (flags given explicitly still win)."""
     p.add_argument("--quick", action="store_true", help=HELP)
-    if "--quick" in (sys.argv[1:] if argv is None else argv):
+    if p.parse_known_args(argv)[0].quick:  # as argparse reads it (--qui too)
         p.set_defaults(**tiny)
     return p.parse_args(argv)
 
