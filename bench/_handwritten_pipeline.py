@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from meshrun.config.schema import ModelConfig
+from meshrun.config.model_sections import GPTSection
 from meshrun.models.gpt import GPT
 from meshrun.parallel.stages import even_split
 
@@ -43,7 +43,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
-    cfg = ModelConfig(num_layers=args.layers, dim=args.dim, num_heads=args.heads, seq_len=args.seq_len)
+    cfg = GPTSection(num_layers=args.layers, dim=args.dim, num_heads=args.heads, seq_len=args.seq_len)
     with torch.device("meta"):
         model = GPT(cfg)
     keep = {str(i) for i in even_split(args.layers, world)[rank]}

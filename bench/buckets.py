@@ -10,6 +10,7 @@ other, but the median hides it); the verdict is the median of the per-round rati
 
     python bench/buckets.py                      # ~3-6 minutes on 2 busy cores
     python bench/buckets.py --rounds 3 --steps 30 --buckets 24,36
+    python bench/buckets.py --quick              # seconds: one round of 2 steps, d16
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import _quick  # bench/ is the script's folder: on sys.path
 
 from meshrun.config.schema import DataConfig
 from meshrun.data.dataset import open_dataset
@@ -39,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--buckets", default="20,28,36", help="data.buckets (model.seq_len is always one)")
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=8)
-    return p.parse_args()
+    return _quick.parse(p, {"rounds": 1, "steps": 2, "batches": 5, "dim": 16, "global_batch": 8, "micro_batch": 2})
 
 
 def layout(args: argparse.Namespace) -> dict[str, object]:
@@ -91,7 +94,10 @@ def step_time(args: argparse.Namespace, data_dir: Path, run_dir: Path, buckets: 
         "checkpoint.at_end": False,
     }
     command = [sys.executable, "-m", "meshrun", "train", *(f"--set={k}={v}" for k, v in values.items())]
-    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
+    if done.returncode:
+        sys.exit(f"meshrun train (buckets {buckets}) failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["step_time_s"] for r in rows if "step_time_s" in r)
 
@@ -116,6 +122,7 @@ def main() -> None:
                 f"round {round_ + 1}: padded {times['padded'] * 1e3:.0f} ms/step, bucketed {times['buckets'] * 1e3:.0f} ms/step"
             )
         print(f"bucketed / padded step time: median {statistics.median(ratios):.2f}x over {args.rounds} rounds")
+    sys.exit(_quick.exit_code(True, quick=args.quick))
 
 
 if __name__ == "__main__":

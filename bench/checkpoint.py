@@ -14,6 +14,7 @@ The verdict is the median of the per-round ratios async/sync blocked; target <= 
 
     python bench/checkpoint.py                     # ~300 MB of state, 5 rounds
     python bench/checkpoint.py --dim 768 --layers 6 --rounds 7
+    python bench/checkpoint.py --quick             # seconds: a 1-layer d16 model, one round
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
+import _quick  # bench/ is the script's folder: on sys.path
 import torch
 
 from meshrun.config.schema import load_config
@@ -48,7 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--global-batch", type=int, default=2)
     p.add_argument("--run-dir", type=Path, default=None, help="where checkpoints go (default: a temp folder)")
-    return p.parse_args()
+    tiny = {"rounds": 1, "window": 1, "baseline": 1, "threads": 1, "layers": 1, "dim": 16, "seq_len": 8}
+    return _quick.parse(p, tiny)
 
 
 def make_trainer(args: argparse.Namespace, run_dir: Path, data_dir: Path) -> Trainer:
@@ -110,7 +112,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="meshrun-bench-", dir=args.run_dir) as tmp_name:
         tmp = Path(tmp_name)
         data_dir = tmp / "data"
-        prepare([str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")], data_dir)
+        prepare(_quick.stdlib_text(quick=args.quick), data_dir)
         trainer = make_trainer(args, tmp / "run", data_dir)
         try:
             return run(args, Bench(trainer, args.window))
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace, bench: Bench) -> int:
     print(f"{'median':>5} {med[0]:>14.3f} {med[1]:>15.3f} {med[2]:>6.3f}   {med[3]:.2f} / {med[4]:.2f} / {med[5]:.2f}")
     verdict = "PASS" if med[2] <= TARGET else "FAIL"
     print(f"\n{verdict}: async/sync blocked median {med[2]:.3f}x (target <= {TARGET}x)")
-    return 0 if verdict == "PASS" else 1
+    return _quick.exit_code(verdict == "PASS", quick=args.quick)
 
 
 if __name__ == "__main__":

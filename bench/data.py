@@ -10,6 +10,7 @@
 
     python bench/data.py                 # ~2-4 minutes on 2 shared cores
     python bench/data.py --rounds 5 --skip-rss
+    python bench/data.py --quick         # seconds: a few files, one round, a tiny one-process job
 """
 
 from __future__ import annotations
@@ -25,12 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import _quick  # bench/ is the script's folder: on sys.path
+
 from meshrun.config.schema import load_config
 from meshrun.data.dataset import MixtureDataset, TokenDataset
 from meshrun.data.prepare import TASK_BYTES, prepare
 from meshrun.data.sources import default_sources, expand_sources
 
 THROUGHPUT_TARGET, ASSEMBLY_TARGET = 0.9, 0.02
+# --quick's stand-in for the default job whose step time batch assembly is compared with
+TINY_JOB = ["model.num_layers=1", "model.dim=16", "model.num_heads=2", "model.seq_len=8", "parallel.dp=1"]
+TINY_JOB += ["parallel.pp=1", "train.global_batch=2", "train.micro_batch=1", "train.steps=4", "train.log_interval=2"]
 
 
 def train_tokenizer(files: list[Path], out: Path, vocab: int) -> Path:
@@ -75,11 +81,10 @@ def meshrun_prepare(sources: list[str], tokenizer: Path, out: Path, workers: int
     return seconds
 
 
-def throughput(tmp: Path, rounds: int, workers: int) -> None:
-    sources = default_sources()
+def throughput(tmp: Path, sources: list[str], rounds: int, workers: int, *, vocab: int) -> None:
     files = expand_sources(sources)
     megabytes = sum(f.stat().st_size for f in files) / 1e6
-    tokenizer = train_tokenizer(files, tmp / "tokenizer.json", vocab=8192)
+    tokenizer = train_tokenizer(files, tmp / "tokenizer.json", vocab=vocab)
     ratios = []
     for r in range(rounds):  # alternate who goes first
         order = [
@@ -120,28 +125,29 @@ def peak_rss_mb(sources: list[str], out: Path) -> float:
     return int(result.stderr.split()[-1]) / 1024
 
 
-def rss(tmp: Path) -> None:
-    files = expand_sources(default_sources())
+def rss(tmp: Path, sources: list[str], copies: int) -> None:
+    files = expand_sources(sources)
     root = Path(os.path.commonpath([f.parent for f in files]))
     big = tmp / "x10"
-    for copy in range(10):
+    for copy in range(copies):
         for f in files:
             dest = big / str(copy) / f.relative_to(root)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, dest)
     size = sum(f.stat().st_size for f in files) / 1e6
-    small, large = peak_rss_mb(default_sources(), tmp / "o1"), peak_rss_mb([str(big)], tmp / "o10")
+    small, large = peak_rss_mb(sources, tmp / "o1"), peak_rss_mb([str(big)], tmp / "o10")
     largest = max(f.stat().st_size for f in files) / 1e6
     print(
-        f"peak RSS: {size:.0f} MB corpus {small:.0f} MB, {10 * size:.0f} MB corpus {large:.0f} MB "
+        f"peak RSS: {size:.1f} MB corpus {small:.0f} MB, {copies * size:.1f} MB corpus {large:.0f} MB "
         f"(largest file {largest:.1f} MB); growth {large / small:.2f}x"
     )
 
 
-def assembly(tmp: Path, rounds: int) -> None:
-    cfg = load_config()
+def assembly(tmp: Path, sources: list[str], rounds: int, *, steps: int, job: list[str]) -> None:
+    """Batch assembly per step vs the step time of `job` (settings over the default job's)."""
+    cfg = load_config(None, job)
     data = tmp / "stdlib"
-    prepare(default_sources(), data, progress=False)
+    prepare(sources, data, progress=False)
     seq, per_rank = cfg.model.seq_len, cfg.train.global_batch // cfg.parallel.dp
     single = TokenDataset(data, "train", seq_len=seq, seed=1)
     mixture = MixtureDataset([single, TokenDataset(data, "train", seq_len=seq, seed=2)], [0.7, 0.3], ["a", "b"])
@@ -150,21 +156,22 @@ def assembly(tmp: Path, rounds: int) -> None:
         times = []
         for _ in range(rounds):
             start = time.perf_counter()
-            for step in range(200):
+            for step in range(steps):
                 ds.batch(step * cfg.train.global_batch, per_rank)
-            times.append((time.perf_counter() - start) / 200)
+            times.append((time.perf_counter() - start) / steps)
         assembly_s[name] = statistics.median(times)
-    step = default_job_step_time(tmp)
+    step = default_job_step_time(tmp, job)
     for name, seconds in assembly_s.items():
         verdict = "PASS" if seconds / step <= ASSEMBLY_TARGET else "FAIL"
         print(
             f"batch assembly ({name}, {per_rank} x {seq} tokens per rank): {seconds * 1e6:.0f} us/step = "
-            f"{seconds / step:.3%} of the default job's {step * 1e3:.0f} ms step (target <= 2%) {verdict}"
+            f"{seconds / step:.3%} of the {'tiny' if job else 'default'} job's {step * 1e3:.0f} ms step (target <= 2%) {verdict}"
         )
 
 
-def default_job_step_time(tmp: Path) -> float:
-    """Median step_time_s of a short default job (dp2 x pp2, bf16, recompute), after its first window."""
+def default_job_step_time(tmp: Path, job: list[str]) -> float:
+    """Median step_time_s of a short default job (dp2 x pp2, bf16, recompute; `job` changes it),
+    after its first window."""
     import json
 
     run = tmp / "run"
@@ -180,6 +187,7 @@ def default_job_step_time(tmp: Path) -> float:
             "--set=train.log_interval=10",
             "--set=train.eval_interval=0",
             f"--set=data.dir={tmp / 'stdlib'}",
+            *(f"--set={setting}" for setting in job),
         ],
         env=env,
         check=True,
@@ -194,15 +202,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--skip-rss", action="store_true")
-    args = parser.parse_args()
+    args = _quick.parse(parser, {"rounds": 1, "workers": 1})
+    sources = _quick.stdlib_text(quick=True) if args.quick else default_sources()
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as tmp:
-        throughput(Path(tmp), args.rounds, args.workers)
+        throughput(Path(tmp), sources, args.rounds, args.workers, vocab=300 if args.quick else 8192)
         if not args.skip_rss:
-            rss(Path(tmp))
-        assembly(Path(tmp), args.rounds)
+            rss(Path(tmp), sources, copies=2 if args.quick else 10)
+        job = TINY_JOB if args.quick else []
+        assembly(Path(tmp), sources, args.rounds, steps=5 if args.quick else 200, job=job)
     print(f"bench peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
-    return 0
+    return _quick.exit_code(True, quick=args.quick)
 
 
 if __name__ == "__main__":

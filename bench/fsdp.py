@@ -12,6 +12,7 @@ at pp=2 with `fsdp_reshard_after_forward` on, against the default (off) under pi
     python bench/fsdp.py                          # CPU defaults, ~5-8 minutes on 2 busy cores
     python bench/fsdp.py --rounds 5 --steps 8 --dim 256
     python bench/fsdp.py --reshard-check          # pp=2: reshard after forward on vs off
+    python bench/fsdp.py --quick                  # seconds: one round of 3 steps, a 1-layer d16 model
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import _quick  # bench/ is the script's folder: on sys.path
 
 from meshrun.data.prepare import default_sources, prepare
 
@@ -44,7 +47,8 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="compare fsdp pp=2 with reshard_after_forward on (B) and off (A) instead of fsdp vs ddp",
     )
-    return p.parse_args()
+    tiny = {"rounds": 1, "steps": 3, "layers": 1, "dim": 16, "heads": 2, "seq_len": 8, "global_batch": 4}
+    return _quick.parse(p, tiny)
 
 
 def settings(args: argparse.Namespace, data_dir: Path, run_dir: Path) -> list[str]:
@@ -103,7 +107,7 @@ def main() -> None:
         sides = {"A": ("ddp", ["--set=parallel.dp_mode=ddp"]), "B": ("fsdp", ["--set=parallel.dp_mode=fsdp"])}
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "data"
-        prepare(default_sources()[:60], data_dir, val_fraction=0.05)
+        prepare(_quick.stdlib_text(quick=True) if args.quick else default_sources()[:60], data_dir, val_fraction=0.05)
         results: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
         for round_ in range(args.rounds):
             for side in "AB" if round_ % 2 == 0 else "BA":
@@ -126,7 +130,7 @@ def main() -> None:
     )
     same = all(abs(a["final_loss"] - b["final_loss"]) < 1e-4 for a, b in zip(results["A"], results["B"]))
     print("final losses agree" if same else "FINAL LOSSES DIFFER")
-    sys.exit(0 if same else 1)
+    sys.exit(_quick.exit_code(same, quick=args.quick, correct=same))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 
     python bench/hf.py                 # both parts (~2-4 minutes on 2 shared cores)
     python bench/hf.py --part memory
+    python bench/hf.py --quick         # seconds: a 2-layer d16 Llama for both parts, pp=2
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from meshrun.config.schema import load_config
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _quick
 import overhead
 
 STEP_TARGET, MEMORY_TARGET = 1.05, 1.2
@@ -51,6 +53,15 @@ LARGE = {
     "num_key_value_heads": 4,
     "vocab_size": 32000,
     "max_position_embeddings": 512,
+}
+TINY = {  # --quick's model for both parts
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,  # measure_stage reads with seq_len 128
 }
 
 
@@ -84,9 +95,12 @@ def step_time(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="meshrun-bench-hf-") as tmp_name:
         tmp = Path(tmp_name)
-        model_dir = save_llama(SMALL, tmp / "llama")
+        model_dir = save_llama(TINY if args.quick else SMALL, tmp / "llama")
         data_dir = tmp / "data"
-        prepare([str(Path(torch.__file__).parent / "nn" / "modules" / "*.py")], data_dir)
+        corpus = (
+            _quick.stdlib_text(quick=True) if args.quick else [str(Path(torch.__file__).parent / "nn/modules/*.py")]
+        )
+        prepare(corpus, data_dir)
         total = args.warmup + args.rounds * args.steps
         cfg = load_config(
             None,
@@ -137,7 +151,8 @@ def measure_stage(model_dir: str, stage: int, num_stages: int) -> dict:
     from meshrun.parallel.stages import even_split
 
     cfg = validate({"model": {"hf": model_dir, "seq_len": 128}, "parallel": {"pp": num_stages, "dp": 1}})
-    layers = even_split(LARGE["num_hidden_layers"], num_stages)[stage]
+    num_layers = json.loads(Path(model_dir, "config.json").read_text())["num_hidden_layers"]
+    layers = even_split(num_layers, num_stages)[stage]
     build_model(cfg.model)  # imports transformers' modeling code before the baseline: code is not weights
     torch.nn.Linear(2, 2)(torch.zeros(1, 2))  # allocator warm-up
     baseline, peak, done = rss_anon_bytes(), [0], threading.Event()
@@ -159,10 +174,11 @@ def measure_stage(model_dir: str, stage: int, num_stages: int) -> dict:
 
 def memory(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="meshrun-bench-hf-") as tmp_name:
-        model_dir = save_llama(LARGE, Path(tmp_name) / "llama")
+        shape = TINY if args.quick else LARGE
+        model_dir = save_llama(shape, Path(tmp_name) / "llama")
         whole = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
         print(
-            f"Llama {LARGE['num_hidden_layers']}L d{LARGE['hidden_size']} vocab {LARGE['vocab_size']}: "
+            f"Llama {shape['num_hidden_layers']}L d{shape['hidden_size']} vocab {shape['vocab_size']}: "
             f"{whole:.1f} MiB of fp32 safetensors; pp={args.pp}, one fresh process per stage\n"
         )
         print(f"{'stage':>5} {'layers':>14} {'share MiB':>10} {'peak MiB':>9} {'ratio':>6}")
@@ -194,7 +210,7 @@ def memory(args: argparse.Namespace) -> int:
         f"\n{'PASS' if verdict else 'FAIL'}: worst stage peak / its share {worst:.2f}x (target <= {MEMORY_TARGET}x; "
         f"whole model {whole:.1f} MiB)"
     )
-    return 0 if verdict else 1
+    return _quick.exit_code(verdict, quick=args.quick)
 
 
 def main() -> int:
@@ -211,7 +227,8 @@ def main() -> int:
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--measure-stage", type=int, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    tiny = {"steps": 2, "rounds": 1, "warmup": 1, "seq_len": 8, "global_batch": 4, "micro_batch": 2, "pp": 2}
+    args = _quick.parse(p, tiny)
     if args.measure_stage is not None:
         print(json.dumps(measure_stage(args.model_dir, args.measure_stage, args.pp)))
         return 0

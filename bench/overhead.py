@@ -12,6 +12,7 @@ must agree (same computation), else the bench fails whatever the timing.
 
     python bench/overhead.py                       # CPU defaults, ~1-2 minutes on 2 cores
     python bench/overhead.py --precision bf16 --rounds 7 --steps 20
+    python bench/overhead.py --quick               # seconds: a 1-layer model, one round of 2 steps
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import _quick  # bench/ is the script's folder: on sys.path
 import torch
 import torch.nn.functional as F
 
@@ -66,7 +68,8 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="text files/globs to train on (default: the stdlib's top-level *.py files)",
     )
-    return p.parse_args()
+    tiny = dict(steps=2, rounds=1, warmup=1, threads=1, layers=1, dim=16, heads=2, seq_len=8, global_batch=4)
+    return _quick.parse(p, {**tiny, "micro_batch": 2, "source": _quick.stdlib_text(quick=True)})
 
 
 def make_config(args: argparse.Namespace, tmp: Path, data_dir: Path) -> Config:
@@ -235,7 +238,7 @@ def run(args: argparse.Namespace, cfg: Config, trainer: Trainer, hand: HandLoop,
         f"{'PASS' if verdict else 'FAIL'}: meshrun/hand median {median:.3f}x (target <= {TARGET:.2f}x)"
         + ("" if same else "; losses differ, so the two loops do not compute the same thing")
     )
-    return 0 if verdict else 1
+    return _quick.exit_code(verdict, quick=args.quick, correct=same)
 
 
 if __name__ == "__main__":

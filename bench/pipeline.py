@@ -14,7 +14,8 @@ each verdict is the median of the per-round ratios. Every process runs with
 OMP_NUM_THREADS=1, so pp=1 uses one core and pp=2 two.
 
     python bench/pipeline.py            # about 6-10 minutes on 2 cores
-    python bench/pipeline.py --quick    # about 2 minutes: one round, fewer steps
+    python bench/pipeline.py --rounds 1 --log-interval 1 --windows 1   # about 2 minutes
+    python bench/pipeline.py --quick    # seconds: a 2-layer d16 GPT, m=2 only, pp=2 m=2 memory only
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _quick  # bench/ is the script's folder: on sys.path
+
 BENCH = Path(__file__).resolve().parent
 TARGET_SPEEDUP = 0.90  # of the ideal 2m/(m+1), at m = 8
 TARGET_RECOMPUTE = 0.895  # share of block activation bytes saved by full recompute
@@ -39,15 +42,14 @@ TARGET_OVERHEAD = 1.03  # meshrun step time / hand-written step time
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one round, fewer steps (~2 minutes)")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds for timings (default 3; quick 1)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds for timings")
     p.add_argument(
         "--log-interval",
         type=int,
-        default=None,
-        help="steps per metrics window; the first window is warm-up and left out (default 2)",
+        default=2,
+        help="steps per metrics window; the first window is warm-up and left out",
     )
-    p.add_argument("--windows", type=int, default=None, help="timed windows per run (default 2; quick 1)")
+    p.add_argument("--windows", type=int, default=2, help="timed windows per run")
     p.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=256)
@@ -55,11 +57,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300, help="seconds before a benchmark subprocess is killed")
-    args = p.parse_args()
-    args.rounds = args.rounds or (1 if args.quick else 3)
-    args.log_interval = args.log_interval or (1 if args.quick else 2)
-    args.windows = args.windows or (1 if args.quick else 2)
-    return args
+    tiny = {"rounds": 1, "log_interval": 1, "windows": 1, "microbatches": [2], "layers": 2, "dim": 16, "heads": 2}
+    return _quick.parse(p, {**tiny, "seq_len": 8})
+
+
+def memory_model(args: argparse.Namespace) -> tuple[int, int, int, int]:
+    """(layers, dim, heads, seq_len) of section 2's GPT: fixed, but under --quick the tiny model."""
+    return (args.layers, args.dim, args.heads, args.seq_len) if args.quick else (8, 128, 4, 128)
 
 
 def log(message: str) -> None:
@@ -228,10 +232,7 @@ def pipeline_memory(args: argparse.Namespace, tmp: Path, data: Path, layouts: li
                     f"--run-dir={run_dir}",
                     f"--schedule={schedule}",
                     f"--microbatches={m}",
-                    "--layers=8",
-                    "--dim=128",
-                    "--heads=4",
-                    "--seq-len=128",
+                    *(f"--{k}={v}" for k, v in zip(("layers", "dim", "heads", "seq-len"), memory_model(args))),
                 ],
                 timeout=args.timeout,
                 cwd=tmp,
@@ -392,7 +393,10 @@ def report(
 
     say("")
     say("2. 1F1B vs GPipe: peak bytes saved for backward per pipeline rank (saved-tensor hooks in meshrun's Trainer,")
-    say("   each storage once, parameters left out; GPT 8 layers, dim 128, seq_len 128, micro batch 1, fp32).")
+    layers, dim, _, seq_len = memory_model(a)
+    say(
+        f"   each storage once, parameters left out; GPT {layers} layers, dim {dim}, seq_len {seq_len}, micro batch 1, fp32)."
+    )
     say("   'held' = bytes still saved when the step starts: on stage 0 torch.distributed.pipelining's first-step")
     say("   shape inference keeps one forward graph alive for the whole run, the same under both schedules;")
     say("   'per step' = peak - held. Theory: 1F1B holds (p - rank) microbatches in flight, GPipe all m.")
@@ -467,7 +471,7 @@ def main() -> int:
         log("section 3: recompute (one process)")
         recompute = recompute_bytes(args, data)
         log("section 2: 1F1B vs GPipe memory (torchrun workers)")
-        layouts = [(2, 4), (2, 8)] + ([] if args.quick else [(4, 8)])
+        layouts = [(2, 2)] if args.quick else [(2, 4), (2, 8), (4, 8)]
         memory = pipeline_memory(args, tmp, data, layouts)
         log("sections 1 and 4: step times (alternating runs)")
         times, bubbles, versus = time_pipelines(args, Runs(args, tmp, data))
@@ -475,7 +479,7 @@ def main() -> int:
             args, times, bubbles, versus, memory, recompute, (load_start, os.getloadavg()), time.perf_counter() - start
         )
     print("\n".join(lines))
-    return 0
+    return _quick.exit_code(True, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """How accurate is `meshrun plan`? Per-rank memory, step time and ranking, predicted vs measured.
 
     python bench/plan.py [--rounds 2] [--steps 20] [--log-interval 5] [--calibration-rounds 2] [--timeout 900]
+    python bench/plan.py --quick    # seconds: the GPT calibrated once, two layouts (one rank, pp=2), 4 steps
 
 1. `meshrun plan --calibrate` (the real CLI) on this machine, once per model (the bench GPT and a
    tiny Hugging Face Llama), saved to temporary calibration files (one thread, like every worker
@@ -29,12 +30,13 @@ import json
 import os
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-from pipeline import log, run
+import _quick  # bench/ is the script's folder: on sys.path
+from pipeline import log
+from pipeline import run as launch
 
 GPT = {
     "model.num_layers": 4,
@@ -87,12 +89,10 @@ def layout_settings(
     }
 
 
-def measure(
-    tmp: Path, data: Path, name: str, layout: tuple, args: argparse.Namespace, round_: int
-) -> tuple[float, list[float]]:
+def measure(tmp: Path, data: Path, layout: tuple, args: argparse.Namespace, run: str) -> tuple[float, list[float]]:
     """One `meshrun train` run of the layout: the median step time of its windows after the first,
     and each pipeline stage's peak memory (bytes)."""
-    run_dir = tmp / f"run-{list(LAYOUTS).index(name)}-{round_}"
+    run_dir = tmp / f"run-{run}"
     settings = {
         **layout_settings(*layout),
         "data.dir": data,
@@ -103,7 +103,7 @@ def measure(
         "tracker.mode": "disabled",
         "checkpoint.at_end": "false",
     }
-    run(
+    launch(
         [sys.executable, "-m", "meshrun", "train", *(f"--set={k}={v}" for k, v in settings.items())],
         timeout=args.timeout,
         cwd=tmp,
@@ -119,7 +119,9 @@ def loads() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def predict_all(calibrations: dict[str, Path], log_interval: int) -> dict[str, tuple[float, list[int]]]:
+def predict_all(
+    layouts: dict[str, tuple], calibrations: dict[str, Path], log_interval: int
+) -> dict[str, tuple[float, list[int]]]:
     """Each layout's predicted step time (logged every `log_interval` steps, as measured) and
     per-pp-rank memory, from its model's calibration."""
     from meshrun.config.schema import load_config
@@ -129,7 +131,7 @@ def predict_all(calibrations: dict[str, Path], log_interval: int) -> dict[str, t
 
     hw = Hardware("cpu", float("inf"), None, intra_gbs=10.0, inter_gbs=1.25, gpus_per_node=4)
     out = {}
-    for name, layout in LAYOUTS.items():
+    for name, layout in layouts.items():
         _, eff = load_calibration(calibrations[layout[0]])
         settings = {**layout_settings(*layout), "train.log_interval": log_interval}
         cfg = load_config(None, [f"{k}={v}" for k, v in settings.items()])
@@ -142,16 +144,18 @@ def calibrate(tmp: Path, calibration: Path, model: str, args: argparse.Namespace
     settings = {**MODELS[model], "parallel.dp": 1, "parallel.pp": 1}
     argv = [sys.executable, "-m", "meshrun", "plan", "--calibrate", f"--calibration={calibration}"]
     argv += [f"--rounds={args.calibration_rounds}", *(f"--set={k}={v}" for k, v in settings.items())]
-    print(run(argv, timeout=args.timeout, cwd=tmp), end="")
+    print(launch(argv, timeout=args.timeout, cwd=tmp), end="")
 
 
-def measure_rounds(tmp: Path, data: Path, args: argparse.Namespace) -> dict[str, list[tuple[float, list[float]]]]:
+def measure_rounds(
+    tmp: Path, data: Path, layouts: dict[str, tuple], args: argparse.Namespace
+) -> dict[str, list[tuple[float, list[float]]]]:
     """Every layout once per round, in the same order, for --rounds rounds."""
-    per_round: dict[str, list[tuple[float, list[float]]]] = {name: [] for name in LAYOUTS}
+    per_round: dict[str, list[tuple[float, list[float]]]] = {name: [] for name in layouts}
     for round_ in range(args.rounds):
-        for name, layout in LAYOUTS.items():
+        for index, (name, layout) in enumerate(layouts.items()):
             log(f"round {round_ + 1}/{args.rounds}: {name} (load {loads()})")
-            per_round[name].append(measure(tmp, data, name, layout, args, round_))
+            per_round[name].append(measure(tmp, data, layout, args, f"{index}-{round_}"))
     return per_round
 
 
@@ -160,7 +164,7 @@ def memory_report(predicted: dict[str, tuple[float, list[int]]], per_round: dict
     returns the worst relative error."""
     print(f"\n{'layout':<24}{'pp rank':>8}{'predicted MB':>14}{'measured MB':>13}{'error':>8}")
     worst = 0.0
-    for name in LAYOUTS:
+    for name in per_round:
         measured = [statistics.median(mem[s] for _, mem in per_round[name]) for s in range(len(per_round[name][0][1]))]
         for rank, (want, got) in enumerate(zip(predicted[name][1], measured)):
             error = want / got - 1
@@ -173,8 +177,8 @@ def memory_report(predicted: dict[str, tuple[float, list[int]]], per_round: dict
 def time_report(predicted: dict[str, float], per_round: dict[str, list[float]], tie: float) -> tuple[float, float]:
     """Prints the table, the MAPE and the pair counts; returns (MAPE, share of non-tied pairs ordered alike)."""
     measured = {name: statistics.median(times) for name, times in per_round.items()}
-    by_measured = sorted(LAYOUTS, key=measured.__getitem__)
-    by_predicted = sorted(LAYOUTS, key=predicted.__getitem__)
+    by_measured = sorted(measured, key=measured.__getitem__)
+    by_predicted = sorted(measured, key=predicted.__getitem__)
     print(
         f"\n{'layout':<24}{'predicted s':>12}{'measured s':>12}{'ratio':>7}{'pred rank':>10}{'meas rank':>10}"
         "  rounds (s)"
@@ -185,9 +189,9 @@ def time_report(predicted: dict[str, float], per_round: dict[str, list[float]], 
             f"{by_predicted.index(name) + 1:>10}{by_measured.index(name) + 1:>10}  "
             + " ".join(f"{t:.4f}" for t in per_round[name])
         )
-    mape = statistics.mean(abs(predicted[n] / measured[n] - 1) for n in LAYOUTS)
+    mape = statistics.mean(abs(predicted[n] / measured[n] - 1) for n in measured)
     print(f"step time: MAPE {mape:.1%} (target <= 15%): {'PASS' if mape <= 0.15 else 'FAIL'}")
-    pairs = list(itertools.combinations(LAYOUTS, 2))
+    pairs = list(itertools.combinations(measured, 2))
     alike = {(a, b) for a, b in pairs if (predicted[a] < predicted[b]) == (measured[a] < measured[b])}
     ties = [(a, b) for a, b in pairs if abs(measured[a] - measured[b]) < tie * min(measured[a], measured[b])]
     decided = [pair for pair in pairs if pair not in ties]
@@ -209,7 +213,10 @@ def main() -> int:
     p.add_argument("--log-interval", type=int, default=5, help="train.log_interval's default: a window's steps")
     p.add_argument("--tie", type=float, default=0.05, help="measured medians closer than this share are a tie")
     p.add_argument("--timeout", type=float, default=900)
-    args = p.parse_args()
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS), metavar="NAME")
+    tiny = {"rounds": 1, "calibration_rounds": 1, "steps": 4, "log_interval": 2, "timeout": 300}
+    args = _quick.parse(p, {**tiny, "layouts": ["1 rank, mb 2", "pp2 1f1b, mb 1"]})
+    layouts = {name: LAYOUTS[name] for name in args.layouts}
     started = time.time()
     print(f"load averages (1, 5, 15 min) at the start: {loads()}")
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -217,20 +224,22 @@ def main() -> int:
         from meshrun.data.prepare import prepare
 
         data = tmp / "data"
-        prepare([str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")], data)
-        calibrations = {model: tmp / f"calibration-{model}.json" for model in MODELS}
+        prepare(_quick.stdlib_text(quick=args.quick), data)
+        calibrations = {
+            model: tmp / f"calibration-{model}.json" for model in {layout[0] for layout in layouts.values()}
+        }
         for model, calibration in calibrations.items():
             log(f"calibrating {model}")
             calibrate(tmp, calibration, model, args)
         print(f"load averages after calibrating: {loads()}")
-        per_round = measure_rounds(tmp, data, args)
-        predicted = predict_all(calibrations, args.log_interval)
+        per_round = measure_rounds(tmp, data, layouts, args)
+        predicted = predict_all(layouts, calibrations, args.log_interval)
     worst = memory_report(predicted, per_round)
     mape, share = time_report(
         {n: t for n, (t, _) in predicted.items()}, {n: [t for t, _ in r] for n, r in per_round.items()}, args.tie
     )
     print(f"load averages at the end: {loads()}  [{time.time() - started:.0f} s]")
-    return 0 if worst <= 0.10 and mape <= 0.15 and share >= 0.85 else 1
+    return _quick.exit_code(worst <= 0.10 and mape <= 0.15 and share >= 0.85, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ first; the verdict is the median of the per-round ratios.
 
     python bench/tp.py                      # ~3-5 minutes on 2 busy cores
     python bench/tp.py --rounds 5 --dim 512
+    python bench/tp.py --quick              # seconds: one round of 3 steps, a 1-layer d16 model
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _quick  # bench/ is the script's folder: on sys.path
 import torch
 
 from meshrun.config.schema import load_config
@@ -51,7 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=4)
-    return p.parse_args()
+    tiny = {"rounds": 1, "steps": 3, "layers": 1, "dim": 16, "heads": 2, "seq_len": 8, "global_batch": 4}
+    return _quick.parse(p, {**tiny, "micro_batch": 2})
 
 
 def settings(args: argparse.Namespace, data_dir: Path, run_dir: Path, tp: int) -> list[str]:
@@ -138,7 +141,7 @@ def main() -> None:
     results: dict[int, list[dict[str, float]]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "data"
-        prepare(default_sources()[:60], data_dir, val_fraction=0.05)
+        prepare(_quick.stdlib_text(quick=True) if args.quick else default_sources()[:60], data_dir, val_fraction=0.05)
         for round_ in range(args.rounds):
             for tp in (1, 2) if round_ % 2 == 0 else (2, 1):
                 results[tp].append(run_side(args, data_dir, Path(tmp) / f"tp{tp}-{round_}", tp))
@@ -161,7 +164,7 @@ def main() -> None:
     print(f"collectives' share of a tp2 step: median {statistics.median(r['comm'] for r in results[2]):.0%}")
     same = all(abs(a["final_loss"] - b["final_loss"]) < 1e-4 for a, b in zip(results[1], results[2]))
     print("final losses agree" if same else "FINAL LOSSES DIFFER")
-    sys.exit(0 if same and state <= TARGET else 1)
+    sys.exit(_quick.exit_code(same and state <= TARGET, quick=args.quick, correct=same))
 
 
 if __name__ == "__main__":

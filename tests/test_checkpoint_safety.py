@@ -178,6 +178,15 @@ def test_export_refuses_a_checkpoint_with_a_pickled_item(finished: Path, tmp_pat
     assert str(ckpt / ".metadata") in result.stderr and not (tmp_path / "m.safetensors").exists()
 
 
+def test_export_of_a_renamed_checkpoint_folder_names_its_step(finished: Path, tmp_path: Path) -> None:
+    """A checkpoint copied to a folder not named step-N exports, and the line says the step its
+    manifest records (it wrote the file, then crashed reading the step from the name)."""
+    ckpt = shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "best model")
+    result = run_meshrun(["export", str(ckpt), "--out", "m.safetensors"], tmp_path=tmp_path, timeout=120)
+    assert result.stdout.startswith(f"exported step {int(CKPTS[-1].split('-')[1])} ({ckpt}) to "), result.stdout
+    assert (tmp_path / "m.safetensors").is_file()
+
+
 def test_a_transformed_entry_is_refused(finished: Path, tmp_path: Path) -> None:
     """meshrun writes no compressed (transformed) entries: one would be decompressed unbounded."""
     from meshrun.checkpoint.safe_reader import SafeReader

@@ -996,6 +996,27 @@ CASES = [
         ],
         ("odd.json is not a calibration record", "meshrun plan --calibrate"),
     ),
+    *(
+        Case(
+            f"plan-calibration-{name}",
+            lambda c, text=text: ["plan", *c.set(), "--calibration", str(c.write("cal.json", text))],
+            ("cal.json is not a calibration record", *expect, "meshrun plan --calibrate"),
+        )
+        for name, text, expect in (
+            # each printed NaN step times, or was a traceback (ZeroDivisionError, OverflowError, RecursionError)
+            ("huge", '{"device": "cpu", "step_s": 1e308}', ("step_s is 1e+308, not a measured value from 0 to 1e+06",)),
+            ("zero-flops", '{"device": "cpu", "achieved_flops": 0}', ("achieved_flops is 0",)),
+            ("zero-devices", '{"device": "cpu", "parallel_devices": 0}', ("parallel_devices is 0",)),
+            ("huge-int", '{"device": "cpu", "p2p_s": ' + "9" * 400 + "}", ("p2p_s is 9999",)),
+            ("nested", '{"device": "cpu", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", ()),
+            ("inf-string", '{"device": "cpu", "achieved_flops": "inf"}', ("achieved_flops is 'inf', not a number",)),
+        )
+    ),
+    Case(
+        "plan-calibration-unknown-device",  # blamed --gpu, which was not given
+        lambda c: ["plan", *c.set(), "--calibration", str(c.write("cal.json", '{"device": "tpu9"}'))],
+        ("cal.json names its device 'tpu9', which meshrun does not know; pass --gpu",),
+    ),
     Case(
         "report-run-config-not-a-run",  # a KeyError traceback
         lambda c: ["report", str(c.write("badrun/config.json", "{}").parent)],

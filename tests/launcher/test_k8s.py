@@ -12,6 +12,7 @@ queue label.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import signal
@@ -228,6 +229,26 @@ def test_one_node_cpu_needs_no_volume_nor_rendezvous(tmp_path: Path) -> None:
     assert "run" not in {m["name"] for m in container["volumeMounts"]}
 
 
+def test_relative_paths_are_warned_and_the_kubernetes_version_named(tmp_path: Path) -> None:
+    """The pods resolve a relative data.dir / model.hf in the image, not here; the JobSet's
+    podFailurePolicy needs Kubernetes 1.31 (GA), named in the header and on stderr. An --env value
+    with a newline reaches the pod unchanged."""
+    llama = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
+    llama |= {"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256, "max_position_embeddings": 256}
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(llama))
+    flags = ["--image=img", "--nodes=1", "--set=data.dir=data", "--set=model.hf=llama", "--env=NOTE=two\nlines"]
+    result = run_meshrun(["k8s", *flags], tmp_path=tmp_path, timeout=120)
+    assert "# Needs Kubernetes >= 1.31" in result.stdout
+    assert "the JobSet needs Kubernetes >= 1.31" in result.stderr
+    for key, path in (("data.dir", "data"), ("model.hf", "llama")):
+        assert f'warning: {key} "{path}" is a relative path' in result.stderr, result.stderr
+    _, jobset = yaml.safe_load_all(result.stdout)
+    assert {"name": "NOTE", "value": "two\nlines"} in job_pod(jobset)["containers"][0]["env"]
+    absolute = run_meshrun(["k8s", "--image=img", "--nodes=1", f"--set=data.dir={tmp_path}/data"], tmp_path=tmp_path)
+    assert "relative path" not in absolute.stderr
+
+
 def test_out_writes_a_new_file_and_never_overwrites(tmp_path: Path) -> None:
     out = tmp_path / "job.yaml"
     run_meshrun(["k8s", "--image=img", "--nodes=1", f"--out={out}"], tmp_path=tmp_path, timeout=120)
@@ -266,6 +287,9 @@ def test_out_writes_a_new_file_and_never_overwrites(tmp_path: Path) -> None:
         (["--nodes=1", "--image=a b"], "--image"),
         (["--nodes=1", "--set=train.steps=0"], "train.steps"),
         (["--nodes=1", "--set=train.resume=none"], "train.resume is none"),
+        (["--nodes=0"], "--nodes must be from 1 to 100,000"),
+        (["--nodes=-3"], "--nodes must be from 1 to 100,000"),
+        (["--nodes=100001", "--pvc=runs:/runs", "--set=run_dir=/runs/x"], "limit for an Indexed Job"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(flags: list[str], message: str, tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ def test_render_splits_workers_over_nodes_and_keeps_site_settings_optional(tmp_p
         "--ntasks-per-node=1",
         "--gpus-per-node=4",
         "--cpus-per-task=4",  # one per worker: Slurm's default of one CPU per task would share a core
+        "--mem=0",  # all of each node's memory: a site's per-CPU default could kill the job
         "--signal=B:USR1@300",
         "--requeue",
         "--open-mode=append",

@@ -104,6 +104,9 @@ def test_valid_values_render_one_line_each() -> None:
         {"sbatch_options": ["-q high"]},
         {"sbatch_options": ["--comment=a b"]},
         {"cpus_per_task": 0},
+        {"mem": "64x"},
+        {"mem": "-1"},
+        {"mem": "8G\n#SBATCH --wrap=id"},
     ],
 )
 def test_render_refuses_bad_values(options: dict) -> None:
@@ -127,6 +130,28 @@ def test_python_starts_without_the_working_folder_on_its_path() -> None:
     script = render_sbatch(cfg, config=None, overrides=[], nodes=2, gpus_per_node=4)
     assert '"$PYTHON" -P -m meshrun train' in script
     assert not [line for line in script.splitlines() if " -m meshrun" in line and " -P -m meshrun" not in line]
+
+
+def test_mem_and_cpus_per_task_are_set_and_said_with_why() -> None:
+    """--mem defaults to 0 (all of each node's memory; a site's per-CPU default could kill the job),
+    is left out when an --sbatch option sets memory (sbatch refuses --mem with --mem-per-cpu), and
+    the header says what was chosen for it and for --cpus-per-task, and why."""
+    from meshrun.launcher.slurm import chosen
+
+    script = render()
+    assert "#SBATCH --mem=0" in script.splitlines()
+    assert chosen(script) == [
+        "--cpus-per-task=1: one per worker (sinfo gave no node size); pass --cpus-per-task to give the workers more",
+        (
+            "--mem=0: all of each node's memory, which its one task shares among the workers (a site's per-CPU "
+            "default could kill the job); pass --mem to ask for less"
+        ),
+    ]
+    sized = render(mem="64G", node_cpus=32)
+    assert "#SBATCH --mem=64G" in sized.splitlines() and "--mem=64G: as given" in chosen(sized)
+    assert chosen(sized)[0].startswith("--cpus-per-task=32: every CPU of the partition's smallest node (sinfo)")
+    site = render(sbatch_options=["--mem-per-cpu=4G"])
+    assert not any(line.startswith("#SBATCH --mem=") for line in site.splitlines())
 
 
 def test_time_zero_is_no_limit_said_in_one_line(tmp_path: Path) -> None:

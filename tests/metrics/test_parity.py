@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import meshrun_env, plant_hostile_modules, run_meshrun, tiny
 from dropped_grad_gpt import DROPPED
 
@@ -64,3 +65,29 @@ def test_two_jobs_or_a_used_folder_are_refused_before_training(tmp_path: Path, d
     (tmp_path / "parity" / "old").mkdir(parents=True)
     done = parity(tmp_path, data_dir)
     assert done.returncode == 2 and "--out" in done.stderr and "exists" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [  # each trained A for minutes, then B was refused by its own `meshrun train`
+        (["--layers", "1", "--set-b", "parallel.pp=2"], "run B (dp 1 x pp 2, 1f1b, micro_batch 2, "),
+        (["--set-b", "parallel.pp=2", "--set-b", "train.micro_batch=8"], "schedule 1f1b needs at least"),
+    ],
+)
+def test_a_layout_train_refuses_is_refused_before_either_run_trains(
+    args: list[str], message: str, tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshrun.cli import main
+
+    out = tmp_path / "parity"
+    assert main(["parity", *tiny(data_dir, "unused"), "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "training" not in err, err
+    assert not out.exists()
+
+
+def test_the_same_layout_twice_says_it_checks_repeatability(tmp_path: Path, data_dir: Path) -> None:
+    done = parity(tmp_path, data_dir, "--steps", "1", "--weights", "none", check=True)
+    assert "A and B have the same layout (dp 1 x pp 1, micro_batch 2, recompute none, fp32)" in done.stderr
+    assert "checks that a run repeats itself, not one layout against another" in done.stderr
+    assert "verdict: EQUAL" in done.stdout

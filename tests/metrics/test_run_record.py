@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,61 @@ def test_report_never_replaces_a_file_unless_forced(resumed: tuple[Path, str], t
     assert mine.read_bytes().startswith(b"\x89PNG")
     own = report_run(tmp_path, "run", out=str(resumed[0] / "loss.png"), force=True)  # a run's own file: never
     assert_refused(own, "is a file of the run")
+
+
+def fake_run(tmp_path: Path, metrics: str) -> Path:
+    """A run directory with the config fields `meshrun report` reads and these metrics.jsonl lines."""
+    run = tmp_path / "run"
+    run.mkdir()
+    config = {"parallel": {"dp": 1, "pp": 1}, "train": {"global_batch": 4}, "model": {"seq_len": 8}}
+    (run / "config.json").write_text(json.dumps({**config, "precision": "fp32"}))
+    (run / "metrics.jsonl").write_text(metrics)
+    return run
+
+
+@pytest.mark.parametrize(
+    "metrics,why",
+    [
+        ('{"step": ' + "9" * 400 + ', "loss": 1.0}\n', "is not a step count"),  # was an OverflowError traceback
+        ('{"step": 1, "loss": ' + "9" * 400 + "}\n", "'loss' is 99999"),
+        ('{"step": 1, "train_s": -5}\n', "'train_s' is -5, not a finite number >= 0"),
+        ('{"step": 1, "train_s": Infinity}\n', "'train_s' is inf, not a finite number >= 0"),
+        ('{"step": 1, "time/rank0/compute_s": NaN, "time/rank0/wait_s": 1}\n', "is nan, not a finite"),  # "nan%"
+        ('{"step": 1, "straggler/rank": 1}\n', "straggler/pp is missing"),  # was a KeyError traceback
+        ('{"step": 1, "straggler/rank": NaN, "straggler/pp": 0, "straggler/dp": 0, "straggler/ratio": 1}\n', "nan"),
+        ('{"step": 1, "straggler/rank": 1.5, "straggler/pp": 0, "straggler/dp": 0, "straggler/ratio": 1}\n', "1.5"),
+        ('{"step": 1, "loss": "low"}\n', "'loss' is 'low', not a number"),
+        ("[1, 2]\n", "a JSON list, not an object"),
+        ("null\n", "not an object"),
+        ('{"step": true}\n', "step True is not a step count"),
+        ('{"step": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "is not JSON (RecursionError)"),
+    ],
+)
+def test_report_refuses_a_hostile_metrics_row_in_one_line(
+    metrics: str, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshrun.cli import main
+
+    code = main(["report", str(fake_run(tmp_path, metrics)), "--out", str(tmp_path / "curves.png")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and "metrics.jsonl line 1" in err and why in err, err
+    assert not (tmp_path / "curves.png").exists()
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        '{"step": 1, "loss": NaN}\n{"step": 2, "loss": Infinity}\n',  # a diverged run logs its loss as it was
+        '{"step": 1}\n{"step": 2, "train_s": 0.5}\n',  # no loss yet: was a matplotlib legend warning
+    ],
+)
+def test_report_draws_what_a_diverged_or_young_run_logged_without_warnings(
+    metrics: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshrun.cli import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "no artists with labels" reached the user's terminal
+        assert main(["report", str(fake_run(tmp_path, metrics)), "--out", str(tmp_path / "curves.png")]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "| run (not finished) |" in out and (tmp_path / "curves.png").is_file()

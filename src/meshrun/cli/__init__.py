@@ -84,7 +84,7 @@ def _slurm(args: argparse.Namespace) -> int:
     import subprocess
 
     from meshrun.files.console import say
-    from meshrun.launcher.slurm import partition_cpus, render_sbatch, slurm_notes
+    from meshrun.launcher.slurm import chosen, partition_cpus, render_sbatch, slurm_notes
 
     cfg = load_config(args.config, args.overrides)
     script = render_sbatch(
@@ -98,12 +98,13 @@ def _slurm(args: argparse.Namespace) -> int:
         time=args.time,
         cpus_per_task=args.cpus_per_task,
         node_cpus=None if args.cpus_per_task else partition_cpus(args.partition),
+        mem=args.mem,
         job_name=args.job_name,
         signal_seconds=args.signal_seconds,
         sbatch_options=args.sbatch_options,
     )
     preflight(cfg)  # the same checks as `meshrun train`, before the job waits for nodes
-    for note in slurm_notes(cfg, nodes=args.nodes, time=args.time):
+    for note in [*chosen(script), *slurm_notes(cfg, nodes=args.nodes, time=args.time)]:
         say(note)
     if not args.submit:
         print(script, end="")
@@ -121,7 +122,8 @@ def _slurm(args: argparse.Namespace) -> int:
 def _k8s(args: argparse.Namespace) -> int:
     """Render the manifest for a config after the checks that need no cluster; print or write it."""
     from meshrun.files.atomic import write_atomic
-    from meshrun.launcher.k8s import PodOptions, check_options, render_manifest
+    from meshrun.files.console import say
+    from meshrun.launcher.k8s import PodOptions, check_options, k8s_notes, render_manifest
     from meshrun.parallel.stages import validate_layout
 
     cfg = load_config(args.config, args.overrides)
@@ -146,6 +148,8 @@ def _k8s(args: argparse.Namespace) -> int:
     weights = sum(p.numel() for p in model.parameters())
     checkpoint_bytes = 4 * (1 + cfg.train.optimizer_state()[0]) * weights  # fp32 weights + the optimizer's values
     manifest = render_manifest(cfg, options, checkpoint_bytes=checkpoint_bytes)
+    for note in k8s_notes(cfg, options):
+        say(note)
     if args.out is None:
         print(manifest, end="")
         return 0

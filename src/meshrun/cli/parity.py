@@ -18,6 +18,7 @@ from meshrun.errors import ConfigError, RunError
 from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
 from meshrun.metrics import parity
+from meshrun.preflight import preflight
 
 SIDES = ("A", "B")
 # train keys that say how the work is split or logged, not what is computed: they may differ
@@ -127,6 +128,16 @@ def run_parity(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--layers: a Hugging Face model takes its depth from its own config; "
             "set model.hf_config's num_hidden_layers with --set instead"
+        )
+    for side, cfg in zip(SIDES, configs):  # what `meshrun train` would refuse, before either run trains
+        try:
+            preflight(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"run {side} ({describe(cfg)}): {exc}") from None
+    if describe(configs[0]) == describe(configs[1]):
+        say(
+            f"parity: A and B have the same layout ({describe(configs[0])}): this checks that a run repeats "
+            "itself, not one layout against another; give them different layouts with --set-a / --set-b"
         )
     out.mkdir(parents=True, exist_ok=True)
     precisions = [

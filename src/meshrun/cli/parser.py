@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="CPUs for each node's torchrun agent and its workers (default: the partition's node CPUs from sinfo, else one per worker)",
     )
+    slurm.add_argument("--mem", help="memory per node, sbatch's --mem (e.g. 64G; default 0: all of each node's memory)")
     slurm.add_argument("--job-name", default="meshrun", help="Slurm job name")
     slurm.add_argument(
         "--signal-seconds",

@@ -48,6 +48,9 @@ def hardware(args: argparse.Namespace, requested: str) -> tuple[Hardware, str]:
     try:
         spec = device_by_short_name(name)
     except KeyError as exc:
+        if args.gpu is None:  # the name came from the calibration file, not the command line
+            path = _calibration_path(args, "cpu")
+            raise ConfigError(f"{path} names its device {name!r}, which meshrun does not know; pass --gpu") from None
         raise ConfigError(f"--gpu: {exc.args[0]}, or cpu; for another device pass --memory-gb and calibrate") from None
     precision = choose_precision(
         requested, native_bf16=spec.bf16_tflops is not None, gpu=True, hardware=spec.key

@@ -7,9 +7,8 @@ from pathlib import Path
 
 from torch import nn
 
-from meshrun.checkpoint.dcp import CONFIG, full_model_state, verify
+from meshrun.checkpoint.dcp import CONFIG, full_model_state, read_manifest, verify
 from meshrun.checkpoint.export import export
-from meshrun.checkpoint.paths import step_of
 from meshrun.checkpoint.resume import checkpoint_dir
 from meshrun.cli.arguments import check_export_target
 from meshrun.config.schema import Config, check_code_trusted
@@ -44,6 +43,13 @@ def load_full_model(
     return model.eval(), cfg, folder
 
 
+def saved_at(folder: Path) -> str:
+    """'step N (FOLDER)', N from the checkpoint's manifest: a folder copied or renamed away from
+    step-N keeps its step there."""
+    step = read_manifest(folder).get("step")
+    return f"step {step} ({folder})" if type(step) is int else str(folder)
+
+
 def factory_override(overrides: list[str]) -> str | None:
     """The factory named with `--set model.factory=...` (the last one wins), refusing other keys."""
     factory = None
@@ -66,13 +72,13 @@ def use_checkpoint(args: argparse.Namespace) -> int:
 
             model, cfg, folder = load_full_model(args.checkpoint, **trust)
             out = export_hf(model, cfg.model, Path(args.hf), data=data_card(cfg, folder))
-            print(f"exported step {step_of(folder)} ({folder}) as a Hugging Face model to {Path(out).absolute()}")
+            print(f"exported {saved_at(folder)} as a Hugging Face model to {Path(out).absolute()}")
             return 0
         if args.command == "export":
             check_export_target("--out", args.out)
             model, cfg, folder = load_full_model(args.checkpoint, **trust)
             out = export(model, cfg, folder, args.out)
-            print(f"exported step {step_of(folder)} ({folder}) to {out.absolute()}")
+            print(f"exported {saved_at(folder)} to {out.absolute()}")
             return 0
         model, cfg, folder = load_full_model(args.checkpoint, **trust)
         text = sample(

@@ -49,6 +49,10 @@ _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 _QUANTITY = re.compile(r"\d+(\.\d+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?")
 CHECKPOINT_BYTES_PER_SECOND = 100e6  # a slow shared volume; the grace period must cover one save
+# The Job's podFailurePolicy (onExitCodes) is GA and always on from 1.31 (beta 1.26-1.30, where some
+# 1.28 releases refuse a rule without onPodConditions; alpha and off by default in 1.25).
+MIN_KUBERNETES = "1.31"
+MAX_INDEXED_PODS = 100_000  # batch/v1 validation: an Indexed Job's parallelism at most
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,10 @@ class JobShape:
 
 def check_options(cfg: Config, options: PodOptions) -> JobShape:
     """Every refusal of `meshrun k8s` that needs no model, one line each (ConfigError)."""
+    if not 1 <= options.nodes <= MAX_INDEXED_PODS:
+        raise ConfigError(
+            f"--nodes must be from 1 to {MAX_INDEXED_PODS:,} (Kubernetes' limit for an Indexed Job), got {options.nodes}"
+        )
     if not options.image or any(c.isspace() for c in options.image):
         raise ConfigError(f"--image {json.dumps(options.image)}: name one image, e.g. registry.example.com/meshrun:1")
     nproc = workers_per_node(cfg.parallel, options.nodes, named=f"--nodes {options.nodes}", change="--nodes")
@@ -258,11 +266,38 @@ def render_manifest(cfg: Config, options: PodOptions, *, checkpoint_bytes: int) 
         f"({cfg.layout.text()}) = {options.nodes} pods x {shape.nproc}.\n"
         "# Apply with `kubectl apply -f THIS_FILE`; the image is docker/Dockerfile's.\n"
     )
+    if options.flavor == "jobset":
+        head += f"# Needs Kubernetes >= {MIN_KUBERNETES}: the Job's podFailurePolicy is GA there.\n"
     if options.flavor == "trainjob":  # TrainJob's runtime patches cannot set the pod's grace period
         head += (
             f"# A stop's checkpoint needs about {grace} s: give the {TORCH_RUNTIME} runtime's pods that grace period.\n"
         )
     return head + yaml.dump_all([config_map, job], Dumper=_Dumper, sort_keys=False)
+
+
+def k8s_notes(cfg: Config, options: PodOptions) -> list[str]:
+    """What a valid manifest may still get wrong on the cluster, one line each (for stderr)."""
+    notes = []
+    if options.flavor == "jobset":
+        notes.append(f"the JobSet needs Kubernetes >= {MIN_KUBERNETES} (the Job's podFailurePolicy is GA there)")
+    for key, path in _local_paths(cfg):
+        if not posixpath.isabs(path):
+            notes.append(
+                f"warning: {key} {json.dumps(path)} is a relative path: the pods resolve it in the image's working "
+                "directory, not here; use an absolute path inside the image or on the shared volume (--pvc)"
+            )
+    return notes
+
+
+def _local_paths(cfg: Config) -> list[tuple[str, str]]:
+    """(key, path) of every config value the pods read as a file or folder of their own."""
+    data = cfg.data
+    paths = [("data.dir", data.dir)] + [(f"data.mixture[{i}].dir", m.dir) for i, m in enumerate(data.mixture)]
+    paths += [(f"data.sources[{i}]", source) for i, source in enumerate(data.sources)]
+    if data.tokenizer is not None and data.tokenizer != "byte" and not data.tokenizer.startswith("bpe:"):
+        paths.append(("data.tokenizer", data.tokenizer))
+    paths.append(("model.hf", getattr(cfg.model, "hf", None)))
+    return [(key, str(path)) for key, path in paths if path is not None]
 
 
 def _shm_gib(shape: JobShape) -> int:

@@ -53,6 +53,7 @@ _FORMATS = {
     ),
     "--partition": (r"[\w.-]+(,[\w.-]+)*", "partition names of letters, digits, _ . -, separated by commas"),
     "--account": (r"[\w.-]+", "letters, digits, _ . -"),
+    "--mem": (r"\d+[KMGT]?", "megabytes, or a number with K, M, G or T, e.g. 64G (0: all of each node's memory)"),
     "--job-name": (r"[\w.+@:,= -]+", "letters, digits, spaces and _ . + @ : , = -"),
     "--sbatch": (
         r"--[a-z][a-z0-9-]*(=((?![\"'\\])[!-~])+)?",
@@ -64,7 +65,7 @@ _FORMATS = {
 def checked(flag: str, value: str) -> str:
     """`value` for the #SBATCH line of `flag`, refused with the expected format if it does not fit."""
     pattern, expected = _FORMATS[flag]
-    if not re.fullmatch(pattern, value, flags=re.IGNORECASE if flag == "--time" else 0):
+    if not re.fullmatch(pattern, value, flags=re.IGNORECASE if flag in ("--time", "--mem") else 0):
         raise ConfigError(f"{flag} {json.dumps(value)} is not valid for an #SBATCH line: expected {expected}")
     return value
 
@@ -108,13 +109,15 @@ def render_sbatch(
     time: str | None = None,
     cpus_per_task: int | None = None,
     node_cpus: int | None = None,
+    mem: str | None = None,
     job_name: str = "meshrun",
     signal_seconds: int = 300,
     sbatch_options: Sequence[str] = (),
 ) -> str:
     """The sbatch script that trains `cfg` (loaded from `config` + `overrides`) on `nodes` nodes.
     `node_cpus`: the CPUs of the partition's smallest node (`partition_cpus`), which the one agent task
-    per node asks for unless `cpus_per_task` says otherwise; unknown: one per worker."""
+    per node asks for unless `cpus_per_task` says otherwise; unknown: one per worker. `mem`: sbatch's
+    --mem (None: 0, all of each node's memory). The header says what was chosen and why (`chosen`)."""
     world = cfg.world_size
     nproc = workers_per_node(cfg.parallel, nodes, named=f"--nodes {nodes}", change="--nodes")
     if gpus_per_node and gpus_per_node != nproc:
@@ -124,9 +127,8 @@ def render_sbatch(
         )
     if gpus_per_node < 0 or signal_seconds < 1:
         raise ConfigError("--gpus-per-node must be >= 0 (0: CPU only) and --signal-seconds >= 1")
-    if cpus_per_task is not None and cpus_per_task < 1:
-        raise ConfigError(f"--cpus-per-task must be >= 1, got {cpus_per_task}; or leave it out for one per worker")
-    cpus = cpus_per_task or node_cpus or nproc  # Slurm's default, one CPU per task, would be shared by every worker
+    cpus, cpus_why = _cpus(cpus_per_task, node_cpus, nproc)
+    mem_option, mem_why = _mem(mem, sbatch_options)
     limit = time_limit_seconds(checked("--time", time)) if time is not None else None
     if limit is not None and signal_seconds >= limit:
         raise ConfigError(
@@ -140,6 +142,7 @@ def render_sbatch(
         "--ntasks-per-node=1",  # one torchrun agent per node; it starts the workers
         *([f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []),
         f"--cpus-per-task={cpus}",  # the agent's task holds its workers' CPUs (srun passes it on)
+        *([mem_option] if mem_option else []),
         *([f"--partition={checked('--partition', partition)}"] if partition is not None else []),
         *([f"--account={checked('--account', account)}"] if account is not None else []),
         *([f"--time={checked('--time', time)}"] if time is not None else []),
@@ -157,6 +160,8 @@ def render_sbatch(
             f"({cfg.layout.text()}) = {nodes} nodes x {nproc}."
         ),
         "# Submit with `sbatch THIS_FILE`; see launch/slurm.sbatch for the environment it reads.",
+        f"{CHOSEN}--cpus-per-task={cpus}: {cpus_why}",
+        f"{CHOSEN}{mem_option or '--mem'}: {mem_why}",
         *(f"#SBATCH {option}" for option in options),
         "",
         f"MESHRUN_ARGS=({' '.join(shlex.quote(a) for a in train_args)})",
@@ -166,6 +171,43 @@ def render_sbatch(
         "",
     ]
     return "\n".join(head) + _body()
+
+
+CHOSEN = "# chosen: "  # the header's lines that say what meshrun picked and why (printed by `meshrun slurm`)
+
+
+def chosen(script: str) -> list[str]:
+    """What `render_sbatch` chose for the job's resources and why, one line each, from its header."""
+    return [line.removeprefix(CHOSEN) for line in script.splitlines() if line.startswith(CHOSEN)]
+
+
+def _cpus(requested: int | None, node_cpus: int | None, nproc: int) -> tuple[int, str]:
+    """--cpus-per-task of the one task per node, and why: Slurm's default of one CPU per task would
+    be shared by every worker of the node."""
+    if requested is not None:
+        if requested < 1:
+            raise ConfigError(f"--cpus-per-task must be >= 1, got {requested}; or leave it out for one per worker")
+        return requested, "as given"
+    if node_cpus is not None:
+        return node_cpus, (
+            f"every CPU of the partition's smallest node (sinfo), for its {nproc} worker(s) and their data loading; "
+            "pass --cpus-per-task to ask for fewer"
+        )
+    return nproc, "one per worker (sinfo gave no node size); pass --cpus-per-task to give the workers more"
+
+
+def _mem(mem: str | None, sbatch_options: Sequence[str]) -> tuple[str | None, str]:
+    """The --mem line (None: the user's --sbatch sets memory) and why. Default 0, all of each node's
+    memory: the node's one task holds every worker, and a site's per-CPU default (often a few GB)
+    would have the kernel kill a job that loads a model in every worker."""
+    if mem is not None:
+        return f"--mem={checked('--mem', mem)}", "as given"
+    if any(option.startswith("--mem") for option in sbatch_options):
+        return None, "set by your --sbatch option"
+    return "--mem=0", (
+        "all of each node's memory, which its one task shares among the workers (a site's per-CPU default "
+        "could kill the job); pass --mem to ask for less"
+    )
 
 
 NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/scratch/local", "/local")

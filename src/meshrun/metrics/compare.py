@@ -145,16 +145,21 @@ def plot_losses(runs: list[RunRecord], path: Path, *, replace: bool = False) -> 
     from meshrun.metrics.plots import plt, save_figure  # matplotlib, headless
 
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    drawn = False
     for index, run in enumerate(runs):
         colour = f"C{index % 10}"
         for key, style in (("loss", "-"), ("val_loss", "o--")):
             points = [(row["step"] * run.tokens_per_step, row[key]) for row in run.rows if key in row]
             if points:
                 ax.plot(*zip(*points), style, color=colour, label=f"{run.name} {key.replace('_', ' ')}")
+                drawn = True
     ax.set_xlabel("tokens")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if drawn:  # a legend of nothing is a matplotlib warning, not a picture
+        ax.legend(fontsize=8)
+    else:
+        ax.set_title("no loss logged yet in these runs' metrics.jsonl")
     save_figure(fig, path, replace=replace)
 
 

@@ -9,6 +9,7 @@ computed from it would be wrong without saying so.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,21 @@ from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
 from meshrun.parallel.layout import PLACE_AXES
 
+LARGEST_COUNT = 2**63  # meshrun's counts are int64; a larger integer is no count it wrote
+STRAGGLER = ("straggler/rank", "straggler/pp", "straggler/dp", "straggler/ratio")  # written together
+
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A JSON number meshrun could have written: no bool, no integer beyond a float's range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, float) or abs(value) < LARGEST_COUNT
+
+
+def _is_duration_or_share(key: str) -> bool:
+    """Keys whose value is seconds, a rate or a ratio the report sums and divides: finite, >= 0
+    (a loss may be NaN or inf: a diverged run logs it)."""
+    return key.startswith(("time/", "straggler/")) or key.endswith("_s")
 
 
 def _row_problem(row: Any) -> str | None:
@@ -30,10 +43,19 @@ def _row_problem(row: Any) -> str | None:
     if not isinstance(row, dict):
         return f"a JSON {type(row).__name__}, not an object"
     step = row.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < LARGEST_COUNT:
         return f"step {_shown(step)} is not a step count"
     bad = next((key for key, value in row.items() if not _is_number(value)), None)
-    return None if bad is None else f"{_shown(bad)} is {_shown(row[bad])}, not a number"
+    if bad is not None:
+        return f"{_shown(bad)} is {_shown(row[bad])}, not a number"
+    bad = next((k for k, v in row.items() if _is_duration_or_share(k) and not 0 <= v < math.inf), None)
+    if bad is not None:
+        return f"{_shown(bad)} is {_shown(row[bad])}, not a finite number >= 0"
+    missing = [key for key in STRAGGLER if key not in row]
+    if len(missing) < len(STRAGGLER) and missing:
+        return f"{missing[0]} is missing beside the other straggler/ values"
+    bad = next((key for key in STRAGGLER[:3] if key in row and not isinstance(row[key], int)), None)
+    return None if bad is None else f"{bad} is {_shown(row[bad])}, not a rank or index"
 
 
 def _shown(value: Any) -> str:

@@ -382,22 +382,47 @@ def save_calibration(path: Path, device: str, precision: str, eff: Efficiency, r
     write_atomic(path, json.dumps(record, indent=1))
 
 
+# What a measurement on any machine could give, per constant (least, most): the cost model divides
+# by achieved_flops and parallel_devices (> 0), and a value beyond these plans in inf or NaN.
+BOUNDS = {
+    "achieved_flops": (1.0, 1e18),  # FLOP/s per device: an exaFLOP/s at most
+    "parallel_devices": (1e-3, 1e6),  # full-speed ranks a machine is worth
+    "recompute_cost": (0.0, 1e3),
+    "compiled_compute": (1e-3, 1e3),
+    "timeline_share": (0.0, 1e3),
+    "runtime_bytes": (0.0, 2.0**50),  # a petabyte per rank
+}
+MOST_SECONDS = 1e6  # the *_s constants: fixed seconds per step, action or message (11 days)
+
+
 def load_calibration(path: Path) -> tuple[str, Efficiency]:
     """(device, constants) saved by `save`; one line naming the file when it is not such a record.
     Files saved before a field existed get its default (compiled_compute: not measured, a compiled
     job planned as eager), except the kernel floor: 0 (measured)."""
+    again = "run `meshrun plan --calibrate CONFIG` again"
     try:
         record = json.loads(path.read_text())
         known = {f: record[f] for f in FIELDS if f in record}
-        if not isinstance(record["device"], str) or not all(_a_constant(f, v) for f, v in known.items()):
-            raise ValueError("a field that is not a measured constant")
-        return record["device"], Efficiency(**{"kernel_floor_s": 0.0, **known})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise ConfigError(f"{path} is not a calibration record; run `meshrun plan --calibrate CONFIG` again") from None
+        device = record["device"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise ConfigError(f"{path} is not a calibration record; {again}") from None
+    if not isinstance(device, str):
+        raise ConfigError(f"{path} is not a calibration record (device {device!r} is not a name); {again}")
+    for field, value in known.items():
+        if problem := _constant_problem(field, value):
+            raise ConfigError(f"{path} is not a calibration record ({field} {problem}); {again}")
+    return device, Efficiency(**{"kernel_floor_s": 0.0, **known})
 
 
-def _a_constant(field: str, value: object) -> bool:
-    """A saved constant: a finite number >= 0 (None where "not measured" or "a device per rank" is one)."""
+def _constant_problem(field: str, value: object) -> str | None:
+    """Why `value` is no saved constant (a number within BOUNDS; None where "not measured" or "a
+    device per rank" is one), or None."""
     if value is None:
-        return field in ("parallel_devices", "compiled_compute")
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        return None if field in ("parallel_devices", "compiled_compute") else "is null"
+    shown = repr(value) if len(repr(value)) <= 24 else repr(value)[:21] + "..."
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return f"is {shown}, not a number"
+    least, most = BOUNDS.get(field, (0.0, MOST_SECONDS))
+    if not (math.isfinite(value) if isinstance(value, float) else abs(value) < 2**63) or not least <= value <= most:
+        return f"is {shown}, not a measured value from {least:g} to {most:g}"
+    return None
