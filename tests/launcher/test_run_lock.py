@@ -179,7 +179,8 @@ def test_workers_of_a_torchrun_started_by_hand_take_the_lock(data_dir: Path, tmp
         refused = by_hand()
     assert refused.returncode != 0 and not (run / "config.json").exists(), refused.stderr[-3000:]
     said = f"meshrun: error: run_dir {run} is in use by another meshrun job (pid {os.getpid()} (meshrun train) on "
-    assert refused.stderr.count(said) == 2, refused.stderr[-3000:]  # both workers
+    # each worker checks for itself; torchrun's agent may end the second once the first has exited
+    assert refused.stderr.count(said) in (1, 2), refused.stderr[-3000:]
     done = by_hand()
     assert done.returncode == 0, done.stderr[-3000:]
     assert [row["step"] for row in read_metrics(run) if "loss" in row] == [1, 2]
