@@ -120,6 +120,17 @@ def test_every_shown_command_says_whether_it_runs_here(page: Path) -> None:
         assert title.startswith(("runnable", "needs ")), f"{page}: block {commands[0]!r} has no runnable/needs title"
 
 
+@pytest.mark.parametrize("page", [*PAGES, REPO / "README.md"], ids=lambda p: str(p.relative_to(REPO)))
+def test_globs_in_shown_commands_are_quoted(page: Path) -> None:
+    """A shell expands an unquoted glob: several matches become extra arguments, which the command
+    refuses (`unrecognized arguments`). meshrun expands the globs it is given itself."""
+    for _, commands in shown_commands(page):
+        for line in commands:
+            words = shlex.split(line.split(" #")[0], posix=False)  # quotes kept on the words
+            bare = [w for w in words if any(c in w for c in "*?[") and w[0] not in "'\""]
+            assert not bare, f"{page}: quote {bare} in {line!r}"
+
+
 def test_readme_links_lead_somewhere() -> None:
     """The README is short and points into docs/: every relative link exists (or is generated)."""
     generated = {"docs/reference/config.md", "docs/reference/cli.md", "docs/benchmarks/details.md"}
