@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Literal
 from meshrun.checkpoint.paths import checkpoint_root, complete_checkpoints
 from meshrun.config.address import host_problem, port_problem, split_endpoint
 from meshrun.config.schema import Config
-from meshrun.config.topology import check_tensor_split
 from meshrun.data.locations import data_dir, reads_in_place, training_data_dir
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
@@ -26,7 +25,7 @@ from meshrun.files.json_reader import read_json
 from meshrun.files.writable import check_writable
 from meshrun.launcher.rerun import check_rerun
 from meshrun.launcher.torchrun import in_launched_worker
-from meshrun.models.hf_config import hf_dir, is_hf, model_tokenizer, tp_splits, vocab_key, vocab_size
+from meshrun.models.hf_config import check_hf_tensor_split, hf_dir, is_hf, model_tokenizer, vocab_key, vocab_size
 from meshrun.parallel.stages import validate_layout
 from meshrun.planner.model_size import check_model_size
 from meshrun.versions import check_extras
@@ -61,15 +60,6 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))
     return model
-
-
-def check_hf_tensor_split(cfg: Config) -> None:
-    """A Hugging Face model's sizes that tp splits (heads, kv heads, the MLP width: config.json
-    sets them, so the schema cannot check them) divide by parallel.tp. `meshrun plan` keeps only
-    the layouts that pass, as training would refuse the rest."""
-    if cfg.parallel.tp > 1 and is_hf(cfg.model):
-        splits = tp_splits(cfg.model, cfg.parallel.tp)
-        check_tensor_split(cfg.parallel, splits, sequences=cfg.model.sequence_splits(cfg.data.buckets))
 
 
 def check_job(cfg: Config) -> None:

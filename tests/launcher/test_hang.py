@@ -29,7 +29,7 @@ def test_a_blocked_rank_is_named_with_its_stage_and_stack(data_dir: Path, tmp_pa
     assert since_step_2 < TIMEOUT + 15, f"ended {since_step_2:.0f} s after step 2"  # the timeout and a margin
     lines = result.stderr.strip().splitlines()
     summary = next(line for line in lines if "hang at step 3" in line)
-    assert "rank 1 (pipeline rank 0, stages [0], dp 1)" in summary and "in forward (microbatch 1 of 2)" in summary
+    assert "rank 1 (dp 1, tp 0, pp 0, stages [0])" in summary and "in forward (microbatch 1 of 2)" in summary
     stacks = Path(summary.rsplit("its stacks: ", 1)[1])
     assert "block_here" in stacks.read_text()  # the blocking frame
     assert any("waiting: ranks [0] in backward" in line for line in lines), result.stderr[-3000:]
@@ -83,7 +83,7 @@ def test_a_one_process_job_stuck_in_forward_is_reported(data_dir: Path, tmp_path
     """dp 1, pp 1: no torchrun, the worker is the launcher: its watchdog says the summary itself."""
     run, lines, code = hang_run(data_dir, tmp_path, "0:2", **{"parallel.dp": 1})
     assert code == HUNG_EXIT_CODE, lines[-20:]
-    assert "[meshrun] hang at step 2: rank 0 (pipeline rank 0, stages [0], dp 0)" in "\n".join(lines)
+    assert "[meshrun] hang at step 2: rank 0 (dp 0, tp 0, pp 0, stages [0])" in "\n".join(lines)
     assert lines[-1].startswith("meshrun: error: rank 0 stopped making progress at step 2 (forward")
     assert "block_here" in (run / "hang" / "attempt-0" / "rank0.stacks.txt").read_text()
 
@@ -96,9 +96,7 @@ def test_a_rank_stuck_before_step_1_is_reported(data_dir: Path, tmp_path: Path) 
     run, lines, code = hang_run(data_dir, tmp_path, "1:0")
     assert code == HUNG_EXIT_CODE, lines[-20:]
     summary = next(line for line in lines if line.startswith("[meshrun] hang at"))
-    assert summary.startswith(
-        "[meshrun] hang at initialisation (before step 1): rank 1 (pipeline rank 0, stages [0], dp 1)"
-    )
+    assert summary.startswith("[meshrun] hang at initialisation (before step 1): rank 1 (dp 1, tp 0, pp 0, stages [0])")
     assert "in init (building the model" in summary
     assert "init_weights" in Path(summary.rsplit("its stacks: ", 1)[1]).read_text()
     assert "launch.hang_timeout (4 s; x3 in init)" in lines[-1]
@@ -133,6 +131,6 @@ def test_the_last_pipeline_stage_hung_in_backward_is_blamed(data_dir: Path, tmp_
     _, lines, code = hang_run(data_dir, tmp_path, "1:2:backward", **{"parallel.dp": 1, "parallel.pp": 2})
     assert code == HUNG_EXIT_CODE, lines[-20:]
     summary = next(line for line in lines if line.startswith("[meshrun] hang at"))
-    assert summary.startswith("[meshrun] hang at step 2: rank 1 (pipeline rank 1, stages [1], dp 0)"), summary
+    assert summary.startswith("[meshrun] hang at step 2: rank 1 (dp 0, tp 0, pp 1, stages [1])"), summary
     assert "in backward (stage 1 microbatch 0)" in summary
     assert any(line.startswith("[meshrun]   waiting: ranks [0] in forward") for line in lines), lines[-5:]

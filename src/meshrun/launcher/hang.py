@@ -47,6 +47,7 @@ from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
 from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome, write_record
+from meshrun.parallel.layout import place_text
 
 HANG_DIR = "hang"
 TRIGGER = "trigger"
@@ -71,6 +72,7 @@ class Place:
     rank: int
     pp_rank: int
     dp_rank: int
+    tp_rank: int
     stages: tuple[int, ...]
 
 
@@ -200,7 +202,8 @@ def hang_summary(run_dir: Path, timeout: int, *, record: Path | None) -> tuple[l
     folder, reports = found
     odd = _odd_one(reports)
     stacks = folder / f"rank{odd['rank']}.stacks.txt"
-    where = f"pipeline rank {odd['pp_rank']}, stages {list(odd['stages'])}, dp {odd['dp_rank']}"
+    axes = {"dp": odd["dp_rank"], "tp": odd.get("tp_rank"), "pp": odd["pp_rank"]}  # tp: not in older reports
+    where = f"{place_text({a: c for a, c in axes.items() if c is not None})}, stages {list(odd['stages'])}"
     first = (
         f"hang at {_at_step(odd['step'])}: rank {odd['rank']} ({where}) made no progress for "
         f"{odd['stalled_s']:.0f} s in {_phase(odd)}; its stacks: {stacks}"

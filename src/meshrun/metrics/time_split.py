@@ -26,10 +26,9 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-
-from meshrun.parallel.layout import PLACE_AXES, Layout
 
 PARTS = ("data", "compute", "wait", "optimizer", "eval", "checkpoint", "other")
 PHASES = {  # a trainer phase -> what its time counts as, outside sections
@@ -195,6 +194,14 @@ def slowest(compute_s: list[float]) -> Slowest:
     return Slowest(rank, compute_s[rank] / median if median > 0 else 1.0)
 
 
+class RankPlaces(Protocol):
+    """What the straggler row asks of the layout (parallel.layout.Layout): a leaf imports no layer."""
+
+    def place(self, rank: int) -> dict[str, int]: ...
+
+    def rank_text(self, rank: int) -> str: ...
+
+
 class Stragglers:
     """A rank slower than `ratio` x the median in `windows` log windows in a row is named once."""
 
@@ -215,12 +222,12 @@ class Stragglers:
             return True
         return False
 
-    def row(self, per_rank: list[list[float]], *, layout: Layout) -> tuple[dict[str, float], str | None]:
+    def row(self, per_rank: list[list[float]], *, layout: RankPlaces) -> tuple[dict[str, float], str | None]:
         """The slowest rank of a window (`per_rank` as in split_row) with its place in `layout`, and
         the warning line naming it when it has been slow long enough."""
         slow = slowest([figures[PARTS.index("compute")] for figures in per_rank])
-        at = layout.coordinates(slow.rank)
-        row: dict[str, float] = {"straggler/rank": slow.rank, **{f"straggler/{a}": at[a] for a in PLACE_AXES}}
+        place = layout.place(slow.rank)
+        row: dict[str, float] = {"straggler/rank": slow.rank, **{f"straggler/{a}": c for a, c in place.items()}}
         row["straggler/ratio"] = slow.ratio
         if not self.persistent(slow):
             return row, None

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from meshrun.config.model_sections import HFSection, ModelConfig
+from meshrun.config.schema import Config
+from meshrun.config.topology import check_tensor_split
 from meshrun.errors import ConfigError
 from meshrun.files.confined import confined
 from meshrun.files.json_reader import MAX_JSON_BYTES, read_json
@@ -257,3 +259,12 @@ def check_fits(cfg: HFSection) -> None:
             f"model.seq_len {cfg.seq_len} exceeds the model's sliding_window ({window}); meshrun runs full causal "
             "attention (sdpa is_causal), so lower model.seq_len to at most the window"
         )
+
+
+def check_hf_tensor_split(cfg: Config) -> None:
+    """A Hugging Face model's sizes that tp splits (heads, kv heads, the MLP width: config.json
+    sets them, so the schema cannot check them) divide by parallel.tp. `meshrun plan` keeps only
+    the layouts that pass, as training would refuse the rest."""
+    if cfg.parallel.tp > 1 and is_hf(cfg.model):
+        splits = tp_splits(cfg.model, cfg.parallel.tp)
+        check_tensor_split(cfg.parallel, splits, sequences=cfg.model.sequence_splits(cfg.data.buckets))

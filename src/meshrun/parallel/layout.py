@@ -157,6 +157,11 @@ class Layout:
         )
         return " x ".join(f"{axis} {degree}" + (f" ({how})" if how else "") for axis, degree, how in parts)
 
+    def place(self, rank: int) -> dict[str, int]:
+        """`rank`'s coordinates on the axes a layout is named by, in their order: {dp, tp, pp}."""
+        coords = self.coordinates(rank)
+        return {axis: coords[axis] for axis in PLACE_AXES}
+
     def rank_text(self, rank: int) -> str:
         """`rank 5 (dp 0, tp 1, pp 1)`: a rank as warnings and reports name it."""
         return f"rank {rank} ({place_text(self.coordinates(rank))})"

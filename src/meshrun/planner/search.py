@@ -11,6 +11,7 @@ import torch
 
 from meshrun.config.schema import Config, validate
 from meshrun.errors import ConfigError
+from meshrun.models.hf_config import check_hf_tensor_split
 from meshrun.parallel.compile import compile_enabled
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.stages import validate_layout
@@ -19,7 +20,6 @@ from meshrun.planner.layout_memory import layout_split, ranks_memory, regathers
 from meshrun.planner.memory import RankMemory
 from meshrun.planner.stage_cost import profile_stages
 from meshrun.planner.stage_profile import StageProfile
-from meshrun.preflight import check_hf_tensor_split
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "every:2", "full")
