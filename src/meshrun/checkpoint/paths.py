@@ -44,6 +44,12 @@ def newest_first(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: (step_of(p) > at, -step_of(p)))
 
 
+def last_complete_checkpoint(run_dir: str | Path) -> str:
+    """What a rerun resumes from, in words for a line that says how a run ended."""
+    saved = newest_first(run_dir)
+    return f"the last complete checkpoint is step {step_of(saved[0])}" if saved else "no checkpoint is complete yet"
+
+
 def step_of(checkpoint: Path) -> int:
     return int(checkpoint.name.split("-")[1])
 

@@ -7,12 +7,13 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
 from torch import nn
 
-from meshrun.checkpoint.paths import newest_first, resume_candidates, step_of
+from meshrun.checkpoint.paths import last_complete_checkpoint, resume_candidates
 from meshrun.config.schema import Config
 from meshrun.data.locations import data_dir, reads_in_place
 from meshrun.data.prepare import default_sources, is_prepared, prepare
@@ -24,15 +25,19 @@ from meshrun.hardware.device import local_device, rank_memory_bytes
 from meshrun.hardware.precision import resolve_precision
 from meshrun.launcher.hang import HangWatchdog, Place, clear_reports, hang_summary
 from meshrun.launcher.lifetime import PARENT_PID, die_with_parent
+from meshrun.launcher.logs import LOGS_ENV, divert_worker_notes, log_dir, log_failure
 from meshrun.launcher.outcome import (
     RECORD,
     STOP_SIGNALS,
+    Interrupted,
     Outcome,
     StoppedBeforeTraining,
     clear_record,
+    failed_in,
     launcher_exit_code,
     read_error,
     read_record,
+    status_text,
     write_record,
 )
 from meshrun.launcher.rendezvous import RendezvousWatch
@@ -50,6 +55,9 @@ from meshrun.models.protocol import pretrained_dir
 from meshrun.parallel.mesh import Mesh, init_mesh, shutdown
 from meshrun.parallel.stages import static_split
 from meshrun.preflight import check_data_fits
+
+if TYPE_CHECKING:
+    from meshrun.training.trainer import Trainer
 
 
 def ensure_data(cfg: Config) -> Path:
@@ -189,10 +197,13 @@ def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
             ensure_data(cfg)
         run_worker(cfg)
         return 0  # stopped on request too: torchrun restarts a group that exits non-zero
-    if cfg.launch.nnodes > 1:
-        return launch(cfg, worker_args, model, lock=None)
-    with hold_run_dir(Path(cfg.run_dir)) as lock:
-        return launch(cfg, worker_args, model, lock=lock)
+    try:
+        if cfg.launch.nnodes > 1:
+            return launch(cfg, worker_args, model, lock=None)
+        with hold_run_dir(Path(cfg.run_dir)) as lock:
+            return launch(cfg, worker_args, model, lock=lock)
+    except KeyboardInterrupt:  # Ctrl-C in one process, or passed on to torchrun's workers
+        raise Interrupted(Path(cfg.run_dir)) from None
 
 
 def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDirLock | None) -> int:
@@ -226,16 +237,15 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         watch.start()
     clear_record(Path(cfg.run_dir))  # an earlier run's outcome must not be read as this one's
     clear_reports(Path(cfg.run_dir))  # nor its hang reports
-    env = {**worker_env(cfg), PARENT_PID: str(os.getpid())}
+    run_dir = Path(cfg.run_dir)
+    env = {**worker_env(cfg), PARENT_PID: str(os.getpid()), LOGS_ENV: str(log_dir(run_dir))}
     try:
-        code, stop = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
+        code, relayed = run_torchrun(argv, env=env, pass_fds=() if lock is None else (lock.fileno(),))
     finally:
         if watch is not None:
             watch.stop()
-    outcome = read_record(Path(cfg.run_dir))
-    if outcome is None and stop is not None:  # no worker acted on it: nothing was checkpointed
-        raise StoppedBeforeTraining(stop)
-    run_dir = Path(cfg.run_dir)
+    outcome = read_record(run_dir)
+    stop = check_torchrun_ending(run_dir, outcome, code, relayed)
     hung = None  # a failure recorded after the hang's trigger is its consequence (a peer's collective broke)
     if outcome in (None, Outcome.FAILED):
         hung = hang_summary(run_dir, cfg.launch.hang_timeout, record=run_dir / RECORD)
@@ -246,7 +256,7 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         raise error
     if outcome is None and code == RDZV_TIMEOUT_EXIT:
         raise RunError(timeout_message(cfg, watch.state() if watch is not None else "one node"))
-    if outcome is Outcome.FAILED and (error := read_error(Path(cfg.run_dir))):
+    if outcome is Outcome.FAILED and (error := read_error(run_dir)):
         raise RunError(error)  # the workers' reason, as the last line (their lines may interleave above)
     return launcher_exit_code(outcome, code, stop_relayed=stop is not None)
 
@@ -261,31 +271,51 @@ def completed_steps(run_dir: Path) -> int | None:
     return steps if isinstance(steps, int) else None
 
 
-def run_torchrun(argv: list[str], *, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> tuple[int, int | None]:
-    """Run torchrun, relaying a stop request sent to this process (a container's PID 1, a
-    scheduler) as SIGTERM: torchrun passes SIGTERM on to its workers, which checkpoint and
-    stop (torchrun itself then exits non-zero); it has no handler for SIGUSR1 and would die of it.
-    `pass_fds`: the run_dir lock, held by the agent too (meshrun.launcher.run_lock).
-    Returns torchrun's exit code and the stop signal relayed (None: none)."""
-    proc = subprocess.Popen(argv, env=env, pass_fds=pass_fds)
+def check_torchrun_ending(run_dir: Path, outcome: Outcome | None, code: int, relayed: list[int]) -> int | None:
+    """Raise for the endings that no worker's record explains: Ctrl-C (Interrupted, unless the
+    workers completed or stopped first), a stop relayed before any worker acted on it, torchrun's
+    agent killed by a signal (its workers died with it: 128 + the signal). Returns the stop
+    signal relayed to the workers (None: none)."""
+    interrupted = signal.SIGINT in relayed or (code == 128 + signal.SIGINT and not relayed)  # the agent's own
+    if interrupted and outcome not in (Outcome.COMPLETED, Outcome.STOPPED):
+        raise Interrupted(run_dir)
+    stop = next((sig for sig in relayed if sig in STOP_SIGNALS), None)
+    if outcome is None and stop is not None:  # no worker acted on it: nothing was checkpointed
+        raise StoppedBeforeTraining(stop)
+    if outcome is None and code < 0:
+        killed = RunError(
+            f"torchrun's agent was {status_text(code)} and its workers ended with it; {last_complete_checkpoint(run_dir)}, "
+            "which rerunning the same command resumes from"
+        )
+        killed.exit_code = 128 - code
+        raise killed
+    return stop
+
+
+def run_torchrun(argv: list[str], *, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> tuple[int, list[int]]:
+    """Run torchrun's agent in a session of its own, so that a terminal's Ctrl-C reaches it only
+    through this process, the same way as a signal sent to this process alone: SIGINT is passed
+    on as SIGINT (torchrun ends its workers at once, nothing saved), a stop request (a container's
+    PID 1, a scheduler) as SIGTERM (torchrun passes it on to its workers, which checkpoint and
+    stop; it has no handler for SIGUSR1 and would die of it). A SIGINT this process ignores (a
+    job started in the background by a script) stays ignored. `pass_fds`: the run_dir lock, held
+    by the agent too (meshrun.launcher.run_lock). Returns torchrun's exit status (-N: killed by
+    signal N) and the signals passed on, in order."""
+    proc = subprocess.Popen(argv, env=env, pass_fds=pass_fds, start_new_session=True)
     relayed: list[int] = []
 
     def relay(signum: int, frame: object) -> None:
         relayed.append(signum)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, relay) for sig in STOP_SIGNALS}
+    relays = [*STOP_SIGNALS, *([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])]
+    previous = {sig: signal.signal(sig, relay) for sig in relays}
     try:
         code = proc.wait()
-    except KeyboardInterrupt:  # Ctrl-C reached torchrun too: let it end its workers before we report
-        proc.wait()
-        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if code == 128 + signal.SIGINT and not relayed:  # torchrun's Ctrl-C, where this process ignores SIGINT
-        raise KeyboardInterrupt
-    return code, relayed[0] if relayed else None
+    return code, relayed
 
 
 def run_worker(cfg: Config) -> Outcome:
@@ -297,10 +327,13 @@ def run_worker(cfg: Config) -> Outcome:
     run_dir = Path(cfg.run_dir)
     mesh = init_mesh(cfg.layout)
     rank, trainer = mesh.rank, None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if in_launched_worker():
+        divert_worker_notes(run_dir, rank)
     if cfg.launch.hang_timeout and in_launched_worker():
         place = Place(rank, mesh.pp_rank, mesh.dp_rank, tuple(mesh.local_stages))
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         HangWatchdog(run_dir, place, timeout=cfg.launch.hang_timeout, attempt=attempt).start()
+    failing = False
     try:
         torch.distributed.barrier()  # data prepared by every node's local rank 0
         cfg = with_resolved_precision(cfg, mesh)
@@ -311,19 +344,31 @@ def run_worker(cfg: Config) -> Outcome:
     except ConfigError:
         raise  # refused before training (e.g. no checkpoint loads): the run directory stays as it was
     except DiskFull as full:  # anywhere (a checkpoint, metrics.jsonl, a picture): say what a rerun resumes
-        failed = RunError(f"{full}; {last_complete_checkpoint(run_dir)}")
-        record_failure(run_dir, failed)
+        failing, failed = True, RunError(f"{full}; {last_complete_checkpoint(run_dir)}")
+        record_failure(run_dir, failed, attempt=attempt)
         raise failed from None
     except Exception as exc:
-        record_failure(run_dir, exc)
-        raise
+        failing = True
+        if not in_launched_worker():  # one process: its traceback is the whole story, and short
+            record_failure(run_dir, exc)
+            raise
+        raise SystemExit(worker_failed(run_dir, rank, exc, attempt=attempt)) from None
     finally:
-        if trainer is not None:
-            trainer.close()
-        shutdown()
+        close_worker(trainer, failing=failing)
     if rank == 0:
-        write_record(run_dir, outcome)
+        write_record(run_dir, outcome, attempt=attempt)
     return outcome
+
+
+def close_worker(trainer: Trainer | None, *, failing: bool) -> None:
+    """The trainer's and the process group's cleanup. After a failure, what they raise (a stop
+    request's all-reduce still in flight when a peer was lost) would only bury the failure's line."""
+    quietly = contextlib.suppress(Exception) if failing else contextlib.nullcontext()
+    if trainer is not None:
+        with quietly:
+            trainer.close()
+    with quietly:
+        shutdown()
 
 
 def init_line(cfg: Config, model: nn.Module) -> str:
@@ -336,18 +381,27 @@ def init_line(cfg: Config, model: nn.Module) -> str:
     return f"random init (seed {cfg.train.seed})"
 
 
-def record_failure(run_dir: Path, exc: BaseException) -> None:
-    """Any rank that fails says so; a RunError's one line is kept for the launcher to say last."""
-    error = " ".join(str(exc).split()) if isinstance(exc, RunError) else None
-    if error is None and read_record(run_dir) is Outcome.FAILED:
+def worker_failed(run_dir: Path, rank: int, exc: Exception, *, attempt: int) -> int:
+    """A launched worker's failure as a few lines, not one traceback per rank (a lost peer breaks
+    every other rank's collective): the traceback goes to this rank's log, the first rank of the
+    attempt to fail records its one-line cause, which the launcher repeats last, and says it now
+    if torchrun will restart the workers. Returns the exit status (non-zero: torchrun restarts)."""
+    cause = log_failure(run_dir, rank, exc, attempt=attempt)
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if attempt < restarts and not failed_in(run_dir, attempt):
+        say(f"{cause}; torchrun restarts the workers (attempt {attempt + 2} of {restarts + 1})")
+    record_failure(run_dir, exc, cause=cause, attempt=attempt)
+    return 1
+
+
+def record_failure(run_dir: Path, exc: BaseException, *, cause: str | None = None, attempt: int = 0) -> None:
+    """Any rank that fails says so, with its one-line `cause`; a RunError's own line wins over
+    a peer's earlier cause (the launcher says it last)."""
+    error = " ".join(str(exc).split()) if isinstance(exc, RunError) else cause
+    if not isinstance(exc, RunError) and failed_in(run_dir, attempt):
         return  # a peer failed first (this rank's collective broke with it): its record, and reason, stay
     with contextlib.suppress(OSError, RunError):  # the error itself matters more than its record (a full disk)
-        write_record(run_dir, Outcome.FAILED, error=error)
-
-
-def last_complete_checkpoint(run_dir: Path) -> str:
-    saved = newest_first(run_dir)
-    return f"the last complete checkpoint is step {step_of(saved[0])}" if saved else "no checkpoint is complete yet"
+        write_record(run_dir, Outcome.FAILED, error=error, attempt=attempt)
 
 
 def with_resolved_precision(cfg: Config, mesh: Mesh) -> Config:
