@@ -13,7 +13,7 @@ import torch
 import yaml
 from torch import nn
 
-from meshrun.checkpoint.paths import last_complete_checkpoint, resume_candidates
+from meshrun.checkpoint.paths import last_complete_checkpoint, resume_candidates, what_a_rerun_does
 from meshrun.config.schema import Config
 from meshrun.data.locations import data_dir, reads_in_place
 from meshrun.data.prepare import default_sources, is_prepared, prepare
@@ -284,8 +284,7 @@ def check_torchrun_ending(run_dir: Path, outcome: Outcome | None, code: int, rel
         raise StoppedBeforeTraining(stop)
     if outcome is None and code < 0:
         killed = RunError(
-            f"torchrun's agent was {status_text(code)} and its workers ended with it; {last_complete_checkpoint(run_dir)}, "
-            "which rerunning the same command resumes from"
+            f"torchrun's agent was {status_text(code)} and its workers ended with it; {what_a_rerun_does(run_dir)}"
         )
         killed.exit_code = 128 - code
         raise killed

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
-from meshrun.checkpoint.paths import newest_first, step_of
+from meshrun.checkpoint.paths import what_a_rerun_does
 from meshrun.files.atomic import write_atomic
 
 RECORD = "outcome.json"
@@ -132,17 +132,11 @@ class Interrupted(BaseException):
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(run_dir)
-        saved = newest_first(run_dir)
-        self.resumes_at = step_of(saved[0]) if saved else None
+        self.rerun = what_a_rerun_does(run_dir)
 
     def __str__(self) -> str:
-        rerun = (
-            "no checkpoint is complete yet: rerunning the same command starts afresh"
-            if self.resumes_at is None
-            else f"rerunning the same command resumes from step {self.resumes_at}, the last complete checkpoint"
-        )
         return (
-            f"interrupted (Ctrl-C / SIGINT): every rank stopped at once, without writing a checkpoint; {rerun} "
+            f"interrupted (Ctrl-C / SIGINT): every rank stopped at once, without writing a checkpoint; {self.rerun} "
             "(SIGTERM or SIGUSR1 instead writes one, then stops with exit 75)"
         )
 
