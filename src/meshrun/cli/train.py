@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,7 +12,7 @@ import torch
 import yaml
 from torch import nn
 
-from meshrun.checkpoint.paths import last_complete_checkpoint, resume_candidates, what_a_rerun_does
+from meshrun.checkpoint.paths import last_complete_checkpoint, resume_candidates
 from meshrun.config.schema import Config
 from meshrun.data.locations import data_dir, reads_in_place
 from meshrun.data.prepare import default_sources, is_prepared, prepare
@@ -28,23 +27,22 @@ from meshrun.launcher.lifetime import PARENT_PID, die_with_parent
 from meshrun.launcher.logs import LOGS_ENV, divert_worker_notes, log_dir, log_failure
 from meshrun.launcher.outcome import (
     RECORD,
-    STOP_SIGNALS,
     Interrupted,
     Outcome,
-    StoppedBeforeTraining,
     clear_record,
     failed_in,
     launcher_exit_code,
     read_error,
     read_record,
-    status_text,
     write_record,
 )
 from meshrun.launcher.rendezvous import RendezvousWatch
 from meshrun.launcher.run_lock import RunDirLock, hold_run_dir
 from meshrun.launcher.torchrun import (
     RDZV_TIMEOUT_EXIT,
+    check_torchrun_ending,
     in_launched_worker,
+    run_torchrun,
     timeout_message,
     torchrun_argv,
     waiting_line,
@@ -269,52 +267,6 @@ def completed_steps(run_dir: Path) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return steps if isinstance(steps, int) else None
-
-
-def check_torchrun_ending(run_dir: Path, outcome: Outcome | None, code: int, relayed: list[int]) -> int | None:
-    """Raise for the endings that no worker's record explains: Ctrl-C (Interrupted, unless the
-    workers completed or stopped first), a stop relayed before any worker acted on it, torchrun's
-    agent killed by a signal (its workers died with it: 128 + the signal). Returns the stop
-    signal relayed to the workers (None: none)."""
-    interrupted = signal.SIGINT in relayed or (code == 128 + signal.SIGINT and not relayed)  # the agent's own
-    if interrupted and outcome not in (Outcome.COMPLETED, Outcome.STOPPED):
-        raise Interrupted(run_dir)
-    stop = next((sig for sig in relayed if sig in STOP_SIGNALS), None)
-    if outcome is None and stop is not None:  # no worker acted on it: nothing was checkpointed
-        raise StoppedBeforeTraining(stop)
-    if outcome is None and code < 0:
-        killed = RunError(
-            f"torchrun's agent was {status_text(code)} and its workers ended with it; {what_a_rerun_does(run_dir)}"
-        )
-        killed.exit_code = 128 - code
-        raise killed
-    return stop
-
-
-def run_torchrun(argv: list[str], *, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> tuple[int, list[int]]:
-    """Run torchrun's agent in a session of its own, so that a terminal's Ctrl-C reaches it only
-    through this process, the same way as a signal sent to this process alone: SIGINT is passed
-    on as SIGINT (torchrun ends its workers at once, nothing saved), a stop request (a container's
-    PID 1, a scheduler) as SIGTERM (torchrun passes it on to its workers, which checkpoint and
-    stop; it has no handler for SIGUSR1 and would die of it). A SIGINT this process ignores (a
-    job started in the background by a script) stays ignored. `pass_fds`: the run_dir lock, held
-    by the agent too (meshrun.launcher.run_lock). Returns torchrun's exit status (-N: killed by
-    signal N) and the signals passed on, in order."""
-    proc = subprocess.Popen(argv, env=env, pass_fds=pass_fds, start_new_session=True)
-    relayed: list[int] = []
-
-    def relay(signum: int, frame: object) -> None:
-        relayed.append(signum)
-        proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
-
-    relays = [*STOP_SIGNALS, *([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])]
-    previous = {sig: signal.signal(sig, relay) for sig in relays}
-    try:
-        code = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return code, relayed
 
 
 def run_worker(cfg: Config) -> Outcome:

@@ -9,8 +9,10 @@ traceback, go to a file here instead, named in the line that needs it:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -48,7 +50,8 @@ def divert(logger_name: str, path: Path, *, containing: str | None = None) -> No
     """Send to the file `path` (appended, opened at the first record) instead of the console:
     the records `logger_name` itself logs that contain `containing` (a logger's filter sees no
     record of its children), or with no `containing`, every record of it and its children."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):  # a full disk: the file's first record says so, training goes on
+        path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger(logger_name)
@@ -76,12 +79,18 @@ def divert_agent_log() -> None:
 
 def log_failure(run_dir: Path, rank: int, exc: BaseException, *, attempt: int) -> str:
     """Append `exc`'s traceback to this rank's log; return its one-line cause naming that log:
-    the innermost exception of its `raise ... from` chain, type and first line of its message."""
+    the innermost exception of its `raise ... from` chain, type and first line of its message.
+    A log that cannot be written (a full disk): the traceback goes to the console after all."""
     path = rank_log(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as log:
-        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, attempt {attempt} failed:\n")
-        log.write("".join(traceback.format_exception(exc)))
+    text = "".join(traceback.format_exception(exc))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, attempt {attempt} failed:\n{text}")
+        where = f"traceback: {path}"
+    except OSError as unwritable:
+        print(text, file=sys.stderr, flush=True)
+        where = f"traceback above: {path} cannot be written ({unwritable.strerror or unwritable})"
     root = exc
     while root.__cause__ is not None:
         root = root.__cause__
@@ -89,4 +98,4 @@ def log_failure(run_dir: Path, rank: int, exc: BaseException, *, attempt: int) -
     message = said[0] if said else ""
     if len(message) > MAX_CAUSE:
         message = message[:MAX_CAUSE] + "..."
-    return f"rank {rank} failed: {type(root).__name__}: {message} (traceback: {path})"
+    return f"rank {rank} failed: {type(root).__name__}: {message} ({where})"
