@@ -126,8 +126,8 @@ def test_launcher_acts_on_the_workers_outcome_under_torchrun(data_dir: Path, tmp
     assert steps_saved(tmp_path / "SIGNAL") == [3]  # asked during step 2, agreed on at the end of step 3
     # the failure reads as two lines: which ranks torchrun saw fail, then the cause and where its traceback is
     log = tmp_path / "RAISE" / "logs" / "rank-1.log"
-    agent, launcher = done.stderr.splitlines()[-2:]  # rank 0's broken all-reduce: exit 1, or torchrun's SIGTERM
-    assert agent.startswith("torchrun: workers failed: ") and "rank 1 exit 1" in agent, done.stderr[-3000:]
+    agent, launcher = done.stderr.splitlines()[-2:]  # which rank exited first and which torchrun ended: timing
+    assert agent.startswith("torchrun: workers failed: rank ") and "rank 1 " in agent, done.stderr[-3000:]
     assert launcher == (
         f"meshrun: error: rank 1 failed: RuntimeError: interrupting_gpt: failing on cue at forward 3 (traceback: {log})"
     )
