@@ -160,3 +160,20 @@ def test_resumed_run_continues_the_same_wandb_run(data_dir: Path, tmp_path: Path
     first, second = (read_run(r) for r in offline_runs(run))
     assert first.run_id == second.run_id == (run / "wandb_run_id").read_text().strip()
     assert [r["_step"] for r in second.history if "loss" in r] == [5, 6, 7, 8]
+
+
+def test_ctrl_c_caught_by_dcp_mid_save_is_an_interrupt(tmp_path: Path) -> None:
+    """One process (SIGINT is Python's there): a Ctrl-C inside DCP's save came back wrapped in a
+    CheckpointException, which ended the run as a failure (exit 1, a traceback). The partial save
+    goes and the interrupt goes on as one (exit 130, one line)."""
+    import traceback
+
+    from torch.distributed.checkpoint import CheckpointException
+
+    from meshrun.checkpoint.dcp import failed_save
+
+    tmp = tmp_path / "checkpoints" / "step-00000003.tmp"
+    tmp.mkdir(parents=True)
+    wrapped = CheckpointException("save failed", {0: (KeyboardInterrupt(), traceback.StackSummary())})
+    assert isinstance(failed_save(wrapped, tmp), KeyboardInterrupt)
+    assert not tmp.exists()

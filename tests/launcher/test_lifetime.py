@@ -123,7 +123,14 @@ def test_a_killed_launchers_job_keeps_the_run_dir_until_every_process_has_ended(
 
 @pytest.mark.timeout(600)
 def test_workers_end_with_their_agent(data_dir: Path, tmp_path: Path) -> None:
-    with running_job(data_dir, tmp_path / "run") as (_proc, job, output):
+    """The launcher then says in one line what killed the agent, exit 128 + the signal (it
+    exited 247, Python's -9 as a byte, and said nothing)."""
+    with running_job(data_dir, tmp_path / "run") as (proc, job, output):
         os.kill(agent_of(job), signal.SIGKILL)
         wait_until_ended(job, timeout=120, what="the workers to end")
-    output.stderr(timeout=60)
+        assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+    said = output.stderr(timeout=60).splitlines()
+    assert said[-1] == (
+        "meshrun: error: torchrun's agent was killed by SIGKILL and its workers ended with it; "
+        "no checkpoint is complete yet: rerunning the same command starts afresh"
+    ), said[-5:]

@@ -102,6 +102,7 @@ def test_worker_records_failed_and_raises(cue, data_dir: Path, tmp_path: Path) -
         (Outcome.FAILED, 1, True, 1),
         (None, 0, False, 1),  # workers that exit 0 without an outcome did not complete
         (None, 3, False, 3),
+        (Outcome.FAILED, -9, False, 128 + 9),  # torchrun killed by SIGKILL: 128 + the signal, not 247
     ],
 )
 def test_launcher_exit_code_follows_the_recorded_outcome(
@@ -123,7 +124,14 @@ def test_launcher_acts_on_the_workers_outcome_under_torchrun(data_dir: Path, tmp
         assert done.returncode == code, done.stderr[-3000:]
         assert read_record(run) is outcome
     assert steps_saved(tmp_path / "SIGNAL") == [3]  # asked during step 2, agreed on at the end of step 3
-    assert "failing on cue" in done.stderr
+    # the failure reads as two lines: which ranks torchrun saw fail, then the cause and where its traceback is
+    log = tmp_path / "RAISE" / "logs" / "rank-1.log"
+    agent, launcher = done.stderr.splitlines()[-2:]  # which rank exited first and which torchrun ended: timing
+    assert agent.startswith("torchrun: workers failed: rank ") and "rank 1 " in agent, done.stderr[-3000:]
+    assert launcher == (
+        f"meshrun: error: rank 1 failed: RuntimeError: interrupting_gpt: failing on cue at forward 3 (traceback: {log})"
+    )
+    assert "Traceback" not in done.stderr and "raise RuntimeError" in log.read_text()
 
 
 def torchrun_started(launcher: int) -> bool:

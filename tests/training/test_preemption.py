@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -22,6 +23,7 @@ from conftest import (
     wait_for,
 )
 
+from meshrun.checkpoint.paths import complete_checkpoints, step_of
 from meshrun.launcher.run_lock import LOCK, hold_run_dir
 
 # Long enough that a signal sent after the first checkpoint (step 5) always lands mid-run: 35
@@ -62,6 +64,13 @@ def uninterrupted(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return run
 
 
+def foreign_lines(stderr: str) -> list[str]:
+    """Console lines that are not meshrun's own (its progress and summary, its launcher's and
+    agent's one-liners): a torch traceback or log line, anything a user would have to wade through."""
+    own = re.compile(r"(\[meshrun\] |meshrun: |torchrun: | *[a-z_]+: )")  # the last: the summary's rows
+    return [line for line in stderr.splitlines() if line and not own.match(line)]
+
+
 def assert_same_run(run: Path, reference: Path) -> None:
     got, want = final_weights(run), final_weights(reference)
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -96,6 +105,31 @@ def test_killed_rank_restarts_and_resumes(uninterrupted, data_dir: Path, tmp_pat
     assert code == 0, err[-3000:]
     assert "resumed from" in err, err
     assert_same_run(run, uninterrupted)
+    # the lost rank reads as one line (rank 1's broken send, and that torchrun restarts), not a
+    # traceback per surviving rank: those are in RUN_DIR/logs
+    assert foreign_lines(err) == []
+    said = [line for line in err.splitlines() if "failed" in line]
+    assert len(said) == 1 and "torchrun restarts the workers (attempt 2 of 2)" in said[0], err[-3000:]
+    assert "Traceback" in (run / "logs" / "rank-1.log").read_text()
+
+
+def test_a_lost_rank_reads_as_a_few_lines(data_dir: Path, tmp_path: Path) -> None:
+    """A rank SIGKILLed mid-training with no restarts: the surviving rank's broken collective is
+    not a traceback on the console (~60 lines before, per surviving rank) but the agent's line
+    naming the killed rank and the launcher's line naming the survivor's cause and its log."""
+    run = tmp_path / "run"
+    proc = start(data_dir, run)
+    wait_for(lambda: (run / "checkpoints" / "latest").exists(), timeout=180, what="the first checkpoint")
+    os.kill(workers(proc.pid)[0], signal.SIGKILL)
+    code, err = finish(proc)
+    assert code == 1, err[-3000:]
+    assert foreign_lines(err) == []
+    said = [line for line in err.splitlines() if "fail" in line]  # bound: the agent's line and the launcher's
+    assert len(said) == 2, err[-3000:]
+    assert said[0].startswith("torchrun: workers failed: rank 0 killed by SIGKILL"), err[-3000:]
+    assert said[1].startswith("meshrun: error: rank 1 failed: ") and err.splitlines()[-1] == said[1]
+    log = run / "logs" / "rank-1.log"
+    assert f"(traceback: {log})" in said[1] and "Traceback" in log.read_text()
 
 
 def test_save_file_requests_a_checkpoint_without_stopping(data_dir: Path, tmp_path: Path) -> None:
@@ -137,17 +171,27 @@ def test_signal_to_the_launcher_reaches_the_workers(sig, data_dir: Path, tmp_pat
     assert not workers(proc.pid)  # nothing left behind
 
 
-def test_ctrl_c_ends_every_process_with_one_line(data_dir: Path, tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT to the launcher's process group: the launcher and torchrun): every rank ends
-    at once, no rank prints a traceback, and the launcher says in one line that nothing was saved."""
+@pytest.mark.parametrize("to", ["group", "launcher"])
+def test_ctrl_c_ends_every_process_with_one_line(to: str, data_dir: Path, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) or `kill -INT` of
+    the launcher alone: every rank ends at once, no rank prints a traceback, no checkpoint is
+    written on the way out, and the launcher says so in one line naming the one a rerun resumes
+    from. (SIGINT to the launcher alone used to reach nobody: the job trained to its end.)"""
     run = tmp_path / "run"
     proc = start(data_dir, run)
     wait_for(lambda: (run / "checkpoints" / "latest").exists(), timeout=180, what="the first checkpoint")
-    os.killpg(proc.pid, signal.SIGINT)
+    (os.killpg if to == "group" else os.kill)(proc.pid, signal.SIGINT)
     code, err = finish(proc)
     assert code == 130, err[-3000:]
-    assert "Traceback" not in err and "meshrun: interrupted (Ctrl-C): stopped without writing a checkpoint" in err, err
-    assert not workers(proc.pid)
+    assert foreign_lines(err) == [] and "stop requested" not in err, err[-3000:]
+    saved = [step_of(folder) for folder in complete_checkpoints(run)]
+    assert saved[-1] < STEPS["train.steps"] and all(step % STEPS["checkpoint.interval"] == 0 for step in saved)
+    assert err.splitlines()[-1] == (
+        "meshrun: interrupted (Ctrl-C / SIGINT): every rank stopped at once, without writing a checkpoint; "
+        f"rerunning the same command resumes from step {saved[-1]}, the last complete checkpoint "
+        "(SIGTERM or SIGUSR1 instead writes one, then stops with exit 75)"
+    ), err[-3000:]
+    assert not workers(proc.pid) and not (run / "summary.json").exists()
 
 
 def test_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(data_dir: Path, tmp_path: Path) -> None:

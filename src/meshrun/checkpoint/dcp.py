@@ -145,13 +145,17 @@ def shard_writer(tmp: Path) -> dcp.FileSystemWriter:
 def failed_save(exc: BaseException, tmp: Path) -> BaseException:
     """Collective after a DCP save raised `exc` on every rank: the partial save goes (its space
     back; earlier checkpoints stay as they were). Returns the error to raise: one line for a full
-    disk, else `exc`."""
-    full = _full_disk(exc, tmp)  # before the partial save goes: the disk is still full
+    disk, KeyboardInterrupt for a Ctrl-C that DCP caught mid-save (one process, where SIGINT is
+    Python's: the run was interrupted, it did not fail), else `exc`."""
+    interrupted = isinstance(exc, dcp.CheckpointException) and any(
+        isinstance(failure, KeyboardInterrupt) for failure, _ in exc.failures.values()
+    )
+    full = None if interrupted else _full_disk(exc, tmp)  # before the partial save goes: the disk is still full
     if isinstance(exc, dcp.CheckpointException):
         _barrier()  # DCP's collectives worked: every rank has looked
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    return full if full is not None else exc
+    return KeyboardInterrupt() if interrupted else full if full is not None else exc
 
 
 def shard_sums(tmp: Path) -> dict[str, int]:

@@ -44,6 +44,20 @@ def newest_first(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: (step_of(p) > at, -step_of(p)))
 
 
+def last_complete_checkpoint(run_dir: str | Path) -> str:
+    """What a rerun resumes from, in words for a line that says how a run ended."""
+    saved = newest_first(run_dir)
+    return f"the last complete checkpoint is step {step_of(saved[0])}" if saved else "no checkpoint is complete yet"
+
+
+def what_a_rerun_does(run_dir: str | Path) -> str:
+    """Where rerunning the same command starts, in words for a line that says how a run ended."""
+    saved = newest_first(run_dir)
+    if not saved:
+        return "no checkpoint is complete yet: rerunning the same command starts afresh"
+    return f"rerunning the same command resumes from step {step_of(saved[0])}, the last complete checkpoint"
+
+
 def step_of(checkpoint: Path) -> int:
     return int(checkpoint.name.split("-")[1])
 

@@ -13,7 +13,7 @@ from meshrun.cli.arguments import check_checkpoint_args, check_parity_args, chec
 from meshrun.cli.parser import build_parser
 from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError, RunError
-from meshrun.launcher.outcome import StoppedBeforeTraining, stops_end_the_launcher
+from meshrun.launcher.outcome import Interrupted, StoppedBeforeTraining, stops_end_the_launcher
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.preflight import check_rendezvous, preflight
 from meshrun.versions import check_torch_version, installed_torch_version, missing_extra
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             return _parity(args)
         with contextlib.nullcontext() if in_launched_worker() else stops_end_the_launcher():
             return _train(args)
-    except StoppedBeforeTraining as stop:
+    except (StoppedBeforeTraining, Interrupted) as stop:
         print(f"meshrun: {stop}", file=sys.stderr)
         return stop.exit_code
     except (ConfigError, RunError) as exc:
@@ -250,13 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         if (missing := missing_extra(exc, f"meshrun {args.command}")) is None:
             raise
         return _refuse(missing)
-    except KeyboardInterrupt:
-        if not in_launched_worker():  # once, from the launcher: Ctrl-C reaches every worker too
-            print(
-                "meshrun: interrupted (Ctrl-C): stopped without writing a checkpoint; rerun the same command to "
-                "resume from the newest one, or stop with SIGTERM/SIGUSR1 to write one first",
-                file=sys.stderr,
-            )
+    except KeyboardInterrupt:  # before a run started (training ends as Interrupted)
+        if not in_launched_worker():  # a worker's SIGINT is the default: it does not get here
+            print("meshrun: interrupted (Ctrl-C / SIGINT)", file=sys.stderr)
         return 130
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
 from torch import nn
 
-from meshrun.checkpoint.paths import newest_first, resume_candidates, step_of
+from meshrun.checkpoint.paths import last_complete_checkpoint, resume_candidates
 from meshrun.config.schema import Config
 from meshrun.data.locations import data_dir, reads_in_place, training_data_dir
 from meshrun.data.prepare import default_sources, is_prepared, prepare
@@ -28,12 +28,13 @@ from meshrun.hardware.precision import resolve_precision
 from meshrun.launcher import progress
 from meshrun.launcher.hang import HangWatchdog, Place, check_report_folder, clear_reports, hang_summary
 from meshrun.launcher.lifetime import PARENT_PID, die_with_parent
+from meshrun.launcher.logs import LOGS_ENV, divert_worker_notes, log_dir, log_failure
 from meshrun.launcher.outcome import (
     RECORD,
-    STOP_SIGNALS,
+    Interrupted,
     Outcome,
-    StoppedBeforeTraining,
     clear_record,
+    failed_in,
     launcher_exit_code,
     read_error,
     read_record,
@@ -43,8 +44,10 @@ from meshrun.launcher.rendezvous import RendezvousWatch
 from meshrun.launcher.run_lock import HELD_ENV, RunDirLock, hold_run_dir, worker_job
 from meshrun.launcher.torchrun import (
     RDZV_TIMEOUT_EXIT,
+    check_torchrun_ending,
     in_launched_worker,
     run_tmpdir,
+    run_torchrun,
     timeout_message,
     torchrun_argv,
     waiting_line,
@@ -56,6 +59,9 @@ from meshrun.models.protocol import pretrained_dir
 from meshrun.parallel.mesh import Mesh, init_mesh, shutdown
 from meshrun.parallel.stages import static_split
 from meshrun.preflight import check_data_fits, check_run_dir
+
+if TYPE_CHECKING:
+    from meshrun.training.trainer import Trainer
 
 
 def ensure_data(cfg: Config) -> Path:
@@ -207,10 +213,13 @@ def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
                 ensure_data(cfg)
             run_worker(cfg)
         return 0  # stopped on request too: torchrun restarts a group that exits non-zero
-    with hold_run_dir(Path(cfg.run_dir), job=launcher_job(cfg), role="meshrun train") as lock:
-        # again, now held: a job that ended meanwhile may have left a config.json this one would run over
-        check_run_dir(cfg)
-        return launch(cfg, worker_args, model, lock=lock)
+    try:
+        with hold_run_dir(Path(cfg.run_dir), job=launcher_job(cfg), role="meshrun train") as lock:
+            # again, now held: a job that ended meanwhile may have left a config.json this one would run over
+            check_run_dir(cfg)
+            return launch(cfg, worker_args, model, lock=lock)
+    except KeyboardInterrupt:  # Ctrl-C in one process, or passed on to torchrun's workers
+        raise Interrupted(Path(cfg.run_dir)) from None
 
 
 def launcher_job(cfg: Config) -> str:
@@ -261,18 +270,17 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     if watch is not None:
         say(waiting_line(cfg))
         watch.start()
-    clear_record(Path(cfg.run_dir))  # nor its outcome
-    env = {**worker_env(cfg), PARENT_PID: str(os.getpid()), HELD_ENV: lock.job}
+    run_dir = Path(cfg.run_dir)
+    clear_record(run_dir)  # nor its outcome
+    env = {**worker_env(cfg), PARENT_PID: str(os.getpid()), HELD_ENV: lock.job, LOGS_ENV: str(log_dir(run_dir))}
     try:
         with run_tmpdir(env):
-            code, stop = run_torchrun(argv, env=env, lock=lock)
+            code, relayed = run_torchrun(argv, env=env, lock=lock)
     finally:
         if watch is not None:
             watch.stop()
-    outcome = read_record(Path(cfg.run_dir))
-    if outcome is None and stop is not None:  # no worker acted on it: nothing was checkpointed
-        raise StoppedBeforeTraining(stop)
-    run_dir = Path(cfg.run_dir)
+    outcome = read_record(run_dir)
+    stop = check_torchrun_ending(run_dir, outcome, code, relayed)
     hung = None  # a failure recorded after the hang's trigger is its consequence (a peer's collective broke)
     if outcome in (None, Outcome.FAILED):
         hung = hang_summary(run_dir, cfg.launch.hang_timeout, record=run_dir / RECORD)
@@ -283,7 +291,7 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         raise error
     if outcome is None and code == RDZV_TIMEOUT_EXIT:
         raise RunError(timeout_message(cfg, watch.state() if watch is not None else "one node"))
-    if outcome is Outcome.FAILED and (error := read_error(Path(cfg.run_dir))):
+    if outcome is Outcome.FAILED and (error := read_error(run_dir)):
         raise error  # the workers' reason, as the last line (their lines may interleave above)
     return launcher_exit_code(outcome, code, stop_relayed=stop is not None)
 
@@ -298,34 +306,6 @@ def completed_steps(run_dir: Path) -> int | None:
     return steps if isinstance(steps, int) else None
 
 
-def run_torchrun(argv: list[str], *, env: dict[str, str], lock: RunDirLock) -> tuple[int, int | None]:
-    """Run torchrun, relaying a stop request sent to this process (a container's PID 1, a
-    scheduler) as SIGTERM: torchrun passes SIGTERM on to its workers, which checkpoint and
-    stop (torchrun itself then exits non-zero); it has no handler for SIGUSR1 and would die of it.
-    `lock`: the run_dir, whose lock (where this node holds it) the agent holds too.
-    Returns torchrun's exit code and the stop signal relayed (None: none)."""
-    proc = subprocess.Popen(argv, env=env, pass_fds=() if lock.fd is None else (lock.fd,))
-    lock.add_holder(proc.pid, "its torchrun agent")
-    relayed: list[int] = []
-
-    def relay(signum: int, frame: object) -> None:
-        relayed.append(signum)
-        proc.send_signal(signal.SIGTERM)
-
-    previous = {sig: signal.signal(sig, relay) for sig in STOP_SIGNALS}
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:  # Ctrl-C reached torchrun too: let it end its workers before we report
-        proc.wait()
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if code == 128 + signal.SIGINT and not relayed:  # torchrun's Ctrl-C, where this process ignores SIGINT
-        raise KeyboardInterrupt
-    return code, relayed[0] if relayed else None
-
-
 def run_worker(cfg: Config) -> Outcome:
     """The worker's training entry: trains, and returns and records how the run ended."""
     from meshrun.training.trainer import Trainer  # heavy imports only in workers
@@ -333,8 +313,11 @@ def run_worker(cfg: Config) -> Outcome:
     if in_launched_worker():  # Ctrl-C: torchrun passes SIGINT on; end at once, as every rank does,
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # not with tracebacks of peers gone mid-collective
     run_dir = Path(cfg.run_dir)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if in_launched_worker():  # torch's notes (DTensor's) go to this rank's log, not the console
+        divert_worker_notes(run_dir, int(os.environ["RANK"]))
     progress.mark_init("joining the process group")
-    watchdog, rank, trainer = start_watchdog(cfg), 0, None
+    watchdog, rank, trainer, failing = start_watchdog(cfg), 0, None, False
     try:
         mesh = init_mesh(cfg.layout, join_timeout=cfg.launch.rdzv_timeout)
         rank = mesh.rank
@@ -349,20 +332,21 @@ def run_worker(cfg: Config) -> Outcome:
     except ConfigError:
         raise  # refused before training (e.g. no checkpoint loads): the run directory stays as it was
     except DiskFull as full:  # anywhere (a checkpoint, metrics.jsonl, a picture): say what a rerun resumes
-        failed = RunError(f"{full}; {last_complete_checkpoint(run_dir)}")
-        record_failure(run_dir, failed)
+        failing, failed = True, RunError(f"{full}; {last_complete_checkpoint(run_dir)}")
+        record_failure(run_dir, failed, attempt=attempt)
         raise failed from None
     except Exception as exc:
-        record_failure(run_dir, exc)
-        raise
+        failing = True
+        if not in_launched_worker():  # one process: its traceback is the whole story, and short
+            record_failure(run_dir, exc)
+            raise
+        raise SystemExit(worker_failed(run_dir, rank, exc, attempt=attempt)) from None
     finally:
-        if trainer is not None:
-            trainer.close()
-        shutdown()
+        close_worker(trainer, failing=failing)
         if watchdog is not None:
             watchdog.stop()
     if rank == 0:
-        write_record(run_dir, outcome)
+        write_record(run_dir, outcome, attempt=attempt)
     return outcome
 
 
@@ -383,6 +367,17 @@ def start_watchdog(cfg: Config) -> HangWatchdog | None:
     return watchdog
 
 
+def close_worker(trainer: Trainer | None, *, failing: bool) -> None:
+    """The trainer's and the process group's cleanup. After a failure, what they raise (a stop
+    request's all-reduce still in flight when a peer was lost) would only bury the failure's line."""
+    quietly = contextlib.suppress(Exception) if failing else contextlib.nullcontext()
+    if trainer is not None:
+        with quietly:
+            trainer.close()
+    with quietly:
+        shutdown()
+
+
 def init_line(cfg: Config, model: nn.Module) -> str:
     """Where a new run's weights come from, in one line (`model`: the whole model, any device)."""
     source = pretrained_dir(model)
@@ -393,18 +388,27 @@ def init_line(cfg: Config, model: nn.Module) -> str:
     return f"random init (seed {cfg.train.seed})"
 
 
-def record_failure(run_dir: Path, exc: BaseException) -> None:
-    """Any rank that fails says so; a RunError's one line is kept for the launcher to say last."""
-    error = " ".join(str(exc).split()) if isinstance(exc, RunError) else None
-    if error is None and read_record(run_dir) is Outcome.FAILED:
+def worker_failed(run_dir: Path, rank: int, exc: Exception, *, attempt: int) -> int:
+    """A launched worker's failure as a few lines, not one traceback per rank (a lost peer breaks
+    every other rank's collective): the traceback goes to this rank's log, the first rank of the
+    attempt to fail records its one-line cause, which the launcher repeats last, and says it now
+    if torchrun will restart the workers. Returns the exit status (non-zero: torchrun restarts)."""
+    cause = log_failure(run_dir, rank, exc, attempt=attempt)
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if attempt < restarts and not failed_in(run_dir, attempt):
+        say(f"{cause}; torchrun restarts the workers (attempt {attempt + 2} of {restarts + 1})")
+    record_failure(run_dir, exc, cause=cause, attempt=attempt)
+    return 1
+
+
+def record_failure(run_dir: Path, exc: BaseException, *, cause: str | None = None, attempt: int = 0) -> None:
+    """Any rank that fails says so, with its one-line `cause`; a RunError's own line wins over
+    a peer's earlier cause (the launcher says it last)."""
+    error = " ".join(str(exc).split()) if isinstance(exc, RunError) else cause
+    if not isinstance(exc, RunError) and failed_in(run_dir, attempt):
         return  # a peer failed first (this rank's collective broke with it): its record, and reason, stay
     with contextlib.suppress(OSError, RunError):  # the error itself matters more than its record (a full disk)
-        write_record(run_dir, Outcome.FAILED, error=error)
-
-
-def last_complete_checkpoint(run_dir: Path) -> str:
-    saved = newest_first(run_dir)
-    return f"the last complete checkpoint is step {step_of(saved[0])}" if saved else "no checkpoint is complete yet"
+        write_record(run_dir, Outcome.FAILED, error=error, attempt=attempt)
 
 
 def with_resolved_precision(cfg: Config, mesh: Mesh) -> Config:

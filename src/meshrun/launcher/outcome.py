@@ -7,8 +7,9 @@ directly; under torchrun the launcher reads the record, since workers stopped on
 
 Exit codes of `meshrun train`: 0 completed, 75 stopped on request with a checkpoint written
 (EX_TEMPFAIL: rerun the same command to resume; Slurm jobs requeue), 1 failed, 2 bad input,
-128 + the signal for a stop request that came before any checkpoint could be written, 124 for a job
-ended for making no progress (launcher/hang.py).
+128 + the signal for a stop request that came before any checkpoint could be written, for Ctrl-C
+(SIGINT: every rank ends at once, nothing written on the way out) and for torchrun's agent killed by
+a signal, 124 for a job ended for making no progress (launcher/hang.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
+from meshrun.checkpoint.paths import what_a_rerun_does
 from meshrun.errors import RunError
 from meshrun.files.atomic import write_atomic
 
@@ -39,13 +41,27 @@ class Outcome(Enum):
         return {Outcome.COMPLETED: 0, Outcome.STOPPED: STOPPED_EXIT_CODE, Outcome.FAILED: 1}[self]
 
 
-def write_record(run_dir: Path, outcome: Outcome, *, error: str | None = None, exit_code: int | None = None) -> None:
+def status_text(code: int) -> str:
+    """A process's exit status in words: `exit N`, or `killed by SIGNAME` (Popen's -N)."""
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def write_record(
+    run_dir: Path, outcome: Outcome, *, error: str | None = None, exit_code: int | None = None, attempt: int = 0
+) -> None:
     """Write the outcome atomically (a reader never sees half a file). `error`: a failed worker's
     one-line reason (a RunError's text), which the launcher repeats as its last line; `exit_code`:
-    the launcher's exit code for it, where not 1 (a hang whose report could not be written: 124)."""
+    the launcher's exit code for it, where not 1 (a hang whose report could not be written: 124);
+    `attempt`: torchrun's restart count, so a restarted group's failure is not taken for its
+    predecessor's."""
     run_dir.mkdir(parents=True, exist_ok=True)
     record = (
-        {"outcome": outcome.value}
+        {"outcome": outcome.value, "attempt": attempt}
         | ({"error": error} if error else {})
         | ({"exit_code": exit_code} if exit_code else {})
     )
@@ -58,6 +74,15 @@ def read_record(run_dir: Path) -> Outcome | None:
         return Outcome(json.loads((run_dir / RECORD).read_text())["outcome"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def failed_in(run_dir: Path, attempt: int) -> bool:
+    """A rank of this attempt has recorded a failure already."""
+    try:
+        record = json.loads((run_dir / RECORD).read_text())
+        return record["outcome"] == Outcome.FAILED.value and record.get("attempt", 0) == attempt
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def read_error(run_dir: Path) -> RunError | None:
@@ -83,12 +108,12 @@ def launcher_exit_code(outcome: Outcome | None, torchrun_code: int, *, stop_rela
     """`meshrun train`'s exit code after torchrun: the workers' recorded outcome decides. A stop
     this launcher relayed makes torchrun itself exit non-zero: a completion the workers recorded
     first is still one. Only a recorded stop says 75 (a checkpoint written); anything else is
-    torchrun's failure (1 if it said 0)."""
+    torchrun's failure (1 if it said 0; 128 + N if it was killed by signal N)."""
     if outcome is Outcome.COMPLETED and (torchrun_code == 0 or stop_relayed):
         return 0
     if outcome is Outcome.STOPPED:
         return STOPPED_EXIT_CODE
-    return torchrun_code or 1
+    return 128 - torchrun_code if torchrun_code < 0 else torchrun_code or 1
 
 
 class StoppedBeforeTraining(BaseException):
@@ -108,6 +133,25 @@ class StoppedBeforeTraining(BaseException):
         return (
             f"stopped by {signal.Signals(self.signum).name} before training began: no checkpoint written; "
             "rerun the same command to start"
+        )
+
+
+class Interrupted(BaseException):
+    """Ctrl-C, or SIGINT to the launcher alone: it passed the signal on and every rank ended at
+    once (their SIGINT is the default: no handler, nothing saved on the way out). The exit is
+    130, and the line names the checkpoint a rerun resumes from. A BaseException, as
+    KeyboardInterrupt, which it replaces."""
+
+    exit_code = 128 + signal.SIGINT
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(run_dir)
+        self.rerun = what_a_rerun_does(run_dir)
+
+    def __str__(self) -> str:
+        return (
+            f"interrupted (Ctrl-C / SIGINT): every rank stopped at once, without writing a checkpoint; {self.rerun} "
+            "(SIGTERM or SIGUSR1 instead writes one, then stops with exit 75)"
         )
 
 

@@ -1,16 +1,24 @@
-"""Config -> torchrun argv: one node on a free local port, or many nodes through c10d rendezvous."""
+"""Config -> torchrun argv (one node on a free local port, or many nodes through c10d
+rendezvous), and running it: the signals the launcher passes on, the endings no worker recorded."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, MutableMapping
+from pathlib import Path
 
+from meshrun.checkpoint.paths import what_a_rerun_does
 from meshrun.config.schema import Config
 from meshrun.data.locations import cache_root
+from meshrun.errors import RunError
+from meshrun.launcher.outcome import STOP_SIGNALS, Interrupted, Outcome, StoppedBeforeTraining, status_text
+from meshrun.launcher.run_lock import RunDirLock
 
 # torchrun's agent shares its TCPStore with the workers by default; after a restart the store
 # keeps stale addresses and gloo fails to connect (pytorch #135712). Not sharing it is reliable.
@@ -116,3 +124,50 @@ def timeout_message(cfg: Config, state: str) -> str:
 def in_launched_worker() -> bool:
     """True inside torchrun / Slurm-started workers (they export RANK and WORLD_SIZE)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_torchrun_ending(run_dir: Path, outcome: Outcome | None, code: int, relayed: list[int]) -> int | None:
+    """Raise for the endings that no worker's record explains: Ctrl-C (Interrupted, unless the
+    workers completed or stopped first), a stop relayed before any worker acted on it, torchrun's
+    agent killed by a signal (its workers died with it: 128 + the signal). Returns the stop
+    signal relayed to the workers (None: none)."""
+    interrupted = signal.SIGINT in relayed or (code == 128 + signal.SIGINT and not relayed)  # the agent's own
+    if interrupted and outcome not in (Outcome.COMPLETED, Outcome.STOPPED):
+        raise Interrupted(run_dir)
+    stop = next((sig for sig in relayed if sig in STOP_SIGNALS), None)
+    if outcome is None and stop is not None:  # no worker acted on it: nothing was checkpointed
+        raise StoppedBeforeTraining(stop)
+    if outcome is None and code < 0:
+        killed = RunError(
+            f"torchrun's agent was {status_text(code)} and its workers ended with it; {what_a_rerun_does(run_dir)}"
+        )
+        killed.exit_code = 128 - code
+        raise killed
+    return stop
+
+
+def run_torchrun(argv: list[str], *, env: dict[str, str], lock: RunDirLock) -> tuple[int, list[int]]:
+    """Run torchrun's agent in a session of its own, so that a terminal's Ctrl-C reaches it only
+    through this process, the same way as a signal sent to this process alone: SIGINT is passed
+    on as SIGINT (torchrun ends its workers at once, nothing saved), a stop request (a container's
+    PID 1, a scheduler) as SIGTERM (torchrun passes it on to its workers, which checkpoint and
+    stop; it has no handler for SIGUSR1 and would die of it). A SIGINT this process ignores (a
+    job started in the background by a script) stays ignored. `lock`: the run_dir's, which the
+    agent holds too and names as a holder (meshrun.launcher.run_lock). Returns torchrun's exit status (-N: killed by
+    signal N) and the signals passed on, in order."""
+    proc = subprocess.Popen(argv, env=env, pass_fds=() if lock.fd is None else (lock.fd,), start_new_session=True)
+    lock.add_holder(proc.pid, "its torchrun agent")
+    relayed: list[int] = []
+
+    def relay(signum: int, frame: object) -> None:
+        relayed.append(signum)
+        proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+    relays = [*STOP_SIGNALS, *([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])]
+    previous = {sig: signal.signal(sig, relay) for sig in relays}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code, relayed
