@@ -4,6 +4,7 @@ from; every file written before it stays whole, and the same command works once 
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,7 @@ def test_a_resume_that_cannot_write_config_json_keeps_the_old_one(data_dir: Path
         run_meshrun(["train", *tiny(data_dir, run, **SMALL, **{"train.steps": 2})], tmp_path=tmp_path)
         before = (run / "config.json").read_bytes()
         filler = _fill(disk)
+        os.truncate(filler, filler.stat().st_size - 4096)  # one page: the run_dir lock's owner record fits
         longer = ["train", *tiny(data_dir, run, **SMALL, **{"train.steps": 4})]
         result = run_meshrun(longer, tmp_path=tmp_path, check=False)
         assert result.returncode == 1, result.stderr

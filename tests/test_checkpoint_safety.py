@@ -80,8 +80,8 @@ def planted(finished: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("command", [["sample", ".", "--tokens", "4"], ["export", ".", "--out", "../m.safetensors"]])
 def test_checkpoint_named_factory_is_not_imported(command: list[str], planted: tuple[Path, Path]) -> None:
-    ckpt, marker = planted  # run from inside the folder: `python -m` puts it first on sys.path
-    result = run_meshrun(command, tmp_path=ckpt, check=False, timeout=120)
+    ckpt, marker = planted  # run from inside the folder, which is on PYTHONPATH: the module is importable
+    result = run_meshrun(command, tmp_path=ckpt, env=meshrun_env(ckpt, PYTHONPATH=str(ckpt)), check=False, timeout=120)
     assert not marker.exists(), "the checkpoint's module was imported"
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "planted:build" in result.stderr and "--trust-code" in result.stderr
@@ -89,8 +89,11 @@ def test_checkpoint_named_factory_is_not_imported(command: list[str], planted: t
 
 def test_factory_runs_when_the_user_names_it(planted: tuple[Path, Path]) -> None:
     ckpt, marker = planted
-    result = run_meshrun(
-        ["sample", ".", "--tokens", "4", "--set", "model.factory=planted:build"], tmp_path=ckpt, timeout=120
+    result = run_meshrun(  # a factory's module is found on PYTHONPATH (the working folder is not searched)
+        ["sample", ".", "--tokens", "4", "--set", "model.factory=planted:build"],
+        tmp_path=ckpt,
+        env=meshrun_env(ckpt, PYTHONPATH=str(ckpt)),
+        timeout=120,
     )
     assert marker.exists() and result.stdout.startswith("def ")
 

@@ -387,7 +387,7 @@ CASES = [
             "train",
             *c.set(model__hf=c.write("m/config.json", json.dumps(HF_LLAMA)).parent, model__factory="mt:build"),
         ],
-        ("set model.factory or model.hf, not both", "load the Hugging Face model inside it", "model.lora"),
+        ("set model.factory or model.hf, not both", "load the Hugging Face model inside it", "remove model.hf)"),
         torch_free=True,
     ),
     Case(

@@ -21,6 +21,7 @@ from meshrun.cli import train as job
 from meshrun.cli.use_checkpoint import load_full_model
 from meshrun.data.pairs import prepare_pairs
 from meshrun.data.prepare import prepare
+from meshrun.launcher import torchrun as torchrun_launch
 
 VOCAB = 300
 
@@ -95,7 +96,7 @@ def no_workers(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
         raise AssertionError("a worker was started")
 
     monkeypatch.setattr(job, "run_worker", tripwire)
-    monkeypatch.setattr(job.subprocess, "Popen", tripwire)
+    monkeypatch.setattr(torchrun_launch.subprocess, "Popen", tripwire)
 
 
 def first_loss(data: Path, run: Path, **overrides: object) -> float:

@@ -211,10 +211,16 @@ def test_a_bpe_is_trained_on_an_even_sample_of_a_large_corpus(tmp_path: Path) ->
     assert sum(map(len, _spread_sample(found, "text", budget=10**9))) == 50_000  # small corpora: all of it
 
 
-def test_preparing_says_what_it_is_doing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_preparing_says_what_it_is_doing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """First-use preparation of the default job (a BPE trained, then tokenized) was silent for ~30 s
-    after its first line: each phase now starts with a line, on a terminal or not."""
+    after its first line: each phase of sources large enough to take seconds now starts with a
+    line, on a terminal or not; small ones (and so their one-line refusals) say nothing."""
     _corpus(tmp_path / "src")
+    prepare([str(tmp_path / "src" / "**" / "*.txt")], tmp_path / "small", train_tokenizer="bpe:300", workers=1)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr("meshrun.data.prepare.SAY_PHASES_FROM_BYTES", 0)  # as if the corpus were large
     prepare([str(tmp_path / "src" / "**" / "*.txt")], tmp_path / "ds", train_tokenizer="bpe:300", workers=1)
     lines = capsys.readouterr().err.splitlines()
     assert re.fullmatch(r"\[meshrun\] training the bpe:300 tokenizer on [\d.]+ MB sampled from 12 files", lines[0])

@@ -70,7 +70,7 @@ def test_two_jobs_or_a_used_folder_are_refused_before_training(tmp_path: Path, d
 @pytest.mark.parametrize(
     "args,message",
     [  # each trained A for minutes, then B was refused by its own `meshrun train`
-        (["--layers", "1", "--set-b", "parallel.pp=2"], "run B (dp 1 x pp 2, 1f1b, micro_batch 2, "),
+        (["--layers", "1", "--set-b", "parallel.pp=2"], "run B (dp 1 x tp 1 x pp 2 (1f1b), micro_batch 2, "),
         (["--set-b", "parallel.pp=2", "--set-b", "train.micro_batch=8"], "schedule 1f1b needs at least"),
     ],
 )
@@ -88,6 +88,6 @@ def test_a_layout_train_refuses_is_refused_before_either_run_trains(
 
 def test_the_same_layout_twice_says_it_checks_repeatability(tmp_path: Path, data_dir: Path) -> None:
     done = parity(tmp_path, data_dir, "--steps", "1", "--weights", "none", check=True)
-    assert "A and B have the same layout (dp 1 x pp 1, micro_batch 2, recompute none, fp32)" in done.stderr
+    assert "A and B have the same layout (dp 1 x tp 1 x pp 1, micro_batch 2, recompute none, fp32)" in done.stderr
     assert "checks that a run repeats itself, not one layout against another" in done.stderr
     assert "verdict: EQUAL" in done.stdout

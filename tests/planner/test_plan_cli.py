@@ -151,8 +151,11 @@ def test_a_runs_factory_is_imported_only_with_trust_code(trust: list[str], tmp_p
     cfg = load_config(None, [arg.removeprefix("--set=") for arg in TINY_MODEL] + ["model.factory=planted:build"])
     (tmp_path / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 0.5}\n{"step": 2, "step_time_s": 0.5}\n')
-    done = run_meshrun(["plan", "--run", ".", "--gpu", "h100", *trust], tmp_path=tmp_path, timeout=180, check=False)
-    if trust:  # run from inside the folder: `python -m` puts it first on sys.path
+    env = meshrun_env(tmp_path, PYTHONPATH=str(tmp_path))  # the module is importable: only the flag decides
+    done = run_meshrun(
+        ["plan", "--run", ".", "--gpu", "h100", *trust], tmp_path=tmp_path, env=env, timeout=180, check=False
+    )
+    if trust:
         assert marker.exists() and done.returncode == 0 and "tokens/s" in done.stdout, done.stderr
     else:
         assert not marker.exists(), "the run's module was imported"

@@ -115,35 +115,42 @@ LAYOUT_RUN = {
     "train.momentum": 0.5,
     "train.alpha": 0.9,
     "train.lr": 3e-3,
-    "train.steps": 8,
-    "checkpoint.interval": 4,
+    "train.steps": 10,
+    "checkpoint.interval": 5,
 }
+FSDP_DP2_PP2 = {"parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"}  # RMSprop's skip on the shards
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        {**LAYOUT_RUN, "parallel.dp_mode": "fsdp"},  # RMSprop's skip works on the FSDP shards
-        {"train.optimizer": "sgd", "train.momentum": 0.9, "train.nesterov": True, "train.lr": 0.05},
-    ],
-    ids=["rmsprop-fsdp", "sgd"],
-)
-def test_dp2_x_pp2_trains_as_one_plain_torch_process(optimizer: dict, data_dir, plain_reference, tmp_path) -> None:
-    """10 clipped steps (8 for the rmsprop run, whose settings the resume test below shares)."""
-    overrides = {"train.steps": 10, **optimizer, "parallel.dp": 2, "parallel.pp": 2}
-    run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **overrides)], tmp_path=tmp_path)
-    plain = plain_reference(**{k: v for k, v in overrides.items() if not k.startswith(("parallel.", "checkpoint."))})
+@pytest.fixture(scope="module")
+def rmsprop_run(data_dir, tmp_path_factory: pytest.TempPathFactory):
+    """RMSprop with momentum at FSDP dp2 x pp2, 10 clipped steps, a checkpoint every 5."""
+    run = tmp_path_factory.mktemp("rmsprop") / "run"
+    run_meshrun(["train", *tiny(data_dir, run, **LAYOUT_RUN, **FSDP_DP2_PP2)], tmp_path=run.parent)
+    return run
+
+
+def test_rmsprop_under_fsdp_trains_as_one_plain_torch_process(rmsprop_run, plain_reference) -> None:
+    plain = plain_reference(**{k: v for k, v in LAYOUT_RUN.items() if not k.startswith("checkpoint.")})
+    assert_grad_norms_match(grad_norms(rmsprop_run), plain.grad_norms)
+    assert max_weight_diff(final_weights(rmsprop_run), plain.weights) < 1e-5
+
+
+def test_sgd_nesterov_at_dp2_x_pp2_trains_as_one_plain_torch_process(data_dir, plain_reference, tmp_path) -> None:
+    """10 clipped steps."""
+    optimizer = {"train.optimizer": "sgd", "train.momentum": 0.9, "train.nesterov": True, "train.lr": 0.05}
+    overrides = {"train.steps": 10, **optimizer}
+    layout = {"parallel.dp": 2, "parallel.pp": 2}
+    run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **overrides, **layout)], tmp_path=tmp_path)
+    plain = plain_reference(**overrides)
     assert_grad_norms_match(grad_norms(tmp_path / "run"), plain.grad_norms)
     assert max_weight_diff(final_weights(tmp_path / "run"), plain.weights) < 1e-5
 
 
-def test_optimizer_state_resumes_resharded(data_dir, tmp_path) -> None:
+def test_optimizer_state_resumes_resharded(rmsprop_run, data_dir, tmp_path) -> None:
     """RMSprop's squared averages and momentum written at fsdp dp2 x pp2, resumed at dp1 x pp1: the
     run continues as the uninterrupted one."""
-    full, layout = tmp_path / "full", {"parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"}
-    run_meshrun(["train", *tiny(data_dir, full, **LAYOUT_RUN, **layout)], tmp_path=tmp_path)
-    run = interrupted_copy(full, tmp_path / "resumed", at_step=4)
+    run = interrupted_copy(rmsprop_run, tmp_path / "resumed", at_step=5)
     result = run_meshrun(["train", *tiny(data_dir, run, **LAYOUT_RUN)], tmp_path=tmp_path)
     assert "resumed from" in result.stderr
-    assert max_weight_diff(final_weights(run), final_weights(full)) < 1e-5
+    assert max_weight_diff(final_weights(run), final_weights(rmsprop_run)) < 1e-5
     assert json.loads((run / "config.json").read_text())["train"]["optimizer"] == "rmsprop"

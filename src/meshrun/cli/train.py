@@ -337,8 +337,8 @@ def run_worker(cfg: Config) -> Outcome:
         raise failed from None
     except Exception as exc:
         failing = True
-        if not in_launched_worker():  # one process: its traceback is the whole story, and short
-            record_failure(run_dir, exc)
+        if not in_launched_worker() or HELD_ENV not in os.environ:  # one process, or torchrun without
+            record_failure(run_dir, exc, attempt=attempt)  # meshrun's launcher (none to say it): its own words
             raise
         raise SystemExit(worker_failed(run_dir, rank, exc, attempt=attempt)) from None
     finally:

@@ -48,6 +48,7 @@ from meshrun.files.console import say
 __all__ = ["SPLITS", "default_sources", "expand_sources", "is_prepared", "prepare"]
 TASK_BYTES = 1 << 20
 BPE_TRAIN_BYTES = 4 << 20  # a byte-level BPE is trained on about this much text, sampled evenly
+SAY_PHASES_FROM_BYTES = 1 << 20  # sources this large take seconds: each phase says so as it starts
 SHARD_TOKENS = 1 << 28  # 256 Mi tokens per shard (512 MB of uint16)
 MIN_TOKENS = 64  # fewer cannot train anything: refuse rather than write a useless dataset
 STAGING_MARK = ".meshrun-staging"
@@ -124,9 +125,10 @@ def _write(
     progress: bool,
 ) -> dict[str, Any]:
     """The tokenizer and every split's shards into `staging`; returns the meta.json content.
-    `progress`: a line as each phase starts (training's first use took ~30 s with none), and the
-    tokenizing bar on a terminal."""
+    `progress`: a line as each phase starts where the sources are large enough to take seconds
+    (the default job's first use took ~30 s with none), and the tokenizing bar on a terminal."""
     total = sum(source.size() for source in found)
+    progress = progress and total >= SAY_PHASES_FROM_BYTES  # a quick one says nothing (a refusal stays one line)
     if progress and train_tokenizer:
         sample = min(total, BPE_TRAIN_BYTES)
         say(f"training the {train_tokenizer} tokenizer on {sample / 1e6:.1f} MB sampled from {len(found)} files")
