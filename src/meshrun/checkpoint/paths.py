@@ -44,18 +44,24 @@ def newest_first(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: (step_of(p) > at, -step_of(p)))
 
 
+def resumed_step(run_dir: str | Path) -> int | None:
+    """The step a rerun resumes from (the newest complete checkpoint's); None: none is complete yet."""
+    saved = newest_first(run_dir)
+    return step_of(saved[0]) if saved else None
+
+
 def last_complete_checkpoint(run_dir: str | Path) -> str:
     """What a rerun resumes from, in words for a line that says how a run ended."""
-    saved = newest_first(run_dir)
-    return f"the last complete checkpoint is step {step_of(saved[0])}" if saved else "no checkpoint is complete yet"
+    step = resumed_step(run_dir)
+    return f"the last complete checkpoint is step {step}" if step is not None else "no checkpoint is complete yet"
 
 
 def what_a_rerun_does(run_dir: str | Path) -> str:
     """Where rerunning the same command starts, in words for a line that says how a run ended."""
-    saved = newest_first(run_dir)
-    if not saved:
+    step = resumed_step(run_dir)
+    if step is None:
         return "no checkpoint is complete yet: rerunning the same command starts afresh"
-    return f"rerunning the same command resumes from step {step_of(saved[0])}, the last complete checkpoint"
+    return f"rerunning the same command resumes from step {step}, the last complete checkpoint"
 
 
 def step_of(checkpoint: Path) -> int:

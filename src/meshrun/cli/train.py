@@ -244,6 +244,7 @@ def worker_hold(cfg: Config) -> Iterator[None]:
 def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDirLock) -> int:
     """This node's part of the job: data, the resume check, then one process or torchrun. Nothing
     in the run directory changes before the run is known to train (a complete run: nothing to do)."""
+    run_dir = Path(cfg.run_dir)
     ensure_data(cfg)
     if resume_candidates(cfg.run_dir, cfg.train.resume):  # cannot resume: stop before any worker exists
         from meshrun.checkpoint.dcp import read_manifest  # torch.distributed.checkpoint: only when needed
@@ -254,14 +255,14 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
         if isinstance(step, int) and step >= cfg.train.steps:
             say(f"run already complete: {resume_from} is at step {step} (train.steps {cfg.train.steps}); nothing to do")
             return 0
-    done = completed_steps(Path(cfg.run_dir)) if cfg.train.resume == "auto" else None  # a named one: a rollback
+    done = completed_steps(run_dir) if cfg.train.resume == "auto" else None  # a named one: a rollback
     if done is not None and done >= cfg.train.steps:  # finished after its newest checkpoint (at_end off)
         say(
             f"run already complete: its summary.json records step {done} (train.steps {cfg.train.steps}); nothing to do"
         )
         return 0
-    check_report_folder(Path(cfg.run_dir))
-    clear_reports(Path(cfg.run_dir))  # an earlier launch's hang reports must not be read as this one's
+    check_report_folder(run_dir)
+    clear_reports(run_dir)  # an earlier launch's hang reports must not be read as this one's
     if cfg.world_size == 1 and cfg.launch.nnodes == 1 and cfg.launch.max_restarts == 0:
         return run_worker(cfg).exit_code  # one process needs no torchrun (nor its restarts)
     argv = torchrun_argv(cfg, worker_args)
@@ -270,7 +271,6 @@ def launch(cfg: Config, worker_args: list[str], model: nn.Module, *, lock: RunDi
     if watch is not None:
         say(waiting_line(cfg))
         watch.start()
-    run_dir = Path(cfg.run_dir)
     clear_record(run_dir)  # nor its outcome
     env = {**worker_env(cfg), PARENT_PID: str(os.getpid()), HELD_ENV: lock.job, LOGS_ENV: str(log_dir(run_dir))}
     try:

@@ -73,12 +73,13 @@ def _step_then_undo_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor)
     """Step, then restore every parameter and state tensor where `skip` is 1. State the step
     created (the first step) is restored to zeros, which is the state that optimizer starts from."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    before = {id(t): (t, local(t.detach()).clone()) for t in _tensors(optimizer, params)}
+    before = {id(t): local(t.detach()).clone() for t in _tensors(optimizer, params)}  # the optimizer keeps t alive
     optimizer.step()
     keep = skip.bool()
     for tensor in _tensors(optimizer, params):
         now = local(tensor.detach())
-        old = before[id(tensor)][1] if id(tensor) in before else torch.zeros_like(now)
+        old = before.get(id(tensor))
+        old = torch.zeros_like(now) if old is None else old
         now.copy_(torch.where(keep, old, now))
 
 
