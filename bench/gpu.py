@@ -266,7 +266,7 @@ def device_line(kit: Kit) -> str:
         return "Device: CPU (smoke run: no GPU numbers)."
     name = torch.cuda.get_device_name(kit.device)
     spec = find_device(name)
-    peak = f"{spec.name}: {spec.bf16_tflops} TFLOP/s dense bf16 ({spec.source})" if spec else "not in the peak table"
+    peak = f"{spec.key}: {spec.bf16_tflops} TFLOP/s dense bf16 ({spec.source})" if spec else "not in the peak table"
     return f"Device: {name}; peak table: {peak}."
 
 
@@ -291,7 +291,9 @@ def main() -> int:
         kit = Kit(smoke=args.smoke, device=device, tmp=tmp, data_dir=tmp / "data")
         lines = ["# meshrun GPU kit", "", device_line(kit), f"torch {torch.__version__}.", ""]
         ok = checks(kit, lines)
+        args.out.write_text("\n".join(lines) + "\n")  # each section as it ends: a cut-off run keeps what it measured
         ok = host_sync(kit, lines) and ok
+        args.out.write_text("\n".join(lines) + "\n")
         runs = mfu(kit, lines)
         memory(runs, kit, lines)
     lines.append(f"\nKit ran in {time.perf_counter() - start:.0f} s.")
