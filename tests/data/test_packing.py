@@ -52,5 +52,5 @@ def test_positions_restart_per_document_and_padding_has_no_document() -> None:
 
 @pytest.mark.parametrize("lengths", [[0, 3], [9], [-1]])
 def test_a_document_that_cannot_be_placed_whole_is_refused(lengths: list[int]) -> None:
-    with pytest.raises(ValueError, match="must lie in 1 .. 8"):
+    with pytest.raises(ValueError, match=r"must lie in 1 \.\. 8"):
         pack(lengths, 8)

@@ -182,7 +182,7 @@ def _render(
             f"{where}: the chat template of {chat.template_source} fails on this conversation: "
             f"{' '.join(str(exc).split()) or type(exc).__name__}"
         ) from None
-    return texts[0], [tuple(span) for span in indices[0]] if marks else []
+    return texts[0], [(int(start), int(end)) for start, end in indices[0]] if marks else []
 
 
 def prompt_completion(record: dict[str, Any], where: str, fields: tuple[str, str]) -> Rendered:
