@@ -36,14 +36,15 @@ class RankMemory:
     buffers: int  # communication buffers (see the module docstring)
     baseline: int = 0  # the runtime's own memory (Efficiency.runtime_bytes)
     in_flight: int = 1  # microbatches' activations held at the peak (interleaved: chunks, as stages)
+    backward: int = 0  # backward's largest temporaries on top of the activations (StageProfile.backward_bytes)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.baseline
+        return sum(self.terms().values())
 
     def terms(self) -> dict[str, int]:
         """The named terms, in the order they are printed."""
-        names = ("params", "grads", "optimizer", "activations", "buffers", "baseline")
+        names = ("params", "grads", "optimizer", "activations", "backward", "buffers", "baseline")
         return {name: getattr(self, name) for name in names}
 
 
@@ -128,4 +129,5 @@ def rank_memory(
         buffers=comm_buffers(held, dp=dp, shard=shard, regather=regather, m=m),
         baseline=baseline,
         in_flight=in_flight,
+        backward=max(s.backward_bytes for s in held),
     )

@@ -165,6 +165,7 @@ def _piece(
             activation_bytes=one.activation_bytes + (micro_batch - 1) * (two.activation_bytes - one.activation_bytes),
             boundary_bytes=micro_batch * one.boundary_bytes,
             hidden_bytes=micro_batch * one.hidden_bytes,
+            backward_bytes=micro_batch * one.backward_bytes,
         )
         return grown, _with_batch(out, micro_batch)
     cfg = _config(model_json)
@@ -300,10 +301,21 @@ def _trace(
             blocks=len(blocks),
             recomputed_blocks=recomputed,
             hidden_bytes=shards * block_out[0] if block_out else 0,
+            backward_bytes=loss_gradient_bytes(out) if last else 0,
         )
         spec = _spec(out)
         del out, loss
     return profile, spec
+
+
+def loss_gradient_bytes(logits: object) -> int:
+    """What the loss's backward allocates at once on the last stage: the fp32 gradient of the
+    logits twice over (cross-entropy's nll part hands one to its log-softmax part, which makes
+    the next), while every kept activation is still alive. torch's MemTracker reads exactly this
+    as a real step's temporaries at its peak (tests/planner/test_memory_model.py); on an H200 it
+    was most of what the plan missed (bench/README.md)."""
+    tensors = _tensors(logits)
+    return 2 * 4 * tensors[0].numel() if tensors else 0
 
 
 def _spec(out: object) -> Spec:

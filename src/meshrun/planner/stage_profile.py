@@ -21,6 +21,7 @@ class StageProfile:
     blocks: int = 0
     recomputed_blocks: int = 0
     hidden_bytes: int = 0  # one block's whole output per microbatch (all positions): what a tp all-reduce moves
+    backward_bytes: int = 0  # what backward allocates at once beyond the kept activations (the loss's gradient)
 
     @property
     def recompute_flops_per_token(self) -> float:
