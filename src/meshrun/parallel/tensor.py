@@ -4,11 +4,12 @@ vocabulary-parallel loss.
 
 Megatron's split: column-parallel q, k, v and MLP input, row-parallel output projections (one
 all-reduce per attention and per MLP, forward and backward), the embedding and the head split by
-vocabulary. What each of the plan's styles applies is its record's (tp_styles.py). The head's logits stay sharded by vocabulary and `loss_parallel` computes the cross
-entropy from the shards (never gathering B x T x V). Activations between blocks, and so between
-pipeline stages, are plain replicated tensors (without sequence parallel). The vocabulary need not
-divide by tp: DTensor shards unevenly (torch.chunk's split) and the embedding's and the loss's
-masks follow the shards.
+vocabulary. What each of the plan's styles applies is its record's (tp_styles.py). The head's
+logits stay sharded by vocabulary and `loss_parallel` computes the cross entropy from the shards
+(never gathering B x T x V). Activations between blocks, and so between pipeline stages, are
+plain replicated tensors (without sequence parallel). The vocabulary need not divide by tp:
+DTensor shards unevenly (torch.chunk's split) and the embedding's and the loss's masks follow the
+shards.
 
 Sequence parallel (`parallel.sequence_parallel`, Megatron's): the residual stream is split by
 position from the embedding's output to the head's input, so norms and dropout hold 1/tp of the

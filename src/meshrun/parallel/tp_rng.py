@@ -7,10 +7,11 @@ mask on different data (head h of rank 0 and head h + H/tp of rank 1; under sequ
 position p and p + T/tp). There each rank draws from its own stream (Megatron's model-parallel RNG
 tracker), in these regions:
 
-- a module holding a row-parallel Linear (attention, the MLP: a style whose record
-  `closes_rank_stream`, tp_styles.py), from its entry to that Linear: its interior runs on this rank's heads or columns (attention-probability
-  dropout; such a module draws nothing before its column-parallel projections, whose input is
-  replicated); the row-parallel output, summed over the ranks, is replicated again;
+- a module holding a row-parallel Linear (attention, the MLP: its style's record in tp_styles.py
+  `closes_rank_stream`), from its entry to that Linear: its interior runs on this rank's heads or
+  columns (attention-probability dropout; such a module draws nothing before its column-parallel
+  projections, whose input is replicated); the row-parallel output, summed over the ranks, is
+  replicated again;
 - under sequence parallel, every block: between the scatter and the gather a block holds this
   rank's positions or, inside attention and the MLP, this rank's heads or columns.
 
