@@ -25,9 +25,9 @@ functions of the same name there, which fall back to the default when a model la
   (default: the blocks).
 - `check_weights()`: before any worker exists, the weights it would load exist and fit (default: nothing).
 - `pretrained_dir()`: the folder its weights load from, for the run's description (default: None).
-- `tp_plan()`: module-path patterns -> tensor-parallel style names (`protocol.TP_STYLES`: colwise,
-  rowwise, vocab_embedding, vocab_head, ...; scatter, norm, gather for sequence parallel) that
-  `parallel.tp > 1` applies (default: None, tp > 1 refused).
+- `tp_plan()`: module-path patterns -> tensor-parallel style names (colwise, rowwise,
+  vocab_embedding, vocab_head, ...; scatter, norm, gather for sequence parallel; one record each
+  in `meshrun.parallel.tp_styles`) that `parallel.tp > 1` applies (default: None, tp > 1 refused).
 - `tp_local(tp)`: before the plan splits it, sizes a forward reads as numbers become one tp rank's
   share (e.g. head counts used to slice a fused projection; default: nothing).
 - `sequence_shards`: written by meshrun under sequence parallel (tp): the hidden states a forward

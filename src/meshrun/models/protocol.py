@@ -107,46 +107,35 @@ def pretrained_dir(model: nn.Module) -> Path | None:
     return hook() if hook is not None else None
 
 
-TP_STYLES = (
-    "colwise",
-    "rowwise",
-    "vocab_embedding",
-    "vocab_embedding_scatter",
-    "vocab_head",
-    "tied_vocab_head",
-    "colwise_gathered",
-    "sliced_output",
-    "per_head",
-    "scatter",
-    "norm",
-    "gather",
-    "gather_hidden_states",
-    "scatter_state",
-    "gather_pair",
-    "norm_state",
-)
-
-
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
-    """How tensor parallelism splits the model: module-path patterns (`*` for a block index) ->
-    a style of `TP_STYLES` (colwise / rowwise Linear; vocab_embedding: an Embedding split by
-    vocabulary; vocab_head: the output Linear split by vocabulary, its logits left sharded for a
-    vocabulary-parallel loss; tied_vocab_head: a head reading a vocab_embedding's matrix;
-    colwise_gathered: a colwise Linear whose output every rank gathers whole, for a module that
-    needs the whole width, which takes sliced_output: it runs whole and hands on this rank's
-    columns, as a colwise output; per_head: a module left whole that runs on this rank's heads,
-    e.g. a per-head norm, whose weight gradient sums all heads). The rest say where activations
-    are split by sequence under `parallel.sequence_parallel` (and do nothing without it): scatter
-    (the module whose output starts the split residual stream, e.g. the embedding; an embedding
-    whose output is that stream itself takes vocab_embedding_scatter: a vocab_embedding that
-    also scatters), norm (a module with weights
-    that acts on each position alone), gather (a module that needs the whole sequence, e.g.
-    attention: its input is all-gathered; gather_hidden_states for one called with its input by
-    keyword `hidden_states`, as transformers' layers call their attention). For a state tuple
-    (encdec's: encoder hidden, decoder hidden, source mask): scatter_state, gather_pair (two
-    hidden-state inputs: cross-attention's queries and memory), norm_state (a norm taking the
-    state). The model names the split; parallel/tensor.py applies it. Default: None, the model
-    cannot be split (parallel.tp > 1 is refused)."""
+    """How tensor parallelism splits the model, or None if it cannot be split.
+
+    The plan maps module-path patterns (`*` for a block index) to style names. The model names
+    the split; parallel/tensor.py applies it. Each style is one record in parallel/tp_styles.py,
+    which says what it splits and what the module hands on. In short:
+
+    - colwise, rowwise: a Linear split by output columns, or by input rows (Megatron's pair).
+    - vocab_embedding, vocab_head: the embedding and the output Linear split by vocabulary; the
+      head's logits stay sharded for the vocabulary-parallel loss. tied_vocab_head: a head that
+      reads the embedding's matrix.
+    - colwise_gathered: a colwise Linear whose output every rank gathers whole, for a module that
+      needs the whole width. That module takes sliced_output: it runs whole and hands on this
+      rank's columns.
+    - per_head: a module left whole that runs on this rank's heads (a per-head norm); its weight's
+      gradient sums every rank's heads.
+
+    The other styles act only under `parallel.sequence_parallel`. They say where activations are
+    split by position:
+
+    - scatter: the module whose output starts the split (the embedding).
+      vocab_embedding_scatter: a vocab_embedding whose output is that stream itself.
+    - norm: a module with weights that acts on each position alone.
+    - gather: a module that needs the whole sequence (attention, the MLP); its input is
+      all-gathered. gather_hidden_states: the same for an input passed as `hidden_states=`.
+    - scatter_state, gather_pair, norm_state: the same for a state tuple (encdec's encoder hidden,
+      decoder hidden, source mask); gather_pair gathers two inputs (cross-attention's).
+
+    Default: None; parallel.tp > 1 is then refused."""
     hook = getattr(model, "tp_plan", None)
     return hook() if hook is not None else None
 

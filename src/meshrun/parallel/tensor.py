@@ -4,11 +4,12 @@ vocabulary-parallel loss.
 
 Megatron's split: column-parallel q, k, v and MLP input, row-parallel output projections (one
 all-reduce per attention and per MLP, forward and backward), the embedding and the head split by
-vocabulary. The head's logits stay sharded by vocabulary and `loss_parallel` computes the cross
-entropy from the shards (never gathering B x T x V). Activations between blocks, and so between
-pipeline stages, are plain replicated tensors (without sequence parallel). The vocabulary need not
-divide by tp: DTensor shards unevenly (torch.chunk's split) and the embedding's and the loss's
-masks follow the shards.
+vocabulary. What each of the plan's styles applies is its record's (tp_styles.py). The head's
+logits stay sharded by vocabulary and `loss_parallel` computes the cross entropy from the shards
+(never gathering B x T x V). Activations between blocks, and so between pipeline stages, are
+plain replicated tensors (without sequence parallel). The vocabulary need not divide by tp:
+DTensor shards unevenly (torch.chunk's split) and the embedding's and the loss's masks follow the
+shards.
 
 Sequence parallel (`parallel.sequence_parallel`, Megatron's): the residual stream is split by
 position from the embedding's output to the head's input, so norms and dropout hold 1/tp of the
@@ -29,7 +30,6 @@ tp rank, and a replicated DTensor's norm counts them once (fsdp.full_norm reduce
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from fnmatch import fnmatch
 from functools import partial
 
@@ -37,120 +37,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from meshrun.errors import ConfigError
-from meshrun.models.protocol import TP_STYLES, tp_local, tp_plan
+from meshrun.models.protocol import tp_local, tp_plan
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.tp_rng import use_rank_streams
-
-
-class StateNorm(ParallelStyle):
-    """SequenceParallel for a norm called with the model's state tuple (torch's takes one tensor):
-    its weights replicated, the state's hidden states marked split by position, so the weights'
-    gradients sum over the positions' ranks."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        # torch annotates the hooks as returning None but uses what they return (as nn.Module hooks do)
-        return distribute_module(
-            module,
-            device_mesh,
-            input_fn=_sequence_inputs,  # pyright: ignore[reportArgumentType]
-            output_fn=_local_outputs,  # pyright: ignore[reportArgumentType]
-        )
-
-
-STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "vocab_embedding_scatter": lambda: RowwiseParallel(input_layouts=Replicate()),  # splits only under SP
-    "vocab_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    # a head that reads a vocab_embedding's matrix (tied): replicated hidden states in, logits left sharded
-    "tied_vocab_head": lambda: PrepareModuleInput(
-        input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=False
-    ),
-    # a column split whose output every rank gathers whole, for a module that needs the whole width
-    "colwise_gathered": lambda: ColwiseParallel(output_layouts=Replicate()),
-    # that module (computed whole, as every unsplit one) hands on only this rank's columns
-    "sliced_output": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(-1)),
-    # a module left whole that runs on this rank's heads (B, T, H, D), e.g. a per-head norm: its input
-    # marked sharded by heads, so its weight's gradient sums every rank's heads, not only its own
-    "per_head": lambda: PrepareModuleInput(input_layouts=Shard(-2), desired_input_layouts=Shard(-2)),
-    "scatter": None,  # sequence parallel's styles: nothing without it (norms left whole, below)
-    "norm": None,
-    "gather": None,
-    "gather_hidden_states": None,
-    "scatter_state": None,
-    "gather_pair": None,
-    "norm_state": None,
-}
-assert tuple(STYLES) == TP_STYLES
-
-# Under sequence parallel, activations between the scatter and the head are split on dim 1 (B, T/tp, C).
-# Inside a gather module the whole sequence is back: the styles used there keep their form.
-SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
-    "colwise": ColwiseParallel,  # its input already gathered by the enclosing gather module
-    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter, not all-reduce
-    "vocab_embedding": STYLES["vocab_embedding"],  # whole output: the embedding adds positions, then scatters
-    # the embedding's partial sums reduce-scattered to the positions (torchtitan's Llama embedding)
-    "vocab_embedding_scatter": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-    "vocab_head": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    "tied_vocab_head": lambda: PrepareModuleInput(
-        input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=False
-    ),
-    "colwise_gathered": STYLES["colwise_gathered"],  # inside a gathered attention
-    "sliced_output": STYLES["sliced_output"],
-    "per_head": STYLES["per_head"],
-    "scatter": lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
-    "norm": lambda: SequenceParallel(use_local_output=True),  # weight gradients summed over the positions' ranks
-    # a DTensor input: its q, k, v (fc) gradients sum as partials, reduce-scattered once
-    "gather": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    "gather_hidden_states": lambda: PrepareModuleInput(
-        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
-    ),
-    # a state (encoder hidden, decoder hidden, source mask): both hidden states split, the mask whole
-    "scatter_state": lambda: PrepareModuleOutput(
-        output_layouts=(Replicate(), Replicate(), None), desired_output_layouts=(Shard(1), Shard(1), None)
-    ),
-    "gather_pair": lambda: PrepareModuleInput(
-        input_layouts=(Shard(1), Shard(1)), desired_input_layouts=(Replicate(), Replicate())
-    ),
-    "norm_state": lambda: StateNorm(),
-}
-assert tuple(SEQUENCE_STYLES) == TP_STYLES
-SCATTERS = ("scatter", "vocab_embedding_scatter", "scatter_state")  # where a plan's split by sequence starts
-
-
-# The dimension each style splits, per parameter name (others of the module stay whole)
-SPLIT_DIMS: dict[str, dict[str, int]] = {
-    "colwise": {"weight": 0, "bias": 0},
-    "rowwise": {"weight": 1},
-    "vocab_embedding": {"weight": 0},
-    "vocab_embedding_scatter": {"weight": 0},
-    "vocab_head": {"weight": 0, "bias": 0},
-    "tied_vocab_head": {},
-    "colwise_gathered": {"weight": 0, "bias": 0},
-    "sliced_output": {},
-    "per_head": {},
-    "scatter": {},
-    "norm": {},
-    "gather": {},
-    "gather_hidden_states": {},
-    "scatter_state": {},
-    "gather_pair": {},
-    "norm_state": {},
-}
-assert tuple(SPLIT_DIMS) == TP_STYLES
+from meshrun.parallel.tp_styles import TP_STYLES, local_outputs
 
 
 def split_dims(part: nn.Module, tp: int) -> dict[str, int]:
@@ -160,7 +53,7 @@ def split_dims(part: nn.Module, tp: int) -> dict[str, int]:
     for name, _ in part.named_modules():
         for pattern, style in (plan or {}).items():
             if fnmatch(name, pattern):
-                split |= {f"{name}.{param}": dim for param, dim in SPLIT_DIMS[style].items()}
+                split |= {f"{name}.{param}": dim for param, dim in TP_STYLES[style].split.items()}
     return split
 
 
@@ -185,15 +78,17 @@ def check_plan(model: nn.Module, tp: int, source: str, *, sequence_parallel: boo
             f"parallel.tp {tp}: {source} declares no tensor-parallel plan (tp_plan); "
             "give the model a tp_plan, use model.name gpt or encdec, or set parallel.tp=1"
         )
-    if sequence_parallel and not set(SCATTERS) & set(plan.values()):
+    if sequence_parallel and not any(TP_STYLES[s].starts_sequence_split for s in plan.values() if s in TP_STYLES):
         raise ConfigError(
             f"parallel.sequence_parallel: {source}'s tp_plan has no scatter, norm and gather styles "
             "(where activations are split by sequence); set parallel.sequence_parallel=false"
         )
     names = [name for name, _ in model.named_modules()]
     for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ConfigError(f"{source}'s tp_plan gives {pattern} style {style!r}: choose one of {', '.join(STYLES)}")
+        if style not in TP_STYLES:
+            raise ConfigError(
+                f"{source}'s tp_plan gives {pattern} style {style!r}: choose one of {', '.join(TP_STYLES)}"
+            )
         if not any(fnmatch(name, pattern) for name in names):
             raise ConfigError(f"{source}'s tp_plan names {pattern}, which matches no module of the model; fix the plan")
 
@@ -205,12 +100,11 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
     plan = tp_plan(part)
     assert plan is not None  # check_plan refused tp > 1 without one
     tp_local(part, tp_mesh.size())
-    styles = SEQUENCE_STYLES if sequence_parallel else STYLES
     names = [name for name, _ in part.named_modules()]
     concrete = {
         name: make()
         for pattern, style in plan.items()
-        if (make := styles[style]) is not None
+        if (make := TP_STYLES[style].form(sequence_parallel).make) is not None
         for name in names
         if fnmatch(name, pattern)
     }
@@ -230,7 +124,7 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
                 module,
                 tp_mesh,
                 input_fn=_replicated_inputs,  # pyright: ignore[reportArgumentType]
-                output_fn=_local_outputs,  # pyright: ignore[reportArgumentType]
+                output_fn=local_outputs,  # pyright: ignore[reportArgumentType]
             )
 
 
@@ -254,24 +148,6 @@ def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tu
         else x
         for x in inputs
     )
-
-
-def _sequence_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-    """The hidden states among a module's inputs (a tuple's too) as split by position; integer
-    tensors (a mask) stay as they are."""
-    return tuple(
-        _sequence_inputs(module, x, mesh)
-        if isinstance(x, tuple)
-        else DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, DTensor)
-        else x
-        for x in inputs
-    )
-
-
-def _local_outputs(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """It hands the next module a plain tensor, as without tp."""
-    return output.to_local() if isinstance(output, DTensor) else output
 
 
 def vocab_parallel(tp: int) -> contextlib.AbstractContextManager:

@@ -7,10 +7,11 @@ mask on different data (head h of rank 0 and head h + H/tp of rank 1; under sequ
 position p and p + T/tp). There each rank draws from its own stream (Megatron's model-parallel RNG
 tracker), in these regions:
 
-- a module holding a row-parallel Linear (the plan's `rowwise`: attention, the MLP), from its
-  entry to that Linear: its interior runs on this rank's heads or columns (attention-probability
-  dropout; such a module draws nothing before its column-parallel projections, whose input is
-  replicated); the row-parallel output, summed over the ranks, is replicated again;
+- a module holding a row-parallel Linear (attention, the MLP: its style's record in tp_styles.py
+  `closes_rank_stream`), from its entry to that Linear: its interior runs on this rank's heads or
+  columns (attention-probability dropout; such a module draws nothing before its column-parallel
+  projections, whose input is replicated); the row-parallel output, summed over the ranks, is
+  replicated again;
 - under sequence parallel, every block: between the scatter and the gather a block holds this
   rank's positions or, inside attention and the MLP, this rank's heads or columns.
 
@@ -31,6 +32,8 @@ from fnmatch import fnmatch
 
 import torch
 from torch import nn
+
+from meshrun.parallel.tp_styles import TP_STYLES
 
 
 class RankStream:
@@ -61,12 +64,13 @@ def rank_stream_regions(
     """(module, the child where its region ends, None: at its exit) for each region of `part`."""
     if sequence_parallel:
         return [(block, None) for block in part.get_submodule("blocks").children()]
-    rowwise = [
+    ends = [
         name
         for name, _ in part.named_modules()
-        if "." in name and any(style == "rowwise" and fnmatch(name, pattern) for pattern, style in plan.items())
+        if "." in name
+        and any(TP_STYLES[style].closes_rank_stream and fnmatch(name, pattern) for pattern, style in plan.items())
     ]
-    return [(part.get_submodule(name.rsplit(".", 1)[0]), part.get_submodule(name)) for name in rowwise]
+    return [(part.get_submodule(name.rsplit(".", 1)[0]), part.get_submodule(name)) for name in ends]
 
 
 def use_rank_streams(part: nn.Module, plan: dict[str, str], *, tp_rank: int, tp: int, sequence_parallel: bool) -> None:

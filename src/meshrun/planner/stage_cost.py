@@ -23,15 +23,15 @@ from torch import nn
 
 from meshrun.config.schema import Config, TrainConfig
 from meshrun.hardware.precision import DTYPES
-from meshrun.models.protocol import ProtocolModule, tp_local
+from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.materialise import build_stage, prune_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
-from meshrun.parallel.tensor import shard_numels, split_dims
+from meshrun.parallel.tensor import shard_numels
 from meshrun.planner.fake_cpu import fake_cpu
 from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.planner.stage_pieces import compose, consecutive
 from meshrun.planner.stage_profile import StageProfile
-from meshrun.planner.tp_shapes import emulate_tp_shapes
+from meshrun.planner.tp_shapes import emulate_tp_shapes, shrink_to_tp_shard
 from meshrun.training.loss import MicrobatchLoss
 
 Spec = tuple  # (shape, dtype) of a stage's output, or a tuple of those (a model handing on a state)
@@ -77,27 +77,6 @@ def stage_flops_per_token(cfg: Config, part: ProtocolModule, attention: float) -
         if wants_recompute(cfg.recompute, int(key))
     )
     return useful + extra, useful
-
-
-def _shrink_to_tp_shard(part: nn.Module, tp: int) -> None:
-    """Give each parameter the model's tp plan splits its shard's shape (meta device), so a forward
-    traced on the part computes what one tp rank computes: column-split matmuls make 1/tp of the
-    heads and MLP features (models size heads with -1, or take their share in `tp_local`, as
-    apply_tensor_parallel has them), the head 1/tp of the vocabulary."""
-    if tp > 1:
-        tp_local(part, tp)
-    shrunk: dict[int, nn.Parameter] = {}  # a tied matrix stays one parameter
-    for name, dim in split_dims(part, tp).items():
-        module_name, _, param_name = name.rpartition(".")
-        module = part.get_submodule(module_name)
-        param = getattr(module, param_name, None)
-        if not isinstance(param, nn.Parameter):
-            continue
-        if id(param) not in shrunk:
-            shape = list(param.shape)
-            shape[dim] = -(-shape[dim] // tp)
-            shrunk[id(param)] = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=param.requires_grad)
-        setattr(module, param_name, shrunk[id(param)])
 
 
 def _block_kind(block: nn.Module) -> tuple:
@@ -173,7 +152,7 @@ def _piece(
     build = _build_key(model_json)
     part = _stage_copy(build, layers, first, last)
     flops, useful = stage_flops_per_token(cfg, part, _model_facts(build)[2])
-    _shrink_to_tp_shard(part, tp)
+    shrink_to_tp_shard(part, tp)
     profile, out = _trace(cfg, part, micro_batch, precision, first=first, last=last, hidden=hidden)
     return dataclasses.replace(profile, flops_per_token=flops / tp, model_flops_per_token=useful / tp), out
 
@@ -242,7 +221,7 @@ def _trace_stages(cfg: Config, split: list[list[int]], micro_batch: int, precisi
             continue
         part = build_stage(cfg, layers=layers if num_stages > 1 else None, first=key[0], last=key[1])
         flops, useful = stage_flops_per_token(cfg, part, attention)
-        _shrink_to_tp_shard(part, tp)
+        shrink_to_tp_shard(part, tp)
         profile, out = _trace(cfg, part, micro_batch, precision, first=key[0], last=key[1], hidden=hidden)
         traced[key] = dataclasses.replace(profile, flops_per_token=flops / tp, model_flops_per_token=useful / tp)
         hidden = out if not key[1] else hidden
