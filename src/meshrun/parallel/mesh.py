@@ -54,9 +54,9 @@ class Mesh:
     def view(self, *names: str) -> DeviceMesh:
         """The sub-mesh over these axes (outermost first), or one view: all cut from the one world mesh,
         as FSDP2 needs of the tp and data meshes it composes."""
-        if len(names) == 1:
-            return self.views.get(names[0]) or self.world[names[0]]
-        return self.world[names]
+        if len(names) == 1 and names[0] in self.views:
+            return self.views[names[0]]
+        return self.world[names[0] if len(names) == 1 else names]
 
     def group(self, name: str) -> dist.ProcessGroup:
         """The process group of this rank's group on an axis or view."""
@@ -143,7 +143,7 @@ def _rendezvous(rank: int, deadline: float) -> tuple[dist.Store, int, int] | Non
 def mesh_on(layout: Layout, device: torch.device) -> Mesh:
     """The layout's world mesh over the existing process group (which may hold several layouts of one
     world size), with its views flattened onto it, checked against the layout's coordinates."""
-    world = init_device_mesh(device.type, tuple(layout.degrees.values()), mesh_dim_names=AXES)
+    world = init_device_mesh(device.type, tuple(layout.degrees.values()), mesh_dim_names=tuple(layout.degrees))
     views = {name: flatten(world, axes, name) for name, axes in VIEWS.items()}
     mesh = Mesh(layout=layout, device=device, world=world, views=views)
     check_groups(mesh)
