@@ -73,7 +73,7 @@ def main() -> None:
                 trainer.train_step(step)
             peaks.append(counter.peak)
         result = {
-            "pp_rank": mesh.pp_rank,
+            "pp_rank": mesh.coordinates.pp,
             "pp": pp,
             "schedule": args.schedule,
             "microbatches": args.microbatches,

@@ -239,6 +239,7 @@ def test_a_compiling_block_marks_progress_that_the_watchdog_waits_longer_for(tmp
     SLOW_FACTOR x launch.hang_timeout, as it does the warm-up step (here: a later step, resumed)."""
     from meshrun.launcher import progress
     from meshrun.launcher.hang import SLOW_FACTOR, HangWatchdog, Place
+    from meshrun.parallel.layout import Layout
 
     class AddOne(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,9 +251,7 @@ def test_a_compiling_block_marks_progress_that_the_watchdog_waits_longer_for(tmp
     blocks["7"](torch.zeros(2))
     now = progress.current()  # nothing marked since the block's first call
     assert now.phase == "compile" and now.detail.startswith("block 7: torch.compile")
-    watchdog = HangWatchdog(
-        tmp_path, Place(rank=0, pp_rank=0, dp_rank=0, tp_rank=0, stages=(0,)), timeout=10, attempt=0
-    )
+    watchdog = HangWatchdog(tmp_path, Place.of(Layout(), 0), timeout=10, attempt=0)
     later = progress.Progress(step=9, phase="compile", first_step=5)
     assert watchdog.limit(later) == 10 * SLOW_FACTOR
     assert watchdog.limit(progress.Progress(step=9, phase="forward", first_step=5)) == 10

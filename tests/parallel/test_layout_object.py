@@ -3,17 +3,19 @@ independent enumeration (nested loops in the documented rank order), and the mes
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import re
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.config.schema import Config
 from meshrun.config.topology import ParallelConfig
 from meshrun.errors import ConfigError
-from meshrun.parallel.layout import Layout
-from meshrun.parallel.mesh import init_mesh, shutdown
+from meshrun.parallel.layout import AXES, VIEWS, Coordinates, Layout
+from meshrun.parallel.mesh import Mesh, check_groups, flatten, init_mesh, shutdown
 
 
 def enumerated(layout: Layout) -> dict[int, dict[str, int]]:
@@ -72,11 +74,37 @@ def test_every_stage_is_held_by_one_pipeline_rank(schedule: str, per_rank: int) 
 def test_the_mesh_of_a_lone_process_has_every_named_axis() -> None:
     mesh = init_mesh(Layout())
     try:
-        assert mesh.device_mesh.mesh_dim_names == tuple(mesh.layout.mesh_degrees)
-        assert mesh.device_mesh.mesh_dim_names[:2] == ("pp", "dp")
-        assert (mesh.rank, mesh.pp_rank, mesh.dp_rank, mesh.local_stages) == (0, 0, 0, [0])
-        assert dist.get_world_size(mesh.dp_group) == dist.get_world_size(mesh.pp_group) == 1
+        assert mesh.world.mesh_dim_names == AXES
+        assert all(mesh.view(name).mesh_dim_names == (name,) for name in (*AXES, *VIEWS))
+        assert mesh.view("dp_shard", "tp").mesh_dim_names == ("dp_shard", "tp")
+        assert (mesh.rank, mesh.coordinates.pp, mesh.coordinates.dp, mesh.local_stages) == (0, 0, 0, [0])
+        assert dist.get_world_size(mesh.group("dp")) == dist.get_world_size(mesh.group("pp")) == 1
         assert mesh.data_mesh is None
+    finally:
+        shutdown()
+
+
+def test_torchs_private_flatten_still_makes_a_view() -> None:
+    """`DeviceMesh._flatten` is private torch API, used once (parallel.mesh.flatten): a torch upgrade
+    that renames or changes it fails here, by name, before any multi-rank run does."""
+    assert "mesh_dim_name" in inspect.signature(DeviceMesh._flatten).parameters, "torch changed DeviceMesh._flatten"
+    mesh = init_mesh(Layout())
+    try:
+        view = flatten(mesh.world, ("pp", "tp"), "pp_tp")
+        assert view.mesh_dim_names == ("pp_tp",) and dist.get_process_group_ranks(view.get_group()) == [0]
+    finally:
+        shutdown()
+
+
+def test_a_mesh_whose_groups_disagree_with_its_layout_is_refused() -> None:
+    """The check every rank makes of torch's groups (parallel.mesh.check_groups; in a dp2 x tp2 x pp2
+    world by test_tensor_parallel.py's 8-rank rows) fails when the layout places ranks elsewhere:
+    here a layout of two dp ranks over a one-rank world."""
+    mesh = init_mesh(Layout())
+    try:
+        wrong = Mesh(layout=Layout(dp_replicate=2), device=mesh.device, world=mesh.world, views=mesh.views)
+        with pytest.raises(RuntimeError, match=re.escape("torch built the dp_replicate group of ranks [0]")):
+            check_groups(wrong)
     finally:
         shutdown()
 
@@ -136,3 +164,34 @@ def test_the_layout_text_names_every_axis(parallel: dict, text: str) -> None:
     assert layout.text() == text
     last = layout.world_size - 1
     assert layout.rank_text(last) == f"rank {last} (dp {layout.dp - 1}, tp {layout.tp - 1}, pp {layout.pp - 1})"
+
+
+@pytest.mark.parametrize(
+    ("pp", "replicate", "shard", "tp", "schedule"),
+    [(2, 2, 1, 2, "1f1b"), (2, 1, 2, 2, "zbv"), (1, 2, 2, 2, "1f1b"), (3, 1, 1, 1, "interleaved-1f1b")],
+)
+def test_what_each_rank_reads_draws_and_counts(pp: int, replicate: int, shard: int, tp: int, schedule: str) -> None:
+    """The questions the trainer asks of the layout, against the arithmetic it used to do itself
+    (tp innermost): the samples a rank reads, its dropout stream, the ranks a loss is counted over,
+    and each axis's group."""
+    per_rank = 2 if schedule in ("zbv", "interleaved-1f1b") else 1
+    layout = Layout(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, schedule=schedule, per_rank=per_rank)
+    batch, expected = 4 * layout.dp, enumerated(layout)
+    for rank, coords in expected.items():
+        assert layout.data_shard(rank, batch) == range(coords["dp"] * 4, coords["dp"] * 4 + 4)
+        assert layout.seed_offset(rank) == rank // tp
+        for name in (*AXES, *VIEWS):  # the ranks at this rank's place on every other axis, in order
+            spans = VIEWS.get(name, (name,))
+            same = [r for r, c in expected.items() if all(c[a] == coords[a] for a in AXES if a not in spans)]
+            assert layout.group_ranks(rank, name) == sorted(same, key=lambda r: expected[r][name])
+    holder = layout.pp_rank_of_stage(layout.num_stages - 1)  # zbv: the last stage is on pp rank 0
+    assert layout.loss_ranks() == [r for r, c in expected.items() if c["pp"] == holder]
+    assert len(layout.loss_ranks()) == layout.dp * tp
+
+
+def test_coordinates_name_every_axis_and_view() -> None:
+    coords = Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2).coordinates(13)
+    assert tuple(coords) == (*AXES, *VIEWS) and isinstance(coords, Coordinates)
+    assert (coords.pp, coords.dp, coords.tp, coords["dp_shard"]) == (1, 2, 1, 0)
+    with pytest.raises(KeyError):
+        coords["cp"]

@@ -62,7 +62,8 @@ ROWS = {
     # Megatron's sequence parallel: norms on a rank's positions, reduce-scatter + all-gather per block
     "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
     "tp2-sp-pp2": {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.pp": 2, "recompute": "full"},
-    # all three axes, 8 ranks: each of 2 stages split over tp 2 and sharded over dp 2
+    # all three axes, 8 ranks: each of 2 stages split over tp 2 and sharded over dp 2; each rank's
+    # Layout.coordinates are checked against every group torch built (parallel.mesh.check_groups)
     "fsdp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"},
     "ddp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2},
     # split backward with dp: refused under DDP (its hooks are bypassed), but ddp with tp runs on FSDP2

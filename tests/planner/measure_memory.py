@@ -94,7 +94,7 @@ def _measure(cfg: Config, mesh: Mesh, caches: list) -> dict[str, int]:
         "grads": _tensor_bytes(p.grad for p in params),
         "optimizer": sum(_tensor_bytes(state.values()) for o in optimizers for state in o.state.values()),
         "activations": peak,
-        "pp_rank": mesh.pp_rank,
+        "pp_rank": mesh.coordinates.pp,
     }
 
 

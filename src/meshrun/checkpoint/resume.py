@@ -85,12 +85,13 @@ def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:
     return tuple(p for p in complete_checkpoints(run_dir) if step_of(p) > step)
 
 
-def saved_degrees(path: Path) -> tuple[int, int, int] | None:
-    """(dp, tp, pp) of the job that wrote a checkpoint (None if its config is unreadable): a rank's
-    RNG state continues only on the rank of the same coordinates (tp ranks share a dropout stream)."""
+def saved_degrees(path: Path) -> dict[str, int] | None:
+    """The mesh degrees by axis (as Layout.mesh_degrees names them: pp, dp, tp) of the job that wrote a
+    checkpoint (None if its config is unreadable): they alone place ranks at coordinates, and a rank's
+    RNG state continues only on the rank at the same coordinates (tp ranks share a dropout stream)."""
     try:
         parallel = read_json(Path(path) / CONFIG)["parallel"]
-        return int(parallel["dp"]), int(parallel.get("tp", 1)), int(parallel["pp"])
+        return {"pp": int(parallel["pp"]), "dp": int(parallel["dp"]), "tp": int(parallel.get("tp", 1))}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -356,8 +356,7 @@ def start_watchdog(cfg: Config) -> HangWatchdog | None:
     if not cfg.launch.hang_timeout:
         return None
     rank = int(os.environ.get("RANK", "0"))
-    pp_rank, dp_rank, tp_rank = (cfg.layout.coordinates(rank)[axis] for axis in ("pp", "dp", "tp"))
-    place = Place(rank, pp_rank, dp_rank, tp_rank, tuple(cfg.layout.stages_of(pp_rank)))
+    place = Place.of(cfg.layout, rank)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     one_process = not in_launched_worker()  # its own launcher: it says the summary itself
     watchdog = HangWatchdog(

@@ -38,8 +38,10 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from meshrun.errors import ConfigError, RunError
 from meshrun.files.atomic import write_atomic
@@ -47,7 +49,7 @@ from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
 from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome, write_record
-from meshrun.parallel.layout import place_text
+from meshrun.parallel.layout import PLACE_AXES, Layout, place_text
 
 HANG_DIR = "hang"
 TRIGGER = "trigger"
@@ -67,13 +69,22 @@ class HangError(RunError):
 
 @dataclass(frozen=True)
 class Place:
-    """Where a worker sits in the layout, for its report."""
+    """Where a worker sits in the layout, for its report: its coordinate on each axis a layout is
+    named by (Layout.place), the pipeline stages it holds."""
 
     rank: int
-    pp_rank: int
-    dp_rank: int
-    tp_rank: int
+    axes: Mapping[str, int]
     stages: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layout: Layout, rank: int) -> Place:
+        """`rank`'s place, from the layout alone (the watchdog is armed before the process group exists)."""
+        axes = layout.place(rank)
+        return cls(rank, axes, tuple(layout.stages_of(axes["pp"])))
+
+    def report(self) -> dict[str, Any]:
+        """The report's fields: `rank`, `{axis}_rank` for each axis, `stages`."""
+        return {"rank": self.rank, **{f"{axis}_rank": c for axis, c in self.axes.items()}, "stages": list(self.stages)}
 
 
 class HangWatchdog:
@@ -121,7 +132,7 @@ class HangWatchdog:
             out.flush()
             faulthandler.dump_traceback(file=out, all_threads=True)
         last = time.time() - stalled  # wall clock: comparable across nodes, unlike monotonic time
-        report = {**asdict(self.place), **asdict(now), "stalled_s": round(stalled, 1), "last_progress": last}
+        report = {**self.place.report(), **asdict(now), "stalled_s": round(stalled, 1), "last_progress": last}
         report.pop("at")
         write_atomic(self.folder / f"rank{self.place.rank}.json", json.dumps(report) + "\n")
         if first:
@@ -202,8 +213,8 @@ def hang_summary(run_dir: Path, timeout: int, *, record: Path | None) -> tuple[l
     folder, reports = found
     odd = _odd_one(reports)
     stacks = folder / f"rank{odd['rank']}.stacks.txt"
-    axes = {"dp": odd["dp_rank"], "tp": odd.get("tp_rank"), "pp": odd["pp_rank"]}  # tp: not in older reports
-    where = f"{place_text({a: c for a, c in axes.items() if c is not None})}, stages {list(odd['stages'])}"
+    axes = {axis: odd[f"{axis}_rank"] for axis in PLACE_AXES if f"{axis}_rank" in odd}  # tp: not in older reports
+    where = f"{place_text(axes)}, stages {list(odd['stages'])}"
     first = (
         f"hang at {_at_step(odd['step'])}: rank {odd['rank']} ({where}) made no progress for "
         f"{odd['stalled_s']:.0f} s in {_phase(odd)}; its stacks: {stacks}"

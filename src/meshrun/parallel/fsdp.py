@@ -1,8 +1,8 @@
 """FSDP2 / HSDP as the data-parallel dimension (`parallel.dp_mode: fsdp | hsdp`).
 
 Each Transformer block, then the stage's root module (embedding, final norm, head), is wrapped
-with `torch.distributed.fsdp.fully_shard` over the data mesh (distributed.py: the dp axis, or
-(dp_replicate, dp_shard) for hsdp). Parameters become DTensors sharded on dim 0; gradients and
+with `torch.distributed.fsdp.fully_shard` over the data mesh (mesh.py's `data_mesh`: the dp_shard
+axis, or (dp_replicate, dp_shard) for hsdp). Parameters become DTensors sharded on dim 0; gradients and
 AdamW moments follow, so a rank holds 1/dp_shard of its stage's training state.
 
 When gradients are reduced and parameters resharded:
@@ -166,7 +166,7 @@ def describe_data_parallel(cfg: Config) -> list[str]:
         )
         + (" kept by FSDP2 (DistributedDataParallel takes no tp DTensors)" if par.tp > 1 and par.dp > 1 else ""),
         "fsdp": f"  fsdp: each stage sharded over its {par.dp} dp ranks (shard {par.dp} x replicate 1)",
-        "hsdp": f"  hsdp: shard {shard} x replicate {par.dp // shard} (a copy is sharded over neighbouring ranks)",
+        "hsdp": f"  hsdp: shard {shard} x replicate {cfg.layout.dp_replicate} (a copy is sharded over neighbouring ranks)",
     }[par.dp_mode]
     lines = ["data parallel:", mesh]
     if par.dp_mode != "ddp":

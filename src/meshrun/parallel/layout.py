@@ -1,5 +1,7 @@
 """The one layout object: the mesh axes by name, their degrees, and every map between a rank and its
-place, including which pipeline stages a rank holds. Everything else asks it instead of computing.
+place, including which pipeline stages a rank holds. Everything else asks it instead of computing:
+a rank's coordinates, which samples it reads, which dropout stream it draws, over which ranks a
+loss is counted, which axes FSDP shards over.
 
 Axes, outermost first (`AXES`): `pp`, then data parallelism as `dp_replicate` x `dp_shard` (ddp:
 dp x 1, fsdp: 1 x dp, hsdp: dp / dp_shard x dp_shard), then tensor parallelism `tp`. A rank is the
@@ -8,29 +10,59 @@ mixed-radix number of its coordinates, so `rank = (pp_rank * dp + dp_rank) * tp 
 so it gets one node's fastest links), a copy's shards come next (the heavy gradient traffic) and
 consecutive pipeline stages are `dp x tp` ranks apart (activations are small point-to-point messages).
 
-Torch-free (the config's own rules ask it for the world size); `build_device_mesh` imports torch.
+A view (`VIEWS`) is a group of axes flattened into one: `dp` is `dp_replicate` x `dp_shard`, a rank's
+coordinate on it the mixed-radix number of its coordinates on those axes. An axis that borrows ranks
+from others is a view too, not a new factor of the world size: expert parallelism would be
+`"ep": ("dp_shard", "tp")` (the experts split over the ranks that shard the dense weights and split
+their matrices), and the expert weights' own data parallelism the view over the remaining data axis,
+`"ep_dp": ("dp_replicate",)`: its ranks hold the same experts. The world size stays the product of
+`AXES`; `parallel.mesh` builds every view as a flattened group of the one world mesh.
+
+Torch-free (the config's own rules ask it for the world size); `parallel.mesh` builds the device mesh.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Protocol
 
 from meshrun.errors import ConfigError
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
 PLACE_AXES = ("dp", "tp", "pp")  # the order a layout and a rank's place are named in
 DATA_AXES = ("dp_replicate", "dp_shard")  # flattened, they are the data-parallel axis `dp`
+VIEWS = {"dp": DATA_AXES}  # name -> the axes it flattens (outermost first), see the module docstring
 # The config keys whose product is the world size; `parallel.tp` is named only when tp > 1 (`keys`),
 # so messages about dp x pp layouts read as they always have.
 KEYS = {"dp": "parallel.dp", "pp": "parallel.pp", "tp": "parallel.tp"}
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: one stage per rank
 V_SCHEDULES = ("zbv",)  # exactly two stages per rank, placed in a V: rank r holds r and 2 pp - 1 - r
+
+
+@dataclass(frozen=True, eq=False)
+class Coordinates(Mapping[str, int]):
+    """A rank's coordinate on every axis (`AXES`) and view (`VIEWS`): its rank within that axis's group.
+    Read by name (`coords.tp`, or `coords["tp"]` where the axis is a variable); equal to a dict of the same."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    dp: int  # the view over both data axes: this rank's index among the data-parallel ranks
+
+    def __getitem__(self, name: str) -> int:
+        if name not in self.__dataclass_fields__:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (field.name for field in fields(self))
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
 
 
 class ParallelSection(Protocol):
@@ -108,7 +140,11 @@ class Layout:
     @property
     def dp(self) -> int:
         """Data-parallel degree: replicas x shards."""
-        return math.prod(getattr(self, axis) for axis in DATA_AXES)
+        return self.size("dp")
+
+    def size(self, name: str) -> int:
+        """The degree of an axis, or of a view (the product of its axes')."""
+        return math.prod(getattr(self, axis) for axis in VIEWS.get(name, (name,)))
 
     @property
     def world_size(self) -> int:
@@ -167,32 +203,73 @@ class Layout:
         return f"rank {rank} ({place_text(self.coordinates(rank))})"
 
     def grid(self) -> str:
-        """The rank order, for --dry-run."""
-        order = "(pp_rank * dp + dp_rank) * tp + tp_rank" if self.tp > 1 else "pp_rank * dp + dp_rank"
+        """The rank order, for --dry-run: `rank = (pp_rank * dp + dp_rank) * tp + tp_rank`, over the
+        axes messages name (`keys`), outermost first."""
+        first, *inner = (axis for axis in self.mesh_degrees if axis in self.keys)
+        order = f"{first}_rank"
+        for axis in inner:
+            order = f"{f'({order})' if '+' in order else order} * {axis} + {axis}_rank"
         return f"world size {self.world_size} = {self.text()}; rank = {order}"
 
     # ranks <-> coordinates
 
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Each axis's coordinate of `rank`, plus `dp` (the flattened data-parallel index)."""
-        coords: dict[str, int] = {}
-        for axis in reversed(AXES):
-            rank, coords[axis] = divmod(rank, getattr(self, axis))
-        coords["dp"] = coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
-        return coords
+    def coordinates(self, rank: int) -> Coordinates:
+        """`rank`'s coordinate on every axis and view: the inverse of `rank_at`."""
+        coords = self._digits(rank, AXES)
+        return Coordinates(**coords, **{name: self._number(coords, axes) for name, axes in VIEWS.items()})
 
     def rank_at(self, **coords: int) -> int:
-        """The rank at these coordinates (axes, or `dp` for both data axes; those not given at 0)."""
-        if "dp" in coords:
-            coords["dp_replicate"], coords["dp_shard"] = divmod(coords.pop("dp"), self.dp_shard)
-        rank = 0
-        for axis in AXES:  # mixed radix, outermost first
-            rank = rank * getattr(self, axis) + coords.get(axis, 0)
-        return rank
+        """The rank at these coordinates (axes, or a view for the axes it flattens; those not given at 0)."""
+        for name, axes in VIEWS.items():
+            if name in coords:
+                coords.update(self._digits(coords.pop(name), axes))
+        return self._number(coords, AXES)
+
+    def _number(self, coords: Mapping[str, int], axes: tuple[str, ...]) -> int:
+        """The mixed-radix number of `coords` on `axes` (outermost first; an axis not given at 0)."""
+        number = 0
+        for axis in axes:
+            number = number * getattr(self, axis) + coords.get(axis, 0)
+        return number
+
+    def _digits(self, number: int, axes: tuple[str, ...]) -> dict[str, int]:
+        """The coordinates on `axes` whose mixed-radix number is `number` (the inverse of `_number`)."""
+        digits: dict[str, int] = {}
+        for axis in reversed(axes):
+            number, digits[axis] = divmod(number, getattr(self, axis))
+        return {axis: digits[axis] for axis in axes}
+
+    def group_ranks(self, rank: int, name: str) -> list[int]:
+        """The ranks of `rank`'s group on axis or view `name` (those at its place on every other axis),
+        in the order of their coordinate on `name`: the group torch builds for it (parallel.mesh)."""
+        spans = VIEWS.get(name, (name,))
+        here = {axis: c for axis, c in self.coordinates(rank).items() if axis in AXES and axis not in spans}
+        ranges = (range(getattr(self, axis)) for axis in spans)
+        return [self.rank_at(**here, **dict(zip(spans, c))) for c in itertools.product(*ranges)]
+
+    # what each rank reads, draws and counts
+
+    def data_shard(self, rank: int, batch: int) -> range:
+        """The samples of a `batch`-sample global batch that `rank` reads: the dp ranks split it in dp
+        order; ranks at one dp coordinate (a tp group, the stages of a pipeline) read the same ones."""
+        per_rank = batch // self.dp
+        first = self.coordinates(rank).dp * per_rank
+        return range(first, first + per_rank)
+
+    def seed_offset(self, rank: int) -> int:
+        """Which dropout stream `rank` draws from (added to train.seed): one per tp group, numbered in
+        rank order, as tp ranks hold the same activations outside the split matrices and must drop the
+        same ones (where they hold different ones, parallel/tp_rng.py seeds a stream per tp rank)."""
+        return self._number(self.coordinates(rank), tuple(axis for axis in AXES if axis != "tp"))
+
+    def loss_ranks(self) -> list[int]:
+        """The ranks whose loss a step's mean counts: the last stage's (the other stages hold none), one
+        per dp and tp coordinate; tp ranks hold the same value, each dp rank its own samples'."""
+        return self.ranks_of_pp_rank(self.pp_rank_of_stage(self.num_stages - 1))
 
     def ranks_of_pp_rank(self, pp_rank: int) -> list[int]:
         """Every rank that runs pipeline rank `pp_rank`'s stages (its copies and shards on the other axes)."""
-        return [rank for rank in range(self.world_size) if self.coordinates(rank)["pp"] == pp_rank]
+        return [rank for rank in range(self.world_size) if self.coordinates(rank).pp == pp_rank]
 
     def across_pp(self, pp_ranks: list[int]) -> list[list[int]]:
         """For each place on the other axes, the ranks there at `pp_ranks`: the groups in which copies
@@ -221,24 +298,15 @@ class Layout:
             return min(stage, 2 * self.pp - 1 - stage)
         return stage % self.pp
 
-    # the device mesh
+    # what FSDP shards over
 
-    def build_device_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, DeviceMesh]:
-        """The named meshes of this layout (the process group must exist): `mesh_degrees` (pp, dp and
-        tp) for the groups of each axis; the mesh FSDP shards over (None for ddp): `dp_shard`, or
-        (`dp_replicate`, `dp_shard`) for hsdp and for ddp with tp > 1 (FSDP2 keeps its replicas, a
-        shard degree of 1: fsdp.py); and the tp mesh, cut from the same root as the FSDP mesh (FSDP2
-        shards a tensor-parallel DTensor over dp only when both share one)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        degrees = self.mesh_degrees
-        mesh = init_device_mesh(device_type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
+    @property
+    def fsdp_axes(self) -> tuple[str, ...]:
+        """The axes FSDP2 shards over, none for DDP: `dp_shard` for fsdp; both data axes for hsdp and
+        for ddp with tp > 1 (FSDP2 keeps its replicas, a shard degree of 1: fsdp.py)."""
         if self.dp_shard == 1 and (self.tp == 1 or self.dp_replicate == 1):
-            return mesh, None, mesh["tp"]
-        if self.dp_replicate == 1:
-            return mesh, mesh["dp"], mesh["tp"]
-        hybrid = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
-        return mesh, hybrid[DATA_AXES], hybrid["tp"]
+            return ()
+        return ("dp_shard",) if self.dp_replicate == 1 else DATA_AXES
 
 
 def place_text(coords: Mapping[str, float]) -> str:

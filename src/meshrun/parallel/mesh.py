@@ -1,24 +1,29 @@
-"""The process group, and this rank's place in the layout's device mesh with the groups of each axis."""
+"""The process group, and one world mesh over the layout's axes that every rank asks by name: its
+coordinate, an axis's size, its group, the sub-mesh over some axes (`mesh.view("dp_shard", "tp")`),
+and the flattened views of groups that span several axes (`dp`; an axis that borrows ranks from
+others, see parallel.layout). Built once per layout over the existing process group; the layout's
+coordinates are checked against the groups torch built, so the two rank orders cannot drift apart."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshrun.errors import RunError
 from meshrun.files.console import say
 from meshrun.hardware.device import pick_device
 from meshrun.launcher.rendezvous import probe
 from meshrun.launcher.torchrun import in_launched_worker
-from meshrun.parallel.layout import Layout
+from meshrun.parallel.layout import AXES, VIEWS, Coordinates, Layout
 
 WAIT_NOTICE_S = 10  # a wait for the job's other workers is said once it lasts this long (or half its bound)
 PROBE_SECONDS = 0.5
@@ -26,50 +31,56 @@ PROBE_SECONDS = 0.5
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place in the layout, with the process groups of each axis."""
+    """This rank's place in the layout, with the device mesh and process group of each axis and view."""
 
     layout: Layout
     device: torch.device
-    device_mesh: DeviceMesh  # (pp, dp, tp)
-    data_mesh: DeviceMesh | None  # fsdp: the dp axis; hsdp and ddp x tp: (dp_replicate, dp_shard); ddp: None
-    tp_mesh: DeviceMesh  # the tp axis (same root as data_mesh)
-
-    @property
-    def dp(self) -> int:
-        return self.layout.dp
-
-    @property
-    def pp(self) -> int:
-        return self.layout.pp
-
-    @property
-    def tp(self) -> int:
-        return self.layout.tp
+    world: DeviceMesh  # every axis of the layout (AXES, outermost first)
+    views: Mapping[str, DeviceMesh]  # each view (VIEWS) flattened from `world`: torch keeps no way back to it
 
     @property
     def rank(self) -> int:
         return dist.get_rank()
 
     @property
-    def dp_rank(self) -> int:
-        return self.device_mesh.get_local_rank("dp")
+    def coordinates(self) -> Coordinates:
+        """This rank's coordinate on every axis and view (its rank in that axis's group)."""
+        return self.layout.coordinates(self.rank)
+
+    def size(self, name: str) -> int:
+        """The degree of an axis or view."""
+        return self.layout.size(name)
+
+    def view(self, *names: str) -> DeviceMesh:
+        """The sub-mesh over these axes (outermost first), or one view: all cut from the one world mesh,
+        as FSDP2 needs of the tp and data meshes it composes."""
+        if len(names) == 1 and names[0] in self.views:
+            return self.views[names[0]]
+        return self.world[names[0] if len(names) == 1 else names]
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """The process group of this rank's group on an axis or view."""
+        return self.view(name).get_group()
 
     @property
-    def pp_rank(self) -> int:
-        return self.device_mesh.get_local_rank("pp")
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.device_mesh.get_group("dp")
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup:
-        return self.device_mesh.get_group("pp")
+    def data_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over (Layout.fsdp_axes); None: DDP over the `dp` group, or no dp."""
+        axes = self.layout.fsdp_axes
+        return self.view(*axes) if axes else None
 
     @property
     def local_stages(self) -> list[int]:
         """The pipeline stages this rank runs."""
-        return self.layout.stages_of(self.pp_rank)
+        return self.layout.stages_of(self.coordinates.pp)
+
+    def data_shard(self, batch: int) -> range:
+        """The samples of a `batch`-sample global batch this rank reads (Layout.data_shard)."""
+        return self.layout.data_shard(self.rank, batch)
+
+    @property
+    def seed_offset(self) -> int:
+        """This rank's dropout stream (Layout.seed_offset)."""
+        return self.layout.seed_offset(self.rank)
 
 
 def init_mesh(layout: Layout, *, join_timeout: int = 600) -> Mesh:
@@ -130,9 +141,33 @@ def _rendezvous(rank: int, deadline: float) -> tuple[dist.Store, int, int] | Non
 
 
 def mesh_on(layout: Layout, device: torch.device) -> Mesh:
-    """The layout's meshes over the existing process group (which may hold several layouts of one world size)."""
-    device_mesh, data_mesh, tp_mesh = layout.build_device_mesh(device.type)
-    return Mesh(layout=layout, device=device, device_mesh=device_mesh, data_mesh=data_mesh, tp_mesh=tp_mesh)
+    """The layout's world mesh over the existing process group (which may hold several layouts of one
+    world size), with its views flattened onto it, checked against the layout's coordinates."""
+    world = init_device_mesh(device.type, tuple(layout.degrees.values()), mesh_dim_names=tuple(layout.degrees))
+    views = {name: flatten(world, axes, name) for name, axes in VIEWS.items()}
+    mesh = Mesh(layout=layout, device=device, world=world, views=views)
+    check_groups(mesh)
+    return mesh
+
+
+def flatten(world: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMesh:
+    """One group over `axes` of `world`, named `name`. The one use of torch's private
+    `DeviceMesh._flatten` (torchtitan's way to the same groups; no public API makes them from one
+    root): tests/parallel/test_layout_object.py fails by name if a torch upgrade changes it."""
+    return world[axes]._flatten(name)
+
+
+def check_groups(mesh: Mesh) -> None:
+    """Every axis's and view's group, as torch built it, holds the ranks the layout says, in the order
+    of their coordinates: else a rank's data, dropout stream or loss would be counted by an order torch
+    does not use. A bug, not a user's error (a traceback); it asks no other rank."""
+    for name in (*AXES, *VIEWS):
+        built, expected = dist.get_process_group_ranks(mesh.group(name)), mesh.layout.group_ranks(mesh.rank, name)
+        if built != expected or mesh.view(name).get_local_rank() != mesh.coordinates[name]:
+            raise RuntimeError(
+                f"rank {mesh.rank}: torch built the {name} group of ranks {built} (this rank at "
+                f"{mesh.view(name).get_local_rank()}), the layout says {expected} (at {mesh.coordinates[name]})"
+            )
 
 
 def shutdown() -> None:

@@ -94,13 +94,13 @@ class LocalModel:
 
 
 def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Module:
-    if mesh.dp == 1:
+    if mesh.size("dp") == 1:
         return part
     if mesh.data_mesh is not None:
         return wrap_fsdp(part, mesh, cfg.parallel)
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
-    ddp = DistributedDataParallel(part, process_group=mesh.dp_group, device_ids=device_ids)
-    ddp.register_comm_hook(mesh.dp_group, timed_allreduce)
+    ddp = DistributedDataParallel(part, process_group=mesh.group("dp"), device_ids=device_ids)
+    ddp.register_comm_hook(mesh.group("dp"), timed_allreduce)
     return ddp
 
 
@@ -119,12 +119,12 @@ def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:
     """Step 5b: the part with its blocks compiled when train.compile says so on this device; one
     rank per stage (dp and tp index 0) warns of a block that runs eager."""
     if compile_enabled(cfg.train.compile, mesh.device):
-        speaks = mesh.dp_rank == 0 and mesh.device_mesh.get_local_rank("tp") == 0
+        speaks = mesh.coordinates.dp == 0 and mesh.coordinates.tp == 0
         apply_compile(
             part.blocks,
             strict=cfg.train.compile is True,
             warn=say if speaks else lambda _: None,
-            split_backward=mesh.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD_SCHEDULES,
+            split_backward=mesh.size("pp") > 1 and cfg.parallel.schedule in SPLIT_BACKWARD_SCHEDULES,
         )
     return part
 
@@ -132,11 +132,11 @@ def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:
 def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> LocalModel | PipelineModel:
     if mesh.rank == 0 and compile_enabled(cfg.train.compile, mesh.device):
         say(f"train.compile: the first step compiles each block (inductor cache {inductor_cache_dir()})")
-    if mesh.pp == 1:
+    if mesh.size("pp") == 1:
         part = compiled(
-            materialise_part(cfg, mesh.device, layers=None, first=True, last=True, tp_mesh=mesh.tp_mesh), mesh, cfg
+            materialise_part(cfg, mesh.device, layers=None, first=True, last=True, tp_mesh=mesh.view("tp")), mesh, cfg
         )
-        local = LocalModel(part, wrap_data_parallel(part, mesh, cfg), loss=loss, amp=amp, tp=mesh.tp)
+        local = LocalModel(part, wrap_data_parallel(part, mesh, cfg), loss=loss, amp=amp, tp=mesh.size("tp"))
         local.tied = TiedEmbeddings([part], [0], num_stages=1, mesh=mesh)
         return local
     # torch.distributed.pipelining costs about 1.3 s of CPU to import: only pipelines pay it
@@ -151,7 +151,7 @@ def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> Lo
                 layers=plan.split[i],
                 first=i == 0,
                 last=i == plan.num_stages - 1,
-                tp_mesh=mesh.tp_mesh,
+                tp_mesh=mesh.view("tp"),
             ),
             mesh,
             cfg,

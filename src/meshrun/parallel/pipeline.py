@@ -138,8 +138,8 @@ class PipelineModel:
         amp: Callable[[], contextlib.AbstractContextManager],
     ) -> None:
         self.parts, self.wrapped, self.loss, self.amp, self.plan = parts, wrapped, loss, amp, plan
-        self.device, self.pp_group, self.schedule_name = mesh.device, mesh.pp_group, cfg.parallel.schedule
-        self.tp = mesh.tp  # > 1: the last stage's loss runs on vocabulary-sharded logits (tensor.py)
+        self.device, self.pp_group, self.schedule_name = mesh.device, mesh.group("pp"), cfg.parallel.schedule
+        self.tp = mesh.size("tp")  # > 1: the last stage's loss runs on vocabulary-sharded logits (tensor.py)
         self.schedules: dict[tuple, Any] = {}  # one per batch shape, see _schedule_for
         self.has_first = 0 in plan.local_stages
         self.has_last = plan.num_stages - 1 in plan.local_stages

@@ -60,11 +60,11 @@ def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1, logged: 
     optimizers = Optimizers(model.parts, cfg.train)
     params = [p for part in model.parts for p in part.parameters()]
     counted = model.tied.counted_once(params)
-    pp_group = mesh.pp_group if mesh.pp > 1 else None
+    pp_group = mesh.group("pp") if mesh.size("pp") > 1 else None
     tokens = torch.randint(
         0,
         cfg.model.vocab_size,
-        (cfg.train.global_batch // mesh.dp, cfg.model.seq_len + 1),
+        (cfg.train.global_batch // mesh.size("dp"), cfg.model.seq_len + 1),
         generator=torch.Generator().manual_seed(0),
     ).to(mesh.device)
     keep = torch.zeros((), device=mesh.device)
@@ -92,7 +92,7 @@ def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1, logged: 
                 times.append(time.perf_counter() - start)
                 updates.append(time.perf_counter() - update)
             continue
-        with timeline.measuring(mesh.device) if mesh.pp > 1 else contextlib.nullcontext():
+        with timeline.measuring(mesh.device) if mesh.size("pp") > 1 else contextlib.nullcontext():
             step()
         _log_collectives(mesh)
         _sync(mesh.device)
@@ -107,7 +107,7 @@ def _log_collectives(mesh: Mesh) -> None:
     gathered = [torch.zeros_like(figures) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, figures)
     _ = [g[0].item() for g in gathered]
-    if mesh.pp > 1:
+    if mesh.size("pp") > 1:
         timeline.gather_timelines(mesh.layout)
 
 

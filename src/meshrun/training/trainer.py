@@ -48,10 +48,8 @@ T = TypeVar("T")
 class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
-        # Dropout streams (weights and data have their own seeds): one per tp group, as tp ranks hold
-        # the same activations outside the split matrices and must drop the same ones (where they hold
-        # different ones, parallel/tp_rng.py seeds a stream per tp rank from this one).
-        torch.manual_seed(cfg.train.seed + mesh.rank // mesh.tp)
+        # Dropout streams (weights and data have their own seeds): one per tp group (Layout.seed_offset).
+        torch.manual_seed(cfg.train.seed + mesh.seed_offset)
         # Steps and evaluations pass their own loss (batch_loss); this one only sets the microbatch count.
         self.model = parallelize(
             cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=partial(autocast, cfg, mesh.device)
@@ -62,8 +60,8 @@ class Trainer:
         self.optimizers = Optimizers(self.model.parts, cfg.train)
         # fsdp/hsdp: each rank checks only its gradient shards, so every rank must agree on found_inf
         # (and tp: each rank checks its shards)
-        sharded = mesh.data_mesh is not None or mesh.tp > 1
-        self.scaler = make_scaler(cfg, self.device, dist.group.WORLD if sharded else mesh.pp_group)
+        sharded = mesh.data_mesh is not None or mesh.size("tp") > 1
+        self.scaler = make_scaler(cfg, self.device, dist.group.WORLD if sharded else mesh.group("pp"))
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
         # how pairs data (if any) is batched: the encoder's share, the samples sharing a length bucket
         pairs_layout = {"source_len": source_len(cfg.model), "global_batch": cfg.train.global_batch}
@@ -108,8 +106,7 @@ class Trainer:
         failures: list[tuple[Path, checkpoint.CheckpointError]] = []
         for path in candidates:
             try:
-                par = self.cfg.parallel
-                same_layout = resume.saved_degrees(path) == (par.dp, par.tp, par.pp)
+                same_layout = resume.saved_degrees(path) == self.mesh.layout.mesh_degrees
                 progress.mark_init("loading checkpoint", f" {path}")
                 state = checkpoint.load(self.state_dict(0, rng=same_layout), path)
             except checkpoint.CheckpointError as exc:
@@ -137,8 +134,8 @@ class Trainer:
         self, data: TokenDataset | MixtureDataset | PairsDataset, position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's share of the global batch starting at global sample `position`."""
-        per_rank = self.cfg.train.global_batch // self.mesh.dp
-        x, y = data.batch(position + self.mesh.dp_rank * per_rank, per_rank)
+        shard = self.mesh.data_shard(self.cfg.train.global_batch)
+        x, y = data.batch(position + shard.start, len(shard))
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def batch_loss(
@@ -149,7 +146,7 @@ class Trainer:
         return MicrobatchLoss.for_batch(
             self.cfg.accumulation_steps,
             target_tokens=data.target_tokens(position, self.cfg.train.global_batch),
-            dp=self.mesh.dp,
+            dp=self.mesh.size("dp"),
             grad_scale=None if scaler is None else scaler.scale(torch.ones((), device=self.device)),
         )
 
@@ -167,7 +164,8 @@ class Trainer:
         for step in range(self.start_step, cfg.steps):
             done = step + 1
             log_due = done % cfg.log_interval == 0 or done == cfg.steps
-            with self.profiler.step(done, measure=self.mesh.pp > 1 and log_due):  # the timeline of a logged step
+            # the timeline of a logged step
+            with self.profiler.step(done, measure=self.mesh.size("pp") > 1 and log_due):
                 result = self.train_step(step)
             if step == self.start_step and self.compiles:  # the first step compiled the blocks
                 self.report.note(f"step {done} compiled and ran in {time.perf_counter() - window.start:.1f} s")
@@ -341,7 +339,7 @@ class Trainer:
 
     def clip_gradients(self) -> torch.Tensor:
         """The global norm over all stages, the gradients clipped to it (optim.clip_global_norm)."""
-        pp_group = self.mesh.pp_group if self.mesh.pp > 1 else None
+        pp_group = self.mesh.group("pp") if self.mesh.size("pp") > 1 else None
         return clip_global_norm(self.params, self.norm_params, max_norm=self.cfg.train.grad_clip, pp_group=pp_group)
 
     @torch.no_grad()
@@ -359,15 +357,16 @@ class Trainer:
         return self._across_ranks(total / tokens).loss
 
     def _across_ranks(self, loss: torch.Tensor, extra: tuple[float, ...] = ()) -> AcrossRanks:
-        """`loss` averaged over dp (the last stage's tp ranks hold the same value: counted once), with
-        every rank's peak memory, training-state bytes and `extra`."""
+        """`loss` averaged over the ranks that hold it (Layout.loss_ranks: the last stage's), with every
+        rank's peak memory, training-state bytes and `extra`."""
         own = [peak_memory_gb(self.device), self.state_bytes, *extra]
         mine = torch.cat([loss.double().reshape(1), torch.tensor(own, dtype=torch.float64, device=self.device)])
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         with time_split.section("wait"):  # at a log step (inside an evaluation: its time)
             dist.all_gather(gathered, mine)
+        counted = self.mesh.layout.loss_ranks()
         return AcrossRanks(
-            loss=sum(g[0].item() for g in gathered) / (self.mesh.dp * self.mesh.tp),
+            loss=sum(gathered[r][0].item() for r in counted) / len(counted),
             memory_gb=[g[1].item() for g in gathered],
             state_bytes=int(max(g[2].item() for g in gathered)),
             extra=[g[3:].tolist() for g in gathered],
@@ -406,7 +405,7 @@ class Trainer:
             "state_bytes": ranks.state_bytes,
             **{
                 f"memory_gb/stage{s}": max(memory[r] for r in self.mesh.layout.ranks_of_pp_rank(s))
-                for s in range(self.mesh.pp)
+                for s in range(self.mesh.size("pp"))
             },
         }
         row.update(time_split.split_row(ranks.extra, wall_s=train_s + window.paused))
@@ -416,7 +415,7 @@ class Trainer:
             self.report.note(warning)
         if self.scaler is not None:
             row.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped_steps)
-        if self.mesh.pp > 1:
+        if self.mesh.size("pp") > 1:
             row["bubble"] = self._gather_timeline(done)
         self.report.log(done, row)
         return row
