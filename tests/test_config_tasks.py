@@ -27,7 +27,10 @@ def test_the_task_defaults_to_what_the_config_trained_before_task_existed() -> N
     [
         (["data.pairs=true", "task=causal_lm"], "data.pairs prepares seq2seq text pairs, not data for task causal_lm"),
         (["model.name=encdec", "task=classification"], "model.name encdec is an encoder-decoder"),
-        (["task_options.mask_rate=0.3"], "task_options.mask_rate is an option of task masked_lm, not of task causal_lm"),
+        (
+            ["task_options.mask_rate=0.3"],
+            "task_options.mask_rate is an option of task masked_lm, not of task causal_lm",
+        ),
         (["task=regression", "task_options.mask_rate=0.3"], "not of task regression"),
         (["task=translation"], "invalid task: use 'causal_lm', 'seq2seq'"),
         (["task=regression", "task_options.loss=l1"], "invalid task_options.loss: use 'mse', 'mae' or 'huber'"),

@@ -12,13 +12,16 @@ position chosen, so every sample (and every batch) has a target.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from meshrun.data.hashing import splitmix64
 from meshrun.data.storage import IGNORE
+from meshrun.errors import ConfigError
 
 _SCALE = 2.0**-53  # 53 random bits -> a float in [0, 1)
 
@@ -81,3 +84,31 @@ def _at_least_one(chosen: np.ndarray, ordinary: np.ndarray, h: np.ndarray) -> No
         lowest = np.where(ordinary, h, np.uint64(0xFFFFFFFFFFFFFFFF)).argmin(axis=1)
         rows = np.flatnonzero(empty)
         chosen[rows, lowest[rows]] = True
+
+
+MASK_NAMES = ("<mask>", "[MASK]")  # RoBERTa / ESM and BERT spellings
+
+
+def masking_vocabulary(vocab_size: int, eos_ids: Sequence[int], tokenizer_json: str | None) -> dict[str, Any]:
+    """What meta.json records for masked_lm data: the mask id (the tokenizer's <mask> / [MASK], else one id
+    appended after its vocabulary: the byte tokenizer's 256), the special ids never masked (the tokenizer's
+    special tokens and document ends; bytes have none but the mask: a newline is text) and the vocabulary."""
+    added = json.loads(tokenizer_json).get("added_tokens", []) if tokenizer_json else []
+    special = {int(t["id"]): str(t["content"]) for t in added if t.get("special")}
+    if tokenizer_json is not None:
+        special.update({int(i): "" for i in eos_ids})
+    mask_id = next((i for i, content in special.items() if content in MASK_NAMES), None)
+    if mask_id is None:
+        mask_id, vocab_size = vocab_size, vocab_size + 1
+        special[mask_id] = "<mask>"
+    return {"mask_id": mask_id, "special_ids": sorted(special), "vocab_size": vocab_size}
+
+
+def rule_of(meta: dict[str, Any], rate: float) -> MaskingRule:
+    """The masking rule of a dataset prepared with --task masked_lm, at `task_options.mask_rate`."""
+    try:
+        return MaskingRule(int(meta["vocab_size"]), int(meta["mask_id"]), tuple(map(int, meta["special_ids"])), rate)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"the dataset's meta.json has no usable masking vocabulary ({exc}); prepare it with --task masked_lm"
+        ) from None

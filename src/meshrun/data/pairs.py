@@ -97,11 +97,20 @@ def _jsonl_pair(line: str, path: Path, number: int, source_field: str, target_fi
     return texts[0], texts[1]
 
 
-def encode_texts(spec: TokenizerSpec, texts: list[str]) -> list[np.ndarray]:
-    """Each text's token ids shifted past the special ids (the document EOS the encoder adds is dropped)."""
+def encode_texts(spec: TokenizerSpec, texts: list[str], *, shift: int = NUM_SPECIAL) -> list[np.ndarray]:
+    """Each text's token ids plus `shift` (pairs: past the special ids); the document EOS the encoder adds is dropped."""
     tokens, lengths = Encoder(spec)(list(texts))
     ends, eos = np.cumsum(lengths), len(spec.eos_ids)
-    return [tokens[end - length : end - eos].astype(np.int64) + NUM_SPECIAL for end, length in zip(ends, lengths)]
+    return [tokens[end - length : end - eos].astype(np.int64) + shift for end, length in zip(ends, lengths)]
+
+
+def write_rows(folder: Path, stem: str, rows: list[np.ndarray], dtype: np.dtype) -> int:
+    """Ragged rows as `{stem}.bin` (ids end to end) + `{stem}.idx` (uint64 offsets, one more than rows);
+    returns the largest id (-1: none), which meta.json records."""
+    ids = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    ids.astype(dtype).tofile(folder / f"{stem}.bin")
+    np.cumsum([0, *map(len, rows)]).astype(OFFSET_DTYPE).tofile(folder / f"{stem}.idx")
+    return int(ids.max()) if len(ids) else -1
 
 
 def prepare_pairs(
@@ -137,11 +146,7 @@ def _write_pairs(staging: Path, spec: TokenizerSpec, pairs: list[tuple[str, str]
     for split, chunk in zip(SPLITS, (pairs[:cut], pairs[cut:])):
         splits[split] = {"pairs": len(chunk), "max_id": {}}  # max_id: checked on first open
         for side, texts in (("source", [s for s, _ in chunk]), ("target", [t for _, t in chunk])):
-            rows = encode_texts(spec, texts)
-            ids = np.concatenate(rows)
-            ids.astype(dtype).tofile(staging / f"{split}.{side}.bin")
-            np.cumsum([0, *map(len, rows)]).astype(OFFSET_DTYPE).tofile(staging / f"{split}.{side}.idx")
-            splits[split]["max_id"][side] = int(ids.max()) if len(ids) else -1
+            splits[split]["max_id"][side] = write_rows(staging, f"{split}.{side}", encode_texts(spec, texts), dtype)
     if spec.json_text is not None:
         (staging / "tokenizer.json").write_text(spec.json_text)
     meta = {

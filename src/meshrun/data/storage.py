@@ -181,6 +181,11 @@ def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fra
             f"{path} holds source/target pairs, which train only as data.dir, not as a data.mixture source or "
             "token stream; prepare the sources without --pairs to mix them"
         )
+    if meta["format"] in ("classification", "regression"):  # records, not a token stream
+        raise ConfigError(
+            f"{path} holds {meta['format']} data (prepared with --task {meta['format']}), not a token stream; "
+            f"point data.dir at text prepared for this task, or set task: {meta['format']}"
+        )
     return _shards(path, split, meta)
 
 
