@@ -4,10 +4,12 @@ are never masked nor drawn; a protein alphabet works as well as a BPE vocabulary
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from meshrun.data.masking import MaskingRule, mask_tokens
+from meshrun.data.masking import MaskingRule, mask_tokens, masking_vocabulary, rule_of
 from meshrun.data.storage import IGNORE
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"  # the 20 standard amino acids: a character-level vocabulary
@@ -86,3 +88,13 @@ def test_every_sample_with_ordinary_tokens_gets_a_target() -> None:
 def test_a_rule_that_cannot_mask_is_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MaskingRule(**kwargs)
+
+
+def test_a_tokenizers_own_mask_and_special_tokens_are_used_and_bytes_get_one_appended() -> None:
+    """RoBERTa-like: <s> <pad> </s> <unk> special, <mask> the last id; bytes: the mask is id 256."""
+    added = [{"id": i, "content": c, "special": True} for i, c in enumerate(["<s>", "<pad>", "</s>", "<unk>"])]
+    tokenizer = json.dumps({"added_tokens": [*added, {"id": 50_264, "content": "<mask>", "special": True}]})
+    vocabulary = masking_vocabulary(50_265, (2,), tokenizer)
+    assert vocabulary == {"mask_id": 50_264, "special_ids": [0, 1, 2, 3, 50_264], "vocab_size": 50_265}
+    assert rule_of(vocabulary, 0.15) == MaskingRule(50_265, 50_264, (0, 1, 2, 3, 50_264), 0.15)
+    assert masking_vocabulary(256, tuple(b"\n\n"), None) == {"mask_id": 256, "special_ids": [256], "vocab_size": 257}
