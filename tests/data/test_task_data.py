@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from meshrun import cli
-from meshrun.data.series import Windows
+from meshrun.data.labelled import EXAMPLE_PACKAGES, EXAMPLE_PER_LABEL, example_examples
+from meshrun.data.series import Windows, example_series
 from meshrun.data.storage import open_split, read_meta
 from meshrun.errors import ConfigError
 
@@ -223,7 +225,8 @@ def test_a_series_shorter_than_seq_len_plus_horizon_is_refused(
             "--horizon is a flag of --task regression",
         ),
         (["--task", "masked_lm", "--pairs"], "--pairs prepares seq2seq pairs, not --task masked_lm"),
-        (["--task", "regression"], "--task regression needs --source files"),
+        (["--task", "regression", "--seq-len", "4", "--columns", "x"], "the built-in example has none"),
+        (["--task", "regression"], "--task regression needs --seq-len N"),
         (["--task", "regression", "--source", "x.txt", "--seq-len", "4"], "no files match --source x.txt"),
     ],
 )
@@ -254,3 +257,21 @@ def test_masked_lm_data_records_its_mask_token_and_record_data_is_no_token_strea
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"holds classification data .* not a token stream"):
         open_split(tmp_path / "cls", "train")
+
+
+def test_the_built_in_examples_are_balanced_and_reproducible(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    examples = example_examples()
+    counts = Counter(e.label for e in examples)
+    assert sorted(counts) == sorted(EXAMPLE_PACKAGES) and set(counts.values()) == {EXAMPLE_PER_LABEL}
+    where, _, line = examples[0].where.rpartition(":")
+    below = Path(where).read_text().splitlines()[int(line) - 1 : int(line) + 30]
+    assert examples[0].text in "\n".join(below)  # a real docstring line, where the row says
+    assert len({e.text for e in examples}) == len(examples)
+    np.testing.assert_array_equal(example_series().values, example_series().values)
+    code, out = prepare(
+        ["--task", "regression", "--seq-len", "64", "--horizon", "8", "--out", str(tmp_path / "r")], capsys
+    )
+    assert code == 0 and "1 series, 3000 rows of 2 columns" in out
+    assert len(Windows(tmp_path / "r", "val", read_meta(tmp_path / "r") or {}, seq_len=64, horizon=8)) == 150 - 8 + 1

@@ -32,8 +32,6 @@ def chosen_task(args: argparse.Namespace) -> str:
         raise ConfigError(
             f"--train-tokenizer does not apply to --task {task}; pass a trained --tokenizer PATH or bytes"
         )
-    if task in ("classification", "regression") and not args.sources:
-        raise ConfigError(f"--task {task} needs --source files (no built-in example)")
     return task
 
 
@@ -48,10 +46,10 @@ def prepare_records(args: argparse.Namespace, task: str) -> int:
 
 
 def _classification(args: argparse.Namespace) -> str:
-    from meshrun.data.labelled import prepare_classification, read_examples
+    from meshrun.data.labelled import example_examples, prepare_classification, read_examples
 
     fields = {"text_field": args.field, "label_field": args.label_field or "label"}
-    train = read_examples(args.sources, **fields, flag="--source")
+    train = read_examples(args.sources, **fields, flag="--source") if args.sources else example_examples()
     val = read_examples(args.val_sources, **fields, flag="--val-source") if args.val_sources else None
     meta = prepare_classification(
         train, val, args.out, val_fraction=args.val_fraction, tokenizer=args.tokenizer, sources=args.sources
@@ -61,7 +59,7 @@ def _classification(args: argparse.Namespace) -> str:
 
 
 def _regression(args: argparse.Namespace) -> str:
-    from meshrun.data.series import prepare_regression, read_series
+    from meshrun.data.series import EXAMPLE_COLUMNS, example_series, prepare_regression, read_series
 
     if args.seq_len is None:
         raise ConfigError("--task regression needs --seq-len N: the past values each window holds (model.seq_len)")
@@ -70,7 +68,12 @@ def _regression(args: argparse.Namespace) -> str:
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     columns = [name.strip() for name in (args.columns or "").split(",") if name.strip()]
-    series, columns = read_series(args.sources, columns=columns, time_column=args.time_column)
+    if args.sources:
+        series, columns = read_series(args.sources, columns=columns, time_column=args.time_column)
+    elif columns or args.time_column:
+        raise ConfigError("--columns and --time-column name columns of --source files; the built-in example has none")
+    else:
+        series, columns = [example_series()], list(EXAMPLE_COLUMNS)
     meta = prepare_regression(
         series,
         columns,

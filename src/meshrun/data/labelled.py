@@ -12,7 +12,9 @@ of its text, as prepare-data splits documents (the label set then spans both).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sysconfig
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -156,3 +158,33 @@ def _write(staging: Path, spec: TokenizerSpec, rows: dict[str, list[Example]], l
         "labels_dtype": LABEL_DTYPE.str,
         "splits": splits,
     }
+
+
+EXAMPLE_PACKAGES = ("asyncio", "email", "http", "importlib", "logging", "multiprocessing", "unittest", "xml")
+EXAMPLE_PER_LABEL = 130  # balanced: a majority-class guess scores 1/8
+
+
+def example_examples() -> list[Example]:
+    """The no-download classification example: the first docstring line of functions and classes of
+    eight standard-library packages, labelled by the package ("Return the payload as a string" ->
+    email). Up to EXAMPLE_PER_LABEL lines each, chosen by a hash, so the set is balanced and the
+    same however the files are ordered (its exact rows follow the Python version)."""
+    import ast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    examples = []
+    for package in EXAMPLE_PACKAGES:
+        lines: dict[str, str] = {}
+        for path in sorted((stdlib / package).rglob("*.py")):
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    first = (ast.get_docstring(node) or "").strip().split("\n")[0].strip()
+                    if len(first) >= 20:
+                        lines.setdefault(first, f"{path}:{node.lineno}")
+        chosen = sorted(lines, key=lambda text: hashlib.sha256(text.encode()).digest())[:EXAMPLE_PER_LABEL]
+        examples += [Example(text, package, lines[text]) for text in chosen]
+    return examples
