@@ -33,7 +33,7 @@ from meshrun.errors import ConfigError
 from meshrun.files.confined import confined
 
 VALUE_DTYPE = np.dtype("<f4")
-EXAMPLE_COLUMNS = ("load", "temperature")  # example_series's columns
+EXAMPLE_COLUMNS: tuple[str, ...] = ("load", "temperature")  # example_series's columns
 _HINT = "pass --columns (and --time-column) naming its columns"
 
 
