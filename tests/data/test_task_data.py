@@ -111,6 +111,7 @@ def test_validation_rows_come_from_val_source_and_their_labels_must_be_training_
         ('{"review": "a", "stars": 1}\n{"review": "b", "stars": ""}\n', "reviews.jsonl:2 has no label"),
         ('{"review": "a", "stars": [1]}\n', "reviews.jsonl:1 has no label in field 'stars' (got list [1])"),
         ('{"review": "a", "stars": 1.5}\n', "(got float 1.5)"),
+        ('{"review": "a", "stars": NaN}\n', "(got float nan)"),
         ('{"text": "a", "stars": 1}\n', "reviews.jsonl:1 has no text in field 'review'"),
     ],
 )
@@ -124,6 +125,7 @@ def test_a_row_without_a_label_or_text_is_refused_at_its_line(
 
 def test_a_missing_label_in_csv_and_parquet_names_the_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source = write_csv(tmp_path / "r.csv", ["text", "label"], [["good", "pos"], ["multi\nline", "neg"], ["bad", ""]])
+    source.write_bytes(b"\xef\xbb\xbf" + source.read_bytes())  # a spreadsheet's BOM: still column 'text'
     assert f"{source}:5 has no label in field 'label'" in refused(
         ["--task", "classification", "--source", str(source)], capsys, tmp_path / "a"
     )
@@ -227,6 +229,7 @@ def test_a_series_shorter_than_seq_len_plus_horizon_is_refused(
         (["--task", "masked_lm", "--pairs"], "--pairs prepares seq2seq pairs, not --task masked_lm"),
         (["--task", "regression", "--seq-len", "4", "--columns", "x"], "the built-in example has none"),
         (["--task", "regression"], "--task regression needs --seq-len N"),
+        (["--task", "regression", "--tokenizer", "t.json"], "do not apply to --task regression"),
         (["--task", "regression", "--source", "x.txt", "--seq-len", "4"], "no files match --source x.txt"),
     ],
 )

@@ -28,7 +28,11 @@ def chosen_task(args: argparse.Namespace) -> str:
             raise ConfigError(
                 f"{flag} is a flag of --task {owner}, not of --task {task}; drop it or pass --task {owner}"
             )
-    if task in ("classification", "regression") and args.train_tokenizer:
+    if task == "regression" and (args.tokenizer != "byte" or args.train_tokenizer):
+        raise ConfigError(
+            "--tokenizer and --train-tokenizer do not apply to --task regression (numbers, not text); drop them"
+        )
+    if task == "classification" and args.train_tokenizer:
         raise ConfigError(
             f"--train-tokenizer does not apply to --task {task}; pass a trained --tokenizer PATH or bytes"
         )

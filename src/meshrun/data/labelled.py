@@ -57,7 +57,10 @@ def read_examples(sources: Sequence[str], *, text_field: str, label_field: str, 
 
 
 def _label_name(value: Any, where: str, label_field: str) -> str:
-    """A label as text: a string (stripped) or a whole number; anything else (missing, empty, a list) is refused."""
+    """A label as text: a string (stripped) or a whole number (1.0 from a float column is 1); anything else
+    (missing, empty, a fraction, a list) is refused."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, (str, int)) or not str(value).strip():
         got = "nothing" if value is None or not str(value).strip() else f"{type(value).__name__} {value!r}"
         raise ConfigError(

@@ -85,7 +85,7 @@ def _jsonl_rows(path: Path, fields: Sequence[str]) -> Iterator[Row]:
 
 def _csv_rows(path: Path, fields: Sequence[str], hint: str) -> Iterator[Row]:
     """A header line, then one record per line (quoted cells may span lines: the record's first line is named)."""
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # a spreadsheet's BOM is no part of the first name
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None:
@@ -123,7 +123,7 @@ def column_names(path: Path) -> list[str]:
     """The columns of a .csv (its header line) or .parquet file."""
     with _reading(path):
         if _kind(path) == "csv":
-            with open(path, newline="", encoding="utf-8") as f:
+            with open(path, newline="", encoding="utf-8-sig") as f:  # a spreadsheet's BOM is no part of the first name
                 return [cell.strip() for cell in next(csv.reader(f), [])]
         import pyarrow.parquet as pq
 
