@@ -23,11 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from meshrun.data.pairs import encode_texts, write_rows
 from meshrun.data.prepare import _check_out, _content_hash, publishing
-from meshrun.data.storage import SPLITS, smallest_dtype
+from meshrun.data.storage import SPLITS, smallest_dtype, write_rows
 from meshrun.data.tables import table_files, table_rows
-from meshrun.data.tokenize import TokenizerSpec, byte_tokenizer, load_tokenizer
+from meshrun.data.tokenize import TokenizerSpec, byte_tokenizer, encode_texts, load_tokenizer
 from meshrun.errors import ConfigError
 
 LABEL_DTYPE = np.dtype("<u4")

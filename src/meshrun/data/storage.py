@@ -29,6 +29,7 @@ from meshrun.files.json_reader import read_json
 SPLITS = ("train", "val")
 IGNORE = -100  # target id of padding: the loss skips it (F.cross_entropy's default ignore_index)
 DOC_DTYPE = np.dtype("<u8")
+OFFSET_DTYPE = np.dtype("<u8")  # ragged rows (pairs, labelled texts): where each row starts, and the end
 MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 # Megatron-LM's DType codes (megatron/core/datasets/indexed_dataset.py)
 MEGATRON_DTYPES = {
@@ -141,6 +142,15 @@ class SplitWriter:
             "shards": self.shards,
             "documents_file": f"{self.split}.docs.bin",
         }
+
+
+def write_rows(folder: Path, stem: str, rows: list[np.ndarray], dtype: np.dtype) -> int:
+    """Ragged rows as `{stem}.bin` (ids end to end) + `{stem}.idx` (uint64 offsets, one more than rows);
+    returns the largest id (-1: none), which meta.json records."""
+    ids = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    ids.astype(dtype).tofile(folder / f"{stem}.bin")
+    np.cumsum([0, *map(len, rows)]).astype(OFFSET_DTYPE).tofile(folder / f"{stem}.idx")
+    return int(ids.max()) if len(ids) else -1
 
 
 # -- readers ------------------------------------------------------------------------------------
