@@ -5,7 +5,7 @@
 
 What it runs, all in this one process on a one-process mesh (meshrun's real Trainer, real data):
 1. checks, the CUDA-capable part of the test suite: precision auto resolves to bf16; compiled vs eager
-   fp32 (step-1 grad norm, weights after the steps); recompute full/selective under compile (same
+   fp32 (step-1 grad norm, weights after 10 clipped AdamW steps at lr 3e-4); recompute full/selective under compile (same
    step-1 grad norm as none); bf16 and fp16 (with the scaler) training, eager and compiled: finite
    losses that fall, the compiled loss near the eager one;
 2. bench/host_sync.py (the step never waits for the device);
@@ -158,7 +158,11 @@ def checks(kit: Kit, lines: list[str]) -> bool:
     auto = resolve_precision("auto", kit.device)
     want_bf16 = kit.device.type == "cuda" and torch.cuda.is_bf16_supported()
     results.append(("precision auto", auto.precision == "bf16" or not want_bf16, auto.reason))
-    fp32 = {"precision": "fp32"}
+    # the project's equality test: 10 clipped AdamW steps at a learning rate where the run is not
+    # chaotic. At the kit's 3e-3 the H200 showed eager and compiled agreeing to 1e-7 in loss for 4
+    # steps, then diverging (grad norms 53% apart by step 10): a test of the trajectory's
+    # sensitivity, not of compile. At 3e-4: losses 6e-8 apart, weights 1.9e-6 after 10 steps.
+    fp32 = {"precision": "fp32", "train.lr": 3e-4, "train.steps": 4 if kit.smoke else 10}
     eager = train(kit, job(kit, "fp32-eager", {**fp32, "train.compile": False}), warmup=1)
     compiled = train(kit, job(kit, "fp32-compiled", {**fp32, "train.compile": True}), warmup=1)
     g1, weights = relative(compiled.grad_norms[0], eager.grad_norms[0]), max_diff(compiled.weights, eager.weights)

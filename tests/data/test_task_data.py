@@ -227,6 +227,7 @@ def test_a_series_shorter_than_seq_len_plus_horizon_is_refused(
             "--horizon is a flag of --task regression",
         ),
         (["--task", "masked_lm", "--pairs"], "--pairs prepares seq2seq pairs, not --task masked_lm"),
+        (["--task", "classification", "--chat"], "--chat prepares causal_lm documents with a loss mask"),
         (["--task", "regression", "--seq-len", "4", "--columns", "x"], "the built-in example has none"),
         (["--task", "regression"], "--task regression needs --seq-len N"),
         (["--task", "regression", "--tokenizer", "t.json"], "do not apply to --task regression"),

@@ -45,6 +45,26 @@ def test_recompute_gives_identical_gradients(policy: str) -> None:
         assert torch.allclose(grad, plain[name.replace("._checkpoint_wrapped_module", "")], atol=1e-6, rtol=0), name
 
 
+def test_selective_hands_each_kept_output_to_on_saved() -> None:
+    """apply_recompute's `on_saved` (the planner's count of what selective keeps) sees exactly the
+    tensors torch's own cache stores: a matmul's output under the policy, nothing for an add.
+    Also the loud failure if torch moves torch.utils._python_dispatch (SavedOutputs' base)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshrun.parallel.recompute import SavedOutputs, apply_recompute
+
+    assert issubclass(SavedOutputs, TorchDispatchMode)
+    seen: list[object] = []
+    blocks = torch.nn.ModuleDict(
+        {"0": torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))}
+    )
+    apply_recompute(blocks, "selective", on_saved=seen.append)
+    x = torch.randn(3, 8, requires_grad=True)
+    blocks["0"](x).sum().backward()
+    # the two addmm outputs, once each (not again on recompute)
+    assert [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in seen] == [(3, 16), (3, 8)]
+
+
 def test_every_n_wraps_only_the_chosen_blocks() -> None:
     cfg = load_config(None, ["model.num_layers=4", "recompute=every:2"])
     model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils._pytree import tree_leaves
 
+import meshrun.parallel.recompute as recompute
 from meshrun.config.schema import Config, load_config
 from meshrun.models.hf_config import vocab_size
 from meshrun.parallel.mesh import Mesh, mesh_on
@@ -53,12 +56,19 @@ def _tensor_bytes(tensors) -> int:
 
 def measure(cfg: Config, mesh: Mesh) -> dict[str, int]:
     """One layout on this rank: state bytes and the second step's peak saved bytes."""
+    caches: list = []
+    with _recording_selective_caches(caches):
+        return _measure(cfg, mesh, caches)
+
+
+def _measure(cfg: Config, mesh: Mesh, caches: list) -> dict[str, int]:
     torch.manual_seed(0)
     model = parallelize(cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=contextlib.nullcontext)
     optimizers = [build_optimizer(part, cfg.train) for part in model.parts]
     params = [p for part in model.parts for p in part.parameters()]
     counter = SavedBytes(exclude=params)
     for part in model.parts:
+        _count_selective_caches(part, caches, counter)
         counter.count_checkpoint_inputs(part)
     local = cfg.train.global_batch // cfg.parallel.dp
     tokens = torch.randint(
@@ -86,6 +96,40 @@ def measure(cfg: Config, mesh: Mesh) -> dict[str, int]:
         "activations": peak,
         "pp_rank": mesh.pp_rank,
     }
+
+
+@contextlib.contextmanager
+def _recording_selective_caches(caches: list):
+    """Each selective checkpoint's caching mode, as torch creates it (during every checkpointed
+    forward): what it stores is read from torch's own cache, not from the planner's observer."""
+    original = recompute.create_selective_checkpoint_contexts
+
+    def recording(*args, **kwargs):
+        contexts = original(*args, **kwargs)
+        caches.append(contexts[0])
+        return contexts
+
+    recompute.create_selective_checkpoint_contexts = recording
+    try:
+        yield
+    finally:
+        recompute.create_selective_checkpoint_contexts = original
+
+
+def _count_selective_caches(part: torch.nn.Module, caches: list, counter: SavedBytes) -> None:
+    """After each checkpointed block's forward, the tensors its cache holds join the holders that
+    ride on the block's graph node (this hook runs before count_checkpoint_inputs's, which
+    attaches them), so they count until backward reaches the block."""
+
+    def take(*_) -> None:
+        while caches:
+            storage = caches.pop().storage  # torch's _CachingTorchDispatchMode: op -> [outputs]
+            leaves = [getattr(leaf, "val", leaf) for leaf in tree_leaves(dict(storage))]
+            counter.cached += [counter.hold(t) for t in leaves if isinstance(t, torch.Tensor)]
+
+    for block in part.modules():
+        if isinstance(block, CheckpointWrapper):
+            block.register_forward_hook(take)
 
 
 def worker(rank: int, world: int, store_dir: str, layouts: list[list[str]], out: str) -> None:

@@ -47,6 +47,7 @@ TWO_RANKS = {
     ],
     "dp2-mb2-every2": ["parallel.dp=2", "train.global_batch=8", "train.micro_batch=2", "recompute=every:2"],
     "tp2-mb2": ["parallel.tp=2", "train.global_batch=4", "train.micro_batch=2"],
+    "tp2-mb2-selective": ["parallel.tp=2", "train.global_batch=4", "train.micro_batch=2", "recompute=selective"],
     # sequence parallel: the plan traced without it read +11% here, +32% under selective, +20% for Llama
     "tp2-sp-mb2": SP_MB2,
     "tp2-sp-mb2-selective": [*SP_MB2, "recompute=selective"],
@@ -60,8 +61,14 @@ ONE_RANK = {
     "single-mb2-m2": ["train.global_batch=4", "train.micro_batch=2"],
     "single-mb4-full": ["train.global_batch=4", "train.micro_batch=4", "recompute=full"],
     "single-mb1-every2": ["train.global_batch=2", "train.micro_batch=1", "recompute=every:2"],
+    # selective keeps its matmul and attention outputs in torch's own cache, which saved-tensor
+    # hooks never see: the plan counted them as none (as full) until a GPU run measured 3x more
+    "single-mb2-selective": ["train.global_batch=4", "train.micro_batch=2", "recompute=selective"],
 }
-HF = {"hf-llama-single-mb2": [LLAMA, "train.global_batch=4", "train.micro_batch=2"]}
+HF = {
+    "hf-llama-single-mb2": [LLAMA, "train.global_batch=4", "train.micro_batch=2"],
+    "hf-llama-single-mb2-selective": [LLAMA, "train.global_batch=4", "train.micro_batch=2", "recompute=selective"],
+}
 GROUPS = {"two-ranks": (TWO_RANKS, 2), "one-rank": (ONE_RANK, 1), "hf": (HF, 1)}  # measured once per group
 LAYOUTS = {name: (group, overrides) for group, (layouts, _) in GROUPS.items() for name, overrides in layouts.items()}
 

@@ -9,7 +9,12 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from meshrun.cli.arguments import check_checkpoint_args, check_parity_args, check_plan_args
+from meshrun.cli.arguments import (
+    check_checkpoint_args,
+    check_parity_args,
+    check_plan_args,
+    check_supervised_args,
+)
 from meshrun.cli.parser import build_parser
 from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError, RunError
@@ -43,6 +48,8 @@ def _prepare_data(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     task = chosen_task(args)
+    if args.chat or args.prompt_completion:
+        return _prepare_supervised(args)
     if task in ("classification", "regression"):
         return prepare_records(args, task)
     if task == "seq2seq":
@@ -81,6 +88,39 @@ def _prepare_pairs(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
     counts = ", ".join(f"{split} {info['pairs']}" for split, info in meta["splits"].items())
     print(f"prepared text pairs ({counts}; vocabulary {meta['vocab_size']} with pad/bos/eos 0/1/2) to {args.out}")
+    return 0
+
+
+def _prepare_supervised(args: argparse.Namespace) -> int:
+    """prepare-data --chat / --prompt-completion: the flags checked, then data/supervised.py."""
+    check_supervised_args(args)
+    from meshrun.data.supervised import SupervisedOptions, describe_documents, prepare_supervised
+
+    if Path(args.tokenizer).is_dir():
+        from meshrun.models.hf_config import check_model_files
+
+        check_model_files(Path(args.tokenizer))  # every file transformers reads stays in the folder
+    chat = args.chat
+    options = SupervisedOptions(
+        kind="chat" if chat else "prompt-completion",
+        fields=(args.messages_field,) if chat else (args.prompt_field, args.completion_field),
+        train_on=args.train_on,
+        max_len=args.max_len,
+        long=args.long,
+    )
+    try:
+        meta = prepare_supervised(
+            args.sources,
+            args.out,
+            options,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
+            val_fraction=args.val_fraction,
+            shard_tokens=args.shard_tokens,
+        )
+    except OSError as exc:
+        raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
+    print(f"{describe_documents(meta)} to {args.out}")
     return 0
 
 

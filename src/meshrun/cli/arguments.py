@@ -96,3 +96,24 @@ def check_export_target(flag: str, out: str) -> None:
     if flag == "--out" and path.suffix not in (".safetensors", ".pt", ".pth"):
         raise ConfigError(f"--out {out}: use a .safetensors or .pt file name")
     check_writable_parent(flag, out)
+
+
+def check_supervised_args(args: argparse.Namespace) -> None:
+    """`prepare-data --chat / --prompt-completion` arguments, before anything is read."""
+    kind = "--chat" if args.chat else "--prompt-completion"
+    others = [
+        flag
+        for flag, on in (("--prompt-completion", args.chat and args.prompt_completion), ("--pairs", args.pairs))
+        if on
+    ]
+    if others:
+        raise ConfigError(f"{kind} excludes {others[0]}; pass one")
+    if not args.sources:
+        raise ConfigError(f"{kind} needs --source (.jsonl, .parquet or datasets folders)")
+    if args.tokenizer == "byte" or args.train_tokenizer:
+        raise ConfigError(f"{kind} needs --tokenizer MODEL_FOLDER (the tokenizer the model was trained with)")
+    if args.chat_template and not args.chat:
+        raise ConfigError("--chat-template applies to --chat only (prompt/completion text is not templated)")
+    if args.max_len is None or args.max_len < 2:
+        got = "none" if args.max_len is None else args.max_len
+        raise ConfigError(f"{kind} needs --max-len TOKENS >= 2 (the model.seq_len you will train with), got {got}")

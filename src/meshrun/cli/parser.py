@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--source-field", default="source", help="--pairs: the source text field of .jsonl records")
     data.add_argument("--target-field", default="target", help="--pairs: the target text field of .jsonl records")
     _task_data_arguments(data)
+    _supervised_arguments(data)
     _plan_parser(sub)
     _parity_parser(sub)
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one file")
@@ -211,6 +212,49 @@ def _task_data_arguments(data: argparse.ArgumentParser) -> None:
     data.add_argument("--time-column", help="regression: a column of times (numbers or ISO dates) the rows must follow")
     data.add_argument("--seq-len", type=int, help="regression: past values each window holds (model.seq_len)")
     data.add_argument("--horizon", type=int, help="regression: future values each window predicts (default 1)")
+
+
+def _supervised_arguments(data: argparse.ArgumentParser) -> None:
+    """prepare-data's flags for documents with a loss mask (data/supervised.py)."""
+    data.add_argument(
+        "--chat",
+        action="store_true",
+        help="conversations (a messages field of {role, content} lists in .jsonl, .parquet or datasets folders), "
+        "rendered with the --tokenizer folder's chat template; the assistant turns are trained",
+    )
+    data.add_argument(
+        "--prompt-completion",
+        action="store_true",
+        help="records with a prompt and a completion text: stored as prompt completion EOS, the completion and EOS "
+        "trained (no chat template)",
+    )
+    data.add_argument("--messages-field", default="messages", help="--chat: the field holding each conversation")
+    data.add_argument("--prompt-field", default="prompt", help="--prompt-completion: the prompt text field")
+    data.add_argument("--completion-field", default="completion", help="--prompt-completion: the completion text field")
+    data.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="--chat: render with this jinja template instead of the --tokenizer folder's own",
+    )
+    data.add_argument(
+        "--train-on",
+        choices=("assistant", "all"),
+        default="assistant",
+        help="which tokens the loss counts: the assistant turns / completion (default), or all",
+    )
+    data.add_argument(
+        "--max-len",
+        type=int,
+        metavar="TOKENS",
+        help="--chat / --prompt-completion: the longest document stored (the model.seq_len you will train with)",
+    )
+    data.add_argument(
+        "--long",
+        choices=("truncate", "split", "refuse"),
+        default="truncate",
+        help="documents over --max-len: keep their first --max-len tokens (default: the context of every trained "
+        "token is kept), cut them into pieces, or refuse",
+    )
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:

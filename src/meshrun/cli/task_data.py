@@ -23,6 +23,9 @@ def chosen_task(args: argparse.Namespace) -> str:
     task = args.task or ("seq2seq" if args.pairs else "causal_lm")
     if args.pairs and task != "seq2seq":
         raise ConfigError(f"--pairs prepares seq2seq pairs, not --task {task}; drop one of them")
+    supervised = "--chat" if args.chat else "--prompt-completion" if args.prompt_completion else None
+    if supervised and task != "causal_lm":
+        raise ConfigError(f"{supervised} prepares causal_lm documents with a loss mask, not --task {task}; pass one")
     for flag, (name, owner) in TASK_FLAGS.items():
         if getattr(args, name) not in (None, []) and task != owner:
             raise ConfigError(

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from meshrun.data.prepare import _check_out, _content_hash, publishing
+from meshrun.data.prepare import _check_out, publishing, split_of
 from meshrun.data.storage import SPLITS, smallest_dtype, write_rows
 from meshrun.data.tables import table_files, table_rows
 from meshrun.data.tokenize import TokenizerSpec, byte_tokenizer, encode_texts, load_tokenizer
@@ -88,7 +88,7 @@ def split_examples(
     """(train rows, val rows, label names). With separate validation rows a label training never
     saw is refused at its row; without, rows are split by a hash of their text."""
     if val is None:
-        held = [_content_hash(e.text) % 10_000 < val_fraction * 10_000 for e in train]
+        held = [split_of(e.text, val_fraction) == "val" for e in train]
         train, val = [e for e, h in zip(train, held) if not h], [e for e, h in zip(train, held) if h]
         if not val and len(train) > 1:  # tiny sets can hash every row to train
             train, val = train[:-1], train[-1:]

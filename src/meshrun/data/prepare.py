@@ -154,8 +154,8 @@ def _write(
                 starts = lengths.cumsum() - lengths
                 parts = [tokens[starts[i] : starts[i] + lengths[i]] for i in mine]
                 writers[split].add(_concat(parts), lengths[mine])
-    _check_enough(writers, sources)
-    _balance_splits(writers, val_fraction)
+    check_enough(writers, sources)
+    balance_splits(writers, val_fraction)
     meta = _meta(spec, dtype, {split: w.close() for split, w in writers.items()}, records, sources)
     if task == "masked_lm":
         meta.update(masking_vocabulary(spec.vocab_size, spec.eos_ids, spec.json_text))
@@ -305,7 +305,7 @@ def _tasks(
             for doc in documents(source, field=field, text=spec.json_text is not None):
                 if isinstance(doc, np.ndarray):
                     _check_ids(doc, source, field, spec)
-                splits.append("val" if _content_hash(doc) % 10_000 < val_fraction * 10_000 else "train")
+                splits.append(split_of(doc, val_fraction))
                 docs.append(doc)
                 size += doc.nbytes if isinstance(doc, np.ndarray) else len(doc)
                 num_docs += 1
@@ -342,7 +342,7 @@ def _concat(parts: list) -> Any:
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def _check_enough(writers: dict[str, SplitWriter], sources: list[str]) -> None:
+def check_enough(writers: dict[str, SplitWriter], sources: list[str]) -> None:
     tokens = sum(w.num_tokens for w in writers.values())
     if not sum(w.num_docs for w in writers.values()):
         raise ConfigError(f"--source {' '.join(sources)} holds no documents; check the files (and --field)")
@@ -353,26 +353,28 @@ def _check_enough(writers: dict[str, SplitWriter], sources: list[str]) -> None:
         )
 
 
-def _content_hash(doc: Document) -> int:
+def split_of(doc: Document, val_fraction: float) -> str:
     """A document's split follows its content alone: adding, moving or renaming sources never moves
     a document between train and val, and copies of one text all land in the same split."""
     if isinstance(doc, str):
-        return zlib.crc32(doc.encode("utf-8", "surrogatepass"))
-    return zlib.crc32(doc if isinstance(doc, bytes) else doc.astype("<i8", copy=False).tobytes())
+        crc = zlib.crc32(doc.encode("utf-8", "surrogatepass"))
+    else:
+        crc = zlib.crc32(doc if isinstance(doc, bytes) else doc.astype("<i8", copy=False).tobytes())
+    return "val" if crc % 10_000 < val_fraction * 10_000 else "train"
 
 
-def _balance_splits(writers: dict[str, SplitWriter], val_fraction: float) -> None:
+def balance_splits(writers: dict[str, SplitWriter], val_fraction: float) -> None:
     """Tiny corpora can hash every document to one split: move one document over, or cut a lone one in two."""
     for empty, full in (("val", "train"), ("train", "val")):
         if writers[empty].num_docs:
             continue
-        doc = writers[full].pop_last_document()
+        doc, mask = writers[full].pop_last_document()
         if writers[full].num_docs:
-            writers[empty].add(doc, np.array([len(doc)]))
+            writers[empty].add(doc, np.array([len(doc)]), mask)
         else:
             cut = min(max(1, round(len(doc) * (1 - val_fraction))), len(doc) - 1)
-            writers["train"].add(doc[:cut], np.array([cut]))
-            writers["val"].add(doc[cut:], np.array([len(doc) - cut]))
+            writers["train"].add(doc[:cut], np.array([cut]), None if mask is None else mask[:cut])
+            writers["val"].add(doc[cut:], np.array([len(doc) - cut]), None if mask is None else mask[cut:])
         return
 
 

@@ -20,6 +20,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -202,7 +203,8 @@ def check_utf8(raw: bytes, path: Path) -> None:
         ) from None
 
 
-def _jsonl(path: Path, field: str) -> Iterator[str | np.ndarray]:
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of each non-blank line."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     with opener(path, "rb") as f:
         for number, raw in enumerate(f, 1):
@@ -216,23 +218,67 @@ def _jsonl(path: Path, field: str) -> Iterator[str | np.ndarray]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield number, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(
                     f"{path}:{number} is not valid JSON ({exc.msg}); fix the line or drop the file"
                 ) from None
-            value = record.get(field) if isinstance(record, dict) else None
-            if isinstance(value, list) and all(type(i) is int for i in value):
-                widest = max(value, key=abs, default=0)
-                if not -(2**63) <= widest < 2**63:
-                    raise ConfigError(f"{path}:{number} holds token id {widest}, beyond any vocabulary")
-                yield np.array(value, dtype=np.int64)
-            elif isinstance(value, str):
-                yield value
-            else:
-                raise ConfigError(
-                    f"{path}:{number} has no text field {field!r} (a string, or a list of token ids); pass --field NAME"
-                )
+
+
+def records(source: Source, fields: tuple[str, ...]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) of a jsonl, parquet or `datasets` source, each record holding at least
+    `fields` (a missing one is refused, naming FILE:LINE or the file's columns); `where` is
+    FILE:LINE or FILE row N, for the messages that name a bad record."""
+    if source.kind == "text":
+        raise ConfigError(f"{source.path} is a text file; records need .jsonl, .parquet or a datasets folder")
+    try:
+        if source.kind == "jsonl":
+            for number, record in _jsonl_lines(source.path):
+                missing = [f for f in fields if not isinstance(record, dict) or f not in record]
+                if missing:
+                    raise ConfigError(f"{source.path}:{number} has no field {missing[0]!r}; pass its name as a flag")
+                yield f"{source.path}:{number}", record
+            return
+        if source.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            files = [(source.path, pq.ParquetFile(source.path).iter_batches(batch_size=BATCH_ROWS))]
+        else:
+            files = [(file, _arrow_batches(file)) for file in _hf_arrow_files(source.path)]
+        for path, batches in files:
+            row = 0
+            for batch in batches:
+                missing = [f for f in fields if f not in batch.schema.names]
+                if missing:
+                    names = ", ".join(batch.schema.names)
+                    raise ConfigError(
+                        f"{path} has no column {missing[0]!r} (columns: {names}); pass its name as a flag"
+                    )
+                for record in batch.select(list(fields)).to_pylist():
+                    row += 1
+                    yield f"{path} row {row}", record
+    except OSError as exc:
+        raise ConfigError(f"cannot read source {source.path}: {exc.strerror or exc}") from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pyarrow / gzip / json errors: the file does not parse
+        raise ConfigError(f"cannot read source {source.path}: {' '.join(str(exc).split()) or 'unreadable'}") from None
+
+
+def _jsonl(path: Path, field: str) -> Iterator[str | np.ndarray]:
+    for number, record in _jsonl_lines(path):
+        value = record.get(field) if isinstance(record, dict) else None
+        if isinstance(value, list) and all(type(i) is int for i in value):
+            widest = max(value, key=abs, default=0)
+            if not -(2**63) <= widest < 2**63:
+                raise ConfigError(f"{path}:{number} holds token id {widest}, beyond any vocabulary")
+            yield np.array(value, dtype=np.int64)
+        elif isinstance(value, str):
+            yield value
+        else:
+            raise ConfigError(
+                f"{path}:{number} has no text field {field!r} (a string, or a list of token ids); pass --field NAME"
+            )
 
 
 def _column(batches: Iterator, path: Path, field: str) -> Iterator[str | np.ndarray]:

@@ -9,6 +9,8 @@ meshrun's layout (meta.json "format": "meshrun"): `{split}-{k:05d}.bin` shards o
 the smallest sufficient dtype, `{split}.docs.bin` (little-endian uint64 start offset of each
 document in the split), meta.json last (its presence marks a complete dataset). Datasets from
 meshrun 0.1 (`train.bin` / `val.bin` bytes, no "format") are read as one uint8 shard.
+Supervised documents ("format": "documents", data/chat.py) add beside each shard its loss mask
+`{split}-{k:05d}.mask.bin` (one uint8 per token, 1 = trained): `open_documents` reads them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from meshrun.files.json_reader import read_json
 SPLITS = ("train", "val")
 IGNORE = -100  # target id of padding: the loss skips it (F.cross_entropy's default ignore_index)
 DOC_DTYPE = np.dtype("<u8")
+MASK_DTYPE = np.dtype(np.uint8)
+DOCUMENTS_FORMAT = "documents"  # meta.json "format" of documents with loss masks (data/supervised.py)
 OFFSET_DTYPE = np.dtype("<u8")  # ragged rows (pairs, labelled texts): where each row starts, and the end
 MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 # Megatron-LM's DType codes (megatron/core/datasets/indexed_dataset.py)
@@ -66,20 +70,26 @@ def smallest_dtype(vocab_size: int) -> np.dtype:
 
 class SplitWriter:
     """Appends encoded documents to one split's shards; a shard closes at the first document
-    boundary past `shard_tokens`, so shards (and windows) always hold whole documents."""
+    boundary past `shard_tokens`, so shards (and windows) always hold whole documents.
+    `masks`: each shard gets a loss-mask shard beside it (one uint8 per token)."""
 
-    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int, *, masks: bool = False) -> None:
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
         self.shards: list[dict[str, Any]] = []
-        self.num_tokens = self.num_docs = 0
+        self.num_tokens = self.num_docs = self.num_trained = 0
         self.last_doc_start = 0
+        self.masks = masks
         self._file: Any = None
+        self._mask_file: Any = None
         self._docs = open(folder / f"{split}.docs.bin", "wb")  # noqa: SIM115 - open while the split is written
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Documents laid end to end in `tokens`, `lengths` tokens each."""
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Documents laid end to end in `tokens`, `lengths` tokens each (and their loss mask,
+        as long as `tokens`, when the writer keeps masks)."""
         if not len(lengths):
             return
+        if self.masks != (mask is not None) or (mask is not None and len(mask) != len(tokens)):
+            raise ValueError("a loss mask goes with every document of a masked split, token for token")
         ends = np.cumsum(lengths)
         self._docs.write((self.num_tokens + ends - lengths).astype(DOC_DTYPE).tobytes())
         self.last_doc_start = self.num_tokens + int(ends[-1] - lengths[-1])
@@ -89,29 +99,37 @@ class SplitWriter:
             room = self.shard_tokens - (self.shards[-1]["tokens"] if self._file else 0)
             crossing = int(np.searchsorted(ends, done + room, side="left"))  # the document that fills the shard
             end = int(ends[min(crossing, len(ends) - 1)])
-            self._write(tokens[done:end])
+            self._write(tokens[done:end], None if mask is None else mask[done:end])
             done = end
             if self.shards[-1]["tokens"] >= self.shard_tokens:
                 self._close_shard()
 
-    def _write(self, tokens: np.ndarray) -> None:
+    def _write(self, tokens: np.ndarray, mask: np.ndarray | None) -> None:
         if self._file is None:
             name = f"{self.split}-{len(self.shards):05d}.bin"
             self.shards.append({"file": name, "tokens": 0, "max_id": -1})  # max_id: checked on first open
             self._file = open(self.folder / name, "wb")  # noqa: SIM115 - open until the shard is full
+            if self.masks:
+                self.shards[-1]["mask"] = name.replace(".bin", ".mask.bin")
+                self._mask_file = open(self.folder / self.shards[-1]["mask"], "wb")  # noqa: SIM115 - as the shard
         self._file.write(tokens.astype(self.dtype).tobytes())
+        if mask is not None:
+            self._mask_file.write(mask.astype(MASK_DTYPE).tobytes())
+            self.num_trained += int(np.count_nonzero(mask))
         self.shards[-1]["tokens"] += len(tokens)
         if len(tokens):
             self.shards[-1]["max_id"] = max(self.shards[-1]["max_id"], int(tokens.max()))
         self.num_tokens += len(tokens)
 
     def _close_shard(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for file in (self._file, self._mask_file):
+            if file is not None:
+                file.close()
+        self._file = self._mask_file = None
 
-    def pop_last_document(self) -> np.ndarray:
-        """Take the last document back out (the tail of the last shard), as uint32 tokens."""
+    def pop_last_document(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Take the last document back out (the tail of the last shard): its uint32 tokens and
+        its loss mask (None without masks)."""
         self._close_shard()
         self._docs.flush()
         shard = self.shards[-1]
@@ -119,11 +137,18 @@ class SplitWriter:
         path = self.folder / shard["file"]
         stored = np.fromfile(path, dtype=self.dtype)
         tokens = stored[keep:].astype(np.uint32)
-        with open(path, "r+b") as f:
-            f.truncate(keep * self.dtype.itemsize)
+        _truncate(path, keep * self.dtype.itemsize)
+        mask = None
+        if self.masks:
+            mask_path = self.folder / shard["mask"]
+            mask = np.fromfile(mask_path, dtype=MASK_DTYPE)[keep:]
+            _truncate(mask_path, keep * MASK_DTYPE.itemsize)
+            self.num_trained -= int(np.count_nonzero(mask))
         shard["tokens"], shard["max_id"] = keep, int(stored[:keep].max()) if keep else -1
         if keep == 0:
             path.unlink()
+            if self.masks:
+                (self.folder / shard["mask"]).unlink()
             self.shards.pop()
         self.num_tokens -= len(tokens)
         self.num_docs -= 1
@@ -131,7 +156,7 @@ class SplitWriter:
         self._docs.seek(0, 2)
         if self.num_docs:
             self.last_doc_start = int(np.fromfile(self._docs.name, dtype=DOC_DTYPE)[-1])
-        return tokens
+        return tokens, mask
 
     def close(self) -> dict[str, Any]:
         self._close_shard()
@@ -139,9 +164,15 @@ class SplitWriter:
         return {
             "tokens": self.num_tokens,
             "documents": self.num_docs,
+            **({"trained_tokens": self.num_trained} if self.masks else {}),
             "shards": self.shards,
             "documents_file": f"{self.split}.docs.bin",
         }
+
+
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
 
 
 def write_rows(folder: Path, stem: str, rows: list[np.ndarray], dtype: np.dtype) -> int:
@@ -186,6 +217,11 @@ def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fra
     meta = read_meta(path)
     if meta is None or "format" not in meta:  # meshrun 0.1: bytes, train.bin / val.bin
         return _flat_split(path, split, np.uint8, vocab_size=256, hint=f"run `meshrun prepare-data --out {path}`")
+    if meta["format"] == DOCUMENTS_FORMAT:  # their loss masks and boundaries would be ignored
+        raise ConfigError(
+            f"{path} holds {meta.get('kind', 'chat')} documents with a loss mask (prepare-data --chat or "
+            "--prompt-completion); training on them is not available yet: prepare text without those flags"
+        )
     if meta["format"] == "pairs":  # only data.dir reads pairs (PairsDataset); a token stream would mix them
         raise ConfigError(
             f"{path} holds source/target pairs, which train only as data.dir, not as a data.mixture source or "

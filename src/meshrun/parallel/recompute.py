@@ -7,6 +7,8 @@ state-dict hooks keep parameter names unchanged (checkpoints do not see the wrap
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
@@ -15,6 +17,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     create_selective_checkpoint_contexts,
@@ -53,11 +56,48 @@ def wants_recompute(policy: str, layer: int) -> bool:
     return False
 
 
-def apply_recompute(blocks: nn.ModuleDict, policy: str) -> None:
-    """Wrap the blocks the policy selects with non-reentrant torch.utils.checkpoint."""
-    extra: dict[str, Any] = (
-        {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls)} if policy == "selective" else {}
-    )
+OnSaved = Callable[[object], None]  # sees each output the selective policy keeps (a tensor or a tuple)
+
+
+def apply_recompute(blocks: nn.ModuleDict, policy: str, *, on_saved: OnSaved | None = None) -> None:
+    """Wrap the blocks the policy selects with non-reentrant torch.utils.checkpoint.
+
+    `on_saved` (the planner's byte counter): selective checkpointing keeps the outputs its policy
+    saves in a cache of its own, outside autograd's saved tensors, so saved-tensor hooks never
+    see them; this callback does, as each is computed in the forward."""
+    extra: dict[str, Any] = {"context_fn": partial(selective_contexts, on_saved)} if policy == "selective" else {}
     for key in list(blocks.keys()):
         if wants_recompute(policy, int(key)):
             blocks[key] = checkpoint_wrapper(blocks[key], preserve_rng_state=True, **extra)
+
+
+def selective_contexts(
+    on_saved: OnSaved | None = None,
+) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    """The forward and recompute contexts of one checkpointed call under the selective policy."""
+    forward, recompute = create_selective_checkpoint_contexts(_save_matmuls)
+    return (forward if on_saved is None else _both(forward, SavedOutputs(on_saved))), recompute
+
+
+@contextmanager
+def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+class SavedOutputs(TorchDispatchMode):
+    """Hands each output of an op the selective policy saves to a callback.
+
+    The one use of a private torch module (`torch.utils._python_dispatch`, where torch's own
+    selective checkpointing defines its modes): tests/parallel/test_recompute.py fails loudly if
+    it moves."""
+
+    def __init__(self, on_saved: OnSaved) -> None:
+        super().__init__()
+        self.on_saved = on_saved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _SAVE_OPS:
+            self.on_saved(out)
+        return out

@@ -38,6 +38,7 @@ class SavedBytes:
         self.live = 0
         self.peak = 0
         self.active = True  # pack counts only while active (e.g. only inside Transformer blocks)
+        self.cached: list[_Held] = []  # a selective block's kept op outputs, until its forward ends
 
     def hooks(self) -> saved_tensors_hooks:
         return saved_tensors_hooks(self.pack, _unpack)
@@ -49,12 +50,18 @@ class SavedBytes:
         """Count a tensor kept alive outside autograd's saved tensors (e.g. a checkpoint's input)."""
         return _Held(self, tensor, counted=True)
 
+    def hold_cached(self, out: object) -> None:
+        """Count what selective checkpointing caches (apply_recompute's `on_saved`): an op's outputs."""
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        self.cached += [self.hold(t) for t in outputs if isinstance(t, torch.Tensor)]
+
     def count_checkpoint_inputs(self, module: torch.nn.Module) -> None:
-        """Count each checkpointed block's input for as long as its graph lives.
+        """Count each checkpointed block's input, and the outputs a selective policy cached in
+        it (`hold_cached`), for as long as its graph lives.
 
         Non-reentrant torch.utils.checkpoint keeps the input in its recompute closure, outside
-        autograd's saved tensors: the holder rides on the block output's graph node (public
-        `Node.metadata`) and is dropped when backward reaches that node.
+        autograd's saved tensors: the holders ride on the block output's graph node (public
+        `Node.metadata`) and are dropped when backward reaches that node.
         """
         for block in module.modules():
             if isinstance(block, CheckpointWrapper):
@@ -65,7 +72,9 @@ class SavedBytes:
         if node is None:
             return
         # torch's stub declares Node.metadata a method; at run time it is the node's dict
-        node.metadata["meshrun_checkpoint_input"] = [self.hold(t) for t in inputs if isinstance(t, torch.Tensor)]  # pyright: ignore[reportIndexIssue]
+        held = [self.hold(t) for t in inputs if isinstance(t, torch.Tensor)] + self.cached
+        self.cached = []
+        node.metadata["meshrun_checkpoint_input"] = held  # pyright: ignore[reportIndexIssue]
         node.register_hook(lambda *_: node.metadata.pop("meshrun_checkpoint_input", None) and None)  # pyright: ignore[reportAttributeAccessIssue]
 
     def reset_peak(self) -> None:

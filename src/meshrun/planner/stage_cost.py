@@ -275,13 +275,14 @@ def _trace(
             x = _input(hidden)
         fake.to_empty(part)
         tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
+        counter = SavedBytes(exclude=list(part.parameters()))
         if tp > 1:  # before recompute wraps the blocks: the hooks sit on the modules themselves
-            emulate_tp_shapes(part, tp, sequence_parallel=sp)
+            kept = counter.hold_cached if cfg.recompute == "selective" else None
+            emulate_tp_shapes(part, tp, sequence_parallel=sp, on_saved=kept)
         shards = tp if sp else 1
-        apply_recompute(part.blocks, cfg.recompute)
+        apply_recompute(part.blocks, cfg.recompute, on_saved=counter.hold_cached)
         first_block = next(iter(part.blocks.values()))
         first_block.register_forward_hook(lambda _m, _i, out: block_out.append(_nbytes(out)))
-        counter = SavedBytes(exclude=list(part.parameters()))
         counter.count_checkpoint_inputs(part)
         with counter.hooks(), _amp(precision):
             out = part(*x) if isinstance(x, tuple) else part(x)  # a state tuple arrives as arguments

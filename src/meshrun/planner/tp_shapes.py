@@ -28,10 +28,13 @@ _SPLIT_OUTPUT = {"scatter": 1, "vocab_embedding_scatter": 1, "rowwise": 1, "scat
 _GATHER_INPUT = {"gather": 1, "vocab_head": 1, "tied_vocab_head": 1, "gather_pair": 2}
 
 
-def emulate_tp_shapes(part: nn.Module, tp: int, *, sequence_parallel: bool) -> None:
+def emulate_tp_shapes(
+    part: nn.Module, tp: int, *, sequence_parallel: bool, on_saved: Callable[[object], None] | None = None
+) -> None:
     """Hooks on `part`'s modules that give its forward the shapes one of `tp` ranks computes on
     (under sequence parallel the stage is told the split, as apply_tensor_parallel tells it:
-    rotary tables cover the whole sequence attention gathers)."""
+    rotary tables cover the whole sequence attention gathers). `on_saved` (selective recompute)
+    is handed each row-parallel sum: the policy keeps a collective's output (parallel/recompute.py)."""
     plan = tp_plan(part) or {}
     if sequence_parallel:
         setattr(part, "sequence_shards", tp)  # noqa: B010 (nn.Module types its attributes as tensors or modules)
@@ -41,6 +44,8 @@ def emulate_tp_shapes(part: nn.Module, tp: int, *, sequence_parallel: bool) -> N
                 module.register_forward_hook(lambda _m, _i, out: _whole(out, tp, dim=-1))
             elif style == "sliced_output":
                 module.register_forward_hook(lambda _m, _i, out: _part(out, tp, dim=-1))
+            elif style == "rowwise" and on_saved is not None:
+                module.register_forward_hook(_kept_sum(tp, sequence_parallel, on_saved))
             elif not sequence_parallel:
                 continue
             elif style in _SPLIT_OUTPUT:
@@ -51,6 +56,18 @@ def emulate_tp_shapes(part: nn.Module, tp: int, *, sequence_parallel: bool) -> N
                 module.register_forward_pre_hook(lambda _m, args, n=n: _map(args, n, lambda x: _whole(x, tp, dim=1)))
             elif style == "gather_hidden_states":
                 module.register_forward_pre_hook(_gather_keyword(tp), with_kwargs=True)
+
+
+def _kept_sum(tp: int, sequence_parallel: bool, on_saved: Callable[[object], None]) -> Callable:
+    """A row-parallel output summed over the tp ranks, a new tensor (an all-reduce's; a
+    reduce-scatter's T/tp positions under sequence parallel), handed to `on_saved`."""
+
+    def hook(_module: nn.Module, _args: tuple, out: object) -> object:
+        summed = _map(out, 1, lambda x: _part(x, tp, dim=1) if sequence_parallel else x.clone())
+        on_saved(summed if isinstance(summed, torch.Tensor) else summed[0])  # pyright: ignore[reportIndexIssue]
+        return summed
+
+    return hook
 
 
 def _gather_keyword(tp: int) -> Callable:
