@@ -18,6 +18,9 @@ TORCH_FREE = (
     "meshrun.parallel.stages",
     "meshrun.planner.model_size",
     "meshrun.data.locations",
+    "meshrun.data.labelled",  # prepare-data --task classification / regression / masked_lm
+    "meshrun.data.series",
+    "meshrun.data.masking",
     "meshrun.versions",
 )
 

@@ -8,11 +8,13 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import final_weights, grad_norms, max_weight_diff, run_meshrun, tiny
 from plain_reference import assert_grad_norms_match, plain_optimizer
 from test_checkpoint import interrupted_copy
 
 from meshrun.config.schema import Config, TrainConfig
+from meshrun.hardware.precision import make_scaler
 from meshrun.models.gpt import GPT
 from meshrun.parallel.fsdp import measured_state_bytes
 from meshrun.planner.stage_cost import state_bytes
@@ -36,6 +38,18 @@ def model_and_train(options: dict) -> tuple[GPT, TrainConfig]:
     return model, cfg.train
 
 
+def reference_of(model: GPT, train: TrainConfig) -> tuple[GPT, torch.optim.Optimizer]:
+    """A copy of `model` and torch.optim's own class over it, grouped as meshrun groups (matrices decayed)."""
+    reference = GPT(model.cfg)
+    reference.load_state_dict(model.state_dict())
+    params = list(reference.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return reference, plain_optimizer(train, groups)
+
+
 def set_gradients(model: torch.nn.Module, step: int) -> None:
     generator = torch.Generator().manual_seed(step)
     for param in model.parameters():
@@ -50,14 +64,7 @@ def snapshot(model: torch.nn.Module, optimizers: Optimizers) -> list[torch.Tenso
 @pytest.mark.parametrize("name", OPTIONS)
 def test_ten_steps_equal_torch_optims_own_class(name: str) -> None:
     model, train = model_and_train(OPTIONS[name])
-    reference = GPT(model.cfg)
-    reference.load_state_dict(model.state_dict())
-    params = list(reference.parameters())
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    plain = plain_optimizer(train, groups)
+    reference, plain = reference_of(model, train)
     optimizers = Optimizers([model], train)
     for step in range(10):
         lr = optimizers.set_lr(step)
@@ -100,6 +107,53 @@ def test_a_skipped_step_leaves_weights_and_state_bit_identical(name: str) -> Non
     assert all(torch.equal(a, b) for a, b in zip(skipped_first.parameters(), fresh.parameters()))
 
 
+@pytest.fixture
+def one_process_group():
+    """The scaler all-reduces found_inf over a process group: a one-rank gloo group."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_fp16_scaler_path_steps_as_torch_optim_and_skips_an_overflow(name: str, one_process_group) -> None:
+    """The trainer's fp16 order (unscale_, the global norm, step_unless on it, update) on gradients
+    multiplied by the loss scale: 4 steps equal torch.optim's class on the unscaled gradients, then
+    an overflowing step leaves weights and state bit-identical and halves the scale."""
+    model, train = model_and_train(OPTIONS[name])
+    reference, plain = reference_of(model, train)
+    cfg = Config.model_validate({"precision": "fp16", "model": TINY_GPT, "amp": {"init_scale": 1024.0}})
+    scaler = make_scaler(cfg, torch.device("cpu"), None)
+    assert scaler is not None
+    optimizers = Optimizers([model], train)
+
+    def scaled_step(step: int, *, inf: bool = False) -> None:
+        set_gradients(model, step)
+        for param in model.parameters():
+            param.grad.mul_(scaler.get_scale())  # pyright: ignore[reportOptionalMemberAccess]
+        if inf:
+            next(model.parameters()).grad[0] = float("inf")  # pyright: ignore[reportOptionalSubscript]
+        optimizers.unscale_(scaler)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        optimizers.step_unless(torch.isfinite(norm).logical_not().float())
+        scaler.update()
+
+    for step in range(4):
+        lr = optimizers.set_lr(step)
+        for group in plain.param_groups:
+            group["lr"] = lr
+        scaled_step(step)
+        set_gradients(reference, step)
+        plain.step()
+    for (key, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, key=key: f"{name} {key}: {m}")
+    before, scale = snapshot(model, optimizers), scaler.get_scale()
+    scaled_step(4, inf=True)
+    after = snapshot(model, optimizers)
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    assert scaler.get_scale() == scale / 2
+
+
 @pytest.mark.parametrize("name", OPTIONS)
 def test_planned_optimizer_bytes_are_what_the_optimizer_holds(name: str) -> None:
     model, train = model_and_train(OPTIONS[name])
@@ -135,15 +189,23 @@ def test_rmsprop_under_fsdp_trains_as_one_plain_torch_process(rmsprop_run, plain
     assert max_weight_diff(final_weights(rmsprop_run), plain.weights) < 1e-5
 
 
-def test_sgd_nesterov_at_dp2_x_pp2_trains_as_one_plain_torch_process(data_dir, plain_reference, tmp_path) -> None:
-    """10 clipped steps."""
+def test_sgd_nesterov_at_dp2_x_pp2_trains_and_resumes_as_one_plain_torch_process(
+    data_dir, plain_reference, tmp_path
+) -> None:
+    """10 clipped steps; then SGD's momentum buffers (no step counter: state unlike Adam's and
+    RMSprop's) written at dp2 x pp2 after step 5 and resumed at dp1 x pp1 end where the run did."""
     optimizer = {"train.optimizer": "sgd", "train.momentum": 0.9, "train.nesterov": True, "train.lr": 0.05}
     overrides = {"train.steps": 10, **optimizer}
-    layout = {"parallel.dp": 2, "parallel.pp": 2}
+    layout = {"parallel.dp": 2, "parallel.pp": 2, "checkpoint.interval": 5}
     run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **overrides, **layout)], tmp_path=tmp_path)
     plain = plain_reference(**overrides)
     assert_grad_norms_match(grad_norms(tmp_path / "run"), plain.grad_norms)
     assert max_weight_diff(final_weights(tmp_path / "run"), plain.weights) < 1e-5
+
+    resumed = interrupted_copy(tmp_path / "run", tmp_path / "resumed", at_step=5)
+    result = run_meshrun(["train", *tiny(data_dir, resumed, **overrides)], tmp_path=tmp_path)
+    assert "resumed from" in result.stderr
+    assert max_weight_diff(final_weights(resumed), final_weights(tmp_path / "run")) < 1e-5
 
 
 def test_optimizer_state_resumes_resharded(rmsprop_run, data_dir, tmp_path) -> None:

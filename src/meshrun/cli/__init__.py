@@ -39,6 +39,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
+    from meshrun.cli.task_data import chosen_task, prepare_records
     from meshrun.data.prepare import default_sources, describe_dataset, prepare
 
     if not 0 < args.val_fraction < 0.5:
@@ -46,9 +47,12 @@ def _prepare_data(args: argparse.Namespace) -> int:
     for flag, value in (("--workers", args.workers), ("--shard-tokens", args.shard_tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
+    task = chosen_task(args)
     if args.chat or args.prompt_completion:
         return _prepare_supervised(args)
-    if args.pairs:
+    if task in ("classification", "regression"):
+        return prepare_records(args, task)
+    if task == "seq2seq":
         if args.train_tokenizer:
             raise ConfigError("--train-tokenizer does not apply to --pairs; pass a trained --tokenizer PATH or bytes")
         return _prepare_pairs(args)
@@ -62,6 +66,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
             train_tokenizer=args.train_tokenizer,
             workers=args.workers,
             shard_tokens=args.shard_tokens,
+            task=task,
         )
     except OSError as exc:
         raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None

@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--source-field", default="source", help="--pairs: the source text field of .jsonl records")
     data.add_argument("--target-field", default="target", help="--pairs: the target text field of .jsonl records")
+    _task_data_arguments(data)
     _supervised_arguments(data)
     _plan_parser(sub)
     _parity_parser(sub)
@@ -182,6 +183,35 @@ def _version() -> str:
         return version("meshrun")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def _task_data_arguments(data: argparse.ArgumentParser) -> None:
+    """prepare-data's --task and the flags of its record tasks (cli/task_data.py checks which apply)."""
+    data.add_argument(
+        "--task",
+        choices=("causal_lm", "seq2seq", "classification", "regression", "masked_lm"),
+        help="the task the data is for (recorded in meta.json): causal_lm (default), seq2seq (as --pairs), "
+        "classification (.jsonl/.csv/.parquet: --field text, --label-field), regression (.csv/.parquet numeric "
+        "columns: --seq-len, --horizon), masked_lm (token shards with a mask token)",
+    )
+    data.add_argument(
+        "--label-field", help="classification: the field or column holding each row's label (default label)"
+    )
+    data.add_argument(
+        "--val-source",
+        dest="val_sources",
+        action="append",
+        default=[],
+        metavar="PATH_OR_GLOB",
+        help="classification: validation rows from these files (their labels must be training labels); "
+        "default: --val-fraction of the rows, by a hash of their text",
+    )
+    data.add_argument(
+        "--columns", help="regression: comma-separated value columns (default: every column but --time-column)"
+    )
+    data.add_argument("--time-column", help="regression: a column of times (numbers or ISO dates) the rows must follow")
+    data.add_argument("--seq-len", type=int, help="regression: past values each window holds (model.seq_len)")
+    data.add_argument("--horizon", type=int, help="regression: future values each window predicts (default 1)")
 
 
 def _supervised_arguments(data: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ from pydantic_core import ErrorDetails
 from meshrun.config.fields import Float, Int, PathText, Section, is_text, lowercase
 from meshrun.config.model_sections import SECTIONS, GPTSection, ModelConfig, route_model
 from meshrun.config.safe_yaml import parse_document, read_config_file
+from meshrun.config.tasks import TaskName, TaskOptions, check_task, default_task
 from meshrun.config.topology import LaunchConfig, ParallelConfig, check_layout
 from meshrun.errors import ConfigError
 from meshrun.parallel.layout import Layout
@@ -254,6 +255,27 @@ class Config(Section):
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
+    # -- the job's objective (config/tasks.py) --
+    task: TaskName = "causal_lm"
+    """What the model learns: causal_lm (next token), seq2seq (source -> target pairs; the default with data.pairs
+    or model.name encdec), classification (text -> label), regression (numeric series -> next values), masked_lm
+    (masked tokens). This version trains causal_lm and seq2seq; `meshrun prepare-data --task` prepares every task's data."""
+    task_options: TaskOptions = TaskOptions()
+    """Options of the chosen task (each names its task)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_task(cls, data: Any) -> Any:
+        """An unnamed task is seq2seq with data.pairs or an encoder-decoder model, else causal_lm."""
+        return default_task(data)
+
+    @model_validator(mode="after")
+    def _task_fits(self) -> Config:
+        """data.pairs and model.name encdec go with task seq2seq; a task_options key set for another task is refused."""
+        check_task(self.task, pairs=self.data.pairs, model_name=self.model.name, options=self.task_options)
+        return self
+
+    # -- end of the objective --
     precision: Precision = "auto"
     """Autocast dtype: auto (bf16 where the hardware has it, fp16 on older GPUs, else fp32), fp32 (off), bf16, fp16 (GradScaler)."""
     amp: AmpConfig = AmpConfig()

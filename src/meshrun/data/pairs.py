@@ -34,14 +34,13 @@ import torch
 
 from meshrun.data.hashing import splitmix64
 from meshrun.data.prepare import AlreadyPrepared, _check_out, publishing
-from meshrun.data.storage import IGNORE, SPLITS, read_meta, smallest_dtype, tokenizer_file
+from meshrun.data.storage import IGNORE, OFFSET_DTYPE, SPLITS, read_meta, smallest_dtype, tokenizer_file, write_rows
 from meshrun.data.token_ids import TokenFile
-from meshrun.data.tokenize import Encoder, TokenizerSpec, byte_tokenizer, load_tokenizer
+from meshrun.data.tokenize import TokenizerSpec, byte_tokenizer, encode_texts, load_tokenizer
 from meshrun.errors import ConfigError
 from meshrun.files.confined import confined
 
 PAD, BOS, EOS, NUM_SPECIAL = 0, 1, 2, 3
-OFFSET_DTYPE = np.dtype("<u8")
 EXAMPLE_MAX_CHARS = 24  # the example config's model.source_len
 _SNAKE_DEF = re.compile(r"^\s*def ([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\(", re.MULTILINE)
 
@@ -97,13 +96,6 @@ def _jsonl_pair(line: str, path: Path, number: int, source_field: str, target_fi
     return texts[0], texts[1]
 
 
-def encode_texts(spec: TokenizerSpec, texts: list[str]) -> list[np.ndarray]:
-    """Each text's token ids shifted past the special ids (the document EOS the encoder adds is dropped)."""
-    tokens, lengths = Encoder(spec)(list(texts))
-    ends, eos = np.cumsum(lengths), len(spec.eos_ids)
-    return [tokens[end - length : end - eos].astype(np.int64) + NUM_SPECIAL for end, length in zip(ends, lengths)]
-
-
 def prepare_pairs(
     pairs: list[tuple[str, str]],
     out: str | Path,
@@ -137,11 +129,9 @@ def _write_pairs(staging: Path, spec: TokenizerSpec, pairs: list[tuple[str, str]
     for split, chunk in zip(SPLITS, (pairs[:cut], pairs[cut:])):
         splits[split] = {"pairs": len(chunk), "max_id": {}}  # max_id: checked on first open
         for side, texts in (("source", [s for s, _ in chunk]), ("target", [t for _, t in chunk])):
-            rows = encode_texts(spec, texts)
-            ids = np.concatenate(rows)
-            ids.astype(dtype).tofile(staging / f"{split}.{side}.bin")
-            np.cumsum([0, *map(len, rows)]).astype(OFFSET_DTYPE).tofile(staging / f"{split}.{side}.idx")
-            splits[split]["max_id"][side] = int(ids.max()) if len(ids) else -1
+            splits[split]["max_id"][side] = write_rows(
+                staging, f"{split}.{side}", encode_texts(spec, texts, shift=NUM_SPECIAL), dtype
+            )
     if spec.json_text is not None:
         (staging / "tokenizer.json").write_text(spec.json_text)
     meta = {

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from meshrun.data.masking import masking_vocabulary
 from meshrun.data.sources import (
     Document,
     Source,
@@ -73,12 +74,15 @@ def prepare(
     shard_tokens: int = SHARD_TOKENS,
     progress: bool = True,
     reuse: bool = False,
+    task: str = "causal_lm",
 ) -> dict[str, Any]:
     """Tokenize `sources` into a new dataset folder `out`; returns its meta.json content.
 
     Each document goes wholly to train or val by a hash of its content, so the split is stable
     when sources are added, moved or renamed. `reuse`: a dataset already in `out` (or one another
     job prepares there meanwhile) is used as it is, not refused (training's first-use preparation).
+    `task`: causal_lm or masked_lm (the same token shards; masked_lm's meta.json adds the mask token
+    and the special ids, data/masking.py).
     """
     out = Path(out)
     try:
@@ -100,6 +104,7 @@ def prepare(
                 workers=workers,
                 shard_tokens=shard_tokens,
                 progress=progress,
+                task=task,
             )
             meta["skipped_files"] = skipped
             (staging / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -123,6 +128,7 @@ def _write(
     workers: int | None,
     shard_tokens: int,
     progress: bool,
+    task: str,
 ) -> dict[str, Any]:
     """The tokenizer and every split's shards into `staging`; returns the meta.json content.
     `progress`: a line as each phase starts where the sources are large enough to take seconds
@@ -150,7 +156,10 @@ def _write(
                 writers[split].add(_concat(parts), lengths[mine])
     check_enough(writers, sources)
     balance_splits(writers, val_fraction)
-    return _meta(spec, dtype, {split: w.close() for split, w in writers.items()}, records, sources)
+    meta = _meta(spec, dtype, {split: w.close() for split, w in writers.items()}, records, sources)
+    if task == "masked_lm":
+        meta.update(masking_vocabulary(spec.vocab_size, spec.eos_ids, spec.json_text))
+    return meta | {"task": task}
 
 
 class AlreadyPrepared(ConfigError):
@@ -397,5 +406,6 @@ def describe_dataset(meta: dict[str, Any]) -> str:
     return (
         f"wrote {meta['train_tokens']} train and {meta['val_tokens']} val tokens from {meta['num_files']} files "
         f"({meta['documents']} documents, {meta['tokenizer']['name']} tokenizer, vocab {meta['vocab_size']}, {meta['dtype']})"
+        + (f"; for masked_lm, mask id {meta['mask_id']}" if meta.get("task") == "masked_lm" else "")
         + (f"; skipped {meta['skipped_files']} hidden or binary files" if meta.get("skipped_files") else "")
     )

@@ -33,6 +33,7 @@ IGNORE = -100  # target id of padding: the loss skips it (F.cross_entropy's defa
 DOC_DTYPE = np.dtype("<u8")
 MASK_DTYPE = np.dtype(np.uint8)
 DOCUMENTS_FORMAT = "documents"  # meta.json "format" of documents with loss masks (data/supervised.py)
+OFFSET_DTYPE = np.dtype("<u8")  # ragged rows (pairs, labelled texts): where each row starts, and the end
 MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 # Megatron-LM's DType codes (megatron/core/datasets/indexed_dataset.py)
 MEGATRON_DTYPES = {
@@ -174,6 +175,15 @@ def _truncate(path: Path, size: int) -> None:
         f.truncate(size)
 
 
+def write_rows(folder: Path, stem: str, rows: list[np.ndarray], dtype: np.dtype) -> int:
+    """Ragged rows as `{stem}.bin` (ids end to end) + `{stem}.idx` (uint64 offsets, one more than rows);
+    returns the largest id (-1: none), which meta.json records."""
+    ids = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    ids.astype(dtype).tofile(folder / f"{stem}.bin")
+    np.cumsum([0, *map(len, rows)]).astype(OFFSET_DTYPE).tofile(folder / f"{stem}.idx")
+    return int(ids.max()) if len(ids) else -1
+
+
 # -- readers ------------------------------------------------------------------------------------
 
 
@@ -216,6 +226,11 @@ def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fra
         raise ConfigError(
             f"{path} holds source/target pairs, which train only as data.dir, not as a data.mixture source or "
             "token stream; prepare the sources without --pairs to mix them"
+        )
+    if meta["format"] in ("classification", "regression"):  # records, not a token stream
+        raise ConfigError(
+            f"{path} holds {meta['format']} data (prepared with --task {meta['format']}), not a token stream; "
+            f"point data.dir at text prepared for this task, or set task: {meta['format']}"
         )
     return _shards(path, split, meta)
 

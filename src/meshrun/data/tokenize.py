@@ -191,6 +191,13 @@ class Encoder:
 _worker_encoder: Encoder | None = None
 
 
+def encode_texts(spec: TokenizerSpec, texts: list[str], *, shift: int) -> list[np.ndarray]:
+    """Each text's token ids plus `shift` (pairs: past the special ids); the document EOS the encoder adds is dropped."""
+    tokens, lengths = Encoder(spec)(list(texts))
+    ends, eos = np.cumsum(lengths), len(spec.eos_ids)
+    return [tokens[end - length : end - eos].astype(np.int64) + shift for end, length in zip(ends, lengths)]
+
+
 def _init_worker(spec: TokenizerSpec) -> None:
     global _worker_encoder
     _worker_encoder = Encoder(spec)

@@ -1,0 +1,75 @@
+"""The job's objective (`task`) and its options (`task_options`): what a batch holds and what the
+last stage computes. Torch-free, like every config module.
+
+seq2seq is today's pairs path (data.pairs, or an encoder-decoder model): a config that does not
+name its task gets seq2seq there and causal_lm elsewhere, so configs written before `task`
+existed mean what they meant.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from meshrun.config.fields import Float, Int, Section, lowercase
+from meshrun.errors import ConfigError
+
+TaskName = Annotated[
+    Literal["causal_lm", "seq2seq", "classification", "regression", "masked_lm"], BeforeValidator(lowercase)
+]
+TRAINABLE_TASKS = ("causal_lm", "seq2seq")  # the tasks this version's trainer runs
+
+
+class TaskOptions(Section):
+    horizon: Int = Field(default=1, ge=1)
+    """regression: future values each window predicts (after model.seq_len past values)."""
+    loss: Annotated[Literal["mse", "mae", "huber"], BeforeValidator(lowercase)] = "mse"
+    """regression: mse (mean squared error), mae (mean absolute error) or huber (smooth L1, delta 1)."""
+    mask_rate: Float = Field(default=0.15, gt=0.0, lt=1.0)
+    """masked_lm: share of (non-special) tokens chosen for prediction; of those 80% become the mask token,
+    10% a random token, 10% stay (BERT's rule). The number of labels of classification comes from its data."""
+
+    def check_for(self, task: str) -> None:
+        """An option of another task, set away from its default, is refused rather than ignored."""
+        for key, owner in TASK_OF_OPTION.items():
+            if task != owner and getattr(self, key) != TaskOptions.model_fields[key].default:
+                raise ConfigError(
+                    f"task_options.{key} is an option of task {owner}, not of task {task}; remove it or set task: {owner}"
+                )
+
+
+TASK_OF_OPTION = {"horizon": "regression", "loss": "regression", "mask_rate": "masked_lm"}
+
+
+def default_task(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (the raw config mapping) with `task` filled in where it is not given: seq2seq for pairs
+    data or an encoder-decoder model, else causal_lm."""
+    if not isinstance(data, dict) or "task" in data:
+        return data
+    return {**data, "task": "seq2seq" if _is_seq2seq(data) else "causal_lm"}
+
+
+def _is_seq2seq(data: dict[str, Any]) -> bool:
+    section, model = data.get("data"), data.get("model")
+    pairs = section.get("pairs") if isinstance(section, dict) else getattr(section, "pairs", False)
+    name = model.get("name") if isinstance(model, dict) else getattr(model, "name", None)
+    return pairs is True or str(pairs).lower() == "true" or name == "encdec"
+
+
+def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions) -> None:
+    """data.pairs and an encoder-decoder model are seq2seq's; task_options belong to their task."""
+    if task != "seq2seq" and pairs:
+        raise ConfigError(f"data.pairs prepares seq2seq text pairs, not data for task {task}: set task: seq2seq")
+    if task != "seq2seq" and model_name == "encdec":
+        raise ConfigError(f"model.name encdec is an encoder-decoder, trained as task seq2seq, not {task}")
+    options.check_for(task)
+
+
+def check_trainable(task: str) -> None:
+    """Refuse, before any worker, a task whose data meshrun prepares but whose training is not in this version."""
+    if task not in TRAINABLE_TASKS:
+        raise ConfigError(
+            f"task {task}: its data can be prepared (`meshrun prepare-data --task {task}`), but training a {task} "
+            f"model is not available yet in this version of meshrun; tasks that train now: {', '.join(TRAINABLE_TASKS)}"
+        )

@@ -1,0 +1,56 @@
+"""`task` and `task_options` (config/tasks.py): the default follows the data as before `task`
+existed, options belong to their task, and a task this version cannot train is refused in one
+line before any worker, by `train` (with or without --dry-run) and `plan` alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshrun import cli
+from meshrun.config.schema import load_config
+from meshrun.errors import ConfigError
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+def test_the_task_defaults_to_what_the_config_trained_before_task_existed() -> None:
+    assert load_config().task == "causal_lm"
+    assert load_config(None, ["data.pairs=true"]).task == "seq2seq"
+    assert load_config(CONFIGS / "encdec-example.yaml").task == "seq2seq"
+    assert load_config(None, ["task=Regression", "task_options.horizon=4"]).task_options.horizon == 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.pairs=true", "task=causal_lm"], "data.pairs prepares seq2seq text pairs, not data for task causal_lm"),
+        (["model.name=encdec", "task=classification"], "model.name encdec is an encoder-decoder"),
+        (
+            ["task_options.mask_rate=0.3"],
+            "task_options.mask_rate is an option of task masked_lm, not of task causal_lm",
+        ),
+        (["task=regression", "task_options.mask_rate=0.3"], "not of task regression"),
+        (["task=translation"], "invalid task: use 'causal_lm', 'seq2seq'"),
+        (["task=regression", "task_options.loss=l1"], "invalid task_options.loss: use 'mse', 'mae' or 'huber'"),
+    ],
+)
+def test_a_task_and_its_options_must_fit(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    ("command", "task"),
+    [(["train", "--dry-run"], "classification"), (["train"], "regression"), (["plan"], "masked_lm")],
+)
+def test_a_task_this_version_cannot_train_is_refused_in_one_line(
+    command: list[str], task: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main([*command, "--set", f"task={task}", "--set", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1
+    assert f"training a {task} model is not available yet in this version of meshrun" in err
+    assert not (tmp_path / "run").exists()  # nothing started
