@@ -1,4 +1,4 @@
-"""Optional packages (transformers, tensorboard) missing, as on a base install or a small image:
+"""Optional packages (transformers, peft, tensorboard) missing, as on a base install or a small image:
 the config key that needs one is named with the pip command, exit 2, before any worker.
 
 The package is hidden for real: a sitecustomize on PYTHONPATH puts an import hook first on
@@ -71,12 +71,17 @@ def _meshrun_without(hidden: str, argv: list[str], tmp_path: Path) -> subprocess
             ),
         ),
         (
+            "peft,torch",
+            ["train", "--dry-run", f"--set=model.hf_config={json.dumps(HF_LLAMA)}", "--set=model.lora.r=8"],
+            'model.lora needs the peft package, which is not installed: pip install "meshrun[lora]"',
+        ),
+        (
             "transformers",
             ["plan", f"--set=model.hf_config={json.dumps(HF_LLAMA)}"],
             'model.hf_config needs the transformers package, which is not installed: pip install "meshrun[hf]"',
         ),
     ],
-    ids=["train-hf-no-transformers", "train-no-tensorboard", "plan-hf-no-transformers"],
+    ids=["train-hf-no-transformers", "train-no-tensorboard", "train-lora-no-peft", "plan-hf-no-transformers"],
 )
 def test_missing_optional_package_is_named_with_its_install_command(
     hidden: str, argv: list[str], expect: str, tmp_path: Path
@@ -125,5 +130,5 @@ def test_a_users_extras_are_what_meshrun_names_and_dev_holds_the_rest() -> None:
     assert set(EXTRA_OF.values()) | {"dev", "docs"} == set(extras)
     for extra in EXTRA_OF.values():
         assert [re.split(r"[<>=\[]", d)[0] for d in extras[extra]] == [p for p, e in EXTRA_OF.items() if e == extra]
-    assert "meshrun[hf,tensorboard,docs]" in extras["dev"]
+    assert "meshrun[hf,lora,tensorboard,docs]" in extras["dev"]
     assert {"pytest", "ruff", "pyright[nodejs]"} <= {re.split(r"[<>=]", d)[0] for d in extras["dev"]}

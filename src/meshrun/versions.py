@@ -4,7 +4,7 @@ The torch meshrun is tested with: DCP's pickled metadata classes and the pipelin
 meshrun relies on change between torch releases, so an untested torch fails later in confusing
 ways (or loads a checkpoint differently).
 
-Optional packages (the `hf` and `tensorboard` extras of the meshrun package): a config that needs
+Optional packages (the `hf`, `lora` and `tensorboard` extras of the meshrun package): a config that needs
 one that is not installed is refused in one line that names the key needing it and the pip command
 that installs it (a base install and the smallest images have neither). Torch-free: only import
 machinery is asked, nothing is imported.
@@ -53,7 +53,7 @@ def installed_versions() -> dict[str, str]:
     return {"torch": installed_torch_version(), "meshrun": __version__}
 
 
-EXTRA_OF = {"transformers": "hf", "tensorboard": "tensorboard"}  # package -> extra (others: pip install PACKAGE)
+EXTRA_OF = {"transformers": "hf", "peft": "lora", "tensorboard": "tensorboard"}  # package -> extra (others: pip install PACKAGE)
 
 
 def installed(package: str) -> bool:
@@ -89,6 +89,8 @@ def check_extras(cfg: Config, *, trains: bool = True, prepares_data: bool = Fals
     prepares its data (`prepares_data`), the data tokenizer's."""
     if isinstance(cfg.model, HFSection):
         require("transformers", "model.hf" if cfg.model.hf is not None else "model.hf_config")
+    if cfg.model.lora is not None:
+        require("peft", "model.lora")
     tokenizer = cfg.data.tokenizer
     if prepares_data and tokenizer and tokenizer != "byte" and not tokenizer.startswith("bpe:"):
         _tokenizer_folder_needs(Path(tokenizer), "data.tokenizer")

@@ -20,6 +20,29 @@ from meshrun.errors import ConfigError
 BUILTIN_NAMES = ("gpt", "encdec")  # the built-in families, in the order messages list them
 
 
+class LoraSection(Section):
+    """LoRA adapters (peft's LoraConfig keys of the same names): the base model frozen, only these train."""
+
+    r: Int = Field(default=16, ge=1)
+    """Rank of each adapter (its A is r x in_features, its B out_features x r)."""
+    alpha: Float = Field(default=32.0, gt=0.0)
+    """Scale of the adapter's output: alpha / r (peft's lora_alpha)."""
+    dropout: Float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input (peft's lora_dropout); 0 keeps runs deterministic across layouts."""
+    target_modules: list[str] | Literal["all-linear"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    """Modules to adapt, by name as peft matches them (a module whose name is, or ends in `.NAME`), or
+    `all-linear`: every linear layer of the blocks (peft's meaning: the output head is left out)."""
+
+    @model_validator(mode="after")
+    def _some_targets(self) -> LoraSection:
+        """model.lora.target_modules names at least one module, each non-empty."""
+        if isinstance(self.target_modules, list) and not all(name.strip() for name in self.target_modules):
+            raise ValueError("model.lora.target_modules must name modules (e.g. [q_proj, v_proj]) or be all-linear")
+        if not self.target_modules:
+            raise ValueError("model.lora.target_modules is empty: name modules (e.g. [q_proj, v_proj]) or all-linear")
+        return self
+
+
 class ModelSection(Section):
     """Keys every model family reads."""
 
@@ -40,6 +63,20 @@ class ModelSection(Section):
     """Dropout probability (0 keeps runs deterministic across layouts)."""
     options: dict[str, Any] = {}
     """Free-form extra arguments for a custom `factory`."""
+    lora: LoraSection | None = None
+    """LoRA fine-tuning with peft: adapters on `target_modules`, every other weight frozen (None: train every weight)."""
+
+    @model_validator(mode="after")
+    def _lora_wraps(self) -> ModelSection:
+        """model.lora: a Hugging Face model (model.hf / model.hf_config); the built-in families and
+        model.factory models are not adapted yet."""
+        if self.lora is not None and self.family != "hf":
+            what = "a model.factory model" if self.family == "factory" else f"model.name {self.family}"
+            raise ValueError(
+                f"model.lora adapts Hugging Face models (model.hf / model.hf_config) only, not {what} yet: "
+                "remove model.lora to train every weight"
+            )
+        return self
 
     @model_validator(mode="after")
     def _heads_divide_dim(self) -> ModelSection:
