@@ -8,14 +8,18 @@ import torch
 from torch import nn
 
 
-def seeded_normal_(tensor: torch.Tensor, seed: int, name: str, *, std: float) -> None:
-    """Fill `tensor` from a generator seeded by (seed, parameter name), on the CPU.
+def named_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded by (seed, parameter name).
 
     Seeding by name rather than by draw order means a stage that holds only blocks 4-7
     draws exactly what the single-process model draws for them, on any device.
     """
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * std
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def seeded_normal_(tensor: torch.Tensor, seed: int, name: str, *, std: float) -> None:
+    """Fill `tensor` from the (seed, parameter name) generator (`named_generator`)."""
+    values = torch.randn(tensor.shape, generator=named_generator(seed, name), dtype=torch.float32) * std
     tensor.copy_(values)
 
 

@@ -43,6 +43,10 @@ def materialise_part(
     part = build_stage(cfg, layers=layers, first=first, last=last)
     part.to_empty(device=device)
     part.init_weights(cfg.train.seed)
+    if cfg.model.lora is not None:  # after the base's init (its names have no `base_layer` yet), before DDP/FSDP
+        from meshrun.models.lora import add_adapters  # imports peft: only when used
+
+        add_adapters(part, cfg.model.lora, seed=cfg.train.seed)
     if tp_mesh is not None:  # a training rank (not balance's lone measurement): what follows communicates
         progress.mark_init("the model's first collectives: its weights placed and synchronised")
     if tp_mesh is not None and tp_mesh.size() > 1:

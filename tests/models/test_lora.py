@@ -1,0 +1,183 @@
+"""LoRA (model.lora) on a Hugging Face Llama: one process equals peft's own `get_peft_model` on
+transformers' LlamaForCausalLM given the same adapters (step-1 loss and pre-clip norm, the adapters
+after 10 clipped AdamW steps, the base bit-identical), dp2 x pp2 (1F1B) equals one process, and bad
+input is refused in one line before any worker."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from hf_models import SEQ_LEN, load_reference, make_model
+from plain_reference import config_from_set_args, cosine_lr
+
+from meshrun.data.dataset import TokenDataset
+
+LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.target_modules": "all-linear"}
+# Clipping active every step, adapters moving visibly (~0.02). AdamW's first steps move each entry by
+# about lr x sign(grad): eps 1e-6 keeps an entry whose gradient is at rounding level (A's, while B is
+# near zero) from moving by lr on a flipped sign, which fp32 rounding alone would decide.
+BASE = {
+    "model.seq_len": SEQ_LEN,
+    "train.global_batch": 16,
+    "train.steps": 10,
+    "train.lr": 3e-3,
+    "train.grad_clip": 0.05,
+    "train.eps": 1e-6,
+}
+LAYOUTS = {"one-process": {}, "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"}}
+
+
+def lora_args(data_dir: Path, run: Path | str, model_dir: Path, **overrides: object) -> list[str]:
+    return tiny(data_dir, run, **{**BASE, "model.hf": model_dir, **LORA, **overrides})
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model("llama", tmp_path_factory.mktemp("hf") / "llama")
+
+
+@pytest.fixture(scope="module")
+def runs(llama_dir: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`runs(layout)`: a 10-step LoRA run, trained on first use."""
+    root, done = tmp_path_factory.mktemp("lora-runs"), {}
+
+    def get(layout: str) -> Path:
+        if layout not in done:
+            run = root / layout
+            run_meshrun(["train", *lora_args(data_dir, run, llama_dir, **LAYOUTS[layout])], tmp_path=root)
+            done[layout] = run
+        return done[layout]
+
+    return get
+
+
+def peft_name(ours: str) -> str:
+    """meshrun's parameter name -> the same tensor's in peft's PeftModel over LlamaForCausalLM."""
+    hf = re.sub(r"^blocks\.", "model.layers.", ours)
+    hf = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(hf, hf)
+    return "base_model.model." + hf.replace("head.weight", "lm_head.weight")
+
+
+def initial_model(data_dir: Path, llama_dir: Path):
+    """meshrun's one-process model as a run starts it (the folder's base, adapters drawn per name)."""
+    from meshrun.parallel.materialise import materialise_part
+
+    cfg = config_from_set_args(lora_args(data_dir, "unused", llama_dir))
+    return materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True), cfg
+
+
+def peft_reference(data_dir: Path, llama_dir: Path, *, steps: int):
+    """peft on transformers' own model, no meshrun code in the step: get_peft_model with the same
+    LoraConfig, meshrun's initial adapters copied in; per step the whole window's loss (HF shifts the
+    labels), one backward per microbatch, norm clipped over the adapters, torch's AdamW (not fused)."""
+    from peft import LoraConfig, get_peft_model
+
+    ours, cfg = initial_model(data_dir, llama_dir)
+    train, lora = cfg.train, cfg.model.lora
+    assert lora is not None
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules="all-linear")
+    model = get_peft_model(load_reference(llama_dir), config).train()
+    theirs = dict(model.named_parameters())
+    adapters = {peft_name(k): v for k, v in ours.named_parameters() if v.requires_grad}
+    assert adapters.keys() == {k for k, v in theirs.items() if v.requires_grad}, "peft adapts other modules"
+    with torch.no_grad():
+        for name, value in adapters.items():
+            theirs[name].copy_(value)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.betas, eps=train.eps, foreach=False)
+    for group in optimizer.param_groups:
+        group["weight_decay"] = train.weight_decay  # every adapter is a matrix: all decayed
+    data, first = TokenDataset(data_dir, "train", seq_len=SEQ_LEN, seed=train.seed), None
+    num_microbatches = train.global_batch // train.micro_batch
+    for step in range(steps):
+        x, y = data.batch(step * train.global_batch, train.global_batch)
+        total = 0.0
+        for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
+            window = torch.cat([xm, ym[:, -1:]], dim=1)  # (B, T + 1)
+            loss = model(input_ids=window, labels=window).loss / num_microbatches
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip).item()
+        first = first or (total, norm)
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(step, lr=train.lr, warmup=train.warmup_steps, steps=steps, floor=train.min_lr_ratio)
+        optimizer.step()
+        optimizer.zero_grad()
+    return first, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def test_one_process_equals_peft(runs, llama_dir: Path, data_dir: Path) -> None:
+    run = runs("one-process")
+    (loss, grad_norm), theirs = peft_reference(data_dir, llama_dir, steps=10)
+    metrics = read_metrics(run)[0]
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    assert metrics["grad_norm"] > BASE["train.grad_clip"], "clipping must be active for the test to mean anything"
+    ours = final_weights(run)
+    adapters = [k for k in ours if ".lora_" in k]
+    assert adapters and len(ours) > len(adapters)
+    for name in adapters:
+        torch.testing.assert_close(ours[name], theirs[peft_name(name)], rtol=1e-5, atol=1e-5, msg=name)
+    moved = max((ours[k] - initial_model(data_dir, llama_dir)[0].state_dict()[k]).abs().max().item() for k in adapters)
+    assert moved > 1e-3, "the adapters must move for the comparison to mean anything"
+    for name in (k for k in ours if ".lora_" not in k):  # the base: never written
+        assert torch.equal(ours[name], theirs[peft_name(name)]), name
+
+
+def test_dp2_pp2_equals_one_process(runs) -> None:
+    run, reference = runs("dp2-pp2-1f1b"), runs("one-process")
+    ours, one = final_weights(run), final_weights(reference)
+    assert max_weight_diff(ours, one) < 1e-5
+    assert all(torch.equal(ours[k], one[k]) for k in ours if ".lora_" not in k), "a base weight was written"
+    norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, reference)]
+    assert len(norms[0]) == 10 and norms[0] == pytest.approx(norms[1], rel=1e-5)
+    assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides,expect",
+    [
+        (
+            {"model.lora.target_modules": "[qproj]"},
+            "model.lora.target_modules: 'qproj' matches no module of this model; its linear layers are down_proj, "
+            "gate_proj, head, k_proj, o_proj, q_proj, up_proj, v_proj",
+        ),
+        ({"model.lora.r": 0}, "invalid model.lora.r: Input should be greater than or equal to 1 (got 0)"),
+        (
+            {"model.lora.target_modules": "[input_layernorm]"},
+            "model.lora.target_modules: 'input_layernorm' names blocks.0.input_layernorm, a LlamaRMSNorm: meshrun's "
+            "LoRA adapts nn.Linear layers only (this model's: down_proj, gate_proj, head, k_proj, o_proj, q_proj, "
+            "up_proj, v_proj)",
+        ),
+        ({"parallel.tp": 2}, "model.lora does not run with parallel.tp > 1 yet: set parallel.tp=1 (dp and pp work)"),
+    ],
+    ids=["no-such-module", "rank-0", "not-linear", "tp"],
+)
+def test_bad_lora_is_refused_before_any_worker(
+    overrides: dict, expect: str, llama_dir: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    done = run_meshrun(["train", *lora_args(data_dir, run, llama_dir, **overrides)], tmp_path=tmp_path, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"meshrun: error: {expect}"]
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("model", ["gpt", "gpt2"])
+def test_a_model_lora_cannot_wrap_is_refused(model: str, data_dir: Path, tmp_path: Path) -> None:
+    """The built-in families are refused by the schema; GPT-2's Conv1D projections by preflight."""
+    source = {"model.hf": make_model("gpt2", tmp_path / "gpt2")} if model == "gpt2" else {}
+    lora = {"model.lora.target_modules": "[c_attn]" if model == "gpt2" else "[qkv]"}
+    done = run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **source, **lora)], tmp_path=tmp_path, check=False)
+    assert done.returncode == 2, done.stderr
+    expect = (
+        "names blocks.0.attn.c_attn, a Conv1D: meshrun's LoRA adapts nn.Linear layers only"
+        if model == "gpt2"
+        else "model.lora adapts Hugging Face models (model.hf / model.hf_config) only, not model.name gpt yet"
+    )
+    assert len(done.stderr.strip().splitlines()) == 1 and expect in done.stderr
