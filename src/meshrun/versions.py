@@ -53,7 +53,8 @@ def installed_versions() -> dict[str, str]:
     return {"torch": installed_torch_version(), "meshrun": __version__}
 
 
-EXTRA_OF = {"transformers": "hf", "peft": "lora", "tensorboard": "tensorboard"}  # package -> extra (others: pip install PACKAGE)
+# package -> extra (others: pip install PACKAGE)
+EXTRA_OF = {"transformers": "hf", "peft": "lora", "tensorboard": "tensorboard"}
 
 
 def installed(package: str) -> bool:

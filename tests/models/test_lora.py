@@ -144,15 +144,19 @@ def test_dp2_pp2_equals_one_process(runs) -> None:
     [
         (
             {"model.lora.target_modules": "[qproj]"},
-            "model.lora.target_modules: 'qproj' matches no module of this model; its linear layers are down_proj, "
-            "gate_proj, head, k_proj, o_proj, q_proj, up_proj, v_proj",
+            (
+                "model.lora.target_modules: 'qproj' matches no module of this model; its linear layers are down_proj, "
+                "gate_proj, head, k_proj, o_proj, q_proj, up_proj, v_proj"
+            ),
         ),
         ({"model.lora.r": 0}, "invalid model.lora.r: Input should be greater than or equal to 1 (got 0)"),
         (
             {"model.lora.target_modules": "[input_layernorm]"},
-            "model.lora.target_modules: 'input_layernorm' names blocks.0.input_layernorm, a LlamaRMSNorm: meshrun's "
-            "LoRA adapts nn.Linear layers only (this model's: down_proj, gate_proj, head, k_proj, o_proj, q_proj, "
-            "up_proj, v_proj)",
+            (
+                "model.lora.target_modules: 'input_layernorm' names blocks.0.input_layernorm, a LlamaRMSNorm: meshrun's "
+                "LoRA adapts nn.Linear layers only (this model's: down_proj, gate_proj, head, k_proj, o_proj, q_proj, "
+                "up_proj, v_proj)"
+            ),
         ),
         ({"parallel.tp": 2}, "model.lora does not run with parallel.tp > 1 yet: set parallel.tp=1 (dp and pp work)"),
     ],

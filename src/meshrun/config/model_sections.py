@@ -25,8 +25,8 @@ class LoraSection(Section):
 
     r: Int = Field(default=16, ge=1)
     """Rank of each adapter (its A is r x in_features, its B out_features x r)."""
-    alpha: Float = Field(default=32.0, gt=0.0)
-    """Scale of the adapter's output: alpha / r (peft's lora_alpha)."""
+    alpha: Int = Field(default=32, ge=1)
+    """Scale of the adapter's output: alpha / r (peft's lora_alpha, an integer as peft types it)."""
     dropout: Float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter's input (peft's lora_dropout); 0 keeps runs deterministic across layouts."""
     target_modules: list[str] | Literal["all-linear"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
