@@ -29,7 +29,11 @@ BASE = {
     "train.grad_clip": 0.05,
     "train.eps": 1e-6,
 }
-LAYOUTS = {"one-process": {}, "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"}}
+LAYOUTS = {
+    "one-process": {},
+    "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
+    "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
+}
 
 
 def lora_args(data_dir: Path, run: Path | str, model_dir: Path, **overrides: object) -> list[str]:
@@ -129,8 +133,10 @@ def test_one_process_equals_peft(runs, llama_dir: Path, data_dir: Path) -> None:
         assert torch.equal(ours[name], theirs[peft_name(name)]), name
 
 
-def test_dp2_pp2_equals_one_process(runs) -> None:
-    run, reference = runs("dp2-pp2-1f1b"), runs("one-process")
+@pytest.mark.parametrize("layout", ["dp2-pp2-1f1b", "fsdp-dp2"])
+def test_layout_equals_one_process(layout: str, runs) -> None:
+    """The adapters train alike under DDP and FSDP2 (only they have gradients to reduce) and a pipeline."""
+    run, reference = runs(layout), runs("one-process")
     ours, one = final_weights(run), final_weights(reference)
     assert max_weight_diff(ours, one) < 1e-5
     assert all(torch.equal(ours[k], one[k]) for k in ours if ".lora_" not in k), "a base weight was written"
