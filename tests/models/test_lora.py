@@ -191,3 +191,28 @@ def test_a_model_lora_cannot_wrap_is_refused(model: str, data_dir: Path, tmp_pat
         else "model.lora adapts Hugging Face models (model.hf / model.hf_config) only, not model.name gpt yet"
     )
     assert len(done.stderr.strip().splitlines()) == 1 and expect in done.stderr
+
+
+def test_adapter_export_loads_in_peft(runs, llama_dir: Path, tmp_path: Path) -> None:
+    """Adapters trained as dp2 x pp2, exported with --adapter: peft loads them onto transformers'
+    Llama from the base folder without a warning, and gives meshrun's logits."""
+    import warnings
+
+    from peft import PeftModel
+
+    from meshrun.cli.use_checkpoint import load_full_model
+
+    run, out = runs("dp2-pp2-1f1b"), tmp_path / "adapter"
+    run_meshrun(["export", str(run), "--adapter", str(out)], tmp_path=tmp_path)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        theirs = PeftModel.from_pretrained(load_reference(llama_dir), out).eval()
+    # transformers' own deprecation notes (is_gradient_checkpointing, which peft calls) are not about the files
+    assert [str(w.message) for w in caught if not issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
+    ours = load_full_model(run)[0]
+    tokens = torch.randint(0, 256, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (theirs(input_ids=tokens).logits - ours(tokens)).abs().max().item() < 1e-5
+    done = run_meshrun(["export", str(run), "--hf", str(tmp_path / "hf")], tmp_path=tmp_path, check=False)
+    assert done.returncode == 2 and "export them with --adapter OUT_DIR" in done.stderr

@@ -67,7 +67,8 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
     if args.command == "export":
-        check_export_target(*(("--hf", args.hf) if args.hf else ("--out", args.out)))
+        flag = next(f for f in ("hf", "adapter", "out") if getattr(args, f))  # argparse: exactly one
+        check_export_target(f"--{flag}", getattr(args, flag))
         return
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be at least 1 (tokens to generate), got {args.tokens}")

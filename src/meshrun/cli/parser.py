@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     target = export.add_mutually_exclusive_group(required=True)
     target.add_argument("--out", help="output file: .safetensors or .pt")
     target.add_argument("--hf", metavar="OUT_DIR", help="Hugging Face models: a folder from_pretrained loads")
+    target.add_argument(
+        "--adapter",
+        metavar="OUT_DIR",
+        help="model.lora runs: the adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors) "
+        "that PeftModel.from_pretrained(base, OUT_DIR) loads",
+    )
     _trust_arguments(export)
     sample = sub.add_parser(
         "sample", help="generate text from a checkpoint (decoded with the training data's tokenizer)"

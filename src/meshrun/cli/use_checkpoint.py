@@ -74,6 +74,13 @@ def use_checkpoint(args: argparse.Namespace) -> int:
             out = export_hf(model, cfg.model, Path(args.hf), data=data_card(cfg, folder))
             print(f"exported {saved_at(folder)} as a Hugging Face model to {Path(out).absolute()}")
             return 0
+        if args.command == "export" and args.adapter:
+            from meshrun.models.lora import export_adapter
+
+            model, cfg, folder = load_full_model(args.checkpoint, **trust)
+            out = export_adapter(model, cfg.model, Path(args.adapter))
+            print(f"exported the LoRA adapters of {saved_at(folder)} as a PEFT adapter folder to {out.absolute()}")
+            return 0
         if args.command == "export":
             check_export_target("--out", args.out)
             model, cfg, folder = load_full_model(args.checkpoint, **trust)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -37,6 +38,8 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | Non
 
     if not is_hf(cfg):
         raise ConfigError("--hf exports Hugging Face models (model.hf / model.hf_config); use --out FILE for this one")
+    if cfg.lora is not None:
+        raise ConfigError("--hf exports every weight; this run trained LoRA adapters: export them with --adapter OUT_DIR")
     model = cast(HFCausalLM, model)  # what the hf family builds (models/families.py)
     if out.exists():
         raise ConfigError(f"{out} already exists; choose another --hf folder")
@@ -47,20 +50,30 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | Non
     config = copy.deepcopy(model.hf_config)  # the model's is shared (load_hf_config caches it): not changed
     config.architectures = [model.hf_class_name]
     config.dtype = torch.float32
-    tmp = temporary_name(out)  # this process's own: a folder named OUT.tmp may be the user's
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
     model_dir = hf_dir(model.cfg)
-    try:
+
+    def write(tmp: Path) -> None:
         config.save_pretrained(tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for file in tokenizer_files(model_dir):
             shutil.copy2(file, tmp / file.name)
         if model_tokenizer(model_dir) is None and data is not None:
             save_data_tokenizer(data, tmp, max_length=model.cfg.seq_len)
-        return publish_folder(tmp, out)  # all or nothing, and never over a folder that appeared meanwhile
+
+    return write_new_folder(out, write)
+
+
+def write_new_folder(out: Path, write: Callable[[Path], None]) -> Path:
+    """`write` fills a folder of this process's own, published as `out` all or nothing, never over
+    a folder that appeared meanwhile; on failure only what this call created is removed."""
+    tmp = temporary_name(out)  # this process's own: a folder named OUT.tmp may be the user's
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        return publish_folder(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # what this call created, and nothing else
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

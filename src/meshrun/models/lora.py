@@ -16,11 +16,12 @@ peft's model to prove the rest equal (tests/models/test_lora.py).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from meshrun.config.model_sections import LoraSection
+from meshrun.config.model_sections import LoraSection, ModelConfig
 from meshrun.errors import ConfigError
 from meshrun.models.init import named_generator
 
@@ -96,3 +97,46 @@ def trainable_counts(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameters, as peft's `get_nb_trainable_parameters` counts them."""
     params = list(model.parameters())
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def export_adapter(model: nn.Module, cfg: ModelConfig, out: Path) -> Path:
+    """`meshrun export RUN --adapter OUT`: the trained adapters as peft saves them (what
+    `PeftModel.from_pretrained(base, OUT)` loads): adapter_config.json with the modules adapted under
+    their Hugging Face names, adapter_model.safetensors keyed `base_model.model.<HF module>.lora_A.weight`."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from meshrun.models.hf import HFCausalLM
+    from meshrun.models.hf_config import FUSED_PARTS, hf_dir
+    from meshrun.models.hf_export import write_new_folder
+
+    if cfg.lora is None or not isinstance(model, HFCausalLM):
+        raise ConfigError("--adapter exports the adapters of a model.lora run; this run trained every weight: use --hf")
+    if model.hf_config.model_type in FUSED_PARTS:
+        raise ConfigError(f"--adapter: {model.hf_config.model_type}'s fused projections are not exported yet")
+    if out.exists():
+        raise ConfigError(f"{out} already exists; choose another --adapter folder")
+    state, modules = {}, set()
+    for name, param in model.named_parameters():
+        module, found, tail = name.partition(f".{ADAPTER}.")  # blocks.0.self_attn.q_proj.lora_A
+        if not found:
+            continue
+        owner, _, kind = module.rpartition(".")
+        hf_module = model.hf_names(f"{owner}.weight")[0].removesuffix(".weight")  # model.layers.0.self_attn.q_proj
+        state[f"base_model.model.{hf_module}.{kind}.{tail}"] = param.detach().contiguous()
+        modules.add(hf_module.rpartition(".")[2])
+    lora, source = cfg.lora, hf_dir(cfg)
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=sorted(modules),
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=str(source.absolute()) if source is not None else None,
+    )
+
+    def write(tmp: Path) -> None:
+        config.save_pretrained(str(tmp))
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    return write_new_folder(out, write)
