@@ -39,7 +39,9 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | Non
     if not is_hf(cfg):
         raise ConfigError("--hf exports Hugging Face models (model.hf / model.hf_config); use --out FILE for this one")
     if cfg.lora is not None:
-        raise ConfigError("--hf exports every weight; this run trained LoRA adapters: export them with --adapter OUT_DIR")
+        raise ConfigError(
+            "--hf exports every weight; this run trained LoRA adapters: export them with --adapter OUT_DIR"
+        )
     model = cast(HFCausalLM, model)  # what the hf family builds (models/families.py)
     if out.exists():
         raise ConfigError(f"{out} already exists; choose another --hf folder")
