@@ -15,8 +15,19 @@ from meshrun.parallel.recompute import apply_recompute
 
 
 def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
-    """Steps 1-2 for one stage (layers=None: the whole model), on the meta device (the planner sizes these)."""
-    return prune_stage(build_model(cfg.model), layers=layers, first=first, last=last)
+    """Steps 1-2 for one stage (layers=None: the whole model), on the meta device, with model.lora's
+    adapters (uninitialised): what the planner and --dry-run size, trainable parameters included."""
+    part = prune_stage(build_model(cfg.model), layers=layers, first=first, last=last)
+    return with_adapters(part, cfg, seed=None)
+
+
+def with_adapters(part: ProtocolModule, cfg: Config, *, seed: int | None) -> ProtocolModule:
+    """`part` with model.lora's adapters, the rest frozen (no model.lora: as it is)."""
+    if cfg.model.lora is None:
+        return part
+    from meshrun.models.lora import add_adapters  # imports peft: only when used
+
+    return add_adapters(part, cfg.model.lora, seed=seed)
 
 
 def prune_stage(part: ProtocolModule, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
@@ -40,13 +51,10 @@ def materialise_part(
 ) -> ProtocolModule:
     """Steps 1-5 for one stage (layers=None: the whole model); `tp_mesh` of more than one rank:
     tensor parallel (before recompute wraps the blocks, whose module paths the plan names)."""
-    part = build_stage(cfg, layers=layers, first=first, last=last)
+    part = prune_stage(build_model(cfg.model), layers=layers, first=first, last=last)
     part.to_empty(device=device)
     part.init_weights(cfg.train.seed)
-    if cfg.model.lora is not None:  # after the base's init (its names have no `base_layer` yet), before DDP/FSDP
-        from meshrun.models.lora import add_adapters  # imports peft: only when used
-
-        add_adapters(part, cfg.model.lora, seed=cfg.train.seed)
+    part = with_adapters(part, cfg, seed=cfg.train.seed)  # after the base's init: an adapter renames the layer it wraps
     if tp_mesh is not None:  # a training rank (not balance's lone measurement): what follows communicates
         progress.mark_init("the model's first collectives: its weights placed and synchronised")
     if tp_mesh is not None and tp_mesh.size() > 1:
