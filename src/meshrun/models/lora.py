@@ -63,21 +63,20 @@ def check_targets(model: nn.Module, lora: LoraSection) -> None:
             )
 
 
-def add_adapters(part: nn.Module, lora: LoraSection, *, seed: int | None) -> nn.Module:
-    """`part` (a model or one stage) with peft's adapters on the targeted modules it holds, every
-    other parameter frozen; A drawn per name from `seed` (None: left as made, e.g. on the meta device)."""
+def add_adapters(part: nn.Module, lora: LoraSection, *, seed: int | None) -> None:
+    """peft's adapters added in place to the targeted modules `part` (a model or one stage) holds,
+    every other parameter frozen; A drawn per name from `seed` (None: as made, e.g. on the meta device)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     keys = [key for key, _ in part.named_modules()]
     held = [t for t in target_names(part, lora) if any(matches(key, t) for key in keys)]
     if not held:  # a stage without a targeted module: all frozen (peft refuses a config matching nothing)
         part.requires_grad_(False)
-        return part
+        return
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=held)
     inject_adapter_in_model(config, part, adapter_name=ADAPTER)
     if seed is not None:
         init_adapters(part, seed)
-    return part
 
 
 @torch.no_grad()

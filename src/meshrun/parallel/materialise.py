@@ -1,10 +1,13 @@
 """One pipeline stage of the model made real: built on the meta device and pruned to its blocks (the
-planner sizes this), then materialised on the device, initialised, split over the tp mesh and
-wrapped for recompute."""
+planner sizes this), then materialised on the device, initialised, given model.lora's adapters,
+split over the tp mesh and wrapped for recompute."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.config.schema import Config
@@ -12,6 +15,8 @@ from meshrun.launcher import progress
 from meshrun.models.families import build_model
 from meshrun.models.protocol import ProtocolModule, keep_stage
 from meshrun.parallel.recompute import apply_recompute
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
@@ -21,13 +26,13 @@ def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: boo
     return with_adapters(part, cfg, seed=None)
 
 
-def with_adapters(part: ProtocolModule, cfg: Config, *, seed: int | None) -> ProtocolModule:
-    """`part` with model.lora's adapters, the rest frozen (no model.lora: as it is)."""
-    if cfg.model.lora is None:
-        return part
-    from meshrun.models.lora import add_adapters  # imports peft: only when used
+def with_adapters(part: M, cfg: Config, *, seed: int | None) -> M:
+    """`part` with model.lora's adapters added in place, the rest frozen (no model.lora: as it is)."""
+    if cfg.model.lora is not None:
+        from meshrun.models.lora import add_adapters  # imports peft: only when used
 
-    return add_adapters(part, cfg.model.lora, seed=seed)
+        add_adapters(part, cfg.model.lora, seed=seed)
+    return part
 
 
 def prune_stage(part: ProtocolModule, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:

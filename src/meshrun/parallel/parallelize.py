@@ -4,6 +4,8 @@
   1. build the whole model on the meta device (no memory, no init cost);
   2. keep only this rank's pipeline stage(s) (embedding first, norm + head last);
   3. materialise on the device and initialise (per-parameter seeds: layout independent);
+  3b. model.lora: peft's adapters on this stage's targeted layers, every other weight frozen
+     (models/lora.py; adapters seeded per name), so DDP, FSDP and the optimizer see only them;
   4. tp > 1: split the model's planned modules over the tp mesh (tensor.py);
   5. wrap blocks for activation recompute;
   5b. train.compile: torch.compile each block's forward (compile.py);
