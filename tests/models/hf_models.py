@@ -38,11 +38,12 @@ CONFIGS = {
 }
 
 
-def make_model(family: str, out: Path, *, seed: int = 0, shard: bool = False) -> Path:
-    """Build with transformers (its own random init, seeded) and save_pretrained to `out`."""
+def make_model(family: str, out: Path, *, seed: int = 0, shard: bool = False, **changes: object) -> Path:
+    """Build with transformers (its own random init, seeded) and save_pretrained to `out`
+    (`changes`: config fields other than the family's defaults)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {**CONFIGS[family]}
+    fields = {**CONFIGS[family], **changes}
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")

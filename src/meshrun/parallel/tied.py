@@ -37,10 +37,10 @@ class TiedEmbeddings:
         self.duplicates: list[nn.Parameter] = []  # copies left out of the gradient norm (not on stage 0)
         self.group: dist.ProcessGroup | None = None
         name = tied_weight(parts[0])
-        if name is None or num_stages == 1 or not parts[0].get_parameter(name).requires_grad:
-            return  # untied, one stage (the head uses the embedding's own parameter), or frozen (LoRA)
+        if name is None or num_stages == 1:
+            return  # untied, or one stage: the head already uses the embedding's own parameter
         for part, stage in zip(parts, stages):
-            if stage in (0, num_stages - 1):
+            if stage in (0, num_stages - 1) and part.get_parameter(name).requires_grad:  # frozen (LoRA): no gradient
                 self.copies.append(part.get_parameter(name))
                 if stage != 0:
                     self.duplicates.append(self.copies[-1])
