@@ -62,18 +62,21 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
         check_weights(model)  # pretrained weights: present, shaped as the config says
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))
-    if cfg.model.lora is not None:
+    if cfg.model.lora is not None:  # after the weights' checks: an adapter renames the layer it wraps
         check_lora(cfg.model.lora, model, tp=cfg.parallel.tp)
     return model
 
 
 def check_lora(lora: LoraSection, model: nn.Module, *, tp: int) -> None:
-    """model.lora's targets exist in the (whole) model and are linear layers; tp is not built yet."""
-    from meshrun.models.lora import check_targets
+    """model.lora's targets exist in the (whole) model and are linear layers (tp is not built yet);
+    then the adapters are added (meta device): the model returned names the tensors a LoRA run's
+    checkpoints hold (what resume and export compare against)."""
+    from meshrun.models.lora import add_adapters, check_targets
 
     if tp > 1:
         raise ConfigError("model.lora does not run with parallel.tp > 1 yet: set parallel.tp=1 (dp and pp work)")
     check_targets(model, lora)
+    add_adapters(model, lora, seed=None)
 
 
 def check_job(cfg: Config) -> None:

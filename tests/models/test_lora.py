@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from hf_models import SEQ_LEN, load_reference, make_model
+from test_hf import interrupted
 from plain_reference import config_from_set_args, cosine_lr
 
 from meshrun.data.dataset import TokenDataset
@@ -28,6 +29,7 @@ BASE = {
     "train.lr": 3e-3,
     "train.grad_clip": 0.05,
     "train.eps": 1e-6,
+    "checkpoint.interval": 5,
 }
 LAYOUTS = {
     "one-process": {},
@@ -146,6 +148,17 @@ def test_layout_equals_one_process(layout: str, runs) -> None:
     norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, reference)]
     assert len(norms[0]) == 10 and norms[0] == pytest.approx(norms[1], rel=1e-5)
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
+
+
+def test_resharded_resume(runs, llama_dir: Path, data_dir: Path, tmp_path: Path) -> None:
+    """A one-process LoRA run stopped at step 5 resumes as dp2 x pp2 to the same adapters (1e-5), base untouched."""
+    full = runs("one-process")
+    run = interrupted(full, tmp_path / "run", at_step=5)
+    done = run_meshrun(["train", *lora_args(data_dir, run, llama_dir, **LAYOUTS["dp2-pp2-1f1b"])], tmp_path=tmp_path)
+    assert "resumed from" in done.stderr
+    resumed, reference = final_weights(run), final_weights(full)
+    assert max_weight_diff(resumed, reference) < 1e-5
+    assert all(torch.equal(resumed[k], reference[k]) for k in resumed if ".lora_" not in k)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ from meshrun.cli.arguments import check_export_target
 from meshrun.config.schema import Config, check_code_trusted
 from meshrun.errors import CheckpointError, ConfigError
 from meshrun.files.json_reader import read_json
-from meshrun.parallel.materialise import with_adapters
 from meshrun.preflight import preflight
 
 
@@ -38,7 +37,7 @@ def load_full_model(
     else:
         instead = f"name the factory you mean with --set model.factory={cfg.model.factory}, or "
         check_code_trusted(cfg, folder / CONFIG, trust_code=trust_code, instead=instead)
-    model = with_adapters(preflight(cfg, scope="model"), cfg, seed=None)  # on the meta device; a LoRA run's adapters
+    model = preflight(cfg, scope="model")  # built on the meta device (with a LoRA run's adapters)
     model.to_empty(device="cpu")
     model.load_state_dict(full_model_state(model, folder))
     return model.eval(), cfg, folder

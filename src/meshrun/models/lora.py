@@ -92,12 +92,6 @@ def init_adapters(part: nn.Module, seed: int) -> None:
             param.zero_()
 
 
-def trainable_counts(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters, as peft's `get_nb_trainable_parameters` counts them."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
-
-
 def export_adapter(model: nn.Module, cfg: ModelConfig, out: Path) -> Path:
     """`meshrun export RUN --adapter OUT`: the trained adapters as peft saves them (what
     `PeftModel.from_pretrained(base, OUT)` loads): adapter_config.json with the modules adapted under

@@ -28,6 +28,8 @@ def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # LoRA trains matrices only: an empty group would break torch's flattened optimizer state on load
+    groups = [group for group in groups if group["params"]]
     # Fused where torch has a fused kernel (AdamW, Adam, SGD; CPU and CUDA): it can skip a step on
     # the device (see step_unless), with no host sync. RMSprop has none: foreach.
     if cfg.optimizer == "adamw":
