@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from hf_models import SEQ_LEN, load_reference, make_model
-from test_hf import interrupted
 from plain_reference import config_from_set_args, cosine_lr
+from test_hf import interrupted
 
 from meshrun.data.dataset import TokenDataset
 
