@@ -332,6 +332,18 @@ CASES = [
         torch_free=True,
     ),
     Case(
+        "compile-unknown",  # the choices in YAML's words (was: use 'auto', True or False)
+        lambda c: ["train", *c.set(train__compile="maybe")],
+        ("invalid train.compile: use 'auto', true or false", '"maybe"'),
+        torch_free=True,
+    ),
+    Case(
+        "empty-value",  # `--set train.steps=` reads as null (was: "Input should be a valid integer")
+        lambda c: ["train", *c.set(train__steps="")],
+        ("invalid train.steps: no value given (empty or null)",),
+        torch_free=True,
+    ),
+    Case(
         "schedule-unknown",
         lambda c: ["train", *c.set(parallel__schedule="pipedream")],
         ("invalid parallel.schedule", "'1f1b'"),
