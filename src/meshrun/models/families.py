@@ -17,11 +17,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from meshrun.config.model_sections import EncDecSection, GPTSection, HFSection, ModelConfig, ModelSection
+from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.models.encdec import EncDec
 from meshrun.models.gpt import GPT
 from meshrun.models.hf_config import is_hf
-from meshrun.models.protocol import ProtocolModule
+from meshrun.models.protocol import ProtocolModule, pretrained_dir
 from meshrun.versions import missing_extra
 
 S = TypeVar("S", bound=ModelSection)
@@ -152,3 +153,13 @@ def flops_at(model: ProtocolModule, length: int) -> float:
     if "length" in inspect.signature(model.flops_per_token).parameters:
         return model.flops_per_token(length=length)
     return model.flops_per_token()
+
+
+def init_line(cfg: Config, model: nn.Module) -> str:
+    """Where a new run's weights come from, in one line (`model`: the whole model, any device)."""
+    source = pretrained_dir(model)
+    if source is not None:
+        return f"weights loaded from {source} ({len(model.state_dict())} tensors)"
+    if cfg.model.factory is not None:  # its init_weights may load weights of its own
+        return f"weights from {cfg.model.factory}'s init_weights (seed {cfg.train.seed})"
+    return f"random init (seed {cfg.train.seed})"
