@@ -28,12 +28,12 @@ from meshrun.models.families import init_line
 from meshrun.parallel.mesh import init_mesh, shutdown
 
 if TYPE_CHECKING:
-    from meshrun.training.trainer import Trainer
+    from meshrun.training.run import Run
 
 
 def run_worker(cfg: Config) -> Outcome:
     """The worker's training entry: trains, and returns and records how the run ended."""
-    from meshrun.training.trainer import Trainer  # heavy imports only in workers
+    from meshrun.training.run import Run  # heavy imports only in workers
 
     if in_launched_worker():  # Ctrl-C: torchrun passes SIGINT on; end at once, as every rank does,
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # not with tracebacks of peers gone mid-collective
@@ -42,7 +42,7 @@ def run_worker(cfg: Config) -> Outcome:
     if in_launched_worker():  # torch's notes (DTensor's) go to this rank's log, not the console
         divert_worker_notes(run_dir, int(os.environ["RANK"]))
     progress.mark_init("joining the process group")
-    watchdog, rank, trainer, failing = start_watchdog(cfg), 0, None, False
+    watchdog, rank, run, failing = start_watchdog(cfg), 0, None, False
     try:
         mesh = init_mesh(cfg.layout, join_timeout=cfg.launch.rdzv_timeout)
         rank = mesh.rank
@@ -50,10 +50,10 @@ def run_worker(cfg: Config) -> Outcome:
         torch.distributed.barrier()  # data prepared by every node's local rank 0
         cfg = with_resolved_precision(cfg, mesh.device, speaks=rank == 0)
         progress.mark_init("building the model and initialising its weights")
-        trainer = Trainer(cfg, mesh, data_dir(cfg))
-        if rank == 0 and trainer.start_step == 0:  # a resumed run said where it resumed from
-            say(init_line(cfg, trainer.flops_model))
-        outcome = trainer.train()
+        run = Run(cfg, mesh, data_dir(cfg))
+        if rank == 0 and run.trainer.start_step == 0:  # a resumed run said where it resumed from
+            say(init_line(cfg, run.trainer.flops_model))
+        outcome = run.trainer.train()
     except ConfigError:
         raise  # refused before training (e.g. no checkpoint loads): the run directory stays as it was
     except DiskFull as full:  # anywhere (a checkpoint, metrics.jsonl, a picture): say what a rerun resumes
@@ -67,7 +67,7 @@ def run_worker(cfg: Config) -> Outcome:
             raise
         raise SystemExit(worker_failed(run_dir, rank, exc, attempt=attempt)) from None
     finally:
-        close_worker(trainer, failing=failing)
+        close_worker(run, failing=failing)
         if watchdog is not None:
             watchdog.stop()
     if rank == 0:
@@ -92,13 +92,13 @@ def start_watchdog(cfg: Config) -> HangWatchdog | None:
     return watchdog
 
 
-def close_worker(trainer: Trainer | None, *, failing: bool) -> None:
-    """The trainer's and the process group's cleanup. After a failure, what they raise (a stop
+def close_worker(run: Run | None, *, failing: bool) -> None:
+    """The run's and the process group's cleanup. After a failure, what they raise (a stop
     request's all-reduce still in flight when a peer was lost) would only bury the failure's line."""
     quietly = contextlib.suppress(Exception) if failing else contextlib.nullcontext()
-    if trainer is not None:
+    if run is not None:
         with quietly:
-            trainer.close()
+            run.close()
     with quietly:
         shutdown()
 
