@@ -278,7 +278,7 @@ def grad_norms(run_dir: Path) -> list[float]:
 
 @contextlib.contextmanager
 def in_process_trainer(data_dir: Path, run_dir: Path, **overrides: object) -> Iterator[Trainer]:
-    """meshrun's real Trainer on a one-process mesh, as `meshrun train` builds it for dp=pp=1."""
+    """meshrun's real Trainer on a one-process mesh, built by a `Run` as `meshrun train` builds it for dp=pp=1."""
     from meshrun.parallel.layout import Layout
     from meshrun.parallel.mesh import init_mesh, shutdown
     from meshrun.training.run import Run

@@ -119,45 +119,21 @@ class Trainer:
         for step in range(self.start_step, cfg.steps):
             done = step + 1
             log_due = done % cfg.log_interval == 0 or done == cfg.steps
-            with self.profiler.step(done, measure=self.mesh.pp > 1 and log_due):  # the timeline of a logged step
-                result = self.train_step(step)
-            if step == self.start_step and self.compiles:  # the first step compiled the blocks
-                self.report.note(f"step {done} compiled and ran in {time.perf_counter() - window.start:.1f} s")
-            window.add(result, flops_per_token=self.flops_per_token(result.tokens // cfg.global_batch))
-            self.state.skipped_steps += result.skipped
-            if result.state_bytes is not None:
-                self.state_bytes = result.state_bytes
-            self.report.tick(done)
-            requested, stop = self.requests.poll()  # asked for before this step: every rank acts now
-            if self.background is not None and (written := self.background.poll()):  # a failed write raises
-                self.report.note(f"saved checkpoint {written} (written in the background)")
+            result = self._step(step, window, measure=self.mesh.pp > 1 and log_due)  # the timeline of a logged step
+            # What follows a step, decided alike on every rank: log, evaluate, checkpoint, stop.
+            requested, stop = self._poll()  # asked for before this step: every rank acts now
             eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
             save_due = requested or self._checkpoint_due(done)
             if log_due or eval_due or save_due:
                 self.nonfinite.raise_if_any()  # before anything reads or saves these weights
             if log_due:
-                progress.mark("log")
-                end = self.clock()  # the next window starts where this one ends: no time is lost
-                split = time_split.close(at=end)
-                row = self._log_window(window, result, done, train_s=end - window.start - window.paused, split=split)
-                window = Window(start=end)
+                row, window = self._log(window, result, done)
             pauses: dict[str, float] = {}  # validation and checkpoint: timed apart, their own row at this step
             if eval_due:
-                progress.mark("eval")
-                time_split.phase("eval")
-                pauses["val_loss"], pauses["eval_s"] = self.timed(self.evaluate)
+                pauses |= self._evaluate_timed()
                 row["val_loss"] = pauses["val_loss"]
             if save_due:  # preemption and the end of the run save synchronously
-                progress.mark("checkpoint")
-                time_split.phase("checkpoint")
-                background = self.background is not None and not stop and done < cfg.steps
-                path, pauses["checkpoint_s"] = self.timed(partial(self.save, done, background=background))
-                blocked = f"in {pauses['checkpoint_s']:.2f} s"
-                self.report.note(
-                    f"staged checkpoint {path.name} {blocked}; writing it in the background"
-                    if background
-                    else f"saved checkpoint {path} {blocked}"
-                )
+                pauses |= self._checkpoint_timed(done, background=not stop and done < cfg.steps)
             if pauses:
                 window.paused += pauses.get("eval_s", 0.0) + pauses.get("checkpoint_s", 0.0)
                 self.report.log(done, pauses)
@@ -170,6 +146,58 @@ class Trainer:
         progress.mark("finishing")  # the summary and pictures: no longer watched
         self._summary(row)
         return Outcome.COMPLETED
+
+    def _step(self, step: int, window: Window, *, measure: bool) -> StepResult:
+        """`train_step` (profiled when profile.steps names it), counted into the log `window`."""
+        done = step + 1
+        with self.profiler.step(done, measure=measure):
+            result = self.train_step(step)
+        if step == self.start_step and self.compiles:  # the first step compiled the blocks
+            self.report.note(f"step {done} compiled and ran in {time.perf_counter() - window.start:.1f} s")
+        window.add(result, flops_per_token=self.flops_per_token(result.tokens // self.cfg.train.global_batch))
+        self.state.skipped_steps += result.skipped
+        if result.state_bytes is not None:
+            self.state_bytes = result.state_bytes
+        self.report.tick(done)
+        return result
+
+    def _poll(self) -> tuple[bool, bool]:
+        """(save now, stop after saving) as every rank agrees; a background save that has finished
+        writing is published (a failed write raises)."""
+        requested, stop = self.requests.poll()
+        if self.background is not None and (written := self.background.poll()):
+            self.report.note(f"saved checkpoint {written} (written in the background)")
+        return requested, stop
+
+    def _log(self, window: Window, last: StepResult, done: int) -> tuple[dict, Window]:
+        """The row of the log `window` that ends with step `done`, and the next window, which
+        starts where this one ends: no time is lost."""
+        progress.mark("log")
+        end = self.clock()
+        split = time_split.close(at=end)
+        row = self._log_window(window, last, done, train_s=end - window.start - window.paused, split=split)
+        return row, Window(start=end)
+
+    def _evaluate_timed(self) -> dict[str, float]:
+        """The validation loss and the seconds it took (not counted as training time)."""
+        progress.mark("eval")
+        time_split.phase("eval")
+        val_loss, seconds = self.timed(self.evaluate)
+        return {"val_loss": val_loss, "eval_s": seconds}
+
+    def _checkpoint_timed(self, done: int, *, background: bool) -> dict[str, float]:
+        """A checkpoint of step `done` (`background`: when checkpoint.async allows it) and the
+        seconds training was blocked for it."""
+        progress.mark("checkpoint")
+        time_split.phase("checkpoint")
+        background = background and self.background is not None
+        path, seconds = self.timed(partial(self.save, done, background=background))
+        self.report.note(
+            f"staged checkpoint {path.name} in {seconds:.2f} s; writing it in the background"
+            if background
+            else f"saved checkpoint {path} in {seconds:.2f} s"
+        )
+        return {"checkpoint_s": seconds}
 
     def clock(self) -> float:
         """Now, once the device has finished the work queued so far (what a host timer must wait for)."""
