@@ -25,6 +25,7 @@ from conftest import WORDS, meshrun_env, run_meshrun, tiny
 from meshrun import cli
 from meshrun.cli import train as job
 from meshrun.config.schema import load_config
+from meshrun.launcher import local as local_launch
 
 FACTORY_MODULE = '''
 from torch import nn
@@ -1254,7 +1255,7 @@ def no_workers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         raise AssertionError("a worker was started")
 
     monkeypatch.setattr(job, "run_worker", tripwire)  # one process: the worker runs here
-    monkeypatch.setattr(job, "run_torchrun", tripwire)  # several: torchrun is started
+    monkeypatch.setattr(local_launch, "run_torchrun", tripwire)  # several: torchrun is started
     for name, value in meshrun_env(tmp_path).items():
         monkeypatch.setenv(name, value)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
