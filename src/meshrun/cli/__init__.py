@@ -39,7 +39,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from meshrun.cli.task_data import chosen_task, prepare_records
+    from meshrun.cli.task_data import check_flags_apply, chosen_task, prepare_records
     from meshrun.data.prepare import default_sources, describe_dataset, prepare
 
     if not 0 < args.val_fraction < 0.5:
@@ -48,6 +48,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     task = chosen_task(args)
+    check_flags_apply(args, task)
     if args.chat or args.prompt_completion:
         return _prepare_supervised(args)
     if task in ("classification", "regression"):
