@@ -21,7 +21,7 @@ from _saved_bytes import SavedBytes
 from meshrun.config.schema import load_config
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
-from meshrun.training.trainer import Trainer
+from meshrun.training.run import Run
 
 
 def main() -> None:
@@ -62,9 +62,10 @@ def main() -> None:
         ],
     )
     mesh = init_mesh(Layout(pp=pp, per_rank=1))
-    trainer = None
+    run = None
     try:
-        trainer = Trainer(cfg, mesh, Path(args.data))
+        run = Run(cfg, mesh, Path(args.data))
+        trainer = run.trainer
         counter = SavedBytes(exclude=trainer.params)
         peaks = []
         for step in range(args.steps):
@@ -82,8 +83,8 @@ def main() -> None:
         }
         (Path(args.run_dir) / f"memory-rank{mesh.rank}.json").write_text(json.dumps(result))
     finally:
-        if trainer is not None:
-            trainer.close()
+        if run is not None:
+            run.close()
         shutdown()
 
 

@@ -33,6 +33,7 @@ from meshrun.config.schema import load_config
 from meshrun.data.prepare import prepare
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
+from meshrun.training.run import Run
 from meshrun.training.trainer import Trainer
 
 TARGET = 0.2  # async blocked / sync blocked
@@ -53,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     return _quick.parse(p, tiny)
 
 
-def make_trainer(args: argparse.Namespace, run_dir: Path, data_dir: Path) -> Trainer:
+def start_run(args: argparse.Namespace, run_dir: Path, data_dir: Path) -> Run:
     steps = 1_000_000  # never reached: the bench drives train_step and save itself
     cfg = load_config(
         None,
@@ -77,7 +78,7 @@ def make_trainer(args: argparse.Namespace, run_dir: Path, data_dir: Path) -> Tra
             f"run_dir={run_dir}",
         ],
     )
-    return Trainer(cfg, init_mesh(Layout()), data_dir)
+    return Run(cfg, init_mesh(Layout()), data_dir)
 
 
 class Bench:
@@ -113,16 +114,16 @@ def main() -> int:
         tmp = Path(tmp_name)
         data_dir = tmp / "data"
         prepare(_quick.stdlib_text(quick=args.quick), data_dir)
-        trainer = make_trainer(args, tmp / "run", data_dir)
+        training = start_run(args, tmp / "run", data_dir)
         try:
-            return run(args, Bench(trainer, args.window))
+            return run(args, Bench(training.trainer, args.window))
         finally:
-            trainer.close()
+            training.close()
             shutdown()
 
 
 def run(args: argparse.Namespace, bench: Bench) -> int:
-    state = bench.trainer.state_dict(0)
+    state = bench.trainer.state.state_dict(0)
     megabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
     del state
     print(

@@ -42,7 +42,7 @@ from meshrun.hardware.precision import resolve_precision
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
 from meshrun.planner.layout_memory import layout_memory
-from meshrun.training.trainer import Trainer
+from meshrun.training.run import Run
 
 LLAMA_1B = {
     "model_type": "llama",
@@ -110,20 +110,20 @@ def train(kit: Kit, cfg: Config, *, warmup: int) -> Trained:
     """cfg's job through meshrun's Trainer on a one-process mesh, its rows and final weights."""
     predicted = layout_memory(cfg, cfg.precision).peak / 1e9
     mesh = init_mesh(Layout())
-    trainer = None
+    run = None
     try:
         if kit.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        trainer = Trainer(cfg, mesh, kit.data_dir)
-        trainer.train()
+        run = Run(cfg, mesh, kit.data_dir)
+        run.trainer.train()
         rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
         rows = [row for row in rows if "loss" in row]
         later = rows[warmup:] or rows[-1:]
-        weights = {k: v.detach().float().cpu().clone() for k, v in trainer.model.parts[0].state_dict().items()}
+        weights = {k: v.detach().float().cpu().clone() for k, v in run.trainer.model.parts[0].state_dict().items()}
         measured = trainer_peak_gb(kit.device)
     finally:
-        if trainer is not None:
-            trainer.close()
+        if run is not None:
+            run.close()
         shutdown()
     mfu = [row["mfu"] for row in later if "mfu" in row]
     return Trained(

@@ -90,7 +90,7 @@ def step_time(args: argparse.Namespace) -> int:
     from meshrun.data.prepare import prepare
     from meshrun.parallel.layout import Layout
     from meshrun.parallel.mesh import init_mesh, shutdown
-    from meshrun.training.trainer import Trainer
+    from meshrun.training.run import Run
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="meshrun-bench-hf-") as tmp_name:
@@ -124,14 +124,14 @@ def step_time(args: argparse.Namespace) -> int:
         )
         mesh = init_mesh(Layout())
         try:
-            trainer = Trainer(cfg, mesh, data_dir)
+            training = Run(cfg, mesh, data_dir)
             try:
                 args.chunk, overhead.TARGET = None, STEP_TARGET
                 hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
                 hand = overhead.HandLoop(cfg, mesh.device, data_dir, model=Logits(hf))
-                return overhead.run(args, cfg, trainer, hand, mesh.device)
+                return overhead.run(args, cfg, training.trainer, hand, mesh.device)
             finally:
-                trainer.close()
+                training.close()
         finally:
             shutdown()
 

@@ -34,7 +34,7 @@ from meshrun.config.schema import load_config
 from meshrun.data.prepare import prepare
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
-from meshrun.training.trainer import Trainer
+from meshrun.training.run import Run
 
 SIZE = ("model.num_layers=4", "model.dim=256", "model.num_heads=4", "model.seq_len=256")
 SIZE += ("train.global_batch=16", "train.micro_batch=4")
@@ -81,9 +81,10 @@ def check(precision: str, args: argparse.Namespace, tmp: Path, data_dir: Path) -
         ],
     )
     mesh = init_mesh(Layout())
-    trainer = None
+    run = None
     try:
-        trainer = Trainer(cfg, mesh, data_dir)
+        run = Run(cfg, mesh, data_dir)
+        trainer = run.trainer
         window = torch.zeros((), device=mesh.device)
         for step in range(args.warmup):
             window = window + trainer.train_step(step).loss
@@ -106,8 +107,8 @@ def check(precision: str, args: argparse.Namespace, tmp: Path, data_dir: Path) -
         )
         return True
     finally:
-        if trainer is not None:
-            trainer.close()
+        if run is not None:
+            run.close()
         shutdown()
 
 

@@ -37,6 +37,7 @@ from meshrun.data.prepare import prepare
 from meshrun.models.gpt import GPT
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
+from meshrun.training.run import Run
 from meshrun.training.trainer import Trainer
 
 TARGET = 1.03  # meshrun step time / hand-written step time
@@ -178,11 +179,11 @@ def main() -> int:
         cfg = make_config(args, tmp, data_dir)
         mesh = init_mesh(Layout())  # a lone process: no torchrun, no ports
         try:
-            trainer = Trainer(cfg, mesh, data_dir)
+            training = Run(cfg, mesh, data_dir)
             try:
-                return run(args, cfg, trainer, HandLoop(cfg, mesh.device, data_dir), mesh.device)
+                return run(args, cfg, training.trainer, HandLoop(cfg, mesh.device, data_dir), mesh.device)
             finally:
-                trainer.close()
+                training.close()
         finally:
             shutdown()
 

@@ -36,7 +36,7 @@ from meshrun.models.families import build_model, flops_at
 from meshrun.parallel.compile import apply_compile
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
-from meshrun.training.trainer import Trainer
+from meshrun.training.run import Run
 
 MODELS = {  # name -> (layers, dim, heads, seq, micro batch)
     "default": (4, 128, 4, 128, 4),
@@ -131,15 +131,15 @@ def measure(cfgs: dict[bool, Config], data_dir: Path, args: argparse.Namespace) 
     cfg = next(iter(cfgs.values()))  # the same model in every mode
     flops_per_step = flops_at(build_model(cfg.model), cfg.model.seq_len) * cfg.tokens_per_step
     mesh = init_mesh(Layout())
-    trainers = []
+    runs = []
     try:
         sides: dict[tuple[str, bool], Callable[[int], object]] = {}
         for compiled, cfg in cfgs.items():
-            trainers.append(Trainer(cfg, mesh, data_dir))
+            runs.append(Run(cfg, mesh, data_dir))
             hand = HandLoop(cfg, mesh.device, data_dir)
             if compiled:
                 apply_compile(hand.model.blocks, strict=True, warn=print)
-            sides[("meshrun", compiled)], sides[("hand", compiled)] = trainers[-1].train_step, hand.train_step
+            sides[("meshrun", compiled)], sides[("hand", compiled)] = runs[-1].trainer.train_step, hand.train_step
         for fn in sides.values():
             fn(0)  # warm-up (and compilation)
             fn(1)
@@ -156,8 +156,8 @@ def measure(cfgs: dict[bool, Config], data_dir: Path, args: argparse.Namespace) 
                 rounds[key].append(flops_per_step / statistics.median(times[key]) / 1e12)
         return {key: statistics.median(values) for key, values in rounds.items()}
     finally:
-        for trainer in trainers:
-            trainer.close()
+        for run in runs:
+            run.close()
         shutdown()
 
 

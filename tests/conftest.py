@@ -278,17 +278,17 @@ def grad_norms(run_dir: Path) -> list[float]:
 
 @contextlib.contextmanager
 def in_process_trainer(data_dir: Path, run_dir: Path, **overrides: object) -> Iterator[Trainer]:
-    """meshrun's real Trainer on a one-process mesh, as `meshrun train` builds it for dp=pp=1."""
+    """meshrun's real Trainer on a one-process mesh, built by a `Run` as `meshrun train` builds it for dp=pp=1."""
     from meshrun.parallel.layout import Layout
     from meshrun.parallel.mesh import init_mesh, shutdown
-    from meshrun.training.trainer import Trainer
+    from meshrun.training.run import Run
 
     mesh = init_mesh(Layout())
-    trainer = None
+    run = None
     try:
-        trainer = Trainer(config_from_set_args(tiny(data_dir, run_dir, **overrides)), mesh, data_dir)
-        yield trainer
+        run = Run(config_from_set_args(tiny(data_dir, run_dir, **overrides)), mesh, data_dir)
+        yield run.trainer
     finally:
-        if trainer is not None:
-            trainer.close()
+        if run is not None:
+            run.close()
         shutdown()

@@ -157,9 +157,9 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
 def test_the_next_commands_fit_the_run(overrides: dict, fits: list[str], misfits: list[str]) -> None:
     """A run's `next:` line: a prompt like its training text (a source to translate for pairs and an
     encoder-decoder, not `def `), and the export a Hugging Face model is loaded back from."""
-    from meshrun.cli.train import sample_prompt
     from meshrun.config.schema import load_config
     from meshrun.files.console import next_steps
+    from meshrun.generation.sample import sample_prompt
     from meshrun.models.hf_config import is_hf
 
     sets = {"run_dir": "RUN", **({"data.dir": "x"} if "data.sources" in overrides else {}), **overrides}

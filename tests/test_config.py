@@ -25,6 +25,7 @@ from conftest import WORDS, meshrun_env, run_meshrun, tiny
 from meshrun import cli
 from meshrun.cli import train as job
 from meshrun.config.schema import load_config
+from meshrun.launcher import local as local_launch
 
 FACTORY_MODULE = '''
 from torch import nn
@@ -329,6 +330,18 @@ CASES = [
         lambda c: ["train", *c.set(recompute="foo")],
         ("invalid recompute", "none, full, selective", "'foo'"),
         subprocess=True,
+        torch_free=True,
+    ),
+    Case(
+        "compile-unknown",  # the choices in YAML's words (was: use 'auto', True or False)
+        lambda c: ["train", *c.set(train__compile="maybe")],
+        ("invalid train.compile: use 'auto', true or false", '"maybe"'),
+        torch_free=True,
+    ),
+    Case(
+        "empty-value",  # `--set train.steps=` reads as null (was: "Input should be a valid integer")
+        lambda c: ["train", *c.set(train__steps="")],
+        ("invalid train.steps: no value given (empty or null)",),
         torch_free=True,
     ),
     Case(
@@ -1242,7 +1255,7 @@ def no_workers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         raise AssertionError("a worker was started")
 
     monkeypatch.setattr(job, "run_worker", tripwire)  # one process: the worker runs here
-    monkeypatch.setattr(job, "run_torchrun", tripwire)  # several: torchrun is started
+    monkeypatch.setattr(local_launch, "run_torchrun", tripwire)  # several: torchrun is started
     for name, value in meshrun_env(tmp_path).items():
         monkeypatch.setenv(name, value)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

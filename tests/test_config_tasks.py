@@ -27,6 +27,7 @@ def test_the_task_defaults_to_what_the_config_trained_before_task_existed() -> N
     [
         (["data.pairs=true", "task=causal_lm"], "data.pairs prepares seq2seq text pairs, not data for task causal_lm"),
         (["model.name=encdec", "task=classification"], "model.name encdec is an encoder-decoder"),
+        (["task=seq2seq"], "task seq2seq trains on text pairs .* this config has neither"),  # would train causal_lm
         (
             ["task_options.mask_rate=0.3"],
             "task_options.mask_rate is an option of task masked_lm, not of task causal_lm",

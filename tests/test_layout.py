@@ -42,3 +42,19 @@ def test_a_config_from_json_is_checked_with_one_line_naming_the_keys(data: dict,
 def test_yaml_and_overrides_get_the_same_line() -> None:
     with pytest.raises(ConfigError, match="^" + BATCH.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, ["parallel.dp=3", "train.global_batch=8", "train.micro_batch=2"])
+
+
+def test_saved_degrees_read_every_mesh_axis_from_a_checkpoints_config(tmp_path) -> None:
+    """A checkpoint's degrees name every axis Layout.mesh_degrees does (a resume keeps its RNG state
+    only when they match); an axis its config lacks had degree 1, a config without pp is unreadable."""
+    import json
+
+    from meshrun.checkpoint.paths import CONFIG
+    from meshrun.checkpoint.resume import saved_degrees
+    from meshrun.parallel.layout import Layout
+
+    (tmp_path / CONFIG).write_text(json.dumps({"parallel": {"pp": 2, "dp": 4}}))
+    assert saved_degrees(tmp_path) == {"pp": 2, "dp": 4, "tp": 1}
+    assert saved_degrees(tmp_path).keys() == Layout().mesh_degrees.keys()
+    (tmp_path / CONFIG).write_text(json.dumps({"parallel": {"dp": 4, "tp": 2}}))
+    assert saved_degrees(tmp_path) is None

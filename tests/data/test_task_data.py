@@ -232,6 +232,15 @@ def test_a_series_shorter_than_seq_len_plus_horizon_is_refused(
         (["--task", "regression"], "--task regression needs --seq-len N"),
         (["--task", "regression", "--tokenizer", "t.json"], "do not apply to --task regression"),
         (["--task", "regression", "--source", "x.txt", "--seq-len", "4"], "no files match --source x.txt"),
+        # a flag the preparation would not read is refused, not ignored
+        (["--task", "regression", "--seq-len", "4", "--workers", "2"], "--workers does not apply to --task regression"),
+        (
+            ["--task", "classification", "--shard-tokens", "99"],
+            "--shard-tokens does not apply to --task classification",
+        ),
+        (["--task", "regression", "--seq-len", "4", "--field", "x"], "--field does not apply to --task regression"),
+        (["--pairs", "--shard-tokens", "99"], "--shard-tokens does not apply to --pairs"),
+        (["--source-field", "q"], "--source-field does not apply to --task causal_lm"),
     ],
 )
 def test_flags_of_another_task_are_refused(

@@ -38,10 +38,10 @@ def test_table_ranks_layouts_and_writes_the_best(tmp_path: Path) -> None:
     out = tmp_path / "best.yaml"
     done = plan(tmp_path, "--gpus=2", "--gpu=h100", f"--write={out}", "--top=50")
     rows = table_rows(done.stdout)
-    assert rows and all(row[16] == "yes" for row in rows)  # 2 x 80 GiB holds every layout of a tiny model
+    assert rows and all(row[17] == "yes" for row in rows)  # 2 x 80 GiB holds every layout of a tiny model
     assert {(row[1], row[2], row[4]) for row in rows} == {("1", "1", "2"), ("1", "2", "1"), ("2", "1", "1")}
     assert {row[3] for row in rows} == {"ddp", "fsdp"}  # dp 2: both data-parallel modes
-    times = [float(row[17]) for row in rows]
+    times = [float(row[18]) for row in rows]
     terms = [line for line in done.stdout.splitlines() if line.startswith("  pp rank ")]
     assert terms and all("activations" in t and "buffers" in t and "baseline" in t for t in terms)
     assert times == sorted(times)

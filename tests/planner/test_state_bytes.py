@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from meshrun.cli.train import describe_job
 from meshrun.config.schema import Config
 from meshrun.models.families import build_model
+from meshrun.planner.dry_run import describe_job
 from meshrun.planner.layout_memory import layout_memory, rank_state_bytes
 
 TINY = {"model": {"num_layers": 4, "dim": 32, "num_heads": 2, "vocab_size": 256, "seq_len": 16}}

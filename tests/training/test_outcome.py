@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import descendants, finish_meshrun, meshrun_env, run_meshrun, start_meshrun, tiny, wait_for
 
-from meshrun.cli import train as job
 from meshrun.config.schema import load_config
 from meshrun.launcher.outcome import STOPPED_EXIT_CODE, Outcome, launcher_exit_code, read_record
+from meshrun.training import worker as job
 
 HERE = str(Path(__file__).parent)
 # 4 steps of 4 microbatches on one process, 2 per rank with dp=2: a cue at forward 5 (or 3) lands in step 2

@@ -315,7 +315,7 @@ def full_model_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tens
     return load(state, path)
 
 
-# what a training state holds besides the model's weights (Trainer.state_dict): optimizer moments,
+# what a training state holds besides the model's weights (TrainState.state_dict): optimizer moments,
 # progress counters, RNG states, the fp16 loss scale
 NOT_WEIGHTS = ("state.", "progress.", "rng.", "scaler.")
 

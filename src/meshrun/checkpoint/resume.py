@@ -20,6 +20,7 @@ from meshrun.checkpoint.paths import (
 from meshrun.checkpoint.safe_reader import SafeReader
 from meshrun.errors import CheckpointError, ConfigError, DamagedCheckpointError
 from meshrun.files.json_reader import read_json
+from meshrun.parallel.layout import Layout
 from meshrun.versions import installed_versions
 
 
@@ -86,12 +87,14 @@ def newer_than(run_dir: str | Path, step: int) -> tuple[Path, ...]:
 
 
 def saved_degrees(path: Path) -> dict[str, int] | None:
-    """The mesh degrees by axis (as Layout.mesh_degrees names them: pp, dp, tp) of the job that wrote a
-    checkpoint (None if its config is unreadable): they alone place ranks at coordinates, and a rank's
-    RNG state continues only on the rank at the same coordinates (tp ranks share a dropout stream)."""
+    """The mesh degrees by axis (as Layout.mesh_degrees names them: pp, dp, then any later axis, each
+    also its config key) of the job that wrote a checkpoint (None if its config is unreadable): they
+    alone place ranks at coordinates, and a rank's RNG state continues only on the rank at the same
+    coordinates (tp ranks share a dropout stream). An axis the writer's config lacks had degree 1."""
     try:
         parallel = read_json(Path(path) / CONFIG)["parallel"]
-        return {"pp": int(parallel["pp"]), "dp": int(parallel["dp"]), "tp": int(parallel.get("tp", 1))}
+        names = Layout().mesh_degrees
+        return {axis: int(parallel[axis] if axis in ("pp", "dp") else parallel.get(axis, 1)) for axis in names}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -39,7 +39,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from meshrun.cli.task_data import chosen_task, prepare_records
+    from meshrun.cli.task_data import check_flags_apply, chosen_task, prepare_records
     from meshrun.data.prepare import default_sources, describe_dataset, prepare
 
     if not 0 < args.val_fraction < 0.5:
@@ -48,6 +48,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     task = chosen_task(args)
+    check_flags_apply(args, task)
     if args.chat or args.prompt_completion:
         return _prepare_supervised(args)
     if task in ("classification", "regression"):
@@ -126,10 +127,8 @@ def _prepare_supervised(args: argparse.Namespace) -> int:
 
 def _slurm(args: argparse.Namespace) -> int:
     """Render the sbatch script for a config; print it, or submit it and print the job id."""
-    import subprocess
-
     from meshrun.files.console import say
-    from meshrun.launcher.slurm import chosen, partition_cpus, render_sbatch, slurm_notes
+    from meshrun.launcher.slurm import chosen, partition_cpus, render_sbatch, slurm_notes, submit
 
     cfg = load_config(args.config, args.overrides)
     script = render_sbatch(
@@ -154,21 +153,14 @@ def _slurm(args: argparse.Namespace) -> int:
     if not args.submit:
         print(script, end="")
         return 0
-    try:
-        done = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, check=False)
-    except FileNotFoundError:
-        raise ConfigError("sbatch not found; run on a Slurm login node, or drop --submit and save the script") from None
-    if done.returncode != 0:
-        raise ConfigError(f"sbatch failed: {done.stderr.strip()}")
-    print(done.stdout.strip().split(";")[0])  # --parsable: "jobid[;cluster]"
+    print(submit(script))
     return 0
 
 
 def _k8s(args: argparse.Namespace) -> int:
     """Render the manifest for a config after the checks that need no cluster; print or write it."""
-    from meshrun.files.atomic import write_atomic
     from meshrun.files.console import say
-    from meshrun.launcher.k8s import PodOptions, check_options, k8s_notes, render_manifest
+    from meshrun.launcher.k8s import PodOptions, check_options, k8s_notes, render_manifest, write_manifest
     from meshrun.parallel.stages import validate_layout
 
     cfg = load_config(args.config, args.overrides)
@@ -198,12 +190,7 @@ def _k8s(args: argparse.Namespace) -> int:
     if args.out is None:
         print(manifest, end="")
         return 0
-    if Path(args.out).exists():
-        raise ConfigError(f"--out {args.out} exists; meshrun does not overwrite it: choose a new file or remove it")
-    try:
-        write_atomic(args.out, manifest, replace=False)  # never over a file that appeared meanwhile
-    except OSError as exc:
-        raise ConfigError(f"--out {args.out} cannot be written ({exc.strerror or exc}); choose another path") from None
+    write_manifest(args.out, manifest)
     print(f"wrote {args.out}")
     return 0
 
@@ -243,19 +230,22 @@ def _train(args: argparse.Namespace) -> int:
     if not args.dry_run:  # the names must resolve here, before torchrun retries them for minutes
         check_rendezvous(cfg)
     model = preflight(cfg)
-    from meshrun.cli import train as job  # imports torch (preflight did, after every torch-free check)
-
     if args.dry_run:
-        print(job.describe_job(cfg, model))
+        from meshrun.planner.dry_run import describe_job  # imports torch (preflight did, after every torch-free check)
+
+        print(describe_job(cfg, model))
         return 0
+    from meshrun.cli import train as job
+
     worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
     code = job.train(cfg, worker_args, model)
     if code == 0 and not in_launched_worker():
         from meshrun.files.console import next_steps, say
+        from meshrun.generation.sample import sample_prompt
         from meshrun.models.hf_config import is_hf
 
         offline = any((Path(cfg.run_dir) / "wandb").glob("offline-run-*"))  # what the run wrote, not meant
-        say(next_steps(cfg.run_dir, offline_wandb=offline, prompt=job.sample_prompt(cfg), hf=is_hf(cfg.model)))
+        say(next_steps(cfg.run_dir, offline_wandb=offline, prompt=sample_prompt(cfg), hf=is_hf(cfg.model)))
     return code
 
 

@@ -104,7 +104,7 @@ def _gib(n: float) -> str:
 def table(predictions: list[Prediction], top: int) -> str:
     head = (
         f"{'#':>3} {'tp':>2} {'dp':>3} {'dp mode':<7} {'pp':>3} {'schedule':<20} {'mb':>3} {'m':>3} {'recompute':<9} "
-        f"{'param':>7} {'grad':>7} {'optim':>7} {'act':>7} {'buf':>7} {'base':>5} {'total GiB':>9} {'fits':<4} "
+        f"{'param':>7} {'grad':>7} {'optim':>7} {'act':>7} {'bwd':>7} {'buf':>7} {'base':>5} {'total GiB':>9} {'fits':<4} "
         f"{'step s':>9} {'bubble':>6} {'tok/s':>10} {'MFU':>6}"
     )
     lines = [head, "-" * len(head)]
@@ -115,7 +115,8 @@ def table(predictions: list[Prediction], top: int) -> str:
         lines.append(
             f"{i:>3} {lab['tp']:>2} {lab['dp']:>3} {lab['dp_mode']:<7} {lab['pp']:>3} {lab['schedule']:<20} "
             f"{lab['micro_batch']:>3} {lab['microbatches']:>3} {lab['recompute']:<9} {_gib(mem.params):>7} "
-            f"{_gib(mem.grads):>7} {_gib(mem.optimizer):>7} {_gib(mem.activations):>7} {_gib(mem.buffers):>7} "
+            f"{_gib(mem.grads):>7} {_gib(mem.optimizer):>7} {_gib(mem.activations):>7} {_gib(mem.backward):>7} "
+            f"{_gib(mem.buffers):>7} "
             f"{_gib(mem.baseline):>5} {_gib(mem.total):>9} {'yes' if p.fits else 'NO':<4} {p.time.total:>9.4g} "
             f"{p.time.bubble_fraction:>6.1%} {p.tokens_per_s:>10.4g} {mfu:>6}"
         )
@@ -155,7 +156,7 @@ def layout_comment(prediction: Prediction, hw: Hardware, precision: str, run_dir
     )
     memory = (
         f"{_gib(mem.total)} GiB (params {_gib(mem.params)}, grads {_gib(mem.grads)}, "
-        f"optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)})"
+        f"optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)}, backward {_gib(mem.backward)})"
     )
     speed = f"{prediction.time.total:.4g} s per step, {prediction.tokens_per_s:.4g} tokens/s"
     return (

@@ -42,6 +42,32 @@ def chosen_task(args: argparse.Namespace) -> str:
     return task
 
 
+# flags every kind of preparation parses: (attribute, default, the preparations that read it)
+SHARED_FLAGS = {
+    "--workers": ("workers", None, ("text",)),
+    "--shard-tokens": ("shard_tokens", 1 << 28, ("text", "supervised")),
+    "--field": ("field", "text", ("text", "classification")),
+    "--source-field": ("source_field", "source", ("seq2seq",)),
+    "--target-field": ("target_field", "target", ("seq2seq",)),
+}
+
+
+def check_flags_apply(args: argparse.Namespace, task: str) -> None:
+    """A flag this preparation would not read is refused, not silently ignored."""
+    supervised = args.chat or args.prompt_completion
+    kind = "supervised" if supervised else task if task in ("classification", "regression", "seq2seq") else "text"
+    what = (
+        ("--chat" if args.chat else "--prompt-completion")
+        if supervised
+        else "--pairs"
+        if args.pairs
+        else f"--task {task}"
+    )
+    for flag, (name, default, readers) in SHARED_FLAGS.items():
+        if getattr(args, name) != default and kind not in readers:
+            raise ConfigError(f"{flag} does not apply to {what} (it does not read it); drop {flag}")
+
+
 def prepare_records(args: argparse.Namespace, task: str) -> int:
     """classification or regression data into `--out`; prints one line saying what was written."""
     try:

@@ -444,8 +444,11 @@ def _explain(error: ErrorDetails) -> str:
         return f"unknown config key {key}: {hint}"
     if error["type"] in ("model_type", "model_attributes_type", "dict_type"):
         return f"invalid {key}: expected a section of keys (a YAML mapping, e.g. {key}: {{...}}) (got {got})"
-    if error["type"] == "literal_error":
-        return f"invalid {key}: use {error['msg'].removeprefix('Input should be ')} (got {got}){_suggest(error)}"
+    if error["type"] == "literal_error":  # choices in YAML's words: true, not Python's True
+        choices = re.sub(r"\b(True|False)\b", lambda m: m[1].lower(), error["msg"].removeprefix("Input should be "))
+        return f"invalid {key}: use {choices} (got {got}){_suggest(error)}"
+    if error.get("input", "") is None and error["type"].endswith("_type"):  # `--set run_dir=` reads as null
+        return f"invalid {key}: no value given (empty or null); set one, or leave the key out for its default"
     message = error["msg"].removeprefix("Value error, ")
     if not loc and error["type"] == "value_error":  # a rule over several sections names its keys itself
         return message

@@ -63,6 +63,11 @@ def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions)
         raise ConfigError(f"data.pairs prepares seq2seq text pairs, not data for task {task}: set task: seq2seq")
     if task != "seq2seq" and model_name == "encdec":
         raise ConfigError(f"model.name encdec is an encoder-decoder, trained as task seq2seq, not {task}")
+    if task == "seq2seq" and not pairs and model_name != "encdec":  # it would train causal_lm under its name
+        raise ConfigError(
+            f"task seq2seq trains on text pairs (data.pairs: true) or an encoder-decoder (model.name: encdec); "
+            f"this config has neither (model.name {model_name}): set them, or leave task out for causal_lm"
+        )
     options.check_for(task)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from meshrun.checkpoint.dcp import DATA_CARD
 from meshrun.config.schema import Config
-from meshrun.data.locations import training_data_dir
+from meshrun.data.locations import reads_in_place, training_data_dir
 from meshrun.data.pairs import BOS, EOS, NUM_SPECIAL, PAD
 from meshrun.data.storage import read_meta
 from meshrun.data.tokenize import byte_tokenizer, id_count, read_tokenizer, text_codec
@@ -174,3 +174,14 @@ def codec(
     if vocab > 256 and not _byte_level(data):  # byte-level data needs no tokenizer: nothing is missing
         say(f"warning: no tokenizer found (none saved with the checkpoint, nor in {data}); decoding the 256 byte ids")
     return (*text_codec(None, 256), None if vocab == 256 else 256)
+
+
+def sample_prompt(cfg: Config) -> str:
+    """A `sample --prompt` that fits what the run trained on, for its `next:` line: a source to
+    translate for pairs data or an encoder-decoder (a function name, for the built-in example),
+    code for the embedded standard-library corpus, a placeholder for the user's own text."""
+    meta = read_meta(training_data_dir(cfg)) or {}
+    if source_len(cfg.model) is not None or meta.get("format") == "pairs":
+        return "get_terminal_size" if cfg.data.pairs and not cfg.data.sources else "SOURCE TEXT"
+    embedded = not (cfg.data.sources or reads_in_place(cfg) or cfg.data.dir)
+    return "def " if embedded else "TEXT TO CONTINUE"

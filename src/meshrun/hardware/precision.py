@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from meshrun.config.schema import Config
+from meshrun.errors import RunError
+from meshrun.files.console import say
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -97,3 +99,22 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def with_resolved_precision(cfg: Config, device: torch.device, *, speaks: bool) -> Config:
+    """Collective: the config with `precision` resolved for this hardware (what config.json and the
+    tracker record). The rank that `speaks` says what was chosen and why; all ranks must agree
+    (mixed hardware with `auto` could pick different dtypes for the stages of one pipeline)."""
+    choice = resolve_precision(cfg.precision, device)
+    choices: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(choices, choice.precision)
+    if len(set(choices)) > 1:
+        raise RunError(
+            f"precision {cfg.precision} means {' / '.join(sorted(set(map(str, choices))))} on different nodes "
+            "(their hardware differs); set precision explicitly"
+        )
+    if speaks:
+        say(choice.reason)
+        if choice.warning:
+            say(f"warning: {choice.warning}")
+    return cfg.model_copy(update={"precision": choice.precision})

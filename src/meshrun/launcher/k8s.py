@@ -23,6 +23,7 @@ import posixpath
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -30,6 +31,7 @@ import yaml
 from meshrun.config.schema import Config
 from meshrun.config.topology import workers_per_node
 from meshrun.errors import ConfigError
+from meshrun.files.atomic import write_atomic
 from meshrun.launcher.outcome import STOPPED_EXIT_CODE
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -421,3 +423,13 @@ def _trainjob(
     if options.queue:
         spec["suspend"] = True
     return {"apiVersion": TRAINJOB_API, "kind": "TrainJob", "metadata": meta, "spec": spec}
+
+
+def write_manifest(out: str, manifest: str) -> None:
+    """`manifest` written to `out` (`--out`), which must not exist: meshrun overwrites nothing."""
+    if Path(out).exists():
+        raise ConfigError(f"--out {out} exists; meshrun does not overwrite it: choose a new file or remove it")
+    try:
+        write_atomic(out, manifest, replace=False)  # never over a file that appeared meanwhile
+    except OSError as exc:
+        raise ConfigError(f"--out {out} cannot be written ({exc.strerror or exc}); choose another path") from None

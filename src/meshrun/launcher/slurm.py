@@ -233,3 +233,14 @@ def slurm_notes(cfg: Config, *, nodes: int, time: str | None) -> list[str]:
 
 if __name__ == "__main__":
     print(template(), end="")
+
+
+def submit(script: str) -> str:
+    """Submit a rendered sbatch script; returns the job id Slurm gave it."""
+    try:
+        done = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise ConfigError("sbatch not found; run on a Slurm login node, or drop --submit and save the script") from None
+    if done.returncode != 0:
+        raise ConfigError(f"sbatch failed: {done.stderr.strip()}")
+    return done.stdout.strip().split(";")[0]  # --parsable: "jobid[;cluster]"

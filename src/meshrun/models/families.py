@@ -17,11 +17,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from meshrun.config.model_sections import EncDecSection, GPTSection, HFSection, ModelConfig, ModelSection
+from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
+from meshrun.models import encdec
 from meshrun.models.encdec import EncDec
 from meshrun.models.gpt import GPT
 from meshrun.models.hf_config import is_hf
-from meshrun.models.protocol import ProtocolModule
+from meshrun.models.protocol import ProtocolModule, pretrained_dir
 from meshrun.versions import missing_extra
 
 S = TypeVar("S", bound=ModelSection)
@@ -34,6 +36,9 @@ class Family(Generic[S]):
 
     section: type[S]
     build: Callable[[S], nn.Module]
+    # the encoder's share of seq_len (an encoder-decoder's data splits each sample into source and
+    # target); None: decoder-only, a sample is one sequence
+    source_len: Callable[[S], int | None] = lambda cfg: None
 
 
 def _hugging_face(cfg: HFSection) -> nn.Module:
@@ -44,7 +49,7 @@ def _hugging_face(cfg: HFSection) -> nn.Module:
 
 FAMILIES: tuple[Family[Any], ...] = (
     Family(GPTSection, GPT),
-    Family(EncDecSection, EncDec),
+    Family(EncDecSection, EncDec, source_len=encdec.source_len),
     Family(HFSection, _hugging_face),
 )
 # A user's factory may return anything: build_model checks it.
@@ -52,9 +57,20 @@ Factory = Callable[[ModelConfig], object]
 PROTOCOL = ("embed", "blocks", "norm", "head", "init_weights", "flops_per_token")
 
 
+def family_of(cfg: ModelConfig) -> Family[Any] | None:
+    """The family whose section `cfg` is (None: a user's model.factory)."""
+    return next((f for f in FAMILIES if isinstance(cfg, f.section)), None)
+
+
+def source_len(cfg: ModelConfig) -> int | None:
+    """The encoder's share of seq_len, as the config's family says (a user's factory: decoder-only)."""
+    family = family_of(cfg)
+    return None if family is None else family.source_len(cfg)
+
+
 def resolve_factory(cfg: ModelConfig) -> Factory:
     """Find the constructor of the config's family, or the one model.factory names (errors name it)."""
-    family = next((f for f in FAMILIES if isinstance(cfg, f.section)), None)
+    family = family_of(cfg)
     if family is not None:
         return family.build
     assert cfg.factory is not None  # no family of ours: the section model.factory chose
@@ -152,3 +168,13 @@ def flops_at(model: ProtocolModule, length: int) -> float:
     if "length" in inspect.signature(model.flops_per_token).parameters:
         return model.flops_per_token(length=length)
     return model.flops_per_token()
+
+
+def init_line(cfg: Config, model: nn.Module) -> str:
+    """Where a new run's weights come from, in one line (`model`: the whole model, any device)."""
+    source = pretrained_dir(model)
+    if source is not None:
+        return f"weights loaded from {source} ({len(model.state_dict())} tensors)"
+    if cfg.model.factory is not None:  # its init_weights may load weights of its own
+        return f"weights from {cfg.model.factory}'s init_weights (seed {cfg.train.seed})"
+    return f"random init (seed {cfg.train.seed})"

@@ -141,7 +141,7 @@ def runtime_bytes(cfg: Config, device: torch.device) -> int:
     the CUDA context and libraries on a GPU (in use less torch's reserved)."""
     from meshrun.models.families import build_model
 
-    for module in ("meshrun.cli.train", "meshrun.parallel.fsdp", "meshrun.parallel.pipeline"):
+    for module in ("meshrun.training.worker", "meshrun.parallel.fsdp", "meshrun.parallel.pipeline"):
         importlib.import_module(module)  # what a worker imports: resident like its tensors
 
     build_model(cfg.model)  # on meta: imports the family's code (transformers for a Hugging Face model)

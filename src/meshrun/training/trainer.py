@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -13,134 +14,88 @@ import torch.distributed as dist
 from torch.amp import GradScaler
 
 from meshrun.checkpoint import dcp as checkpoint
-from meshrun.checkpoint import resume
 from meshrun.checkpoint.background import BackgroundSaves
-from meshrun.checkpoint.paths import resume_candidates
 from meshrun.config.schema import Config
-from meshrun.data.dataset import MixtureDataset, TokenDataset, open_dataset
-from meshrun.data.locations import training_data_dir
+from meshrun.data.dataset import MixtureDataset, TokenDataset
 from meshrun.data.pairs import PairsDataset
 from meshrun.files.console import say
-from meshrun.hardware.precision import autocast, make_scaler
 from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome
 from meshrun.metrics import time_split
 from meshrun.metrics.meters import device_utilisation, mfu_note, peak_memory_gb, peak_tflops, throughput
 from meshrun.metrics.profiler import StepProfiler
 from meshrun.metrics.report import RunReport, run_facts
-from meshrun.metrics.run_dir import start_run_record
-from meshrun.models.encdec import source_len
-from meshrun.models.families import build_model, flops_at
+from meshrun.models.families import flops_at
+from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel import timeline
 from meshrun.parallel.compile import is_compiled
 from meshrun.parallel.fsdp import measured_state_bytes
 from meshrun.parallel.mesh import Mesh
-from meshrun.parallel.parallelize import parallelize
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.nonfinite import NonFiniteSteps
-from meshrun.training.optim import Optimizers, clip_global_norm, schedule_change_note
+from meshrun.training.optim import clip_global_norm
 from meshrun.training.preemption import Requests
+from meshrun.training.state import TrainState
 from meshrun.training.step_records import AcrossRanks, StepResult, Window
 
 T = TypeVar("T")
+Dataset = TokenDataset | MixtureDataset | PairsDataset
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """The splits a run trains and validates on, and the files that say how they were tokenized
+    (saved with each checkpoint)."""
+
+    train: Dataset
+    val: Dataset
+    card: tuple[Path, ...]
 
 
 class Trainer:
-    def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
+    """The loop over a run's steps, built from what the run (training/run.py) made and resumed:
+    constructing it opens no file, creates no process group and installs no signal handler."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        state: TrainState,
+        *,
+        data: TrainingData,
+        flops_model: ProtocolModule,
+        start_step: int,
+        newer_checkpoints: tuple[Path, ...],
+        report: RunReport,
+        requests: Requests,
+        background: BackgroundSaves | None,
+        profiler: StepProfiler,
+    ) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
-        # Dropout streams (weights and data have their own seeds): one per tp group (Layout.seed_offset).
-        torch.manual_seed(cfg.train.seed + mesh.seed_offset)
-        # Steps and evaluations pass their own loss (batch_loss); this one only sets the microbatch count.
-        self.model = parallelize(
-            cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=partial(autocast, cfg, mesh.device)
-        )
+        self.state, self.model, self.optimizers, self.scaler = state, state.model, state.optimizers, state.scaler
         self.params = [p for part in self.model.parts for p in part.parameters()]
         self.compiles = any(is_compiled(part.blocks) for part in self.model.parts)
         self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
-        self.optimizers = Optimizers(self.model.parts, cfg.train)
-        # fsdp/hsdp: each rank checks only its gradient shards, so every rank must agree on found_inf
-        # (and tp: each rank checks its shards)
-        sharded = mesh.data_mesh is not None or mesh.size("tp") > 1
-        self.scaler = make_scaler(cfg, self.device, dist.group.WORLD if sharded else mesh.group("pp"))
-        seq_len, seed = cfg.model.seq_len, cfg.train.seed
-        # how pairs data (if any) is batched: the encoder's share, the samples sharing a length bucket
-        pairs_layout = {"source_len": source_len(cfg.model), "global_batch": cfg.train.global_batch}
-        self.train_data = open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed, **pairs_layout)
-        self.val_data = open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed, **pairs_layout)
-        trained_on = training_data_dir(cfg)  # its tokenizer decodes
-        self.data_card = tuple(p for p in (trained_on / "meta.json", trained_on / "tokenizer.json") if p.is_file())
-        self.flops_model = build_model(cfg.model)  # on meta: prices a step's tokens at its length
+        self.train_data, self.val_data, self.data_card = data.train, data.val, data.card
+        self.flops_model = flops_model  # on meta: prices a step's tokens at its length
         self.flops_by_length: dict[int, float] = {}
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
         self.run_dir = Path(cfg.run_dir)
-        self.skipped_steps = 0  # fp16 steps the scaler skipped, over the whole run (checkpointed)
         self.state_bytes = 0  # params + grads + optimizer state on this rank, measured at the first step
         self.nonfinite = NonFiniteSteps(self.device)
-        self.samples_seen = 0  # data position in global samples: survives a change of dp
-        self.newer_checkpoints: tuple[Path, ...] = ()  # than the one resumed from: never deleted
-        self.start_step = self.resume()
-        # Rank 0 records the run; a complete one's record stays as it is (no tracker: nothing written).
-        records = mesh.rank == 0 and self.start_step < cfg.train.steps
-        self.report = RunReport(
-            self.run_dir,
-            steps=cfg.train.steps,
-            tracker=start_run_record(cfg, start_step=self.start_step) if records else None,
-            timeline_title=f"{cfg.layout.text()}, {cfg.accumulation_steps} microbatches:",
-            start_step=self.start_step,
-            plots=cfg.metrics.plots,
-        )
-        self.requests = Requests(self.run_dir, is_rank0=mesh.rank == 0)
-        self.background = BackgroundSaves() if cfg.checkpoint.async_ else None  # checkpoint.async
-        self.profiler = StepProfiler(cfg.profile, run_dir=self.run_dir, rank=mesh.rank, device=self.device)
+        self.start_step, self.newer_checkpoints = start_step, newer_checkpoints  # newer: never deleted
+        self.report, self.requests, self.background, self.profiler = report, requests, background, profiler
         self.stragglers = time_split.Stragglers(
             ratio=cfg.metrics.straggler_ratio, windows=cfg.metrics.straggler_windows
         )
-        time_split.start(self.device, at=time.perf_counter())  # train() starts it again with its first window
 
-    def resume(self) -> int:
-        """Load the newest loadable checkpoint (falling back past ones that fail); returns its step.
-
-        Checkpoints exist but none loads: stop before anything in the run directory changes.
-        """
-        candidates = resume_candidates(self.run_dir, self.cfg.train.resume)
-        failures: list[tuple[Path, checkpoint.CheckpointError]] = []
-        for path in candidates:
-            try:
-                same_layout = resume.saved_degrees(path) == self.mesh.layout.mesh_degrees
-                progress.mark_init("loading checkpoint", f" {path}")
-                state = checkpoint.load(self.state_dict(0, rng=same_layout), path)
-            except checkpoint.CheckpointError as exc:
-                if self.cfg.train.resume != "auto" and path == candidates[-1]:
-                    raise  # the checkpoint named by train.resume
-                if self.mesh.rank == 0:
-                    say(f"warning: {exc}; trying an older checkpoint")
-                failures.append((path, exc))
-                continue
-            step = int(state["progress.step"])
-            self.newer_checkpoints = resume.newer_than(self.run_dir, step)
-            self.load_state_dict(state)
-            if self.mesh.rank == 0:
-                lineage = self.cfg.train.resume != "auto" and path != candidates[-1]
-                since = f" (saved by this run since it started from {self.cfg.train.resume})" if lineage else ""
-                say(f"resumed from {path} at step {step}{since}")
-                if note := schedule_change_note(resume.saved_train_steps(path), self.cfg.train, step):
-                    say(note)
-            return step
-        if failures:
-            raise resume.no_checkpoint_loads(self.run_dir, failures)
-        return 0
-
-    def local_batch(
-        self, data: TokenDataset | MixtureDataset | PairsDataset, position: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_batch(self, data: Dataset, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's share of the global batch starting at global sample `position`."""
         shard = self.mesh.data_shard(self.cfg.train.global_batch)
         x, y = data.batch(position + shard.start, len(shard))
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def batch_loss(
-        self, data: TokenDataset | MixtureDataset | PairsDataset, position: int, *, scaler: GradScaler | None
-    ) -> MicrobatchLoss:
+    def batch_loss(self, data: Dataset, position: int, *, scaler: GradScaler | None) -> MicrobatchLoss:
         """The loss of the global batch at `position`: divided by that whole batch's non-pad target
         tokens (read from the data, no collective) and, fp16, multiplied by the scaler's current scale."""
         return MicrobatchLoss.for_batch(
@@ -164,46 +119,22 @@ class Trainer:
         for step in range(self.start_step, cfg.steps):
             done = step + 1
             log_due = done % cfg.log_interval == 0 or done == cfg.steps
-            # the timeline of a logged step
-            with self.profiler.step(done, measure=self.mesh.size("pp") > 1 and log_due):
-                result = self.train_step(step)
-            if step == self.start_step and self.compiles:  # the first step compiled the blocks
-                self.report.note(f"step {done} compiled and ran in {time.perf_counter() - window.start:.1f} s")
-            window.add(result, flops_per_token=self.flops_per_token(result.tokens // cfg.global_batch))
-            self.skipped_steps += result.skipped
-            if result.state_bytes is not None:
-                self.state_bytes = result.state_bytes
-            self.report.tick(done)
-            requested, stop = self.requests.poll()  # asked for before this step: every rank acts now
-            if self.background is not None and (written := self.background.poll()):  # a failed write raises
-                self.report.note(f"saved checkpoint {written} (written in the background)")
+            timeline = self.mesh.size("pp") > 1 and log_due  # the timeline of a logged step
+            result = self._step(step, window, measure=timeline)
+            # What follows a step, decided alike on every rank: log, evaluate, checkpoint, stop.
+            requested, stop = self._poll()  # asked for before this step: every rank acts now
             eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
             save_due = requested or self._checkpoint_due(done)
             if log_due or eval_due or save_due:
                 self.nonfinite.raise_if_any()  # before anything reads or saves these weights
             if log_due:
-                progress.mark("log")
-                end = self.clock()  # the next window starts where this one ends: no time is lost
-                split = time_split.close(at=end)
-                row = self._log_window(window, result, done, train_s=end - window.start - window.paused, split=split)
-                window = Window(start=end)
+                row, window = self._log(window, result, done)
             pauses: dict[str, float] = {}  # validation and checkpoint: timed apart, their own row at this step
             if eval_due:
-                progress.mark("eval")
-                time_split.phase("eval")
-                pauses["val_loss"], pauses["eval_s"] = self.timed(self.evaluate)
+                pauses |= self._evaluate_timed()
                 row["val_loss"] = pauses["val_loss"]
             if save_due:  # preemption and the end of the run save synchronously
-                progress.mark("checkpoint")
-                time_split.phase("checkpoint")
-                background = self.background is not None and not stop and done < cfg.steps
-                path, pauses["checkpoint_s"] = self.timed(partial(self.save, done, background=background))
-                blocked = f"in {pauses['checkpoint_s']:.2f} s"
-                self.report.note(
-                    f"staged checkpoint {path.name} {blocked}; writing it in the background"
-                    if background
-                    else f"saved checkpoint {path} {blocked}"
-                )
+                pauses |= self._checkpoint_timed(done, background=not stop and done < cfg.steps)
             if pauses:
                 window.paused += pauses.get("eval_s", 0.0) + pauses.get("checkpoint_s", 0.0)
                 self.report.log(done, pauses)
@@ -216,6 +147,58 @@ class Trainer:
         progress.mark("finishing")  # the summary and pictures: no longer watched
         self._summary(row)
         return Outcome.COMPLETED
+
+    def _step(self, step: int, window: Window, *, measure: bool) -> StepResult:
+        """`train_step` (profiled when profile.steps names it), counted into the log `window`."""
+        done = step + 1
+        with self.profiler.step(done, measure=measure):
+            result = self.train_step(step)
+        if step == self.start_step and self.compiles:  # the first step compiled the blocks
+            self.report.note(f"step {done} compiled and ran in {time.perf_counter() - window.start:.1f} s")
+        window.add(result, flops_per_token=self.flops_per_token(result.tokens // self.cfg.train.global_batch))
+        self.state.skipped_steps += result.skipped
+        if result.state_bytes is not None:
+            self.state_bytes = result.state_bytes
+        self.report.tick(done)
+        return result
+
+    def _poll(self) -> tuple[bool, bool]:
+        """(save now, stop after saving) as every rank agrees; a background save that has finished
+        writing is published (a failed write raises)."""
+        requested, stop = self.requests.poll()
+        if self.background is not None and (written := self.background.poll()):
+            self.report.note(f"saved checkpoint {written} (written in the background)")
+        return requested, stop
+
+    def _log(self, window: Window, last: StepResult, done: int) -> tuple[dict, Window]:
+        """The row of the log `window` that ends with step `done`, and the next window, which
+        starts where this one ends: no time is lost."""
+        progress.mark("log")
+        end = self.clock()
+        split = time_split.close(at=end)
+        row = self._log_window(window, last, done, train_s=end - window.start - window.paused, split=split)
+        return row, Window(start=end)
+
+    def _evaluate_timed(self) -> dict[str, float]:
+        """The validation loss and the seconds it took (not counted as training time)."""
+        progress.mark("eval")
+        time_split.phase("eval")
+        val_loss, seconds = self.timed(self.evaluate)
+        return {"val_loss": val_loss, "eval_s": seconds}
+
+    def _checkpoint_timed(self, done: int, *, background: bool) -> dict[str, float]:
+        """A checkpoint of step `done` (`background`: when checkpoint.async allows it) and the
+        seconds training was blocked for it."""
+        progress.mark("checkpoint")
+        time_split.phase("checkpoint")
+        background = background and self.background is not None
+        path, seconds = self.timed(partial(self.save, done, background=background))
+        self.report.note(
+            f"staged checkpoint {path.name} in {seconds:.2f} s; writing it in the background"
+            if background
+            else f"saved checkpoint {path} in {seconds:.2f} s"
+        )
+        return {"checkpoint_s": seconds}
 
     def clock(self) -> float:
         """Now, once the device has finished the work queued so far (what a host timer must wait for)."""
@@ -233,45 +216,6 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         return (ckpt.interval > 0 and done % ckpt.interval == 0) or (ckpt.at_end and done == self.cfg.train.steps)
 
-    def state_dict(self, step: int, *, rng: bool = True) -> dict[str, torch.Tensor]:
-        """Everything needed to continue exactly, as named tensors (see checkpoint.py).
-
-        RNG states (dropout) are per rank: they are restored only into the same dp, tp and pp.
-        """
-        state = {
-            **checkpoint.model_state(self.model.parts),
-            **checkpoint.optimizer_state(self.model.parts, self.optimizers.optimizers),
-            "progress.step": torch.tensor(step),
-            "progress.samples_seen": torch.tensor(self.samples_seen),
-            "progress.skipped_steps": torch.tensor(self.skipped_steps),
-        }
-        if self.scaler is not None:
-            state["scaler.scale"] = torch.tensor(self.scaler.get_scale(), dtype=torch.float64)
-            state["scaler.growth_tracker"] = torch.tensor(self.scaler.state_dict()["_growth_tracker"])
-        if rng:
-            state[f"rng.{self.mesh.rank}.cpu"] = torch.get_rng_state()
-            if self.device.type == "cuda":
-                state[f"rng.{self.mesh.rank}.cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        checkpoint.load_model_state(self.model.parts, state)
-        checkpoint.load_optimizer_state(self.model.parts, self.optimizers.optimizers, state)
-        self.samples_seen = int(state["progress.samples_seen"])
-        self.skipped_steps = int(state["progress.skipped_steps"])
-        if f"rng.{self.mesh.rank}.cpu" in state:
-            torch.set_rng_state(state[f"rng.{self.mesh.rank}.cpu"])
-        if f"rng.{self.mesh.rank}.cuda" in state:
-            torch.cuda.set_rng_state(state[f"rng.{self.mesh.rank}.cuda"], self.device)
-        if self.scaler is not None:
-            self.scaler.load_state_dict(
-                {
-                    **self.scaler.state_dict(),
-                    "scale": float(state["scaler.scale"]),
-                    "_growth_tracker": int(state["scaler.growth_tracker"]),
-                }
-            )
-
     def save(self, step: int, *, background: bool = False) -> Path:
         """A checkpoint of `step`. `background` (checkpoint.async): returns once the state is
         staged; the folder appears when its write is done (see BackgroundSaves)."""
@@ -283,9 +227,9 @@ class Trainer:
             "data_card": self.data_card,
         }
         if background and self.background is not None:
-            return self.background.start(self.state_dict(step), self.run_dir, step, **publishing)
+            return self.background.start(self.state.state_dict(step), self.run_dir, step, **publishing)
         self.finish_background()
-        return checkpoint.save(self.state_dict(step), self.run_dir, step, **publishing)
+        return checkpoint.save(self.state.state_dict(step), self.run_dir, step, **publishing)
 
     def finish_background(self) -> None:
         """Collective: wait for the asynchronous save in flight, if any, and publish it."""
@@ -304,10 +248,10 @@ class Trainer:
         # (this global batch's token count; fp16: the scale every stage multiplies by).
         progress.mark("data", step=step + 1)
         time_split.phase("data")
-        x, y = self.local_batch(self.train_data, self.samples_seen)
-        loss_fn = self.batch_loss(self.train_data, self.samples_seen, scaler=self.scaler)
+        x, y = self.local_batch(self.train_data, self.state.samples_seen)
+        loss_fn = self.batch_loss(self.train_data, self.state.samples_seen, scaler=self.scaler)
         tokens = self.cfg.train.global_batch * x.shape[-1]  # a length bucket may be shorter
-        self.samples_seen += self.cfg.train.global_batch
+        self.state.samples_seen += self.cfg.train.global_batch
         lr = self.optimizers.set_lr(step)
         # Forward and backward over every microbatch; DDP all-reduces only on the last one.
         self.model.train()
@@ -400,7 +344,7 @@ class Trainer:
             ),
             "step_time_s": train_s / window.steps,
             "train_s": train_s,
-            **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.samples_seen).items()},
+            **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.state.samples_seen).items()},
             "memory_gb": max(memory),
             "state_bytes": ranks.state_bytes,
             **{
@@ -414,7 +358,7 @@ class Trainer:
         if warning:
             self.report.note(warning)
         if self.scaler is not None:
-            row.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.skipped_steps)
+            row.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.state.skipped_steps)
         if self.mesh.size("pp") > 1:
             row["bubble"] = self._gather_timeline(done)
         self.report.log(done, row)
@@ -439,11 +383,5 @@ class Trainer:
             "run_dir": str(self.run_dir.resolve()),
         }
         if self.scaler is not None:
-            summary["skipped_steps"] = self.skipped_steps
+            summary["skipped_steps"] = self.state.skipped_steps
         self.report.finish(summary)
-
-    def close(self) -> None:
-        if self.background is not None:
-            self.background.close()
-        self.requests.close()
-        self.report.close()
