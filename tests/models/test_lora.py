@@ -232,3 +232,19 @@ def test_adapter_export_loads_in_peft(runs, llama_dir: Path, tmp_path: Path) -> 
         assert (theirs(input_ids=tokens).logits - ours(tokens)).abs().max().item() < 1e-5
     done = run_meshrun(["export", str(run), "--hf", str(tmp_path / "hf")], tmp_path=tmp_path, check=False)
     assert done.returncode == 2 and "export them with --adapter OUT_DIR" in done.stderr
+
+
+def test_dry_run_counts_what_peft_counts(llama_dir: Path, data_dir: Path, tmp_path: Path) -> None:
+    """--dry-run's trainable and total parameters are peft's own count on transformers' model, and
+    the tensors it says are loaded are the folder's (the adapters are drawn, not loaded)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors import safe_open
+
+    args = lora_args(data_dir, tmp_path / "run", llama_dir)
+    done = run_meshrun(["train", *args, "--dry-run"], tmp_path=tmp_path)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    trainable, total = get_peft_model(load_reference(llama_dir), config).get_nb_trainable_parameters()
+    with safe_open(str(llama_dir / "model.safetensors"), "pt") as f:
+        num_tensors = len(list(f.keys()))
+    line = f"{total:,} parameters ({trainable:,} trainable: the LoRA adapters); weights loaded from {llama_dir} "
+    assert f"{line}({num_tensors} tensors)" in done.stdout

@@ -23,6 +23,7 @@ from meshrun.models import encdec
 from meshrun.models.encdec import EncDec
 from meshrun.models.gpt import GPT
 from meshrun.models.hf_config import is_hf
+from meshrun.models.lora import is_adapter
 from meshrun.models.protocol import ProtocolModule, pretrained_dir
 from meshrun.versions import missing_extra
 
@@ -174,7 +175,8 @@ def init_line(cfg: Config, model: nn.Module) -> str:
     """Where a new run's weights come from, in one line (`model`: the whole model, any device)."""
     source = pretrained_dir(model)
     if source is not None:
-        return f"weights loaded from {source} ({len(model.state_dict())} tensors)"
+        loaded = [name for name in model.state_dict() if not is_adapter(name)]  # LoRA's adapters are drawn
+        return f"weights loaded from {source} ({len(loaded)} tensors)"
     if cfg.model.factory is not None:  # its init_weights may load weights of its own
         return f"weights from {cfg.model.factory}'s init_weights (seed {cfg.train.seed})"
     return f"random init (seed {cfg.train.seed})"

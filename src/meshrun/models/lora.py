@@ -28,6 +28,11 @@ from meshrun.models.init import named_generator
 ADAPTER = "default"  # peft's adapter name: its saved files and PeftModel expect it
 
 
+def is_adapter(name: str) -> bool:
+    """A parameter or state-dict name of one of peft's LoRA adapters (not of the base model)."""
+    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
 def target_names(model: nn.Module, lora: LoraSection) -> list[str]:
     """The module names peft matches: as given, or `all-linear` as peft expands it for a
     transformers model (the leaf name of every linear layer, the output head left out): here the
@@ -84,11 +89,11 @@ def init_adapters(part: nn.Module, seed: int) -> None:
     """peft's init drawn per adapter name: A ~ U(-b, b) with b = 1 / sqrt(in_features) (torch's
     kaiming_uniform_ with a = sqrt(5), as peft calls it), B zero."""
     for name, param in part.named_parameters():
-        if f".lora_A.{ADAPTER}." in name:
+        if is_adapter(name) and ".lora_A." in name:
             values = torch.empty(param.shape, dtype=torch.float32)
             nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=named_generator(seed, name))
             param.copy_(values)
-        elif f".lora_B.{ADAPTER}." in name:
+        elif is_adapter(name):
             param.zero_()
 
 

@@ -56,10 +56,12 @@ def describe_model(cfg: Config, model: nn.Module) -> list[str]:
         shape = (cfg.model.num_layers, cfg.model.dim, cfg.model.num_heads, cfg.model.vocab_size)
     layers, dim, heads, vocab = shape
     params = sum(p.numel() for p in model.parameters())  # a tied matrix once
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # peft's count of trainable ones
+    trained = f" ({trainable:,} trainable: the LoRA adapters)" if cfg.model.lora is not None else ""
     return [
         "model:",
         f"  {source}: {layers} blocks, dim {dim}, {heads} heads, vocab {vocab}, seq_len {cfg.model.seq_len}",
-        f"  {params:,} parameters; {init_line(cfg, model)}",
+        f"  {params:,} parameters{trained}; {init_line(cfg, model)}",
     ]
 
 
