@@ -29,6 +29,9 @@ from meshrun.launcher.run_lock import LOCK, hold_run_dir
 # Long enough that a signal sent after the first checkpoint (step 5) always lands mid-run: 35
 # more steps at >= 0.1 s each on 2 cores, against the milliseconds the test takes to send it.
 STEPS = {"train.steps": 40, "checkpoint.interval": 5, "parallel.pp": 2, "train.log_interval": 1}
+# a job that a signal must reach mid-run: 40 steps end ~3 s after the first checkpoint, which a loaded
+# machine's scheduling can outlast (the signal then came after the end: exit 0); it stops at the signal
+LONG = {"train.steps": 2000}
 
 
 def workers(root_pid: int) -> dict[int, int]:
@@ -161,7 +164,7 @@ def test_a_save_folder_is_ignored_with_one_warning(data_dir: Path, tmp_path: Pat
 def test_signal_to_the_launcher_reaches_the_workers(sig, data_dir: Path, tmp_path: Path) -> None:
     """`meshrun train` as a container's PID 1 or a scheduler's child: the signal goes to it alone."""
     run = tmp_path / "run"
-    proc = start(data_dir, run)
+    proc = start(data_dir, run, **LONG)
     wait_for(lambda: (run / "checkpoints" / "latest").exists(), timeout=180, what="the first checkpoint")
     os.kill(proc.pid, sig)
     code, err = finish(proc)
@@ -178,14 +181,14 @@ def test_ctrl_c_ends_every_process_with_one_line(to: str, data_dir: Path, tmp_pa
     written on the way out, and the launcher says so in one line naming the one a rerun resumes
     from. (SIGINT to the launcher alone used to reach nobody: the job trained to its end.)"""
     run = tmp_path / "run"
-    proc = start(data_dir, run)
+    proc = start(data_dir, run, **LONG)
     wait_for(lambda: (run / "checkpoints" / "latest").exists(), timeout=180, what="the first checkpoint")
     (os.killpg if to == "group" else os.kill)(proc.pid, signal.SIGINT)
     code, err = finish(proc)
     assert code == 130, err[-3000:]
     assert foreign_lines(err) == [] and "stop requested" not in err, err[-3000:]
     saved = [step_of(folder) for folder in complete_checkpoints(run)]
-    assert saved[-1] < STEPS["train.steps"] and all(step % STEPS["checkpoint.interval"] == 0 for step in saved)
+    assert saved[-1] < LONG["train.steps"] and all(step % STEPS["checkpoint.interval"] == 0 for step in saved)
     assert err.splitlines()[-1] == (
         "meshrun: interrupted (Ctrl-C / SIGINT): every rank stopped at once, without writing a checkpoint; "
         f"rerunning the same command resumes from step {saved[-1]}, the last complete checkpoint "
