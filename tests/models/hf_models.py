@@ -57,6 +57,17 @@ def load_reference(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
 
 
+def backward_microbatches(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_microbatches: int) -> float:
+    """transformers' own loss on each microbatch's whole window, one backward each; the batch's loss."""
+    total = 0.0
+    for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
+        window = torch.cat([xm, ym[:, -1:]], dim=1)  # (B, T + 1)
+        loss = model(input_ids=window, labels=window).loss / num_microbatches
+        loss.backward()
+        total += loss.item()
+    return total
+
+
 def reference_loss_and_grad_norm(
     model_dir: Path, x: torch.Tensor, y: torch.Tensor, *, num_microbatches: int
 ) -> tuple[float, float]:
@@ -64,12 +75,7 @@ def reference_loss_and_grad_norm(
     window (x plus its last target; HF shifts the labels itself, and causality keeps the extra
     position out of the other logits), one backward per microbatch."""
     model = load_reference(model_dir).train()
-    total = 0.0
-    for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
-        window = torch.cat([xm, ym[:, -1:]], dim=1)  # (B, T + 1)
-        loss = model(input_ids=window, labels=window).loss / num_microbatches
-        loss.backward()
-        total += loss.item()
+    total = backward_microbatches(model, x, y, num_microbatches)
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # a tied matrix is one parameter
     return total, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
 

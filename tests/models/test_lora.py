@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
-from hf_models import SEQ_LEN, load_reference, make_model
+from hf_models import SEQ_LEN, backward_microbatches, load_reference, make_model
 from plain_reference import config_from_set_args, cosine_lr
 from test_hf import interrupted
 
@@ -104,12 +104,7 @@ def peft_reference(data_dir: Path, llama_dir: Path, *, steps: int):
     num_microbatches = train.global_batch // train.micro_batch
     for step in range(steps):
         x, y = data.batch(step * train.global_batch, train.global_batch)
-        total = 0.0
-        for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
-            window = torch.cat([xm, ym[:, -1:]], dim=1)  # (B, T + 1)
-            loss = model(input_ids=window, labels=window).loss / num_microbatches
-            loss.backward()
-            total += loss.item()
+        total = backward_microbatches(model, x, y, num_microbatches)
         norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip).item()
         first = first or (total, norm)
         for group in optimizer.param_groups:

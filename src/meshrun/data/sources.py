@@ -18,6 +18,7 @@ import json
 import os
 import sysconfig
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,7 @@ def documents(source: Source, *, field: str, text: bool = False) -> Iterator[Doc
     token ids where their field holds a list of integers. `text`: the documents go to a text
     tokenizer, so a text file that is not UTF-8 is refused (decoding would turn each of its
     undecodable bytes into U+FFFD, silently; the byte tokenizer keeps them)."""
-    try:
+    with _reading(source.path):
         if source.kind == "text":
             raw = source.path.read_bytes()
             if text:
@@ -183,12 +184,19 @@ def documents(source: Source, *, field: str, text: bool = False) -> Iterator[Doc
         else:
             for file in _hf_arrow_files(source.path):
                 yield from _column(_arrow_batches(file), file, field)
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """A source's read errors as one line naming it (its own ConfigErrors pass as they are)."""
+    try:
+        yield
     except OSError as exc:
-        raise ConfigError(f"cannot read source {source.path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read source {path}: {exc.strerror or exc}") from None
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - pyarrow / gzip / json errors: the file does not parse
-        raise ConfigError(f"cannot read source {source.path}: {' '.join(str(exc).split()) or 'unreadable'}") from None
+        raise ConfigError(f"cannot read source {path}: {' '.join(str(exc).split()) or 'unreadable'}") from None
 
 
 def check_utf8(raw: bytes, path: Path) -> None:
@@ -231,7 +239,7 @@ def records(source: Source, fields: tuple[str, ...]) -> Iterator[tuple[str, dict
     FILE:LINE or FILE row N, for the messages that name a bad record."""
     if source.kind == "text":
         raise ConfigError(f"{source.path} is a text file; records need .jsonl, .parquet or a datasets folder")
-    try:
+    with _reading(source.path):
         if source.kind == "jsonl":
             for number, record in _jsonl_lines(source.path):
                 missing = [f for f in fields if not isinstance(record, dict) or f not in record]
@@ -257,12 +265,6 @@ def records(source: Source, fields: tuple[str, ...]) -> Iterator[tuple[str, dict
                 for record in batch.select(list(fields)).to_pylist():
                     row += 1
                     yield f"{path} row {row}", record
-    except OSError as exc:
-        raise ConfigError(f"cannot read source {source.path}: {exc.strerror or exc}") from None
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - pyarrow / gzip / json errors: the file does not parse
-        raise ConfigError(f"cannot read source {source.path}: {' '.join(str(exc).split()) or 'unreadable'}") from None
 
 
 def _jsonl(path: Path, field: str) -> Iterator[str | np.ndarray]:
