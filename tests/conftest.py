@@ -87,15 +87,31 @@ def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 def start_meshrun(args: list[str], *, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `python -P -m meshrun ARGS` (its own session, away from pytest's signals); -P: as the
     `meshrun` command does, the working folder is not on the Python path."""
-    return subprocess.Popen(
-        [sys.executable, "-P", "-m", "meshrun", *args],
-        cwd=tmp_path,
-        env=env or meshrun_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    with _sigint_not_ignored():
+        return subprocess.Popen(
+            [sys.executable, "-P", "-m", "meshrun", *args],
+            cwd=tmp_path,
+            env=env or meshrun_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """The job starts with SIGINT's default, as from a terminal, also where pytest runs with SIGINT
+    ignored (a shell's `cmd &` without job control ignores it, and children inherit an ignore, not a
+    handler): the Ctrl-C tests then saw the job train to its end."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler: the child's exec resets it
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 HOSTILE_MODULES = ("yaml", "torch")
