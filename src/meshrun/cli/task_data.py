@@ -42,18 +42,22 @@ def chosen_task(args: argparse.Namespace) -> str:
     return task
 
 
-# flags every kind of preparation parses: (attribute, default, the preparations that read it)
+# flags every kind of preparation parses: (attribute, the preparations that read it)
 SHARED_FLAGS = {
-    "--workers": ("workers", None, ("text",)),
-    "--shard-tokens": ("shard_tokens", 1 << 28, ("text", "supervised")),
-    "--field": ("field", "text", ("text", "classification")),
-    "--source-field": ("source_field", "source", ("seq2seq",)),
-    "--target-field": ("target_field", "target", ("seq2seq",)),
+    "--workers": ("workers", ("text",)),
+    "--shard-tokens": ("shard_tokens", ("text", "supervised")),
+    "--field": ("field", ("text", "classification")),
+    "--source-field": ("source_field", ("seq2seq",)),
+    "--target-field": ("target_field", ("seq2seq",)),
 }
 
 
 def check_flags_apply(args: argparse.Namespace, task: str) -> None:
-    """A flag this preparation would not read is refused, not silently ignored."""
+    """A flag this preparation would not read is refused, not silently ignored (given: its value is
+    not the parser's own default)."""
+    from meshrun.cli.parser import build_parser
+
+    defaults = build_parser().parse_args(["prepare-data", "--out", args.out])
     supervised = args.chat or args.prompt_completion
     kind = "supervised" if supervised else task if task in ("classification", "regression", "seq2seq") else "text"
     what = (
@@ -63,8 +67,8 @@ def check_flags_apply(args: argparse.Namespace, task: str) -> None:
         if args.pairs
         else f"--task {task}"
     )
-    for flag, (name, default, readers) in SHARED_FLAGS.items():
-        if getattr(args, name) != default and kind not in readers:
+    for flag, (name, readers) in SHARED_FLAGS.items():
+        if getattr(args, name) != getattr(defaults, name) and kind not in readers:
             raise ConfigError(f"{flag} does not apply to {what} (it does not read it); drop {flag}")
 
 
