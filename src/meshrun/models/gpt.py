@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrun.config.model_sections import ModelSection
+from meshrun.models.documents import causal_attention
 from meshrun.models.init import init_transformer_
 from meshrun.models.protocol import StagedModel
 
@@ -22,8 +23,10 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: a packed row's (B, T), restarting per document; None: 0 .. T-1."""
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
         return self.drop(self.tok(idx) + self.pos(positions))  # (B, T, C)
 
 
@@ -38,11 +41,11 @@ class Attention(nn.Module):
         self.q, self.k, self.v = (nn.Linear(cfg.dim, cfg.dim) for _ in range(3))
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (a packed row's): each document attends only to itself."""
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, H, T, D)
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        y = causal_attention(q, k, v, positions, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -65,12 +68,14 @@ class Block(nn.Module):
         self.ln2, self.mlp = nn.LayerNorm(cfg.dim), MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), positions=positions))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class GPT(StagedModel):
+    takes_documents = True  # packed rows: positions reach the embedding and every attention
+
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.cfg = cfg

@@ -17,6 +17,7 @@ from meshrun.checkpoint import dcp as checkpoint
 from meshrun.checkpoint.background import BackgroundSaves
 from meshrun.config.schema import Config
 from meshrun.data.dataset import MixtureDataset, TokenDataset
+from meshrun.data.packed import PackedDataset, occupancy
 from meshrun.data.pairs import PairsDataset
 from meshrun.files.console import say
 from meshrun.launcher import progress
@@ -39,7 +40,7 @@ from meshrun.training.state import TrainState
 from meshrun.training.step_records import AcrossRanks, StepResult, Window
 
 T = TypeVar("T")
-Dataset = TokenDataset | MixtureDataset | PairsDataset
+Dataset = TokenDataset | MixtureDataset | PairsDataset | PackedDataset
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,12 @@ class Trainer:
         x, y = data.batch(position + shard.start, len(shard))
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def batch_loss(self, data: Dataset, position: int, *, scaler: GradScaler | None) -> MicrobatchLoss:
-        """The loss of the global batch at `position`: divided by that whole batch's non-pad target
-        tokens (read from the data, no collective) and, fp16, multiplied by the scaler's current scale."""
+    def batch_loss(self, target_tokens: int, *, scaler: GradScaler | None) -> MicrobatchLoss:
+        """The loss of a global batch with `target_tokens` non-pad targets (read from the data, no
+        collective): divided by them and, fp16, multiplied by the scaler's current scale."""
         return MicrobatchLoss.for_batch(
             self.cfg.accumulation_steps,
-            target_tokens=data.target_tokens(position, self.cfg.train.global_batch),
+            target_tokens=target_tokens,
             dp=self.mesh.size("dp"),
             grad_scale=None if scaler is None else scaler.scale(torch.ones((), device=self.device)),
         )
@@ -155,7 +156,8 @@ class Trainer:
             result = self.train_step(step)
         if step == self.start_step and self.compiles:  # the first step compiled the blocks
             self.report.note(f"step {done} compiled and ran in {time.perf_counter() - window.start:.1f} s")
-        window.add(result, flops_per_token=self.flops_per_token(result.tokens // self.cfg.train.global_batch))
+        length = result.attention_length or result.tokens // self.cfg.train.global_batch
+        window.add(result, flops_per_token=self.flops_per_token(length))
         self.state.skipped_steps += result.skipped
         if result.state_bytes is not None:
             self.state_bytes = result.state_bytes
@@ -248,10 +250,13 @@ class Trainer:
         # (this global batch's token count; fp16: the scale every stage multiplies by).
         progress.mark("data", step=step + 1)
         time_split.phase("data")
-        x, y = self.local_batch(self.train_data, self.state.samples_seen)
-        loss_fn = self.batch_loss(self.train_data, self.state.samples_seen, scaler=self.scaler)
-        tokens = self.cfg.train.global_batch * x.shape[-1]  # a length bucket may be shorter
-        self.state.samples_seen += self.cfg.train.global_batch
+        position, count = self.state.samples_seen, self.cfg.train.global_batch
+        x, y = self.local_batch(self.train_data, position)
+        trained = self.train_data.target_tokens(position, count)
+        loss_fn = self.batch_loss(trained, scaler=self.scaler)
+        tokens = count * x.shape[-1]  # a length bucket may be shorter
+        rows = occupancy(self.train_data, position, count)
+        self.state.samples_seen += count
         lr = self.optimizers.set_lr(step)
         # Forward and backward over every microbatch; DDP all-reduces only on the last one.
         self.model.train()
@@ -279,7 +284,17 @@ class Trainer:
         held = measured_state_bytes(self.params, self.optimizers.optimizers) if step == self.start_step else None
         self.optimizers.zero_grad()  # now, not at the next step: evaluation and checkpoints hold no gradients
         time_split.phase("other")
-        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens, skipped=skipped, state_bytes=held)
+        return StepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=tokens,
+            trained=trained,
+            skipped=skipped,
+            state_bytes=held,
+            padding=None if rows is None else rows.padding,
+            attention_length=None if rows is None else rows.attention_length,
+        )
 
     def clip_gradients(self) -> torch.Tensor:
         """The global norm over all stages, the gradients clipped to it (optim.clip_global_norm)."""
@@ -294,8 +309,8 @@ class Trainer:
         total, tokens = torch.zeros((), device=self.device), 0
         for batch in range(self.cfg.train.eval_batches):
             position = batch * self.cfg.train.global_batch
-            loss_fn = self.batch_loss(self.val_data, position, scaler=None)
             weight = self.val_data.target_tokens(position, self.cfg.train.global_batch)
+            loss_fn = self.batch_loss(weight, scaler=None)
             total += weight * self.model.evaluate(*self.local_batch(self.val_data, position), loss=loss_fn)
             tokens += weight
         return self._across_ranks(total / tokens).loss
@@ -342,6 +357,8 @@ class Trainer:
                 world_size=self.cfg.world_size,
                 peak=self.peak,
             ),
+            "trained_tokens_per_s": window.trained / train_s,
+            **({} if window.padding is None else {"padding": window.padding / window.tokens}),
             "step_time_s": train_s / window.steps,
             "train_s": train_s,
             **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.state.samples_seen).items()},
