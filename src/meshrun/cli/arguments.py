@@ -82,10 +82,13 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--tokenizer {args.tokenizer} does not exist; give a tokenizer.json or a model folder")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
-        raise ConfigError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
+    for flag, text in (("--prompt", args.prompt), ("--chat", args.chat or "")):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
+            raise ConfigError(f"{flag} is not valid UTF-8 text; pass the prompt as UTF-8") from None
+    if args.chat is not None and args.beam > 1:
+        raise ConfigError("--beam is for encoder-decoder models; sample --chat with --temperature (0 = greedy)")
 
 
 def check_export_target(flag: str, out: str) -> None:

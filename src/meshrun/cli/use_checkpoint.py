@@ -88,6 +88,21 @@ def use_checkpoint(args: argparse.Namespace) -> int:
             print(f"exported {saved_at(folder)} to {out.absolute()}")
             return 0
         model, cfg, folder = load_full_model(args.checkpoint, **trust)
+        if args.chat is not None:
+            from meshrun.generation.chat import answer
+
+            text = answer(
+                model,
+                cfg,
+                args.chat,
+                data=data_card(cfg, folder),
+                num_tokens=args.tokens,
+                temperature=args.temperature,
+                top_k=args.top_k or None,
+                seed=args.seed,
+            )
+            print(text)
+            return 0
         text = sample(
             model,
             cfg,

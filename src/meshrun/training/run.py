@@ -71,6 +71,9 @@ class Run:
         self.report.close()
 
 
+CARD_FILES = ("meta.json", "tokenizer.json", "chat_template.jinja")  # how the data was tokenized (and rendered)
+
+
 def open_training_data(cfg: Config, data_dir: Path) -> TrainingData:
     """The train and validation splits, batched as the model's family reads them, and the files
     that say how they were tokenized (saved with each checkpoint)."""
@@ -81,7 +84,7 @@ def open_training_data(cfg: Config, data_dir: Path) -> TrainingData:
     return TrainingData(
         train=open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed, **pairs_layout),
         val=open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed, **pairs_layout),
-        card=tuple(p for p in (trained_on / "meta.json", trained_on / "tokenizer.json") if p.is_file()),
+        card=tuple(p for p in (trained_on / name for name in CARD_FILES) if p.is_file()),
     )
 
 
