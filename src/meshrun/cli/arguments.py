@@ -67,6 +67,8 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
     if args.command == "export":
+        if args.merge and not args.hf:
+            raise ConfigError("--merge goes with --hf OUT_DIR: a model.lora run's full weights, adapters merged in")
         flag = next(f for f in ("hf", "adapter", "out") if getattr(args, f))  # argparse: exactly one
         check_export_target(f"--{flag}", getattr(args, flag))
         return

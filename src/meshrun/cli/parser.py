@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="model.lora runs: the adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors) "
         "that PeftModel.from_pretrained(base, OUT_DIR) loads",
     )
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --hf, for model.lora runs (which need it there): full weights with the adapters merged in "
+        "(peft's merge: W + B A x alpha / r)",
+    )
     _trust_arguments(export)
     sample = sub.add_parser(
         "sample", help="generate text from a checkpoint (decoded with the training data's tokenizer)"

@@ -38,9 +38,32 @@ def load_full_model(
         instead = f"name the factory you mean with --set model.factory={cfg.model.factory}, or "
         check_code_trusted(cfg, folder / CONFIG, trust_code=trust_code, instead=instead)
     model = preflight(cfg, scope="model")  # built on the meta device (with a LoRA run's adapters)
+    saved_base = read_manifest(folder).get("base")
+    if saved_base is not None:  # a LoRA checkpoint of the adapters only
+        return adapters_on_base(cfg, folder, saved_base).eval(), cfg, folder
     model.to_empty(device="cpu")
     model.load_state_dict(full_model_state(model, folder))
     return model.eval(), cfg, folder
+
+
+def adapters_on_base(cfg: Config, folder: Path, saved_base: object) -> nn.Module:
+    """The whole model of an adapter-only checkpoint: the base read from its folder (refused unless
+    it holds the weights the adapters were trained on), the adapters from the checkpoint."""
+    from meshrun.models.families import build_model
+    from meshrun.models.lora import add_adapters, base_identity, check_same_base, is_adapter
+
+    base = base_identity(cfg.model)
+    if base is None or cfg.model.lora is None:
+        raise CheckpointError(
+            f"checkpoint {folder} holds LoRA adapters only, but its config names no base with weights"
+        )
+    check_same_base(folder, saved_base, base, fix="put back the folder they were trained on to use them")
+    model = build_model(cfg.model)
+    model.to_empty(device="cpu")
+    model.init_weights(cfg.train.seed)  # the folder's weights
+    add_adapters(model, cfg.model.lora, seed=None)
+    model.load_state_dict(full_model_state(model, folder, keep=is_adapter), strict=False)
+    return model
 
 
 def saved_at(folder: Path) -> str:
@@ -71,8 +94,9 @@ def use_checkpoint(args: argparse.Namespace) -> int:
             from meshrun.models.hf_export import export_hf
 
             model, cfg, folder = load_full_model(args.checkpoint, **trust)
-            out = export_hf(model, cfg.model, Path(args.hf), data=data_card(cfg, folder))
-            print(f"exported {saved_at(folder)} as a Hugging Face model to {Path(out).absolute()}")
+            out = export_hf(model, cfg.model, Path(args.hf), data=data_card(cfg, folder), merge=args.merge)
+            merged = " (the LoRA adapters merged into its weights)" if args.merge else ""
+            print(f"exported {saved_at(folder)} as a Hugging Face model{merged} to {Path(out).absolute()}")
             return 0
         if args.command == "export" and args.adapter:
             from meshrun.models.lora import export_adapter

@@ -20,7 +20,8 @@ from meshrun.metrics import time_split
 from meshrun.metrics.profiler import StepProfiler
 from meshrun.metrics.report import RunReport
 from meshrun.metrics.run_dir import start_run_record
-from meshrun.models.families import build_model, source_len
+from meshrun.models.families import source_len
+from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.mesh import Mesh
 from meshrun.training.optim import schedule_change_note
 from meshrun.training.preemption import Requests
@@ -35,7 +36,7 @@ class Run:
     def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
         state = build_state(cfg, mesh)
         data = open_training_data(cfg, data_dir)
-        flops_model = build_model(cfg.model)  # on meta: prices a step's tokens at its length
+        flops_model = build_stage(cfg, layers=None, first=True, last=True)  # on meta, adapters too: prices a step
         run_dir = Path(cfg.run_dir)
         start_step, newer_checkpoints = resume_state(cfg, mesh, state)
         records = mesh.rank == 0 and start_step < cfg.train.steps  # rank 0 records the run

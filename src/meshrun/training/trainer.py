@@ -227,6 +227,7 @@ class Trainer:
             "config": self.cfg.model_dump(mode="json"),
             "protected": self.newer_checkpoints,
             "data_card": self.data_card,
+            "base": self.state.base,  # a LoRA run's frozen base (its checkpoints hold the adapters)
         }
         if background and self.background is not None:
             return self.background.start(self.state.state_dict(step), self.run_dir, step, **publishing)
