@@ -114,7 +114,7 @@ def check_supervised_args(args: argparse.Namespace) -> None:
     ]
     if others:
         raise ConfigError(f"{kind} excludes {others[0]}; pass one")
-    if not args.sources:
+    if not args.sources and not args.chat:  # --chat without --source: the built-in example conversations
         raise ConfigError(f"{kind} needs --source (.jsonl, .parquet or datasets folders)")
     if args.tokenizer == "byte" or args.train_tokenizer:
         raise ConfigError(f"{kind} needs --tokenizer MODEL_FOLDER (the tokenizer the model was trained with)")

@@ -238,7 +238,8 @@ def _supervised_arguments(data: argparse.ArgumentParser) -> None:
         "--chat",
         action="store_true",
         help="conversations (a messages field of {role, content} lists in .jsonl, .parquet or datasets folders), "
-        "rendered with the --tokenizer folder's chat template; the assistant turns are trained",
+        "rendered with the --tokenizer folder's chat template; the assistant turns are trained. Without --source: "
+        "the built-in example (standard-library function names answered in CamelCase)",
     )
     data.add_argument(
         "--prompt-completion",
