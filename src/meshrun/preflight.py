@@ -285,8 +285,15 @@ def check_data_source(cfg: Config) -> None:
 
 
 def check_data_fits(cfg: Config, path: Path) -> None:
-    """The data parses, holds enough tokens for a sample, its ids fit the model's vocabulary, and
-    it was tokenized with the model folder's tokenizer when both have one."""
+    """The data is what the job's task reads, parses, and fits the model (each task's own check)."""
+    from meshrun.tasks import task_for  # imports torch
+
+    task_for(cfg.task).check_data(cfg, path)
+
+
+def check_token_data(cfg: Config, path: Path) -> None:
+    """Token tasks: the data parses, holds enough tokens for a sample, its ids fit the model's
+    vocabulary, and it was tokenized with the model folder's tokenizer when both have one."""
     from meshrun.data.dataset import check_data  # reads token files with torch
     from meshrun.models.encdec import source_len
     from meshrun.models.hf_weights import has_weights

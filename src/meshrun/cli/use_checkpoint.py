@@ -12,6 +12,7 @@ from meshrun.checkpoint.export import export
 from meshrun.checkpoint.resume import checkpoint_dir
 from meshrun.cli.arguments import check_export_target
 from meshrun.config.schema import Config, check_code_trusted
+from meshrun.config.tasks import GENERATIVE_TASKS
 from meshrun.errors import CheckpointError, ConfigError
 from meshrun.files.json_reader import read_json
 from meshrun.preflight import preflight
@@ -88,6 +89,11 @@ def use_checkpoint(args: argparse.Namespace) -> int:
             print(f"exported {saved_at(folder)} to {out.absolute()}")
             return 0
         model, cfg, folder = load_full_model(args.checkpoint, **trust)
+        if cfg.task not in GENERATIVE_TASKS:
+            raise ConfigError(
+                f"{folder} is a {cfg.task} model, which does not generate text: "
+                f"meshrun sample continues {' and '.join(GENERATIVE_TASKS)} models"
+            )
         text = sample(
             model,
             cfg,

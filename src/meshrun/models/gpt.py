@@ -30,19 +30,21 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     """Separate q, k, v projections: a column split of each holds whole heads (a split of one fused
     [q; k; v] matrix would not), so the same forward runs on a tensor-parallel shard: the head
-    count comes from the width the projections return."""
+    count comes from the width the projections return. `causal` False: every position attends to
+    every position `keep` marks (the encoder's padding mask, (B, T), nonzero = a token)."""
 
-    def __init__(self, cfg: ModelSection) -> None:
+    def __init__(self, cfg: ModelSection, *, causal: bool = True) -> None:
         super().__init__()
-        self.head_dim, self.dropout = cfg.dim // cfg.num_heads, cfg.dropout
+        self.head_dim, self.dropout, self.causal = cfg.dim // cfg.num_heads, cfg.dropout, causal
         self.q, self.k, self.v = (nn.Linear(cfg.dim, cfg.dim) for _ in range(3))
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, H, T, D)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        mask = None if keep is None else keep.bool()[:, None, None, :]  # (B, 1, 1, T): True = attend
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -57,16 +59,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm residual block."""
+    """Pre-LayerNorm residual block; `causal` False: bidirectional over the tokens `keep` marks."""
 
-    def __init__(self, cfg: ModelSection) -> None:
+    def __init__(self, cfg: ModelSection, *, causal: bool = True) -> None:
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(cfg.dim), Attention(cfg)
+        self.ln1, self.attn = nn.LayerNorm(cfg.dim), Attention(cfg, causal=causal)
         self.ln2, self.mlp = nn.LayerNorm(cfg.dim), MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), keep=keep))  # by keyword: a tp input hook sees x alone
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
