@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from meshrun.training.loss import SummedLoss
-
 if TYPE_CHECKING:
     from meshrun.config.schema import Config
+
+
+SummedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""A task's loss of a microbatch: (the last stage's output, the targets) -> the sum over its targets."""
 
 
 class Batches(Protocol):

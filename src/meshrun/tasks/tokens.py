@@ -7,14 +7,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
-from meshrun.data.dataset import open_dataset
+from meshrun.data.dataset import check_data, open_dataset
+from meshrun.data.storage import IGNORE
 from meshrun.models.families import source_len
+from meshrun.models.hf_config import hf_dir, is_hf, model_tokenizer, vocab_key, vocab_size
+from meshrun.models.hf_weights import has_weights
 from meshrun.tasks import Batches, Task
-from meshrun.training.loss import token_cross_entropy
 
 if TYPE_CHECKING:
     from meshrun.config.schema import Config
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the cross-entropies of logits (B, T, V) against targets (B, T), `IGNORE` left out."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def open_split(cfg: Config, data_dir: Path, split: str) -> Batches:
@@ -44,10 +52,20 @@ class LossOnly:
         return {}
 
 
-def check_data(cfg: Config, data_dir: Path) -> None:
-    from meshrun.preflight import check_token_data
-
-    check_token_data(cfg, data_dir)
+def check_token_data(cfg: Config, path: Path) -> None:
+    """The data parses, holds enough tokens for a sample, its ids fit the model's vocabulary, and
+    it was tokenized with the model folder's tokenizer when both have one."""
+    model_dir = hf_dir(cfg.model)
+    check_data(
+        cfg.data,
+        path,
+        seq_len=cfg.model.seq_len,
+        model_vocab_size=vocab_size(cfg.model),
+        vocab_key=vocab_key(cfg.model),
+        model_tokenizer=model_tokenizer(model_dir),
+        pretrained=is_hf(cfg.model) and model_dir is not None and cfg.model.init != "random" and has_weights(model_dir),
+        source_len=source_len(cfg.model),
+    )
 
 
 TASK = Task(
@@ -55,5 +73,5 @@ TASK = Task(
     open_split=open_split,
     summed=token_cross_entropy,
     meter=lambda cfg, device: LossOnly(),
-    check_data=check_data,
+    check_data=check_token_data,
 )

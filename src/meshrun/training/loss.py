@@ -14,22 +14,13 @@ schedule. Pipeline schedules run with scale_grads=False.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from meshrun.data.storage import IGNORE
-
-
-def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of the cross-entropies of logits (B, T, V) against targets (B, T), `IGNORE` left out."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-
-
-SummedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""A task's loss of a microbatch: (the last stage's output, the targets) -> the sum over its targets."""
+from meshrun.tasks import SummedLoss
+from meshrun.tasks.tokens import token_cross_entropy
 
 
 @dataclass(frozen=True, eq=False)

@@ -29,8 +29,8 @@ from meshrun.parallel import timeline
 from meshrun.parallel.compile import is_compiled
 from meshrun.parallel.fsdp import measured_state_bytes
 from meshrun.parallel.mesh import Mesh
-from meshrun.tasks import Batches, Task
-from meshrun.training.loss import MicrobatchLoss, SummedLoss
+from meshrun.tasks import Batches, SummedLoss, Task
+from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.nonfinite import NonFiniteSteps
 from meshrun.training.optim import clip_global_norm
 from meshrun.training.preemption import Requests
