@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from plain_reference import config_from_set_args
 
+from meshrun import cli
 from meshrun.data.labelled import Example, prepare_classification
 from meshrun.data.labelled_batches import PAD, LabelledDataset
 from meshrun.errors import ConfigError
@@ -150,3 +151,18 @@ def test_batches_pad_after_each_text_and_read_validation_in_order(labelled_dir: 
 def test_a_folder_of_another_task_is_refused(labelled_dir: Path, data_dir: Path) -> None:
     with pytest.raises(ConfigError, match="holds meshrun data, not classification data"):
         LabelledDataset(data_dir, "train", seq_len=24, seed=0)
+
+
+def test_a_label_count_unlike_the_data_is_refused_in_one_line(
+    labelled_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = tiny(labelled_dir, tmp_path / "run", **{**CLASSIFY, "model.num_labels": 2})
+    assert cli.main(["train", *settings]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds 3 labels (meta.json) but model.num_labels is 2" in err
+    assert not (tmp_path / "run").exists()  # before any worker
+
+
+def test_sample_refuses_a_classifier(one_process: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["sample", str(one_process), "--prompt", "cat"]) == 2
+    assert "is a classification model, which does not generate text" in capsys.readouterr().err
