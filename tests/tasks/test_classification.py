@@ -166,3 +166,18 @@ def test_a_label_count_unlike_the_data_is_refused_in_one_line(
 def test_sample_refuses_a_classifier(one_process: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["sample", str(one_process), "--prompt", "cat"]) == 2
     assert "is a classification model, which does not generate text" in capsys.readouterr().err
+
+
+def test_predict_prints_each_texts_label_and_probability(one_process: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The trained weights through the plain encoder on the texts' bytes: the same label and probability."""
+    texts = ["cat dog owl", "red teal blue ochre red"]
+    assert cli.main(["predict", str(one_process), *(f"--text={t}" for t in texts)]) == 0
+    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    w = final_weights(one_process)
+    ids = torch.full((2, 24), PAD)
+    for row, text in enumerate(texts):
+        ids[row, : len(text)] = torch.tensor(list(text.encode()))
+    best = torch.softmax(plain_encoder(w, ids, num_layers=4, num_heads=2), -1).max(-1)
+    assert [line[0] for line in lines] == [sorted(WORDS)[k] for k in best.indices.tolist()]
+    assert [float(line[1]) for line in lines] == pytest.approx(best.values.tolist(), abs=1e-4)
+    assert [line[2] for line in lines] == texts

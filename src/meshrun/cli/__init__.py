@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(report(args.runs, out=args.out, force=args.force))
             return 0
-        if args.command in ("export", "sample"):
+        if args.command in ("export", "sample", "predict"):
             check_checkpoint_args(args)  # before torch is imported
             from meshrun.cli.use_checkpoint import use_checkpoint  # imports torch
 

@@ -63,9 +63,13 @@ def check_parity_args(args: argparse.Namespace) -> None:
 
 
 def check_checkpoint_args(args: argparse.Namespace) -> None:
-    """`export` / `sample` arguments, checked before torch is imported."""
+    """`export` / `sample` / `predict` arguments, checked before torch is imported."""
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
+    if args.command == "predict":
+        for text in args.text:
+            _check_utf8("--text", text)
+        return
     if args.command == "export":
         flag = next(f for f in ("hf", "adapter", "out") if getattr(args, f))  # argparse: exactly one
         check_export_target(f"--{flag}", getattr(args, flag))
@@ -82,10 +86,14 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--tokenizer {args.tokenizer} does not exist; give a tokenizer.json or a model folder")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
+    _check_utf8("--prompt", args.prompt)
+
+
+def _check_utf8(flag: str, text: str) -> None:
     try:
-        args.prompt.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
-        raise ConfigError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
+        raise ConfigError(f"{flag} is not valid UTF-8 text; pass it as UTF-8") from None
 
 
 def check_export_target(flag: str, out: str) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from meshrun.config.schema import Config
@@ -21,6 +22,10 @@ if TYPE_CHECKING:
 
 SummedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """A task's loss of a microbatch: (the last stage's output, the targets) -> the sum over its targets."""
+
+
+Predict = Callable[[nn.Module, "Config", Path, list[str]], list[tuple[str, float]]]
+"""(the whole model, its config, its data card folder, texts) -> each text's label and its probability."""
 
 
 class Batches(Protocol):
@@ -66,6 +71,8 @@ class Task:
     """A fresh validation meter."""
     check_data: Callable[[Config, Path], None]
     """Before any worker: the prepared data is this task's, parses, and fits the model."""
+    predict: Predict | None = None
+    """`meshrun predict`, for a task that labels texts (None: the task has none)."""
 
 
 def task_for(name: str) -> Task:

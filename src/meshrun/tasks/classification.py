@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from meshrun.config.model_sections import EncoderSection
 from meshrun.data.dataset import check_vocab
-from meshrun.data.labelled_batches import LabelledDataset
-from meshrun.data.storage import SPLITS
+from meshrun.data.labelled_batches import PAD, LabelledDataset
+from meshrun.data.storage import SPLITS, read_meta
 from meshrun.data.token_ids import check_token_files
 from meshrun.errors import ConfigError
 from meshrun.tasks import Task
@@ -90,10 +91,34 @@ def check_data(cfg: Config, data_dir: Path) -> None:
         )
 
 
+@torch.no_grad()
+def predict(model: nn.Module, cfg: Config, data: Path, texts: list[str]) -> list[tuple[str, float]]:
+    """Each text's most probable label and its probability: encoded with the training data's tokenizer
+    (`data`: its card, meta.json beside tokenizer.json), cut to model.seq_len tokens as training cut them."""
+    from meshrun.generation.sample import codec
+
+    labels = (read_meta(data) or {}).get("labels")
+    if not isinstance(labels, list) or len(labels) != num_labels(cfg):
+        raise ConfigError(
+            f"{data / 'meta.json'} lists no {num_labels(cfg)} labels; the checkpoint's data card is damaged"
+        )
+    encode = codec(cfg, data)[0]
+    ids = torch.full((len(texts), cfg.model.seq_len), PAD, dtype=torch.long)
+    for row, text in enumerate(texts):
+        tokens = encode(text)[: cfg.model.seq_len]
+        if not tokens:
+            raise ConfigError(f"--text {text!r} encodes to no tokens; give some text")
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+    probabilities = torch.softmax(model(ids).float(), dim=-1)
+    best = probabilities.max(-1)
+    return [(str(labels[k]), p) for k, p in zip(best.indices.tolist(), best.values.tolist())]
+
+
 TASK = Task(
     "classification",
     open_split=open_split,
     summed=sample_cross_entropy,
     meter=lambda cfg, device: Confusion(num_labels(cfg), device),
     check_data=check_data,
+    predict=predict,
 )
