@@ -46,14 +46,13 @@ CLASSIFY = {
 
 @pytest.fixture(scope="module")
 def labelled_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """120 generated texts of 1 to 9 words (3 to ~50 bytes), each mostly words of its label, prepared with bytes."""
+    """120 generated texts of 1, 2 or 9 words of their label (3 to ~50 bytes), prepared with bytes:
+    10 steps learn enough that predictions differ between samples (validation figures mean something)."""
     rng = random.Random(0)
     rows = []
     for n in range(120):
         label = rng.choice(sorted(WORDS))
-        words = [
-            rng.choice(WORDS[label] if rng.random() < 0.7 else WORDS["animal"]) for _ in range(rng.choice([1, 2, 9]))
-        ]
+        words = [rng.choice(WORDS[label]) for _ in range(rng.choice([1, 2, 9]))]
         rows.append(Example(" ".join(words), label, f"generated:{n}"))
     out = tmp_path_factory.mktemp("labelled") / "words"
     prepare_classification(rows, None, out, val_fraction=0.2)
@@ -115,8 +114,10 @@ def test_one_process_step_one_equals_a_plain_torch_encoder(labelled_dir: Path, o
 
 def test_dp2_pp2_trains_as_one_process(labelled_dir: Path, one_process: Path, tmp_path: Path) -> None:
     """The sum of sample losses / the global batch's samples: every layout the same gradient, so the
-    same weights after 10 clipped steps, and the same validation loss, accuracy and macro F1."""
-    run = train(labelled_dir, tmp_path / "run", **{"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"})
+    same weights after 10 clipped steps, and the same validation loss, accuracy and macro F1. FSDP2
+    and full recompute on the way: the (hidden, mask) state through both."""
+    layout = {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "parallel.dp_mode": "fsdp"}
+    run = train(labelled_dir, tmp_path / "run", **layout, recompute="full")
     assert max_weight_diff(final_weights(run), final_weights(one_process)) < 1e-5
     figures = [
         [row[k] for k in ("val_loss", "val_accuracy", "val_macro_f1")]
@@ -126,6 +127,28 @@ def test_dp2_pp2_trains_as_one_process(labelled_dir: Path, one_process: Path, tm
     ]
     assert figures[0] == pytest.approx(figures[1], rel=1e-5)
     assert 0 < figures[1][1] <= 1
+
+
+def test_validation_figures_equal_those_of_the_final_weights(labelled_dir: Path, one_process: Path) -> None:
+    """The run validates after its last step: its figures are those of its final weights through the
+    plain encoder on the first 16 validation rows (2 batches of 8), counted here label by label."""
+    x, y = LabelledDataset(labelled_dir, "val", seq_len=24, seed=0).batch(0, 16)
+    logits = plain_encoder(final_weights(one_process), x, num_layers=4, num_heads=2)
+    loss, predicted = F.cross_entropy(logits, y).item(), logits.argmax(-1)
+    f1 = []
+    for label in range(3):
+        hits, true, guessed = (
+            ((predicted == label) & (y == label)).sum(),
+            (y == label).sum(),
+            (predicted == label).sum(),
+        )
+        if true + guessed:
+            f1.append(2 * hits.item() / (true + guessed).item())
+    row = next(row for row in read_metrics(one_process) if "val_loss" in row)
+    assert len(set(predicted.tolist())) > 1  # not one label for every text
+    assert row["val_loss"] == pytest.approx(loss, rel=1e-5)
+    assert row["val_accuracy"] == pytest.approx((predicted == y).float().mean().item())
+    assert row["val_macro_f1"] == pytest.approx(sum(f1) / len(f1))
 
 
 def test_figures_of_a_confusion_matrix() -> None:
