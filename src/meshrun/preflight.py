@@ -62,9 +62,26 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
         check_weights(model)  # pretrained weights: present, shaped as the config says
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))
+            check_packs_documents(cfg, model)
     if cfg.model.lora is not None:  # after the weights' checks: an adapter renames the layer it wraps
         check_lora(cfg.model.lora, model, tp=cfg.parallel.tp)
     return model
+
+
+def check_packs_documents(cfg: Config, model: nn.Module) -> None:
+    """Documents data trains only a model that keeps the documents of a row apart (or one a row,
+    where its padding tail must still not be attended to): the model protocol's takes_documents."""
+    from meshrun.data.storage import DOCUMENTS_FORMAT, read_meta
+    from meshrun.models.protocol import takes_documents
+
+    meta = None if cfg.data.mixture or cfg.data.format != "meshrun" else read_meta(data_dir(cfg))
+    if meta is None or meta.get("format") != DOCUMENTS_FORMAT or takes_documents(model):
+        return
+    raise ConfigError(
+        f"{data_dir(cfg)} holds documents with a loss mask, trained as packed rows whose documents attend only to "
+        f"themselves, but model {cfg.model.name} does not take packed rows (the model protocol's takes_documents); "
+        "use the built-in gpt or a Hugging Face decoder, or prepare the data as text"
+    )
 
 
 def check_lora(lora: LoraSection, model: nn.Module, *, tp: int) -> None:

@@ -86,7 +86,10 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--tokenizer {args.tokenizer} does not exist; give a tokenizer.json or a model folder")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
-    _check_utf8("--prompt", args.prompt)
+    for flag, text in (("--prompt", args.prompt), ("--chat", args.chat or "")):
+        _check_utf8(flag, text)
+    if args.chat is not None and args.beam > 1:
+        raise ConfigError("--beam is for encoder-decoder models; sample --chat with --temperature (0 = greedy)")
 
 
 def _check_utf8(flag: str, text: str) -> None:

@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder"
     )
     sample.add_argument("--prompt", default="def ", help="text to continue")
+    sample.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        help="a user message, rendered with the chat template the model was fine-tuned with (prepare-data --chat); "
+        "prints the answer up to the end of the turn",
+    )
     sample.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")

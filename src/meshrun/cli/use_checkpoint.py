@@ -116,6 +116,21 @@ def use_checkpoint(args: argparse.Namespace) -> int:
                 f"{folder} is a {cfg.task} model, which does not generate text: "
                 f"meshrun sample continues {' and '.join(GENERATIVE_TASKS)} models"
             )
+        if args.chat is not None:
+            from meshrun.generation.chat import answer
+
+            text = answer(
+                model,
+                cfg,
+                args.chat,
+                data=data_card(cfg, folder),
+                num_tokens=args.tokens,
+                temperature=args.temperature,
+                top_k=args.top_k or None,
+                seed=args.seed,
+            )
+            print(text)
+            return 0
         text = sample(
             model,
             cfg,

@@ -77,6 +77,8 @@ class DataConfig(Section):
     """Share of documents held out for validation (prepare; and the tail of a Megatron dataset)."""
     pairs: bool = False
     """Prepare `sources` as seq2seq text pairs (one .jsonl with source/target fields, or two aligned text files); no sources = the built-in example."""
+    packing: bool | None = None
+    """Documents data (prepare-data --chat / --prompt-completion): pack whole documents into rows of model.seq_len, each attending only to itself (true; None means true for such data), or pad each document alone to model.seq_len (false). Other data: leave unset."""
     buckets: list[Int] = []
     """Pairs data: padded sample lengths (e.g. [16, 32]; model.seq_len is always one); each global batch comes from one bucket, padded to its length. Empty = every batch padded to model.seq_len."""
 

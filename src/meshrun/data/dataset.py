@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from meshrun.data.hashing import GOLDEN, splitmix64
-from meshrun.data.storage import SPLITS, open_split, read_meta
+from meshrun.data.storage import DOCUMENTS_FORMAT, SPLITS, open_split, read_meta
 from meshrun.data.token_ids import check_token_files
 from meshrun.errors import ConfigError
 
 if TYPE_CHECKING:
     from meshrun.config.schema import DataConfig
+    from meshrun.data.packed import PackedDataset
     from meshrun.data.pairs import PairsDataset
 
 
@@ -152,11 +153,21 @@ def open_dataset(
     seed: int,
     source_len: int | None = None,
     global_batch: int = 1,
-) -> TokenDataset | MixtureDataset | PairsDataset:
+) -> TokenDataset | MixtureDataset | PairsDataset | PackedDataset:
     """The configured data (one folder, or a mixture) for one split; `source_len`: the encoder's
     share of seq_len when a pairs folder feeds an encoder-decoder (None: decoder-only);
     `global_batch`: the samples that share one length bucket (pairs with data.buckets)."""
     meta = read_meta(Path(data_dir)) if not data.mixture and data.format == "meshrun" else None
+    if meta is not None and meta.get("format") == DOCUMENTS_FORMAT:
+        from meshrun.data.packed import PackedDataset
+
+        packing = data.packing is not False
+        return PackedDataset(data_dir, split, seq_len=seq_len, seed=seed, packing=packing)
+    if data.packing is not None:
+        raise ConfigError(
+            f"data.packing arranges documents prepared with --chat or --prompt-completion, but {data_dir} holds "
+            "another kind of data; remove data.packing"
+        )
     if meta is not None and meta.get("format") == "pairs":
         from meshrun.data.pairs import PairsDataset
 

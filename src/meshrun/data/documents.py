@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from meshrun.data.storage import DOC_DTYPE, DOCUMENTS_FORMAT, MASK_DTYPE, read_meta
+from meshrun.data.token_ids import TokenFile
 from meshrun.errors import ConfigError
 from meshrun.files.confined import confined
 
@@ -28,6 +29,15 @@ class DocumentSplit:
     starts: np.ndarray  # int64: each document's first token in the split, then the split's end
     shard_starts: np.ndarray  # int64: each shard's first token in the split
     meta: dict[str, Any]
+    files: list[TokenFile]  # the token shards as meta.json claims them (token_ids checks them)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    @property
+    def tokenizer(self) -> dict[str, Any] | None:
+        return self.meta.get("tokenizer")
 
     @property
     def num_documents(self) -> int:
@@ -44,6 +54,10 @@ class DocumentSplit:
         lo, hi = start - int(self.shard_starts[shard]), end - int(self.shard_starts[shard])
         return self.tokens[shard][lo:hi].astype(np.int64), self.masks[shard][lo:hi].astype(bool)
 
+    def trained(self, k: int) -> int:
+        """Targets document k trains as next-token prediction: its masked tokens after the first."""
+        return int(self.document(k)[1][1:].sum())
+
 
 def open_documents(folder: str | Path, split: str) -> DocumentSplit:
     folder = Path(folder)
@@ -53,7 +67,7 @@ def open_documents(folder: str | Path, split: str) -> DocumentSplit:
     card = folder / "meta.json"
     try:
         dtype, info = np.dtype(meta["dtype"]), meta["splits"][split]
-        tokens, masks, sizes = [], [], []
+        tokens, masks, sizes, files = [], [], [], []
         for shard in info["shards"]:
             count = int(shard["tokens"])
             for name, kind in ((shard["file"], dtype), (shard["mask"], MASK_DTYPE)):
@@ -61,6 +75,8 @@ def open_documents(folder: str | Path, split: str) -> DocumentSplit:
                 if path.stat().st_size != count * kind.itemsize:
                     raise ConfigError(f"{path} is not {count} tokens long as meta.json says; prepare the data again")
             tokens.append(np.memmap(confined(folder, shard["file"], source=card), dtype=dtype, mode="r"))
+            recorded = int(shard["max_id"]) if "max_id" in shard else None
+            files.append(TokenFile(confined(folder, shard["file"], source=card), dtype, recorded, card))
             masks.append(np.memmap(confined(folder, shard["mask"], source=card), dtype=MASK_DTYPE, mode="r"))
             sizes.append(count)
         starts = _starts(confined(folder, info["documents_file"], source=card), int(info["documents"]), sum(sizes))
@@ -71,7 +87,7 @@ def open_documents(folder: str | Path, split: str) -> DocumentSplit:
     shard_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     if not np.isin(shard_starts[:-1], starts).all():
         raise ConfigError(f"{card}: a document crosses a shard boundary; prepare the data again")
-    return DocumentSplit(tokens, masks, starts, shard_starts[:-1], meta)
+    return DocumentSplit(tokens, masks, starts, shard_starts[:-1], meta, files)
 
 
 def _starts(path: Path, count: int, total: int) -> np.ndarray:

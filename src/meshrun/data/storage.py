@@ -220,7 +220,8 @@ def open_split(path: str | Path, split: str, *, format: str = "meshrun", val_fra
     if meta["format"] == DOCUMENTS_FORMAT:  # their loss masks and boundaries would be ignored
         raise ConfigError(
             f"{path} holds {meta.get('kind', 'chat')} documents with a loss mask (prepare-data --chat or "
-            "--prompt-completion); training on them is not available yet: prepare text without those flags"
+            "--prompt-completion), which train only as data.dir (packed rows), not as a data.mixture source or "
+            "token stream; set data.dir to it"
         )
     if meta["format"] == "pairs":  # only data.dir reads pairs (PairsDataset); a token stream would mix them
         raise ConfigError(

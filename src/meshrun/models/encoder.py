@@ -41,7 +41,7 @@ class Block(gpt.Block):
 
     def forward(self, state: State) -> State:  # pyright: ignore[reportIncompatibleMethodOverride]
         h, keep = state
-        return super().forward(h, keep), keep
+        return super().forward(h, keep=keep), keep
 
 
 class Norm(nn.LayerNorm):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrun.config.model_sections import ModelSection
+from meshrun.models.documents import causal_attention
 from meshrun.models.init import init_transformer_
 from meshrun.models.protocol import StagedModel
 
@@ -22,8 +23,10 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: a packed row's (B, T), restarting per document; None: 0 .. T-1."""
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
         return self.drop(self.tok(idx) + self.pos(positions))  # (B, T, C)
 
 
@@ -39,12 +42,19 @@ class Attention(nn.Module):
         self.q, self.k, self.v = (nn.Linear(cfg.dim, cfg.dim) for _ in range(3))
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`positions` (a packed row's): each document attends only to itself. Not causal: every
+        token attends to every token `keep` marks."""
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, H, T, D)
         p = self.dropout if self.training else 0.0
-        mask = None if keep is None else keep.bool()[:, None, None, :]  # (B, 1, 1, T): True = attend
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, dropout_p=p)
+        if self.causal:
+            y = causal_attention(q, k, v, positions, dropout_p=p)
+        else:
+            mask = None if keep is None else keep.bool()[:, None, None, :]  # (B, 1, 1, T): True = attend
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -67,12 +77,16 @@ class Block(nn.Module):
         self.ln2, self.mlp = nn.LayerNorm(cfg.dim), MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), keep=keep))  # by keyword: a tp input hook sees x alone
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), positions=positions, keep=keep))  # by keyword: a tp hook sees x alone
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class GPT(StagedModel):
+    takes_documents = True  # packed rows: positions reach the embedding and every attention
+
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.cfg = cfg

@@ -12,8 +12,10 @@ layout per family, not per class (its facts: `hf_config.LAYOUTS`):
   the layout, so checkpoints name the same tensors at every tp.
 - gpt2: `transformer.wte` + `wpe` (learned positions), `transformer.h[i]`, `ln_f`, `lm_head`.
 
-Layers get no attention mask: sdpa then takes its `is_causal` path, so no (seq x seq) mask is
-ever built. With tied embeddings the head reads the input embedding's matrix; a last pipeline
+Layers get no attention mask: transformers' sdpa then takes its `is_causal` path, so no
+(seq x seq) mask is ever built; a packed batch's layers get `position_ids`, and attention runs
+within each document (models/documents.py: transformers' own sdpa function on each document's
+slice, registered as an attention implementation). With tied embeddings the head reads the input embedding's matrix; a last pipeline
 stage keeps that matrix (only it) so its head has one to read, under the same name as on the
 first stage (`parallel/tied.py` keeps the two copies equal).
 """
@@ -31,6 +33,7 @@ from torch import nn
 
 from meshrun.config.model_sections import HFSection
 from meshrun.errors import ConfigError
+from meshrun.models.documents import handed_on, register_hf_attention, unpack
 from meshrun.models.hf_config import (
     FUSED_PARTS,
     FUSED_PROJECTIONS,
@@ -52,8 +55,10 @@ class LearnedPositions(nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: a packed row's (B, T), restarting per document; None: 0 .. T-1."""
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)
         return self.drop(self.wte(ids) + self.wpe(positions))  # (B, T, C)
 
 
@@ -109,6 +114,7 @@ class WithPositions(nn.Module):
 
 
 class HFCausalLM(StagedModel):
+    takes_documents = True  # packed rows: models/documents.py
     sequence_shards = 1  # hidden states hold 1/sequence_shards of the positions (models/protocol.py)
 
     def __init__(self, cfg: HFSection) -> None:
@@ -122,7 +128,7 @@ class HFCausalLM(StagedModel):
         # fp32 master weights whatever the folder's storage dtype (released checkpoints say bfloat16):
         # autocast picks the compute precision, AdamW must update fp32 values
         hf = AutoModelForCausalLM.from_config(
-            self.hf_config, attn_implementation="sdpa", dtype=torch.float32, trust_remote_code=False
+            self.hf_config, attn_implementation=register_hf_attention(), dtype=torch.float32, trust_remote_code=False
         )
         self.hf_class_name = type(hf).__name__  # for export's config.json `architectures`
         self._rotary: tuple[nn.Module, ...] = ()
@@ -210,30 +216,41 @@ class HFCausalLM(StagedModel):
         else:
             self.embed = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) or hidden states (B, T, C) -> what the next stage expects (logits at the end)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Any:
+        """Token ids (B, T) or hidden states (B, T, C) -> what the next stage expects (logits at the end).
+
+        A packed batch (B, 2, T): rotary or learned positions restart at each document, and the
+        layers get them as `position_ids`, which keeps attention within documents (HF_ATTENTION);
+        a stage before the last hands on (hidden, positions)."""
+        x, positions = unpack(x, positions)
         if self.embed is not None and not x.is_floating_point():  # hidden states: a tied last stage skips it
-            x = self.embed(x)
-        extra = {"position_embeddings": self._position_embeddings(x)} if self._rotary and len(self.blocks) else {}
+            x = self.embed(x) if positions is None or self._rotary else self.embed(x, positions)
+        extra: dict[str, Any] = {} if positions is None else {"position_ids": positions}
+        if self._rotary and len(self.blocks):
+            extra["position_embeddings"] = self._position_embeddings(x, positions)
         for block in self.blocks.values():
             x = block(x, **extra)
         if self.norm is not None:
             x = self.norm(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
+        if self.head is None:
+            return handed_on(x, positions)
+        return self.head(x)
 
     def standalone_blocks(self) -> list[nn.Module]:
         """The blocks as modules that take hidden states only (what a profiler feeds them)."""
         return [WithPositions(b, self) if self._rotary else b for b in self.blocks.values()]
 
-    def _position_embeddings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _position_embeddings(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of `positions` (a packed row's, (B, T)) or of 0 .. T-1, each (B or 1, T, head_dim)."""
         rotary = self._rotary[0]
         if rotary.inv_freq.device != x.device:
             rotary.to(x.device)
-        # attention runs on the whole sequence even where x holds a rank's positions (sequence parallel)
-        positions = torch.arange(x.shape[1] * self.sequence_shards, device=x.device).unsqueeze(0)
-        return rotary(x, positions)  # (cos, sin), each (1, T, head_dim)
+        if positions is None:
+            # attention runs on the whole sequence even where x holds a rank's positions (sequence parallel)
+            positions = torch.arange(x.shape[1] * self.sequence_shards, device=x.device).unsqueeze(0)
+        return rotary(x, positions)
 
     def hf_names(self, name: str) -> list[str]:
         """Hugging Face keys for one of our tensor names (or a fused projection's, see `hf_tensors`), most likely first."""

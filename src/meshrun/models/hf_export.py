@@ -26,6 +26,8 @@ from meshrun.files.confined import confined
 from meshrun.models.hf import HFCausalLM
 from meshrun.models.hf_config import TOKENIZER_FILES, hf_dir, is_hf, model_tokenizer
 
+CHAT_TEMPLATE = "chat_template.jinja"  # transformers prefers it to tokenizer_config.json's chat_template
+
 
 def tokenizer_files(model_dir: Path | None) -> list[Path]:
     return [model_dir / name for name in TOKENIZER_FILES if model_dir and (model_dir / name).is_file()]
@@ -33,7 +35,8 @@ def tokenizer_files(model_dir: Path | None) -> list[Path]:
 
 def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | None = None) -> Path:
     """Write `model` (whole, with trained weights, built from `cfg`) as a Hugging Face model folder.
-    `data`: where the training data's meta.json / tokenizer.json are (export.data_card)."""
+    `data`: where the training data's meta.json / tokenizer.json are (export.data_card); its chat
+    template, when it was fine-tuned on conversations, goes with the tokenizer."""
     from safetensors.torch import save_file
 
     if not is_hf(cfg):
@@ -61,6 +64,8 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | Non
             shutil.copy2(file, tmp / file.name)
         if model_tokenizer(model_dir) is None and data is not None:
             save_data_tokenizer(data, tmp, max_length=model.cfg.seq_len)
+        if data is not None and (data / CHAT_TEMPLATE).is_file():  # the template fine-tuning rendered with
+            shutil.copyfile(confined(data, CHAT_TEMPLATE, source=data), tmp / CHAT_TEMPLATE)
 
     return write_new_folder(out, write)
 

@@ -4,10 +4,12 @@ protocol model shares."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
+
+from meshrun.models.documents import handed_on, unpack
 
 
 class ModelProtocol(Protocol):
@@ -47,6 +49,11 @@ class OptionalHooks(Protocol):
     through the functions of the same name below, each of which falls back to the default it states."""
 
     tied_weight: str | None
+
+    takes_documents: bool
+    """The model trains on packed rows (models/documents.py): its forward takes the packed input
+    (B, 2, T), passes the positions to its embedding and attention, and hands (hidden, positions)
+    between pipeline stages. Default: False; packed data is then refused."""
 
     sequence_shards: int
     """Written by meshrun, not read: under sequence parallel the hidden states a forward receives
@@ -90,6 +97,11 @@ def tied_weight(model: nn.Module) -> str | None:
     """The name of the embedding matrix the head shares, held by the first and the last pipeline
     stage alike (parallel/tied.py keeps the copies equal). Default: None, nothing tied."""
     return getattr(model, "tied_weight", None)
+
+
+def takes_documents(model: nn.Module) -> bool:
+    """Whether the model keeps the documents of a packed row apart (OptionalHooks.takes_documents). Default: False."""
+    return bool(getattr(model, "takes_documents", False))
 
 
 def check_weights(model: nn.Module) -> None:
@@ -154,14 +166,19 @@ class StagedModel(ProtocolModule):
     """Base for models meshrun can split: subclasses set `embed`, `blocks`, `norm` and `head`
     (and implement `init_weights` and `flops_per_token`); any part may be pruned to None."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V); a pruned stage maps what it receives to what the next expects."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Any:
+        """Token ids (B, T) -> logits (B, T, V); a pruned stage maps what it receives to what the next expects.
+
+        A packed batch (B, 2, T) of a model that `takes_documents`: its positions go to the embedding
+        and every block, and a stage before the last hands on (hidden, positions)."""
+        x, positions = unpack(x, positions)
+        extra = {} if positions is None else {"positions": positions}
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, **extra)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, **extra)
         if self.norm is not None:
             x = self.norm(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
+        if self.head is None:
+            return handed_on(x, positions)
+        return self.head(x)

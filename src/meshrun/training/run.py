@@ -71,6 +71,9 @@ class Run:
         self.report.close()
 
 
+CARD_FILES = ("meta.json", "tokenizer.json", "chat_template.jinja")  # how the data was tokenized (and rendered)
+
+
 def open_training_data(cfg: Config, data_dir: Path) -> TrainingData:
     """The train and validation splits, batched as the job's task reads them, the task, and the
     files that say how they were tokenized (saved with each checkpoint)."""
@@ -79,7 +82,7 @@ def open_training_data(cfg: Config, data_dir: Path) -> TrainingData:
     return TrainingData(
         train=task.open_split(cfg, data_dir, "train"),
         val=task.open_split(cfg, data_dir, "val"),
-        card=tuple(p for p in (trained_on / "meta.json", trained_on / "tokenizer.json") if p.is_file()),
+        card=tuple(p for p in (trained_on / name for name in CARD_FILES) if p.is_file()),
         task=task,
     )
 

@@ -18,8 +18,11 @@ class StepResult:
     grad_norm: torch.Tensor  # the global norm over every stage, before clipping
     lr: float
     tokens: int  # positions trained on: global batch x this batch's length (a length bucket is shorter)
+    trained: int  # targets the loss counted (the global batch's non-IGNORE targets)
     skipped: bool  # fp16: the scaler found inf/NaN and backed off (fp32/bf16: see NonFiniteSteps)
     state_bytes: int | None = None  # a segment's first step: params + grads + optimizer state on this rank
+    padding: int | None = None  # packed documents: positions holding no document token (None: not known)
+    attention_length: int | None = None  # packed documents: the length whose attention costs what theirs does
 
 
 @dataclass
@@ -28,6 +31,8 @@ class Window:
 
     steps: int = 0
     tokens: int = 0  # positions trained on: global batch x its (bucket's) length, summed
+    trained: int = 0  # targets the loss counted, summed
+    padding: int | None = None  # packed documents' positions holding no document token, summed
     flops: float = 0.0  # those tokens x the FLOPs per token at their length
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     start: float = field(default_factory=time.perf_counter)
@@ -36,6 +41,9 @@ class Window:
     def add(self, step: StepResult, *, flops_per_token: float) -> None:
         self.steps += 1
         self.tokens += step.tokens
+        self.trained += step.trained
+        if step.padding is not None:
+            self.padding = (self.padding or 0) + step.padding
         self.flops += step.tokens * flops_per_token
         self.loss = self.loss + step.loss
 

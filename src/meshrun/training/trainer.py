@@ -16,6 +16,7 @@ from torch.amp import GradScaler
 from meshrun.checkpoint import dcp as checkpoint
 from meshrun.checkpoint.background import BackgroundSaves
 from meshrun.config.schema import Config
+from meshrun.data.packed import occupancy
 from meshrun.files.console import say
 from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome
@@ -96,13 +97,13 @@ class Trainer:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def batch_loss(
-        self, data: Dataset, position: int, *, scaler: GradScaler | None, summed: SummedLoss | None = None
+        self, target_tokens: int, *, scaler: GradScaler | None, summed: SummedLoss | None = None
     ) -> MicrobatchLoss:
-        """The loss of the global batch at `position` (the task's, or `summed`): divided by that whole
-        batch's targets (read from the data, no collective) and, fp16, multiplied by the scaler's current scale."""
+        """The loss of a global batch with `target_tokens` targets (read from the data, no collective):
+        the task's summed loss (or `summed`) divided by them and, fp16, multiplied by the scaler's current scale."""
         return MicrobatchLoss.for_batch(
             self.cfg.accumulation_steps,
-            target_tokens=data.target_tokens(position, self.cfg.train.global_batch),
+            target_tokens=target_tokens,
             dp=self.mesh.size("dp"),
             grad_scale=None if scaler is None else scaler.scale(torch.ones((), device=self.device)),
             summed=self.task.summed if summed is None else summed,
@@ -158,7 +159,8 @@ class Trainer:
             result = self.train_step(step)
         if step == self.start_step and self.compiles:  # the first step compiled the blocks
             self.report.note(f"step {done} compiled and ran in {time.perf_counter() - window.start:.1f} s")
-        window.add(result, flops_per_token=self.flops_per_token(result.tokens // self.cfg.train.global_batch))
+        length = result.attention_length or result.tokens // self.cfg.train.global_batch
+        window.add(result, flops_per_token=self.flops_per_token(length))
         self.state.skipped_steps += result.skipped
         if result.state_bytes is not None:
             self.state_bytes = result.state_bytes
@@ -251,10 +253,13 @@ class Trainer:
         # (this global batch's token count; fp16: the scale every stage multiplies by).
         progress.mark("data", step=step + 1)
         time_split.phase("data")
-        x, y = self.local_batch(self.train_data, self.state.samples_seen)
-        loss_fn = self.batch_loss(self.train_data, self.state.samples_seen, scaler=self.scaler)
-        tokens = self.cfg.train.global_batch * x.shape[-1]  # a length bucket may be shorter
-        self.state.samples_seen += self.cfg.train.global_batch
+        position, count = self.state.samples_seen, self.cfg.train.global_batch
+        x, y = self.local_batch(self.train_data, position)
+        trained = self.train_data.target_tokens(position, count)
+        loss_fn = self.batch_loss(trained, scaler=self.scaler)
+        tokens = count * x.shape[-1]  # a length bucket may be shorter
+        rows = occupancy(self.train_data, position, count)
+        self.state.samples_seen += count
         lr = self.optimizers.set_lr(step)
         # Forward and backward over every microbatch; DDP all-reduces only on the last one.
         self.model.train()
@@ -282,7 +287,17 @@ class Trainer:
         held = measured_state_bytes(self.params, self.optimizers.optimizers) if step == self.start_step else None
         self.optimizers.zero_grad()  # now, not at the next step: evaluation and checkpoints hold no gradients
         time_split.phase("other")
-        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens, skipped=skipped, state_bytes=held)
+        return StepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=tokens,
+            trained=trained,
+            skipped=skipped,
+            state_bytes=held,
+            padding=None if rows is None else rows.padding,
+            attention_length=None if rows is None else rows.attention_length,
+        )
 
     def clip_gradients(self) -> torch.Tensor:
         """The global norm over all stages, the gradients clipped to it (optim.clip_global_norm)."""
@@ -299,8 +314,8 @@ class Trainer:
         total, tokens = torch.zeros((), device=self.device), 0
         for batch in range(self.cfg.train.eval_batches):
             position = batch * self.cfg.train.global_batch
-            loss_fn = self.batch_loss(self.val_data, position, scaler=None, summed=meter.summed)
             weight = self.val_data.target_tokens(position, self.cfg.train.global_batch)
+            loss_fn = self.batch_loss(weight, scaler=None, summed=meter.summed)
             total += weight * self.model.evaluate(*self.local_batch(self.val_data, position), loss=loss_fn)
             tokens += weight
         ranks = self._across_ranks(total / tokens, tuple(meter.counts()))
@@ -351,6 +366,8 @@ class Trainer:
                 world_size=self.cfg.world_size,
                 peak=self.peak,
             ),
+            "trained_tokens_per_s": window.trained / train_s,
+            **({} if window.padding is None else {"padding": window.padding / window.tokens}),
             "step_time_s": train_s / window.steps,
             "train_s": train_s,
             **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.state.samples_seen).items()},

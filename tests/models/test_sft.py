@@ -1,0 +1,246 @@
+"""Training on conversations (prepare-data --chat): packed rows equal each conversation run alone
+through transformers' own model (labels -100 outside the trained tokens, one backward over the
+global batch's token mean), under every layout; a leaky variant differs; resume and resharded
+resume continue the same rows; bad input refused in one line before any worker."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from chat_data import CHATML, conversations, write_chat_tokenizer
+from conftest import final_weights, max_weight_diff, read_metrics, run_meshrun, tiny
+from hf_models import load_reference, make_model
+from plain_reference import config_from_set_args
+from test_hf import interrupted
+
+from meshrun.data.packed import PackedDataset
+from meshrun.data.storage import IGNORE
+
+SEQ_LEN = 128
+# the fine-tuning template: ChatML with a colon after the role, not the model folder's own
+TEMPLATE = CHATML.replace("message['role'] + '\\n'", "message['role'] + ':\\n'").replace(
+    "assistant\\n", "assistant:\\n"
+)
+BASE = {
+    "model.seq_len": SEQ_LEN,
+    "train.global_batch": 8,
+    "train.steps": 10,
+    "train.lr": 3e-3,
+    "train.grad_clip": 0.5,
+    "train.eps": 1e-6,
+    "checkpoint.interval": 5,
+}
+LAYOUTS = {
+    "one-process": {},
+    "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
+    "dp2-pp2-interleaved": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},
+    "tp2-sequence-parallel": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+    "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
+    "dp2-tp2-pp2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
+}
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama (GQA) whose folder holds a chat tokenizer and template, and conversations
+    prepared with it and another template, TEMPLATE (lengths 32 .. 128 tokens: two or three a
+    packed row)."""
+    root = tmp_path_factory.mktemp("sft")
+    model = make_model("llama", root / "model", vocab_size=512, max_position_embeddings=SEQ_LEN)
+    write_chat_tokenizer(model)
+    source = root / "chats.jsonl"
+    source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(60)))
+    (root / "template.jinja").write_text(TEMPLATE)
+    args = ["prepare-data", "--chat", "--source", source, "--tokenizer", model, "--max-len", SEQ_LEN]
+    args += ["--chat-template", root / "template.jinja"]
+    run_meshrun([*map(str, args), "--out", str(root / "data")], tmp_path=root)
+    return root
+
+
+def sft_args(root: Path, run: Path | str, **overrides: object) -> list[str]:
+    return tiny(root / "data", run, **{**BASE, "model.hf": root / "model", **overrides})
+
+
+@pytest.fixture(scope="module")
+def runs(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`runs(layout)`: a 10-step run on the conversations, trained on first use."""
+    root, done = tmp_path_factory.mktemp("sft-runs"), {}
+
+    def get(layout: str) -> Path:
+        if layout not in done:
+            run = root / layout
+            run_meshrun(["train", *sft_args(chat_model, run, **LAYOUTS[layout])], tmp_path=root)
+            done[layout] = run
+        return done[layout]
+
+    return get
+
+
+def reference_step(root: Path) -> tuple[float, float]:
+    """Step 1 in plain transformers: every conversation of the first global batch's rows run alone
+    through LlamaForCausalLM with labels -100 where the loss mask is off, its loss summed over the
+    batch's trained tokens (`num_items_in_batch`: one token mean over the global batch), one backward."""
+    cfg = config_from_set_args(sft_args(root, "unused"))
+    data = PackedDataset(root / "data", "train", seq_len=SEQ_LEN, seed=cfg.train.seed)
+    docs = [int(d) for row in data.rows(0, cfg.train.global_batch) for d in row.docs]
+    samples = [data.docs.document(k) for k in docs]
+    trained = sum(int(mask[1:].sum()) for _, mask in samples)
+    assert len(docs) > cfg.train.global_batch, "rows must hold several conversations for packing to be tested"
+    model = load_reference(root / "model").train()
+    total = 0.0
+    for ids, mask in samples:
+        ids_t = torch.from_numpy(ids)[None]
+        labels = torch.where(torch.from_numpy(mask)[None], ids_t, torch.tensor(-100))
+        loss = model(input_ids=ids_t, labels=labels, num_items_in_batch=trained).loss
+        loss.backward()
+        total += loss.item()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    return total, norm
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_packed_step_equals_conversations_alone(layout: str, runs, chat_model: Path) -> None:
+    loss, grad_norm = reference_step(chat_model)
+    first = read_metrics(runs(layout))[0]
+    assert first["loss"] == pytest.approx(loss, rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    assert 0.0 < first["padding"] < 0.5 and first["trained_tokens_per_s"] < first["tokens_per_s"]
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "one-process"])
+def test_layout_weights_equal_one_process(layout: str, runs) -> None:
+    """After 10 clipped AdamW steps (clipping active at step 1)."""
+    one, ours = runs("one-process"), runs(layout)
+    assert read_metrics(one)[0]["grad_norm"] > BASE["train.grad_clip"]
+    assert max_weight_diff(final_weights(ours), final_weights(one)) < 1e-5
+
+
+def test_leaky_rows_differ(chat_model: Path) -> None:
+    """The comparison can fail: the same packed rows with attention across documents (ids alone:
+    plain causal attention over the row) give another loss than with the documents kept apart."""
+    from meshrun.parallel.materialise import materialise_part
+    from meshrun.training.loss import MicrobatchLoss
+
+    cfg = config_from_set_args(sft_args(chat_model, "unused"))
+    model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
+    data = PackedDataset(chat_model / "data", "train", seq_len=SEQ_LEN, seed=cfg.train.seed)
+    x, y = data.batch(0, cfg.train.global_batch)
+    loss = MicrobatchLoss.for_batch(1, target_tokens=data.target_tokens(0, cfg.train.global_batch), dp=1)
+    kept, leaky = loss(model(x), y).item(), loss(model(x[:, 0]), y).item()
+    assert kept == pytest.approx(reference_step(chat_model)[0], rel=1e-5)
+    assert abs(leaky - kept) > 10 * 1e-5 * kept, "a leak must show beyond the proofs' tolerance"
+
+
+@pytest.mark.parametrize("family", ["gpt", "gpt2"])
+def test_other_families_keep_documents_apart(family: str, tmp_path: Path) -> None:
+    """The built-in GPT (learned positions, its own attention) and GPT-2 (transformers' layers,
+    learned positions): a packed row's logits equal each document's run alone."""
+    from meshrun.parallel.materialise import materialise_part
+
+    if family == "gpt":
+        sizes = {"model.vocab_size": 256, "model.num_layers": 2, "model.dim": 32, "model.num_heads": 2}
+    else:
+        sizes = {"model.hf": make_model("gpt2", tmp_path / "gpt2")}
+    cfg = config_from_set_args(tiny(tmp_path, tmp_path / "run", **sizes))
+    model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True).eval()
+    lengths = [[5, 7, 4], [16], [3, 3, 3, 7]]
+    ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    packed = model(torch.stack([ids, positions], dim=1))
+    for r, row in enumerate(lengths):
+        for start, n in zip(np.cumsum([0, *row[:-1]]), row):
+            alone = model(ids[r : r + 1, start : start + n])[0]
+            torch.testing.assert_close(packed[r, start : start + n], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_hold_whole_documents_and_their_masked_targets(chat_model: Path) -> None:
+    """Every document sits whole in one row; the targets are its next tokens where trained; the
+    padding tail trains nothing; data.packing false holds one document a row."""
+    for packing in (True, False):
+        data = PackedDataset(chat_model / "data", "train", seq_len=SEQ_LEN, seed=0, packing=packing)
+        n = data.docs.num_documents
+        x, y = data.batch(0, n if not packing else 30)
+        seen = []
+        for r, row in enumerate(data.rows(0, len(x))):
+            assert packing or len(row.docs) == 1
+            at = 0
+            for doc, length in zip(row.docs.tolist(), row.lengths.tolist()):
+                ids, mask = data.docs.document(doc)
+                assert torch.equal(x[r, 0, at : at + length], torch.from_numpy(ids))
+                assert torch.equal(x[r, 1, at : at + length], torch.arange(length))
+                want = torch.from_numpy(np.where(mask[1:], ids[1:], IGNORE))
+                assert torch.equal(y[r, at : at + length - 1], want) and y[r, at + length - 1] == IGNORE
+                at += length
+                seen.append(doc)
+            assert (y[r, at:] == IGNORE).all()
+        if not packing:
+            assert sorted(seen) == list(range(n)), "one epoch is every document once"
+
+
+def test_resume_and_resharded_resume_continue_the_rows(runs, chat_model: Path, tmp_path: Path) -> None:
+    """One process stopped after step 5, continued as dp2 x pp2: the same weights as the
+    uninterrupted run (1e-5), so the data position resumed on the same rows."""
+    run = interrupted(runs("one-process"), tmp_path / "run", at_step=5)
+    result = run_meshrun(["train", *sft_args(chat_model, run, **LAYOUTS["dp2-pp2-1f1b"])], tmp_path=tmp_path)
+    assert "resumed from" in result.stderr
+    assert max_weight_diff(final_weights(run), final_weights(runs("one-process"))) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"model.seq_len": 64}, "documents are longer than model.seq_len 64"),
+        ({"model.name": "encdec", "model.vocab_size": 512}, "does not take packed rows"),
+        ({"data.dir": "TEXT", "data.packing": True}, "remove data.packing"),
+    ],
+)
+def test_bad_input_is_refused_before_any_worker(
+    overrides: dict, message: str, chat_model: Path, data_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A document longer than the rows, a model that cannot keep documents apart, data.packing on text."""
+    from meshrun.cli import main
+
+    settings = {**BASE, "model.hf": chat_model / "model", **overrides}
+    if settings.get("model.name") == "encdec":
+        del settings["model.hf"]
+    settings = {k: data_dir if v == "TEXT" else v for k, v in settings.items()}
+    code = main(["train", "--dry-run", *tiny(chat_model / "data", tmp_path / "run", **settings)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and message in err, err
+
+
+def test_sample_chat_answers_as_transformers_generate_on_the_export(runs, tmp_path: Path) -> None:
+    """`sample --chat` renders the message with the fine-tuning template and stops at the end of
+    the turn; `export --hf` carries that template, so transformers' own generate on the exported
+    folder (greedy, stopping at EOS) gives the same answer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run, message = runs("one-process"), "What is 7 plus 1? Answer briefly."
+    sampled = run_meshrun(
+        ["sample", str(run), "--chat", message, "--temperature", "0", "--tokens", "24"], tmp_path=tmp_path
+    )
+    run_meshrun(["export", str(run), "--hf", str(tmp_path / "hf")], tmp_path=tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    assert TEMPLATE != CHATML and tokenizer.decode(ids[0]).endswith("<|im_start|>assistant:\n")
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id)[
+        0, ids.shape[1] :
+    ]
+    answer = tokenizer.decode(out[:-1] if out[-1] == tokenizer.eos_token_id else out)
+    assert sampled.stdout == answer + "\n" and answer.strip()
+
+
+def test_sample_chat_needs_a_model_fine_tuned_on_conversations(data_dir: Path) -> None:
+    from meshrun.errors import ConfigError
+    from meshrun.generation.chat import chat_prompt
+
+    with pytest.raises(ConfigError, match="not prepared with prepare-data --chat"):
+        chat_prompt(data_dir, "Hello?")
