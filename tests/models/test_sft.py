@@ -42,6 +42,14 @@ LAYOUTS = {
     "tp2-sequence-parallel": {"parallel.tp": 2, "parallel.sequence_parallel": True},
     "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
     "dp2-tp2-pp2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
+    "pp2-zbv-full-recompute": {"parallel.pp": 2, "parallel.schedule": "zbv", "recompute": "full"},
+    "hsdp-2x2-tp2-selective-recompute": {
+        "parallel.dp": 4,
+        "parallel.dp_mode": "hsdp",
+        "parallel.dp_shard": 2,
+        "parallel.tp": 2,
+        "recompute": "selective",
+    },
 }
 
 

@@ -41,6 +41,7 @@ def chat_prompt(data: Path, message: str) -> tuple[Any, list[int], list[int]]:
         add_generation_prompt=True,
         tokenize=False,
     )
+    assert isinstance(text, str)  # tokenize=False: the rendered text
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer, ids, [int(i) for i in (meta.get("tokenizer") or {}).get("eos_ids") or []]
 
