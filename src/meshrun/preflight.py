@@ -30,11 +30,7 @@ from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.models.hf_config import (
     check_hf_tensor_split,
     hf_dir,
-    is_hf,
-    model_tokenizer,
     num_layers,
-    vocab_key,
-    vocab_size,
 )
 from meshrun.parallel.stages import static_split, validate_layout
 from meshrun.planner.model_size import check_model_size
@@ -333,20 +329,7 @@ def check_data_source(cfg: Config) -> None:
 
 
 def check_data_fits(cfg: Config, path: Path) -> None:
-    """The data parses, holds enough tokens for a sample, its ids fit the model's vocabulary, and
-    it was tokenized with the model folder's tokenizer when both have one."""
-    from meshrun.data.dataset import check_data  # reads token files with torch
-    from meshrun.models.encdec import source_len
-    from meshrun.models.hf_weights import has_weights
+    """The data is what the job's task reads, parses, and fits the model (each task's own check)."""
+    from meshrun.tasks import task_for  # imports torch
 
-    model_dir = hf_dir(cfg.model)
-    check_data(
-        cfg.data,
-        path,
-        seq_len=cfg.model.seq_len,
-        model_vocab_size=vocab_size(cfg.model),
-        vocab_key=vocab_key(cfg.model),
-        model_tokenizer=model_tokenizer(model_dir),
-        pretrained=is_hf(cfg.model) and model_dir is not None and cfg.model.init != "random" and has_weights(model_dir),
-        source_len=source_len(cfg.model),
-    )
+    task_for(cfg.task).check_data(cfg, path)

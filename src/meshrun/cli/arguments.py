@@ -63,9 +63,13 @@ def check_parity_args(args: argparse.Namespace) -> None:
 
 
 def check_checkpoint_args(args: argparse.Namespace) -> None:
-    """`export` / `sample` arguments, checked before torch is imported."""
+    """`export` / `sample` / `predict` arguments, checked before torch is imported."""
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
+    if args.command == "predict":
+        for text in args.text:
+            _check_utf8("--text", text)
+        return
     if args.command == "export":
         if args.merge and not args.hf:
             raise ConfigError("--merge goes with --hf OUT_DIR: a model.lora run's full weights, adapters merged in")
@@ -85,12 +89,16 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
     for flag, text in (("--prompt", args.prompt), ("--chat", args.chat or "")):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
-            raise ConfigError(f"{flag} is not valid UTF-8 text; pass the prompt as UTF-8") from None
+        _check_utf8(flag, text)
     if args.chat is not None and args.beam > 1:
         raise ConfigError("--beam is for encoder-decoder models; sample --chat with --temperature (0 = greedy)")
+
+
+def _check_utf8(flag: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
+        raise ConfigError(f"{flag} is not valid UTF-8 text; pass it as UTF-8") from None
 
 
 def check_export_target(flag: str, out: str) -> None:

@@ -151,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(data read in place, e.g. nanoGPT's GPT-2 ids, carries none)",
     )
     _trust_arguments(sample)
+    predict = sub.add_parser("predict", help="classification runs: the label of a text and its probability")
+    predict.add_argument(
+        "checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder"
+    )
+    predict.add_argument(
+        "--text",
+        action="append",
+        required=True,
+        help="a text to classify (repeat for several); one line each: label, probability, text (tab-separated)",
+    )
+    _trust_arguments(predict)
     compare = sub.add_parser(
         "report", help="compare runs: a table of their summaries and one picture of their loss curves"
     )

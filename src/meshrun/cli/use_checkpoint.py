@@ -12,9 +12,11 @@ from meshrun.checkpoint.export import export
 from meshrun.checkpoint.resume import checkpoint_dir
 from meshrun.cli.arguments import check_export_target
 from meshrun.config.schema import Config, check_code_trusted
+from meshrun.config.tasks import GENERATIVE_TASKS
 from meshrun.errors import CheckpointError, ConfigError
 from meshrun.files.json_reader import read_json
 from meshrun.preflight import preflight
+from meshrun.tasks import Predict
 
 
 def load_full_model(
@@ -84,8 +86,26 @@ def factory_override(overrides: list[str]) -> str | None:
     return factory
 
 
+def predict_fn(cfg: Config) -> Predict:
+    """The job's task's predict command, refused in one line for a task that has none."""
+    from meshrun.tasks import task_for
+
+    predict = task_for(cfg.task).predict
+    if predict is None:
+        raise ConfigError(
+            f"meshrun predict labels texts with a classification model; this is a {cfg.task} model: use meshrun sample"
+        )
+    return predict
+
+
+def predictions(model: nn.Module, cfg: Config, data: Path, texts: list[str]) -> str:
+    """One line per text: its label, that label's probability, the text (tab-separated)."""
+    rows = predict_fn(cfg)(model, cfg, data, texts)
+    return "\n".join(f"{label}\t{probability:.4f}\t{text}" for (label, probability), text in zip(rows, texts))
+
+
 def use_checkpoint(args: argparse.Namespace) -> int:
-    """`export` and `sample`: one process, any layout's checkpoint (arguments checked by the caller, before torch)."""
+    """`export`, `sample` and `predict`: one process, any layout's checkpoint (arguments checked by the caller, before torch)."""
     from meshrun.generation.sample import data_card, sample
 
     trust = {"factory": factory_override(args.overrides), "trust_code": args.trust_code}
@@ -112,6 +132,14 @@ def use_checkpoint(args: argparse.Namespace) -> int:
             print(f"exported {saved_at(folder)} to {out.absolute()}")
             return 0
         model, cfg, folder = load_full_model(args.checkpoint, **trust)
+        if args.command == "predict":
+            print(predictions(model, cfg, data_card(cfg, folder), args.text))
+            return 0
+        if cfg.task not in GENERATIVE_TASKS:
+            raise ConfigError(
+                f"{folder} is a {cfg.task} model, which does not generate text: "
+                f"meshrun sample continues {' and '.join(GENERATIVE_TASKS)} models"
+            )
         if args.chat is not None:
             from meshrun.generation.chat import answer
 

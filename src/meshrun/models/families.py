@@ -16,11 +16,19 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from meshrun.config.model_sections import EncDecSection, GPTSection, HFSection, ModelConfig, ModelSection
+from meshrun.config.model_sections import (
+    EncDecSection,
+    EncoderSection,
+    GPTSection,
+    HFSection,
+    ModelConfig,
+    ModelSection,
+)
 from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.models import encdec, lora
 from meshrun.models.encdec import EncDec
+from meshrun.models.encoder import Encoder
 from meshrun.models.gpt import GPT
 from meshrun.models.hf_config import is_hf
 from meshrun.models.protocol import ProtocolModule, pretrained_dir
@@ -53,6 +61,7 @@ def _hugging_face(cfg: HFSection) -> nn.Module:
 FAMILIES: tuple[Family[Any], ...] = (
     Family(GPTSection, GPT),
     Family(EncDecSection, EncDec, source_len=encdec.source_len),
+    Family(EncoderSection, Encoder),
     Family(HFSection, _hugging_face),
 )
 # A user's factory may return anything: build_model checks it.
