@@ -169,3 +169,16 @@ def test_the_next_commands_fit_the_run(overrides: dict, fits: list[str], misfits
     line = next_steps(cfg.run_dir, offline_wandb=False, prompt=sample_prompt(cfg), hf=is_hf(cfg.model))
     assert all(f"meshrun {text}" in line or text in line for text in fits), line
     assert not any(text in line for text in misfits), line
+
+
+def test_the_next_command_of_a_chat_run_samples_with_chat(tmp_path: Path) -> None:
+    """A run fine-tuned on conversations is sampled with --chat (what it learned to answer), not --prompt."""
+    from meshrun.config.schema import load_config
+    from meshrun.files.console import next_steps
+    from meshrun.generation.sample import sample_prompt
+
+    (tmp_path / "chats").mkdir()
+    (tmp_path / "chats" / "meta.json").write_text('{"format": "documents", "kind": "chat"}')
+    cfg = load_config(None, [f"data.dir={tmp_path / 'chats'}", "run_dir=RUN"])
+    line = next_steps(cfg.run_dir, offline_wandb=False, prompt=sample_prompt(cfg), hf=False)
+    assert "meshrun sample RUN --chat MESSAGE" in line and "--prompt" not in line, line

@@ -14,7 +14,7 @@ from meshrun.checkpoint.dcp import DATA_CARD
 from meshrun.config.schema import Config
 from meshrun.data.locations import reads_in_place, training_data_dir
 from meshrun.data.pairs import BOS, EOS, NUM_SPECIAL, PAD
-from meshrun.data.storage import read_meta
+from meshrun.data.storage import DOCUMENTS_FORMAT, read_meta
 from meshrun.data.tokenize import byte_tokenizer, id_count, read_tokenizer, text_codec
 from meshrun.errors import ConfigError
 from meshrun.files.console import say
@@ -176,12 +176,15 @@ def codec(
     return (*text_codec(None, 256), None if vocab == 256 else 256)
 
 
-def sample_prompt(cfg: Config) -> str:
-    """A `sample --prompt` that fits what the run trained on, for its `next:` line: a source to
+def sample_prompt(cfg: Config) -> tuple[str, str]:
+    """A `sample` flag and text that fit what the run trained on, for its `next:` line: a source to
     translate for pairs data or an encoder-decoder (a function name, for the built-in example),
-    code for the embedded standard-library corpus, a placeholder for the user's own text."""
+    a user message for conversations (`--chat`), code for the embedded standard-library corpus, a
+    placeholder for the user's own text."""
     meta = read_meta(training_data_dir(cfg)) or {}
     if source_len(cfg.model) is not None or meta.get("format") == "pairs":
-        return "get_terminal_size" if cfg.data.pairs and not cfg.data.sources else "SOURCE TEXT"
+        return "--prompt", "get_terminal_size" if cfg.data.pairs and not cfg.data.sources else "SOURCE TEXT"
+    if meta.get("format") == DOCUMENTS_FORMAT and meta.get("kind") == "chat":
+        return "--chat", "MESSAGE"
     embedded = not (cfg.data.sources or reads_in_place(cfg) or cfg.data.dir)
-    return "def " if embedded else "TEXT TO CONTINUE"
+    return "--prompt", "def " if embedded else "TEXT TO CONTINUE"
