@@ -252,3 +252,43 @@ def test_sample_chat_needs_a_model_fine_tuned_on_conversations(data_dir: Path) -
 
     with pytest.raises(ConfigError, match="not prepared with prepare-data --chat"):
         chat_prompt(data_dir, "Hello?")
+
+
+def test_the_shipped_example_prepares_and_plans(tmp_path: Path, capsys) -> None:
+    """configs/chat-bytes reads text as its bytes (the ids a byte-level model was pretrained on),
+    `prepare-data --chat` without --source builds the example conversations (a name, then its
+    CamelCase form, the answer and its end of turn trained), and configs/sft-tiny.yaml plans on them."""
+    from meshrun.cli import main
+    from meshrun.data.documents import open_documents
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "camel-chats"
+    assert (
+        main(
+            [
+                "prepare-data",
+                "--chat",
+                "--tokenizer",
+                str(repo / "configs/chat-bytes"),
+                "--max-len",
+                "128",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    docs = open_documents(out, "train")
+    assert docs.num_documents > 1000
+    for k in range(0, docs.num_documents, 97):
+        ids, mask = docs.document(k)
+        text = bytes(i for i in ids.tolist() if i < 256).decode()
+        name = text.split("user\n")[1].split("\n")[0]
+        camel = "".join(word.capitalize() for word in name.split("_"))
+        assert ids[mask].tolist() == [*camel.encode(), 257], text  # the answer, then <|im_end|>
+    base = make_model("llama", tmp_path / "base", vocab_size=258, max_position_embeddings=SEQ_LEN)
+    capsys.readouterr()
+    args = ["train", str(repo / "configs/sft-tiny.yaml"), "--dry-run", "--set", f"model.hf={base}"]
+    assert main([*args, "--set", f"data.dir={out}", "--set", f"run_dir={tmp_path / 'run'}"]) == 0, (
+        capsys.readouterr().err
+    )
