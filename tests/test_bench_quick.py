@@ -28,6 +28,7 @@ VERDICTS = {  # bench -> a line its quick run must print (its verdict or its rat
     "pipeline.py": r"^summary: \d/3 targets met",
     "checkpoint.py": r"^(PASS|FAIL): async/sync blocked median [\d.]+x",
     "packing.py": r"^(PASS|FAIL): best-fit decreasing fills at least as well",
+    "lora.py": r"^(PASS|FAIL): trainable state per rank lora / full [\d.]+%",
     "packed_attention.py": r"^best document-masked way / nomask at the longest seq: [\d.]+x",
     "sft.py": r"^(PASS|FAIL): packed / padded trained tokens/s [\d.]+x",
 }

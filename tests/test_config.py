@@ -1057,6 +1057,12 @@ CASES = [
         torch_free=True,
     ),
     Case(
+        "zero-bubble-with-selective-recompute",
+        lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=2, parallel__schedule="zbv", recompute="selective")],
+        ("schedule zbv with recompute selective is refused", "set recompute to full or none"),
+        torch_free=True,
+    ),
+    Case(
         "zbv-with-evaluation",
         lambda c: ["train", *c.set(parallel__dp=1, parallel__pp=2, parallel__schedule="zbv", train__eval_interval=2)],
         ("schedule zbv cannot evaluate", "train.eval_interval=0"),

@@ -34,6 +34,8 @@ def test_the_task_defaults_to_what_the_config_trained_before_task_existed() -> N
         ),
         (["task=regression", "task_options.mask_rate=0.3"], "not of task regression"),
         (["task=translation"], "invalid task: use 'causal_lm', 'seq2seq'"),
+        (["task=classification"], "task classification trains model.name encoder in this version, not gpt"),
+        (["model.name=encoder"], "model.name encoder is a classifier, trained as task classification, not causal_lm"),
         (["task=regression", "task_options.loss=l1"], "invalid task_options.loss: use 'mse', 'mae' or 'huber'"),
     ],
 )
@@ -44,7 +46,7 @@ def test_a_task_and_its_options_must_fit(overrides: list[str], message: str) -> 
 
 @pytest.mark.parametrize(
     ("command", "task"),
-    [(["train", "--dry-run"], "classification"), (["train"], "regression"), (["plan"], "masked_lm")],
+    [(["train", "--dry-run"], "regression"), (["train"], "masked_lm"), (["plan"], "regression")],
 )
 def test_a_task_this_version_cannot_train_is_refused_in_one_line(
     command: list[str], task: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -1,5 +1,5 @@
 """bench/gpu.py, the one-command GPU kit, must not rot on machines without a GPU: `--smoke` runs
-its code paths (checks, host-sync bench, the Llama MFU runs eager and compiled, planner memory,
+its code paths (checks, host-sync bench, the Llama MFU runs eager and compiled, with LoRA compiled, planner memory,
 the report) on the CPU with tiny models, and every check in it must pass."""
 
 from __future__ import annotations
@@ -35,3 +35,4 @@ def test_the_gpu_kit_smoke_run_passes_and_writes_its_report(tmp_path: Path) -> N
     assert len(checks) == 6 and all("| PASS |" in line for line in checks), checks
     for run in ("eager-none", "compiled-none", "eager-selective", "compiled-selective"):
         assert text.count(f"| llama-{run} mb") == 2  # its MFU row and its memory row
+    assert text.count("| llama-lora-r16-compiled-none mb") == 2  # LoRA: its MFU row and its memory row

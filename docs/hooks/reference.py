@@ -28,9 +28,11 @@ from meshrun.errors import ConfigError
 _FAMILY_BASE: dict[str, dict[str, Any]] = {
     "gpt": {},
     "encdec": {"name": "encdec"},
+    "encoder": {"name": "encoder"},
     "hf": {"hf_config": {"model_type": "llama"}},
     "factory": {"factory": "mypkg.models:build"},
 }
+_FAMILY_TASK = {"encoder": "classification"}  # a family that trains one task only
 _GENERATED = {"reference/config.md": "config_reference", "reference/cli.md": "cli_reference"}
 
 
@@ -43,7 +45,8 @@ def _sections() -> Iterator[tuple[str, type[BaseModel], dict[str, Any]]]:
     for name, field in Config.model_fields.items():
         if name == "model":
             for family, section in SECTIONS.items():
-                yield f"model ({family})", section, {"model": dict(_FAMILY_BASE[family])}
+                task = {"task": _FAMILY_TASK[family]} if family in _FAMILY_TASK else {}
+                yield f"model ({family})", section, {"model": dict(_FAMILY_BASE[family]), **task}
         elif _section_class(field.annotation):
             yield name, _section_class(field.annotation), {name: {}}  # type: ignore[misc]
     yield (

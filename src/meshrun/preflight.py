@@ -27,8 +27,12 @@ from meshrun.files.json_reader import read_json
 from meshrun.files.writable import check_writable
 from meshrun.launcher.rerun import check_rerun
 from meshrun.launcher.torchrun import in_launched_worker
-from meshrun.models.hf_config import check_hf_tensor_split, hf_dir, is_hf, model_tokenizer, vocab_key, vocab_size
-from meshrun.parallel.stages import validate_layout
+from meshrun.models.hf_config import (
+    check_hf_tensor_split,
+    hf_dir,
+    num_layers,
+)
+from meshrun.parallel.stages import static_split, validate_layout
 from meshrun.planner.model_size import check_model_size
 from meshrun.versions import check_extras
 
@@ -65,6 +69,8 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
             check_packs_documents(cfg, model)
     if cfg.model.lora is not None:  # after the weights' checks: an adapter renames the layer it wraps
         check_lora(cfg.model.lora, model, tp=cfg.parallel.tp)
+        if scope == "job" and cfg.parallel.pp > 1:
+            check_lora_stages(cfg, model)
     return model
 
 
@@ -94,6 +100,27 @@ def check_lora(lora: LoraSection, model: nn.Module, *, tp: int) -> None:
         raise ConfigError("model.lora does not run with parallel.tp > 1 yet: set parallel.tp=1 (dp and pp work)")
     check_targets(model, lora)
     add_adapters(model, lora, seed=None)
+
+
+def check_lora_stages(cfg: Config, model: nn.Module) -> None:
+    """Every pipeline stage holds an adapter (`model`: whole, adapters added): a stage with nothing to
+    train has no gradient to reduce or step, which DDP and the optimizer refuse deep in a worker. A
+    stage holds its blocks, the first also `embed`, the last `norm` and `head` (the protocol's
+    keep_stage); a split measured at start (parallel.balance) is not known yet: every block must."""
+    trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+    blocks = {int(name.split(".")[1]) for name in trainable if name.startswith("blocks.")}
+    ends = {name.split(".")[0] for name in trainable if not name.startswith("blocks.")}  # e.g. an untied head
+    split = static_split(cfg)
+    stages = split if split is not None else [[i] for i in range(num_layers(cfg.model))]
+    for n, layers in enumerate(stages):
+        held = {"embed"} if n == 0 else set()
+        held |= {"norm", "head"} if n == len(stages) - 1 else set()
+        if blocks.isdisjoint(layers) and (split is None or not ends & held):
+            where = f"pipeline stage {n} (blocks {layers[0]}-{layers[-1]})" if split else f"block {layers[0]}"
+            raise ConfigError(
+                f"model.lora.target_modules: {where} holds no module they name, and under parallel.pp a stage with "
+                "nothing to train cannot run; name modules every block has (e.g. q_proj, v_proj), or set parallel.pp=1"
+            )
 
 
 def check_job(cfg: Config) -> None:
@@ -302,20 +329,7 @@ def check_data_source(cfg: Config) -> None:
 
 
 def check_data_fits(cfg: Config, path: Path) -> None:
-    """The data parses, holds enough tokens for a sample, its ids fit the model's vocabulary, and
-    it was tokenized with the model folder's tokenizer when both have one."""
-    from meshrun.data.dataset import check_data  # reads token files with torch
-    from meshrun.models.encdec import source_len
-    from meshrun.models.hf_weights import has_weights
+    """The data is what the job's task reads, parses, and fits the model (each task's own check)."""
+    from meshrun.tasks import task_for  # imports torch
 
-    model_dir = hf_dir(cfg.model)
-    check_data(
-        cfg.data,
-        path,
-        seq_len=cfg.model.seq_len,
-        model_vocab_size=vocab_size(cfg.model),
-        vocab_key=vocab_key(cfg.model),
-        model_tokenizer=model_tokenizer(model_dir),
-        pretrained=is_hf(cfg.model) and model_dir is not None and cfg.model.init != "random" and has_weights(model_dir),
-        source_len=source_len(cfg.model),
-    )
+    task_for(cfg.task).check_data(cfg, path)

@@ -5,7 +5,9 @@ input is refused in one line before any worker."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -132,6 +134,27 @@ def test_one_process_equals_peft(runs, llama_dir: Path, data_dir: Path) -> None:
         assert torch.equal(ours[name], theirs[peft_name(name)]), name
 
 
+def test_flops_count_the_frozen_base_at_4_per_weight(runs, llama_dir: Path) -> None:
+    """The FLOPs per token behind tflops and MFU, counted here from config.json: 4 per frozen weight
+    (forward and input gradient; norms and the tied head included, the embedding lookup not), 6 per
+    adapter weight, and causal attention 12 x layers x heads x head_dim x length."""
+    c = json.loads((llama_dir / "config.json").read_text())
+    h, q, kv, inter, r = (
+        c["hidden_size"],
+        c["num_attention_heads"] * c["head_dim"],
+        c["num_key_value_heads"] * c["head_dim"],
+        c["intermediate_size"],
+        LORA["model.lora.r"],
+    )
+    shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]  # (in, out) of q k v o gate up down
+    per_layer = sum(i * o for i, o in shapes) + 2 * h  # the two norms
+    frozen = c["num_hidden_layers"] * per_layer + h + c["vocab_size"] * h  # final norm, tied head
+    adapters = c["num_hidden_layers"] * sum(r * (i + o) for i, o in shapes)
+    attention = 12 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] * SEQ_LEN
+    row = read_metrics(runs("one-process"))[0]
+    assert row["tflops"] * 1e12 / row["tokens_per_s"] == pytest.approx(4 * frozen + 6 * adapters + attention, rel=1e-9)
+
+
 @pytest.mark.parametrize("layout", ["dp2-pp2-1f1b", "fsdp-dp2", "pp2-interleaved-recompute"])
 def test_layout_equals_one_process(layout: str, runs) -> None:
     """The adapters train alike under DDP and FSDP2 (only they have gradients to reduce), and under
@@ -143,6 +166,49 @@ def test_layout_equals_one_process(layout: str, runs) -> None:
     norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, reference)]
     assert len(norms[0]) == 10 and norms[0] == pytest.approx(norms[1], rel=1e-5)
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
+
+
+def test_checkpoints_hold_the_adapters_only(runs, llama_dir: Path, data_dir: Path) -> None:
+    """A LoRA checkpoint's index (written as dp2 x pp2) holds the adapters, their AdamW state, the
+    counters and RNG states, and no base tensor: 3x the adapters' bytes. Its manifest names the
+    base folder and its digest."""
+    from meshrun.checkpoint.safe_reader import SafeReader
+    from meshrun.models.hf_weights import weights_digest
+
+    folder = runs("dp2-pp2-1f1b") / "checkpoints" / "step-00000010"
+    saved = SafeReader(folder).read_metadata().state_dict_metadata
+    adapters = {k: v for k, v in initial_model(data_dir, llama_dir)[0].state_dict().items() if ".lora_" in k}
+    moments = {f"state.{k}.{m}" for k in adapters for m in ("exp_avg", "exp_avg_sq")}
+    steps = {f"state.{k}.step" for k in adapters}
+    assert {k for k in saved if not k.startswith(("progress.", "rng."))} == adapters.keys() | moments | steps
+    stored = sum(saved[k].size.numel() * saved[k].properties.dtype.itemsize for k in adapters.keys() | moments)
+    assert stored == 3 * sum(v.nbytes for v in adapters.values())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["base"] == {"path": str(llama_dir.absolute()), "sha256": weights_digest(llama_dir)}
+
+
+def test_resume_onto_other_weights_is_refused(runs, llama_dir: Path, data_dir: Path, tmp_path: Path) -> None:
+    """A run started from another run's LoRA checkpoint (train.resume) with the same architecture but
+    other weights (another seed: headers alike, values not) is refused in one line, exit 2, before
+    any worker; a copy of the base folder elsewhere holds the same weights and is accepted."""
+    checkpoint = runs("one-process") / "checkpoints" / "step-00000010"
+    other = make_model("llama", tmp_path / "other", seed=1, tie_word_embeddings=True)
+    copy = shutil.copytree(llama_dir, tmp_path / "copy")
+    sha = json.loads((checkpoint / "manifest.json").read_text())["base"]["sha256"]
+    for base in (other, copy):
+        args = lora_args(data_dir, tmp_path / f"run-{base.name}", base, **{"train.resume": checkpoint})
+        done = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+        if base == copy:
+            assert done.returncode == 0 and "run already complete" in done.stderr, done.stderr
+            continue
+        expect = (
+            f"meshrun: error: checkpoint {checkpoint} holds LoRA adapters trained on the base {llama_dir.absolute()} "
+            f"(sha256 {sha[:12]}), but model.hf {other.absolute()} holds other weights (sha256 "
+        )
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert done.stderr.startswith(expect), done.stderr
+        assert done.stderr.strip().endswith("set model.hf to the folder they were trained on, or start a new run_dir")
+        assert not any((tmp_path / f"run-{base.name}").iterdir())  # held while checked, nothing written
 
 
 def test_resharded_resume(runs, llama_dir: Path, data_dir: Path, tmp_path: Path) -> None:
@@ -189,6 +255,29 @@ def test_bad_lora_is_refused_before_any_worker(
     assert not run.exists()
 
 
+@pytest.mark.parametrize(
+    "targets,expect",
+    [
+        ("[head]", "pipeline stage 0 (blocks 0-3) holds no module they name"),
+        ("[blocks.0.self_attn.q_proj]", "pipeline stage 1 (blocks 4-7) holds no module they name"),
+    ],
+    ids=["head-only", "first-block-only"],
+)
+def test_a_pipeline_stage_without_adapters_is_refused(
+    targets: str, expect: str, data_dir: Path, tmp_path: Path
+) -> None:
+    """Under pp every stage needs an adapter (a stage with nothing to train fails inside DDP or the
+    optimizer): the untied head's only, or one block's only, are refused before any worker."""
+    model = make_model("llama", tmp_path / "untied")
+    args = lora_args(data_dir, tmp_path / "run", model, **{"model.lora.target_modules": targets, "parallel.pp": 2})
+    done = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+    assert done.returncode == 2, done.stderr
+    fix = "name modules every block has (e.g. q_proj, v_proj), or set parallel.pp=1"
+    line = f"model.lora.target_modules: {expect}, and under parallel.pp a stage with nothing to train cannot run; {fix}"
+    assert done.stderr.strip().splitlines() == [f"meshrun: error: {line}"]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("model", ["gpt", "gpt2"])
 def test_a_model_lora_cannot_wrap_is_refused(model: str, data_dir: Path, tmp_path: Path) -> None:
     """The built-in families are refused by the schema; GPT-2's Conv1D projections by preflight."""
@@ -225,8 +314,37 @@ def test_adapter_export_loads_in_peft(runs, llama_dir: Path, tmp_path: Path) -> 
     tokens = torch.randint(0, 256, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (theirs(input_ids=tokens).logits - ours(tokens)).abs().max().item() < 1e-5
-    done = run_meshrun(["export", str(run), "--hf", str(tmp_path / "hf")], tmp_path=tmp_path, check=False)
-    assert done.returncode == 2 and "export them with --adapter OUT_DIR" in done.stderr
+
+
+def test_merged_export_loads_in_transformers(runs, llama_dir: Path, data_dir: Path, tmp_path: Path) -> None:
+    """`export --hf OUT --merge` of the dp2 x pp2 run: transformers loads the folder as a plain
+    Llama whose logits equal meshrun's model with its adapters (1e-5) and not the base's. --hf
+    without --merge (it would drop the adapters), --merge without --hf, and --merge of a run that
+    trained every weight are refused in one line."""
+    from meshrun.cli.use_checkpoint import load_full_model
+    from meshrun.errors import ConfigError
+    from meshrun.models.families import build_model
+    from meshrun.models.hf_export import export_hf
+
+    run, out = runs("dp2-pp2-1f1b"), tmp_path / "merged"
+    done = run_meshrun(["export", str(run), "--hf", str(out), "--merge"], tmp_path=tmp_path)
+    assert "as a Hugging Face model (the LoRA adapters merged into its weights)" in done.stdout
+    merged, base, ours = load_reference(out).eval(), load_reference(llama_dir).eval(), load_full_model(run)[0]
+    assert not any(".lora_" in name or "base_layer" in name for name, _ in merged.named_parameters())
+    tokens = torch.randint(0, 256, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = merged(input_ids=tokens).logits
+        assert (logits - ours(tokens)).abs().max().item() < 1e-5
+        assert (logits - base(input_ids=tokens).logits).abs().max().item() > 1e-3, "the adapters must matter"
+    for flags, expect in [
+        (["--hf", str(tmp_path / "hf")], "writes full weights with the adapters merged in: add --merge, or export"),
+        (["--adapter", str(tmp_path / "a"), "--merge"], "--merge goes with --hf OUT_DIR"),
+    ]:
+        done = run_meshrun(["export", str(run), *flags], tmp_path=tmp_path, check=False)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and expect in done.stderr
+    full = config_from_set_args(tiny(data_dir, "unused", **{"model.hf": llama_dir})).model
+    with pytest.raises(ConfigError, match="this run trained every weight: drop --merge"):
+        export_hf(build_model(full), full, tmp_path / "full", merge=True)
 
 
 def test_dry_run_counts_what_peft_counts(llama_dir: Path, data_dir: Path, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from chat_data import conversations, write_chat_tokenizer
+from chat_data import CHATML, conversations, write_chat_tokenizer
 from conftest import final_weights, max_weight_diff, read_metrics, run_meshrun, tiny
 from hf_models import load_reference, make_model
 from plain_reference import config_from_set_args
@@ -23,6 +23,10 @@ from meshrun.data.packed import PackedDataset
 from meshrun.data.storage import IGNORE
 
 SEQ_LEN = 128
+# the fine-tuning template: ChatML with a colon after the role, not the model folder's own
+TEMPLATE = CHATML.replace("message['role'] + '\\n'", "message['role'] + ':\\n'").replace(
+    "assistant\\n", "assistant:\\n"
+)
 BASE = {
     "model.seq_len": SEQ_LEN,
     "train.global_batch": 8,
@@ -39,19 +43,30 @@ LAYOUTS = {
     "tp2-sequence-parallel": {"parallel.tp": 2, "parallel.sequence_parallel": True},
     "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
     "dp2-tp2-pp2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
+    "pp2-zbv-full-recompute": {"parallel.pp": 2, "parallel.schedule": "zbv", "recompute": "full"},
+    "hsdp-2x2-tp2-selective-recompute": {
+        "parallel.dp": 4,
+        "parallel.dp_mode": "hsdp",
+        "parallel.dp_shard": 2,
+        "parallel.tp": 2,
+        "recompute": "selective",
+    },
 }
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama (GQA) whose folder holds a chat tokenizer and template, and conversations
-    prepared with it (lengths 32 .. 128 tokens: two or three a packed row)."""
+    prepared with it and another template, TEMPLATE (lengths 32 .. 128 tokens: two or three a
+    packed row)."""
     root = tmp_path_factory.mktemp("sft")
     model = make_model("llama", root / "model", vocab_size=512, max_position_embeddings=SEQ_LEN)
     write_chat_tokenizer(model)
     source = root / "chats.jsonl"
     source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(60)))
+    (root / "template.jinja").write_text(TEMPLATE)
     args = ["prepare-data", "--chat", "--source", source, "--tokenizer", model, "--max-len", SEQ_LEN]
+    args += ["--chat-template", root / "template.jinja"]
     run_meshrun([*map(str, args), "--out", str(root / "data")], tmp_path=root)
     return root
 
@@ -236,3 +251,35 @@ def test_bad_input_is_refused_before_any_worker(
     code = main(["train", "--dry-run", *tiny(chat_model / "data", tmp_path / "run", **settings)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and message in err, err
+
+
+def test_sample_chat_answers_as_transformers_generate_on_the_export(runs, tmp_path: Path) -> None:
+    """`sample --chat` renders the message with the fine-tuning template and stops at the end of
+    the turn; `export --hf` carries that template, so transformers' own generate on the exported
+    folder (greedy, stopping at EOS) gives the same answer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run, message = runs("one-process"), "What is 7 plus 1? Answer briefly."
+    sampled = run_meshrun(
+        ["sample", str(run), "--chat", message, "--temperature", "0", "--tokens", "24"], tmp_path=tmp_path
+    )
+    run_meshrun(["export", str(run), "--hf", str(tmp_path / "hf")], tmp_path=tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    assert TEMPLATE != CHATML and tokenizer.decode(ids[0]).endswith("<|im_start|>assistant:\n")
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id)[
+        0, ids.shape[1] :
+    ]
+    answer = tokenizer.decode(out[:-1] if out[-1] == tokenizer.eos_token_id else out)
+    assert sampled.stdout == answer + "\n" and answer.strip()
+
+
+def test_sample_chat_needs_a_model_fine_tuned_on_conversations(data_dir: Path) -> None:
+    from meshrun.errors import ConfigError
+    from meshrun.generation.chat import chat_prompt
+
+    with pytest.raises(ConfigError, match="not prepared with prepare-data --chat"):
+        chat_prompt(data_dir, "Hello?")

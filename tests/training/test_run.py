@@ -28,7 +28,7 @@ def test_constructing_a_trainer_does_no_io(data_dir: Path, tmp_path: Path, monke
                 built.cfg,
                 built.mesh,
                 built.state,
-                data=TrainingData(train=built.train_data, val=built.val_data, card=built.data_card),
+                data=TrainingData(train=built.train_data, val=built.val_data, card=built.data_card, task=built.task),
                 flops_model=built.flops_model,
                 start_step=built.start_step,
                 newer_checkpoints=built.newer_checkpoints,

@@ -29,7 +29,7 @@ from meshrun.checkpoint.dcp import failed_save, publish, shard_sums, shard_write
 class _InFlight:
     tmp: Path  # the folder DCP writes into
     written: Future[dict[str, int]]  # this rank's shard checksums, once its write completed
-    publishing: dict[str, Any]  # publish()'s keyword arguments: keep, config, protected, data_card
+    publishing: dict[str, Any]  # publish()'s keyword arguments: keep, config, protected, data_card, base
 
 
 class BackgroundSaves:

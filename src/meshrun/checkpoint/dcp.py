@@ -21,7 +21,7 @@ import os
 import shutil
 import warnings
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -60,11 +60,13 @@ _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # -- state ---------------------------------------------------------------------------------------
 
 
-def model_state(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """Model-wide names -> tensors for this rank's parts (wrappers stripped by DCP's helpers)."""
+def model_state(parts: Sequence[nn.Module], *, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """Model-wide names -> tensors for this rank's parts (wrappers stripped by DCP's helpers);
+    `keep`: only the names it accepts (a LoRA run's adapters)."""
     state: dict[str, torch.Tensor] = {}
     for part in parts:
-        state.update(cast(dict[str, torch.Tensor], get_model_state_dict(part)))  # a model state holds tensors only
+        own = cast(dict[str, torch.Tensor], get_model_state_dict(part))  # a model state holds tensors only
+        state.update({k: v for k, v in own.items() if keep is None or keep(k)})
     return state
 
 
@@ -89,10 +91,14 @@ def load_optimizer_state(parts: Sequence[nn.Module], optimizers: Sequence[torch.
         set_optimizer_state_dict(part, optimizer, flat, options=_OPTIM_OPTIONS)
 
 
-def load_model_state(parts: Sequence[nn.Module], loaded: dict[str, torch.Tensor]) -> None:
+def load_model_state(parts: Sequence[nn.Module], loaded: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """`loaded` into this rank's parts; not `strict`: the tensors it lacks keep their values (a
+    LoRA run's frozen base, read from its folder)."""
     for part in parts:
         own = get_model_state_dict(part)
-        set_model_state_dict(part, {k: loaded[k] for k in own})
+        set_model_state_dict(
+            part, {k: loaded[k] for k in own if strict or k in loaded}, options=StateDictOptions(strict=strict)
+        )
 
 
 # -- files ---------------------------------------------------------------------------------------
@@ -107,11 +113,13 @@ def save(
     config: dict,
     protected: tuple[Path, ...] = (),
     data_card: tuple[Path, ...] = (),
+    base: dict[str, str] | None = None,
 ) -> Path:
     """Collective: every rank calls it with its own tensors. Returns the final folder.
 
     `data_card`: the training data's meta.json and tokenizer.json, copied into `data/` so that
-    `meshrun sample` decodes with the right tokenizer wherever the checkpoint goes.
+    `meshrun sample` decodes with the right tokenizer wherever the checkpoint goes. `base`: the
+    frozen base an adapter-only checkpoint goes with (models.lora.base_identity), in the manifest.
 
     `protected`: checkpoints newer than the one this run resumed from (ones that failed to load,
     or later ones when an older one was named): retention never deletes them, and one this save
@@ -123,7 +131,8 @@ def save(
     except (OSError, RuntimeError, dcp.CheckpointException) as exc:  # DCP's: every rank's errors, on every rank
         raise failed_save(exc, tmp) from None
     _barrier()  # every rank's shards are on disk before anyone hashes them
-    return publish(tmp, _gather(shard_sums(tmp)), keep=keep, config=config, protected=protected, data_card=data_card)
+    sums = _gather(shard_sums(tmp))
+    return publish(tmp, sums, keep=keep, config=config, protected=protected, data_card=data_card, base=base)
 
 
 def start_folder(run_dir: str | Path, step: int) -> Path:
@@ -171,6 +180,7 @@ def publish(
     config: dict,
     protected: tuple[Path, ...] = (),
     data_card: tuple[Path, ...] = (),
+    base: dict[str, str] | None = None,
 ) -> Path:
     """Collective, once every rank's shards in `tmp` are written and hashed (`sums`, by rank):
     rank 0 writes the manifest, renames `tmp` to its final name, moves `latest` and applies
@@ -178,7 +188,7 @@ def publish(
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     if _rank() == 0:
         try:
-            _write_manifest(tmp, step_of(final), sums, config=config, data_card=data_card)
+            _write_manifest(tmp, step_of(final), sums, config=config, data_card=data_card, base=base)
         except RunError:  # a full disk: the partial save goes (its space back), earlier ones stay
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -195,7 +205,13 @@ def publish(
 
 
 def _write_manifest(
-    tmp: Path, step: int, sums: list[dict[str, int]], *, config: dict, data_card: tuple[Path, ...]
+    tmp: Path,
+    step: int,
+    sums: list[dict[str, int]],
+    *,
+    config: dict,
+    data_card: tuple[Path, ...],
+    base: dict[str, str] | None,
 ) -> None:
     """Rank 0, after every rank's shards: config.json, the data card, then the manifest (last: it
     marks the save complete) of every file's size and crc32."""
@@ -214,6 +230,8 @@ def _write_manifest(
         }
     )
     manifest = {"step": step, "files": files, "versions": installed_versions()}
+    if base is not None:
+        manifest["base"] = base
     write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
@@ -309,9 +327,12 @@ def _read(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]
     return state
 
 
-def full_model_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
-    """One process, no process group: the whole model's weights from a checkpoint of any layout."""
-    state = {k: v for k, v in model.state_dict().items()}
+def full_model_state(
+    model: nn.Module, path: str | Path, *, keep: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor]:
+    """One process, no process group: the whole model's weights from a checkpoint of any layout
+    (`keep`: only the names it accepts)."""
+    state = {k: v for k, v in model.state_dict().items() if keep is None or keep(k)}
     return load(state, path)
 
 

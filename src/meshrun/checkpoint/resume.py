@@ -7,7 +7,7 @@ from pathlib import Path
 
 from torch import nn
 
-from meshrun.checkpoint.dcp import verify
+from meshrun.checkpoint.dcp import read_manifest, verify
 from meshrun.checkpoint.paths import (
     CONFIG,
     MANIFEST,
@@ -20,6 +20,7 @@ from meshrun.checkpoint.paths import (
 from meshrun.checkpoint.safe_reader import SafeReader
 from meshrun.errors import CheckpointError, ConfigError, DamagedCheckpointError
 from meshrun.files.json_reader import read_json
+from meshrun.models.lora import check_same_base, is_adapter
 from meshrun.parallel.layout import Layout
 from meshrun.versions import installed_versions
 
@@ -56,15 +57,22 @@ def no_checkpoint_loads(run_dir: str | Path, failures: list[tuple[Path, Checkpoi
     )
 
 
-def check_resumable(run_dir: str | Path, resume: str, model: nn.Module) -> Path | None:
+def check_resumable(
+    run_dir: str | Path, resume: str, model: nn.Module, *, base: dict[str, str] | None = None
+) -> Path | None:
     """Before spawning workers: the checkpoint to resume from verifies and fits `model` (a meta-device
     model: only names and shapes are compared), so a run that cannot resume stops here. Returns
-    that checkpoint (None: there is none to resume)."""
+    that checkpoint (None: there is none to resume). `base`: a LoRA run's frozen base
+    (models.lora.base_identity): only the adapters are compared, and a checkpoint trained on other
+    weights is refused (not passed over for an older one: they all are)."""
     failures: list[tuple[Path, CheckpointError]] = []
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if base is None or is_adapter(name)}
     for path in resume_candidates(run_dir, resume):
         try:
             verify(path)
+            if base is not None:
+                fix = "set model.hf to the folder they were trained on, or start a new run_dir"
+                check_same_base(path, read_manifest(path).get("base"), base, fix=fix)
             saved = SafeReader(path).read_metadata().state_dict_metadata
             for name, shape in shapes.items():
                 if name not in saved or tuple(getattr(saved[name], "size", ())) != shape:

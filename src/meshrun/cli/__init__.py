@@ -240,12 +240,14 @@ def _train(args: argparse.Namespace) -> int:
     worker_args = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
     code = job.train(cfg, worker_args, model)
     if code == 0 and not in_launched_worker():
+        from meshrun.config.tasks import GENERATIVE_TASKS
         from meshrun.files.console import next_steps, say
         from meshrun.generation.sample import sample_prompt
         from meshrun.models.hf_config import is_hf
 
         offline = any((Path(cfg.run_dir) / "wandb").glob("offline-run-*"))  # what the run wrote, not meant
-        say(next_steps(cfg.run_dir, offline_wandb=offline, prompt=sample_prompt(cfg), hf=is_hf(cfg.model)))
+        prompt = sample_prompt(cfg) if cfg.task in GENERATIVE_TASKS else None
+        say(next_steps(cfg.run_dir, offline_wandb=offline, prompt=prompt, hf=is_hf(cfg.model)))
     return code
 
 
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(report(args.runs, out=args.out, force=args.force))
             return 0
-        if args.command in ("export", "sample"):
+        if args.command in ("export", "sample", "predict"):
             check_checkpoint_args(args)  # before torch is imported
             from meshrun.cli.use_checkpoint import use_checkpoint  # imports torch
 

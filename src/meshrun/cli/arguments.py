@@ -63,10 +63,16 @@ def check_parity_args(args: argparse.Namespace) -> None:
 
 
 def check_checkpoint_args(args: argparse.Namespace) -> None:
-    """`export` / `sample` arguments, checked before torch is imported."""
+    """`export` / `sample` / `predict` arguments, checked before torch is imported."""
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
+    if args.command == "predict":
+        for text in args.text:
+            _check_utf8("--text", text)
+        return
     if args.command == "export":
+        if args.merge and not args.hf:
+            raise ConfigError("--merge goes with --hf OUT_DIR: a model.lora run's full weights, adapters merged in")
         flag = next(f for f in ("hf", "adapter", "out") if getattr(args, f))  # argparse: exactly one
         check_export_target(f"--{flag}", getattr(args, flag))
         return
@@ -82,10 +88,17 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--tokenizer {args.tokenizer} does not exist; give a tokenizer.json or a model folder")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
+    for flag, text in (("--prompt", args.prompt), ("--chat", args.chat or "")):
+        _check_utf8(flag, text)
+    if args.chat is not None and args.beam > 1:
+        raise ConfigError("--beam is for encoder-decoder models; sample --chat with --temperature (0 = greedy)")
+
+
+def _check_utf8(flag: str, text: str) -> None:
     try:
-        args.prompt.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
-        raise ConfigError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
+        raise ConfigError(f"{flag} is not valid UTF-8 text; pass it as UTF-8") from None
 
 
 def check_export_target(flag: str, out: str) -> None:
@@ -109,7 +122,7 @@ def check_supervised_args(args: argparse.Namespace) -> None:
     ]
     if others:
         raise ConfigError(f"{kind} excludes {others[0]}; pass one")
-    if not args.sources:
+    if not args.sources and not args.chat:  # --chat without --source: the built-in example conversations
         raise ConfigError(f"{kind} needs --source (.jsonl, .parquet or datasets folders)")
     if args.tokenizer == "byte" or args.train_tokenizer:
         raise ConfigError(f"{kind} needs --tokenizer MODEL_FOLDER (the tokenizer the model was trained with)")

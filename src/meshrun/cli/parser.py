@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="model.lora runs: the adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors) "
         "that PeftModel.from_pretrained(base, OUT_DIR) loads",
     )
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --hf, for model.lora runs (which need it there): full weights with the adapters merged in "
+        "(peft's merge: W + B A x alpha / r)",
+    )
     _trust_arguments(export)
     sample = sub.add_parser(
         "sample", help="generate text from a checkpoint (decoded with the training data's tokenizer)"
@@ -127,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder"
     )
     sample.add_argument("--prompt", default="def ", help="text to continue")
+    sample.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        help="a user message, rendered with the chat template the model was fine-tuned with (prepare-data --chat); "
+        "prints the answer up to the end of the turn",
+    )
     sample.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     sample.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     sample.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
@@ -139,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(data read in place, e.g. nanoGPT's GPT-2 ids, carries none)",
     )
     _trust_arguments(sample)
+    predict = sub.add_parser("predict", help="classification runs: the label of a text and its probability")
+    predict.add_argument(
+        "checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder"
+    )
+    predict.add_argument(
+        "--text",
+        action="append",
+        required=True,
+        help="a text to classify (repeat for several); one line each: label, probability, text (tab-separated)",
+    )
+    _trust_arguments(predict)
     compare = sub.add_parser(
         "report", help="compare runs: a table of their summaries and one picture of their loss curves"
     )
@@ -226,7 +249,8 @@ def _supervised_arguments(data: argparse.ArgumentParser) -> None:
         "--chat",
         action="store_true",
         help="conversations (a messages field of {role, content} lists in .jsonl, .parquet or datasets folders), "
-        "rendered with the --tokenizer folder's chat template; the assistant turns are trained",
+        "rendered with the --tokenizer folder's chat template; the assistant turns are trained. Without --source: "
+        "the built-in example (standard-library function names answered in CamelCase)",
     )
     data.add_argument(
         "--prompt-completion",

@@ -12,9 +12,11 @@ from meshrun.checkpoint.export import export
 from meshrun.checkpoint.resume import checkpoint_dir
 from meshrun.cli.arguments import check_export_target
 from meshrun.config.schema import Config, check_code_trusted
+from meshrun.config.tasks import GENERATIVE_TASKS
 from meshrun.errors import CheckpointError, ConfigError
 from meshrun.files.json_reader import read_json
 from meshrun.preflight import preflight
+from meshrun.tasks import Predict
 
 
 def load_full_model(
@@ -38,9 +40,32 @@ def load_full_model(
         instead = f"name the factory you mean with --set model.factory={cfg.model.factory}, or "
         check_code_trusted(cfg, folder / CONFIG, trust_code=trust_code, instead=instead)
     model = preflight(cfg, scope="model")  # built on the meta device (with a LoRA run's adapters)
+    saved_base = read_manifest(folder).get("base")
+    if saved_base is not None:  # a LoRA checkpoint of the adapters only
+        return adapters_on_base(cfg, folder, saved_base).eval(), cfg, folder
     model.to_empty(device="cpu")
     model.load_state_dict(full_model_state(model, folder))
     return model.eval(), cfg, folder
+
+
+def adapters_on_base(cfg: Config, folder: Path, saved_base: object) -> nn.Module:
+    """The whole model of an adapter-only checkpoint: the base read from its folder (refused unless
+    it holds the weights the adapters were trained on), the adapters from the checkpoint."""
+    from meshrun.models.families import build_model
+    from meshrun.models.lora import add_adapters, base_identity, check_same_base, is_adapter
+
+    base = base_identity(cfg.model)
+    if base is None or cfg.model.lora is None:
+        raise CheckpointError(
+            f"checkpoint {folder} holds LoRA adapters only, but its config names no base with weights"
+        )
+    check_same_base(folder, saved_base, base, fix="put back the folder they were trained on to use them")
+    model = build_model(cfg.model)
+    model.to_empty(device="cpu")
+    model.init_weights(cfg.train.seed)  # the folder's weights
+    add_adapters(model, cfg.model.lora, seed=None)
+    model.load_state_dict(full_model_state(model, folder, keep=is_adapter), strict=False)
+    return model
 
 
 def saved_at(folder: Path) -> str:
@@ -61,8 +86,26 @@ def factory_override(overrides: list[str]) -> str | None:
     return factory
 
 
+def predict_fn(cfg: Config) -> Predict:
+    """The job's task's predict command, refused in one line for a task that has none."""
+    from meshrun.tasks import task_for
+
+    predict = task_for(cfg.task).predict
+    if predict is None:
+        raise ConfigError(
+            f"meshrun predict labels texts with a classification model; this is a {cfg.task} model: use meshrun sample"
+        )
+    return predict
+
+
+def predictions(model: nn.Module, cfg: Config, data: Path, texts: list[str]) -> str:
+    """One line per text: its label, that label's probability, the text (tab-separated)."""
+    rows = predict_fn(cfg)(model, cfg, data, texts)
+    return "\n".join(f"{label}\t{probability:.4f}\t{text}" for (label, probability), text in zip(rows, texts))
+
+
 def use_checkpoint(args: argparse.Namespace) -> int:
-    """`export` and `sample`: one process, any layout's checkpoint (arguments checked by the caller, before torch)."""
+    """`export`, `sample` and `predict`: one process, any layout's checkpoint (arguments checked by the caller, before torch)."""
     from meshrun.generation.sample import data_card, sample
 
     trust = {"factory": factory_override(args.overrides), "trust_code": args.trust_code}
@@ -71,8 +114,9 @@ def use_checkpoint(args: argparse.Namespace) -> int:
             from meshrun.models.hf_export import export_hf
 
             model, cfg, folder = load_full_model(args.checkpoint, **trust)
-            out = export_hf(model, cfg.model, Path(args.hf), data=data_card(cfg, folder))
-            print(f"exported {saved_at(folder)} as a Hugging Face model to {Path(out).absolute()}")
+            out = export_hf(model, cfg.model, Path(args.hf), data=data_card(cfg, folder), merge=args.merge)
+            merged = " (the LoRA adapters merged into its weights)" if args.merge else ""
+            print(f"exported {saved_at(folder)} as a Hugging Face model{merged} to {Path(out).absolute()}")
             return 0
         if args.command == "export" and args.adapter:
             from meshrun.models.lora import export_adapter
@@ -88,6 +132,29 @@ def use_checkpoint(args: argparse.Namespace) -> int:
             print(f"exported {saved_at(folder)} to {out.absolute()}")
             return 0
         model, cfg, folder = load_full_model(args.checkpoint, **trust)
+        if args.command == "predict":
+            print(predictions(model, cfg, data_card(cfg, folder), args.text))
+            return 0
+        if cfg.task not in GENERATIVE_TASKS:
+            raise ConfigError(
+                f"{folder} is a {cfg.task} model, which does not generate text: "
+                f"meshrun sample continues {' and '.join(GENERATIVE_TASKS)} models"
+            )
+        if args.chat is not None:
+            from meshrun.generation.chat import answer
+
+            text = answer(
+                model,
+                cfg,
+                args.chat,
+                data=data_card(cfg, folder),
+                num_tokens=args.tokens,
+                temperature=args.temperature,
+                top_k=args.top_k or None,
+                seed=args.seed,
+            )
+            print(text)
+            return 0
         text = sample(
             model,
             cfg,

@@ -1,7 +1,7 @@
 """The `model` section: the keys every model shares, and one section per model family, chosen by
 `model.name` (a discriminated union), so a key of another family is refused instead of ignored.
 
-Families: gpt and encdec (built in), hf (a Hugging Face layout: `model.hf` or `model.hf_config`;
+Families: gpt, encdec and encoder (built in), hf (a Hugging Face layout: `model.hf` or `model.hf_config`;
 setting either is enough, as before `name: hf` existed), and a user's `model.factory`, which gets
 the shared keys and free-form `model.options`. Older configs wrote every key of every family (a
 run folder's config.json): a key of another family left at its default is dropped, not refused.
@@ -17,7 +17,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from meshrun.config.fields import Float, Int, Section
 from meshrun.errors import ConfigError
 
-BUILTIN_NAMES = ("gpt", "encdec")  # the built-in families, in the order messages list them
+BUILTIN_NAMES = ("gpt", "encdec", "encoder")  # the built-in families, in the order messages list them
 
 
 class LoraSection(Section):
@@ -101,7 +101,7 @@ class ModelSection(Section):
 class GPTSection(ModelSection):
     family: ClassVar[str] = "gpt"
     name: Literal["gpt"] = "gpt"
-    """Built-in model to train: gpt, encdec; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+    """Built-in model to train: gpt, encdec, encoder; hf with model.hf / model.hf_config; ignored when `factory` is set."""
 
     def tp_splits(self) -> dict[str, int]:
         """Whole heads per tp shard (which also splits model.dim and the MLP width 4 x dim, multiples
@@ -113,7 +113,7 @@ class GPTSection(ModelSection):
 class EncDecSection(ModelSection):
     family: ClassVar[str] = "encdec"
     name: Literal["encdec"] = "encdec"
-    """Built-in model to train: gpt, encdec; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+    """Built-in model to train: gpt, encdec, encoder; hf with model.hf / model.hf_config; ignored when `factory` is set."""
     encoder_layers: Int | None = Field(default=None, ge=1)
     """encdec: how many of the num_layers blocks are encoder blocks (the rest decode); None = half."""
     source_len: Int | None = Field(default=None, ge=1)
@@ -133,6 +133,14 @@ class EncDecSection(ModelSection):
         source = self.source_len or self.seq_len // 2
         shares = {f"data.buckets[{i}]'s source share": n * source // self.seq_len for i, n in enumerate(buckets)}
         return super().sequence_splits(buckets) | {"model.source_len": source} | shares
+
+
+class EncoderSection(ModelSection):
+    family: ClassVar[str] = "encoder"
+    name: Literal["encoder"] = "encoder"
+    """Built-in model to train: gpt, encdec, encoder; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+    num_labels: Int = Field(default=2, ge=2)
+    """encoder (task classification): the classes its head scores; must equal the data's label count (meta.json)."""
 
 
 class HFSection(ModelSection):
@@ -168,7 +176,9 @@ class FactorySection(ModelSection):
     """Ignored: `factory` builds the model."""
 
 
-SECTIONS: dict[str, type[ModelSection]] = {s.family: s for s in (GPTSection, EncDecSection, HFSection, FactorySection)}
+SECTIONS: dict[str, type[ModelSection]] = {
+    s.family: s for s in (GPTSection, EncDecSection, EncoderSection, HFSection, FactorySection)
+}
 _HF_KEYS = ("hf", "hf_config")
 
 
@@ -185,6 +195,7 @@ def _tag(data: Any) -> str | None:
 ModelConfig = Annotated[
     Annotated[GPTSection, Tag("gpt")]
     | Annotated[EncDecSection, Tag("encdec")]
+    | Annotated[EncoderSection, Tag("encoder")]
     | Annotated[HFSection, Tag("hf")]
     | Annotated[FactorySection, Tag("factory")],
     Discriminator(_tag),

@@ -70,7 +70,7 @@ class DataConfig(Section):
     mixture: list[MixtureSource] = []
     """Datasets sampled by weight, e.g. [{dir: A, weight: 0.7}, {dir: B, weight: 0.3}]; used instead of `dir`."""
     sources: list[PathText] = []
-    """Files or globs to prepare when `dir` is empty; empty = the Python standard library's .py files."""
+    """Files or globs to prepare when `dir` is empty (task classification: tables with `text` and `label` fields); empty = the built-in example (the standard library's .py files, or its docstrings labelled by package)."""
     tokenizer: PathText | None = None
     """Tokenizer for data `meshrun train` prepares itself (no data.dir, or an empty one): byte (None), bpe:VOCAB (trained on the sources), or a tokenizer.json / model folder."""
     val_fraction: Float = Field(default=0.05, gt=0.0, lt=0.5)

@@ -18,7 +18,10 @@ from meshrun.errors import ConfigError
 TaskName = Annotated[
     Literal["causal_lm", "seq2seq", "classification", "regression", "masked_lm"], BeforeValidator(lowercase)
 ]
-TRAINABLE_TASKS = ("causal_lm", "seq2seq")  # the tasks this version's trainer runs
+TRAINABLE_TASKS = ("causal_lm", "seq2seq", "classification")  # the tasks this version's trainer runs
+GENERATIVE_TASKS = ("causal_lm", "seq2seq")  # the tasks whose models `meshrun sample` continues
+# the model families that can do a task (a task not named here: any but these)
+TASK_MODELS = {"classification": ("encoder",)}
 
 
 class TaskOptions(Section):
@@ -58,7 +61,8 @@ def _is_seq2seq(data: dict[str, Any]) -> bool:
 
 
 def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions) -> None:
-    """data.pairs and an encoder-decoder model are seq2seq's; task_options belong to their task."""
+    """data.pairs and an encoder-decoder model are seq2seq's, the encoder is classification's; task_options
+    belong to their task."""
     if task != "seq2seq" and pairs:
         raise ConfigError(f"data.pairs prepares seq2seq text pairs, not data for task {task}: set task: seq2seq")
     if task != "seq2seq" and model_name == "encdec":
@@ -68,6 +72,13 @@ def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions)
             f"task seq2seq trains on text pairs (data.pairs: true) or an encoder-decoder (model.name: encdec); "
             f"this config has neither (model.name {model_name}): set them, or leave task out for causal_lm"
         )
+    models = TASK_MODELS.get(task)
+    if models is not None and model_name not in models:
+        raise ConfigError(
+            f"task {task} trains model.name {' or '.join(models)} in this version, not {model_name}: set model.name: {models[0]}"
+        )
+    if model_name == "encoder" and task != "classification":
+        raise ConfigError(f"model.name encoder is a classifier, trained as task classification, not {task}")
     options.check_for(task)
 
 

@@ -1,13 +1,15 @@
-"""Data prepared on a job's first use: the embedded corpus, `data.sources` or the example pairs,
-written once into `data.dir` (or its default folder); data that is already there is never touched."""
+"""Data prepared on a job's first use: the embedded corpus, `data.sources`, the example pairs or
+the example labelled texts, written once into `data.dir` (or its default folder); data that is already there is never touched."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from meshrun.config.schema import Config
 from meshrun.data.locations import data_dir, reads_in_place
 from meshrun.data.prepare import default_sources, is_prepared, prepare
+from meshrun.errors import ConfigError
 from meshrun.files.console import say
 
 
@@ -30,6 +32,9 @@ def prepare_on_first_use(cfg: Config) -> Path | None:
             reuse=True,  # another job on this data.dir may have prepared it meanwhile
         )
         return path
+    if cfg.task == "classification":
+        prepare_labelled(cfg, path)
+        return path
     tokenizer = cfg.data.tokenizer or "byte"
     say(f"preparing {tokenizer} data in {path} (first use)")
     trained = tokenizer.startswith("bpe:")
@@ -42,3 +47,24 @@ def prepare_on_first_use(cfg: Config) -> Path | None:
         reuse=True,
     )
     return path
+
+
+def prepare_labelled(cfg: Config, path: Path) -> None:
+    """task classification: `data.sources` (their `text` and `label` fields), else the standard
+    library's docstring lines labelled by package (data/labelled.py), prepared with data.tokenizer."""
+    from meshrun.data.labelled import example_examples, prepare_classification, read_examples
+    from meshrun.data.prepare import AlreadyPrepared
+
+    tokenizer = cfg.data.tokenizer or "byte"
+    if tokenizer.startswith("bpe:"):
+        raise ConfigError(
+            f"data.tokenizer {tokenizer}: task classification does not train a tokenizer; give a trained one or byte"
+        )
+    say(f"preparing labelled texts ({tokenizer}) in {path} (first use)")
+    sources = cfg.data.sources
+    rows = read_examples(sources, text_field="text", label_field="label", flag="data.sources") if sources else None
+    with contextlib.suppress(AlreadyPrepared):  # another job on this data.dir prepared it while this one waited
+        examples = rows or example_examples()
+        prepare_classification(
+            examples, None, path, val_fraction=cfg.data.val_fraction, tokenizer=tokenizer, sources=sources
+        )

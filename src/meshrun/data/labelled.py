@@ -8,6 +8,7 @@ ids). meta.json's "labels" lists the label names sorted (integers by value, then
 is the same however the rows are ordered or split. Validation rows come from `--val-source`
 (their labels must be training labels) or, without it, each row goes to train or val by a hash
 of its text, as prepare-data splits documents (the label set then spans both).
+Batches of it: data/labelled_batches.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,12 @@ def data_dir(cfg: Config) -> Path:
     """The folder a job prepares or reads: `data.dir`, else a cache folder named by the tokenizer."""
     if cfg.data.dir is not None:
         return Path(cfg.data.dir)
-    name = "stdlib-camelcase" if cfg.data.pairs else f"python-stdlib-{_tokenizer_slug(cfg.data.tokenizer)}"
+    if cfg.data.pairs:
+        name = "stdlib-camelcase"
+    elif cfg.task == "classification":  # the docstring example's labelled rows
+        name = f"stdlib-docstrings-{_tokenizer_slug(cfg.data.tokenizer)}"
+    else:
+        name = f"python-stdlib-{_tokenizer_slug(cfg.data.tokenizer)}"
     return cache_root() / name
 
 

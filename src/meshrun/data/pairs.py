@@ -42,6 +42,7 @@ from meshrun.files.confined import confined
 
 PAD, BOS, EOS, NUM_SPECIAL = 0, 1, 2, 3
 EXAMPLE_MAX_CHARS = 24  # the example config's model.source_len
+PAIRS_AGAIN = "prepare the pairs again"
 _SNAKE_DEF = re.compile(r"^\s*def ([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\(", re.MULTILINE)
 
 
@@ -160,24 +161,27 @@ def bucket_lengths(buckets: Sequence[int], *, seq_len: int, source_len: int | No
     return lengths
 
 
-class _Side:
-    """One side (source or target) of a split: ragged token rows; the offsets must cover the .bin
-    exactly (rising from 0 to its last token), or rows would read past it or skip part of it."""
+class Rows:
+    """Ragged token rows `{split}.{side}.bin` + `.idx` (one side of pairs, or labelled texts); the
+    offsets must cover the .bin exactly (rising from 0 to its last token), or rows would read past
+    it or skip part of it. `again`: how to remake them, as messages say it."""
 
-    def __init__(self, folder: Path, split: str, side: str, dtype: np.dtype, max_id: int | None) -> None:
+    def __init__(
+        self, folder: Path, split: str, side: str, dtype: np.dtype, max_id: int | None, *, again: str = PAIRS_AGAIN
+    ) -> None:
         card = folder / "meta.json"
         idx, path = (confined(folder, f"{split}.{side}.{ext}", source=card) for ext in ("idx", "bin"))
         try:
             self.offsets = np.fromfile(idx, dtype=OFFSET_DTYPE).astype(np.int64)
             size = path.stat().st_size
         except OSError as exc:
-            raise ConfigError(f"{folder}: {split}.{side} cannot be read ({exc}); prepare the pairs again") from None
+            raise ConfigError(f"{folder}: {split}.{side} cannot be read ({exc}); {again}") from None
         offsets = self.offsets
         if not len(offsets) or offsets[0] or np.any(np.diff(offsets) < 0) or offsets[-1] * dtype.itemsize != size:
             raise ConfigError(
                 f"{idx}: offsets out of range ({len(offsets)} offsets from {offsets[:1].tolist()} to "
                 f"{offsets[-1:].tolist()}, for the {size // dtype.itemsize} {dtype.name} tokens of {path.name}); "
-                "prepare the pairs again"
+                f"{again}"
             )
         self.tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
         self.lengths = np.diff(offsets)
@@ -205,7 +209,7 @@ class PairsDataset:
         folder = Path(data_dir)
         dtype, self.vocab_size, max_ids = _card(folder, meta, split)
         self.source, self.target = (
-            _Side(folder, split, side, dtype, max_ids.get(side)) for side in ("source", "target")
+            Rows(folder, split, side, dtype, max_ids.get(side)) for side in ("source", "target")
         )
         self.files = [self.source.file, self.target.file]
         self.num_pairs = len(self.source.lengths)

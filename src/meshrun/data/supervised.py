@@ -35,6 +35,7 @@ from meshrun.data.chat import (
     render_conversation,
     tokenize_rendered,
 )
+from meshrun.data.pairs import example_pairs
 from meshrun.data.prepare import _check_out, balance_splits, check_enough, publishing, split_of
 from meshrun.data.sources import Source, corpus_root, find_sources, records
 from meshrun.data.storage import DOCUMENTS_FORMAT, SPLITS, SplitWriter, smallest_dtype
@@ -72,14 +73,15 @@ def prepare_supervised(
     out = Path(out)
     _check_out(out)
     chat = load_chat_tokenizer(tokenizer, template_file=chat_template, need_template=options.kind == "chat")
-    found, _ = find_sources(sources)
-    if not found:
+    found, _ = find_sources(sources) if sources else ([], [])
+    if sources and not found:
         raise ConfigError(f"no files match --source {' '.join(sources)}")
+    read = _records(found, options) if sources else example_conversations()
     with publishing(out) as staging:
         dtype = smallest_dtype(chat.spec.vocab_size)
         writers = {split: SplitWriter(staging, split, dtype, shard_tokens, masks=True) for split in SPLITS}
         counts: Counter[str] = Counter()
-        for ids, mask in _documents(found, chat, options, counts):
+        for ids, mask in _documents(read, chat, options, counts):
             writers[split_of(ids, val_fraction)].add(ids, np.array([len(ids)]), mask)
         check_enough(writers, sources)
         balance_splits(writers, val_fraction)
@@ -92,19 +94,32 @@ def prepare_supervised(
     return meta
 
 
+def _records(found: list[Source], options: SupervisedOptions) -> Iterator[tuple[str, dict[str, Any]]]:
+    for source in found:
+        yield from records(source, options.fields)
+
+
+def example_conversations() -> Iterator[tuple[str, dict[str, Any]]]:
+    """`prepare-data --chat` without --source: the no-download example, the encoder-decoder's
+    pairs (data.pairs.example_pairs: snake_case names from the Python standard library) as
+    one-turn conversations, the user giving a name and the assistant its CamelCase form."""
+    for k, (name, camel) in enumerate(example_pairs()):
+        messages = [{"role": "user", "content": name}, {"role": "assistant", "content": camel}]
+        yield f"example conversation {k + 1}", {"messages": messages}
+
+
 def _documents(
-    found: list[Source], chat: ChatTokenizer, options: SupervisedOptions, counts: Counter[str]
+    read: Iterator[tuple[str, dict[str, Any]]], chat: ChatTokenizer, options: SupervisedOptions, counts: Counter[str]
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(ids, mask) of every stored document, in source order, after the length policy; `counts`
     gathers what was read, skipped, cut and split."""
     batch: list[Rendered] = []
-    for source in found:
-        for where, record in records(source, options.fields):
-            counts["records"] += 1
-            batch.append(_render(chat, options, record, where))
-            if len(batch) >= BATCH:
-                yield from _tokenized(chat, options, batch, counts)
-                batch = []
+    for where, record in read:
+        counts["records"] += 1
+        batch.append(_render(chat, options, record, where))
+        if len(batch) >= BATCH:
+            yield from _tokenized(chat, options, batch, counts)
+            batch = []
     yield from _tokenized(chat, options, batch, counts)
 
 
@@ -155,7 +170,7 @@ def _meta(
     found: list[Source],
     sources: list[str],
 ) -> dict[str, Any]:
-    root = corpus_root(found)
+    root = corpus_root(found) if found else Path()
     template = None
     if chat.template is not None:
         template = {
@@ -185,7 +200,7 @@ def _meta(
         "truncated": counts["truncated"],
         "split": counts["split"],
         "splits": splits,
-        "sources": sources,
+        "sources": sources or ["the built-in example conversations (prepare-data --chat without --source)"],
         "files": [{"path": s.path.relative_to(root).as_posix(), "kind": s.kind, "sha256": s.sha256()} for s in found],
     }
 

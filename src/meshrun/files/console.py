@@ -11,10 +11,10 @@ def say(message: str) -> None:
     print(f"[meshrun] {message}", file=sys.stderr, flush=True)
 
 
-def next_steps(run_dir: str, *, offline_wandb: bool, prompt: str, hf: bool) -> str:
+def next_steps(run_dir: str, *, offline_wandb: bool, prompt: str | None, hf: bool) -> str:
     """What to do with a finished run, with its path: the commands people look up next, fitted to
-    the run (`prompt`: one like its training text; `hf`: a Hugging Face model, exported as a folder
-    from_pretrained loads)."""
+    the run (`prompt`: one like its training text, None: a model that does not generate text; `hf`:
+    a Hugging Face model, exported as a folder from_pretrained loads)."""
     run = shlex.quote(run_dir)
     export = (
         f"--hf {shlex.quote(str(Path(run_dir) / 'hf'))}"
@@ -22,7 +22,7 @@ def next_steps(run_dir: str, *, offline_wandb: bool, prompt: str, hf: bool) -> s
         else f"--out {shlex.quote(str(Path(run_dir) / 'model.safetensors'))}"
     )
     commands = [
-        f"meshrun sample {run} --prompt {shlex.quote(prompt)}",
+        *([] if prompt is None else [f"meshrun sample {run} --prompt {shlex.quote(prompt)}"]),
         f"meshrun export {run} {export}",
         f"meshrun report {run}",
     ]

@@ -54,8 +54,9 @@ def already_complete(cfg: Config, model: nn.Module) -> bool:
     if resume_candidates(cfg.run_dir, cfg.train.resume):  # cannot resume: stop before any worker exists
         from meshrun.checkpoint.dcp import read_manifest  # torch.distributed.checkpoint: only when needed
         from meshrun.checkpoint.resume import check_resumable
+        from meshrun.models.lora import base_identity
 
-        resume_from = check_resumable(cfg.run_dir, cfg.train.resume, model)
+        resume_from = check_resumable(cfg.run_dir, cfg.train.resume, model, base=base_identity(cfg.model))
         step = read_manifest(resume_from).get("step") if resume_from is not None else None
         if isinstance(step, int) and step >= cfg.train.steps:
             say(f"run already complete: {resume_from} is at step {step} (train.steps {cfg.train.steps}); nothing to do")

@@ -10,22 +10,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from meshrun.config.model_sections import EncDecSection, GPTSection, HFSection, ModelConfig, ModelSection
+from meshrun.config.model_sections import (
+    EncDecSection,
+    EncoderSection,
+    GPTSection,
+    HFSection,
+    ModelConfig,
+    ModelSection,
+)
 from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
-from meshrun.models import encdec
+from meshrun.models import encdec, lora
 from meshrun.models.encdec import EncDec
+from meshrun.models.encoder import Encoder
 from meshrun.models.gpt import GPT
 from meshrun.models.hf_config import is_hf
-from meshrun.models.lora import is_adapter
 from meshrun.models.protocol import ProtocolModule, pretrained_dir
 from meshrun.versions import missing_extra
+
+if TYPE_CHECKING:
+    from meshrun.models.hf import HFCausalLM
 
 S = TypeVar("S", bound=ModelSection)
 
@@ -51,6 +61,7 @@ def _hugging_face(cfg: HFSection) -> nn.Module:
 FAMILIES: tuple[Family[Any], ...] = (
     Family(GPTSection, GPT),
     Family(EncDecSection, EncDec, source_len=encdec.source_len),
+    Family(EncoderSection, Encoder),
     Family(HFSection, _hugging_face),
 )
 # A user's factory may return anything: build_model checks it.
@@ -165,7 +176,10 @@ def build_model(cfg: ModelConfig) -> ProtocolModule:
 
 def flops_at(model: ProtocolModule, length: int) -> float:
     """The model's training FLOPs per token on `length`-token samples (a length bucket is shorter
-    than model.seq_len); a user's model whose `flops_per_token` takes no length is priced as it says."""
+    than model.seq_len); a user's model whose `flops_per_token` takes no length is priced as it says.
+    A model with LoRA adapters (model.lora): its frozen weights need no weight gradient (lora.flops_per_token)."""
+    if any(lora.is_adapter(name) for name, _ in model.named_parameters()):
+        return lora.flops_per_token(cast("HFCausalLM", model), length)  # only Hugging Face models take adapters
     if "length" in inspect.signature(model.flops_per_token).parameters:
         return model.flops_per_token(length=length)
     return model.flops_per_token()
@@ -175,7 +189,7 @@ def init_line(cfg: Config, model: nn.Module) -> str:
     """Where a new run's weights come from, in one line (`model`: the whole model, any device)."""
     source = pretrained_dir(model)
     if source is not None:
-        loaded = [name for name in model.state_dict() if not is_adapter(name)]  # LoRA's adapters are drawn
+        loaded = [name for name in model.state_dict() if not lora.is_adapter(name)]  # LoRA's adapters are drawn
         return f"weights loaded from {source} ({len(loaded)} tensors)"
     if cfg.model.factory is not None:  # its init_weights may load weights of its own
         return f"weights from {cfg.model.factory}'s init_weights (seed {cfg.train.seed})"

@@ -33,19 +33,28 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     """Separate q, k, v projections: a column split of each holds whole heads (a split of one fused
     [q; k; v] matrix would not), so the same forward runs on a tensor-parallel shard: the head
-    count comes from the width the projections return."""
+    count comes from the width the projections return. `causal` False: every position attends to
+    every position `keep` marks (the encoder's padding mask, (B, T), nonzero = a token)."""
 
-    def __init__(self, cfg: ModelSection) -> None:
+    def __init__(self, cfg: ModelSection, *, causal: bool = True) -> None:
         super().__init__()
-        self.head_dim, self.dropout = cfg.dim // cfg.num_heads, cfg.dropout
+        self.head_dim, self.dropout, self.causal = cfg.dim // cfg.num_heads, cfg.dropout, causal
         self.q, self.k, self.v = (nn.Linear(cfg.dim, cfg.dim) for _ in range(3))
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """`positions` (a packed row's): each document attends only to itself."""
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`positions` (a packed row's): each document attends only to itself. Not causal: every
+        token attends to every token `keep` marks."""
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, H, T, D)
-        y = causal_attention(q, k, v, positions, dropout_p=self.dropout if self.training else 0.0)
+        p = self.dropout if self.training else 0.0
+        if self.causal:
+            y = causal_attention(q, k, v, positions, dropout_p=p)
+        else:
+            mask = None if keep is None else keep.bool()[:, None, None, :]  # (B, 1, 1, T): True = attend
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -60,16 +69,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm residual block."""
+    """Pre-LayerNorm residual block; `causal` False: bidirectional over the tokens `keep` marks."""
 
-    def __init__(self, cfg: ModelSection) -> None:
+    def __init__(self, cfg: ModelSection, *, causal: bool = True) -> None:
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(cfg.dim), Attention(cfg)
+        self.ln1, self.attn = nn.LayerNorm(cfg.dim), Attention(cfg, causal=causal)
         self.ln2, self.mlp = nn.LayerNorm(cfg.dim), MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), positions=positions))
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), positions=positions, keep=keep))  # by keyword: a tp hook sees x alone
         return x + self.drop(self.mlp(self.ln2(x)))
 
 

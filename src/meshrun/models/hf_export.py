@@ -26,25 +26,34 @@ from meshrun.files.confined import confined
 from meshrun.models.hf import HFCausalLM
 from meshrun.models.hf_config import TOKENIZER_FILES, hf_dir, is_hf, model_tokenizer
 
+CHAT_TEMPLATE = "chat_template.jinja"  # transformers prefers it to tokenizer_config.json's chat_template
+
 
 def tokenizer_files(model_dir: Path | None) -> list[Path]:
     return [model_dir / name for name in TOKENIZER_FILES if model_dir and (model_dir / name).is_file()]
 
 
-def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | None = None) -> Path:
+def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | None = None, merge: bool = False) -> Path:
     """Write `model` (whole, with trained weights, built from `cfg`) as a Hugging Face model folder.
-    `data`: where the training data's meta.json / tokenizer.json are (export.data_card)."""
+    `data`: where the training data's meta.json / tokenizer.json are (export.data_card); its chat
+    template, when it was fine-tuned on conversations, goes with the tokenizer. `merge`: a LoRA
+    run's adapters merged into the weights they adapt (the model is changed in place)."""
     from safetensors.torch import save_file
 
     if not is_hf(cfg):
         raise ConfigError("--hf exports Hugging Face models (model.hf / model.hf_config); use --out FILE for this one")
-    if cfg.lora is not None:
+    if cfg.lora is not None and not merge:  # the base's weights alone would drop what was trained
         raise ConfigError(
-            "--hf exports every weight; this run trained LoRA adapters: export them with --adapter OUT_DIR"
+            "--hf of a model.lora run writes full weights with the adapters merged in: add --merge, "
+            "or export them with --adapter OUT_DIR"
         )
-    model = cast(HFCausalLM, model)  # what the hf family builds (models/families.py)
+    if cfg.lora is None and merge:
+        raise ConfigError("--merge merges a model.lora run's adapters; this run trained every weight: drop --merge")
     if out.exists():
         raise ConfigError(f"{out} already exists; choose another --hf folder")
+    if merge:
+        merge_adapters(model)
+    model = cast(HFCausalLM, model)  # what the hf family builds (models/families.py)
     state = {  # a fused projection's parts joined back into transformers' one tensor (others not copied)
         model.hf_names(name)[0]: torch.cat(parts).detach() if len(parts) > 1 else parts[0].detach().contiguous()
         for name, parts in model.hf_tensors().items()
@@ -61,8 +70,23 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | Non
             shutil.copy2(file, tmp / file.name)
         if model_tokenizer(model_dir) is None and data is not None:
             save_data_tokenizer(data, tmp, max_length=model.cfg.seq_len)
+        if data is not None and (data / CHAT_TEMPLATE).is_file():  # the template fine-tuning rendered with
+            shutil.copyfile(confined(data, CHAT_TEMPLATE, source=data), tmp / CHAT_TEMPLATE)
 
     return write_new_folder(out, write)
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> None:
+    """Each LoRA-adapted layer replaced in place by its base layer with the adapter merged in, by
+    peft's own `merge` (W += B @ A x alpha / r: what `merge_and_unload` computes)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge(safe_merge=True)  # safe: refuses a non-finite result
+            owner, _, child = name.rpartition(".")
+            setattr(model.get_submodule(owner), child, module.get_base_layer())
 
 
 def write_new_folder(out: Path, write: Callable[[Path], None]) -> Path:

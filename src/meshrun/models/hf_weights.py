@@ -9,6 +9,9 @@ input embedding or as lm_head; old GPT-2 files lack the `transformer.` prefix).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +24,40 @@ from meshrun.models.hf_config import INDEX, SINGLE, model_file
 
 def has_weights(model_dir: Path) -> bool:
     return (model_dir / INDEX).is_file() or (model_dir / SINGLE).is_file()
+
+
+DIGEST_WINDOW = 4096  # bytes read at each end of every tensor by weights_digest
+MAX_HEADER = 100 << 20  # a safetensors header's largest size (safetensors' own bound)
+
+
+def weights_digest(model_dir: Path) -> str:
+    """sha256 of what a folder's weights are, read cheaply (a few KiB per tensor, not the whole
+    folder): config.json, then per weight file its name, size and safetensors header (every tensor's
+    name, dtype, shape and offsets) and the first and last 4 KiB of every tensor's bytes. Another
+    model, shape or dtype changes the header; another fine-tune of the same model changes nearly
+    every byte of the tensors it touched, so it changes their windows too."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for file in sorted(set(weight_index(model_dir).values())):
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
+            if length > min(size - 8, MAX_HEADER):
+                raise ConfigError(f"{file} is not a readable safetensors file (header of {length} bytes)")
+            header = f.read(length)
+            digest.update(f"{file.name}\0{size}\0".encode() + header)
+            try:
+                spans = [
+                    e["data_offsets"]
+                    for e in json.loads(header).values()
+                    if isinstance(e, dict) and "data_offsets" in e
+                ]
+                for begin, end in ((8 + length + int(a), 8 + length + int(b)) for a, b in spans):
+                    for at in (begin, max(begin, end - DIGEST_WINDOW)):
+                        f.seek(at)
+                        digest.update(f.read(max(0, min(DIGEST_WINDOW, end - at))))
+            except (ValueError, TypeError, AttributeError, OverflowError, OSError) as exc:  # offsets a file made up
+                raise ConfigError(f"{file} is not a readable safetensors file: {exc}") from None
+    return digest.hexdigest()
 
 
 def weight_index(model_dir: Path) -> dict[str, Path]:

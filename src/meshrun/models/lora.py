@@ -11,19 +11,29 @@ which differs between stages. meshrun draws A again with the same distribution f
 seeded by (train.seed, the adapter's name): every layout starts from the same adapters. They are
 not the values peft draws after `torch.manual_seed(seed)`; the tests copy meshrun's adapters into
 peft's model to prove the rest equal (tests/models/test_lora.py).
+
+A run over a folder's weights checkpoints the adapters (and their optimizer state) only, with the
+folder's identity (`base_identity`: its path and a content hash) in the manifest: the base is the
+folder's, never written, and a checkpoint resumes or exports only onto the same weights.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from meshrun.config.model_sections import LoraSection, ModelConfig
+from meshrun.config.model_sections import HFSection, LoraSection, ModelConfig
 from meshrun.errors import ConfigError
+from meshrun.models.hf_config import hf_dir
+from meshrun.models.hf_weights import has_weights, weights_digest
 from meshrun.models.init import named_generator
+
+if TYPE_CHECKING:
+    from meshrun.models.hf import HFCausalLM
 
 ADAPTER = "default"  # peft's adapter name: its saved files and PeftModel expect it
 
@@ -31,6 +41,36 @@ ADAPTER = "default"  # peft's adapter name: its saved files and PeftModel expect
 def is_adapter(name: str) -> bool:
     """A parameter or state-dict name of one of peft's LoRA adapters (not of the base model)."""
     return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
+def frozen_base(cfg: ModelConfig) -> Path | None:
+    """The folder a LoRA run's frozen base is read from: its checkpoints then hold the adapters only.
+    None: no model.lora, or a base drawn at random (model.init random, model.hf_config without
+    weights), which no folder restores: checkpointed whole, as full training does."""
+    if cfg.lora is None or not isinstance(cfg, HFSection) or cfg.init == "random":
+        return None
+    folder = hf_dir(cfg)
+    return folder if folder is not None and has_weights(folder) else None
+
+
+def base_identity(cfg: ModelConfig) -> dict[str, str] | None:
+    """What an adapter-only checkpoint records of its base: the folder and `weights_digest` of it
+    (None: checkpoints hold the whole model)."""
+    folder = frozen_base(cfg)
+    return None if folder is None else {"path": str(folder.absolute()), "sha256": weights_digest(folder)}
+
+
+def check_same_base(checkpoint: Path, saved: object, base: dict[str, str], *, fix: str) -> None:
+    """Adapters go only onto the weights they were trained on: the same digest (a copy of the folder
+    elsewhere is the same base). `saved`: the checkpoint manifest's `base` (None: a checkpoint of the
+    whole model, base included, as older ones are). One line ending in `fix` otherwise."""
+    if saved is None or (isinstance(saved, dict) and saved.get("sha256") == base["sha256"]):
+        return
+    was = f"{saved.get('path')} (sha256 {str(saved.get('sha256'))[:12]})" if isinstance(saved, dict) else "unknown"
+    raise ConfigError(
+        f"checkpoint {checkpoint} holds LoRA adapters trained on the base {was}, but model.hf {base['path']} "
+        f"holds other weights (sha256 {base['sha256'][:12]}); {fix}"
+    )
 
 
 def target_names(model: nn.Module, lora: LoraSection) -> list[str]:
@@ -95,6 +135,19 @@ def init_adapters(part: nn.Module, seed: int) -> None:
             param.copy_(values)
         elif is_adapter(name):
             param.zero_()
+
+
+def flops_per_token(model: HFCausalLM, length: int) -> float:
+    """Training FLOPs per token of a model with adapters on `length`-token samples: the model's own
+    count (6 per matmul weight, adapters included, + attention) with every frozen weight at 4, not 6:
+    its forward (2) and the gradient of its input (2), which the adapters below it need, but no
+    gradient of its own (the 2 the count leaves out). A tied head reads the frozen embedding matrix."""
+    frozen = sum(
+        p.numel() for name, p in model.named_parameters() if not p.requires_grad and not name.startswith("embed.")
+    )
+    if model.tied:
+        frozen += model.hf_config.vocab_size * model.hf_config.hidden_size
+    return model.flops_per_token(length=length) - 2.0 * frozen
 
 
 def export_adapter(model: nn.Module, cfg: ModelConfig, out: Path) -> Path:

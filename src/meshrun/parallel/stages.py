@@ -110,6 +110,12 @@ def validate_layout(cfg: Config) -> None:
             f"schedule {par.schedule} with parallel.dp > 1 is refused under ddp: its split weight-gradient backward bypasses "
             "DDP's all-reduce hooks (pytorch #144530); use interleaved-1f1b, parallel.dp_mode=fsdp, or set parallel.dp=1"
         )
+    if par.schedule in SPLIT_BACKWARD_SCHEDULES and cfg.recompute == "selective":
+        raise ConfigError(
+            f"schedule {par.schedule} with recompute selective is refused: torch's selective checkpointing allows one "
+            "backward through a block, and this schedule runs two (input gradients, then weight gradients); "
+            "set recompute to full or none, or use interleaved-1f1b"
+        )
     if par.schedule == "zbv" and cfg.train.eval_interval:
         raise ConfigError(
             "schedule zbv cannot evaluate: torch 2.13's zbv eval() fails on the stage without backward "

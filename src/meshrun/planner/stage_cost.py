@@ -32,6 +32,7 @@ from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.planner.stage_pieces import compose, consecutive
 from meshrun.planner.stage_profile import StageProfile
 from meshrun.planner.tp_shapes import emulate_tp_shapes, shrink_to_tp_shard
+from meshrun.tasks import task_for
 from meshrun.training.loss import MicrobatchLoss
 
 Spec = tuple  # (shape, dtype) of a stage's output, or a tuple of those (a model handing on a state)
@@ -283,8 +284,11 @@ def _trace(
         counter.count_checkpoint_inputs(part)
         with counter.hooks(), _amp(precision):
             out = part(*x) if isinstance(x, tuple) else part(x)  # a state tuple arrives as arguments
-            # the loss's saved log-softmax counts; a target per logits row
-            loss = MicrobatchLoss(1)(out, torch.zeros(out.shape[:-1], dtype=torch.long)) if last else None
+            # the task's loss: its saved log-softmax counts; a target per logits row
+            loss = None
+            if last:
+                targets = torch.zeros(out.shape[:-1], dtype=torch.long)
+                loss = MicrobatchLoss(1, summed=task_for(cfg.task).summed)(out, targets)
         profile = StageProfile(
             param_bytes,
             grad_bytes,

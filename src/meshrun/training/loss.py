@@ -1,7 +1,9 @@
-"""The loss, normalised once for every layout: by the global batch's target-token count.
+"""The loss, normalised once for every layout: by the global batch's target count.
 
-A step's loss is the sum of token cross-entropies over the whole global batch divided by the
-number of non-pad target tokens in it (`IGNORE` marks padding). Microbatches of padded data
+A step's loss is the sum of the task's per-target losses over the whole global batch divided by
+the number of targets in it: for token tasks the token cross-entropies over the non-pad target
+tokens (`IGNORE` marks padding); for classification the samples' cross-entropies over the samples
+(each task's `summed` loss and the data's `target_tokens` say which, meshrun/tasks/). Microbatches of padded data
 hold different token counts, so a mean of per-microbatch means would weight a token in a short
 microbatch more than one in a long one. Each microbatch therefore contributes its token SUM /
 (global count / dp): summing over a rank's microbatches and DDP's average over dp ranks give
@@ -15,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from meshrun.data.storage import IGNORE
+from meshrun.tasks import SummedLoss
+from meshrun.tasks.tokens import token_cross_entropy
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,16 +37,25 @@ class MicrobatchLoss:
     microbatch's token mean / num_microbatches."""
     grad_scale: torch.Tensor | None = None
     """fp16: the GradScaler's scale when the step starts (0-d, on the device: no host sync); None: unscaled."""
+    summed: SummedLoss = token_cross_entropy
+    """The task's loss summed over a microbatch's targets."""
 
     @classmethod
     def for_batch(
-        cls, num_microbatches: int, *, target_tokens: int, dp: int, grad_scale: torch.Tensor | None = None
+        cls,
+        num_microbatches: int,
+        *,
+        target_tokens: int,
+        dp: int,
+        grad_scale: torch.Tensor | None = None,
+        summed: SummedLoss = token_cross_entropy,
     ) -> MicrobatchLoss:
-        """The loss of a global batch with `target_tokens` non-pad targets (at least 1: an all-pad batch gives loss 0)."""
-        return cls(num_microbatches, per_rank_tokens=max(int(target_tokens), 1) / dp, grad_scale=grad_scale)
+        """The loss of a global batch with `target_tokens` targets (at least 1: an all-pad batch gives loss 0)."""
+        per_rank = max(int(target_tokens), 1) / dp
+        return cls(num_microbatches, per_rank_tokens=per_rank, grad_scale=grad_scale, summed=summed)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        total = self.summed(logits, targets)
         if self.per_rank_tokens is None:
             loss = total / ((targets != IGNORE).sum().clamp(min=1) * self.num_microbatches)
         else:

@@ -12,7 +12,6 @@ from meshrun.checkpoint import resume
 from meshrun.checkpoint.background import BackgroundSaves
 from meshrun.checkpoint.paths import resume_candidates
 from meshrun.config.schema import Config
-from meshrun.data.dataset import open_dataset
 from meshrun.data.locations import training_data_dir
 from meshrun.files.console import say
 from meshrun.launcher import progress
@@ -20,8 +19,9 @@ from meshrun.metrics import time_split
 from meshrun.metrics.profiler import StepProfiler
 from meshrun.metrics.report import RunReport
 from meshrun.metrics.run_dir import start_run_record
-from meshrun.models.families import build_model, source_len
+from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.mesh import Mesh
+from meshrun.tasks import task_for
 from meshrun.training.optim import schedule_change_note
 from meshrun.training.preemption import Requests
 from meshrun.training.state import TrainState, build_state
@@ -35,7 +35,7 @@ class Run:
     def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
         state = build_state(cfg, mesh)
         data = open_training_data(cfg, data_dir)
-        flops_model = build_model(cfg.model)  # on meta: prices a step's tokens at its length
+        flops_model = build_stage(cfg, layers=None, first=True, last=True)  # on meta, adapters too: prices a step
         run_dir = Path(cfg.run_dir)
         start_step, newer_checkpoints = resume_state(cfg, mesh, state)
         records = mesh.rank == 0 and start_step < cfg.train.steps  # rank 0 records the run
@@ -71,17 +71,19 @@ class Run:
         self.report.close()
 
 
+CARD_FILES = ("meta.json", "tokenizer.json", "chat_template.jinja")  # how the data was tokenized (and rendered)
+
+
 def open_training_data(cfg: Config, data_dir: Path) -> TrainingData:
-    """The train and validation splits, batched as the model's family reads them, and the files
-    that say how they were tokenized (saved with each checkpoint)."""
-    seq_len, seed = cfg.model.seq_len, cfg.train.seed
-    # how pairs data (if any) is batched: the encoder's share, the samples sharing a length bucket
-    pairs_layout = {"source_len": source_len(cfg.model), "global_batch": cfg.train.global_batch}
+    """The train and validation splits, batched as the job's task reads them, the task, and the
+    files that say how they were tokenized (saved with each checkpoint)."""
+    task = task_for(cfg.task)
     trained_on = training_data_dir(cfg)  # its tokenizer decodes
     return TrainingData(
-        train=open_dataset(cfg.data, data_dir, "train", seq_len=seq_len, seed=seed, **pairs_layout),
-        val=open_dataset(cfg.data, data_dir, "val", seq_len=seq_len, seed=seed, **pairs_layout),
-        card=tuple(p for p in (trained_on / "meta.json", trained_on / "tokenizer.json") if p.is_file()),
+        train=task.open_split(cfg, data_dir, "train"),
+        val=task.open_split(cfg, data_dir, "val"),
+        card=tuple(p for p in (trained_on / name for name in CARD_FILES) if p.is_file()),
+        task=task,
     )
 
 

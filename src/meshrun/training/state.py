@@ -13,6 +13,7 @@ from torch.amp import GradScaler
 from meshrun.checkpoint import dcp as checkpoint
 from meshrun.config.schema import Config
 from meshrun.hardware.precision import autocast, make_scaler
+from meshrun.models.lora import base_identity, is_adapter
 from meshrun.parallel.mesh import Mesh
 from meshrun.parallel.parallelize import LocalModel, parallelize
 from meshrun.training.loss import MicrobatchLoss
@@ -24,12 +25,19 @@ if TYPE_CHECKING:
 
 class TrainState:
     """The model, its optimizers and scaler, and the data position and skipped steps (which the
-    trainer moves on), as this rank saves and loads them."""
+    trainer moves on), as this rank saves and loads them. `base`: a LoRA run's frozen base folder
+    (models.lora.base_identity): the model state saved and loaded is then the adapters' only."""
 
     def __init__(
-        self, model: LocalModel | PipelineModel, optimizers: Optimizers, scaler: GradScaler | None, *, mesh: Mesh
+        self,
+        model: LocalModel | PipelineModel,
+        optimizers: Optimizers,
+        scaler: GradScaler | None,
+        *,
+        mesh: Mesh,
+        base: dict[str, str] | None = None,
     ) -> None:
-        self.model, self.optimizers, self.scaler = model, optimizers, scaler
+        self.model, self.optimizers, self.scaler, self.base = model, optimizers, scaler, base
         self.rank, self.device = mesh.rank, mesh.device
         self.samples_seen = 0  # data position in global samples: survives a change of dp
         self.skipped_steps = 0  # fp16 steps the scaler skipped, over the whole run (checkpointed)
@@ -40,7 +48,7 @@ class TrainState:
         RNG states (dropout) are per rank: they are restored only into the same dp, tp and pp.
         """
         state = {
-            **checkpoint.model_state(self.model.parts),
+            **checkpoint.model_state(self.model.parts, keep=is_adapter if self.base is not None else None),
             **checkpoint.optimizer_state(self.model.parts, self.optimizers.optimizers),
             "progress.step": torch.tensor(step),
             "progress.samples_seen": torch.tensor(self.samples_seen),
@@ -56,7 +64,7 @@ class TrainState:
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        checkpoint.load_model_state(self.model.parts, state)
+        checkpoint.load_model_state(self.model.parts, state, strict=self.base is None)
         checkpoint.load_optimizer_state(self.model.parts, self.optimizers.optimizers, state)
         self.samples_seen = int(state["progress.samples_seen"])
         self.skipped_steps = int(state["progress.skipped_steps"])
@@ -87,4 +95,4 @@ def build_state(cfg: Config, mesh: Mesh) -> TrainState:
     sharded = mesh.data_mesh is not None or mesh.size("tp") > 1
     optimizers = Optimizers(model.parts, cfg.train)
     scaler = make_scaler(cfg, mesh.device, dist.group.WORLD if sharded else mesh.group("pp"))
-    return TrainState(model, optimizers, scaler, mesh=mesh)
+    return TrainState(model, optimizers, scaler, mesh=mesh, base=base_identity(cfg.model))

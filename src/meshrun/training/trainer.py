@@ -16,9 +16,7 @@ from torch.amp import GradScaler
 from meshrun.checkpoint import dcp as checkpoint
 from meshrun.checkpoint.background import BackgroundSaves
 from meshrun.config.schema import Config
-from meshrun.data.dataset import MixtureDataset, TokenDataset
-from meshrun.data.packed import PackedDataset, occupancy
-from meshrun.data.pairs import PairsDataset
+from meshrun.data.packed import occupancy
 from meshrun.files.console import say
 from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome
@@ -32,6 +30,7 @@ from meshrun.parallel import timeline
 from meshrun.parallel.compile import is_compiled
 from meshrun.parallel.fsdp import measured_state_bytes
 from meshrun.parallel.mesh import Mesh
+from meshrun.tasks import Batches, SummedLoss, Task
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.nonfinite import NonFiniteSteps
 from meshrun.training.optim import clip_global_norm
@@ -40,17 +39,18 @@ from meshrun.training.state import TrainState
 from meshrun.training.step_records import AcrossRanks, StepResult, Window
 
 T = TypeVar("T")
-Dataset = TokenDataset | MixtureDataset | PairsDataset | PackedDataset
+Dataset = Batches
 
 
 @dataclass(frozen=True)
 class TrainingData:
-    """The splits a run trains and validates on, and the files that say how they were tokenized
-    (saved with each checkpoint)."""
+    """The splits a run trains and validates on, the task that reads them (its loss and validation
+    figures), and the files that say how they were tokenized (saved with each checkpoint)."""
 
     train: Dataset
     val: Dataset
     card: tuple[Path, ...]
+    task: Task
 
 
 class Trainer:
@@ -77,7 +77,7 @@ class Trainer:
         self.params = [p for part in self.model.parts for p in part.parameters()]
         self.compiles = any(is_compiled(part.blocks) for part in self.model.parts)
         self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
-        self.train_data, self.val_data, self.data_card = data.train, data.val, data.card
+        self.train_data, self.val_data, self.data_card, self.task = data.train, data.val, data.card, data.task
         self.flops_model = flops_model  # on meta: prices a step's tokens at its length
         self.flops_by_length: dict[int, float] = {}
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
@@ -96,14 +96,17 @@ class Trainer:
         x, y = data.batch(position + shard.start, len(shard))
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def batch_loss(self, target_tokens: int, *, scaler: GradScaler | None) -> MicrobatchLoss:
-        """The loss of a global batch with `target_tokens` non-pad targets (read from the data, no
-        collective): divided by them and, fp16, multiplied by the scaler's current scale."""
+    def batch_loss(
+        self, target_tokens: int, *, scaler: GradScaler | None, summed: SummedLoss | None = None
+    ) -> MicrobatchLoss:
+        """The loss of a global batch with `target_tokens` targets (read from the data, no collective):
+        the task's summed loss (or `summed`) divided by them and, fp16, multiplied by the scaler's current scale."""
         return MicrobatchLoss.for_batch(
             self.cfg.accumulation_steps,
             target_tokens=target_tokens,
             dp=self.mesh.size("dp"),
             grad_scale=None if scaler is None else scaler.scale(torch.ones((), device=self.device)),
+            summed=self.task.summed if summed is None else summed,
         )
 
     def train(self) -> Outcome:
@@ -133,7 +136,7 @@ class Trainer:
             pauses: dict[str, float] = {}  # validation and checkpoint: timed apart, their own row at this step
             if eval_due:
                 pauses |= self._evaluate_timed()
-                row["val_loss"] = pauses["val_loss"]
+                row.update((key, value) for key, value in pauses.items() if key.startswith("val_"))
             if save_due:  # preemption and the end of the run save synchronously
                 pauses |= self._checkpoint_timed(done, background=not stop and done < cfg.steps)
             if pauses:
@@ -182,11 +185,11 @@ class Trainer:
         return row, Window(start=end)
 
     def _evaluate_timed(self) -> dict[str, float]:
-        """The validation loss and the seconds it took (not counted as training time)."""
+        """The validation loss, the task's figures and the seconds they took (not counted as training time)."""
         progress.mark("eval")
         time_split.phase("eval")
-        val_loss, seconds = self.timed(self.evaluate)
-        return {"val_loss": val_loss, "eval_s": seconds}
+        figures, seconds = self.timed(self.evaluate)
+        return {**figures, "eval_s": seconds}
 
     def _checkpoint_timed(self, done: int, *, background: bool) -> dict[str, float]:
         """A checkpoint of step `done` (`background`: when checkpoint.async allows it) and the
@@ -227,6 +230,7 @@ class Trainer:
             "config": self.cfg.model_dump(mode="json"),
             "protected": self.newer_checkpoints,
             "data_card": self.data_card,
+            "base": self.state.base,  # a LoRA run's frozen base (its checkpoints hold the adapters)
         }
         if background and self.background is not None:
             return self.background.start(self.state.state_dict(step), self.run_dir, step, **publishing)
@@ -302,18 +306,24 @@ class Trainer:
         return clip_global_norm(self.params, self.norm_params, max_norm=self.cfg.train.grad_clip, pp_group=pp_group)
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean token loss over `eval_batches` validation batches: each batch's token mean weighted
-        by its target tokens (padded batches of pairs hold different numbers)."""
+    def evaluate(self) -> dict[str, float]:
+        """`val_loss`, the mean loss over `eval_batches` validation batches (each batch's mean weighted
+        by its targets: padded batches of pairs hold different numbers), and the task's figures
+        (`val_` + name) from its meter's counts summed over the ranks that compute the loss."""
         self.model.train(False)
+        meter = self.task.meter(self.cfg, self.device)
         total, tokens = torch.zeros((), device=self.device), 0
         for batch in range(self.cfg.train.eval_batches):
             position = batch * self.cfg.train.global_batch
             weight = self.val_data.target_tokens(position, self.cfg.train.global_batch)
-            loss_fn = self.batch_loss(weight, scaler=None)
+            loss_fn = self.batch_loss(weight, scaler=None, summed=meter.summed)
             total += weight * self.model.evaluate(*self.local_batch(self.val_data, position), loss=loss_fn)
             tokens += weight
-        return self._across_ranks(total / tokens).loss
+        ranks = self._across_ranks(total / tokens, tuple(meter.counts()))
+        layout = self.mesh.layout
+        counted = [r for r in layout.loss_ranks() if layout.coordinates(r).tp == 0]  # tp ranks: copies
+        counts = [sum(ranks.extra[r][k] for r in counted) for k in range(len(ranks.extra[0]))]
+        return {"val_loss": ranks.loss, **{f"val_{name}": v for name, v in meter.figures(counts).items()}}
 
     def _across_ranks(self, loss: torch.Tensor, extra: tuple[float, ...] = ()) -> AcrossRanks:
         """`loss` averaged over the ranks that hold it (Layout.loss_ranks: the last stage's), with every
@@ -395,6 +405,7 @@ class Trainer:
             "steps": self.cfg.train.steps,
             "final_loss": row.get("loss"),
             "final_val_loss": row.get("val_loss"),
+            **{f"final_{key}": value for key, value in row.items() if key.startswith("val_") and key != "val_loss"},
             **self.report.run_totals(),
             **run_facts(self.cfg, row),
             "run_dir": str(self.run_dir.resolve()),

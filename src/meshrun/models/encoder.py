@@ -1,0 +1,111 @@
+"""The built-in encoder for classification: GPT's blocks without the causal mask, padding masked out
+of attention, and a classification head. No distributed code lives here.
+
+Input: token ids (B, T), padding marked `PAD` (-1: no id of any vocabulary, so a tokenizer needs no
+pad token of its own). Between blocks (and pipeline stages) the state is one tuple (hidden (B, T, C),
+keep-mask (B, T) int64: 1 = a token), as encdec's: the mask travels with the hidden states. The head
+pools the final-normed states over each sample's tokens (their mean) and maps them to (B, num_labels)
+logits. Mean pooling, not the first token: the data holds the tokenizer's own ids with no [CLS]
+added (data/labelled.py; bytes have no free id for one), and a mean hands every token's state a
+direct gradient from the loss, which a model trained from scratch on short texts learns from faster.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshrun.config.model_sections import EncoderSection
+from meshrun.data.labelled_batches import PAD
+from meshrun.models import gpt
+from meshrun.models.init import init_transformer_
+from meshrun.models.protocol import StagedModel
+
+State = tuple[torch.Tensor, torch.Tensor]
+
+
+class Embedding(gpt.Embedding):
+    """GPT's token + position embedding of the ids; padding embeds as id 0 and is masked from then on."""
+
+    # Returns the state tuple, not a tensor, by design: subclassing keeps gpt's parameter names.
+    def forward(self, ids: torch.Tensor) -> State:  # pyright: ignore[reportIncompatibleMethodOverride]
+        keep = (ids != PAD).long()
+        return super().forward(ids * keep), keep  # (B, T, C), (B, T)
+
+
+class Block(gpt.Block):
+    """GPT's block, bidirectional over the tokens the state's mask keeps."""
+
+    def __init__(self, cfg: EncoderSection) -> None:
+        super().__init__(cfg, causal=False)
+
+    def forward(self, state: State) -> State:  # pyright: ignore[reportIncompatibleMethodOverride]
+        h, keep = state
+        return super().forward(h, keep=keep), keep
+
+
+class Norm(nn.LayerNorm):
+    """The final LayerNorm, on the state's hidden states (the mask passes on to the head)."""
+
+    def forward(self, state: State) -> State:  # pyright: ignore[reportIncompatibleMethodOverride]
+        h, keep = state
+        return super().forward(h), keep
+
+
+class ClassifierHead(nn.Linear):
+    """Mean of each sample's token states (padding left out) -> label logits (B, num_labels)."""
+
+    def forward(self, state: State) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
+        h, keep = state
+        weights = keep.to(h.dtype).unsqueeze(-1)  # (B, T, 1)
+        pooled = (h * weights).sum(1) / weights.sum(1).clamp(min=1)  # (B, C)
+        return super().forward(pooled)
+
+
+class HiddenStatesOnly(nn.Module):
+    """A block fed hidden states alone: no padding (what a profiler times)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.block((h, torch.ones(h.shape[:2], dtype=torch.long, device=h.device)))[0]
+
+
+class Encoder(StagedModel):
+    """Embedding, bidirectional blocks, norm, classifier head: split over pipeline stages like GPT."""
+
+    def __init__(self, cfg: EncoderSection) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed: nn.Module | None = Embedding(cfg)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.norm: nn.Module | None = Norm(cfg.dim)
+        self.head: nn.Module | None = ClassifierHead(cfg.dim, cfg.num_labels)
+
+    def forward(self, *inputs: torch.Tensor) -> State | torch.Tensor:
+        """Token ids (B, T) -> logits (B, num_labels); a stage after the first receives the state
+        tuple (a pipeline passes it on as separate inputs), a stage before the last returns it."""
+        state = self.embed(inputs[0]) if self.embed is not None else (inputs[0], inputs[1])
+        for block in self.blocks.values():
+            state = block(state)
+        if self.norm is not None:
+            state = self.norm(state)
+        return self.head(state) if self.head is not None else state
+
+    def standalone_blocks(self) -> list[nn.Module]:
+        """The blocks as modules that take hidden states alone, every token kept (for parallel.balance)."""
+        return [HiddenStatesOnly(block) for block in self.blocks.values()]
+
+    def init_weights(self, seed: int) -> None:
+        """GPT's init of the parts present, each from its own seed: any pipeline split starts identical."""
+        init_transformer_(self, seed, num_layers=self.cfg.num_layers)
+
+    def flops_per_token(self, length: int | None = None) -> float:
+        """Training FLOPs per token: 6 x the blocks' matmul params + attention over the whole
+        `length` (PaLM appendix B counts it whole; here every position sees every other); the
+        head runs once per sample, not per token, and is left out."""
+        blocks = sum(p.numel() for n, p in self.named_parameters() if n.startswith("blocks."))
+        c = self.cfg
+        return 6.0 * blocks + 12.0 * c.num_layers * c.dim * (length or c.seq_len)

@@ -1,0 +1,83 @@
+"""The job's objective as code: one module per task says what a batch holds (the dataset it opens),
+what the last stage's loss sums, and what validation reports beside the loss. The trainer, the
+pipeline and the loss normalisation (training/loss.py) read a `Task` and never branch on its name.
+
+- `tokens`: causal_lm and seq2seq (token windows, pairs, mixtures): token cross-entropy.
+- `classification`: labelled texts: per-sample cross-entropy; accuracy and macro F1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from meshrun.config.schema import Config
+
+
+SummedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""A task's loss of a microbatch: (the last stage's output, the targets) -> the sum over its targets."""
+
+
+Predict = Callable[[nn.Module, "Config", Path, list[str]], list[tuple[str, float]]]
+"""(the whole model, its config, its data card folder, texts) -> each text's label and its probability."""
+
+
+class Batches(Protocol):
+    """One split of a task's data, addressed by global sample index (any layout reads the same batch)."""
+
+    def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples first .. first+count-1 as (the first stage's input, the last stage's targets)."""
+        ...
+
+    def target_tokens(self, first: int, count: int) -> int:
+        """The targets those samples hold: what the loss divides by (training/loss.py)."""
+        ...
+
+    def source_counts(self, first: int, count: int) -> dict[str, int]: ...
+
+
+class Meter(Protocol):
+    """What one validation pass counts beside the loss, on the ranks that compute the loss."""
+
+    def summed(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The task's summed loss of a microbatch, counting what the figures need as it goes."""
+        ...
+
+    def counts(self) -> list[float]:
+        """This rank's counts (zeros where no loss ran): summed over the ranks that count the loss."""
+        ...
+
+    def figures(self, counts: list[float]) -> dict[str, float]:
+        """The validation figures (name -> value) from every rank's counts summed."""
+        ...
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: the data a job of it reads and what its last stage and validation compute."""
+
+    name: str
+    open_split: Callable[[Config, Path, str], Batches]
+    """(config, data folder, split) -> that split's batches."""
+    summed: SummedLoss
+    """The training loss of a microbatch, summed over its targets (the normalisation divides it)."""
+    meter: Callable[[Config, torch.device], Meter]
+    """A fresh validation meter."""
+    check_data: Callable[[Config, Path], None]
+    """Before any worker: the prepared data is this task's, parses, and fits the model."""
+    predict: Predict | None = None
+    """`meshrun predict`, for a task that labels texts (None: the task has none)."""
+
+
+def task_for(name: str) -> Task:
+    """The `Task` a config's `task` names (config/tasks.py: check_trainable refused the others)."""
+    from meshrun.tasks import classification, tokens
+
+    tasks = {"causal_lm": tokens.TASK, "seq2seq": tokens.TASK, "classification": classification.TASK}
+    return tasks[name]

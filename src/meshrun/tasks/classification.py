@@ -1,0 +1,124 @@
+"""classification: a text -> one of the data's labels (data/labelled.py prepares it). A batch is
+(token ids padded with PAD, label ids); the last stage's output is (B, num_labels) logits (the
+encoder's head, models/encoder.py); the loss sums the samples' cross-entropies, which the
+normalisation divides by the global batch's sample count (the data's `target_tokens`), so every
+layout computes the same gradient. Validation: the loss, accuracy and macro F1 (the unweighted
+mean over labels of each label's F1; a label with no sample and no prediction is left out).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshrun.config.model_sections import EncoderSection
+from meshrun.data.dataset import check_vocab
+from meshrun.data.labelled_batches import PAD, LabelledDataset
+from meshrun.data.storage import SPLITS, read_meta
+from meshrun.data.token_ids import check_token_files
+from meshrun.errors import ConfigError
+from meshrun.tasks import Task
+
+if TYPE_CHECKING:
+    from meshrun.config.schema import Config
+
+
+def num_labels(cfg: Config) -> int:
+    """The labels the model scores (check_task allows only the encoder for this task)."""
+    assert isinstance(cfg.model, EncoderSection), "task classification trains model.name encoder"
+    return cfg.model.num_labels
+
+
+def open_split(cfg: Config, data_dir: Path, split: str) -> LabelledDataset:
+    return LabelledDataset(data_dir, split, seq_len=cfg.model.seq_len, seed=cfg.train.seed)
+
+
+def sample_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over the samples of the cross-entropy of logits (B, num_labels) against labels (B,)."""
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+class Confusion:
+    """Validation's meter: the loss, and a confusion matrix (true label x predicted label) counted on the device."""
+
+    def __init__(self, num_labels: int, device: torch.device) -> None:
+        self.num_labels = num_labels
+        self.matrix = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
+
+    def summed(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        cell = targets * self.num_labels + output.argmax(-1)
+        self.matrix += torch.bincount(cell, minlength=self.num_labels**2).to(self.matrix.dtype)
+        return sample_cross_entropy(output, targets)
+
+    def counts(self) -> list[float]:
+        return self.matrix.tolist()
+
+    def figures(self, counts: list[float]) -> dict[str, float]:
+        return confusion_figures(torch.tensor(counts, dtype=torch.float64).view(self.num_labels, self.num_labels))
+
+
+def confusion_figures(matrix: torch.Tensor) -> dict[str, float]:
+    """Accuracy and macro F1 of a confusion matrix (rows: true labels, columns: predictions)."""
+    hits = matrix.diagonal()
+    true, predicted = matrix.sum(1), matrix.sum(0)
+    seen = (true + predicted) > 0
+    f1 = 2 * hits / (true + predicted).clamp(min=1)  # 2TP / (2TP + FP + FN)
+    return {
+        "accuracy": (hits.sum() / matrix.sum().clamp(min=1)).item(),
+        "macro_f1": (f1[seen].mean() if seen.any() else torch.zeros(())).item(),
+    }
+
+
+def check_data(cfg: Config, data_dir: Path) -> None:
+    """The folder holds classification data with model.num_labels labels, token ids the model can embed."""
+    if cfg.data.mixture or cfg.data.format != "meshrun":
+        raise ConfigError(
+            "task classification reads a folder `meshrun prepare-data --task classification` wrote: "
+            "remove data.mixture / data.format"
+        )
+    for split in SPLITS:
+        data = open_split(cfg, data_dir, split)
+        check_vocab(data.vocab_size, cfg.model.vocab_size, data.where)
+        check_token_files(data.files, vocab_size=data.vocab_size, model_vocab_size=cfg.model.vocab_size)
+    if num_labels(cfg) != len(data.labels):
+        raise ConfigError(
+            f"{data_dir} holds {len(data.labels)} labels (meta.json) but model.num_labels is {num_labels(cfg)}; "
+            f"set model.num_labels: {len(data.labels)}"
+        )
+
+
+@torch.no_grad()
+def predict(model: nn.Module, cfg: Config, data: Path, texts: list[str]) -> list[tuple[str, float]]:
+    """Each text's most probable label and its probability: encoded with the training data's tokenizer
+    (`data`: its card, meta.json beside tokenizer.json), cut to model.seq_len tokens as training cut them."""
+    from meshrun.generation.sample import codec
+
+    labels = (read_meta(data) or {}).get("labels")
+    if not isinstance(labels, list) or len(labels) != num_labels(cfg):
+        raise ConfigError(
+            f"{data / 'meta.json'} lists no {num_labels(cfg)} labels; the checkpoint's data card is damaged"
+        )
+    encode = codec(cfg, data)[0]
+    ids = torch.full((len(texts), cfg.model.seq_len), PAD, dtype=torch.long)
+    for row, text in enumerate(texts):
+        tokens = encode(text)[: cfg.model.seq_len]
+        if not tokens:
+            raise ConfigError(f"--text {text!r} encodes to no tokens; give some text")
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+    probabilities = torch.softmax(model(ids).float(), dim=-1)
+    best = probabilities.max(-1)
+    return [(str(labels[k]), p) for k, p in zip(best.indices.tolist(), best.values.tolist())]
+
+
+TASK = Task(
+    "classification",
+    open_split=open_split,
+    summed=sample_cross_entropy,
+    meter=lambda cfg, device: Confusion(num_labels(cfg), device),
+    check_data=check_data,
+    predict=predict,
+)
