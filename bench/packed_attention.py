@@ -24,10 +24,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _process_memory import peak_mb_since, reset_peak
 from _quick import exit_code, parse
 
 WAYS = ("nomask", "dense", "loop", "flex", "flex-compiled")
@@ -75,13 +75,6 @@ def inputs(args: argparse.Namespace, seq_len: int) -> tuple[list[torch.Tensor], 
     return qkv, doc_lengths(seq_len, args.docs, args.rows)
 
 
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    return 0
-
-
 def child(args: argparse.Namespace) -> dict:
     """One way at one seq_len, in this fresh process: median ms of forward + backward, peak MB."""
     torch.set_num_threads(1)
@@ -89,15 +82,14 @@ def child(args: argparse.Namespace) -> dict:
     times = []
     try:
         attend(args.child, q, k, v, lengths).sum().backward()  # warm-up (and compile)
-        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again here
-        before = _rss_kb("VmRSS:")
+        before = reset_peak()
         for _ in range(args.reps):
             start = time.perf_counter()
             attend(args.child, q, k, v, lengths).sum().backward()
             times.append(1000 * (time.perf_counter() - start))
     except Exception as exc:  # noqa: BLE001 - a way this CPU build cannot run: say why
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-    return {"ms": statistics.median(times), "peak_mb": (_rss_kb("VmHWM:") - before) / 1024}
+    return {"ms": statistics.median(times), "peak_mb": peak_mb_since(before)}
 
 
 def check_agreement(args: argparse.Namespace) -> bool:

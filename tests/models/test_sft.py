@@ -6,6 +6,7 @@ resume continue the same rows; bad input refused in one line before any worker."
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -197,6 +198,36 @@ def test_resume_and_resharded_resume_continue_the_rows(runs, chat_model: Path, t
     result = run_meshrun(["train", *sft_args(chat_model, run, **LAYOUTS["dp2-pp2-1f1b"])], tmp_path=tmp_path)
     assert "resumed from" in result.stderr
     assert max_weight_diff(final_weights(run), final_weights(runs("one-process"))) < 1e-5
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_plan_states_the_rows_and_what_they_train(packing: bool, chat_model: Path, tmp_path: Path) -> None:
+    """`meshrun plan` of an SFT config plans it and says what a step holds: trained tokens per
+    step, padding and the attention length it prices, each equal to a count made here from the
+    dataset's own files (meta.json's counts, the document starts, the packer), not from the rows
+    training reads. Every conversation here is one block (under 1024 documents)."""
+    from meshrun.data.packing import pack
+
+    meta = json.loads((chat_model / "data" / "meta.json").read_text())["splits"]["train"]
+    starts = np.fromfile(chat_model / "data" / meta["documents_file"], dtype="<u8").astype(np.int64)
+    lengths = np.diff(np.append(starts, meta["tokens"]))
+    rows = [r.lengths for r in pack(lengths, SEQ_LEN)] if packing else [np.array([n]) for n in lengths]
+    assert len(lengths) < 1024
+    pads = [SEQ_LEN - int(r.sum()) for r in rows]
+    positions = len(rows) * SEQ_LEN
+    # the first token of a conversation (<|im_start|>) is never trained: every trained token is a target
+    trained_per_step = BASE["train.global_batch"] * meta["trained_tokens"] / len(rows)
+    attention = round((sum(int((r**2).sum()) for r in rows) + sum(p * p for p in pads)) / positions)
+    args = [*sft_args(chat_model, tmp_path / "run", **{"data.packing": packing}), "--gpus=1", "--gpu=h100", "--top=1"]
+    out = run_meshrun(["plan", *args], tmp_path=tmp_path, timeout=180).stdout
+    arranged = "packed whole (best-fit decreasing)" if packing else "one document a row, padded"
+    assert f"rows of model.seq_len {SEQ_LEN}, {arranged}" in out
+    stated = re.search(r"~(\d+) trained tokens \(([\d.]+)% of positions\), padding ([\d.]+)%", out)
+    assert stated, out
+    assert int(stated[1]) == round(trained_per_step)
+    assert float(stated[3]) == pytest.approx(100 * sum(pads) / positions, abs=0.05)
+    assert f"attention priced at length {attention} of {SEQ_LEN}" in out
+    assert attention < SEQ_LEN
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from meshrun.config.schema import Config, check_code_trusted, load_config
+from meshrun.data.locations import data_dir
 from meshrun.errors import ConfigError
 from meshrun.files.atomic import write_atomic
 from meshrun.files.console import say
@@ -23,6 +24,8 @@ from meshrun.metrics.record import read_metrics_rows
 from meshrun.parallel.compile import inductor_cache_dir
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
+from meshrun.planner.documents import describe as describe_documents
+from meshrun.planner.documents import document_rows
 from meshrun.planner.model_size import check_model_size
 from meshrun.planner.search import Prediction, compiles, predict, rank_layouts
 from meshrun.preflight import preflight
@@ -202,8 +205,16 @@ def run_plan(args: argparse.Namespace) -> int:
         return compare_run(args)
     hw, precision = hardware(args, cfg.precision)
     eff, source = efficiency(args, hw)
+    documents = document_rows(cfg)
     ranked = rank_layouts(
-        cfg, args.gpus, hw, eff, precision=precision, margin=args.margin, progress=_every(2.0, "planning")
+        cfg,
+        args.gpus,
+        hw,
+        eff,
+        precision=precision,
+        margin=args.margin,
+        progress=_every(2.0, "planning"),
+        attention_length=None if documents is None else documents.attention_length,
     )
     if not ranked:
         raise ConfigError(
@@ -216,6 +227,8 @@ def run_plan(args: argparse.Namespace) -> int:
         + ("; sequence parallel where tp > 1" if cfg.parallel.sequence_parallel else "")
     )
     print(compile_note(cfg, hw, eff))
+    if documents is not None:
+        print(describe_documents(documents, cfg, str(data_dir(cfg))))
     print(table(ranked, args.top))
     fitting = [p for p in ranked if p.fits]
     baseline = "measured by --calibrate" if source.startswith("calibrated") else "an estimate, hardware/peaks.py"

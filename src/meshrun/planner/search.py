@@ -18,7 +18,7 @@ from meshrun.parallel.stages import validate_layout
 from meshrun.planner.cost import DataParallel, Efficiency, Hardware, StepTime, step_time
 from meshrun.planner.layout_memory import layout_split, ranks_memory, regathers
 from meshrun.planner.memory import RankMemory
-from meshrun.planner.stage_cost import profile_stages
+from meshrun.planner.stage_cost import priced_at_length, profile_stages
 from meshrun.planner.stage_profile import StageProfile
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -205,10 +205,21 @@ def compiles(cfg: Config, hw: Hardware) -> bool:
 
 
 def predict(
-    cfg: Config, hw: Hardware, eff: Efficiency, *, precision: str, margin: float, measured_bubble: float | None = None
+    cfg: Config,
+    hw: Hardware,
+    eff: Efficiency,
+    *,
+    precision: str,
+    margin: float,
+    measured_bubble: float | None = None,
+    attention_length: int | None = None,
 ) -> Prediction:
+    """`cfg`'s memory and step time on `hw`; `attention_length`: rows of packed documents whose
+    attention costs that of this length (planner/documents.py), else full rows of model.seq_len."""
     par = cfg.parallel
     stages = stage_profiles(cfg, precision)
+    if attention_length is not None:
+        stages = priced_at_length(cfg, stages, attention_length)
     local = [cfg.layout.stages_of(r) for r in range(par.pp)]
     m = cfg.accumulation_steps
     ranks = ranks_memory(cfg, stages, baseline=eff.runtime_bytes)
@@ -251,8 +262,10 @@ def rank_layouts(
     precision: str,
     margin: float,
     progress: Callable[[str], None] | None = None,
+    attention_length: int | None = None,
 ) -> list[Prediction]:
-    """Fitting layouts first, fastest first; then the ones that do not fit, smallest first.
+    """Fitting layouts first, fastest first; then the ones that do not fit, smallest first
+    (`attention_length`: as predict's).
 
     Pruned before costing: a mesh whose least-memory layout (micro_batch 1, full recompute) does not
     fit is reported by that layout alone, and per recompute policy the micro_batches beyond the
@@ -262,13 +275,18 @@ def rank_layouts(
     for index, mesh in enumerate(all_meshes, 1):
         if progress is not None:
             progress(f"mesh {index}/{len(all_meshes)}: {mesh.layout.text()}")
-        least = predict(mesh, hw, eff, precision=precision, margin=margin)
+        least = predict(mesh, hw, eff, precision=precision, margin=margin, attention_length=attention_length)
         if not least.fits:
             predictions.append(least)
             continue
         for row in variants(mesh):
             for layout in row:
-                prediction = least if layout == mesh else predict(layout, hw, eff, precision=precision, margin=margin)
+                if layout == mesh:
+                    prediction = least
+                else:
+                    prediction = predict(
+                        layout, hw, eff, precision=precision, margin=margin, attention_length=attention_length
+                    )
                 predictions.append(prediction)
                 if not prediction.fits:
                     break

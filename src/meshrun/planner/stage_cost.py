@@ -80,6 +80,23 @@ def stage_flops_per_token(cfg: Config, part: ProtocolModule, attention: float) -
     return useful + extra, useful
 
 
+def priced_at_length(cfg: Config, stages: list[StageProfile], length: int) -> list[StageProfile]:
+    """`stages` with attention priced at `length` instead of model.seq_len: packed documents'
+    rows cost the attention of each document alone (data/packed.py's `attention_length`, the
+    length whose causal attention costs what theirs does), as the trainer prices them for MFU.
+    Attention's FLOPs per token grow linearly with the length (attention_per_block)."""
+    attention = _model_facts(_build_key(_model_json(cfg, cfg.recompute)))[2]
+    saved = attention * (1.0 - length / cfg.model.seq_len) / cfg.parallel.tp  # per block and token
+    return [
+        dataclasses.replace(
+            s,
+            flops_per_token=s.flops_per_token - saved * (s.blocks + s.recomputed_blocks / 3),
+            model_flops_per_token=s.model_flops_per_token - saved * s.blocks,
+        )
+        for s in stages
+    ]
+
+
 def _block_kind(block: nn.Module) -> tuple:
     """Blocks of one kind (class and parameter shapes) cost the same: one is traced for all."""
     return (type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
