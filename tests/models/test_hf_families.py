@@ -1,5 +1,6 @@
 """Each family layout (llama, qwen2, qwen3, mistral, phi3, olmo2, tied llama), split into pipeline stages
-in one process from save_pretrained weights, computes the transformers model's logits."""
+in one process from save_pretrained weights, computes the transformers model's logits, and on a
+packed row each document's logits as if it ran alone."""
 
 from __future__ import annotations
 
@@ -49,6 +50,15 @@ def test_stages_chained_equal_transformers(family: str, tmp_path: Path) -> None:
     with torch.no_grad():
         ours = stages[1](stages[0](tokens))
         assert (ours - reference(input_ids=tokens).logits).abs().max().item() < 1e-5
+        # packed rows (docs/guides/conversations.md): the positions travel from stage to stage and
+        # each document's logits are its own, as if it ran alone
+        lengths = [[5, 8, 3], [16]]
+        positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+        packed = stages[1](*stages[0](torch.stack([tokens, positions], dim=1)))
+        for r, row in enumerate(lengths):
+            for start, n in zip([0, *torch.tensor(row).cumsum(0)[:-1].tolist()], row):
+                alone = reference(input_ids=tokens[r : r + 1, start : start + n]).logits[0]
+                assert (packed[r, start : start + n] - alone).abs().max().item() < 1e-5, (r, start)
     if config.tie_word_embeddings:  # the last stage holds its own copy of the tied matrix, same values
         assert torch.equal(stages[0].embed.weight, stages[1].embed.weight)
 
