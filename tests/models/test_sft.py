@@ -235,6 +235,22 @@ def test_plan_states_the_rows_and_what_they_train(packing: bool, chat_model: Pat
     assert attention < SEQ_LEN
 
 
+def test_plan_of_a_packed_run_prices_its_rows(runs, tmp_path: Path) -> None:
+    """`plan --run` of a finished packed run prices its prediction as the plan does (attention at
+    the documents' length) and says so; the same run with its data gone is priced at full rows."""
+    import shutil
+
+    def plan_run(run: Path) -> str:
+        return run_meshrun(["plan", "--run", str(run), "--gpu", "h100"], tmp_path=tmp_path).stdout
+
+    assert re.search(rf"attention priced at length \d+ of {SEQ_LEN}", plan_run(runs("one-process")))
+    elsewhere = shutil.copytree(runs("one-process"), tmp_path / "moved")
+    config = json.loads((elsewhere / "config.json").read_text())
+    config["data"]["dir"] = str(tmp_path / "gone")
+    (elsewhere / "config.json").write_text(json.dumps(config))
+    assert "attention priced" not in plan_run(elsewhere)
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [

@@ -342,13 +342,19 @@ def compare_run(args: argparse.Namespace) -> int:
     args.gpus = cfg.world_size
     hw, precision = hardware(args, cfg.precision)
     eff, source = efficiency(args, hw)
-    formula = predict(cfg, hw, eff, precision=precision, margin=args.margin)
-    with_bubble = predict(cfg, hw, eff, precision=precision, margin=args.margin, measured_bubble=measured_bubble)
+    documents = document_rows(cfg)  # packed rows: attention priced at their documents' length, as the plan does
+    priced = {} if documents is None else {"attention_length": documents.attention_length}
+    formula = predict(cfg, hw, eff, precision=precision, margin=args.margin, **priced)
+    with_bubble = predict(
+        cfg, hw, eff, precision=precision, margin=args.margin, measured_bubble=measured_bubble, **priced
+    )
     print(
         f"run {run}: {cfg.layout.text()}, micro_batch "
         f"{cfg.train.micro_batch}, recompute {cfg.recompute} on {hw.name}; {source}"
     )
     print(compile_note(cfg, hw, eff))
+    if documents is not None:
+        print(describe_documents(documents, cfg, str(data_dir(cfg))))
     print(f"{'':<28}{'predicted':>12}{'measured':>12}{'ratio':>10}")
     for name, predicted, measured in (
         ("step time s (bubble formula)", formula.time.total, measured_time),
