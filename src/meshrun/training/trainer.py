@@ -106,7 +106,7 @@ class Trainer:
             target_tokens=target_tokens,
             dp=self.mesh.size("dp"),
             grad_scale=None if scaler is None else scaler.scale(torch.ones((), device=self.device)),
-            summed=self.task.summed if summed is None else summed,
+            summed=self.task.summed(self.cfg) if summed is None else summed,
         )
 
     def train(self) -> Outcome:
