@@ -317,10 +317,11 @@ def check_data_source(cfg: Config) -> None:
     path = data_dir(cfg)
     if cfg.data.mixture or cfg.data.format != "meshrun":
         return
-    if cfg.task == "regression" and not is_prepared(path):
+    if cfg.task == "regression" and (cfg.data.sources or cfg.data.dir is not None) and not is_prepared(path):
         raise ConfigError(
             f"task regression reads prepared series, and {path} holds none: run `meshrun prepare-data --task regression "
-            f"--seq-len {cfg.model.seq_len} --horizon {cfg.task_options.horizon} --out DIR` and set data.dir: DIR"
+            f"--seq-len {cfg.model.seq_len} --horizon {cfg.task_options.horizon} --out DIR` and set data.dir: DIR "
+            "(leave data.dir and data.sources out to train on the generated example series)"
         )
     if cfg.data.dir is not None and not cfg.data.sources and not is_prepared(path):
         raise ConfigError(

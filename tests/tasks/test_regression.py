@@ -8,6 +8,7 @@ figures are those of the final weights (MSE, MAE, and the naive last-value forec
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,20 @@ def test_what_the_model_cannot_train_is_refused_in_one_line(
 def test_regression_without_prepared_series_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["train", *tiny(tmp_path / "none", tmp_path / "run", **REGRESS)]) == 2
     assert "task regression reads prepared series, and " in capsys.readouterr().err
+
+
+def test_the_example_config_beats_the_naive_forecast_on_the_generated_series(tmp_path: Path) -> None:
+    """configs/forecast-tiny.yaml as shipped: the generated series prepared on first use into the
+    job's cache folder (no data.dir, no download), and after its 300 steps the model's validation MAE
+    well below repeating the last value (0.23 vs 0.36 standardised when written)."""
+    config = Path(__file__).parents[2] / "configs" / "forecast-tiny.yaml"
+    run_meshrun(
+        ["train", str(config), f"--set=run_dir={tmp_path / 'run'}", "--set=metrics.plots=false"], tmp_path=tmp_path
+    )
+    meta = json.loads((tmp_path / "cache" / "meshrun" / "example-series-h7-v0.05" / "meta.json").read_text())
+    assert meta["columns"] == list(EXAMPLE_COLUMNS) and meta["rows"] == 3000
+    row = [row for row in read_metrics(tmp_path / "run") if "val_loss" in row][-1]
+    assert row["step"] == 300 and row["val_mae"] < 0.8 * row["val_naive_mae"]
 
 
 def test_plan_is_refused_for_a_forecaster(series_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
