@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshrun.data.hashing import splitmix64
+from meshrun.data.hashing import drawn_rows, split_salt
 from meshrun.data.series import Windows
 from meshrun.data.storage import SPLITS, read_meta
 from meshrun.errors import ConfigError
@@ -34,13 +34,11 @@ class SeriesDataset:
         self.windows = Windows(folder, split, self.meta, seq_len=seq_len, horizon=horizon)
         self.features = self.windows.values.shape[1]
         self.in_order, self.where = split == "val", f"{folder} ({split})"
-        self.salt = np.uint64((seed * 2 + SPLITS.index(split)) & 0xFFFFFFFF) << np.uint64(32)
+        self.salt = split_salt(seed, SPLITS.index(split))
 
     def indices(self, first: int, count: int) -> np.ndarray:
         """Window numbers of samples first .. first+count-1."""
-        index = np.arange(first, first + count, dtype=np.uint64)
-        mixed = index if self.in_order else splitmix64(index ^ self.salt)
-        return (mixed % np.uint64(len(self.windows))).astype(np.int64)
+        return drawn_rows(first, count, len(self.windows), salt=self.salt, in_order=self.in_order)
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples first .. first+count-1 as x (count, seq_len, features) and y (count, 1 + horizon,
