@@ -92,6 +92,8 @@ def test_one_process_step_one_equals_a_plain_torch_forecaster(series_dir: Path, 
     norm = torch.stack([(g.double() ** 2).sum() for g in grads]).sum().sqrt().item()
     assert losses(one_process)[0] == pytest.approx(loss.item(), rel=1e-5)
     assert grad_norms(one_process)[0] == pytest.approx(norm, rel=1e-5)
+    first = read_metrics(one_process)[0]  # throughput counts time steps (8 x 12), not values or features
+    assert first["tokens_per_s"] * first["step_time_s"] == pytest.approx(8 * SEQ_LEN, rel=1e-3)
 
 
 def test_dp2_pp2_trains_as_one_process(series_dir: Path, one_process: Path, tmp_path: Path) -> None:
