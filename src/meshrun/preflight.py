@@ -317,7 +317,12 @@ def check_data_source(cfg: Config) -> None:
     path = data_dir(cfg)
     if cfg.data.mixture or cfg.data.format != "meshrun":
         return
-    if cfg.task == "regression" and (cfg.data.sources or cfg.data.dir is not None) and not is_prepared(path):
+    if cfg.task == "regression" and cfg.data.sources and not is_prepared(path):
+        raise ConfigError(
+            "task regression does not prepare data.sources on first use: run `meshrun prepare-data --task regression "
+            f"--source ... --seq-len {cfg.model.seq_len} --horizon {cfg.task_options.horizon} --out DIR` and set data.dir: DIR"
+        )
+    if cfg.task == "regression" and cfg.data.dir is not None and not is_prepared(path):
         raise ConfigError(
             f"task regression reads prepared series, and {path} holds none: run `meshrun prepare-data --task regression "
             f"--seq-len {cfg.model.seq_len} --horizon {cfg.task_options.horizon} --out DIR` and set data.dir: DIR "

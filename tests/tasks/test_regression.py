@@ -182,6 +182,12 @@ def test_the_example_config_beats_the_naive_forecast_on_the_generated_series(tmp
     assert row["step"] == 300 and row["val_mae"] < 0.8 * row["val_naive_mae"]
 
 
+def test_regression_sources_are_not_prepared_on_first_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    settings = tiny(tmp_path / "new", tmp_path / "run", **REGRESS)
+    assert cli.main(["train", *settings, f"--set=data.sources=[{tmp_path / 'prices.csv'}]"]) == 2
+    assert "task regression does not prepare data.sources on first use" in capsys.readouterr().err
+
+
 def test_plan_is_refused_for_a_forecaster(series_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["plan", "--gpu", "h100", *tiny(series_dir, tmp_path / "run", **REGRESS)]) == 2
     assert "meshrun plan does not price task regression in this version" in capsys.readouterr().err
