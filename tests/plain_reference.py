@@ -92,3 +92,37 @@ def assert_grad_norms_match(got: list[float], want: list[float], *, rel: float =
     assert len(got) == len(want), f"{len(got)} logged grad norms, reference has {len(want)}"
     for step, (a, b) in enumerate(zip(got, want), start=1):
         assert abs(a - b) <= rel * b, f"step {step}: grad_norm {a} vs plain-torch reference {b} (ratio {a / b:.6f})"
+
+
+def plain_blocks(
+    w: dict[str, torch.Tensor],
+    h: torch.Tensor,
+    *,
+    num_layers: int,
+    num_heads: int,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """meshrun's pre-LN blocks `blocks.{i}.*` of `w` on hidden states (B, T, C), written from the
+    definitions: torch's multi_head_attention_forward (masks as it takes them: True = may not
+    attend), a GELU MLP, residuals; then the final LayerNorm `norm.*`."""
+    dim = h.shape[-1]
+    for i in range(num_layers):
+        p = f"blocks.{i}."
+        a = F.layer_norm(h, (dim,), w[p + "ln1.weight"], w[p + "ln1.bias"]).transpose(0, 1)  # (T, B, C)
+        attended, _ = F.multi_head_attention_forward(
+            a, a, a, dim, num_heads,
+            in_proj_weight=torch.cat([w[p + f"attn.{m}.weight"] for m in "qkv"]),
+            in_proj_bias=torch.cat([w[p + f"attn.{m}.bias"] for m in "qkv"]),
+            bias_k=None, bias_v=None, add_zero_attn=False, dropout_p=0.0,
+            out_proj_weight=w[p + "attn.proj.weight"], out_proj_bias=w[p + "attn.proj.bias"],
+            training=False, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False,
+        )  # fmt: skip
+        h = h + attended.transpose(0, 1)
+        m = F.layer_norm(h, (dim,), w[p + "ln2.weight"], w[p + "ln2.bias"])
+        h = h + F.linear(
+            F.gelu(F.linear(m, w[p + "mlp.fc.weight"], w[p + "mlp.fc.bias"])),
+            w[p + "mlp.proj.weight"],
+            w[p + "mlp.proj.bias"],
+        )
+    return F.layer_norm(h, (dim,), w["norm.weight"], w["norm.bias"])

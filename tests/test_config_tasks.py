@@ -19,7 +19,10 @@ def test_the_task_defaults_to_what_the_config_trained_before_task_existed() -> N
     assert load_config().task == "causal_lm"
     assert load_config(None, ["data.pairs=true"]).task == "seq2seq"
     assert load_config(CONFIGS / "encdec-example.yaml").task == "seq2seq"
-    assert load_config(None, ["task=Regression", "task_options.horizon=4"]).task_options.horizon == 4
+    assert (
+        load_config(None, ["task=Regression", "model.name=timeseries", "task_options.horizon=4"]).task_options.horizon
+        == 4
+    )
 
 
 @pytest.mark.parametrize(
@@ -32,11 +35,13 @@ def test_the_task_defaults_to_what_the_config_trained_before_task_existed() -> N
             ["task_options.mask_rate=0.3"],
             "task_options.mask_rate is an option of task masked_lm, not of task causal_lm",
         ),
-        (["task=regression", "task_options.mask_rate=0.3"], "not of task regression"),
+        (["task=regression", "model.name=timeseries", "task_options.mask_rate=0.3"], "not of task regression"),
         (["task=translation"], "invalid task: use 'causal_lm', 'seq2seq'"),
         (["task=classification"], "task classification trains model.name encoder in this version, not gpt"),
         (["model.name=encoder"], "model.name encoder is a classifier, trained as task classification, not causal_lm"),
         (["task=regression", "task_options.loss=l1"], "invalid task_options.loss: use 'mse', 'mae' or 'huber'"),
+        (["task=regression"], "task regression trains model.name timeseries in this version, not gpt"),
+        (["model.name=timeseries"], "model.name timeseries forecasts numeric series, trained as task regression"),
     ],
 )
 def test_a_task_and_its_options_must_fit(overrides: list[str], message: str) -> None:
@@ -46,7 +51,7 @@ def test_a_task_and_its_options_must_fit(overrides: list[str], message: str) -> 
 
 @pytest.mark.parametrize(
     ("command", "task"),
-    [(["train", "--dry-run"], "regression"), (["train"], "masked_lm"), (["plan"], "regression")],
+    [(["train", "--dry-run"], "masked_lm"), (["train"], "masked_lm"), (["plan"], "masked_lm")],
 )
 def test_a_task_this_version_cannot_train_is_refused_in_one_line(
     command: list[str], task: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -29,10 +29,11 @@ _FAMILY_BASE: dict[str, dict[str, Any]] = {
     "gpt": {},
     "encdec": {"name": "encdec"},
     "encoder": {"name": "encoder"},
+    "timeseries": {"name": "timeseries"},
     "hf": {"hf_config": {"model_type": "llama"}},
     "factory": {"factory": "mypkg.models:build"},
 }
-_FAMILY_TASK = {"encoder": "classification"}  # a family that trains one task only
+_FAMILY_TASK = {"encoder": "classification", "timeseries": "regression"}  # a family that trains one task only
 _GENERATED = {"reference/config.md": "config_reference", "reference/cli.md": "cli_reference"}
 
 

@@ -19,7 +19,7 @@ from meshrun.checkpoint.paths import checkpoint_root, complete_checkpoints
 from meshrun.config.address import host_problem, port_problem, split_endpoint
 from meshrun.config.model_sections import LoraSection
 from meshrun.config.schema import Config
-from meshrun.config.tasks import check_trainable
+from meshrun.config.tasks import check_measured, check_trainable
 from meshrun.data.locations import data_dir, reads_in_place, training_data_dir
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
@@ -46,6 +46,7 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     exist and the data fits it. `model` (export, sample, plan: nothing is trained): the model
     builds. Returns the model, built on the meta device."""
     check_trainable(cfg.task)  # data for every task can be prepared; this version trains only some
+    check_measured(cfg.task, balance=cfg.parallel.balance, planning=False)
     if scope == "job":
         check_job(cfg)
     else:
@@ -316,6 +317,17 @@ def check_data_source(cfg: Config) -> None:
     path = data_dir(cfg)
     if cfg.data.mixture or cfg.data.format != "meshrun":
         return
+    if cfg.task == "regression" and cfg.data.sources and not is_prepared(path):
+        raise ConfigError(
+            "task regression does not prepare data.sources on first use: run `meshrun prepare-data --task regression "
+            f"--source ... --seq-len {cfg.model.seq_len} --horizon {cfg.task_options.horizon} --out DIR` and set data.dir: DIR"
+        )
+    if cfg.task == "regression" and cfg.data.dir is not None and not is_prepared(path):
+        raise ConfigError(
+            f"task regression reads prepared series, and {path} holds none: run `meshrun prepare-data --task regression "
+            f"--seq-len {cfg.model.seq_len} --horizon {cfg.task_options.horizon} --out DIR` and set data.dir: DIR "
+            "(leave data.dir and data.sources out to train on the generated example series)"
+        )
     if cfg.data.dir is not None and not cfg.data.sources and not is_prepared(path):
         raise ConfigError(
             f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data --out {path}` or set data.sources"

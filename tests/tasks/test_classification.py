@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
-from plain_reference import config_from_set_args
+from plain_reference import config_from_set_args, plain_blocks
 
 from meshrun import cli
 from meshrun.data.labelled import Example, prepare_classification
@@ -74,27 +74,8 @@ def plain_encoder(w: dict[str, torch.Tensor], ids: torch.Tensor, *, num_layers: 
     with torch's multi_head_attention_forward (padding as key_padding_mask), GELU MLP, final LayerNorm,
     mean over each sample's tokens, a linear head."""
     keep = ids != PAD
-    dim = w["embed.tok.weight"].shape[1]
     h = F.embedding(ids.clamp(min=0), w["embed.tok.weight"]) + w["embed.pos.weight"][: ids.shape[1]]
-    for i in range(num_layers):
-        p = f"blocks.{i}."
-        a = F.layer_norm(h, (dim,), w[p + "ln1.weight"], w[p + "ln1.bias"]).transpose(0, 1)  # (T, B, C)
-        attended, _ = F.multi_head_attention_forward(
-            a, a, a, dim, num_heads,
-            in_proj_weight=torch.cat([w[p + f"attn.{m}.weight"] for m in "qkv"]),
-            in_proj_bias=torch.cat([w[p + f"attn.{m}.bias"] for m in "qkv"]),
-            bias_k=None, bias_v=None, add_zero_attn=False, dropout_p=0.0,
-            out_proj_weight=w[p + "attn.proj.weight"], out_proj_bias=w[p + "attn.proj.bias"],
-            training=False, key_padding_mask=~keep, need_weights=False,
-        )  # fmt: skip
-        h = h + attended.transpose(0, 1)
-        m = F.layer_norm(h, (dim,), w[p + "ln2.weight"], w[p + "ln2.bias"])
-        h = h + F.linear(
-            F.gelu(F.linear(m, w[p + "mlp.fc.weight"], w[p + "mlp.fc.bias"])),
-            w[p + "mlp.proj.weight"],
-            w[p + "mlp.proj.bias"],
-        )
-    h = F.layer_norm(h, (dim,), w["norm.weight"], w["norm.bias"])
+    h = plain_blocks(w, h, num_layers=num_layers, num_heads=num_heads, key_padding_mask=~keep)
     pooled = (h * keep[..., None]).sum(1) / keep.sum(1, keepdim=True)
     return F.linear(pooled, w["head.weight"], w["head.bias"])
 

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from meshrun.config.schema import Config, check_code_trusted, load_config
+from meshrun.config.tasks import check_measured
 from meshrun.data.locations import data_dir
 from meshrun.errors import ConfigError
 from meshrun.files.atomic import write_atomic
@@ -196,6 +197,7 @@ def _every(seconds: float, what: str) -> Callable[[str], None]:
 
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    check_measured(cfg.task, balance="even", planning=True)
     if args.calibrate:  # a compiled probe caches in meshrun's folder: set before torch._dynamo loads (it sets /tmp)
         inductor_cache_dir()
     preflight(cfg, scope="model")  # the model builds, before any layout is profiled

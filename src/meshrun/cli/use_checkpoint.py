@@ -93,7 +93,12 @@ def predict_fn(cfg: Config) -> Predict:
     predict = task_for(cfg.task).predict
     if predict is None:
         raise ConfigError(
-            f"meshrun predict labels texts with a classification model; this is a {cfg.task} model: use meshrun sample"
+            f"meshrun predict labels texts with a classification model; this is a {cfg.task} model"
+            + (
+                ": use meshrun sample"
+                if cfg.task in GENERATIVE_TASKS
+                else ", which has no predict command in this version"
+            )
         )
     return predict
 

@@ -17,7 +17,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from meshrun.config.fields import Float, Int, Section
 from meshrun.errors import ConfigError
 
-BUILTIN_NAMES = ("gpt", "encdec", "encoder")  # the built-in families, in the order messages list them
+BUILTIN_NAMES = ("gpt", "encdec", "encoder", "timeseries")  # the built-in families, in the order messages list them
 
 
 class LoraSection(Section):
@@ -101,7 +101,7 @@ class ModelSection(Section):
 class GPTSection(ModelSection):
     family: ClassVar[str] = "gpt"
     name: Literal["gpt"] = "gpt"
-    """Built-in model to train: gpt, encdec, encoder; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+    """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
 
     def tp_splits(self) -> dict[str, int]:
         """Whole heads per tp shard (which also splits model.dim and the MLP width 4 x dim, multiples
@@ -113,7 +113,7 @@ class GPTSection(ModelSection):
 class EncDecSection(ModelSection):
     family: ClassVar[str] = "encdec"
     name: Literal["encdec"] = "encdec"
-    """Built-in model to train: gpt, encdec, encoder; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+    """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
     encoder_layers: Int | None = Field(default=None, ge=1)
     """encdec: how many of the num_layers blocks are encoder blocks (the rest decode); None = half."""
     source_len: Int | None = Field(default=None, ge=1)
@@ -138,9 +138,19 @@ class EncDecSection(ModelSection):
 class EncoderSection(ModelSection):
     family: ClassVar[str] = "encoder"
     name: Literal["encoder"] = "encoder"
-    """Built-in model to train: gpt, encdec, encoder; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+    """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
     num_labels: Int = Field(default=2, ge=2)
     """encoder (task classification): the classes its head scores; must equal the data's label count (meta.json)."""
+
+
+class TimeSeriesSection(ModelSection):
+    family: ClassVar[str] = "timeseries"
+    name: Literal["timeseries"] = "timeseries"
+    """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+    features: Int = Field(default=1, ge=1)
+    """timeseries (task regression): values per time step (the data's columns); must equal meta.json's column count."""
+    horizon: Int = Field(default=1, ge=1)
+    """timeseries (task regression): future steps its head predicts; must equal task_options.horizon."""
 
 
 class HFSection(ModelSection):
@@ -177,7 +187,7 @@ class FactorySection(ModelSection):
 
 
 SECTIONS: dict[str, type[ModelSection]] = {
-    s.family: s for s in (GPTSection, EncDecSection, EncoderSection, HFSection, FactorySection)
+    s.family: s for s in (GPTSection, EncDecSection, EncoderSection, TimeSeriesSection, HFSection, FactorySection)
 }
 _HF_KEYS = ("hf", "hf_config")
 
@@ -196,6 +206,7 @@ ModelConfig = Annotated[
     Annotated[GPTSection, Tag("gpt")]
     | Annotated[EncDecSection, Tag("encdec")]
     | Annotated[EncoderSection, Tag("encoder")]
+    | Annotated[TimeSeriesSection, Tag("timeseries")]
     | Annotated[HFSection, Tag("hf")]
     | Annotated[FactorySection, Tag("factory")],
     Discriminator(_tag),

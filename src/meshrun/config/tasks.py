@@ -18,10 +18,10 @@ from meshrun.errors import ConfigError
 TaskName = Annotated[
     Literal["causal_lm", "seq2seq", "classification", "regression", "masked_lm"], BeforeValidator(lowercase)
 ]
-TRAINABLE_TASKS = ("causal_lm", "seq2seq", "classification")  # the tasks this version's trainer runs
+TRAINABLE_TASKS = ("causal_lm", "seq2seq", "classification", "regression")  # the tasks this version's trainer runs
 GENERATIVE_TASKS = ("causal_lm", "seq2seq")  # the tasks whose models `meshrun sample` continues
 # the model families that can do a task (a task not named here: any but these)
-TASK_MODELS = {"classification": ("encoder",)}
+TASK_MODELS = {"classification": ("encoder",), "regression": ("timeseries",)}
 
 
 class TaskOptions(Section):
@@ -61,7 +61,7 @@ def _is_seq2seq(data: dict[str, Any]) -> bool:
 
 
 def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions) -> None:
-    """data.pairs and an encoder-decoder model are seq2seq's, the encoder is classification's; task_options
+    """data.pairs and an encoder-decoder model are seq2seq's, the encoder is classification's, timeseries regression's; task_options
     belong to their task."""
     if task != "seq2seq" and pairs:
         raise ConfigError(f"data.pairs prepares seq2seq text pairs, not data for task {task}: set task: seq2seq")
@@ -79,7 +79,23 @@ def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions)
         )
     if model_name == "encoder" and task != "classification":
         raise ConfigError(f"model.name encoder is a classifier, trained as task classification, not {task}")
+    if model_name == "timeseries" and task != "regression":
+        raise ConfigError(f"model.name timeseries forecasts numeric series, trained as task regression, not {task}")
     options.check_for(task)
+
+
+def check_measured(task: str, *, balance: str, planning: bool) -> None:
+    """`meshrun plan` and parallel.balance time / size run the model on token ids; a regression
+    model reads values: refused in one line rather than crashing in the profiler."""
+    if task != "regression":
+        return
+    if planning:
+        raise ConfigError("meshrun plan does not price task regression in this version; train it with meshrun train")
+    if balance in ("time", "size"):
+        raise ConfigError(
+            f"parallel.balance {balance} profiles token ids, not task regression's values: use parallel.balance=even "
+            "or parallel.stage_layers"
+        )
 
 
 def check_trainable(task: str) -> None:

@@ -1,5 +1,5 @@
 """Data prepared on a job's first use: the embedded corpus, `data.sources`, the example pairs or
-the example labelled texts, written once into `data.dir` (or its default folder); data that is already there is never touched."""
+the example labelled texts or the example series, written once into `data.dir` (or its default folder); data that is already there is never touched."""
 
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ def prepare_on_first_use(cfg: Config) -> Path | None:
     if cfg.task == "classification":
         prepare_labelled(cfg, path)
         return path
+    if cfg.task == "regression":  # preflight refused data.sources and an unprepared data.dir
+        prepare_example_series(cfg, path)
+        return path
     tokenizer = cfg.data.tokenizer or "byte"
     say(f"preparing {tokenizer} data in {path} (first use)")
     trained = tokenizer.startswith("bpe:")
@@ -67,4 +70,21 @@ def prepare_labelled(cfg: Config, path: Path) -> None:
         examples = rows or example_examples()
         prepare_classification(
             examples, None, path, val_fraction=cfg.data.val_fraction, tokenizer=tokenizer, sources=sources
+        )
+
+
+def prepare_example_series(cfg: Config, path: Path) -> None:
+    """task regression with no data.dir: the generated seasonal series (data/series.py example_series)."""
+    from meshrun.data.prepare import AlreadyPrepared
+    from meshrun.data.series import EXAMPLE_COLUMNS, example_series, prepare_regression
+
+    say(f"preparing the example series in {path} (first use)")
+    with contextlib.suppress(AlreadyPrepared):  # another job on this folder prepared it while this one waited
+        prepare_regression(
+            [example_series()],
+            list(EXAMPLE_COLUMNS),
+            path,
+            seq_len=cfg.model.seq_len,
+            horizon=cfg.task_options.horizon,
+            val_fraction=cfg.data.val_fraction,
         )

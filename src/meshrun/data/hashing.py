@@ -16,3 +16,16 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
         x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
         return x ^ (x >> np.uint64(31))
+
+
+def split_salt(seed: int, split_index: int) -> np.uint64:
+    """The high 32 bits XORed into a split's sample indices: each (seed, split) draws its own order."""
+    return np.uint64((seed * 2 + split_index) & 0xFFFFFFFF) << np.uint64(32)
+
+
+def drawn_rows(first: int, count: int, num_rows: int, *, salt: np.uint64, in_order: bool) -> np.ndarray:
+    """The rows of samples first .. first+count-1 among `num_rows`: in order and wrapping around
+    (validation), or hash(salt, index) mod num_rows (training), as int64."""
+    index = np.arange(first, first + count, dtype=np.uint64)
+    mixed = index if in_order else splitmix64(index ^ salt)
+    return (mixed % np.uint64(num_rows)).astype(np.int64)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshrun.data.hashing import splitmix64
+from meshrun.data.hashing import drawn_rows, split_salt
 from meshrun.data.labelled import LABEL_DTYPE
 from meshrun.data.pairs import Rows
 from meshrun.data.storage import SPLITS, read_meta
@@ -53,13 +53,11 @@ class LabelledDataset:
             )
         self.files, self.tokenizer, self.where = [self.text.file], meta.get("tokenizer"), f"{folder} ({split})"
         self.seq_len, self.in_order = seq_len, split == "val"
-        self.salt = np.uint64((seed * 2 + SPLITS.index(split)) & 0xFFFFFFFF) << np.uint64(32)
+        self.salt = split_salt(seed, SPLITS.index(split))
 
     def rows(self, first: int, count: int) -> np.ndarray:
         """Row numbers of samples first .. first+count-1."""
-        index = np.arange(first, first + count, dtype=np.uint64)
-        mixed = index if self.in_order else splitmix64(index ^ self.salt)
-        return (mixed % np.uint64(len(self.label_ids))).astype(np.int64)
+        return drawn_rows(first, count, len(self.label_ids), salt=self.salt, in_order=self.in_order)
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples first .. first+count-1 as x (count, seq_len) token ids, PAD after each text, and y (count,) labels."""

@@ -24,6 +24,8 @@ def data_dir(cfg: Config) -> Path:
         name = "stdlib-camelcase"
     elif cfg.task == "classification":  # the docstring example's labelled rows
         name = f"stdlib-docstrings-{_tokenizer_slug(cfg.data.tokenizer)}"
+    elif cfg.task == "regression":  # the generated series, its validation tail held out as the job asks
+        name = f"example-series-h{cfg.task_options.horizon}-v{cfg.data.val_fraction}"
     else:
         name = f"python-stdlib-{_tokenizer_slug(cfg.data.tokenizer)}"
     return cache_root() / name

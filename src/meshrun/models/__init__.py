@@ -37,7 +37,7 @@ functions of the same name there, which fall back to the default when a model la
 Subclassing `meshrun.models.protocol.StagedModel` provides that forward; `ModelProtocol` there
 is the protocol as a type, and `meshrun.models.families.build_model` returns a `ProtocolModule` (nn.Module + protocol).
 Each family is declared once in `meshrun.models.families.FAMILIES`: its config section (`model.name`
-picks it: gpt, encdec, encoder, or hf, which `model.hf` / `model.hf_config` imply; see `meshrun.config.model_sections`)
+picks it: gpt, encdec, encoder, timeseries, or hf, which `model.hf` / `model.hf_config` imply; see `meshrun.config.model_sections`)
 and its builder. `model.factory: "pkg.module:function"` builds your own: the function receives the
 model section (the shared keys and `model.options`) and returns such a module (not beside `model.hf`:
 a factory that wraps a Hugging Face model builds it itself). Build happens on the meta device, so constructors must not initialise values themselves.

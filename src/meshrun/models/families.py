@@ -23,6 +23,7 @@ from meshrun.config.model_sections import (
     HFSection,
     ModelConfig,
     ModelSection,
+    TimeSeriesSection,
 )
 from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
@@ -32,6 +33,7 @@ from meshrun.models.encoder import Encoder
 from meshrun.models.gpt import GPT
 from meshrun.models.hf_config import is_hf
 from meshrun.models.protocol import ProtocolModule, pretrained_dir
+from meshrun.models.timeseries import TimeSeries
 from meshrun.versions import missing_extra
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ FAMILIES: tuple[Family[Any], ...] = (
     Family(GPTSection, GPT),
     Family(EncDecSection, EncDec, source_len=encdec.source_len),
     Family(EncoderSection, Encoder),
+    Family(TimeSeriesSection, TimeSeries),
     Family(HFSection, _hugging_face),
 )
 # A user's factory may return anything: build_model checks it.

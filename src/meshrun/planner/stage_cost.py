@@ -288,7 +288,7 @@ def _trace(
             loss = None
             if last:
                 targets = torch.zeros(out.shape[:-1], dtype=torch.long)
-                loss = MicrobatchLoss(1, summed=task_for(cfg.task).summed)(out, targets)
+                loss = MicrobatchLoss(1, summed=task_for(cfg.task).summed(cfg))(out, targets)
         profile = StageProfile(
             param_bytes,
             grad_bytes,

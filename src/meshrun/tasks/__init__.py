@@ -4,6 +4,8 @@ pipeline and the loss normalisation (training/loss.py) read a `Task` and never b
 
 - `tokens`: causal_lm and seq2seq (token windows, pairs, mixtures): token cross-entropy.
 - `classification`: labelled texts: per-sample cross-entropy; accuracy and macro F1.
+- `regression`: windows of numeric series: a per-value mse, mae or huber loss; MSE, MAE and the
+  naive last-value forecast's MAE.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ class Task:
     name: str
     open_split: Callable[[Config, Path, str], Batches]
     """(config, data folder, split) -> that split's batches."""
-    summed: SummedLoss
-    """The training loss of a microbatch, summed over its targets (the normalisation divides it)."""
+    summed: Callable[[Config], SummedLoss]
+    """The job's training loss of a microbatch, summed over its targets (the normalisation divides it)."""
     meter: Callable[[Config, torch.device], Meter]
     """A fresh validation meter."""
     check_data: Callable[[Config, Path], None]
@@ -77,7 +79,12 @@ class Task:
 
 def task_for(name: str) -> Task:
     """The `Task` a config's `task` names (config/tasks.py: check_trainable refused the others)."""
-    from meshrun.tasks import classification, tokens
+    from meshrun.tasks import classification, regression, tokens
 
-    tasks = {"causal_lm": tokens.TASK, "seq2seq": tokens.TASK, "classification": classification.TASK}
+    tasks = {
+        "causal_lm": tokens.TASK,
+        "seq2seq": tokens.TASK,
+        "classification": classification.TASK,
+        "regression": regression.TASK,
+    }
     return tasks[name]

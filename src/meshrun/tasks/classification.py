@@ -117,7 +117,7 @@ def predict(model: nn.Module, cfg: Config, data: Path, texts: list[str]) -> list
 TASK = Task(
     "classification",
     open_split=open_split,
-    summed=sample_cross_entropy,
+    summed=lambda cfg: sample_cross_entropy,
     meter=lambda cfg, device: Confusion(num_labels(cfg), device),
     check_data=check_data,
     predict=predict,

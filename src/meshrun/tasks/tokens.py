@@ -71,7 +71,7 @@ def check_token_data(cfg: Config, path: Path) -> None:
 TASK = Task(
     "tokens",
     open_split=open_split,
-    summed=token_cross_entropy,
+    summed=lambda cfg: token_cross_entropy,
     meter=lambda cfg, device: LossOnly(),
     check_data=check_token_data,
 )

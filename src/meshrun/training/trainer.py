@@ -106,7 +106,7 @@ class Trainer:
             target_tokens=target_tokens,
             dp=self.mesh.size("dp"),
             grad_scale=None if scaler is None else scaler.scale(torch.ones((), device=self.device)),
-            summed=self.task.summed if summed is None else summed,
+            summed=self.task.summed(self.cfg) if summed is None else summed,
         )
 
     def train(self) -> Outcome:
@@ -258,7 +258,9 @@ class Trainer:
         x, y = self.local_batch(self.train_data, position)
         trained = self.train_data.target_tokens(position, count)
         loss_fn = self.batch_loss(trained, scaler=self.scaler)
-        tokens = count * x.shape[-1]  # a length bucket may be shorter
+        # positions per sample: ids (B, T) or packed (B, 2, T), a length bucket's may be shorter;
+        # values (B, T, features) have a position per step
+        tokens = count * (x.shape[1] if x.is_floating_point() else x.shape[-1])
         rows = occupancy(self.train_data, position, count)
         self.state.samples_seen += count
         lr = self.optimizers.set_lr(step)
