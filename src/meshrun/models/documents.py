@@ -16,6 +16,7 @@ GPU it is one device-to-host copy of (B, T) integers per layer call.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from itertools import pairwise
 from typing import Any
 
@@ -67,9 +68,17 @@ def _attend_within_documents(
     return torch.cat(rows, dim=0)
 
 
-# a Python loop over slices whose lengths change every batch: compiled blocks run it eagerly
-# (torch.compiler.disable is untyped: pyright infers its decorator-factory overload as well)
-attend_within_documents: Callable[..., torch.Tensor] = torch.compiler.disable(_attend_within_documents)  # pyright: ignore[reportAssignmentType]
+def attend_within_documents(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """`_attend_within_documents`, run eagerly inside compiled blocks: a Python loop over slices
+    whose lengths change every batch."""
+    return _eager()(*args, **kwargs)
+
+
+@cache
+def _eager() -> Callable[..., torch.Tensor]:
+    """torch.compiler.disable on first use, not at import: it imports torch._dynamo, which fixes
+    inductor's cache folder (/tmp) before meshrun sets its own (parallel/compile.py)."""
+    return torch.compiler.disable(_attend_within_documents)  # pyright: ignore[reportReturnType]
 
 
 def causal_attention(

@@ -80,7 +80,9 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None, keep: torch.Tensor | None = None
     ) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), positions=positions, keep=keep))  # by keyword: a tp hook sees x alone
+        # by keyword (a tp hook sees x alone), and only when given: an Attention subclass taking x alone still fits
+        given = {name: t for name, t in (("positions", positions), ("keep", keep)) if t is not None}
+        x = x + self.drop(self.attn(self.ln1(x), **given))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
