@@ -1,8 +1,10 @@
 """task classification end to end: one process's first step equals an independent plain-torch
 encoder (torch's own multi-head attention with a key padding mask, mean pooling written here) on
-the same global batch: loss = mean sample cross-entropy over the WHOLE batch, and the pre-clip
-gradient norm; dp2 x pp2 equals one process in weights and validation figures after 10 clipped
-AdamW steps. Texts of very different lengths: most samples are padded, some truncated.
+the same global batch: loss = torch's class-weighted cross-entropy over the WHOLE batch (the
+weighted sum over the summed weights of the targets), and the pre-clip gradient norm; dp2 x pp2
+equals one process at step 1 and in weights and validation figures after 10 clipped AdamW steps.
+Texts of very different lengths: most samples are padded, some truncated. The runs weigh their
+labels (task_options.class_weights), so every figure checks the weighting too.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from meshrun.data.labelled import Example, prepare_classification
 from meshrun.data.labelled_batches import PAD, LabelledDataset
 from meshrun.errors import ConfigError
 from meshrun.parallel.materialise import materialise_part
-from meshrun.tasks.classification import confusion_figures
+from meshrun.tasks.classification import confusion_figures, label_weights
 
 WORDS = {
     "animal": ["cat", "dog", "owl", "yak"],
@@ -41,7 +43,9 @@ CLASSIFY = {
     "train.grad_clip": 0.5,
     "train.eval_interval": 10,
     "train.eval_batches": 2,
+    "task_options.class_weights": "{animal: 0.5, colour: 2.5}",  # number: 1
 }
+WEIGHTS = torch.tensor([0.5, 2.5, 1.0])  # in the data's label order: animal, colour, number
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +90,9 @@ def test_one_process_step_one_equals_a_plain_torch_encoder(labelled_dir: Path, o
     w = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
     x, y = LabelledDataset(labelled_dir, "train", seq_len=24, seed=cfg.train.seed).batch(0, 8)
     assert (x == PAD).any() and (x != PAD).all(1).any()  # padded samples and whole (truncated) ones
-    loss = F.cross_entropy(plain_encoder(w, x, num_layers=cfg.model.num_layers, num_heads=cfg.model.num_heads), y)
+    logits = plain_encoder(w, x, num_layers=cfg.model.num_layers, num_heads=cfg.model.num_heads)
+    loss = F.cross_entropy(logits, y, weight=WEIGHTS)
+    assert len(set(y.tolist())) > 1  # the weights' sum differs from the sample count
     grads = torch.autograd.grad(loss, list(w.values()))
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
     assert losses(one_process)[0] == pytest.approx(loss.item(), rel=1e-5)
@@ -94,11 +100,14 @@ def test_one_process_step_one_equals_a_plain_torch_encoder(labelled_dir: Path, o
 
 
 def test_dp2_pp2_trains_as_one_process(labelled_dir: Path, one_process: Path, tmp_path: Path) -> None:
-    """The sum of sample losses / the global batch's samples: every layout the same gradient, so the
-    same weights after 10 clipped steps, and the same validation loss, accuracy and macro F1. FSDP2
-    and full recompute on the way: the (hidden, mask) state through both."""
+    """The sum of weighted sample losses / the global batch's summed weights: every layout the same
+    step-1 loss and gradient norm, the same weights after 10 clipped steps, and the same validation
+    loss, accuracy and macro F1. FSDP2 and full recompute on the way: the (hidden, mask) state
+    through both."""
     layout = {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "parallel.dp_mode": "fsdp"}
     run = train(labelled_dir, tmp_path / "run", **layout, recompute="full")
+    assert losses(run)[0] == pytest.approx(losses(one_process)[0], rel=1e-5)
+    assert grad_norms(run)[0] == pytest.approx(grad_norms(one_process)[0], rel=1e-5)
     assert max_weight_diff(final_weights(run), final_weights(one_process)) < 1e-5
     figures = [
         [row[k] for k in ("val_loss", "val_accuracy", "val_macro_f1")]
@@ -112,10 +121,11 @@ def test_dp2_pp2_trains_as_one_process(labelled_dir: Path, one_process: Path, tm
 
 def test_validation_figures_equal_those_of_the_final_weights(labelled_dir: Path, one_process: Path) -> None:
     """The run validates after its last step: its figures are those of its final weights through the
-    plain encoder on the first 16 validation rows (2 batches of 8), counted here label by label."""
+    plain encoder on the first 16 validation rows (2 batches of 8), counted here label by label; the
+    loss weighted as training weighs it, accuracy and macro F1 not."""
     x, y = LabelledDataset(labelled_dir, "val", seq_len=24, seed=0).batch(0, 16)
     logits = plain_encoder(final_weights(one_process), x, num_layers=4, num_heads=2)
-    loss, predicted = F.cross_entropy(logits, y).item(), logits.argmax(-1)
+    loss, predicted = F.cross_entropy(logits, y, weight=WEIGHTS).item(), logits.argmax(-1)
     f1 = []
     for label in range(3):
         hits, true, guessed = (
@@ -164,6 +174,41 @@ def test_a_label_count_unlike_the_data_is_refused_in_one_line(
     assert cli.main(["train", *settings]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds 3 labels (meta.json) but model.num_labels is 2" in err
+    assert not (tmp_path / "run").exists()  # before any worker
+
+
+@pytest.mark.parametrize(
+    ("weights", "expected"),
+    [("[1, 0, 3]", [1.0, 0.0, 3.0]), ("{colour: 0}", [1.0, 0.0, 1.0]), ("BALANCED", None)],
+)
+def test_class_weights_are_one_per_label_in_the_datas_order(
+    labelled_dir: Path, weights: str, expected: list[float] | None
+) -> None:
+    """A list in meta.json's label order, a mapping (labels not named weigh 1), or balanced:
+    rows / (labels x the label's training rows), scikit-learn's rule."""
+    cfg = config_from_set_args(tiny(labelled_dir, "unused", **{**CLASSIFY, "task_options.class_weights": weights}))
+    if expected is None:
+        rows = np.bincount(LabelledDataset(labelled_dir, "train", seq_len=24, seed=0).label_ids, minlength=3)
+        expected = (rows.sum() / (3 * rows)).tolist()
+    assert label_weights(cfg, labelled_dir) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ("{plant: 2}", "task_options.class_weights weighs label 'plant', which "),
+        ("[1, 2]", "task_options.class_weights lists 2 weights but "),
+        ("{colour: -1}", "class weights must be >= 0"),
+        ("[0, 0, 0]", "task_options.class_weights gives every label weight 0"),
+    ],
+)
+def test_bad_class_weights_are_refused_in_one_line(
+    labelled_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], weights: str, message: str
+) -> None:
+    settings = tiny(labelled_dir, tmp_path / "run", **{**CLASSIFY, "task_options.class_weights": weights})
+    assert cli.main(["train", *settings]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
     assert not (tmp_path / "run").exists()  # before any worker
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
 from meshrun.config.fields import Float, Int, Section, lowercase
 from meshrun.errors import ConfigError
@@ -24,11 +24,35 @@ GENERATIVE_TASKS = ("causal_lm", "seq2seq")  # the tasks whose models `meshrun s
 TASK_MODELS = {"classification": ("encoder",), "regression": ("timeseries",)}
 
 
+def nonnegative_weights(weights: Any) -> Any:
+    """A class weight below zero is refused (0 leaves a label out of the loss)."""
+    values = weights.values() if isinstance(weights, dict) else weights if isinstance(weights, list) else None
+    if values is None:
+        return weights
+    if any(w < 0 for w in values):
+        raise ValueError("class weights must be >= 0 (0 leaves a label out of the loss)")
+    return weights
+
+
+ClassWeights = Annotated[
+    Literal["balanced"] | list[Float] | dict[str, Float] | None,
+    BeforeValidator(lowercase),
+    AfterValidator(nonnegative_weights),
+]
+
+
 class TaskOptions(Section):
     horizon: Int = Field(default=1, ge=1)
     """regression: future values each window predicts (after model.seq_len past values)."""
     loss: Annotated[Literal["mse", "mae", "huber"], BeforeValidator(lowercase)] = "mse"
     """regression: mse (mean squared error), mae (mean absolute error) or huber (smooth L1, delta 1)."""
+    class_weights: ClassWeights = None
+    """classification: each label's weight in the cross-entropy, as torch's `F.cross_entropy(weight=...)`
+    weighs it: a sample counts its label's weight, and the loss divides by the summed weights of the
+    global batch's samples (not their number), on every layout. A {label: weight} mapping (labels
+    not named weigh 1), a list of one weight per label in the data's label order (meta.json `labels`:
+    whole numbers by value, then text), or `balanced`: rows / (labels x the label's training rows),
+    scikit-learn's rule. Weights >= 0; the validation loss is weighted alike, accuracy and macro F1 not."""
     mask_rate: Float = Field(default=0.15, gt=0.0, lt=1.0)
     """masked_lm: share of (non-special) tokens chosen for prediction; of those 80% become the mask token,
     10% a random token, 10% stay (BERT's rule). The number of labels of classification comes from its data."""
@@ -42,7 +66,12 @@ class TaskOptions(Section):
                 )
 
 
-TASK_OF_OPTION = {"horizon": "regression", "loss": "regression", "mask_rate": "masked_lm"}
+TASK_OF_OPTION = {
+    "horizon": "regression",
+    "loss": "regression",
+    "class_weights": "classification",
+    "mask_rate": "masked_lm",
+}
 
 
 def default_task(data: dict[str, Any]) -> dict[str, Any]:

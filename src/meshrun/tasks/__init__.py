@@ -30,6 +30,10 @@ Predict = Callable[[nn.Module, "Config", Path, list[str]], list[tuple[str, float
 """(the whole model, its config, its data card folder, texts) -> each text's label and its probability."""
 
 
+Forecast = Callable[[nn.Module, "Config", Path, Path], str]
+"""(the whole model, its config, its data card folder, a table of past rows) -> the forecast as csv text."""
+
+
 class Batches(Protocol):
     """One split of a task's data, addressed by global sample index (any layout reads the same batch)."""
 
@@ -74,7 +78,24 @@ class Task:
     check_data: Callable[[Config, Path], None]
     """Before any worker: the prepared data is this task's, parses, and fits the model."""
     predict: Predict | None = None
-    """`meshrun predict`, for a task that labels texts (None: the task has none)."""
+    """`meshrun predict --text`, for a task that labels texts (None: the task has none)."""
+    forecast: Forecast | None = None
+    """`meshrun predict --csv`, for a task that forecasts from a table's rows (None: the task has none)."""
+    weighted: Callable[[Batches, int, int], float] | None = None
+    """(split, first, count) -> the summed weights of those samples' targets, the loss's divisor where
+    targets weigh differently (classification's class weights); None: every target weighs 1."""
+    bind: Callable[[Config, Path], Task] | None = None
+    """(config, data folder) -> this task with what the job's data decides (class weights); None: nothing."""
+
+    def divisor(self, data: Batches, first: int, count: int, *, targets: int) -> float:
+        """What the loss of samples first .. first+count-1 (holding `targets` targets) divides by."""
+        return targets if self.weighted is None else self.weighted(data, first, count)
+
+
+def job_task(cfg: Config, data_dir: Path) -> Task:
+    """The config's task bound to the job's data (training/run.py)."""
+    task = task_for(cfg.task)
+    return task if task.bind is None else task.bind(cfg, data_dir)
 
 
 def task_for(name: str) -> Task:

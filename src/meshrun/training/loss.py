@@ -3,7 +3,9 @@
 A step's loss is the sum of the task's per-target losses over the whole global batch divided by
 the number of targets in it: for token tasks the token cross-entropies over the non-pad target
 tokens (`IGNORE` marks padding); for classification the samples' cross-entropies over the samples
-(each task's `summed` loss and the data's `target_tokens` say which, meshrun/tasks/). Microbatches of padded data
+(each task's `summed` loss and the data's `target_tokens` say which, meshrun/tasks/); with class
+weights, the weighted cross-entropies over the summed weights of the targets, as torch's
+`F.cross_entropy(weight=...)` normalises (`Task.divisor`). Microbatches of padded data
 hold different token counts, so a mean of per-microbatch means would weight a token in a short
 microbatch more than one in a long one. Each microbatch therefore contributes its token SUM /
 (global count / dp): summing over a rank's microbatches and DDP's average over dp ranks give
@@ -33,7 +35,7 @@ class MicrobatchLoss:
 
     num_microbatches: int
     per_rank_tokens: float | None = None
-    """The global batch's non-pad target tokens / dp; None (a loss used on its own): each
+    """The global batch's non-pad target tokens (or their summed weights) / dp; None (a loss used on its own): each
     microbatch's token mean / num_microbatches."""
     grad_scale: torch.Tensor | None = None
     """fp16: the GradScaler's scale when the step starts (0-d, on the device: no host sync); None: unscaled."""
@@ -45,13 +47,14 @@ class MicrobatchLoss:
         cls,
         num_microbatches: int,
         *,
-        target_tokens: int,
+        target_tokens: float,
         dp: int,
         grad_scale: torch.Tensor | None = None,
         summed: SummedLoss = token_cross_entropy,
     ) -> MicrobatchLoss:
-        """The loss of a global batch with `target_tokens` targets (at least 1: an all-pad batch gives loss 0)."""
-        per_rank = max(int(target_tokens), 1) / dp
+        """The loss of a global batch with `target_tokens` targets, or their summed weights (a batch with
+        none, all padding or all weighing 0, divides by 1: its loss is 0)."""
+        per_rank = (target_tokens if target_tokens > 0 else 1) / dp
         return cls(num_microbatches, per_rank_tokens=per_rank, grad_scale=grad_scale, summed=summed)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

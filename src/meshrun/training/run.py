@@ -21,7 +21,7 @@ from meshrun.metrics.report import RunReport
 from meshrun.metrics.run_dir import start_run_record
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.mesh import Mesh
-from meshrun.tasks import task_for
+from meshrun.tasks import job_task
 from meshrun.training.optim import schedule_change_note
 from meshrun.training.preemption import Requests
 from meshrun.training.state import TrainState, build_state
@@ -77,7 +77,7 @@ CARD_FILES = ("meta.json", "tokenizer.json", "chat_template.jinja")  # how the d
 def open_training_data(cfg: Config, data_dir: Path) -> TrainingData:
     """The train and validation splits, batched as the job's task reads them, the task, and the
     files that say how they were tokenized (saved with each checkpoint)."""
-    task = task_for(cfg.task)
+    task = job_task(cfg, data_dir)
     trained_on = training_data_dir(cfg)  # its tokenizer decodes
     return TrainingData(
         train=task.open_split(cfg, data_dir, "train"),

@@ -97,13 +97,14 @@ class Trainer:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def batch_loss(
-        self, target_tokens: int, *, scaler: GradScaler | None, summed: SummedLoss | None = None
+        self, divisor: float, *, scaler: GradScaler | None, summed: SummedLoss | None = None
     ) -> MicrobatchLoss:
-        """The loss of a global batch with `target_tokens` targets (read from the data, no collective):
-        the task's summed loss (or `summed`) divided by them and, fp16, multiplied by the scaler's current scale."""
+        """The loss of a global batch whose targets count `divisor` (their number, or their summed
+        weights; read from the data, no collective): the task's summed loss (or `summed`) divided by
+        it and, fp16, multiplied by the scaler's current scale."""
         return MicrobatchLoss.for_batch(
             self.cfg.accumulation_steps,
-            target_tokens=target_tokens,
+            target_tokens=divisor,
             dp=self.mesh.size("dp"),
             grad_scale=None if scaler is None else scaler.scale(torch.ones((), device=self.device)),
             summed=self.task.summed(self.cfg) if summed is None else summed,
@@ -257,7 +258,9 @@ class Trainer:
         position, count = self.state.samples_seen, self.cfg.train.global_batch
         x, y = self.local_batch(self.train_data, position)
         trained = self.train_data.target_tokens(position, count)
-        loss_fn = self.batch_loss(trained, scaler=self.scaler)
+        loss_fn = self.batch_loss(
+            self.task.divisor(self.train_data, position, count, targets=trained), scaler=self.scaler
+        )
         # positions per sample: ids (B, T) or packed (B, 2, T), a length bucket's may be shorter;
         # values (B, T, features) have a position per step
         tokens = count * (x.shape[1] if x.is_floating_point() else x.shape[-1])
@@ -314,10 +317,12 @@ class Trainer:
         (`val_` + name) from its meter's counts summed over the ranks that compute the loss."""
         self.model.train(False)
         meter = self.task.meter(self.cfg, self.device)
-        total, tokens = torch.zeros((), device=self.device), 0
+        total, tokens, count = torch.zeros((), device=self.device), 0.0, self.cfg.train.global_batch
         for batch in range(self.cfg.train.eval_batches):
-            position = batch * self.cfg.train.global_batch
-            weight = self.val_data.target_tokens(position, self.cfg.train.global_batch)
+            position = batch * count
+            weight = self.task.divisor(
+                self.val_data, position, count, targets=self.val_data.target_tokens(position, count)
+            )
             loss_fn = self.batch_loss(weight, scaler=None, summed=meter.summed)
             total += weight * self.model.evaluate(*self.local_batch(self.val_data, position), loss=loss_fn)
             tokens += weight
