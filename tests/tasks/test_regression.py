@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -193,6 +194,61 @@ def test_plan_is_refused_for_a_forecaster(series_dir: Path, tmp_path: Path, caps
     assert "meshrun plan does not price task regression in this version" in capsys.readouterr().err
 
 
-def test_predict_is_refused_for_a_forecaster(one_process: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_predict_text_is_refused_for_a_forecaster(one_process: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["predict", str(one_process), "--text", "1"]) == 2
-    assert "this is a regression model, which has no predict command in this version" in capsys.readouterr().err
+    assert "this is a regression model: pass --csv FILE with its columns to forecast" in capsys.readouterr().err
+
+
+def recent_csv(path: Path, rows: np.ndarray, header: str = "day,load,temperature") -> Path:
+    """A csv of `rows` (load, temperature) in the data's units, a day column first (not read: the data has no time column)."""
+    lines = [header, *(f"{day},{load!r},{temperature!r}" for day, (load, temperature) in enumerate(rows.tolist()))]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_predict_csv_writes_the_forecast_of_the_trained_weights(
+    series_dir: Path, one_process: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last 12 of 30 rows, standardised with meta.json's mean and std, through the plain
+    forecaster with the final weights, back in the data's units: the values written, beside the
+    input by default; that file is never written over."""
+    rows = example_series(400).values[-30:]
+    table = recent_csv(tmp_path / "recent.csv", rows)
+    assert cli.main(["predict", str(one_process), "--csv", str(table)]) == 0
+    out = tmp_path / "recent.forecast.csv"
+    assert f"to {out}" in capsys.readouterr().out
+    meta = json.loads((series_dir / "meta.json").read_text())
+    mean, std = np.array(meta["mean"]), np.array(meta["std"])
+    past = torch.from_numpy(((rows[-SEQ_LEN:] - mean) / std).astype(np.float32))[None]
+    expected = plain_forecaster(final_weights(one_process), past, num_layers=4, num_heads=2)[0].double().numpy()
+    written = out.read_text().splitlines()
+    assert written[0] == "step,load,temperature" and len(written) == 1 + HORIZON
+    values = np.array([[float(v) for v in line.split(",")[1:]] for line in written[1:]])
+    assert [line.split(",")[0] for line in written[1:]] == ["1", "2", "3"]
+    assert values == pytest.approx(expected * std + mean, rel=1e-5)
+    before = out.read_bytes()
+    assert cli.main(["predict", str(one_process), "--csv", str(table)]) == 2
+    assert "already exists (meshrun never writes over a file)" in capsys.readouterr().err
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("header", "rows", "message"),
+    [
+        ("day,load,temp", 20, "recent.csv has no column 'temperature' (columns: day, load, temp); the model reads"),
+        ("day,load,temperature", 11, "recent.csv has 11 rows; the model reads the last model.seq_len = 12"),
+        (None, 20, "recent.csv:5: column 'load' holds 'n/a', not a number"),
+    ],
+)
+def test_predict_csv_refuses_a_table_it_cannot_read_in_one_line(
+    one_process: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], header: str | None, rows: int, message: str
+) -> None:
+    table = recent_csv(tmp_path / "recent.csv", example_series(400).values[-rows:], header or "day,load,temperature")
+    if header is None:  # row 4 (line 5) holds text
+        lines = table.read_text().splitlines()
+        lines[4] = "3,n/a,1.5"
+        table.write_text("\n".join(lines) + "\n")
+    assert cli.main(["predict", str(one_process), "--csv", str(table), "--out", str(tmp_path / "f.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert not (tmp_path / "f.csv").exists()

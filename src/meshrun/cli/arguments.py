@@ -67,8 +67,7 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
     if not Path(args.checkpoint).exists():
         raise ConfigError(f"{args.checkpoint} does not exist; pass a run directory or a checkpoint folder")
     if args.command == "predict":
-        for text in args.text:
-            _check_utf8("--text", text)
+        check_predict_args(args)
         return
     if args.command == "export":
         if args.merge and not args.hf:
@@ -92,6 +91,32 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
         _check_utf8(flag, text)
     if args.chat is not None and args.beam > 1:
         raise ConfigError("--beam is for encoder-decoder models; sample --chat with --temperature (0 = greedy)")
+
+
+def check_predict_args(args: argparse.Namespace) -> None:
+    """`predict`: UTF-8 texts, or an existing .csv and a new --out .csv (never over a file)."""
+    if args.text is not None:
+        if args.out is not None:
+            raise ConfigError("--out names the forecast file of --csv; --text prints its labels: drop --out")
+        for text in args.text:
+            _check_utf8("--text", text)
+        return
+    if not Path(args.csv).is_file():
+        raise ConfigError(f"--csv {args.csv} is not a file; give the .csv of past rows to forecast from")
+    if not args.csv.lower().endswith(".csv"):
+        raise ConfigError(f"--csv {args.csv}: give a .csv file (a header line naming the columns)")
+    flag = "--out" if args.out is not None else "the forecast file"
+    out = forecast_path(args.csv, args.out)
+    if not out.name.lower().endswith(".csv"):
+        raise ConfigError(f"--out {args.out}: name a .csv file")
+    if out.exists():
+        raise ConfigError(f"{flag} {out} already exists (meshrun never writes over a file); pass a new --out FILE.csv")
+    check_writable_parent(flag, str(out))
+
+
+def forecast_path(csv: str, out: str | None) -> Path:
+    """Where `predict --csv` writes: --out, else the input's name with .forecast.csv, beside it."""
+    return Path(out) if out is not None else Path(csv).with_name(f"{Path(csv).name[: -len('.csv')]}.forecast.csv")
 
 
 def _check_utf8(flag: str, text: str) -> None:

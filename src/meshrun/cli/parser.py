@@ -151,15 +151,30 @@ def build_parser() -> argparse.ArgumentParser:
         "(data read in place, e.g. nanoGPT's GPT-2 ids, carries none)",
     )
     _trust_arguments(sample)
-    predict = sub.add_parser("predict", help="classification runs: the label of a text and its probability")
+    predict = sub.add_parser(
+        "predict",
+        help="classification runs: the label of a text and its probability; regression runs: a forecast from a csv",
+    )
     predict.add_argument(
         "checkpoint", metavar="RUN_OR_CKPT", help="run directory (newest checkpoint) or checkpoint folder"
     )
-    predict.add_argument(
+    given = predict.add_mutually_exclusive_group(required=True)
+    given.add_argument(
         "--text",
         action="append",
-        required=True,
-        help="a text to classify (repeat for several); one line each: label, probability, text (tab-separated)",
+        help="classification: a text to classify (repeat for several); one line each: label, probability, text "
+        "(tab-separated)",
+    )
+    given.add_argument(
+        "--csv",
+        metavar="FILE",
+        help="regression: a .csv with the training data's columns (and time column); its last model.seq_len rows "
+        "are forecast the next horizon values of each column, in the data's units",
+    )
+    predict.add_argument(
+        "--out",
+        metavar="FILE",
+        help="with --csv: the forecast's .csv, a new file (default: FILE's name with .forecast.csv, beside it)",
     )
     _trust_arguments(predict)
     compare = sub.add_parser(

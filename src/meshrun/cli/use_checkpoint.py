@@ -10,10 +10,11 @@ from torch import nn
 from meshrun.checkpoint.dcp import CONFIG, full_model_state, read_manifest, verify
 from meshrun.checkpoint.export import export
 from meshrun.checkpoint.resume import checkpoint_dir
-from meshrun.cli.arguments import check_export_target
+from meshrun.cli.arguments import check_export_target, forecast_path
 from meshrun.config.schema import Config, check_code_trusted
 from meshrun.config.tasks import GENERATIVE_TASKS
 from meshrun.errors import CheckpointError, ConfigError
+from meshrun.files.atomic import write_atomic
 from meshrun.files.json_reader import read_json
 from meshrun.preflight import preflight
 from meshrun.tasks import Predict
@@ -87,26 +88,52 @@ def factory_override(overrides: list[str]) -> str | None:
 
 
 def predict_fn(cfg: Config) -> Predict:
-    """The job's task's predict command, refused in one line for a task that has none."""
+    """The job's task's predict command for texts, refused in one line for a task that has none."""
     from meshrun.tasks import task_for
 
-    predict = task_for(cfg.task).predict
-    if predict is None:
+    task = task_for(cfg.task)
+    if task.predict is None:
         raise ConfigError(
-            f"meshrun predict labels texts with a classification model; this is a {cfg.task} model"
+            f"meshrun predict --text labels texts with a classification model; this is a {cfg.task} model"
             + (
                 ": use meshrun sample"
                 if cfg.task in GENERATIVE_TASKS
+                else ": pass --csv FILE with its columns to forecast"
+                if task.forecast is not None
                 else ", which has no predict command in this version"
             )
         )
-    return predict
+    return task.predict
 
 
 def predictions(model: nn.Module, cfg: Config, data: Path, texts: list[str]) -> str:
     """One line per text: its label, that label's probability, the text (tab-separated)."""
     rows = predict_fn(cfg)(model, cfg, data, texts)
     return "\n".join(f"{label}\t{probability:.4f}\t{text}" for (label, probability), text in zip(rows, texts))
+
+
+def write_forecast(model: nn.Module, cfg: Config, data: Path, table: Path, out: Path) -> str:
+    """The forecast from `table`'s last rows written to `out`, a new file (atomically, never over one
+    that exists); the line that says where."""
+    from meshrun.tasks import task_for
+
+    forecast = task_for(cfg.task).forecast
+    if forecast is None:
+        use = (
+            ": pass --text TEXT to label texts"
+            if cfg.task == "classification"
+            else ": use meshrun sample"
+            if cfg.task in GENERATIVE_TASKS
+            else ", which has no predict command in this version"
+        )
+        raise ConfigError(f"meshrun predict --csv forecasts with a regression model; this is a {cfg.task} model{use}")
+    text = forecast(model, cfg, data, table)
+    try:
+        write_atomic(out, text, replace=False)
+    except FileExistsError:
+        raise ConfigError(f"{out} appeared while the forecast was computed; pass a new --out FILE.csv") from None
+    steps = f"{cfg.task_options.horizon} step" + "s" * (cfg.task_options.horizon > 1)
+    return f"wrote the forecast of the next {steps} (from the last {cfg.model.seq_len} rows of {table}) to {out}"
 
 
 def use_checkpoint(args: argparse.Namespace) -> int:
@@ -137,6 +164,10 @@ def use_checkpoint(args: argparse.Namespace) -> int:
             print(f"exported {saved_at(folder)} to {out.absolute()}")
             return 0
         model, cfg, folder = load_full_model(args.checkpoint, **trust)
+        if args.command == "predict" and args.csv is not None:
+            out = forecast_path(args.csv, args.out)
+            print(write_forecast(model, cfg, data_card(cfg, folder), Path(args.csv), out))
+            return 0
         if args.command == "predict":
             print(predictions(model, cfg, data_card(cfg, folder), args.text))
             return 0

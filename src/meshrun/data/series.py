@@ -16,10 +16,11 @@ and first validation row, the columns, their mean and std, and the seq_len and h
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -55,16 +56,49 @@ def read_series(
         columns = [name for name in column_names(files[0]) if name != time_column]
         if not columns:
             raise ConfigError(f"{files[0]} has no value columns besides the time column; {_HINT}")
-    wanted = [*columns, *([time_column] if time_column else [])]
     series = []
     for path in files:
-        rows, times = [], []
-        for where, cells in table_rows(path, wanted, hint=_HINT):
-            rows.append([_number(cell, where, name) for cell, name in zip(cells, columns)])
-            if time_column:
-                times.append(_time(cells[-1], where, time_column, times[-1] if times else None))
+        rows = list(series_rows(path, columns=columns, time_column=time_column, hint=_HINT))
         series.append(Series(path, np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))))
     return series, list(columns)
+
+
+def series_rows(path: Path, *, columns: Sequence[str], time_column: str | None, hint: str) -> Iterator[list[float]]:
+    """Each row's values of `columns`, in time order: a value that is not a finite number, or a time
+    not after the previous row's, refused at its row (`hint`: which flag names a missing column)."""
+    previous = None
+    for where, cells in table_rows(path, [*columns, *([time_column] if time_column else [])], hint=hint):
+        values = [_number(cell, where, name) for cell, name in zip(cells, columns)]
+        if time_column:
+            previous = _time(cells[-1], where, time_column, previous)
+        yield values
+
+
+def recent_rows(path: Path, meta: dict[str, Any], *, count: int) -> np.ndarray:
+    """The last `count` rows of a table with a prepared folder's columns (its meta.json), standardised
+    as they were: (count, columns) float32. Every row is checked as prepare-data checks it; only
+    `count` rows are held, however long the file."""
+    try:
+        columns, time_column = [str(c) for c in meta["columns"]], meta.get("time_column")
+        mean, std = np.array(meta["mean"], dtype=np.float64), np.array(meta["std"], dtype=np.float64)
+        if (
+            mean.shape != (len(columns),)
+            or std.shape != mean.shape
+            or not (np.isfinite(mean).all() and (std > 0).all())
+        ):
+            raise ValueError("its mean and std are not one finite number per column")
+        if time_column is not None and not isinstance(time_column, str):
+            raise ValueError(f"time_column {time_column!r} is no column name")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"the data card's meta.json does not describe its columns ({exc}); it is damaged") from None
+    trained = ", ".join(columns) + (f" and time column {time_column}" if time_column else "")
+    hint = f"the model reads the columns it was trained on ({trained})"
+    rows = collections.deque(series_rows(path, columns=columns, time_column=time_column, hint=hint), maxlen=count)
+    if len(rows) < count:
+        raise ConfigError(
+            f"{path} has {len(rows)} rows; the model reads the last model.seq_len = {count}: give at least {count} rows"
+        )
+    return ((np.array(rows, dtype=np.float64) - mean) / std).astype(np.float32)
 
 
 def _number(cell: Any, where: str, column: str) -> float:

@@ -9,19 +9,28 @@ count of them (the data's `target_tokens`), so every layout computes the same gr
 Validation reports, in standardised units (each column scaled by its training rows' std, so 1.0
 is one standard deviation): MSE, MAE, and the MAE of the naive forecast that repeats the last
 past value for every future step, over the same values.
+
+`meshrun predict RUN --csv FILE` (`forecast`) reads the last model.seq_len rows of a table with the
+training data's columns, standardised with the statistics stored with the data, and writes the
+model's next `horizon` values per column in the data's own units.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from meshrun.config.model_sections import TimeSeriesSection
+from meshrun.data.series import recent_rows
 from meshrun.data.series_batches import SeriesDataset
-from meshrun.data.storage import SPLITS
+from meshrun.data.storage import SPLITS, read_meta
 from meshrun.errors import ConfigError
 from meshrun.tasks import SummedLoss, Task
 
@@ -107,10 +116,27 @@ def check_data(cfg: Config, data_dir: Path) -> None:
         )
 
 
+@torch.no_grad()
+def forecast(model: nn.Module, cfg: Config, data: Path, table: Path) -> str:
+    """The model's next horizon values after the last model.seq_len rows of `table` as csv text: a
+    header (step, then the training data's columns), one row per future step, in the data's units
+    (`data`: the data card, whose meta.json holds the columns, their mean and std)."""
+    meta = read_meta(data) or {}
+    past = recent_rows(table, meta, count=cfg.model.seq_len)  # (seq_len, columns), standardised
+    future = model(torch.from_numpy(past)[None]).double()[0].numpy()  # (horizon, columns)
+    values = future * np.array(meta["std"], dtype=np.float64) + np.array(meta["mean"], dtype=np.float64)
+    text = io.StringIO()
+    table_writer = csv.writer(text, lineterminator="\n")
+    table_writer.writerow(["step", *meta["columns"]])
+    table_writer.writerows([step, *row] for step, row in enumerate(values.tolist(), 1))  # floats as repr: exact
+    return text.getvalue()
+
+
 TASK = Task(
     "regression",
     open_split=open_split,
     summed=summed_loss,
     meter=lambda cfg, device: Errors(summed_loss(cfg), device),
     check_data=check_data,
+    forecast=forecast,
 )
