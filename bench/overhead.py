@@ -37,6 +37,7 @@ from meshrun.data.prepare import prepare
 from meshrun.models.gpt import GPT
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
+from meshrun.tasks import Batches
 from meshrun.training.run import Run
 from meshrun.training.trainer import Trainer
 
@@ -46,9 +47,27 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    step_arguments(p, steps=20, rounds=7)
+    p.add_argument(
+        "--source",
+        nargs="+",
+        default=None,
+        help="text files/globs to train on (default: the stdlib's top-level *.py files)",
+    )
+    return _quick.parse(p, {**QUICK, "source": _quick.stdlib_text(quick=True)})
+
+
+QUICK = dict(
+    steps=2, rounds=1, warmup=1, threads=1, layers=1, dim=16, heads=2, seq_len=8, global_batch=4, micro_batch=2
+)
+"""`--quick`'s values of step_arguments."""
+
+
+def step_arguments(p: argparse.ArgumentParser, *, steps: int, rounds: int) -> None:
+    """The flags of a meshrun-vs-hand step comparison (also bench/tasks.py's): precision, rounds, the model's shape."""
     p.add_argument("--precision", choices=list(DTYPES), default="fp32")
-    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side per round")
-    p.add_argument("--rounds", type=int, default=7, help="alternating rounds (the verdict is their median ratio)")
+    p.add_argument("--steps", type=int, default=steps, help="timed optimizer steps per side per round")
+    p.add_argument("--rounds", type=int, default=rounds, help="alternating rounds (the verdict is their median ratio)")
     p.add_argument(
         "--chunk",
         type=int,
@@ -63,17 +82,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument(
-        "--source",
-        nargs="+",
-        default=None,
-        help="text files/globs to train on (default: the stdlib's top-level *.py files)",
-    )
-    tiny = dict(steps=2, rounds=1, warmup=1, threads=1, layers=1, dim=16, heads=2, seq_len=8, global_batch=4)
-    return _quick.parse(p, {**tiny, "micro_batch": 2, "source": _quick.stdlib_text(quick=True)})
 
 
-def make_config(args: argparse.Namespace, tmp: Path, data_dir: Path) -> Config:
+def make_config(args: argparse.Namespace, tmp: Path, data_dir: Path, extra: list[str] | None = None) -> Config:
+    """The one-process job both sides run; `extra`: more `--set` overrides (bench/tasks.py's task and model)."""
     total_steps = args.warmup + args.rounds * args.steps
     return load_config(
         None,
@@ -97,15 +109,31 @@ def make_config(args: argparse.Namespace, tmp: Path, data_dir: Path) -> Config:
             "checkpoint.interval=0",
             f"data.dir={data_dir}",
             f"run_dir={tmp / 'run'}",
+            *(extra or []),
         ],
     )
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of logits (..., V) against targets (...)."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 class HandLoop:
     """The minimal loop, written the way nanoGPT's train.py writes it."""
 
-    def __init__(self, cfg: Config, device: torch.device, data_dir: Path, model: torch.nn.Module | None = None) -> None:
-        """`model`: any tokens -> logits module (default: meshrun's GPT with the trainer's init)."""
+    def __init__(
+        self,
+        cfg: Config,
+        device: torch.device,
+        data_dir: Path,
+        model: torch.nn.Module | None = None,
+        *,
+        data: Batches | None = None,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss,
+    ) -> None:
+        """`model`: any module from the batches' x to what `loss` (a microbatch mean) reads (default:
+        meshrun's GPT with the trainer's init, token windows, the token cross-entropy)."""
         t = cfg.train
         self.cfg, self.device = cfg, device
         if model is None:
@@ -116,7 +144,8 @@ class HandLoop:
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, fused=device.type == "cuda" or None)
-        self.data = TokenDataset(data_dir, "train", seq_len=cfg.model.seq_len, seed=t.seed)
+        self.data = data or TokenDataset(data_dir, "train", seq_len=cfg.model.seq_len, seed=t.seed)
+        self.loss = loss
         self.accum = t.global_batch // t.micro_batch
         dtype = DTYPES[cfg.precision]
         self.ctx = (
@@ -144,9 +173,7 @@ class HandLoop:
         total = 0.0
         for xm, ym in zip(x.chunk(self.accum), y.chunk(self.accum)):
             with self.ctx():
-                logits = self.model(xm)
-                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), ym.reshape(-1))
-                loss = loss / self.accum
+                loss = self.loss(self.model(xm), ym) / self.accum
             loss.backward()
             total = total + loss.detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
@@ -189,6 +216,28 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, cfg: Config, trainer: Trainer, hand: HandLoop, device: torch.device) -> int:
+    """The comparison and its verdict; the exit code."""
+    median, same = compare(args, cfg, trainer, hand, device)
+    verdict = same and median <= TARGET
+    print(
+        f"{'PASS' if verdict else 'FAIL'}: meshrun/hand median {median:.3f}x (target <= {TARGET:.2f}x)"
+        + ("" if same else "; losses differ, so the two loops do not compute the same thing")
+    )
+    return _quick.exit_code(verdict, quick=args.quick, correct=same)
+
+
+def compare(
+    args: argparse.Namespace,
+    cfg: Config,
+    trainer: Trainer,
+    hand: HandLoop,
+    device: torch.device,
+    *,
+    tolerance: float | None = None,
+) -> tuple[float, bool]:
+    """Both sides' steps in alternating rounds, a table of them: (the median of the per-round
+    meshrun/hand ratios, whether the final losses agree to `tolerance` x max(1, loss);
+    default fp32 1e-4, bf16 2e-2)."""
     sides = {"meshrun": lambda step: trainer.train_step(step).loss, "hand": hand.train_step}  # its StepResult's loss
     chunk = args.chunk or (10 if device.type == "cuda" else 1)
     print(
@@ -228,18 +277,13 @@ def run(args: argparse.Namespace, cfg: Config, trainer: Trainer, hand: HandLoop,
     print(f"{'median':>5}  {'':>15} {'':>13} {median:>7.3f}   (min {min(ratios):.3f}, max {max(ratios):.3f})")
 
     a, b = float(losses["meshrun"]), float(losses["hand"])
-    tolerance = 1e-4 if cfg.precision == "fp32" else 2e-2
+    tolerance = tolerance or (1e-4 if cfg.precision == "fp32" else 2e-2)
     same = abs(a - b) <= tolerance * max(1.0, abs(b))
     print(
         f"\nloss after step {step}: meshrun {a:.6f}, hand {b:.6f}, |diff| {abs(a - b):.2e} "
         f"(tolerance {tolerance:g}): {'same' if same else 'DIFFERENT'}"
     )
-    verdict = same and median <= TARGET
-    print(
-        f"{'PASS' if verdict else 'FAIL'}: meshrun/hand median {median:.3f}x (target <= {TARGET:.2f}x)"
-        + ("" if same else "; losses differ, so the two loops do not compute the same thing")
-    )
-    return _quick.exit_code(verdict, quick=args.quick, correct=same)
+    return median, same
 
 
 if __name__ == "__main__":
