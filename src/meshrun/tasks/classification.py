@@ -4,8 +4,9 @@ encoder's head, models/encoder.py); the loss sums the samples' cross-entropies, 
 normalisation divides by the global batch's sample count (the data's `target_tokens`), so every
 layout computes the same gradient. With task_options.class_weights each sample's cross-entropy
 counts its label's weight and the normalisation divides by the global batch's summed weights
-instead: torch's `F.cross_entropy(weight=...)` over the whole batch. Validation: the loss, accuracy and macro F1 (the unweighted
-mean over labels of each label's F1; a label with no sample and no prediction is left out).
+instead (`bind`, `Task.divisor`): torch's `F.cross_entropy(weight=...)` over the whole batch.
+Validation: the loss (weighted as training's), accuracy and macro F1 (the unweighted mean over
+labels of each label's F1; a label with no sample and no prediction is left out).
 """
 
 from __future__ import annotations
