@@ -230,3 +230,14 @@ def test_predict_prints_each_texts_label_and_probability(one_process: Path, caps
     assert [line[0] for line in lines] == [sorted(WORDS)[k] for k in best.indices.tolist()]
     assert [float(line[1]) for line in lines] == pytest.approx(best.values.tolist(), abs=1e-4)
     assert [line[2] for line in lines] == texts
+
+
+def test_predict_csv_is_refused_for_a_classifier(
+    one_process: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = tmp_path / "rows.csv"
+    table.write_text("load\n1\n")
+    assert cli.main(["predict", str(one_process), "--csv", str(table)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "this is a classification model: pass --text TEXT to label texts" in err
+    assert not (tmp_path / "rows.forecast.csv").exists()
