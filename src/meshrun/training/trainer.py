@@ -313,7 +313,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """`val_loss`, the mean loss over `eval_batches` validation batches (each batch's mean weighted
-        by its targets: padded batches of pairs hold different numbers), and the task's figures
+        by its divisor: padded batches of pairs hold different numbers of targets, class weights
+        weigh them), and the task's figures
         (`val_` + name) from its meter's counts summed over the ranks that compute the loss."""
         self.model.train(False)
         meter = self.task.meter(self.cfg, self.device)
