@@ -20,6 +20,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from meshrun.config.schema import Config
+    from meshrun.data.packed import Occupancy
 
 
 SummedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -42,6 +43,24 @@ class Batches(Protocol):
         ...
 
     def source_counts(self, first: int, count: int) -> dict[str, int]: ...
+
+
+# Optional hooks of a `Batches` (read through the functions below, which give the defaults):
+# - `occupancy(first, count) -> Occupancy`: padding and attention cost of rows that pack documents.
+# - `positions_per_sample(x) -> int`: the positions a sample of input `x` trains (default: its last
+#   dimension, ids (B, T) or packed (B, 2, T)); values (B, T, features) say T.
+
+
+def occupancy(data: Batches, first: int, count: int) -> Occupancy | None:
+    """What samples first .. first+count-1 hold beyond their positions (None: data that packs nothing)."""
+    hook = getattr(data, "occupancy", None)
+    return None if hook is None else hook(first, count)
+
+
+def positions_per_sample(data: Batches, x: torch.Tensor) -> int:
+    """The positions one sample of the input batch `x` spans (a length bucket's may be shorter than seq_len)."""
+    hook = getattr(data, "positions_per_sample", None)
+    return x.shape[-1] if hook is None else hook(x)
 
 
 class Meter(Protocol):
