@@ -48,6 +48,7 @@ def prepare_on_first_use(cfg: Config) -> Path | None:
         tokenizer="byte" if trained else tokenizer,
         train_tokenizer=tokenizer if trained else None,
         reuse=True,
+        task="masked_lm" if cfg.task == "masked_lm" else "causal_lm",
     )
     return path
 
