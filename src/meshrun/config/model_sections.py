@@ -149,7 +149,9 @@ class EncoderSection(ModelSection):
     def _labels_need_a_label_head(self) -> EncoderSection:
         """model.num_labels sizes the labels head: refused beside head tokens rather than ignored."""
         if self.head == "tokens" and self.num_labels != EncoderSection.model_fields["num_labels"].default:
-            raise ValueError("model.num_labels sizes a classifier's head; an encoder with head tokens has none: remove it")
+            raise ValueError(
+                "model.num_labels sizes a classifier's head; an encoder with head tokens has none: remove it"
+            )
         return self
 
 

@@ -275,7 +275,9 @@ class Config(Section):
     def _task_fits(self) -> Config:
         """data.pairs and model.name encdec go with task seq2seq; a task_options key set for another task is refused."""
         head = self.model.head if isinstance(self.model, EncoderSection) else None
-        check_task(self.task, pairs=self.data.pairs, model_name=self.model.name, options=self.task_options, encoder_head=head)
+        check_task(
+            self.task, pairs=self.data.pairs, model_name=self.model.name, options=self.task_options, encoder_head=head
+        )
         return self
 
     # -- end of the objective --

@@ -1,5 +1,5 @@
 """Data prepared on a job's first use: the embedded corpus, `data.sources`, the example pairs or
-the example labelled texts or the example series, written once into `data.dir` (or its default folder); data that is already there is never touched."""
+the example labelled texts or the example series or protein-like sequences, written once into `data.dir` (or its default folder); data that is already there is never touched."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from meshrun.config.schema import Config
 from meshrun.data.locations import data_dir, reads_in_place
 from meshrun.data.prepare import default_sources, is_prepared, prepare
+from meshrun.data.proteins import example_proteins_file
 from meshrun.errors import ConfigError
 from meshrun.files.console import say
 
@@ -39,17 +40,21 @@ def prepare_on_first_use(cfg: Config) -> Path | None:
         prepare_example_series(cfg, path)
         return path
     tokenizer = cfg.data.tokenizer or "byte"
-    say(f"preparing {tokenizer} data in {path} (first use)")
-    trained = tokenizer.startswith("bpe:")
-    prepare(
-        cfg.data.sources or default_sources(),
-        path,
-        val_fraction=cfg.data.val_fraction,
-        tokenizer="byte" if trained else tokenizer,
-        train_tokenizer=tokenizer if trained else None,
-        reuse=True,
-        task="masked_lm" if cfg.task == "masked_lm" else "causal_lm",
+    proteins = cfg.task == "masked_lm" and not cfg.data.sources
+    say(
+        f"preparing {tokenizer} data{' (the example protein-like sequences)' if proteins else ''} in {path} (first use)"
     )
+    trained = tokenizer.startswith("bpe:")
+    with example_proteins_file() if proteins else contextlib.nullcontext() as example:
+        prepare(
+            [str(example)] if example else cfg.data.sources or default_sources(),
+            path,
+            val_fraction=cfg.data.val_fraction,
+            tokenizer="byte" if trained else tokenizer,
+            train_tokenizer=tokenizer if trained else None,
+            reuse=True,
+            task="masked_lm" if cfg.task == "masked_lm" else "causal_lm",  # masked_lm's meta.json adds the mask token
+        )
     return path
 
 

@@ -5,7 +5,8 @@ sample index (data/masked_batches.py, data/masking.py): every layout masks the s
 last stage's output is (B, T, vocab) logits (the encoder's tokens head, models/encoder.py); the
 loss sums the cross-entropies at the chosen positions, which the normalisation divides by the
 global batch's count of them (the data's `target_tokens`). Validation: the loss, the masked-token
-accuracy (the argmax is the original token) and the perplexity exp(loss).
+accuracy (the argmax is the original token), the perplexity exp(loss), and beside them the accuracy
+of always guessing the most frequent token among those positions (the baseline a model must beat).
 """
 
 from __future__ import annotations
@@ -34,24 +35,31 @@ def open_split(cfg: Config, data_dir: Path, split: str) -> MaskedWindows:
 
 
 class MaskedAccuracy:
-    """Validation's meter: the summed loss, the chosen positions predicted right, and their count, on the device."""
+    """Validation's meter, on the device: the summed loss, the chosen positions predicted right, and
+    how often each token is the target (their sum: the count of chosen positions)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, hits, targets
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, hits
+        self.tally = torch.zeros(vocab_size, dtype=torch.float64, device=device)
 
     def summed(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss, chosen = token_cross_entropy(output, targets), targets != IGNORE
         hits = ((output.argmax(-1) == targets) & chosen).sum()
-        self.sums += torch.stack([loss.detach().double(), hits.double(), chosen.sum().double()])
+        self.sums += torch.stack([loss.detach().double(), hits.double()])
+        self.tally += torch.bincount(targets[chosen], minlength=len(self.tally)).double()
         return loss
 
     def counts(self) -> list[float]:
-        return self.sums.tolist()
+        return [*self.sums.tolist(), *self.tally.tolist()]
 
     def figures(self, counts: list[float]) -> dict[str, float]:
-        loss, hits, targets = counts
-        n = max(targets, 1.0)
-        return {"accuracy": hits / n, "perplexity": math.exp(min(loss / n, 700.0))}  # 700: below float's overflow
+        loss, hits, tally = counts[0], counts[1], counts[2:]
+        n = max(sum(tally), 1.0)
+        return {
+            "accuracy": hits / n,
+            "majority_accuracy": max(tally) / n,  # always the most frequent target token
+            "perplexity": math.exp(min(loss / n, 700.0)),  # 700: below float64's overflow
+        }
 
 
 def check_data(cfg: Config, data_dir: Path) -> None:
@@ -71,6 +79,6 @@ TASK = Task(
     "masked_lm",
     open_split=open_split,
     summed=lambda cfg: token_cross_entropy,
-    meter=lambda cfg, device: MaskedAccuracy(device),
+    meter=lambda cfg, device: MaskedAccuracy(cfg.model.vocab_size, device),
     check_data=check_data,
 )
