@@ -8,8 +8,8 @@ from pathlib import Path
 
 from meshrun.config.schema import Config
 from meshrun.data.locations import data_dir, reads_in_place
-from meshrun.data.prepare import default_sources, is_prepared, prepare
-from meshrun.data.proteins import example_proteins_file
+from meshrun.data.prepare import is_prepared, prepare
+from meshrun.data.proteins import token_sources
 from meshrun.errors import ConfigError
 from meshrun.files.console import say
 
@@ -40,20 +40,18 @@ def prepare_on_first_use(cfg: Config) -> Path | None:
         prepare_example_series(cfg, path)
         return path
     tokenizer = cfg.data.tokenizer or "byte"
-    proteins = cfg.task == "masked_lm" and not cfg.data.sources
-    say(
-        f"preparing {tokenizer} data{' (the example protein-like sequences)' if proteins else ''} in {path} (first use)"
-    )
+    say(f"preparing {tokenizer} data in {path} (first use)")
     trained = tokenizer.startswith("bpe:")
-    with example_proteins_file() if proteins else contextlib.nullcontext() as example:
+    task = "masked_lm" if cfg.task == "masked_lm" else "causal_lm"  # masked_lm's meta.json adds the mask token
+    with token_sources(cfg.data.sources, task) as sources:  # none: the task's example
         prepare(
-            [str(example)] if example else cfg.data.sources or default_sources(),
+            sources,
             path,
             val_fraction=cfg.data.val_fraction,
             tokenizer="byte" if trained else tokenizer,
             train_tokenizer=tokenizer if trained else None,
             reuse=True,
-            task="masked_lm" if cfg.task == "masked_lm" else "causal_lm",  # masked_lm's meta.json adds the mask token
+            task=task,
         )
     return path
 
