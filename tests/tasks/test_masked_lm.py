@@ -153,22 +153,24 @@ def test_validation_figures_equal_those_of_the_final_weights(masked_dir: Path, o
     assert row["val_majority_accuracy"] == pytest.approx(y[chosen].bincount().max().item() / chosen.sum().item())
 
 
-def test_the_example_config_trains_past_the_most_frequent_token(masked_dir: Path, tmp_path: Path) -> None:
-    """configs/mlm-tiny.yaml as it is but smaller, on the protein-like data: its validation accuracy
-    beats always guessing the most frequent residue."""
-    smaller = {"data.dir": masked_dir, "run_dir": tmp_path / "run", "model.dim": 32, "model.seq_len": 24}
-    settings = {
-        **smaller,
-        "train.steps": 60,
-        "train.eval_interval": 60,
-        "train.eval_batches": 4,
-        "metrics.plots": False,
-    }
-    run_meshrun(
-        ["train", str(CONFIGS / "mlm-tiny.yaml"), *(f"--set={k}={v}" for k, v in settings.items())], tmp_path=tmp_path
+def test_the_example_config_trains_past_the_most_frequent_token(tmp_path: Path) -> None:
+    """configs/mlm-tiny.yaml as it is but smaller and shorter, on sequences that each repeat one letter
+    (a masked letter is its neighbours': learnt in a few dozen steps): its validation accuracy beats
+    always guessing the most frequent letter by far."""
+    rng = random.Random(1)
+    source = tmp_path / "runs.jsonl"
+    source.write_text(
+        "".join(json.dumps({"text": rng.choice(MOTIFS[0]) * rng.randint(20, 60)}) + "\n" for _ in range(300))
     )
+    prepare([str(source)], tmp_path / "data", val_fraction=0.2, task="masked_lm", progress=False)
+    settings = {
+        **{"data.dir": tmp_path / "data", "run_dir": tmp_path / "run", "model.dim": 32, "model.seq_len": 24},
+        **{"train.steps": 60, "train.eval_interval": 60, "train.eval_batches": 2, "metrics.plots": False},
+    }
+    config = [str(CONFIGS / "mlm-tiny.yaml"), *(f"--set={k}={v}" for k, v in settings.items())]
+    run_meshrun(["train", *config], tmp_path=tmp_path)
     row = next(row for row in read_metrics(tmp_path / "run") if "val_accuracy" in row)
-    assert row["val_accuracy"] > row["val_majority_accuracy"] + 0.2
+    assert row["val_accuracy"] > row["val_majority_accuracy"] + 0.3
 
 
 @pytest.mark.parametrize("command", [["train"], ["train", "--dry-run"]])
