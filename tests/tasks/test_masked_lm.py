@@ -24,6 +24,7 @@ from meshrun.data.dataset import TokenDataset
 from meshrun.data.masked_batches import MaskedWindows
 from meshrun.data.masking import mask_tokens, rule_of
 from meshrun.data.prepare import prepare
+from meshrun.data.proteins import AMINO_ACIDS, DOMAIN_LENGTH, example_proteins
 from meshrun.data.storage import IGNORE, read_meta
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.materialise import materialise_part
@@ -183,3 +184,16 @@ def test_data_prepared_for_another_task_is_refused_in_one_line(
     assert err.count("\n") == 1 and "holds causal_lm data, with no mask token" in err
     assert "prepare-data --task masked_lm" in err
     assert not (tmp_path / "run").exists()  # before any worker
+
+
+def test_prepare_data_without_sources_writes_the_protein_example(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As a masked_lm job's first use does: the generated sequences (data/proteins.py), letters only."""
+    assert cli.main(["prepare-data", "--task", "masked_lm", "--out", str(tmp_path / "proteins")]) == 0
+    assert "for masked_lm, mask id 256" in capsys.readouterr().out
+    data = MaskedWindows(tmp_path / "proteins", "train", seq_len=32, seed=0, rate=0.15)
+    tokens = data.windows.batch(0, 64)[0]
+    assert set(bytes(tokens.flatten().tolist()).decode()) <= set(AMINO_ACIDS + "\n")
+    sequences = example_proteins(40)
+    assert sequences == example_proteins(80)[:40] and all(len(s) % DOMAIN_LENGTH == 0 for s in sequences)
