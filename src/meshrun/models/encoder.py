@@ -68,8 +68,7 @@ class ClassifierHead(nn.Linear):
 
 
 class TokenHead(nn.Linear):
-    """Each position's state -> token logits (B, T, vocab_size); padding's rows are scored too and
-    left out by the loss (its targets are IGNORE)."""
+    """Each position's state -> token logits (B, T, vocab_size); the loss reads the chosen positions' rows."""
 
     def forward(self, state: State) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
         return super().forward(state[0])
