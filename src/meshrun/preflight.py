@@ -19,7 +19,7 @@ from meshrun.checkpoint.paths import checkpoint_root, complete_checkpoints
 from meshrun.config.address import host_problem, port_problem, split_endpoint
 from meshrun.config.model_sections import LoraSection
 from meshrun.config.schema import Config
-from meshrun.config.tasks import check_measured, check_trainable
+from meshrun.config.tasks import check_measured
 from meshrun.data.locations import data_dir, reads_in_place, training_data_dir
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
@@ -45,7 +45,6 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     environment, layout, run directory and data, then the model builds, its pretrained weights
     exist and the data fits it. `model` (export, sample, plan: nothing is trained): the model
     builds. Returns the model, built on the meta device."""
-    check_trainable(cfg.task)  # data for every task can be prepared; this version trains only some
     check_measured(cfg.task, balance=cfg.parallel.balance, planning=False)
     if scope == "job":
         check_job(cfg)
@@ -329,8 +328,9 @@ def check_data_source(cfg: Config) -> None:
             "(leave data.dir and data.sources out to train on the generated example series)"
         )
     if cfg.data.dir is not None and not cfg.data.sources and not is_prepared(path):
+        task = " --task masked_lm" if cfg.task == "masked_lm" else ""
         raise ConfigError(
-            f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data --out {path}` or set data.sources"
+            f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data{task} --out {path}` or set data.sources"
         )
     tokenizer = cfg.data.tokenizer or "byte"
     named_file = tokenizer != "byte" and not tokenizer.startswith("bpe:")

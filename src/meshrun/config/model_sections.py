@@ -141,6 +141,18 @@ class EncoderSection(ModelSection):
     """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
     num_labels: Int = Field(default=2, ge=2)
     """encoder (task classification): the classes its head scores; must equal the data's label count (meta.json)."""
+    head: Literal["labels", "tokens"] = "labels"
+    """encoder: labels (its states pooled into model.num_labels scores: task classification) or tokens (a
+    model.vocab_size score per position: task masked_lm); set from the task when not given."""
+
+    @model_validator(mode="after")
+    def _labels_need_a_label_head(self) -> EncoderSection:
+        """model.num_labels sizes the labels head: refused beside head tokens rather than ignored."""
+        if self.head == "tokens" and self.num_labels != EncoderSection.model_fields["num_labels"].default:
+            raise ValueError(
+                "model.num_labels sizes a classifier's head; an encoder with head tokens has none: remove it"
+            )
+        return self
 
 
 class TimeSeriesSection(ModelSection):

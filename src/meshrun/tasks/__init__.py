@@ -6,6 +6,8 @@ pipeline and the loss normalisation (training/loss.py) read a `Task` and never b
 - `classification`: labelled texts: per-sample cross-entropy; accuracy and macro F1.
 - `regression`: windows of numeric series: a per-value mse, mae or huber loss; MSE, MAE and the
   naive last-value forecast's MAE.
+- `masked_lm`: token windows with masked positions: token cross-entropy over them; masked-token
+  accuracy and perplexity.
 """
 
 from __future__ import annotations
@@ -97,13 +99,14 @@ class Task:
 
 
 def task_for(name: str) -> Task:
-    """The `Task` a config's `task` names (config/tasks.py: check_trainable refused the others)."""
-    from meshrun.tasks import classification, regression, tokens
+    """The `Task` a config's `task` names."""
+    from meshrun.tasks import classification, masked_lm, regression, tokens
 
     tasks = {
         "causal_lm": tokens.TASK,
         "seq2seq": tokens.TASK,
         "classification": classification.TASK,
         "regression": regression.TASK,
+        "masked_lm": masked_lm.TASK,
     }
     return tasks[name]
