@@ -94,6 +94,13 @@ class Encoder(StagedModel):
             state = self.norm(state)
         return self.head(state) if self.head is not None else state
 
+    def tp_plan(self) -> dict[str, str]:
+        """GPT's split of the token embedding and the blocks (q, k, v and the MLP's first matrix
+        by columns, their output projections by rows); the classifier head stays whole (a few
+        labels, read once per sample). No sequence-parallel styles: the pooling head reads every
+        position of the (hidden, mask) state, so parallel.sequence_parallel is refused."""
+        return {"embed.tok": "vocab_embedding", **gpt.BLOCK_SPLIT}
+
     def standalone_blocks(self) -> list[nn.Module]:
         """The blocks as modules that take hidden states alone, every token kept (for parallel.balance)."""
         return [HiddenStatesOnly(block) for block in self.blocks.values()]
