@@ -62,17 +62,6 @@ class ClassifierHead(nn.Linear):
         return super().forward(pooled)
 
 
-class HiddenStatesOnly(nn.Module):
-    """A block fed hidden states alone: no padding (what a profiler times)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.block((h, torch.ones(h.shape[:2], dtype=torch.long, device=h.device)))[0]
-
-
 class Encoder(StagedModel):
     """Embedding, bidirectional blocks, norm, classifier head: split over pipeline stages like GPT."""
 
@@ -100,10 +89,6 @@ class Encoder(StagedModel):
         labels, read once per sample). No sequence-parallel styles: the pooling head reads every
         position of the (hidden, mask) state, so parallel.sequence_parallel is refused."""
         return {"embed.tok": "vocab_embedding", **gpt.BLOCK_SPLIT}
-
-    def standalone_blocks(self) -> list[nn.Module]:
-        """The blocks as modules that take hidden states alone, every token kept (for parallel.balance)."""
-        return [HiddenStatesOnly(block) for block in self.blocks.values()]
 
     def init_weights(self, seed: int) -> None:
         """GPT's init of the parts present, each from its own seed: any pipeline split starts identical."""

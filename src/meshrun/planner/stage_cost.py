@@ -296,7 +296,7 @@ def _trace(
             # the task's loss on targets of the task's shape: what it saves counts (a log-softmax)
             loss = None
             if last:
-                targets = task_io(cfg).targets.zeros(out.shape[0])
+                targets = task_io(cfg).targets_of(out)
                 loss = MicrobatchLoss(1, summed=task_for(cfg.task).summed(cfg))(out, targets)
         profile = StageProfile(
             param_bytes,

@@ -57,11 +57,21 @@ class TaskIO:
     targets: Values  # what the last stage's loss compares its output with
     output: tuple[int, ...]  # the last stage's output (logits or forecasts), fp32 in the loss
     head_positions: int  # positions the head maps per sample: seq_len for token logits, 1 pooled / last step
-    reads: str  # what the model reads and writes, for --dry-run ("vocab 256", "2 features -> 7 steps")
+    reads: str  # what the model reads and writes, for --dry-run ("vocab 256", "2 features per step, ...")
+    per_output_row: bool = False
+    """Token logits: a target id per row of the output (an encoder-decoder's cover its target part only)."""
 
     @property
     def output_values(self) -> int:
         return prod(self.output)
+
+    def targets_of(self, output: torch.Tensor) -> torch.Tensor:
+        """Zero targets for a traced last-stage output (the loss's shapes and dtypes)."""
+        if not self.per_output_row:
+            return self.targets.zeros(output.shape[0])
+        import torch
+
+        return torch.zeros(output.shape[:-1], dtype=torch.long)
 
     def batch(self, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """A random batch of `count` samples: (the first stage's input, the last stage's targets)."""
@@ -71,7 +81,7 @@ class TaskIO:
 def _tokens(cfg: Config, vocab: int) -> TaskIO:
     t = cfg.model.seq_len
     ids = Values((t,), ids_below=vocab)
-    return TaskIO(ids, ids, output=(t, vocab), head_positions=t, reads=f"vocab {vocab}")
+    return TaskIO(ids, ids, output=(t, vocab), head_positions=t, reads=f"vocab {vocab}", per_output_row=True)
 
 
 def _classification(cfg: Config, vocab: int) -> TaskIO:
