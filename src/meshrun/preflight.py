@@ -19,7 +19,6 @@ from meshrun.checkpoint.paths import checkpoint_root, complete_checkpoints
 from meshrun.config.address import host_problem, port_problem, split_endpoint
 from meshrun.config.model_sections import LoraSection
 from meshrun.config.schema import Config
-from meshrun.config.tasks import check_measured
 from meshrun.data.locations import data_dir, reads_in_place, training_data_dir
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
@@ -45,7 +44,6 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     environment, layout, run directory and data, then the model builds, its pretrained weights
     exist and the data fits it. `model` (export, sample, plan: nothing is trained): the model
     builds. Returns the model, built on the meta device."""
-    check_measured(cfg.task, balance=cfg.parallel.balance, planning=False)
     if scope == "job":
         check_job(cfg)
     else:

@@ -98,16 +98,20 @@ class ModelSection(Section):
         return {"model.seq_len": self.seq_len} | {f"data.buckets[{i}]": n for i, n in enumerate(buckets)}
 
 
-class GPTSection(ModelSection):
-    family: ClassVar[str] = "gpt"
-    name: Literal["gpt"] = "gpt"
-    """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+class GPTBlocksSection(ModelSection):
+    """A family built of GPT's blocks (gpt, encoder, timeseries): their tp plan's divisor."""
 
     def tp_splits(self) -> dict[str, int]:
         """Whole heads per tp shard (which also splits model.dim and the MLP width 4 x dim, multiples
         of the heads). The vocabulary needs no divisor: DTensor shards it unevenly, and the loss is
         the same (tests/parallel/test_tensor_parallel.py)."""
         return {"model.num_heads": self.num_heads}
+
+
+class GPTSection(GPTBlocksSection):
+    family: ClassVar[str] = "gpt"
+    name: Literal["gpt"] = "gpt"
+    """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
 
 
 class EncDecSection(ModelSection):
@@ -135,7 +139,7 @@ class EncDecSection(ModelSection):
         return super().sequence_splits(buckets) | {"model.source_len": source} | shares
 
 
-class EncoderSection(ModelSection):
+class EncoderSection(GPTBlocksSection):
     family: ClassVar[str] = "encoder"
     name: Literal["encoder"] = "encoder"
     """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
@@ -155,7 +159,7 @@ class EncoderSection(ModelSection):
         return self
 
 
-class TimeSeriesSection(ModelSection):
+class TimeSeriesSection(GPTBlocksSection):
     family: ClassVar[str] = "timeseries"
     name: Literal["timeseries"] = "timeseries"
     """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""

@@ -94,17 +94,3 @@ def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions,
     if model_name == "timeseries" and task != "regression":
         raise ConfigError(f"model.name timeseries forecasts numeric series, trained as task regression, not {task}")
     options.check_for(task)
-
-
-def check_measured(task: str, *, balance: str, planning: bool) -> None:
-    """`meshrun plan` and parallel.balance time / size run the model on token ids; a regression
-    model reads values: refused in one line rather than crashing in the profiler."""
-    if task != "regression":
-        return
-    if planning:
-        raise ConfigError("meshrun plan does not price task regression in this version; train it with meshrun train")
-    if balance in ("time", "size"):
-        raise ConfigError(
-            f"parallel.balance {balance} profiles token ids, not task regression's values: use parallel.balance=even "
-            "or parallel.stage_layers"
-        )

@@ -74,17 +74,6 @@ class TokenHead(nn.Linear):
         return super().forward(state[0])
 
 
-class HiddenStatesOnly(nn.Module):
-    """A block fed hidden states alone: no padding (what a profiler times)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.block((h, torch.ones(h.shape[:2], dtype=torch.long, device=h.device)))[0]
-
-
 class Encoder(StagedModel):
     """Embedding, bidirectional blocks, norm, the task's head: split over pipeline stages like GPT."""
 
@@ -110,9 +99,12 @@ class Encoder(StagedModel):
             state = self.norm(state)
         return self.head(state) if self.head is not None else state
 
-    def standalone_blocks(self) -> list[nn.Module]:
-        """The blocks as modules that take hidden states alone, every token kept (for parallel.balance)."""
-        return [HiddenStatesOnly(block) for block in self.blocks.values()]
+    def tp_plan(self) -> dict[str, str]:
+        """GPT's split of the token embedding and the blocks (q, k, v and the MLP's first matrix
+        by columns, their output projections by rows); the classifier head stays whole (a few
+        labels, read once per sample). No sequence-parallel styles: the pooling head reads every
+        position of the (hidden, mask) state, so parallel.sequence_parallel is refused."""
+        return {"embed.tok": "vocab_embedding", **gpt.BLOCK_SPLIT}
 
     def init_weights(self, seed: int) -> None:
         """GPT's init of the parts present, each from its own seed: any pipeline split starts identical."""

@@ -87,8 +87,9 @@ def keep_stage(model: ProtocolModule, *, first: bool, last: bool) -> None:
 
 
 def standalone_blocks(model: ProtocolModule) -> list[nn.Module]:
-    """The blocks as modules a profiler can feed hidden states alone (`parallel.balance: time |
-    size`). Default: the blocks themselves."""
+    """The blocks as modules a profiler can feed the previous one's output alone (`parallel.balance:
+    time | size` runs embed, blocks, norm + head in sequence: a state the embedding hands on, as the
+    encoder's (hidden, mask), passes through). Default: the blocks themselves."""
     hook = getattr(model, "standalone_blocks", None)
     return hook() if hook is not None else list(model.blocks.values())
 

@@ -76,7 +76,8 @@ def check_plan(model: nn.Module, tp: int, source: str, *, sequence_parallel: boo
     if plan is None:
         raise ConfigError(
             f"parallel.tp {tp}: {source} declares no tensor-parallel plan (tp_plan); "
-            "give the model a tp_plan, use model.name gpt or encdec, or set parallel.tp=1"
+            "give it one (models/protocol.py), use a model that has one (model.name gpt, encdec, encoder or "
+            "timeseries, or a Hugging Face model), or set parallel.tp=1"
         )
     if sequence_parallel and not any(TP_STYLES[s].starts_sequence_split for s in plan.values() if s in TP_STYLES):
         raise ConfigError(
