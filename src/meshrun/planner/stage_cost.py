@@ -23,6 +23,7 @@ from torch import nn
 
 from meshrun.config.schema import Config, TrainConfig
 from meshrun.hardware.precision import DTYPES
+from meshrun.models.families import flops_at
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.materialise import build_stage, prune_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
@@ -56,24 +57,28 @@ def _amp(precision: str) -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
 
-def attention_per_block(whole: ProtocolModule) -> float:
-    """The whole model's `flops_per_token()` less 6 per matmul parameter, per block: attention's."""
-    return max(0.0, whole.flops_per_token() - 6.0 * _matmul_params(whole)) / len(whole.blocks)
+def attention_per_block(whole: ProtocolModule, length: int) -> float:
+    """The whole model's training FLOPs per token (`flops_at`: model.lora's count for a model with
+    adapters) less its matmul weights' (_matmul_flops), per block: attention's."""
+    return max(0.0, flops_at(whole, length) - _matmul_flops(whole)) / len(whole.blocks)
 
 
-def _matmul_params(module: ProtocolModule) -> int:
+def _matmul_flops(module: ProtocolModule) -> float:
+    """Training FLOPs per token of the module's matmul weights (embeddings are lookups: none): 6 per
+    trained weight, 4 per frozen one (model.lora's base: its forward and its input's gradient, no
+    gradient of its own; models/lora.py's flops_per_token)."""
     embed = {id(p) for p in module.embed.parameters()} if module.embed is not None else set()
-    return sum(p.numel() for p in module.parameters() if id(p) not in embed)
+    return sum((6.0 if p.requires_grad else 4.0) * p.numel() for p in module.parameters() if id(p) not in embed)
 
 
 def stage_flops_per_token(cfg: Config, part: ProtocolModule, attention: float) -> tuple[float, float]:
-    """The whole model's `flops_per_token()` shared out: 6 FLOPs per matmul parameter to the stage
-    that holds it (embeddings are lookups: none), the rest (`attention`, per block: see
-    attention_per_block) evenly over blocks; recomputed blocks add their forward again (a third
-    of their training FLOPs)."""
-    useful = 6.0 * _matmul_params(part) + attention * len(part.blocks)
+    """The whole model's training FLOPs per token shared out: its matmul weights' (6 per trained
+    weight, 4 per frozen one) to the stage that holds them, the rest (`attention`, per block: see
+    attention_per_block) evenly over blocks; recomputed blocks add their forward again (2 per
+    weight, trained or frozen, and a third of attention's)."""
+    useful = _matmul_flops(part) + attention * len(part.blocks)
     extra = sum(
-        (6.0 * sum(p.numel() for p in block.parameters()) + attention) / 3
+        2.0 * sum(p.numel() for p in block.parameters()) + attention / 3
         for key, block in part.blocks.items()
         if wants_recompute(cfg.recompute, int(key))
     )
@@ -114,7 +119,7 @@ def _model_facts(model_json: str) -> tuple[int, bool, float]:
     """The whole model's blocks, whether they are all of one kind, and its attention_per_block."""
     whole = _whole(model_json)
     one_kind = len({_block_kind(block) for block in whole.blocks.values()}) == 1
-    return len(whole.blocks), one_kind, attention_per_block(whole)
+    return len(whole.blocks), one_kind, attention_per_block(whole, _config(model_json).model.seq_len)
 
 
 def _stage_copy(model_json: str, layers: tuple[int, ...], first: bool, last: bool) -> ProtocolModule:
@@ -226,7 +231,7 @@ def _trace_stages(cfg: Config, split: list[list[int]], micro_batch: int, precisi
     their blocks' kinds and recompute) once."""
     whole = build_stage(cfg, layers=None, first=True, last=True)
     kinds = {key: _block_kind(block) for key, block in whole.blocks.items()}
-    attention = attention_per_block(whole)
+    attention = attention_per_block(whole, cfg.model.seq_len)
     num_stages, tp = len(split), cfg.parallel.tp
     keys = [
         (i == 0, i == num_stages - 1, tuple((kinds[str(b)], wants_recompute(cfg.recompute, b)) for b in layers))
