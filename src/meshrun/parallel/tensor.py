@@ -69,7 +69,7 @@ def _param_split(module: nn.Module, style: TPStyle) -> dict[str, int]:
 
 def _applied(module: nn.Module, style: TPStyle, sequence_parallel: bool) -> ParallelStyle | None:
     """The DTensor style applied to `module` (None: nothing): a LoRA-wrapped Linear gets its
-    style's `adapted` split (check_plan_takes_adapters refused styles without one)."""
+    style's `adapted` split (check_adapters_split refused styles without one)."""
     if style.adapted is not None and is_lora_layer(module):
         return AdaptedLinear(style.adapted, sequence_parallel=sequence_parallel)
     make = style.form(sequence_parallel).make

@@ -183,25 +183,20 @@ def _placed_like_param(grad: torch.Tensor, *, placements: tuple[Placement, ...])
     return grad
 
 
-COLUMNS = {"weight": 0, "bias": 0}  # a Linear split by output features (an Embedding by vocabulary: its rows)
-POSITIONS_CUT, POSITIONS_GATHERED = Resize(dim=1, whole=False), Resize(dim=1, whole=True)
-# under sequence parallel, activations between the scatter and the head are split on dim 1 (B, T/tp, C);
-# inside a gather module the whole sequence is back: the styles used there keep their form
 # a column-parallel Linear's adapter: A (r x in) whole on the whole input, B (out x r) split by rows
-# (output columns) like the base's weight; both outputs are this rank's columns
-ADAPTED_COLUMNS = {
-    "base_layer.weight": 0,
-    "base_layer.bias": 0,
-    "lora_B.*.weight": 0,
-}
+# (output features) like the base's weight; base and adapter hand on this rank's columns
 _COLUMNS_ADAPTED = Adapted(
     takes=Replicate(),
     hands_on=Shard(-1),
     base=lambda: ColwiseParallel(use_local_output=False),
     lora_a=None,
     lora_b=lambda: ColwiseParallel(use_local_output=False),
-    split=ADAPTED_COLUMNS,
+    split={"base_layer.weight": 0, "base_layer.bias": 0, "lora_B.*.weight": 0},
 )
+COLUMNS = {"weight": 0, "bias": 0}  # a Linear split by output features (an Embedding by vocabulary: its rows)
+POSITIONS_CUT, POSITIONS_GATHERED = Resize(dim=1, whole=False), Resize(dim=1, whole=True)
+# under sequence parallel, activations between the scatter and the head are split on dim 1 (B, T/tp, C);
+# inside a gather module the whole sequence is back: the styles used there keep their form
 _RECORDS = (
     # Megatron's column split (q, k, v, the MLP's first matrix): whole heads per rank
     TPStyle("colwise", Form(ColwiseParallel), split=COLUMNS, adapted=_COLUMNS_ADAPTED),
