@@ -23,6 +23,7 @@ from torch import nn
 
 from meshrun.config.schema import Config, TrainConfig
 from meshrun.hardware.precision import DTYPES
+from meshrun.models.families import flops_at
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.materialise import build_stage, prune_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
@@ -58,31 +59,39 @@ def _amp(precision: str) -> contextlib.AbstractContextManager:
 
 
 def attention_per_block(cfg: Config, whole: ProtocolModule) -> float:
-    """The whole model's `flops_per_token()` less 6 per matmul parameter, per block: attention's."""
-    return max(0.0, whole.flops_per_token() - 6.0 * _matmul_params(cfg, whole)) / len(whole.blocks)
+    """The whole model's training FLOPs per token (`flops_at`: model.lora's count for a model with
+    adapters) less its matmul weights' (_matmul_flops), per block: attention's."""
+    return max(0.0, flops_at(whole, cfg.model.seq_len) - _matmul_flops(cfg, whole)) / len(whole.blocks)
 
 
-def _matmul_params(cfg: Config, module: ProtocolModule) -> float:
-    """The parameters a token's training multiplies by (6 FLOPs each): the embedding's tables are
-    lookups (none; a Linear in it, a projection of values, counts), and the head's count as the
-    share of positions it maps (task_io.py: a pooled or last-step head runs once per sample, so
-    B x hidden x labels is 1/seq_len of a token's)."""
+def _matmul_flops(cfg: Config, module: ProtocolModule) -> float:
+    """Training FLOPs per token of the module's matmul weights: 6 per trained weight, 4 per frozen
+    one (model.lora's base: its forward and its input's gradient, no gradient of its own;
+    models/lora.py's flops_per_token). The embedding's tables are lookups (none; a Linear in it, a
+    projection of values, counts), and the head's count as the share of positions it maps
+    (task_io.py: a pooled or last-step head runs once per sample, so B x hidden x labels is
+    1/seq_len of a token's)."""
     lookups: set[int] = set()
     if module.embed is not None:
         projections = {id(p) for m in module.embed.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
         lookups = {id(p) for p in module.embed.parameters()} - projections
     head = {id(p) for p in module.head.parameters()} if module.head is not None else set()
     share = task_io(cfg).head_positions / cfg.model.seq_len
-    return sum(p.numel() * (share if id(p) in head else 1.0) for p in module.parameters() if id(p) not in lookups)
+    return sum(
+        (6.0 if p.requires_grad else 4.0) * p.numel() * (share if id(p) in head else 1.0)
+        for p in module.parameters()
+        if id(p) not in lookups
+    )
 
 
 def stage_flops_per_token(cfg: Config, part: ProtocolModule, attention: float) -> tuple[float, float]:
-    """The whole model's `flops_per_token()` shared out: 6 FLOPs per matmul parameter to the stage
-    that holds it (see _matmul_params), the rest (`attention`, per block: see attention_per_block)
-    evenly over blocks; recomputed blocks add their forward again (a third of their training FLOPs)."""
-    useful = 6.0 * _matmul_params(cfg, part) + attention * len(part.blocks)
+    """The whole model's training FLOPs per token shared out: its matmul weights' (6 per trained
+    weight, 4 per frozen one: see _matmul_flops) to the stage that holds them, the rest
+    (`attention`, per block: see attention_per_block) evenly over blocks; recomputed blocks add
+    their forward again (2 per weight, trained or frozen, and a third of attention's)."""
+    useful = _matmul_flops(cfg, part) + attention * len(part.blocks)
     extra = sum(
-        (6.0 * sum(p.numel() for p in block.parameters()) + attention) / 3
+        2.0 * sum(p.numel() for p in block.parameters()) + attention / 3
         for key, block in part.blocks.items()
         if wants_recompute(cfg.recompute, int(key))
     )
