@@ -44,13 +44,6 @@ LAYOUTS = {
     "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
     "dp2-tp2-pp2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     "pp2-zbv-full-recompute": {"parallel.pp": 2, "parallel.schedule": "zbv", "recompute": "full"},
-    "hsdp-2x2-tp2-selective-recompute": {
-        "parallel.dp": 4,
-        "parallel.dp_mode": "hsdp",
-        "parallel.dp_shard": 2,
-        "parallel.tp": 2,
-        "recompute": "selective",
-    },
 }
 
 # pipeline, 3 steps: bf16 autocast and fp16 with its GradScaler (the loss's grad_scale path)
