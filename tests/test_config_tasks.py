@@ -37,7 +37,7 @@ def test_the_task_defaults_to_what_the_config_trained_before_task_existed() -> N
         ),
         (["task=regression", "model.name=timeseries", "task_options.mask_rate=0.3"], "not of task regression"),
         (["task=translation"], "invalid task: use 'causal_lm', 'seq2seq'"),
-        (["task=classification"], "task classification trains model.name encoder in this version, not gpt"),
+        (["task=classification"], "task classification trains model.name encoder or hf in this version, not gpt"),
         (["model.name=encoder"], "model.name encoder is a classifier, trained as task classification, not causal_lm"),
         (["task=regression", "task_options.loss=l1"], "invalid task_options.loss: use 'mse', 'mae' or 'huber'"),
         (["task=regression"], "task regression trains model.name timeseries in this version, not gpt"),

@@ -38,15 +38,19 @@ CONFIGS = {
 }
 
 
-def make_model(family: str, out: Path, *, seed: int = 0, shard: bool = False, **changes: object) -> Path:
+def make_model(
+    family: str, out: Path, *, seed: int = 0, shard: bool = False, auto: str = "AutoModelForCausalLM", **changes: object
+) -> Path:
     """Build with transformers (its own random init, seeded) and save_pretrained to `out`
-    (`changes`: config fields other than the family's defaults)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    (`changes`: config fields other than the family's defaults; `auto`: transformers' class, e.g.
+    AutoModelForSequenceClassification)."""
+    import transformers
+    from transformers import AutoConfig
 
     fields = {**CONFIGS[family], **changes}
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = getattr(transformers, auto).from_config(config, attn_implementation="sdpa")
     model.save_pretrained(out, max_shard_size="40KB" if shard else "5GB")
     return out
 

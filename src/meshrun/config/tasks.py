@@ -21,7 +21,7 @@ TaskName = Annotated[
 TRAINABLE_TASKS = ("causal_lm", "seq2seq", "classification", "regression")  # the tasks this version's trainer runs
 GENERATIVE_TASKS = ("causal_lm", "seq2seq")  # the tasks whose models `meshrun sample` continues
 # the model families that can do a task (a task not named here: any but these)
-TASK_MODELS = {"classification": ("encoder",), "regression": ("timeseries",)}
+TASK_MODELS = {"classification": ("encoder", "hf"), "regression": ("timeseries",)}
 
 
 class TaskOptions(Section):
@@ -60,9 +60,11 @@ def _is_seq2seq(data: dict[str, Any]) -> bool:
     return pairs is True or str(pairs).lower() == "true" or name == "encdec"
 
 
-def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions) -> None:
+def check_task(
+    task: str, *, pairs: bool, model_name: str, options: TaskOptions, hf_num_labels: int | None = None
+) -> None:
     """data.pairs and an encoder-decoder model are seq2seq's, the encoder is classification's, timeseries regression's; task_options
-    belong to their task."""
+    belong to their task; a Hugging Face model has model.num_labels (a score head) exactly under task classification."""
     if task != "seq2seq" and pairs:
         raise ConfigError(f"data.pairs prepares seq2seq text pairs, not data for task {task}: set task: seq2seq")
     if task != "seq2seq" and model_name == "encdec":
@@ -81,6 +83,16 @@ def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions)
         raise ConfigError(f"model.name encoder is a classifier, trained as task classification, not {task}")
     if model_name == "timeseries" and task != "regression":
         raise ConfigError(f"model.name timeseries forecasts numeric series, trained as task regression, not {task}")
+    if model_name == "hf" and task == "classification" and hf_num_labels is None:
+        raise ConfigError(
+            "task classification with a Hugging Face model needs model.num_labels (the data's label count, "
+            "meta.json's num_labels): set it"
+        )
+    if model_name == "hf" and task != "classification" and hf_num_labels is not None:
+        raise ConfigError(
+            f"model.num_labels gives a Hugging Face model a classification head, trained as task classification, "
+            f"not {task}: remove model.num_labels or set task: classification"
+        )
     options.check_for(task)
 
 
