@@ -109,10 +109,10 @@ def test_step_one_equals_transformers_sequence_classification(
 def test_dp2_pp2_trains_as_one_process(
     texts: Path, folders: dict[str, Path], one_process: Path, tmp_path: Path
 ) -> None:
-    """The last stage pools (the pooled positions travel from the first stage) and owns the loss:
-    the same weights after 10 clipped steps, and the same validation figures."""
-    layout = {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"}
-    run = train(texts, tmp_path / "run", folders["classifier"], **layout)
+    """The last stage pools (the keep-mask travels from the first stage) and owns the loss: the same
+    weights after 10 clipped steps, and the same validation figures. FSDP2 and full recompute on the way."""
+    layout = {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "parallel.dp_mode": "fsdp"}
+    run = train(texts, tmp_path / "run", folders["classifier"], **layout, recompute="full")
     assert max_weight_diff(final_weights(run), final_weights(one_process)) < 1e-5
     figures = [
         [row[k] for k in ("val_loss", "val_accuracy", "val_macro_f1")]
@@ -143,20 +143,37 @@ def test_export_loads_in_transformers_and_predicts_as_meshrun(one_process: Path,
     assert [float(line[1]) for line in printed] == pytest.approx(best.values.tolist(), abs=1e-4)
 
 
-def test_a_causal_lm_folder_loads_under_a_fresh_score(texts: Path, folders: dict[str, Path]) -> None:
-    """Every tensor of LlamaForCausalLM's body loaded, lm_head left out, score seeded: with our score
-    copied into transformers' own classifier built from that folder, the same logits."""
-    cfg = config_from_set_args(settings(texts, "unused", folders["causal"]))
+@pytest.fixture(scope="module")
+def more_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """GPT-2 (learned positions) saved from GPT2ForSequenceClassification; a Llama causal LM with a tied head."""
+    root = tmp_path_factory.mktemp("more")
+    return {
+        "gpt2": make_model("gpt2", root / "gpt2", auto=CLASSIFIER, num_labels=3, pad_token_id=PAD_ID),
+        "tied": make_model("llama", root / "tied", seed=2, pad_token_id=PAD_ID, tie_word_embeddings=True),
+    }
+
+
+@pytest.mark.parametrize("name", ["causal", "tied", "gpt2"])
+def test_logits_equal_transformers_classifier_of_the_folder(
+    texts: Path, folders: dict[str, Path], more_folders: dict[str, Path], name: str
+) -> None:
+    """transformers' own classifier from the same folder, with meshrun's score copied in where the
+    folder has none (a causal LM's: meshrun draws it seeded, transformers its own): the same logits.
+    A causal LM's body loads whole, its lm_head (tied or not) is left out and score is drawn."""
+    folder = {**folders, **more_folders}[name]
+    cfg = config_from_set_args(settings(texts, "unused", folder))
     model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
-    reference = transformers_classifier(folders["causal"], num_labels=3).eval()  # transformers draws its own new score
-    with torch.no_grad():
-        reference.score.weight.copy_(model.head.weight)
+    reference = transformers_classifier(folder, num_labels=3).eval()
+    if name != "gpt2":
+        with torch.no_grad():
+            reference.score.weight.copy_(model.head.weight)
+        assert model.head.weight.std().item() == pytest.approx(0.02, rel=0.3)  # initializer_range, not zeros
+        line = f"weights loaded from {folder} ({len(model.state_dict()) - 1} tensors; head.weight drawn (seed"
+        assert init_line(cfg, model).startswith(line)
     x, _ = LabelledDataset(texts, "val", seq_len=SEQ_LEN, seed=0).batch(0, 6)
+    assert (x == PAD).any()
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(**hf_inputs(x)).logits, rtol=1e-5, atol=1e-6)
-    assert model.head.weight.std().item() == pytest.approx(0.02, rel=0.3)  # initializer_range, not zeros
-    line = f"weights loaded from {folders['causal']} ({len(model.state_dict()) - 1} tensors; head.weight drawn (seed"
-    assert init_line(cfg, model).startswith(line)
 
 
 @pytest.fixture(scope="module")
