@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
-from hf_models import SEQ_LEN, make_model
+from hf_models import SEQ_LEN, bpe_json, make_model
 from plain_reference import config_from_set_args
 
 from meshrun import cli
@@ -129,7 +129,8 @@ def test_export_loads_in_transformers_and_predicts_as_meshrun(one_process: Path,
     out = tmp_path / "exported"
     run_meshrun(["export", str(one_process), "--hf", str(out)], tmp_path=tmp_path)
     model = transformers_classifier(out).eval()
-    assert type(model).__name__ == "LlamaForSequenceClassification" and model.config.num_labels == 3
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    assert model.config.id2label == dict(enumerate(sorted(TOPICS)))  # the data's label names, not LABEL_0
     phrases = ["cat dog", "teal red blue red teal"]
     assert cli.main(["predict", str(one_process), *(f"--text={t}" for t in phrases)]) == 0
     printed = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
@@ -180,12 +181,15 @@ def test_logits_equal_transformers_classifier_of_the_folder(
 def bad_folders(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Folders refused for task classification, beside the good ones."""
     root = tmp_path_factory.mktemp("bad")
+    (root / "tok").mkdir()
+    (root / "tok" / "tokenizer.json").write_text(bpe_json(["cat dog owl red blue teal"], 300))
     return {
         "no-pad": make_model("llama", root / "no-pad"),
         "two-labels": make_model("llama", root / "two", auto=CLASSIFIER, num_labels=2, pad_token_id=PAD_ID),
         "token-head": make_model(
             "llama", root / "token", auto="AutoModelForTokenClassification", num_labels=3, pad_token_id=PAD_ID
         ),
+        "with-tokenizer": make_model("llama", root / "tok", auto=CLASSIFIER, num_labels=3, pad_token_id=PAD_ID),
         **folders,
     }
 
@@ -203,6 +207,7 @@ def bad_folders(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
             "task classification with a Hugging Face model needs model.num_labels",
         ),
         ("classifier", {"task": "causal_lm"}, "model.num_labels gives a Hugging Face model a classification head"),
+        ("with-tokenizer", {}, "holds byte ids, not the tokens of the pretrained model's"),
         ("classifier", {"parallel.tp": 2}, "declares no tensor-parallel plan"),
         ("classifier", {"model.lora.r": 4}, "model.lora with task classification: the new score head would stay"),
     ],

@@ -194,10 +194,8 @@ def init_line(cfg: Config, model: nn.Module) -> str:
     """Where a new run's weights come from, in one line (`model`: the whole model, any device)."""
     source = pretrained_dir(model)
     if source is not None:
-        drawn = fresh_weights(model)  # a classifier's new head
-        loaded = [
-            name for name in model.state_dict() if not lora.is_adapter(name) and name not in drawn
-        ]  # LoRA's adapters are drawn
+        drawn = fresh_weights(model)  # a classifier's new head (LoRA's adapters are drawn too, unnamed)
+        loaded = [name for name in model.state_dict() if not lora.is_adapter(name) and name not in drawn]
         new = f"; {', '.join(drawn)} drawn (seed {cfg.train.seed})" if drawn else ""
         return f"weights loaded from {source} ({len(loaded)} tensors{new})"
     if cfg.model.factory is not None:  # its init_weights may load weights of its own

@@ -3,7 +3,8 @@
 The model is built by transformers itself (`AutoModelForCausalLM.from_config`, sdpa attention,
 on whatever device is current: meta when meshrun builds it), then its parts are re-homed:
 `embed`, `blocks` (the HF decoder layers, keyed by their global index), `norm`, `head`. One
-layout per family, not per class (its facts: `hf_config.LAYOUTS`):
+layout per family, not per class (its facts: `hf_config.LAYOUTS`); models/hf_classifier.py builds
+the same layouts as `*ForSequenceClassification` (task classification):
 
 - llama (llama, mistral, qwen2, qwen3, phi3, olmo2): `model.embed_tokens`, `model.layers[i]`, `model.norm`,
   `lm_head`; rotary position embeddings are computed once per stage forward (transformers

@@ -156,3 +156,19 @@ def folder_holds_score(cfg: HFSection, path: Path) -> bool:
     if "score.weight" in weight_index(path):
         raise ConfigError(f"model.hf {path} holds score.weight but config.json names no *ForSequenceClassification")
     return False
+
+
+def check_data_tokens(cfg: HFSection, data: Any) -> None:
+    """Classification data (`data`: a LabelledDataset) holds the ids of the model folder's tokenizer,
+    as for a language model: byte ids are refused for pretrained weights, another tokenizer's always."""
+    from meshrun.data.dataset import check_pretrained_reads, check_same_tokenizer
+    from meshrun.models.hf_config import hf_dir, model_tokenizer
+    from meshrun.models.hf_weights import has_weights
+
+    model_dir = hf_dir(cfg)
+    tokenizer = model_tokenizer(model_dir)
+    if model_dir is None or tokenizer is None or not data.tokenizer:
+        return
+    if cfg.init != "random" and has_weights(model_dir):
+        check_pretrained_reads(data, tokenizer)
+    check_same_tokenizer((data.tokenizer["name"], data.tokenizer["sha256"]), tokenizer)

@@ -86,6 +86,10 @@ def check_data(cfg: Config, data_dir: Path) -> None:
         data = open_split(cfg, data_dir, split)
         check_vocab(data.vocab_size, vocab_size(cfg.model), data.where, key=vocab_key(cfg.model))
         check_token_files(data.files, vocab_size=data.vocab_size, model_vocab_size=vocab_size(cfg.model))
+    if isinstance(cfg.model, HFSection):
+        from meshrun.models.hf_classifier import check_data_tokens
+
+        check_data_tokens(cfg.model, data)
     if num_labels(cfg) != len(data.labels):
         raise ConfigError(
             f"{data_dir} holds {len(data.labels)} labels (meta.json) but model.num_labels is {num_labels(cfg)}; "
