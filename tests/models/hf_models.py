@@ -22,6 +22,18 @@ CONFIGS = {
         "bos_token_id": 0,
         "eos_token_id": 1,
     },
+    "bert": {  # an encoder (task classification only); no dropout so layouts can agree
+        "model_type": "bert",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    },
     "gpt2": {  # learned positions, tied embeddings, no dropout so layouts can agree
         "model_type": "gpt2",
         "n_embd": 32,

@@ -8,6 +8,7 @@ predicts; bad input is refused in one line before any worker.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,11 @@ from meshrun import cli
 from meshrun.data.labelled import Example, prepare_classification
 from meshrun.data.labelled_batches import PAD, LabelledDataset
 from meshrun.models.families import init_line
+from meshrun.models.protocol import fresh_weights
 from meshrun.parallel.materialise import materialise_part
 
 PAD_ID = 1  # the tiny llama's eos id, as released Llama configs pad
+HEAD_BERT = ("pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias")
 CLASSIFIER = "AutoModelForSequenceClassification"
 TOPICS = {"animal": ["cat", "dog", "owl"], "colour": ["red", "blue", "teal"], "number": ["one", "two", "six"]}
 SETTINGS = {
@@ -54,11 +57,13 @@ def texts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Llama saved from LlamaForSequenceClassification (3 labels), and from LlamaForCausalLM."""
+    """Llama saved from LlamaForSequenceClassification (3 labels) and from LlamaForCausalLM; BERT from
+    BertForSequenceClassification."""
     root = tmp_path_factory.mktemp("hfcls")
     return {
         "classifier": make_model("llama", root / "classifier", auto=CLASSIFIER, num_labels=3, pad_token_id=PAD_ID),
         "causal": make_model("llama", root / "causal", seed=1, pad_token_id=PAD_ID),
+        "bert": make_model("bert", root / "bert", auto=CLASSIFIER, num_labels=3),
     }
 
 
@@ -72,8 +77,18 @@ def train(texts: Path, run: Path, folder: Path, **overrides: object) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(texts: Path, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train(texts, tmp_path_factory.mktemp("one") / "run", folders["classifier"])
+def one_process(
+    texts: Path, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """`one_process(folder)`: a 10-step run on one process, trained on first use and shared after."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            done[name] = train(texts, tmp_path_factory.mktemp(f"one-{name}") / "run", folders[name])
+        return done[name]
+
+    return get
 
 
 def transformers_classifier(folder: Path, **config: object) -> torch.nn.Module:
@@ -84,55 +99,60 @@ def transformers_classifier(folder: Path, **config: object) -> torch.nn.Module:
     )
 
 
-def hf_inputs(x: torch.Tensor) -> dict[str, torch.Tensor]:
+def hf_inputs(x: torch.Tensor, pad_id: int = PAD_ID) -> dict[str, torch.Tensor]:
     """meshrun's padded batch as a transformers user hands it: pad_token_id where PAD is, and the attention mask."""
-    ids = x.masked_fill(x == PAD, PAD_ID)
+    ids = x.masked_fill(x == PAD, pad_id)
     return {"input_ids": ids, "attention_mask": (x != PAD).long()}
 
 
+@pytest.mark.parametrize("name", ["classifier", "bert"])
 def test_step_one_equals_transformers_sequence_classification(
-    texts: Path, folders: dict[str, Path], one_process: Path
+    texts: Path, folders: dict[str, Path], one_process: Callable[[str], Path], name: str
 ) -> None:
-    """Loss (transformers' own, labels given: the mean cross-entropy over the whole global batch of 8)
-    and pre-clip gradient norm of step 1, against meshrun's 4 microbatches of 2."""
-    seed = config_from_set_args(settings(texts, "unused", folders["classifier"])).train.seed
+    """Loss (transformers' own LlamaForSequenceClassification / BertForSequenceClassification, labels
+    given: the mean cross-entropy over the whole global batch of 8) and pre-clip gradient norm of
+    step 1, against meshrun's 4 microbatches of 2."""
+    seed = config_from_set_args(settings(texts, "unused", folders[name])).train.seed
     x, y = LabelledDataset(texts, "train", seq_len=SEQ_LEN, seed=seed).batch(0, 8)
     assert (x == PAD).any() and (x != PAD).all(1).any()  # padded texts and cut ones
-    model = transformers_classifier(folders["classifier"]).train()
-    loss = model(**hf_inputs(x), labels=y).loss
+    model = transformers_classifier(folders[name]).train()
+    loss = model(**hf_inputs(x, model.config.pad_token_id), labels=y).loss
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
-    assert losses(one_process)[0] == pytest.approx(loss.item(), rel=1e-5)
-    assert grad_norms(one_process)[0] == pytest.approx(norm, rel=1e-5)
+    assert losses(one_process(name))[0] == pytest.approx(loss.item(), rel=1e-5)
+    assert grad_norms(one_process(name))[0] == pytest.approx(norm, rel=1e-5)
 
 
+@pytest.mark.parametrize("name", ["classifier", "bert"])
 def test_dp2_pp2_trains_as_one_process(
-    texts: Path, folders: dict[str, Path], one_process: Path, tmp_path: Path
+    texts: Path, folders: dict[str, Path], one_process: Callable[[str], Path], tmp_path: Path, name: str
 ) -> None:
     """The last stage pools (the keep-mask travels from the first stage) and owns the loss: the same
     weights after 10 clipped steps, and the same validation figures. FSDP2 and full recompute on the way."""
     layout = {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "parallel.dp_mode": "fsdp"}
-    run = train(texts, tmp_path / "run", folders["classifier"], **layout, recompute="full")
-    assert max_weight_diff(final_weights(run), final_weights(one_process)) < 1e-5
+    run = train(texts, tmp_path / "run", folders[name], **layout, recompute="full")
+    assert max_weight_diff(final_weights(run), final_weights(one_process(name))) < 1e-5
     figures = [
         [row[k] for k in ("val_loss", "val_accuracy", "val_macro_f1")]
-        for r in (run, one_process)
+        for r in (run, one_process(name))
         for row in read_metrics(r)
         if "val_loss" in row
     ]
     assert figures[0] == pytest.approx(figures[1], rel=1e-5)
 
 
-def test_export_loads_in_transformers_and_predicts_as_meshrun(one_process: Path, tmp_path: Path, capsys) -> None:
+def test_export_loads_in_transformers_and_predicts_as_meshrun(
+    one_process: Callable[[str], Path], tmp_path: Path, capsys
+) -> None:
     """`export --hf` writes a LlamaForSequenceClassification folder; on meshrun's padded texts its
     probabilities are those `meshrun predict` prints."""
-    out = tmp_path / "exported"
-    run_meshrun(["export", str(one_process), "--hf", str(out)], tmp_path=tmp_path)
+    run, out = one_process("classifier"), tmp_path / "exported"
+    run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
     model = transformers_classifier(out).eval()
     assert type(model).__name__ == "LlamaForSequenceClassification"
     assert model.config.id2label == dict(enumerate(sorted(TOPICS)))  # the data's label names, not LABEL_0
     phrases = ["cat dog", "teal red blue red teal"]
-    assert cli.main(["predict", str(one_process), *(f"--text={t}" for t in phrases)]) == 0
+    assert cli.main(["predict", str(run), *(f"--text={t}" for t in phrases)]) == 0
     printed = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
     x = torch.full((2, SEQ_LEN), PAD)
     for row, text in enumerate(phrases):
@@ -151,30 +171,37 @@ def more_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "gpt2": make_model("gpt2", root / "gpt2", auto=CLASSIFIER, num_labels=3, pad_token_id=PAD_ID),
         "tied": make_model("llama", root / "tied", seed=2, pad_token_id=PAD_ID, tie_word_embeddings=True),
+        "bert-mlm": make_model("bert", root / "bert-mlm", seed=3, auto="AutoModelForMaskedLM"),
     }
 
 
-@pytest.mark.parametrize("name", ["causal", "tied", "gpt2"])
+@pytest.mark.parametrize("name", ["causal", "tied", "gpt2", "bert-mlm"])
 def test_logits_equal_transformers_classifier_of_the_folder(
     texts: Path, folders: dict[str, Path], more_folders: dict[str, Path], name: str
 ) -> None:
-    """transformers' own classifier from the same folder, with meshrun's score copied in where the
-    folder has none (a causal LM's: meshrun draws it seeded, transformers its own): the same logits.
-    A causal LM's body loads whole, its lm_head (tied or not) is left out and score is drawn."""
+    """transformers' own classifier from the same folder, with meshrun's head copied in where the
+    folder has none (a causal LM's score, BertForMaskedLM's pooler and classifier: meshrun draws them
+    seeded, transformers its own): the same logits. The body loads whole, an lm_head (tied or not)
+    or BERT's MLM head is left out."""
     folder = {**folders, **more_folders}[name]
     cfg = config_from_set_args(settings(texts, "unused", folder))
     model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
     reference = transformers_classifier(folder, num_labels=3).eval()
-    if name != "gpt2":
-        with torch.no_grad():
-            reference.score.weight.copy_(model.head.weight)
-        assert model.head.weight.std().item() == pytest.approx(0.02, rel=0.3)  # initializer_range, not zeros
-        line = f"weights loaded from {folder} ({len(model.state_dict()) - 1} tensors; head.weight drawn (seed"
+    drawn = fresh_weights(model)
+    assert drawn == {"gpt2": [], "bert-mlm": [f"head.{p}" for p in HEAD_BERT]}.get(name, ["head.weight"])
+    theirs = dict(reference.named_parameters())
+    with torch.no_grad():
+        for ours in drawn:
+            theirs[model.hf_names(ours)[0]].copy_(model.get_parameter(ours))
+    if drawn:
+        assert model.get_parameter(drawn[0]).std().item() == pytest.approx(0.02, rel=0.3)  # not zeros
+        line = f"weights loaded from {folder} ({len(model.state_dict()) - len(drawn)} tensors; {', '.join(drawn)} drawn (seed"
         assert init_line(cfg, model).startswith(line)
     x, _ = LabelledDataset(texts, "val", seq_len=SEQ_LEN, seed=0).batch(0, 6)
     assert (x == PAD).any()
     with torch.no_grad():
-        torch.testing.assert_close(model(x), reference(**hf_inputs(x)).logits, rtol=1e-5, atol=1e-6)
+        logits = reference(**hf_inputs(x, reference.config.pad_token_id)).logits
+        torch.testing.assert_close(model(x), logits, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +236,8 @@ def bad_folders(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
         ("classifier", {"task": "causal_lm"}, "model.num_labels gives a Hugging Face model a classification head"),
         ("with-tokenizer", {}, "holds byte ids, not the tokens of the pretrained model's"),
         ("classifier", {"parallel.tp": 2}, "declares no tensor-parallel plan"),
+        ("bert", {"parallel.tp": 2}, "parallel.tp 2: meshrun has no tensor-parallel plan for bert"),
+        ("bert", {"task": "causal_lm", "model.num_labels": "null"}, "model_type bert is an encoder: meshrun trains"),
         ("classifier", {"model.lora.r": 4}, "model.lora with task classification: the new score head would stay"),
     ],
 )

@@ -55,10 +55,14 @@ class Family(Generic[S]):
 
 
 def _hugging_face(cfg: HFSection) -> nn.Module:
-    """A causal LM, or with model.num_labels (task classification) a sequence classifier."""
+    """A causal LM, or with model.num_labels (task classification) a sequence classifier: a decoder's
+    or an encoder's (BERT)."""
     from meshrun.models.hf import HFCausalLM  # transformers: only when asked for
     from meshrun.models.hf_classifier import HFSequenceClassifier
+    from meshrun.models.hf_encoder import HFEncoderClassifier, is_encoder
 
+    if is_encoder(cfg):
+        return HFEncoderClassifier(cfg)
     return HFCausalLM(cfg) if cfg.num_labels is None else HFSequenceClassifier(cfg)
 
 

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrun.config.model_sections import HFSection
-from meshrun.errors import ConfigError
 from meshrun.models.documents import handed_on, register_hf_attention, unpack
 from meshrun.models.hf_config import (
     FUSED_PARTS,
@@ -41,10 +40,9 @@ from meshrun.models.hf_config import (
     LAYOUT_OF,
     QK_NORMS,
     check_fits,
-    hf_dir,
     load_hf_config,
 )
-from meshrun.models.hf_weights import check_shapes, has_weights, load_weights
+from meshrun.models.hf_weights import check_shapes, load_weights, pretrained_folder
 from meshrun.models.init import seeded_normal_
 from meshrun.models.protocol import StagedModel
 
@@ -282,15 +280,7 @@ class HFCausalLM(StagedModel):
 
     def pretrained_dir(self) -> Path | None:
         """The directory whose weights this model starts from, per `model.init`."""
-        path = hf_dir(self.cfg)
-        if self.cfg.init == "random":
-            return None
-        if path is None or not has_weights(path):
-            if self.cfg.init == "pretrained":
-                where = f"model.hf {self.cfg.hf} has no model.safetensors" if path else "model.hf_config has no weights"
-                raise ConfigError(f"model.init is pretrained but {where}; set model.init=random or add the weights")
-            return None
-        return path
+        return pretrained_folder(self.cfg)
 
     def check_weights(self) -> None:
         """Before spawning: the weights this model would load exist with the shapes config.json gives."""
