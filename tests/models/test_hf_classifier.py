@@ -147,7 +147,8 @@ def test_export_loads_in_transformers_and_predicts_as_meshrun(
     """`export --hf` writes a LlamaForSequenceClassification folder; on meshrun's padded texts its
     probabilities are those `meshrun predict` prints."""
     run, out = one_process("classifier"), tmp_path / "exported"
-    run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
+    assert cli.main(["export", str(run), "--hf", str(out)]) == 0
+    assert "as a Hugging Face model to" in capsys.readouterr().out
     model = transformers_classifier(out).eval()
     assert type(model).__name__ == "LlamaForSequenceClassification"
     assert model.config.id2label == dict(enumerate(sorted(TOPICS)))  # the data's label names, not LABEL_0
