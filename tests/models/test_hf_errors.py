@@ -69,7 +69,17 @@ def dry_run(data_dir: Path, tmp_path: Path, **model: object) -> list[str]:
             "model.seq_len 16 exceeds the model's sliding_window (8)",
         ),
     ],
-    ids=["missing", "hub-id", "model-type", "encoder-as-lm", "stages", "no-weights", "context", "window-mistral", "window-phi3"],
+    ids=[
+        "missing",
+        "hub-id",
+        "model-type",
+        "encoder-as-lm",
+        "stages",
+        "no-weights",
+        "context",
+        "window-mistral",
+        "window-phi3",
+    ],
 )
 def test_bad_model_is_one_line(model: dict, message: str, data_dir: Path, tmp_path: Path, capsys) -> None:
     assert message in error_of(dry_run(data_dir, tmp_path, **model), capsys)
