@@ -38,7 +38,7 @@ def test_the_task_defaults_to_what_the_config_trained_before_task_existed() -> N
         ),
         (["task=regression", "model.name=timeseries", "task_options.mask_rate=0.3"], "not of task regression"),
         (["task=translation"], "invalid task: use 'causal_lm', 'seq2seq'"),
-        (["task=classification"], "task classification trains model.name encoder in this version, not gpt"),
+        (["task=classification"], "task classification trains model.name encoder or hf in this version, not gpt"),
         (["model.name=encoder"], "model.name encoder is a bidirectional encoder, trained as task classification or"),
         (["task=masked_lm"], "task masked_lm trains model.name encoder in this version, not gpt"),
         (["task=masked_lm", "model.name=encdec"], "model.name encdec is an encoder-decoder, trained as task seq2seq"),

@@ -179,6 +179,9 @@ class HFSection(ModelSection):
     """Inline Hugging Face config ({model_type: llama, ...}) to build from instead of a directory."""
     init: Literal["auto", "random", "pretrained"] = "auto"
     """Hugging Face models: pretrained = the directory's safetensors, random = seeded per-name init, auto = weights if present."""
+    num_labels: Int | None = Field(default=None, ge=2)
+    """task classification: the labels the score head maps to (transformers' `*ForSequenceClassification`, last-token
+    pooling); must equal the data's label count (meta.json). None: a language-model head (every other task)."""
 
     @model_validator(mode="after")
     def _one_hf_source(self) -> HFSection:

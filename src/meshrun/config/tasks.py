@@ -20,7 +20,7 @@ TaskName = Annotated[
 ]
 GENERATIVE_TASKS = ("causal_lm", "seq2seq")  # the tasks whose models `meshrun sample` continues
 # the model families that can do a task (a task not named here: any but these)
-TASK_MODELS = {"classification": ("encoder",), "regression": ("timeseries",), "masked_lm": ("encoder",)}
+TASK_MODELS = {"classification": ("encoder", "hf"), "regression": ("timeseries",), "masked_lm": ("encoder",)}
 ENCODER_HEADS = {"classification": "labels", "masked_lm": "tokens"}  # the built-in encoder's head for each task
 
 
@@ -66,9 +66,18 @@ def _is_seq2seq(data: dict[str, Any]) -> bool:
     return pairs is True or str(pairs).lower() == "true" or name == "encdec"
 
 
-def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions, encoder_head: str | None) -> None:
+def check_task(
+    task: str,
+    *,
+    pairs: bool,
+    model_name: str,
+    options: TaskOptions,
+    encoder_head: str | None = None,
+    hf_num_labels: int | None = None,
+) -> None:
     """data.pairs and an encoder-decoder model are seq2seq's, the encoder is classification's (head labels) and
-    masked_lm's (head tokens), timeseries regression's; task_options belong to their task."""
+    masked_lm's (head tokens), timeseries regression's; task_options belong to their task; a Hugging Face model
+    has model.num_labels (a score head) exactly under task classification."""
     if task != "seq2seq" and pairs:
         raise ConfigError(f"data.pairs prepares seq2seq text pairs, not data for task {task}: set task: seq2seq")
     if task != "seq2seq" and model_name == "encdec":
@@ -93,4 +102,14 @@ def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions,
         )
     if model_name == "timeseries" and task != "regression":
         raise ConfigError(f"model.name timeseries forecasts numeric series, trained as task regression, not {task}")
+    if model_name == "hf" and task == "classification" and hf_num_labels is None:
+        raise ConfigError(
+            "task classification with a Hugging Face model needs model.num_labels (the data's label count, "
+            "meta.json's num_labels): set it"
+        )
+    if model_name == "hf" and task != "classification" and hf_num_labels is not None:
+        raise ConfigError(
+            f"model.num_labels gives a Hugging Face model a classification head, trained as task classification, "
+            f"not {task}: remove model.num_labels or set task: classification"
+        )
     options.check_for(task)
