@@ -28,6 +28,16 @@ if TYPE_CHECKING:
     from meshrun.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest test files first (tests/file_seconds.json, measured by tests/file_seconds.py):
+    `-n 2 --dist loadfile` hands whole files to the two workers in this order, so the last files
+    handed out are short ones and both workers finish together (longest-processing-time first)."""
+    seconds = json.loads((Path(__file__).with_name("file_seconds.json")).read_text())
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable: a file's order kept
+
+
 WORDS = [
     "the",
     "model",

@@ -19,7 +19,6 @@ from meshrun.checkpoint.paths import checkpoint_root, complete_checkpoints
 from meshrun.config.address import host_problem, port_problem, split_endpoint
 from meshrun.config.model_sections import LoraSection
 from meshrun.config.schema import Config
-from meshrun.config.tasks import check_measured, check_trainable
 from meshrun.data.locations import data_dir, reads_in_place, training_data_dir
 from meshrun.data.prepare import is_prepared
 from meshrun.errors import ConfigError
@@ -45,8 +44,6 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
     environment, layout, run directory and data, then the model builds, its pretrained weights
     exist and the data fits it. `model` (export, sample, plan: nothing is trained): the model
     builds. Returns the model, built on the meta device."""
-    check_trainable(cfg.task)  # data for every task can be prepared; this version trains only some
-    check_measured(cfg.task, balance=cfg.parallel.balance, planning=False)
     if scope == "job":
         check_job(cfg)
     else:
@@ -92,15 +89,19 @@ def check_packs_documents(cfg: Config, model: nn.Module) -> None:
 
 
 def check_lora(lora: LoraSection, model: nn.Module, *, tp: int) -> None:
-    """model.lora's targets exist in the (whole) model and are linear layers (tp is not built yet);
-    then the adapters are added (meta device): the model returned names the tensors a LoRA run's
-    checkpoints hold (what resume and export compare against)."""
+    """model.lora's targets exist in the (whole) model and are linear layers that tp (> 1) can
+    split with their adapters; then the adapters are added (meta device): the model returned names
+    the tensors a LoRA run's checkpoints hold (what resume and export compare against)."""
     from meshrun.models.lora import add_adapters, check_targets
 
-    if tp > 1:
-        raise ConfigError("model.lora does not run with parallel.tp > 1 yet: set parallel.tp=1 (dp and pp work)")
     check_targets(model, lora)
     add_adapters(model, lora, seed=None)
+    if tp > 1 and lora.dropout > 0:  # the adapter's input is a row-parallel layer's shard: whose mask?
+        raise ConfigError("model.lora.dropout under parallel.tp > 1 is not built yet: set model.lora.dropout=0")
+    if tp > 1:
+        from meshrun.parallel.tensor import check_adapters_split
+
+        check_adapters_split(model)
 
 
 def check_lora_stages(cfg: Config, model: nn.Module) -> None:
@@ -329,8 +330,9 @@ def check_data_source(cfg: Config) -> None:
             "(leave data.dir and data.sources out to train on the generated example series)"
         )
     if cfg.data.dir is not None and not cfg.data.sources and not is_prepared(path):
+        task = " --task masked_lm" if cfg.task == "masked_lm" else ""
         raise ConfigError(
-            f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data --out {path}` or set data.sources"
+            f"data.dir {path} holds no prepared dataset; run `meshrun prepare-data{task} --out {path}` or set data.sources"
         )
     tokenizer = cfg.data.tokenizer or "byte"
     named_file = tokenizer != "byte" and not tokenizer.startswith("bpe:")

@@ -22,6 +22,18 @@ CONFIGS = {
         "bos_token_id": 0,
         "eos_token_id": 1,
     },
+    "bert": {  # an encoder (task classification only); no dropout so layouts can agree
+        "model_type": "bert",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    },
     "gpt2": {  # learned positions, tied embeddings, no dropout so layouts can agree
         "model_type": "gpt2",
         "n_embd": 32,
@@ -38,15 +50,19 @@ CONFIGS = {
 }
 
 
-def make_model(family: str, out: Path, *, seed: int = 0, shard: bool = False, **changes: object) -> Path:
+def make_model(
+    family: str, out: Path, *, seed: int = 0, shard: bool = False, auto: str = "AutoModelForCausalLM", **changes: object
+) -> Path:
     """Build with transformers (its own random init, seeded) and save_pretrained to `out`
-    (`changes`: config fields other than the family's defaults)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    (`changes`: config fields other than the family's defaults; `auto`: transformers' class, e.g.
+    AutoModelForSequenceClassification)."""
+    import transformers
+    from transformers import AutoConfig
 
     fields = {**CONFIGS[family], **changes}
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = getattr(transformers, auto).from_config(config, attn_implementation="sdpa")
     model.save_pretrained(out, max_shard_size="40KB" if shard else "5GB")
     return out
 

@@ -37,8 +37,12 @@ def dry_run(data_dir: Path, tmp_path: Path, **model: object) -> list[str]:
         ({"model.hf": "/nonexistent/model"}, "model.hf /nonexistent/model is not a directory"),
         ({"model.hf": "meta-llama/Llama-3.2-1B"}, "meshrun downloads nothing"),
         (
+            {"model.hf_config": "{model_type: t5, d_model: 32}"},
+            "model_type 't5' is not supported; supported: bert, gpt2, llama, mistral, olmo2, phi3, qwen2, qwen3",
+        ),
+        (
             {"model.hf_config": "{model_type: bert, hidden_size: 32}"},
-            "model_type 'bert' is not supported; supported: gpt2, llama, mistral, olmo2, phi3, qwen2, qwen3",
+            "model_type bert is an encoder: meshrun trains it as task classification with model.num_labels",
         ),
         (
             {"model.hf_config": LLAMA, "parallel.pp": 4, "train.global_batch": 8},
@@ -65,7 +69,17 @@ def dry_run(data_dir: Path, tmp_path: Path, **model: object) -> list[str]:
             "model.seq_len 16 exceeds the model's sliding_window (8)",
         ),
     ],
-    ids=["missing", "hub-id", "model-type", "stages", "no-weights", "context", "window-mistral", "window-phi3"],
+    ids=[
+        "missing",
+        "hub-id",
+        "model-type",
+        "encoder-as-lm",
+        "stages",
+        "no-weights",
+        "context",
+        "window-mistral",
+        "window-phi3",
+    ],
 )
 def test_bad_model_is_one_line(model: dict, message: str, data_dir: Path, tmp_path: Path, capsys) -> None:
     assert message in error_of(dry_run(data_dir, tmp_path, **model), capsys)

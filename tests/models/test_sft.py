@@ -18,6 +18,7 @@ from conftest import final_weights, max_weight_diff, read_metrics, run_meshrun, 
 from hf_models import load_reference, make_model
 from plain_reference import config_from_set_args
 from test_hf import interrupted
+from test_lora import peft_name
 
 from meshrun.data.packed import PackedDataset
 from meshrun.data.storage import IGNORE
@@ -44,14 +45,11 @@ LAYOUTS = {
     "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
     "dp2-tp2-pp2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     "pp2-zbv-full-recompute": {"parallel.pp": 2, "parallel.schedule": "zbv", "recompute": "full"},
-    "hsdp-2x2-tp2-selective-recompute": {
-        "parallel.dp": 4,
-        "parallel.dp_mode": "hsdp",
-        "parallel.dp_shard": 2,
-        "parallel.tp": 2,
-        "recompute": "selective",
-    },
 }
+
+# LoRA (peft's adapters on every linear layer) on the packed conversations, dp2 x pp2
+LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.target_modules": "all-linear"}
+LORA_RUNS = {"lora-dp2-pp2": {**LORA, "parallel.dp": 2, "parallel.pp": 2, "train.steps": 2, "checkpoint.interval": 0}}
 
 # pipeline, 3 steps: bf16 autocast and fp16 with its GradScaler (the loss's grad_scale path)
 LOW_PRECISION = {
@@ -88,24 +86,28 @@ def runs(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable
     def get(layout: str) -> Path:
         if layout not in done:
             run = root / layout
-            run_meshrun(["train", *sft_args(chat_model, run, **{**LAYOUTS, **LOW_PRECISION}[layout])], tmp_path=root)
+            run_meshrun(
+                ["train", *sft_args(chat_model, run, **{**LAYOUTS, **LOW_PRECISION, **LORA_RUNS}[layout])],
+                tmp_path=root,
+            )
             done[layout] = run
         return done[layout]
 
     return get
 
 
-def reference_step(root: Path) -> tuple[float, float]:
+def reference_step(root: Path, model: torch.nn.Module | None = None) -> tuple[float, float]:
     """Step 1 in plain transformers: every conversation of the first global batch's rows run alone
     through LlamaForCausalLM with labels -100 where the loss mask is off, its loss summed over the
-    batch's trained tokens (`num_items_in_batch`: one token mean over the global batch), one backward."""
+    batch's trained tokens (`num_items_in_batch`: one token mean over the global batch), one backward.
+    `model`: another model than the folder's (peft's over it); the norm is over what has gradients."""
     cfg = config_from_set_args(sft_args(root, "unused"))
     data = PackedDataset(root / "data", "train", seq_len=SEQ_LEN, seed=cfg.train.seed)
     docs = [int(d) for row in data.rows(0, cfg.train.global_batch) for d in row.docs]
     samples = [data.docs.document(k) for k in docs]
     trained = sum(int(mask[1:].sum()) for _, mask in samples)
     assert len(docs) > cfg.train.global_batch, "rows must hold several conversations for packing to be tested"
-    model = load_reference(root / "model").train()
+    model = (model or load_reference(root / "model")).train()
     total = 0.0
     for ids, mask in samples:
         ids_t = torch.from_numpy(ids)[None]
@@ -113,8 +115,30 @@ def reference_step(root: Path) -> tuple[float, float]:
         loss = model(input_ids=ids_t, labels=labels, num_items_in_batch=trained).loss
         loss.backward()
         total += loss.item()
-    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    norm = torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+    ).item()
     return total, norm
+
+
+def lora_reference_step(root: Path) -> tuple[float, float]:
+    """reference_step on peft's LoraConfig over transformers' model, with the adapters meshrun draws
+    (per parameter name) copied in: B starts at zero, so the norm is B's gradients, which read A."""
+    from peft import LoraConfig, get_peft_model
+
+    from meshrun.parallel.materialise import materialise_part
+
+    cfg = config_from_set_args(sft_args(root, "unused", **LORA))
+    ours = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    model = get_peft_model(load_reference(root / "model"), config)
+    theirs = dict(model.named_parameters())
+    adapters = {peft_name(k): v for k, v in ours.named_parameters() if v.requires_grad}
+    assert adapters.keys() == {k for k, v in theirs.items() if v.requires_grad}, "peft adapts other modules"
+    with torch.no_grad():
+        for name, value in adapters.items():
+            theirs[name].copy_(value)
+    return reference_step(root, model)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -132,6 +156,16 @@ def test_layout_weights_equal_one_process(layout: str, runs) -> None:
     one, ours = runs("one-process"), runs(layout)
     assert read_metrics(one)[0]["grad_norm"] > BASE["train.grad_clip"]
     assert max_weight_diff(final_weights(ours), final_weights(one)) < 1e-5
+
+
+def test_lora_on_packed_conversations_equals_peft_on_each_alone(runs, chat_model: Path) -> None:
+    """LoRA on the SFT data (issue: adapters on packed documents): dp2 x pp2's step 1 equals peft
+    over transformers' model with each conversation of the global batch run alone."""
+    loss, grad_norm = lora_reference_step(chat_model)
+    first = read_metrics(runs("lora-dp2-pp2"))[0]
+    assert first["loss"] == pytest.approx(loss, rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    assert grad_norm > 0.0
 
 
 def test_leaky_rows_differ(chat_model: Path) -> None:

@@ -42,10 +42,8 @@ ROWS = {
     "dp2-pp2-1f1b-every2": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "every:2"},
     "fsdp-dp2-full": {"parallel.dp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
     "pp2-zbv": {"parallel.pp": 2, "parallel.schedule": "zbv"},  # the backward split in two passes
-    "tp2": {"parallel.tp": 2},  # the blocks' DTensor hooks inside the compiled graph
     "tp2-sequence-parallel": {"parallel.tp": 2, "parallel.sequence_parallel": True},
     "pp2-interleaved-1f1b": {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},  # 2 stages a rank
-    "pp2-looped-bfs": {"parallel.pp": 2, "parallel.schedule": "looped-bfs"},
     "pp2-zero-bubble": {"parallel.pp": 2, "parallel.schedule": "zero-bubble"},  # split backward, 2 stages a rank
     "hsdp-2x2": {"parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2},
 }

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshrun.config.model_sections import EncDecSection, GPTSection
 from meshrun.models.families import build_model
@@ -102,14 +103,19 @@ class MadeUpGPT(GPT):
 
 
 def probes() -> dict[str, nn.Module]:
-    """Tiny models whose plans use every style, on the meta device."""
+    """Tiny models whose plans use every style, on the meta device; `keyword-lora`: peft's adapters
+    on a colwise_gathered, a colwise and a rowwise Linear (each style's `adapted` split)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
     with torch.device("meta"):
         made_up = MadeUpGPT(GPTSection(**TINY))
-        keyword = KeywordModel()
+        keyword, adapted = KeywordModel(), KeywordModel()
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["q", "k", "o"]), adapted)
     return {
         "gpt": build_model(GPTSection(**TINY)),
         "encdec-tied": build_model(EncDecSection(**{**TINY, "num_layers": 2}, tie_embeddings=True)),
         "keyword": keyword,
+        "keyword-lora": adapted,
         "made-up": made_up,
     }
 
@@ -175,8 +181,9 @@ def _planned(meta_model: nn.Module, *, sequence_parallel: bool) -> tuple[dict[st
     return seen, {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def _applied(meta_model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool) -> tuple[dict, dict]:
-    """The same on this rank of the model split by its DTensor forms, with values."""
+def _applied(meta_model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool) -> tuple[dict, dict, int]:
+    """The same on this rank of the model split by its DTensor forms, with values, and the
+    collectives its forward runs."""
     model = copy.deepcopy(meta_model)
     model.to_empty(device="cpu")
     torch.manual_seed(0)  # the same values on every rank
@@ -186,12 +193,24 @@ def _applied(meta_model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool
     apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
     seen = _record(model, values=True)
     ids = torch.arange(BATCH * LEN).reshape(BATCH, LEN) % TINY["vocab_size"]
-    with torch.no_grad():
+    with torch.no_grad(), Collectives() as comms:
         model(ids)
     params = {
         name: tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape) for name, p in model.named_parameters()
     }
-    return seen, params
+    return seen, params, comms.count
+
+
+class Collectives(TorchDispatchMode):
+    """Counts the collectives DTensor issues (its functional c10d ops, their waits left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.namespace == "_c10d_functional" and "wait" not in func.__name__
+        return func(*args, **(kwargs or {}))
 
 
 def _equal_on_every_rank(tensors: list[torch.Tensor]) -> bool:
@@ -207,13 +226,14 @@ def _equal_on_every_rank(tensors: list[torch.Tensor]) -> bool:
 def _check_rank(rank: int, store: str) -> None:
     TP_STYLES[MADE_UP.name] = MADE_UP  # registered here only; the modules that read styles are untouched
     dist.init_process_group("gloo", store=dist.FileStore(store, TP), rank=rank, world_size=TP)
+    collectives: dict[tuple[str, bool], int] = {}
     try:
         mesh = init_device_mesh("cpu", (TP,))
         for probe, meta_model in probes().items():
             check_plan(meta_model, TP, probe, sequence_parallel=True)
             for sp in (False, True):
                 planned, planned_params = _planned(meta_model, sequence_parallel=sp)
-                applied, applied_params = _applied(meta_model, mesh, sequence_parallel=sp)
+                applied, applied_params, collectives[probe, sp] = _applied(meta_model, mesh, sequence_parallel=sp)
                 assert planned_params == applied_params, (probe, sp)
                 assert planned.keys() == applied.keys() and applied, (probe, sp)
                 for name, seen in applied.items():
@@ -221,6 +241,8 @@ def _check_rank(rank: int, store: str) -> None:
                     assert planned[name] == shapes, (probe, sp, name)
                 if not sp:
                     _check_rank_streams(probe, meta_model, applied)
+        for sp in (False, True):  # an adapter's output joins its layer's: no collective of its own
+            assert collectives["keyword-lora", sp] == collectives["keyword", sp], (sp, collectives)
     finally:
         dist.destroy_process_group()
 

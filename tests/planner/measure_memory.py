@@ -24,10 +24,11 @@ from torch.utils._pytree import tree_leaves
 
 import meshrun.parallel.recompute as recompute
 from meshrun.config.schema import Config, load_config
-from meshrun.models.hf_config import vocab_size
 from meshrun.parallel.mesh import Mesh, mesh_on
 from meshrun.parallel.parallelize import parallelize
 from meshrun.planner.saved_bytes import SavedBytes, local
+from meshrun.planner.task_io import task_io
+from meshrun.tasks import task_for
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import build_optimizer
 
@@ -63,7 +64,8 @@ def measure(cfg: Config, mesh: Mesh) -> dict[str, int]:
 
 def _measure(cfg: Config, mesh: Mesh, caches: list) -> dict[str, int]:
     torch.manual_seed(0)
-    model = parallelize(cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=contextlib.nullcontext)
+    loss = MicrobatchLoss(cfg.accumulation_steps, summed=task_for(cfg.task).summed(cfg))
+    model = parallelize(cfg, mesh, loss=loss, amp=contextlib.nullcontext)
     optimizers = [build_optimizer(part, cfg.train) for part in model.parts]
     params = [p for part in model.parts for p in part.parameters()]
     counter = SavedBytes(exclude=params)
@@ -71,9 +73,7 @@ def _measure(cfg: Config, mesh: Mesh, caches: list) -> dict[str, int]:
         _count_selective_caches(part, caches, counter)
         counter.count_checkpoint_inputs(part)
     local = cfg.train.global_batch // cfg.parallel.dp
-    tokens = torch.randint(
-        0, vocab_size(cfg.model), (local, cfg.model.seq_len + 1), generator=torch.Generator().manual_seed(1)
-    )
+    inputs, targets = task_io(cfg).batch(local, torch.Generator().manual_seed(1))  # the task's shapes
     peak = 0
     for _ in range(2):
         # garbage first: step 1's shape-inference graph, dropped without a backward, is a reference
@@ -85,7 +85,7 @@ def _measure(cfg: Config, mesh: Mesh, caches: list) -> dict[str, int]:
         counter.reset_peak()
         start = counter.live
         with counter.hooks():
-            model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+            model.forward_backward(inputs, targets)
         peak = counter.peak - start
         for optimizer in optimizers:
             optimizer.step()

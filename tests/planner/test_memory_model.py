@@ -28,6 +28,10 @@ def tiny_hf(model_type: str) -> str:
 
 
 LLAMA = tiny_hf("llama")
+# the tasks' own heads and losses: a pooled classifier over (hidden, mask) states, a forecaster of
+# values (its value projection in, its last-step head out), each also at tp 2
+CLASSIFY = ["task=classification", "model.name=encoder", "model.num_labels=3"]
+REGRESS = ["task=regression", "model.name=timeseries", "model.features=2", "model.horizon=3", "task_options.horizon=3"]
 SP_MB2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.global_batch=4", "train.micro_batch=2"]
 TWO_RANKS = {
     "pp2-gpipe-m4": ["parallel.pp=2", "parallel.schedule=gpipe", "train.global_batch=4", "train.micro_batch=1"],
@@ -56,6 +60,15 @@ TWO_RANKS = {
     # the planner's trace of either failed at tp 2 before it emulated the gather and called tp_local
     "hf-olmo2-tp2-sp-mb2": [tiny_hf("olmo2"), *SP_MB2],
     "hf-phi3-tp2-sp-mb2": [tiny_hf("phi3"), *SP_MB2],
+    "classify-tp2-mb2": [*CLASSIFY, "parallel.tp=2", "train.global_batch=4", "train.micro_batch=2"],
+    "classify-pp2-1f1b-m4": [
+        *CLASSIFY,
+        "parallel.pp=2",
+        "parallel.schedule=1f1b",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+    ],
+    "regress-tp2-sp-mb2": [*REGRESS, *SP_MB2],
 }
 ONE_RANK = {
     "single-mb2-m2": ["train.global_batch=4", "train.micro_batch=2"],
@@ -64,6 +77,8 @@ ONE_RANK = {
     # selective keeps its matmul and attention outputs in torch's own cache, which saved-tensor
     # hooks never see: the plan counted them as none (as full) until a GPU run measured 3x more
     "single-mb2-selective": ["train.global_batch=4", "train.micro_batch=2", "recompute=selective"],
+    "classify-single-mb2": [*CLASSIFY, "train.global_batch=4", "train.micro_batch=2"],
+    "regress-single-mb2": [*REGRESS, "train.global_batch=4", "train.micro_batch=2"],
 }
 HF = {
     "hf-llama-single-mb2": [LLAMA, "train.global_batch=4", "train.micro_batch=2"],

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, meshrun_env, read_metrics, run_meshrun, tiny
 
+from meshrun import cli
 from meshrun.config.schema import load_config
 from meshrun.hardware.peaks import SHORT_NAMES, device_by_short_name
 
@@ -83,6 +84,29 @@ def test_the_shipped_llama_plans_only_the_tp_its_kv_heads_allow(tmp_path: Path) 
     config = str(REPO / "configs" / "llama-tiny.yaml")
     done = plan(tmp_path, "--gpus=4", "--gpu=h100", "--top=1000", model=(config,))
     assert {row[1] for row in table_rows(done.stdout)} == {"1", "2"}
+
+
+@pytest.mark.parametrize(
+    ("config", "task"),
+    [
+        (
+            "classify-tiny.yaml",
+            "task classification (vocab 256, 8 labels; head and loss priced on its output, 8 per sample",
+        ),
+        (
+            "forecast-tiny.yaml",
+            "task regression (2 features per step, forecasts 7 steps; head and loss priced on its output, 7 x 2",
+        ),
+    ],
+)
+def test_every_task_is_planned_and_named(config: str, task: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The shipped classifier and forecaster plan as a language model does, tp included (both
+    models take GPT's block split); the plan says which task it priced."""
+    assert cli.main(["plan", str(REPO / "configs" / config), "--gpus=2", "--gpu=h100", "--top=50"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"meshrun plan: {task}")
+    rows = table_rows(out)
+    assert {(row[1], row[2], row[4]) for row in rows} == {("1", "1", "2"), ("1", "2", "1"), ("2", "1", "1")}
 
 
 def test_write_never_overwrites(tmp_path: Path) -> None:

@@ -46,6 +46,18 @@ LAYOUTS = {
         "recompute=every:2",
     ],
 }
+CLASSIFY = ["task=classification", "model.name=encoder", "model.num_labels=3"]
+REGRESS = ["task=regression", "model.name=timeseries", "model.features=2", "model.horizon=3", "task_options.horizon=3"]
+LAYOUTS |= {
+    "classify-pp2-every2-mb4": [
+        *CLASSIFY,
+        "parallel.pp=2",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+        "recompute=every:2",
+    ],
+    "regress-tp2-pp2-sp-mb4": [*REGRESS, *LAYOUTS["llama-tp2-pp2-sp-every2-mb4"][1:]],
+}
 SP_PP = ["parallel.pp=2", "parallel.tp=2", "train.global_batch=4", "train.micro_batch=2"]
 
 
@@ -92,3 +104,29 @@ def test_a_model_handing_on_a_state_tuple_is_profiled() -> None:
     assert plain[0].boundary_bytes > 0 and plain[1].boundary_bytes == 0
     mask = 16 * 24 * 8  # micro_batch x source_len, int64
     assert (split[0].boundary_bytes - mask) * 2 == plain[0].boundary_bytes - mask
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_a_tasks_head_and_loss_are_priced_on_its_output(task: str) -> None:
+    """Counted here from the model's sizes (dim d 32, seq_len T 16, 4 blocks over 2 stages, micro_batch
+    4): the last stage's extra training FLOPs per token over the first's are its final norm (2d) and
+    its head, which maps one state per sample (a pooled classifier: d x labels + labels; a forecast:
+    d x horizon x features + horizon x features), so 1/T of a token's; the regression's first stage
+    also projects each step's features (features x d + d; a token table is a lookup). The backward
+    term is the fp32 gradient of the head's output, twice (task_io.py, stage_cost.py)."""
+    d, t, mb = 32, 16, 4
+    cfg = layout_config(
+        [
+            *(CLASSIFY if task == "classification" else REGRESS),
+            "parallel.pp=2",
+            "train.global_batch=8",
+            f"train.micro_batch={mb}",
+        ]
+    )
+    first, last = profile_stages(cfg, [[0, 1], [2, 3]], mb, "fp32")
+    out = 3 if task == "classification" else 3 * 2  # labels, or horizon x features
+    projection = 0 if task == "classification" else 2 * d + d
+    assert last.model_flops_per_token - first.model_flops_per_token == pytest.approx(
+        6 * (2 * d + (d * out + out) / t - projection)
+    )
+    assert (first.backward_bytes, last.backward_bytes) == (0, 2 * 4 * mb * out)

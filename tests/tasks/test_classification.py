@@ -119,6 +119,34 @@ def test_dp2_pp2_trains_as_one_process(labelled_dir: Path, one_process: Path, tm
     assert 0 < figures[1][1] <= 1
 
 
+def test_tp2_pp2_step_one_equals_one_process(labelled_dir: Path, one_process: Path, tmp_path: Path) -> None:
+    """The encoder under tensor parallelism (GPT's block split, the token table split by vocabulary,
+    the classifier head whole) and a pipeline in one launch: step 1's loss and pre-clip gradient
+    norm those of one process."""
+    layout = {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "train.steps": 1}
+    run = train(labelled_dir, tmp_path / "run", **layout)
+    assert losses(run)[0] == pytest.approx(losses(one_process)[0], rel=1e-5)
+    assert grad_norms(run)[0] == pytest.approx(grad_norms(one_process)[0], rel=1e-5)
+
+
+def test_plan_prices_the_classifier_and_compares_its_run(one_process: Path, tmp_path: Path) -> None:
+    """`meshrun plan --run`: the finished run's task and layout against the plan's prediction."""
+    done = run_meshrun(["plan", "--run", str(one_process), "--gpu", "h100"], tmp_path=tmp_path)
+    assert "task classification (vocab 256, 3 labels; head and loss priced on its output, 3 per sample" in done.stdout
+    assert any(line.startswith("memory GB, pp rank 0") for line in done.stdout.splitlines())
+
+
+def test_sequence_parallel_is_refused_in_one_line(
+    labelled_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The pooling head reads every position of the (hidden, mask) state: no split by position."""
+    layout = {"parallel.tp": 2, "parallel.sequence_parallel": True}
+    assert cli.main(["train", *tiny(labelled_dir, tmp_path / "run", **{**CLASSIFY, **layout})]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.name encoder's tp_plan has no scatter, norm and gather styles" in err
+    assert not (tmp_path / "run").exists()  # before any worker
+
+
 def test_validation_figures_equal_those_of_the_final_weights(labelled_dir: Path, one_process: Path) -> None:
     """The run validates after its last step: its figures are those of its final weights through the
     plain encoder on the first 16 validation rows (2 batches of 8), counted here label by label; the

@@ -109,6 +109,26 @@ def test_dp2_pp2_trains_as_one_process(series_dir: Path, one_process: Path, tmp_
     assert figures[0] == pytest.approx(figures[1], rel=1e-5)
 
 
+def test_tp2_sequence_parallel_step_one_equals_one_process(series_dir: Path, one_process: Path, tmp_path: Path) -> None:
+    """The forecaster under tensor parallelism with sequence parallel (GPT's block split, the
+    positions split from the value embedding to the head, which gathers them), its stages split by
+    measured time: step 1's loss and pre-clip gradient norm those of one process."""
+    layout = {"parallel.tp": 2, "parallel.sequence_parallel": True, "train.steps": 1}
+    run = train(series_dir, tmp_path / "run", **layout)
+    assert losses(run)[0] == pytest.approx(losses(one_process)[0], rel=1e-5)
+    assert grad_norms(run)[0] == pytest.approx(grad_norms(one_process)[0], rel=1e-5)
+
+
+def test_plan_prices_the_forecaster_and_compares_its_run(one_process: Path, tmp_path: Path) -> None:
+    """`meshrun plan --run`: the finished run's task and layout against the plan's prediction."""
+    done = run_meshrun(["plan", "--run", str(one_process), "--gpu", "h100"], tmp_path=tmp_path)
+    assert (
+        "task regression (2 features per step, forecasts 3 steps; head and loss priced on its output, 3 x 2"
+        in done.stdout
+    )
+    assert any(line.startswith("memory GB, pp rank 0") for line in done.stdout.splitlines())
+
+
 def test_validation_figures_equal_those_of_the_final_weights(series_dir: Path, one_process: Path) -> None:
     """The run validates after its last step: its figures are those of its final weights through the
     plain forecaster on the first 16 validation windows (2 batches of 8), in standardised units."""
@@ -150,8 +170,6 @@ def test_validation_reads_the_tail_in_order_and_counts_values(series_dir: Path) 
             "task regression trains model.name timeseries in this version, not gpt",
         ),
         ({"task": "causal_lm", "task_options.horizon": 1}, "model.name timeseries forecasts numeric series"),
-        ({"parallel.tp": 2}, "model.name timeseries declares no tensor-parallel plan"),
-        ({"parallel.pp": 2, "parallel.balance": "time"}, "parallel.balance time profiles token ids"),
     ],
 )
 def test_what_the_model_cannot_train_is_refused_in_one_line(
@@ -189,9 +207,13 @@ def test_regression_sources_are_not_prepared_on_first_use(tmp_path: Path, capsys
     assert "task regression does not prepare data.sources on first use" in capsys.readouterr().err
 
 
-def test_plan_is_refused_for_a_forecaster(series_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["plan", "--gpu", "h100", *tiny(series_dir, tmp_path / "run", **REGRESS)]) == 2
-    assert "meshrun plan does not price task regression in this version" in capsys.readouterr().err
+def test_dry_run_prints_what_the_forecaster_reads(
+    series_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its features and horizon, not a vocabulary it has none of (nor model.vocab_size in the config)."""
+    assert cli.main(["train", *tiny(series_dir, tmp_path / "run", **REGRESS), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "heads, 2 features per step, forecasts 3 steps, seq_len 12" in out and "vocab" not in out
 
 
 def test_predict_text_is_refused_for_a_forecaster(one_process: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,7 +40,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _prepare_data(args: argparse.Namespace) -> int:
     from meshrun.cli.task_data import check_flags_apply, chosen_task, prepare_records
-    from meshrun.data.prepare import default_sources, describe_dataset, prepare
+    from meshrun.data.prepare import describe_dataset, prepare
+    from meshrun.data.proteins import token_sources
 
     if not 0 < args.val_fraction < 0.5:
         raise ConfigError(f"--val-fraction must be in (0, 0.5), got {args.val_fraction}")
@@ -58,17 +59,18 @@ def _prepare_data(args: argparse.Namespace) -> int:
             raise ConfigError("--train-tokenizer does not apply to --pairs; pass a trained --tokenizer PATH or bytes")
         return _prepare_pairs(args)
     try:
-        meta = prepare(
-            args.sources or default_sources(),
-            args.out,
-            val_fraction=args.val_fraction,
-            field=args.field,
-            tokenizer=args.tokenizer,
-            train_tokenizer=args.train_tokenizer,
-            workers=args.workers,
-            shard_tokens=args.shard_tokens,
-            task=task,
-        )
+        with token_sources(args.sources, task) as sources:  # none: the task's example, as a job's first use
+            meta = prepare(
+                sources,
+                args.out,
+                val_fraction=args.val_fraction,
+                field=args.field,
+                tokenizer=args.tokenizer,
+                train_tokenizer=args.train_tokenizer,
+                workers=args.workers,
+                shard_tokens=args.shard_tokens,
+                task=task,
+            )
     except OSError as exc:
         raise ConfigError(f"cannot prepare data in {args.out}: {exc.strerror or exc}") from None
     print(f"{describe_dataset(meta)} to {args.out}")

@@ -13,7 +13,6 @@ import torch
 import yaml
 
 from meshrun.config.schema import Config, check_code_trusted, load_config
-from meshrun.config.tasks import check_measured
 from meshrun.data.locations import data_dir
 from meshrun.errors import ConfigError
 from meshrun.files.atomic import write_atomic
@@ -29,6 +28,7 @@ from meshrun.planner.documents import describe as describe_documents
 from meshrun.planner.documents import document_rows
 from meshrun.planner.model_size import check_model_size
 from meshrun.planner.search import Prediction, compiles, predict, rank_layouts
+from meshrun.planner.task_io import task_io
 from meshrun.preflight import preflight
 from meshrun.versions import check_extras
 
@@ -99,6 +99,14 @@ def compile_note(cfg: Config, hw: Hardware, eff: Efficiency) -> str:
     if eff.compiled_compute is None:
         return "compile: not measured, planned as eager (`meshrun plan --calibrate` of this config on the device measures it)"
     return f"compiled: x{eff.compiled_compute:.2f} compute (measured by --calibrate)"
+
+
+def task_line(cfg: Config) -> str:
+    """Which task was planned, and the head and loss it priced (planner/task_io.py)."""
+    io = task_io(cfg)
+    places = "every position" if io.head_positions == cfg.model.seq_len else f"{io.head_positions} per sample"
+    output = " x ".join(str(n) for n in io.output)
+    return f"task {cfg.task} ({io.reads}; head and loss priced on its output, {output} per sample, from {places})"
 
 
 def _gib(n: float) -> str:
@@ -197,7 +205,6 @@ def _every(seconds: float, what: str) -> Callable[[str], None]:
 
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    check_measured(cfg.task, balance="even", planning=True)
     if args.calibrate:  # a compiled probe caches in meshrun's folder: set before torch._dynamo loads (it sets /tmp)
         inductor_cache_dir()
     preflight(cfg, scope="model")  # the model builds, before any layout is profiled
@@ -224,7 +231,7 @@ def run_plan(args: argparse.Namespace) -> int:
             "and the model's blocks; change --gpus or train.global_batch"
         )
     print(
-        f"meshrun plan: {args.gpus} x {hw.name} ({args.nodes} node(s)), {hw.memory_bytes / GIB:.1f} GiB per device "
+        f"meshrun plan: {task_line(cfg)}; {args.gpus} x {hw.name} ({args.nodes} node(s)), {hw.memory_bytes / GIB:.1f} GiB per device "
         f"with a {args.margin:.0%} margin, {precision}, global batch {cfg.train.global_batch}; {source}"
         + ("; sequence parallel where tp > 1" if cfg.parallel.sequence_parallel else "")
     )
@@ -351,7 +358,7 @@ def compare_run(args: argparse.Namespace) -> int:
         cfg, hw, eff, precision=precision, margin=args.margin, measured_bubble=measured_bubble, **priced
     )
     print(
-        f"run {run}: {cfg.layout.text()}, micro_batch "
+        f"run {run}: {task_line(cfg)}; {cfg.layout.text()}, micro_batch "
         f"{cfg.train.micro_batch}, recompute {cfg.recompute} on {hw.name}; {source}"
     )
     print(compile_note(cfg, hw, eff))

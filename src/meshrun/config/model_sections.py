@@ -98,16 +98,20 @@ class ModelSection(Section):
         return {"model.seq_len": self.seq_len} | {f"data.buckets[{i}]": n for i, n in enumerate(buckets)}
 
 
-class GPTSection(ModelSection):
-    family: ClassVar[str] = "gpt"
-    name: Literal["gpt"] = "gpt"
-    """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+class GPTBlocksSection(ModelSection):
+    """A family built of GPT's blocks (gpt, encoder, timeseries): their tp plan's divisor."""
 
     def tp_splits(self) -> dict[str, int]:
         """Whole heads per tp shard (which also splits model.dim and the MLP width 4 x dim, multiples
         of the heads). The vocabulary needs no divisor: DTensor shards it unevenly, and the loss is
         the same (tests/parallel/test_tensor_parallel.py)."""
         return {"model.num_heads": self.num_heads}
+
+
+class GPTSection(GPTBlocksSection):
+    family: ClassVar[str] = "gpt"
+    name: Literal["gpt"] = "gpt"
+    """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
 
 
 class EncDecSection(ModelSection):
@@ -135,15 +139,27 @@ class EncDecSection(ModelSection):
         return super().sequence_splits(buckets) | {"model.source_len": source} | shares
 
 
-class EncoderSection(ModelSection):
+class EncoderSection(GPTBlocksSection):
     family: ClassVar[str] = "encoder"
     name: Literal["encoder"] = "encoder"
     """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
     num_labels: Int = Field(default=2, ge=2)
     """encoder (task classification): the classes its head scores; must equal the data's label count (meta.json)."""
+    head: Literal["labels", "tokens"] = "labels"
+    """encoder: labels (its states pooled into model.num_labels scores: task classification) or tokens (a
+    model.vocab_size score per position: task masked_lm); set from the task when not given."""
+
+    @model_validator(mode="after")
+    def _labels_need_a_label_head(self) -> EncoderSection:
+        """model.num_labels sizes the labels head: refused beside head tokens rather than ignored."""
+        if self.head == "tokens" and self.num_labels != EncoderSection.model_fields["num_labels"].default:
+            raise ValueError(
+                "model.num_labels sizes a classifier's head; an encoder with head tokens has none: remove it"
+            )
+        return self
 
 
-class TimeSeriesSection(ModelSection):
+class TimeSeriesSection(GPTBlocksSection):
     family: ClassVar[str] = "timeseries"
     name: Literal["timeseries"] = "timeseries"
     """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
@@ -163,6 +179,9 @@ class HFSection(ModelSection):
     """Inline Hugging Face config ({model_type: llama, ...}) to build from instead of a directory."""
     init: Literal["auto", "random", "pretrained"] = "auto"
     """Hugging Face models: pretrained = the directory's safetensors, random = seeded per-name init, auto = weights if present."""
+    num_labels: Int | None = Field(default=None, ge=2)
+    """task classification: the labels the score head maps to (transformers' `*ForSequenceClassification`, last-token
+    pooling); must equal the data's label count (meta.json). None: a language-model head (every other task)."""
 
     @model_validator(mode="after")
     def _one_hf_source(self) -> HFSection:

@@ -26,7 +26,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from meshrun.config.fields import Float, Int, PathText, Section, is_text, lowercase
-from meshrun.config.model_sections import SECTIONS, GPTSection, ModelConfig, route_model
+from meshrun.config.model_sections import SECTIONS, EncoderSection, GPTSection, HFSection, ModelConfig, route_model
 from meshrun.config.safe_yaml import parse_document, read_config_file
 from meshrun.config.tasks import TaskName, TaskOptions, check_task, default_task
 from meshrun.config.topology import LaunchConfig, ParallelConfig, check_layout
@@ -261,7 +261,7 @@ class Config(Section):
     task: TaskName = "causal_lm"
     """What the model learns: causal_lm (next token), seq2seq (source -> target pairs; the default with data.pairs
     or model.name encdec), classification (text -> label), regression (numeric series -> next values), masked_lm
-    (masked tokens). This version trains causal_lm and seq2seq; `meshrun prepare-data --task` prepares every task's data."""
+    (masked tokens); `meshrun prepare-data --task` prepares each task's data."""
     task_options: TaskOptions = TaskOptions()
     """Options of the chosen task (each names its task)."""
 
@@ -274,7 +274,16 @@ class Config(Section):
     @model_validator(mode="after")
     def _task_fits(self) -> Config:
         """data.pairs and model.name encdec go with task seq2seq; a task_options key set for another task is refused."""
-        check_task(self.task, pairs=self.data.pairs, model_name=self.model.name, options=self.task_options)
+        head = self.model.head if isinstance(self.model, EncoderSection) else None
+        labels = self.model.num_labels if isinstance(self.model, HFSection) else None
+        check_task(
+            self.task,
+            pairs=self.data.pairs,
+            model_name=self.model.name,
+            options=self.task_options,
+            encoder_head=head,
+            hf_num_labels=labels,
+        )
         return self
 
     # -- end of the objective --

@@ -18,10 +18,10 @@ from meshrun.errors import ConfigError
 TaskName = Annotated[
     Literal["causal_lm", "seq2seq", "classification", "regression", "masked_lm"], BeforeValidator(lowercase)
 ]
-TRAINABLE_TASKS = ("causal_lm", "seq2seq", "classification", "regression")  # the tasks this version's trainer runs
 GENERATIVE_TASKS = ("causal_lm", "seq2seq")  # the tasks whose models `meshrun sample` continues
 # the model families that can do a task (a task not named here: any but these)
-TASK_MODELS = {"classification": ("encoder",), "regression": ("timeseries",)}
+TASK_MODELS = {"classification": ("encoder", "hf"), "regression": ("timeseries",), "masked_lm": ("encoder",)}
+ENCODER_HEADS = {"classification": "labels", "masked_lm": "tokens"}  # the built-in encoder's head for each task
 
 
 def nonnegative_weights(weights: Any) -> Any:
@@ -76,10 +76,16 @@ TASK_OF_OPTION = {
 
 def default_task(data: dict[str, Any]) -> dict[str, Any]:
     """`data` (the raw config mapping) with `task` filled in where it is not given: seq2seq for pairs
-    data or an encoder-decoder model, else causal_lm."""
-    if not isinstance(data, dict) or "task" in data:
+    data or an encoder-decoder model, else causal_lm; and the encoder's `model.head` where it is not
+    given: the task's (ENCODER_HEADS)."""
+    if not isinstance(data, dict):
         return data
-    return {**data, "task": "seq2seq" if _is_seq2seq(data) else "causal_lm"}
+    if "task" not in data:
+        data = {**data, "task": "seq2seq" if _is_seq2seq(data) else "causal_lm"}
+    model, head = data.get("model"), ENCODER_HEADS.get(str(data["task"]).lower())
+    if isinstance(model, dict) and model.get("name") == "encoder" and "head" not in model and head:
+        data = {**data, "model": {**model, "head": head}}
+    return data
 
 
 def _is_seq2seq(data: dict[str, Any]) -> bool:
@@ -89,9 +95,18 @@ def _is_seq2seq(data: dict[str, Any]) -> bool:
     return pairs is True or str(pairs).lower() == "true" or name == "encdec"
 
 
-def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions) -> None:
-    """data.pairs and an encoder-decoder model are seq2seq's, the encoder is classification's, timeseries regression's; task_options
-    belong to their task."""
+def check_task(
+    task: str,
+    *,
+    pairs: bool,
+    model_name: str,
+    options: TaskOptions,
+    encoder_head: str | None = None,
+    hf_num_labels: int | None = None,
+) -> None:
+    """data.pairs and an encoder-decoder model are seq2seq's, the encoder is classification's (head labels) and
+    masked_lm's (head tokens), timeseries regression's; task_options belong to their task; a Hugging Face model
+    has model.num_labels (a score head) exactly under task classification."""
     if task != "seq2seq" and pairs:
         raise ConfigError(f"data.pairs prepares seq2seq text pairs, not data for task {task}: set task: seq2seq")
     if task != "seq2seq" and model_name == "encdec":
@@ -106,31 +121,24 @@ def check_task(task: str, *, pairs: bool, model_name: str, options: TaskOptions)
         raise ConfigError(
             f"task {task} trains model.name {' or '.join(models)} in this version, not {model_name}: set model.name: {models[0]}"
         )
-    if model_name == "encoder" and task != "classification":
-        raise ConfigError(f"model.name encoder is a classifier, trained as task classification, not {task}")
+    if model_name == "encoder" and task not in ENCODER_HEADS:
+        raise ConfigError(
+            f"model.name encoder is a bidirectional encoder, trained as task classification or masked_lm, not {task}"
+        )
+    if model_name == "encoder" and encoder_head != ENCODER_HEADS[task]:
+        raise ConfigError(
+            f"model.head {encoder_head} is not task {task}'s head: set model.head: {ENCODER_HEADS[task]} or remove it"
+        )
     if model_name == "timeseries" and task != "regression":
         raise ConfigError(f"model.name timeseries forecasts numeric series, trained as task regression, not {task}")
+    if model_name == "hf" and task == "classification" and hf_num_labels is None:
+        raise ConfigError(
+            "task classification with a Hugging Face model needs model.num_labels (the data's label count, "
+            "meta.json's num_labels): set it"
+        )
+    if model_name == "hf" and task != "classification" and hf_num_labels is not None:
+        raise ConfigError(
+            f"model.num_labels gives a Hugging Face model a classification head, trained as task classification, "
+            f"not {task}: remove model.num_labels or set task: classification"
+        )
     options.check_for(task)
-
-
-def check_measured(task: str, *, balance: str, planning: bool) -> None:
-    """`meshrun plan` and parallel.balance time / size run the model on token ids; a regression
-    model reads values: refused in one line rather than crashing in the profiler."""
-    if task != "regression":
-        return
-    if planning:
-        raise ConfigError("meshrun plan does not price task regression in this version; train it with meshrun train")
-    if balance in ("time", "size"):
-        raise ConfigError(
-            f"parallel.balance {balance} profiles token ids, not task regression's values: use parallel.balance=even "
-            "or parallel.stage_layers"
-        )
-
-
-def check_trainable(task: str) -> None:
-    """Refuse, before any worker, a task whose data meshrun prepares but whose training is not in this version."""
-    if task not in TRAINABLE_TASKS:
-        raise ConfigError(
-            f"task {task}: its data can be prepared (`meshrun prepare-data --task {task}`), but training a {task} "
-            f"model is not available yet in this version of meshrun; tasks that train now: {', '.join(TRAINABLE_TASKS)}"
-        )

@@ -1,5 +1,5 @@
 """Data prepared on a job's first use: the embedded corpus, `data.sources`, the example pairs or
-the example labelled texts or the example series, written once into `data.dir` (or its default folder); data that is already there is never touched."""
+the example labelled texts or the example series or protein-like sequences, written once into `data.dir` (or its default folder); data that is already there is never touched."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 from meshrun.config.schema import Config
 from meshrun.data.locations import data_dir, reads_in_place
-from meshrun.data.prepare import default_sources, is_prepared, prepare
+from meshrun.data.prepare import is_prepared, prepare
+from meshrun.data.proteins import token_sources
 from meshrun.errors import ConfigError
 from meshrun.files.console import say
 
@@ -41,14 +42,17 @@ def prepare_on_first_use(cfg: Config) -> Path | None:
     tokenizer = cfg.data.tokenizer or "byte"
     say(f"preparing {tokenizer} data in {path} (first use)")
     trained = tokenizer.startswith("bpe:")
-    prepare(
-        cfg.data.sources or default_sources(),
-        path,
-        val_fraction=cfg.data.val_fraction,
-        tokenizer="byte" if trained else tokenizer,
-        train_tokenizer=tokenizer if trained else None,
-        reuse=True,
-    )
+    task = "masked_lm" if cfg.task == "masked_lm" else "causal_lm"  # masked_lm's meta.json adds the mask token
+    with token_sources(cfg.data.sources, task) as sources:  # none: the task's example
+        prepare(
+            sources,
+            path,
+            val_fraction=cfg.data.val_fraction,
+            tokenizer="byte" if trained else tokenizer,
+            train_tokenizer=tokenizer if trained else None,
+            reuse=True,
+            task=task,
+        )
     return path
 
 

@@ -26,6 +26,8 @@ def data_dir(cfg: Config) -> Path:
         name = f"stdlib-docstrings-{_tokenizer_slug(cfg.data.tokenizer)}"
     elif cfg.task == "regression":  # the generated series, its validation tail held out as the job asks
         name = f"example-series-h{cfg.task_options.horizon}-v{cfg.data.val_fraction}"
+    elif cfg.task == "masked_lm":  # the generated protein-like sequences
+        name = f"example-proteins-{_tokenizer_slug(cfg.data.tokenizer)}-v{cfg.data.val_fraction}"
     else:
         name = f"python-stdlib-{_tokenizer_slug(cfg.data.tokenizer)}"
     return cache_root() / name

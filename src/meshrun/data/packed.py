@@ -123,9 +123,3 @@ class PackedDataset:
 
     def source_counts(self, first: int, count: int) -> dict[str, int]:
         return {}
-
-
-def occupancy(data: object, first: int, count: int) -> Occupancy | None:
-    """What rows first .. first+count-1 of `data` hold (padding, attention cost): packed documents
-    know it; other data (windows, pairs) says nothing (None)."""
-    return data.occupancy(first, count) if isinstance(data, PackedDataset) else None

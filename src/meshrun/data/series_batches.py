@@ -49,6 +49,10 @@ class SeriesDataset:
         y = np.stack([np.concatenate([past[-1:], future]) for past, future in pairs]).astype(np.float32)
         return torch.from_numpy(x), torch.from_numpy(y)
 
+    def positions_per_sample(self, x: torch.Tensor) -> int:
+        """A window's time steps (x is (B, T, features)): what tokens/s and MFU count."""
+        return x.shape[1]
+
     def target_tokens(self, first: int, count: int) -> int:
         """The loss's divisor: the values the samples predict (horizon x features each)."""
         return count * self.windows.horizon * self.features

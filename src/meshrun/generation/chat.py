@@ -12,14 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from meshrun.config.schema import Config
 from meshrun.data.storage import DOCUMENTS_FORMAT, read_meta
 from meshrun.errors import ConfigError
 from meshrun.files.confined import confined
-from meshrun.generation.sample import next_token
+from meshrun.generation.sample import generate
 
 
 def chat_prompt(data: Path, message: str) -> tuple[Any, list[int], list[int]]:
@@ -46,7 +45,6 @@ def chat_prompt(data: Path, message: str) -> tuple[Any, list[int], list[int]]:
     return tokenizer, ids, [int(i) for i in (meta.get("tokenizer") or {}).get("eos_ids") or []]
 
 
-@torch.no_grad()
 def answer(
     model: nn.Module,
     cfg: Config,
@@ -60,12 +58,8 @@ def answer(
 ) -> str:
     """The model's answer to `message`, decoded, without its end-of-turn token."""
     tokenizer, ids, stop = chat_prompt(data, message)
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.tensor([ids], dtype=torch.long)  # (1, T)
-    for _ in range(num_tokens):
-        logits = model(tokens[:, -cfg.model.seq_len :])[:, -1, : len(tokenizer)].float()  # (1, V)
-        nxt = next_token(logits, temperature, top_k, generator)
-        if nxt.item() in stop:
-            break
-        tokens = torch.cat([tokens, nxt], dim=1)
-    return tokenizer.decode(tokens[0, len(ids) :].tolist())
+    new = generate(
+        model, ids, cfg.model.seq_len, num_tokens=num_tokens, temperature=temperature, top_k=top_k, seed=seed,
+        allowed=lambda logits, _step: logits[:, : len(tokenizer)], stop=set(stop),
+    )  # fmt: skip
+    return tokenizer.decode(new)

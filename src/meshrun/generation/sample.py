@@ -54,15 +54,13 @@ def sample(
         raise ConfigError(
             "--beam is for encoder-decoder models (model.name: encdec); sample this one with --temperature"
         )
-    generator = torch.Generator().manual_seed(seed)
     pairs = pairs_vocab(data)
     if pairs:  # ids as training saw them: shifted past pad/BOS/EOS, the answer starts after BOS
         ids, first_allowed = [i + NUM_SPECIAL for i in encode(prompt)] + [BOS], None
     else:
         ids, first_allowed = heal_prompt(encode(prompt) or encode("\n"), decode, num_ids or vocab_size(cfg.model))
-    tokens = torch.tensor([ids], dtype=torch.long)  # (1, T)
-    for step in range(num_tokens):
-        logits = model(tokens[:, -cfg.model.seq_len :])[:, -1, :].float()  # (1, V)
+
+    def allowed(logits: torch.Tensor, step: int) -> torch.Tensor:
         if pairs:
             logits = logits[:, :pairs]
             logits[:, [PAD, BOS]] = float("-inf")
@@ -70,13 +68,43 @@ def sample(
             logits = logits[:, :num_ids]
         if step == 0 and first_allowed is not None:
             logits = logits.masked_fill(~first_allowed[: logits.shape[-1]], float("-inf"))
+        return logits
+
+    new = generate(
+        model, ids, cfg.model.seq_len, num_tokens=num_tokens, temperature=temperature, top_k=top_k, seed=seed,
+        allowed=allowed, stop={EOS} if pairs else set(),
+    )  # fmt: skip
+    if pairs:
+        return decode([i - NUM_SPECIAL for i in new])
+    return decode(ids + new)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    ids: list[int],
+    seq_len: int,
+    *,
+    num_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    allowed: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    stop: set[int] | frozenset[int] = frozenset(),
+) -> list[int]:
+    """Up to `num_tokens` ids continuing `ids`, the model reading the last `seq_len` of them;
+    `allowed(logits (1, V), step)` narrows each step's choice; an id in `stop` ends it (not returned)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor([ids], dtype=torch.long)  # (1, T)
+    for step in range(num_tokens):
+        logits = model(tokens[:, -seq_len:])[:, -1, :].float()  # (1, V)
+        if allowed is not None:
+            logits = allowed(logits, step)
         nxt = next_token(logits, temperature, top_k, generator)
-        if pairs and nxt.item() == EOS:
+        if nxt.item() in stop:
             break
         tokens = torch.cat([tokens, nxt], dim=1)
-    if pairs:
-        return decode([i - NUM_SPECIAL for i in tokens[0, len(ids) :].tolist()])
-    return decode(tokens[0].tolist())
+    return tokens[0, len(ids) :].tolist()
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> torch.Tensor:

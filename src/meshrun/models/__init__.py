@@ -25,6 +25,7 @@ functions of the same name there, which fall back to the default when a model la
   (default: the blocks).
 - `check_weights()`: before any worker exists, the weights it would load exist and fit (default: nothing).
 - `pretrained_dir()`: the folder its weights load from, for the run's description (default: None).
+- `fresh_weights()`: tensors drawn from the seed although weights load (a classifier's new head; default: none).
 - `tp_plan()`: module-path patterns -> tensor-parallel style names (colwise, rowwise,
   vocab_embedding, vocab_head, ...; scatter, norm, gather for sequence parallel; one record each
   in `meshrun.parallel.tp_styles`) that `parallel.tp > 1` applies (default: None, tp > 1 refused).

@@ -1,5 +1,6 @@
-"""The built-in encoder for classification: GPT's blocks without the causal mask, padding masked out
-of attention, and a classification head. No distributed code lives here.
+"""The built-in encoder for classification and masked_lm: GPT's blocks without the causal mask,
+padding masked out of attention, and a head per task (model.head): labels or tokens. No
+distributed code lives here.
 
 Input: token ids (B, T), padding marked `PAD` (-1: no id of any vocabulary, so a tokenizer needs no
 pad token of its own). Between blocks (and pipeline stages) the state is one tuple (hidden (B, T, C),
@@ -8,6 +9,10 @@ pools the final-normed states over each sample's tokens (their mean) and maps th
 logits. Mean pooling, not the first token: the data holds the tokenizer's own ids with no [CLS]
 added (data/labelled.py; bytes have no free id for one), and a mean hands every token's state a
 direct gradient from the loss, which a model trained from scratch on short texts learns from faster.
+
+The tokens head (masked_lm) maps each position's final-normed state to (B, T, vocab_size) logits,
+as GPT's head does and, like it, not tied to the embedding: the two live on different pipeline
+stages.
 """
 
 from __future__ import annotations
@@ -62,19 +67,15 @@ class ClassifierHead(nn.Linear):
         return super().forward(pooled)
 
 
-class HiddenStatesOnly(nn.Module):
-    """A block fed hidden states alone: no padding (what a profiler times)."""
+class TokenHead(nn.Linear):
+    """Each position's state -> token logits (B, T, vocab_size); the loss reads the chosen positions' rows."""
 
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.block((h, torch.ones(h.shape[:2], dtype=torch.long, device=h.device)))[0]
+    def forward(self, state: State) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
+        return super().forward(state[0])
 
 
 class Encoder(StagedModel):
-    """Embedding, bidirectional blocks, norm, classifier head: split over pipeline stages like GPT."""
+    """Embedding, bidirectional blocks, norm, the task's head: split over pipeline stages like GPT."""
 
     def __init__(self, cfg: EncoderSection) -> None:
         super().__init__()
@@ -82,10 +83,14 @@ class Encoder(StagedModel):
         self.embed: nn.Module | None = Embedding(cfg)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = Norm(cfg.dim)
-        self.head: nn.Module | None = ClassifierHead(cfg.dim, cfg.num_labels)
+        self.head: nn.Module | None = (
+            TokenHead(cfg.dim, cfg.vocab_size, bias=False)
+            if cfg.head == "tokens"
+            else ClassifierHead(cfg.dim, cfg.num_labels)
+        )
 
     def forward(self, *inputs: torch.Tensor) -> State | torch.Tensor:
-        """Token ids (B, T) -> logits (B, num_labels); a stage after the first receives the state
+        """Token ids (B, T) -> logits (B, num_labels) or (B, T, vocab_size); a stage after the first receives the state
         tuple (a pipeline passes it on as separate inputs), a stage before the last returns it."""
         state = self.embed(inputs[0]) if self.embed is not None else (inputs[0], inputs[1])
         for block in self.blocks.values():
@@ -94,9 +99,12 @@ class Encoder(StagedModel):
             state = self.norm(state)
         return self.head(state) if self.head is not None else state
 
-    def standalone_blocks(self) -> list[nn.Module]:
-        """The blocks as modules that take hidden states alone, every token kept (for parallel.balance)."""
-        return [HiddenStatesOnly(block) for block in self.blocks.values()]
+    def tp_plan(self) -> dict[str, str]:
+        """GPT's split of the token embedding and the blocks (q, k, v and the MLP's first matrix
+        by columns, their output projections by rows); the classifier head stays whole (a few
+        labels, read once per sample). No sequence-parallel styles: the pooling head reads every
+        position of the (hidden, mask) state, so parallel.sequence_parallel is refused."""
+        return {"embed.tok": "vocab_embedding", **gpt.BLOCK_SPLIT}
 
     def init_weights(self, seed: int) -> None:
         """GPT's init of the parts present, each from its own seed: any pipeline split starts identical."""
@@ -104,8 +112,9 @@ class Encoder(StagedModel):
 
     def flops_per_token(self, length: int | None = None) -> float:
         """Training FLOPs per token: 6 x the blocks' matmul params + attention over the whole
-        `length` (PaLM appendix B counts it whole; here every position sees every other); the
-        head runs once per sample, not per token, and is left out."""
+        `length` (PaLM appendix B counts it whole; here every position sees every other); a labels
+        head runs once per sample, not per token, and is left out, a tokens head once per token."""
         blocks = sum(p.numel() for n, p in self.named_parameters() if n.startswith("blocks."))
         c = self.cfg
-        return 6.0 * blocks + 12.0 * c.num_layers * c.dim * (length or c.seq_len)
+        head = c.dim * c.vocab_size if c.head == "tokens" else 0
+        return 6.0 * (blocks + head) + 12.0 * c.num_layers * c.dim * (length or c.seq_len)

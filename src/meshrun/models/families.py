@@ -32,7 +32,7 @@ from meshrun.models.encdec import EncDec
 from meshrun.models.encoder import Encoder
 from meshrun.models.gpt import GPT
 from meshrun.models.hf_config import is_hf
-from meshrun.models.protocol import ProtocolModule, pretrained_dir
+from meshrun.models.protocol import ProtocolModule, fresh_weights, pretrained_dir
 from meshrun.models.timeseries import TimeSeries
 from meshrun.versions import missing_extra
 
@@ -55,9 +55,15 @@ class Family(Generic[S]):
 
 
 def _hugging_face(cfg: HFSection) -> nn.Module:
+    """A causal LM, or with model.num_labels (task classification) a sequence classifier: a decoder's
+    or an encoder's (BERT)."""
     from meshrun.models.hf import HFCausalLM  # transformers: only when asked for
+    from meshrun.models.hf_classifier import HFSequenceClassifier
+    from meshrun.models.hf_encoder import HFEncoderClassifier, is_encoder
 
-    return HFCausalLM(cfg)
+    if is_encoder(cfg):
+        return HFEncoderClassifier(cfg)
+    return HFCausalLM(cfg) if cfg.num_labels is None else HFSequenceClassifier(cfg)
 
 
 FAMILIES: tuple[Family[Any], ...] = (
@@ -192,8 +198,10 @@ def init_line(cfg: Config, model: nn.Module) -> str:
     """Where a new run's weights come from, in one line (`model`: the whole model, any device)."""
     source = pretrained_dir(model)
     if source is not None:
-        loaded = [name for name in model.state_dict() if not lora.is_adapter(name)]  # LoRA's adapters are drawn
-        return f"weights loaded from {source} ({len(loaded)} tensors)"
+        drawn = fresh_weights(model)  # a classifier's new head (LoRA's adapters are drawn too, unnamed)
+        loaded = [name for name in model.state_dict() if not lora.is_adapter(name) and name not in drawn]
+        new = f"; {', '.join(drawn)} drawn (seed {cfg.train.seed})" if drawn else ""
+        return f"weights loaded from {source} ({len(loaded)} tensors{new})"
     if cfg.model.factory is not None:  # its init_weights may load weights of its own
         return f"weights from {cfg.model.factory}'s init_weights (seed {cfg.train.seed})"
     return f"random init (seed {cfg.train.seed})"

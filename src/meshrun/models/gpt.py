@@ -86,6 +86,25 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+# A block's tp plan (Megatron's): q, k, v and the MLP's first matrix by columns, whole heads per
+# rank; the output projections by rows. Every model built of these blocks uses it (encoder, timeseries).
+BLOCK_SPLIT = {
+    "blocks.*.attn.q": "colwise",
+    "blocks.*.attn.k": "colwise",
+    "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.fc": "colwise",
+    "blocks.*.mlp.proj": "rowwise",
+}
+# and under sequence parallel: the norms on a rank's positions, attention and the MLP gather them all
+BLOCK_SEQUENCE_SPLIT = {
+    "blocks.*.ln1": "norm",
+    "blocks.*.ln2": "norm",
+    "blocks.*.attn": "gather",
+    "blocks.*.mlp": "gather",
+}
+
+
 class GPT(StagedModel):
     takes_documents = True  # packed rows: positions reach the embedding and every attention
 
@@ -106,17 +125,9 @@ class GPT(StagedModel):
         return {
             "embed": "scatter",
             "embed.tok": "vocab_embedding",
-            "blocks.*.ln1": "norm",
-            "blocks.*.ln2": "norm",
+            **BLOCK_SEQUENCE_SPLIT,
             "norm": "norm",
-            "blocks.*.attn": "gather",
-            "blocks.*.mlp": "gather",
-            "blocks.*.attn.q": "colwise",
-            "blocks.*.attn.k": "colwise",
-            "blocks.*.attn.v": "colwise",
-            "blocks.*.attn.proj": "rowwise",
-            "blocks.*.mlp.fc": "colwise",
-            "blocks.*.mlp.proj": "rowwise",
+            **BLOCK_SPLIT,
             "head": "vocab_head",
         }
 

@@ -3,7 +3,8 @@
 The model is built by transformers itself (`AutoModelForCausalLM.from_config`, sdpa attention,
 on whatever device is current: meta when meshrun builds it), then its parts are re-homed:
 `embed`, `blocks` (the HF decoder layers, keyed by their global index), `norm`, `head`. One
-layout per family, not per class (its facts: `hf_config.LAYOUTS`):
+layout per family, not per class (its facts: `hf_config.LAYOUTS`); models/hf_classifier.py builds
+the same layouts as `*ForSequenceClassification` (task classification):
 
 - llama (llama, mistral, qwen2, qwen3, phi3, olmo2): `model.embed_tokens`, `model.layers[i]`, `model.norm`,
   `lm_head`; rotary position embeddings are computed once per stage forward (transformers
@@ -32,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrun.config.model_sections import HFSection
-from meshrun.errors import ConfigError
 from meshrun.models.documents import handed_on, register_hf_attention, unpack
 from meshrun.models.hf_config import (
     FUSED_PARTS,
@@ -40,10 +40,9 @@ from meshrun.models.hf_config import (
     LAYOUT_OF,
     QK_NORMS,
     check_fits,
-    hf_dir,
     load_hf_config,
 )
-from meshrun.models.hf_weights import check_shapes, has_weights, load_weights
+from meshrun.models.hf_weights import check_shapes, load_weights, pretrained_folder
 from meshrun.models.init import seeded_normal_
 from meshrun.models.protocol import StagedModel
 
@@ -116,18 +115,20 @@ class WithPositions(nn.Module):
 class HFCausalLM(StagedModel):
     takes_documents = True  # packed rows: models/documents.py
     sequence_shards = 1  # hidden states hold 1/sequence_shards of the positions (models/protocol.py)
+    auto_class = "AutoModelForCausalLM"  # transformers' class that builds the whole model
+    head_name = "lm_head"  # the head's module in transformers' model
 
     def __init__(self, cfg: HFSection) -> None:
-        from transformers import AutoModelForCausalLM
+        import transformers
 
         super().__init__()
         check_fits(cfg)
-        self.cfg, self.hf_config = cfg, load_hf_config(cfg)
+        self.cfg, self.hf_config = cfg, self.config_of(cfg)
         self.layout = LAYOUT_OF[self.hf_config.model_type]
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         # fp32 master weights whatever the folder's storage dtype (released checkpoints say bfloat16):
         # autocast picks the compute precision, AdamW must update fp32 values
-        hf = AutoModelForCausalLM.from_config(
+        hf = getattr(transformers, self.auto_class).from_config(
             self.hf_config, attn_implementation=register_hf_attention(), dtype=torch.float32, trust_remote_code=False
         )
         self.hf_class_name = type(hf).__name__  # for export's config.json `architectures`
@@ -148,7 +149,11 @@ class HFCausalLM(StagedModel):
         if self.hf_config.model_type in FUSED_PARTS:
             for layer in layers:
                 _hold_parts(layer, self.hf_config)
-        self.head: nn.Module | None = TiedHead(embedding) if self.tied else hf.lm_head
+        self.head: nn.Module | None = TiedHead(embedding) if self.tied else getattr(hf, self.head_name)
+
+    def config_of(self, cfg: HFSection) -> Any:
+        """The transformers config this model is built from (shared: load_hf_config caches it, never changed)."""
+        return load_hf_config(cfg)
 
     @property
     def tied_weight(self) -> str | None:
@@ -225,16 +230,22 @@ class HFCausalLM(StagedModel):
         x, positions = unpack(x, positions)
         if self.embed is not None and not x.is_floating_point():  # hidden states: a tied last stage skips it
             x = self.embed(x) if positions is None or self._rotary else self.embed(x, positions)
-        extra: dict[str, Any] = {} if positions is None else {"position_ids": positions}
-        if self._rotary and len(self.blocks):
-            extra["position_embeddings"] = self._position_embeddings(x, positions)
-        for block in self.blocks.values():
-            x = block(x, **extra)
+        x = self.run_blocks(x, positions)
         if self.norm is not None:
             x = self.norm(x)
         if self.head is None:
             return handed_on(x, positions)
         return self.head(x)
+
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's layers on hidden states (B, T, C), with the rotary embeddings they need (a
+        packed batch's `positions` restart per document)."""
+        extra: dict[str, Any] = {} if positions is None else {"position_ids": positions}
+        if self._rotary and len(self.blocks):
+            extra["position_embeddings"] = self._position_embeddings(x, positions)
+        for block in self.blocks.values():
+            x = block(x, **extra)
+        return x
 
     def standalone_blocks(self) -> list[nn.Module]:
         """The blocks as modules that take hidden states only (what a profiler feeds them)."""
@@ -269,28 +280,24 @@ class HFCausalLM(StagedModel):
 
     def pretrained_dir(self) -> Path | None:
         """The directory whose weights this model starts from, per `model.init`."""
-        path = hf_dir(self.cfg)
-        if self.cfg.init == "random":
-            return None
-        if path is None or not has_weights(path):
-            if self.cfg.init == "pretrained":
-                where = f"model.hf {self.cfg.hf} has no model.safetensors" if path else "model.hf_config has no weights"
-                raise ConfigError(f"model.init is pretrained but {where}; set model.init=random or add the weights")
-            return None
-        return path
+        return pretrained_folder(self.cfg)
 
     def check_weights(self) -> None:
         """Before spawning: the weights this model would load exist with the shapes config.json gives."""
         path = self.pretrained_dir()
         if path is not None:
-            check_shapes(self.hf_tensors(), self.hf_names, path)
+            check_shapes(self.pretrained_tensors(path), self.hf_names, path)
+
+    def pretrained_tensors(self, path: Path) -> dict[str, list[torch.Tensor]]:
+        """The tensors loaded from the folder at `path` (`hf_tensors`' grouping): all of them."""
+        return self.hf_tensors()
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Pretrained tensors of the parts present, or a seeded init per parameter name (layout independent)."""
         path = self.pretrained_dir()
         if path is not None:
-            load_weights(self.hf_tensors(), self.hf_names, path)
+            load_weights(self.pretrained_tensors(path), self.hf_names, path)
             return
         std = self.hf_config.initializer_range
         depth_std = std / math.sqrt(2 * self.hf_config.num_hidden_layers)

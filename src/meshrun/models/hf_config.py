@@ -80,6 +80,8 @@ LAYOUTS = (
 )
 LAYOUT_OF = {model_type: layout for layout in LAYOUTS for model_type in layout.model_types}
 """model_type -> its layout: the supported Hugging Face families."""
+ENCODER_TYPES = ("bert",)
+"""Hugging Face encoders meshrun trains as classifiers only (task classification, models/hf_encoder.py)."""
 FUSED_PROJECTIONS = {"gpt2": "c_attn, a Conv1D of q, k and v"}
 """Model types whose layers slice one fused projection by the config's head counts (transformers'
 forward, which meshrun runs as it is): a column split would cut across q, k and v, so tensor
@@ -218,10 +220,9 @@ def _load(hf: str | None, inline: str | None) -> Any:
 
 
 def _check_family(model_type: object, key: str) -> None:
-    if model_type not in LAYOUT_OF:
-        raise ConfigError(
-            f"{key}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(LAYOUT_OF))}"
-        )
+    if model_type not in LAYOUT_OF and model_type not in ENCODER_TYPES:
+        supported = sorted([*LAYOUT_OF, *ENCODER_TYPES])
+        raise ConfigError(f"{key}: model_type {model_type!r} is not supported; supported: {', '.join(supported)}")
 
 
 def tp_splits(cfg: HFSection, tp: int) -> dict[str, int]:
@@ -229,6 +230,10 @@ def tp_splits(cfg: HFSection, tp: int) -> dict[str, int]:
     width: also the sizes of Phi-3's fused q, k, v and gate, up parts), by where each is set; a
     layout with fused projections meshrun does not split into parts is refused in one line."""
     config = load_hf_config(cfg)
+    if config.model_type in ENCODER_TYPES:
+        raise ConfigError(
+            f"parallel.tp {tp}: meshrun has no tensor-parallel plan for {config.model_type}; set parallel.tp=1"
+        )
     if config.model_type in FUSED_PROJECTIONS:
         works = sorted(set(LAYOUT_OF) - set(FUSED_PROJECTIONS))
         raise ConfigError(
@@ -251,8 +256,9 @@ def check_fits(cfg: HFSection) -> None:
         )
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or []
+    layout = LAYOUT_OF.get(config.model_type)
     sliding = "sliding_attention" in layer_types or (
-        config.model_type in LAYOUT_OF[config.model_type].window_types and window is not None
+        layout is not None and config.model_type in layout.window_types and window is not None
     )
     if sliding and window is not None and cfg.seq_len > window:
         raise ConfigError(

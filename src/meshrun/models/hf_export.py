@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from meshrun.config.model_sections import ModelConfig
+from meshrun.data.storage import read_meta
 from meshrun.data.tokenize import refuse_custom_tokenizer
 from meshrun.errors import ConfigError
 from meshrun.files.atomic import publish_folder, temporary_name
@@ -61,6 +62,10 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | Non
     config = copy.deepcopy(model.hf_config)  # the model's is shared (load_hf_config caches it): not changed
     config.architectures = [model.hf_class_name]
     config.dtype = torch.float32
+    labels = (read_meta(data) or {}).get("labels") if data is not None and cfg.num_labels is not None else None
+    if isinstance(labels, list) and len(labels) == config.num_labels:  # a classifier's: the data's label names
+        config.id2label = {k: str(label) for k, label in enumerate(labels)}
+        config.label2id = {str(label): k for k, label in enumerate(labels)}
     model_dir = hf_dir(model.cfg)
 
     def write(tmp: Path) -> None:

@@ -17,13 +17,27 @@ from pathlib import Path
 
 import torch
 
+from meshrun.config.model_sections import HFSection
 from meshrun.errors import ConfigError
 from meshrun.files.json_reader import read_json
-from meshrun.models.hf_config import INDEX, SINGLE, model_file
+from meshrun.models.hf_config import INDEX, SINGLE, hf_dir, model_file
 
 
 def has_weights(model_dir: Path) -> bool:
     return (model_dir / INDEX).is_file() or (model_dir / SINGLE).is_file()
+
+
+def pretrained_folder(cfg: HFSection) -> Path | None:
+    """The model folder whose weights a model starts from, per `model.init` (None: a seeded init)."""
+    path = hf_dir(cfg)
+    if cfg.init == "random":
+        return None
+    if path is None or not has_weights(path):
+        if cfg.init == "pretrained":
+            where = f"model.hf {cfg.hf} has no model.safetensors" if path else "model.hf_config has no weights"
+            raise ConfigError(f"model.init is pretrained but {where}; set model.init=random or add the weights")
+        return None
+    return path
 
 
 DIGEST_WINDOW = 4096  # bytes read at each end of every tensor by weights_digest

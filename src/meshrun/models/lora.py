@@ -43,6 +43,12 @@ def is_adapter(name: str) -> bool:
     return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
 
 
+def is_lora_layer(module: nn.Module) -> bool:
+    """A layer peft's LoRA wrapped (its `lora.Linear`): the layer under `base_layer`, the adapters in
+    `lora_A` and `lora_B` (tensor parallelism splits it as a whole: parallel/tp_styles.py)."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "lora_A")
+
+
 def frozen_base(cfg: ModelConfig) -> Path | None:
     """The folder a LoRA run's frozen base is read from: its checkpoints then hold the adapters only.
     None: no model.lora, or a base drawn at random (model.init random, model.hf_config without

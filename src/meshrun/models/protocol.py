@@ -68,6 +68,8 @@ class OptionalHooks(Protocol):
 
     def pretrained_dir(self) -> Path | None: ...
 
+    def fresh_weights(self) -> list[str]: ...
+
     def tp_plan(self) -> dict[str, str] | None: ...
 
     def tp_local(self, tp: int) -> None: ...
@@ -87,8 +89,9 @@ def keep_stage(model: ProtocolModule, *, first: bool, last: bool) -> None:
 
 
 def standalone_blocks(model: ProtocolModule) -> list[nn.Module]:
-    """The blocks as modules a profiler can feed hidden states alone (`parallel.balance: time |
-    size`). Default: the blocks themselves."""
+    """The blocks as modules a profiler can feed the previous one's output alone (`parallel.balance:
+    time | size` runs embed, blocks, norm + head in sequence: a state the embedding hands on, as the
+    encoder's (hidden, mask), passes through). Default: the blocks themselves."""
     hook = getattr(model, "standalone_blocks", None)
     return hook() if hook is not None else list(model.blocks.values())
 
@@ -117,6 +120,13 @@ def pretrained_dir(model: nn.Module) -> Path | None:
     the weights come from `init_weights(seed)`."""
     hook = getattr(model, "pretrained_dir", None)
     return hook() if hook is not None else None
+
+
+def fresh_weights(model: nn.Module) -> list[str]:
+    """The tensors a model that loads pretrained weights draws from the seed instead (a new head the
+    folder lacks), by name. Default: none."""
+    hook = getattr(model, "fresh_weights", None)
+    return hook() if hook is not None else []
 
 
 def tp_plan(model: nn.Module) -> dict[str, str] | None:

@@ -58,6 +58,13 @@ class TimeSeries(StagedModel):
         self.norm: nn.Module | None = nn.LayerNorm(cfg.dim)
         self.head: nn.Module | None = ForecastHead(cfg)
 
+    def tp_plan(self) -> dict[str, str]:
+        """GPT's split of the blocks (models/gpt.py); the value projection and the forecast head
+        stay whole (features and horizon x features wide: nothing worth splitting). Sequence
+        parallel splits the residual stream by position from the value embedding's output on, and
+        the head gathers it back (it reads the last step, which one rank holds)."""
+        return {"embed": "scatter", **gpt.BLOCK_SEQUENCE_SPLIT, "norm": "norm", **gpt.BLOCK_SPLIT, "head": "gather"}
+
     def init_weights(self, seed: int) -> None:
         """GPT's init of the parts present, each from its own seed: any pipeline split starts identical."""
         init_transformer_(self, seed, num_layers=self.cfg.num_layers)

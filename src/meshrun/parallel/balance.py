@@ -14,9 +14,10 @@ from torch import nn
 
 from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
-from meshrun.models.hf_config import num_layers, vocab_size
+from meshrun.models.hf_config import num_layers
 from meshrun.models.protocol import ProtocolModule, standalone_blocks
 from meshrun.parallel.stages import check_split, sizes_to_split
+from meshrun.planner.task_io import task_io
 
 
 def _as_sequence(model: ProtocolModule) -> nn.Sequential:
@@ -33,7 +34,8 @@ def measured_split(cfg: Config, num_stages: int, *, by: str) -> list[list[int]]:
     device, _ = pick_device()
     model = materialise_part(cfg, device, layers=None, first=True, last=True)
     sequence = _as_sequence(model)
-    sample = torch.randint(0, vocab_size(cfg.model), (cfg.train.micro_batch, cfg.model.seq_len), device=device)
+    # a microbatch of what the task's first stage reads (token ids, or a series' values)
+    sample = task_io(cfg).inputs.random(cfg.train.micro_batch, torch.Generator().manual_seed(0)).to(device)
     if by == "time":
         sizes = balance_by_time(num_stages, sequence, sample, device=device)
     elif device.type == "cuda":

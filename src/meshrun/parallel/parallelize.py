@@ -6,7 +6,8 @@
   3. materialise on the device and initialise (per-parameter seeds: layout independent);
   3b. model.lora: peft's adapters on this stage's targeted layers, every other weight frozen
      (models/lora.py; adapters seeded per name), so DDP, FSDP and the optimizer see only them;
-  4. tp > 1: split the model's planned modules over the tp mesh (tensor.py);
+  4. tp > 1: split the model's planned modules over the tp mesh (tensor.py; a LoRA-wrapped layer
+     with its adapter, split alike: tp_styles.py);
   5. wrap blocks for activation recompute;
   5b. train.compile: torch.compile each block's forward (compile.py);
   6. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp, and

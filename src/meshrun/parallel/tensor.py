@@ -37,24 +37,43 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from meshrun.errors import ConfigError
+from meshrun.models.lora import is_lora_layer
 from meshrun.models.protocol import tp_local, tp_plan
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.tp_rng import use_rank_streams
-from meshrun.parallel.tp_styles import TP_STYLES, local_outputs
+from meshrun.parallel.tp_styles import TP_STYLES, AdaptedLinear, TPStyle, local_outputs
 
 
 def split_dims(part: nn.Module, tp: int) -> dict[str, int]:
     """The dimension the model's tp plan splits, per parameter name (parameters left whole are absent)."""
     plan = tp_plan(part) if tp > 1 else None
     split: dict[str, int] = {}
-    for name, _ in part.named_modules():
+    for name, module in part.named_modules():
         for pattern, style in (plan or {}).items():
             if fnmatch(name, pattern):
-                split |= {f"{name}.{param}": dim for param, dim in TP_STYLES[style].split.items()}
+                split |= {f"{name}.{param}": dim for param, dim in _param_split(module, TP_STYLES[style]).items()}
     return split
+
+
+def _param_split(module: nn.Module, style: TPStyle) -> dict[str, int]:
+    """The dimension `style` splits, per parameter name below `module` (a LoRA-wrapped Linear: its
+    base's and adapter's, as the style's `adapted` record says)."""
+    if style.adapted is None or not is_lora_layer(module):
+        return dict(style.split)
+    names = [name for name, _ in module.named_parameters()]
+    return {name: dim for pattern, dim in style.adapted.split.items() for name in names if fnmatch(name, pattern)}
+
+
+def _applied(module: nn.Module, style: TPStyle, sequence_parallel: bool) -> ParallelStyle | None:
+    """The DTensor style applied to `module` (None: nothing): a LoRA-wrapped Linear gets its
+    style's `adapted` split (check_adapters_split refused styles without one)."""
+    if style.adapted is not None and is_lora_layer(module):
+        return AdaptedLinear(style.adapted, sequence_parallel=sequence_parallel)
+    make = style.form(sequence_parallel).make
+    return None if make is None else make()
 
 
 def shard_numels(part: nn.Module, tp: int) -> dict[str, int]:
@@ -76,7 +95,8 @@ def check_plan(model: nn.Module, tp: int, source: str, *, sequence_parallel: boo
     if plan is None:
         raise ConfigError(
             f"parallel.tp {tp}: {source} declares no tensor-parallel plan (tp_plan); "
-            "give the model a tp_plan, use model.name gpt or encdec, or set parallel.tp=1"
+            "give it one (models/protocol.py), use a model that has one (model.name gpt, encdec, encoder or "
+            "timeseries, or a Hugging Face model), or set parallel.tp=1"
         )
     if sequence_parallel and not any(TP_STYLES[s].starts_sequence_split for s in plan.values() if s in TP_STYLES):
         raise ConfigError(
@@ -93,6 +113,19 @@ def check_plan(model: nn.Module, tp: int, source: str, *, sequence_parallel: boo
             raise ConfigError(f"{source}'s tp_plan names {pattern}, which matches no module of the model; fix the plan")
 
 
+def check_adapters_split(model: nn.Module) -> None:
+    """Before spawn (model.lora, tp > 1; `model` whole, adapters added): every adapted layer the tp
+    plan splits is split by a style that splits its adapter too (column- and row-parallel ones)."""
+    plan = tp_plan(model) or {}
+    for name, module in model.named_modules():
+        styles = [style for pattern, style in plan.items() if fnmatch(name, pattern)]
+        if is_lora_layer(module) and any(TP_STYLES[style].adapted is None for style in styles):
+            raise ConfigError(
+                f"model.lora.target_modules names {name}, which parallel.tp splits as {styles[0]}: adapters are "
+                "split with column- and row-parallel layers only; leave it out of target_modules or set parallel.tp=1"
+            )
+
+
 def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
     """Split this stage's modules over the tp mesh as the model's plan says (patterns matching
     nothing here belong to other pipeline stages). Every tp rank holds the same initialised
@@ -100,22 +133,24 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
     plan = tp_plan(part)
     assert plan is not None  # check_plan refused tp > 1 without one
     tp_local(part, tp_mesh.size())
-    names = [name for name, _ in part.named_modules()]
+    modules = dict(part.named_modules())
     concrete = {
-        name: make()
+        name: applied
         for pattern, style in plan.items()
-        if (make := TP_STYLES[style].form(sequence_parallel).make) is not None
-        for name in names
-        if fnmatch(name, pattern)
+        for name, module in modules.items()
+        if fnmatch(name, pattern) and (applied := _applied(module, TP_STYLES[style], sequence_parallel)) is not None
     }
+    frozen = {name for name, param in part.named_parameters() if not param.requires_grad}  # model.lora's base
     parallelize_module(part, tp_mesh, concrete)
+    for name, param in part.named_parameters():  # torch's SequenceParallel remakes a norm's weight trainable
+        param.requires_grad_(name not in frozen)
     use_rank_streams(
         part, plan, tp_rank=tp_mesh.get_local_rank(), tp=tp_mesh.size(), sequence_parallel=sequence_parallel
     )
     if sequence_parallel:  # what a stage's forward receives holds 1/tp of the positions (protocol.py)
         setattr(part, "sequence_shards", tp_mesh.size())  # noqa: B010 (nn.Module types its attributes as tensors or modules)
     for param in part.parameters():
-        if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+        if param.requires_grad and isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
             param.register_hook(partial(_sharded_like_param, placements=param.placements))
     for module in part.modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):

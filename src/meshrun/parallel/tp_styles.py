@@ -9,6 +9,11 @@ A record says everything meshrun does with a module of that style, and three pla
 - parallel/tp_rng.py reads where a rank holds its own part of the activations
   (`closes_rank_stream`), so dropout there draws from the rank's own stream.
 
+A column- or row-parallel Linear that model.lora wrapped (peft's `lora.Linear`: the Linear under
+`base_layer`, the adapter's `lora_A` (in -> r) and `lora_B` (r -> out) beside it) is split by its
+style's `adapted` record instead (`AdaptedLinear`): the adapter is split the way the base is, so its
+output adds to the base's shard with no collective of its own.
+
 Adding a style is adding its record to `TP_STYLES` and a probe module to
 tests/parallel/test_tp_styles.py, which checks on two gloo ranks that the planner's shapes are
 the ones the applied DTensor form gives.
@@ -17,12 +22,13 @@ the ones the applied DTensor form gives.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -30,6 +36,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    parallelize_module,
 )
 
 
@@ -57,6 +64,26 @@ LEFT_WHOLE = Form()  # the module runs as without tp
 
 
 @dataclass(frozen=True)
+class Adapted:
+    """How a style splits a Linear that peft's LoRA wraps: the base as the style splits it, the
+    adapter matrix on the split side alike, the other left whole. Inside the wrapper everything is
+    a DTensor, so the base's and the adapter's outputs add in their common placement and the
+    wrapper's output is redistributed once (`hands_on`): a row-parallel layer's two partial sums
+    are all-reduced together, not one after the other."""
+
+    takes: Placement  # the wrapper's input (this rank's local tensor), as a DTensor
+    hands_on: Placement  # its output redistributed to this, then handed on as a local tensor
+    base: Callable[[], ParallelStyle]
+    lora_a: Callable[[], ParallelStyle] | None  # None: replicated (in -> r, on a whole input)
+    lora_b: Callable[[], ParallelStyle] | None  # None: replicated (r -> out, to a partial output)
+    split: Mapping[str, int]  # parameter name below the wrapper -> the dimension split over tp
+    sequence_hands_on: Placement | None = None  # under sequence parallel; None: as without it
+
+    def output(self, sequence_parallel: bool) -> Placement:
+        return self.sequence_hands_on if sequence_parallel and self.sequence_hands_on is not None else self.hands_on
+
+
+@dataclass(frozen=True)
 class TPStyle:
     """A tensor-parallel style: how it splits a module and what the module hands on."""
 
@@ -71,6 +98,7 @@ class TPStyle:
     # its output is a sum over the tp ranks inside a block (an all-reduce; a reduce-scatter under
     # sequence parallel), a new tensor that selective recompute keeps (parallel/recompute.py)
     kept_by_selective: bool = False
+    adapted: Adapted | None = None  # its split of a LoRA-wrapped Linear; None: model.lora under tp refuses it
 
     def form(self, sequence_parallel: bool) -> Form:
         return self.sequence if sequence_parallel and self.sequence is not None else self.plain
@@ -109,13 +137,69 @@ def local_outputs(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> 
     return output.to_local() if isinstance(output, DTensor) else output
 
 
+class AdaptedLinear(ParallelStyle):
+    """A Linear wrapped by peft's LoRA, split as `adapted` says: the wrapper's input becomes a
+    DTensor, its base and adapter run on DTensors, its output (their sum) is redistributed once."""
+
+    def __init__(self, adapted: Adapted, *, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.adapted, self.output = adapted, adapted.output(sequence_parallel)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        adapted, takes, output = self.adapted, self.adapted.takes, self.output
+        adapters = module.get_submodule("lora_A")
+        assert isinstance(adapters, nn.ModuleDict)  # peft's, one entry per adapter name
+        styles = {"base_layer": adapted.base}
+        for name in adapters:
+            styles |= {f"lora_A.{name}": adapted.lora_a, f"lora_B.{name}": adapted.lora_b}
+        parallelize_module(module, device_mesh, {key: make() for key, make in styles.items() if make is not None})
+
+        def as_dtensor(_module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            """A DTensor already under sequence parallel (attention's and the MLP's gathered input)."""
+            return tuple(
+                x.redistribute(mesh, [takes])
+                if isinstance(x, DTensor)
+                else DTensor.from_local(x, mesh, [takes], run_check=False)
+                for x in inputs
+            )
+
+        def handed_on(_module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            return out.redistribute(mesh, [output]).to_local()
+
+        # what is left whole (the other adapter matrix) replicated; input and output converted here
+        # (torch annotates the hooks as returning None but uses what they return)
+        distribute_module(module, device_mesh, input_fn=as_dtensor, output_fn=handed_on)  # pyright: ignore[reportArgumentType]
+        for param in module.parameters():
+            if param.requires_grad and isinstance(param, DTensor):
+                param.register_hook(partial(_placed_like_param, placements=param.placements))
+        return module
+
+
+def _placed_like_param(grad: torch.Tensor, *, placements: tuple[Placement, ...]) -> torch.Tensor:
+    """An adapter matrix left whole gets a partial gradient (its input or its output's gradient is
+    a partial sum): summed over tp here, once per backward, so clipping and AdamW see the whole."""
+    if isinstance(grad, DTensor) and grad.placements != placements:
+        return grad.redistribute(grad.device_mesh, placements)
+    return grad
+
+
+# a column-parallel Linear's adapter: A (r x in) whole on the whole input, B (out x r) split by rows
+# (output features) like the base's weight; base and adapter hand on this rank's columns
+_COLUMNS_ADAPTED = Adapted(
+    takes=Replicate(),
+    hands_on=Shard(-1),
+    base=lambda: ColwiseParallel(use_local_output=False),
+    lora_a=None,
+    lora_b=lambda: ColwiseParallel(use_local_output=False),
+    split={"base_layer.weight": 0, "base_layer.bias": 0, "lora_B.*.weight": 0},
+)
 COLUMNS = {"weight": 0, "bias": 0}  # a Linear split by output features (an Embedding by vocabulary: its rows)
 POSITIONS_CUT, POSITIONS_GATHERED = Resize(dim=1, whole=False), Resize(dim=1, whole=True)
 # under sequence parallel, activations between the scatter and the head are split on dim 1 (B, T/tp, C);
 # inside a gather module the whole sequence is back: the styles used there keep their form
 _RECORDS = (
     # Megatron's column split (q, k, v, the MLP's first matrix): whole heads per rank
-    TPStyle("colwise", Form(ColwiseParallel), split=COLUMNS),
+    TPStyle("colwise", Form(ColwiseParallel), split=COLUMNS, adapted=_COLUMNS_ADAPTED),
     # the output projections: each rank's partial sums all-reduced; under sequence parallel
     # reduce-scattered to the positions instead
     TPStyle(
@@ -125,6 +209,18 @@ _RECORDS = (
         split={"weight": 1},
         closes_rank_stream=True,
         kept_by_selective=True,
+        # its adapter: A (r x in) split by columns like the base's weight, on this rank's input
+        # columns; B (out x r) whole. A's output and so B's are partial sums, added to the base's
+        # partial sums and all-reduced (reduce-scattered) with them: one collective, as without LoRA
+        adapted=Adapted(
+            takes=Shard(-1),
+            hands_on=Replicate(),
+            sequence_hands_on=Shard(1),
+            base=lambda: RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+            lora_a=lambda: RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+            lora_b=None,
+            split={"base_layer.weight": 1, "lora_A.*.weight": 1},
+        ),
     ),
     # an Embedding split by vocabulary, its output whole (the embedding adds positions, then scatters)
     TPStyle("vocab_embedding", Form(lambda: RowwiseParallel(input_layouts=Replicate())), split={"weight": 0}),
@@ -168,6 +264,7 @@ _RECORDS = (
         "colwise_gathered",
         Form(lambda: ColwiseParallel(output_layouts=Replicate()), hands_on=Resize(dim=-1, whole=True)),
         split=COLUMNS,
+        adapted=replace(_COLUMNS_ADAPTED, hands_on=Replicate()),
     ),
     # that module (computed whole, as every unsplit one) hands on only this rank's columns
     TPStyle(

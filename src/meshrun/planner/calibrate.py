@@ -1,6 +1,6 @@
 """`meshrun plan --calibrate`: time real training steps here and fit the cost model's constants.
 
-Probes are small layouts of the user's model on random tokens (`probe.py`), timed in alternating
+Probes are small layouts of the user's model on random batches of its task (`probe.py`), timed in alternating
 rounds (every probe once, then again) and summarised by their median, so that a machine whose
 load drifts affects every probe alike. Each probe times plain steps and logged ones (a log step
 gathers every rank's figures and, under pp, measures and gathers every rank's pipeline

@@ -12,6 +12,7 @@ from meshrun.hardware.precision import resolve_precision
 from meshrun.models.families import init_line
 from meshrun.models.hf_config import is_hf, load_hf_config
 from meshrun.parallel.stages import static_split
+from meshrun.planner.task_io import task_io
 
 
 def describe_split(cfg: Config) -> list[str] | None:
@@ -40,8 +41,9 @@ def describe_layout(cfg: Config) -> list[str]:
     return lines
 
 
-# what a Hugging Face model takes from its own config.json, not from these keys of `model`
-_HF_IGNORES = ("name", "num_layers", "dim", "num_heads", "vocab_size")
+# keys of `model` a family does not read: a Hugging Face model takes them from its own
+# config.json; a time series has no vocabulary
+_UNREAD = {"hf": ("name", "num_layers", "dim", "num_heads", "vocab_size"), "timeseries": ("vocab_size",)}
 
 
 def describe_model(cfg: Config, model: nn.Module) -> list[str]:
@@ -55,12 +57,13 @@ def describe_model(cfg: Config, model: nn.Module) -> list[str]:
         source = cfg.model.factory or cfg.model.name
         shape = (cfg.model.num_layers, cfg.model.dim, cfg.model.num_heads, cfg.model.vocab_size)
     layers, dim, heads, vocab = shape
+    reads = task_io(cfg, vocab=vocab).reads  # the task's: a vocabulary, labels, or a series' features
     params = sum(p.numel() for p in model.parameters())  # a tied matrix once
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # peft's count of trainable ones
     trained = f" ({trainable:,} trainable: the LoRA adapters)" if cfg.model.lora is not None else ""
     return [
         "model:",
-        f"  {source}: {layers} blocks, dim {dim}, {heads} heads, vocab {vocab}, seq_len {cfg.model.seq_len}",
+        f"  {source}: {layers} blocks, dim {dim}, {heads} heads, {reads}, seq_len {cfg.model.seq_len}",
         f"  {params:,} parameters{trained}; {init_line(cfg, model)}",
     ]
 
@@ -72,8 +75,8 @@ def describe_job(cfg: Config, model: nn.Module) -> str:
 
     par, train = cfg.parallel, cfg.train
     resolved = cfg.model_dump(mode="json")
-    if is_hf(cfg.model):
-        resolved["model"] = {k: v for k, v in resolved["model"].items() if k not in _HF_IGNORES}
+    unread = _UNREAD.get(cfg.model.family, ())
+    resolved["model"] = {k: v for k, v in resolved["model"].items() if k not in unread}
     lines = [yaml.safe_dump(resolved, sort_keys=False).rstrip(), "", *describe_layout(cfg)]
     lines += describe_model(cfg, model)
     lines += [

@@ -20,6 +20,7 @@ from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.files.json_reader import read_json
 from meshrun.models.hf_config import hf_dir, load_hf_config
+from meshrun.planner.task_io import task_io
 
 # Deepest published Transformer LMs have ~130 blocks (Llama 3.1 405B: 126). Even on the meta
 # device each block is Python objects: 10,000 take ~6 s and ~300 MB to build on a 2-core machine,
@@ -30,7 +31,7 @@ MAX_BLOCKS = 10_000
 # few TiB. 4 TiB on ONE rank is beyond any of them: such a config is a mistaken size, not a model,
 # and would otherwise pass --dry-run and die allocating in a worker.
 MAX_RANK_BYTES = 4 * 2**40
-LOGIT_BYTES = 4  # the loss reads fp32 logits: (micro_batch, seq_len, vocab) on the last stage
+LOGIT_BYTES = 4  # the loss reads the last stage's fp32 output: (micro_batch, seq_len, vocab) logits of tokens
 # Hugging Face config keys meshrun sizes a model with (llama-style names, and GPT-2's own).
 HF_SIZE_KEYS = (
     "num_hidden_layers",
@@ -150,12 +151,14 @@ def rank_bytes(cfg: Config, size: ModelSize) -> list[int]:
         else [size.num_blocks // num_stages + (s < size.num_blocks % num_stages) for s in range(num_stages)]
     )
     state_bytes_per_param = 4 * (2 + cfg.train.optimizer_state()[0])  # fp32 weights, grads, optimizer values
+    # the last stage's output per sample: token logits, a classifier's, a forecast's
+    output_values = task_io(cfg, vocab=size.vocab).output_values
     out = []
     for rank in range(par.pp):
         stages = layout.stages_of(rank)
         params = sum(blocks[s] * size.block for s in stages)
         params += size.embed * (0 in stages) + size.head * (num_stages - 1 in stages)
-        logits = cfg.train.micro_batch * cfg.model.seq_len * size.vocab * LOGIT_BYTES * (num_stages - 1 in stages)
+        logits = cfg.train.micro_batch * output_values * LOGIT_BYTES * (num_stages - 1 in stages)
         out.append(params * state_bytes_per_param // layout.dp_shard + logits)
     return out
 

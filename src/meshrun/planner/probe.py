@@ -1,4 +1,5 @@
-"""Timed probes of `meshrun plan --calibrate`: real training steps of small layouts on random tokens.
+"""Timed probes of `meshrun plan --calibrate`: real training steps of small layouts on random batches
+(of the task's shapes: token ids, labelled texts or a series' values).
 
 One-rank layouts run in this process; the layouts of two ranks run together in one torchrun job of
 this module (`python -m torch.distributed.run --standalone -m meshrun.planner.probe CONFIGS OUT
@@ -35,6 +36,8 @@ from meshrun.metrics.meters import peak_rss_bytes
 from meshrun.parallel import timeline
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, init_mesh, mesh_on, shutdown
+from meshrun.planner.task_io import task_io
+from meshrun.tasks import task_for
 
 
 @dataclass(frozen=True)
@@ -56,21 +59,22 @@ def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1, logged: 
     from meshrun.training.loss import MicrobatchLoss
     from meshrun.training.optim import Optimizers, clip_global_norm
 
-    model = parallelize(cfg, mesh, loss=MicrobatchLoss(cfg.accumulation_steps), amp=partial(autocast, cfg, mesh.device))
+    summed = task_for(cfg.task).summed(cfg)
+    loss = MicrobatchLoss(cfg.accumulation_steps, summed=summed)
+    model = parallelize(cfg, mesh, loss=loss, amp=partial(autocast, cfg, mesh.device))
     optimizers = Optimizers(model.parts, cfg.train)
     params = [p for part in model.parts for p in part.parameters()]
     counted = model.tied.counted_once(params)
     pp_group = mesh.group("pp") if mesh.size("pp") > 1 else None
-    tokens = torch.randint(
-        0,
-        cfg.model.vocab_size,
-        (cfg.train.global_batch // mesh.size("dp"), cfg.model.seq_len + 1),
-        generator=torch.Generator().manual_seed(0),
-    ).to(mesh.device)
+    # a random batch of the task's shapes (token ids, labels, a series' values: task_io.py)
+    inputs, targets = (
+        t.to(mesh.device)
+        for t in task_io(cfg).batch(cfg.train.global_batch // mesh.size("dp"), torch.Generator().manual_seed(0))
+    )
     keep = torch.zeros((), device=mesh.device)
 
     def step() -> float:
-        model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+        model.forward_backward(inputs, targets)
         model.tied.sync_gradients()
         _sync(mesh.device)
         update = time.perf_counter()

@@ -172,8 +172,8 @@ def _has_tp_plan(model_json: str) -> bool:
 
 
 def has_tp_plan(cfg: Config) -> bool:
-    """The model can be split over tp ranks (model.lora: not yet, preflight refuses tp > 1)."""
-    return cfg.model.lora is None and _has_tp_plan(_model_key(cfg))
+    """The model can be split over tp ranks."""
+    return _has_tp_plan(_model_key(cfg))
 
 
 def _model_key(cfg: Config) -> str:

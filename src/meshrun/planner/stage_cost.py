@@ -23,6 +23,7 @@ from torch import nn
 
 from meshrun.config.schema import Config, TrainConfig
 from meshrun.hardware.precision import DTYPES
+from meshrun.models.families import flops_at
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.materialise import build_stage, prune_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
@@ -31,6 +32,7 @@ from meshrun.planner.fake_cpu import fake_cpu
 from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.planner.stage_pieces import compose, consecutive
 from meshrun.planner.stage_profile import StageProfile
+from meshrun.planner.task_io import task_io
 from meshrun.planner.tp_shapes import emulate_tp_shapes, shrink_to_tp_shard
 from meshrun.tasks import task_for
 from meshrun.training.loss import MicrobatchLoss
@@ -56,24 +58,40 @@ def _amp(precision: str) -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
 
-def attention_per_block(whole: ProtocolModule) -> float:
-    """The whole model's `flops_per_token()` less 6 per matmul parameter, per block: attention's."""
-    return max(0.0, whole.flops_per_token() - 6.0 * _matmul_params(whole)) / len(whole.blocks)
+def attention_per_block(cfg: Config, whole: ProtocolModule) -> float:
+    """The whole model's training FLOPs per token (`flops_at`: model.lora's count for a model with
+    adapters) less its matmul weights' (_matmul_flops), per block: attention's."""
+    return max(0.0, flops_at(whole, cfg.model.seq_len) - _matmul_flops(cfg, whole)) / len(whole.blocks)
 
 
-def _matmul_params(module: ProtocolModule) -> int:
-    embed = {id(p) for p in module.embed.parameters()} if module.embed is not None else set()
-    return sum(p.numel() for p in module.parameters() if id(p) not in embed)
+def _matmul_flops(cfg: Config, module: ProtocolModule) -> float:
+    """Training FLOPs per token of the module's matmul weights: 6 per trained weight, 4 per frozen
+    one (model.lora's base: its forward and its input's gradient, no gradient of its own;
+    models/lora.py's flops_per_token). The embedding's tables are lookups (none; a Linear in it, a
+    projection of values, counts), and the head's count as the share of positions it maps
+    (task_io.py: a pooled or last-step head runs once per sample, so B x hidden x labels is
+    1/seq_len of a token's)."""
+    lookups: set[int] = set()
+    if module.embed is not None:
+        projections = {id(p) for m in module.embed.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+        lookups = {id(p) for p in module.embed.parameters()} - projections
+    head = {id(p) for p in module.head.parameters()} if module.head is not None else set()
+    share = task_io(cfg).head_positions / cfg.model.seq_len
+    return sum(
+        (6.0 if p.requires_grad else 4.0) * p.numel() * (share if id(p) in head else 1.0)
+        for p in module.parameters()
+        if id(p) not in lookups
+    )
 
 
 def stage_flops_per_token(cfg: Config, part: ProtocolModule, attention: float) -> tuple[float, float]:
-    """The whole model's `flops_per_token()` shared out: 6 FLOPs per matmul parameter to the stage
-    that holds it (embeddings are lookups: none), the rest (`attention`, per block: see
-    attention_per_block) evenly over blocks; recomputed blocks add their forward again (a third
-    of their training FLOPs)."""
-    useful = 6.0 * _matmul_params(part) + attention * len(part.blocks)
+    """The whole model's training FLOPs per token shared out: its matmul weights' (6 per trained
+    weight, 4 per frozen one: see _matmul_flops) to the stage that holds them, the rest
+    (`attention`, per block: see attention_per_block) evenly over blocks; recomputed blocks add
+    their forward again (2 per weight, trained or frozen, and a third of attention's)."""
+    useful = _matmul_flops(cfg, part) + attention * len(part.blocks)
     extra = sum(
-        (6.0 * sum(p.numel() for p in block.parameters()) + attention) / 3
+        2.0 * sum(p.numel() for p in block.parameters()) + attention / 3
         for key, block in part.blocks.items()
         if wants_recompute(cfg.recompute, int(key))
     )
@@ -114,7 +132,7 @@ def _model_facts(model_json: str) -> tuple[int, bool, float]:
     """The whole model's blocks, whether they are all of one kind, and its attention_per_block."""
     whole = _whole(model_json)
     one_kind = len({_block_kind(block) for block in whole.blocks.values()}) == 1
-    return len(whole.blocks), one_kind, attention_per_block(whole)
+    return len(whole.blocks), one_kind, attention_per_block(_config(model_json), whole)
 
 
 def _stage_copy(model_json: str, layers: tuple[int, ...], first: bool, last: bool) -> ProtocolModule:
@@ -226,7 +244,7 @@ def _trace_stages(cfg: Config, split: list[list[int]], micro_batch: int, precisi
     their blocks' kinds and recompute) once."""
     whole = build_stage(cfg, layers=None, first=True, last=True)
     kinds = {key: _block_kind(block) for key, block in whole.blocks.items()}
-    attention = attention_per_block(whole)
+    attention = attention_per_block(cfg, whole)
     num_stages, tp = len(split), cfg.parallel.tp
     keys = [
         (i == 0, i == num_stages - 1, tuple((kinds[str(b)], wants_recompute(cfg.recompute, b)) for b in layers))
@@ -267,7 +285,7 @@ def _trace(
     fake = fake_cpu()
     with fake.mode:
         if first:
-            x: object = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long)
+            x: object = task_io(cfg).inputs.zeros(micro_batch)
         else:
             assert hidden is not None  # stages are traced in pipeline order
             x = _input(hidden)
@@ -284,10 +302,10 @@ def _trace(
         counter.count_checkpoint_inputs(part)
         with counter.hooks(), _amp(precision):
             out = part(*x) if isinstance(x, tuple) else part(x)  # a state tuple arrives as arguments
-            # the task's loss: its saved log-softmax counts; a target per logits row
+            # the task's loss on targets of the task's shape: what it saves counts (a log-softmax)
             loss = None
             if last:
-                targets = torch.zeros(out.shape[:-1], dtype=torch.long)
+                targets = task_io(cfg).targets_of(out)
                 loss = MicrobatchLoss(1, summed=task_for(cfg.task).summed(cfg))(out, targets)
         profile = StageProfile(
             param_bytes,
@@ -311,7 +329,9 @@ def _trace(
 def loss_gradient_bytes(logits: object) -> int:
     """What the loss's backward allocates at once on the last stage: the fp32 gradient of the
     logits twice over (cross-entropy's nll part hands one to its log-softmax part, which makes
-    the next), while every kept activation is still alive. torch's MemTracker reads exactly this
+    the next), while every kept activation is still alive. Whatever the task's output (token
+    logits, a classifier's (B, labels), a forecast's (B, horizon, features): a regression loss
+    makes one gradient, so twice is a bound of a few bytes per sample there). torch's MemTracker reads exactly this
     as a real step's temporaries at its peak (tests/planner/test_memory_model.py); on an H200 it
     was most of what the plan missed (bench/README.md)."""
     tensors = _tensors(logits)

@@ -6,6 +6,8 @@ pipeline and the loss normalisation (training/loss.py) read a `Task` and never b
 - `classification`: labelled texts: per-sample cross-entropy; accuracy and macro F1.
 - `regression`: windows of numeric series: a per-value mse, mae or huber loss; MSE, MAE and the
   naive last-value forecast's MAE.
+- `masked_lm`: token windows with masked positions: token cross-entropy over them; masked-token
+  accuracy and perplexity.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from meshrun.config.schema import Config
+    from meshrun.data.packed import Occupancy
 
 
 SummedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,6 +49,24 @@ class Batches(Protocol):
         ...
 
     def source_counts(self, first: int, count: int) -> dict[str, int]: ...
+
+
+# Optional hooks of a `Batches` (read through the functions below, which give the defaults):
+# - `occupancy(first, count) -> Occupancy`: padding and attention cost of rows that pack documents.
+# - `positions_per_sample(x) -> int`: the positions a sample of input `x` trains (default: its last
+#   dimension, ids (B, T) or packed (B, 2, T)); values (B, T, features) say T.
+
+
+def occupancy(data: Batches, first: int, count: int) -> Occupancy | None:
+    """What samples first .. first+count-1 hold beyond their positions (None: data that packs nothing)."""
+    hook = getattr(data, "occupancy", None)
+    return None if hook is None else hook(first, count)
+
+
+def positions_per_sample(data: Batches, x: torch.Tensor) -> int:
+    """The positions one sample of the input batch `x` spans (a length bucket's may be shorter than seq_len)."""
+    hook = getattr(data, "positions_per_sample", None)
+    return x.shape[-1] if hook is None else hook(x)
 
 
 class Meter(Protocol):
@@ -99,13 +120,14 @@ def job_task(cfg: Config, data_dir: Path) -> Task:
 
 
 def task_for(name: str) -> Task:
-    """The `Task` a config's `task` names (config/tasks.py: check_trainable refused the others)."""
-    from meshrun.tasks import classification, regression, tokens
+    """The `Task` a config's `task` names."""
+    from meshrun.tasks import classification, masked_lm, regression, tokens
 
     tasks = {
         "causal_lm": tokens.TASK,
         "seq2seq": tokens.TASK,
         "classification": classification.TASK,
         "regression": regression.TASK,
+        "masked_lm": masked_lm.TASK,
     }
     return tasks[name]

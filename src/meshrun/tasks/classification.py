@@ -20,12 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.config.model_sections import EncoderSection
+from meshrun.config.model_sections import EncoderSection, HFSection
 from meshrun.data.dataset import check_vocab
 from meshrun.data.labelled_batches import PAD, LabelledDataset
 from meshrun.data.storage import SPLITS, read_meta
 from meshrun.data.token_ids import check_token_files
 from meshrun.errors import ConfigError
+from meshrun.models.hf_config import vocab_key, vocab_size
 from meshrun.tasks import Batches, SummedLoss, Task
 
 if TYPE_CHECKING:
@@ -33,8 +34,9 @@ if TYPE_CHECKING:
 
 
 def num_labels(cfg: Config) -> int:
-    """The labels the model scores (check_task allows only the encoder for this task)."""
-    assert isinstance(cfg.model, EncoderSection), "task classification trains model.name encoder"
+    """The labels the model scores (check_task allows the encoder and Hugging Face models with model.num_labels)."""
+    assert isinstance(cfg.model, EncoderSection | HFSection), "task classification trains model.name encoder or hf"
+    assert cfg.model.num_labels is not None, "check_task requires model.num_labels for a Hugging Face classifier"
     return cfg.model.num_labels
 
 
@@ -156,8 +158,12 @@ def check_data(cfg: Config, data_dir: Path) -> None:
         )
     for split in SPLITS:
         data = open_split(cfg, data_dir, split)
-        check_vocab(data.vocab_size, cfg.model.vocab_size, data.where)
-        check_token_files(data.files, vocab_size=data.vocab_size, model_vocab_size=cfg.model.vocab_size)
+        check_vocab(data.vocab_size, vocab_size(cfg.model), data.where, key=vocab_key(cfg.model))
+        check_token_files(data.files, vocab_size=data.vocab_size, model_vocab_size=vocab_size(cfg.model))
+    if isinstance(cfg.model, HFSection):
+        from meshrun.models.hf_classifier import check_data_tokens
+
+        check_data_tokens(cfg.model, data)
     if num_labels(cfg) != len(data.labels):
         raise ConfigError(
             f"{data_dir} holds {len(data.labels)} labels (meta.json) but model.num_labels is {num_labels(cfg)}; "

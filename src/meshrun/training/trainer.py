@@ -16,7 +16,6 @@ from torch.amp import GradScaler
 from meshrun.checkpoint import dcp as checkpoint
 from meshrun.checkpoint.background import BackgroundSaves
 from meshrun.config.schema import Config
-from meshrun.data.packed import occupancy
 from meshrun.files.console import say
 from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome
@@ -30,7 +29,7 @@ from meshrun.parallel import timeline
 from meshrun.parallel.compile import is_compiled
 from meshrun.parallel.fsdp import measured_state_bytes
 from meshrun.parallel.mesh import Mesh
-from meshrun.tasks import Batches, SummedLoss, Task
+from meshrun.tasks import Batches, SummedLoss, Task, occupancy, positions_per_sample
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.nonfinite import NonFiniteSteps
 from meshrun.training.optim import clip_global_norm
@@ -39,7 +38,6 @@ from meshrun.training.state import TrainState
 from meshrun.training.step_records import AcrossRanks, StepResult, Window
 
 T = TypeVar("T")
-Dataset = Batches
 
 
 @dataclass(frozen=True)
@@ -47,8 +45,8 @@ class TrainingData:
     """The splits a run trains and validates on, the task that reads them (its loss and validation
     figures), and the files that say how they were tokenized (saved with each checkpoint)."""
 
-    train: Dataset
-    val: Dataset
+    train: Batches
+    val: Batches
     card: tuple[Path, ...]
     task: Task
 
@@ -90,7 +88,7 @@ class Trainer:
             ratio=cfg.metrics.straggler_ratio, windows=cfg.metrics.straggler_windows
         )
 
-    def local_batch(self, data: Dataset, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_batch(self, data: Batches, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's share of the global batch starting at global sample `position`."""
         shard = self.mesh.data_shard(self.cfg.train.global_batch)
         x, y = data.batch(position + shard.start, len(shard))
@@ -261,9 +259,7 @@ class Trainer:
         loss_fn = self.batch_loss(
             self.task.divisor(self.train_data, position, count, targets=trained), scaler=self.scaler
         )
-        # positions per sample: ids (B, T) or packed (B, 2, T), a length bucket's may be shorter;
-        # values (B, T, features) have a position per step
-        tokens = count * (x.shape[1] if x.is_floating_point() else x.shape[-1])
+        tokens = count * positions_per_sample(self.train_data, x)
         rows = occupancy(self.train_data, position, count)
         self.state.samples_seen += count
         lr = self.optimizers.set_lr(step)
