@@ -1,12 +1,14 @@
 """Each task's training step in meshrun vs a hand-written plain-torch loop, side by side in one process.
 
 For classification (the built-in encoder on labelled texts of 1 to 40 words, padded), regression
-(the time-series model on the generated seasonal series, horizon 7, mse) and causal_lm (GPT on the
+(the time-series model on the generated seasonal series, horizon 7, mse), masked_lm (the encoder's
+tokens head on the standard library's bytes, 15% masked) and causal_lm (GPT on the
 standard library's bytes, the control: overhead.py's own comparison): side A is meshrun's real
 `Trainer.train_step` on a one-process mesh; side B is overhead.py's nanoGPT-style loop around the
 same model class with the same initial weights, the same batches (the task's dataset read by
 global sample index), AdamW + clipping + warmup/cosine lr, and the task's loss written in plain
-torch (cross-entropy over the labels; mse over the values after the window). Turns alternate every
+torch (cross-entropy over the labels; mse over the values after the window; cross-entropy over the
+masked positions, summed and divided by the global batch's count of them). Turns alternate every
 step, rounds of N steps, the verdict per task is the median of the per-round ratios (overhead.py's
 `run`); the final losses must agree.
 
@@ -31,15 +33,17 @@ import torch.nn.functional as F
 from meshrun.config.schema import Config
 from meshrun.data.labelled import Example, prepare_classification
 from meshrun.data.labelled_batches import LabelledDataset
+from meshrun.data.masked_batches import MaskedWindows
 from meshrun.data.prepare import prepare
 from meshrun.data.series import EXAMPLE_COLUMNS, example_series, prepare_regression
 from meshrun.data.series_batches import SeriesDataset
+from meshrun.data.storage import IGNORE
 from meshrun.models.families import build_model
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import init_mesh, shutdown
 from meshrun.training.run import Run
 
-TASKS = ("classification", "regression", "causal_lm")
+TASKS = ("classification", "regression", "masked_lm", "causal_lm")
 HORIZON = 7
 # The forecaster's loss after ~30 AdamW steps moves with last-bit differences between the two steps
 # (equal to 0 after 5 steps, 2e-7 after 13, 5e-4 of 0.21 after 33 at the default size); the others hold 1e-4.
@@ -81,8 +85,35 @@ def task_job(task: str, args: argparse.Namespace, tmp: Path) -> tuple[Path, list
             f"model.horizon={HORIZON}",
             f"task_options.horizon={HORIZON}",
         ]
+    if task == "masked_lm":
+        prepare(_quick.stdlib_text(quick=args.quick), data_dir, task="masked_lm")
+        return data_dir, ["task=masked_lm", "model.name=encoder", "model.vocab_size=257"]  # bytes + the mask
     prepare(_quick.stdlib_text(quick=args.quick), data_dir)
     return data_dir, []
+
+
+class MaskedMean:
+    """masked_lm's batches for the hand loop and its loss: a microbatch's cross-entropy summed over
+    its masked positions, divided by the GLOBAL batch's count of them (times the accumulation, which
+    the hand loop divides by): the token mean over the global batch, as meshrun normalises."""
+
+    def __init__(self, data: MaskedWindows, accumulation: int) -> None:
+        self.data, self.accumulation, self.count = data, accumulation, 1
+
+    def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data.batch(first, count)
+        self.count = int((y != IGNORE).sum())
+        return x, y
+
+    def target_tokens(self, first: int, count: int) -> int:
+        return self.data.target_tokens(first, count)
+
+    def source_counts(self, first: int, count: int) -> dict[str, int]:
+        return {}
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        summed = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE, reduction="sum")
+        return summed * self.accumulation / self.count
 
 
 def hand_loop(task: str, cfg: Config, device: torch.device, data_dir: Path) -> overhead.HandLoop:
@@ -98,6 +129,10 @@ def hand_loop(task: str, cfg: Config, device: torch.device, data_dir: Path) -> o
     if task == "regression":
         data = SeriesDataset(data_dir, "train", seq_len=seq_len, horizon=HORIZON, seed=seed)
         return overhead.HandLoop(cfg, device, data_dir, model, data=data, loss=lambda out, y: F.mse_loss(out, y[:, 1:]))
+    if task == "masked_lm":
+        rate, accumulation = cfg.task_options.mask_rate, cfg.train.global_batch // cfg.train.micro_batch
+        masked = MaskedMean(MaskedWindows(data_dir, "train", seq_len=seq_len, seed=seed, rate=rate), accumulation)
+        return overhead.HandLoop(cfg, device, data_dir, model, data=masked, loss=masked.loss)
     return overhead.HandLoop(cfg, device, data_dir, model)
 
 
