@@ -123,6 +123,19 @@ def test_step_one_equals_transformers_sequence_classification(
     assert grad_norms(one_process(name))[0] == pytest.approx(norm, rel=1e-5)
 
 
+def test_tp2_step_equals_one_process(
+    texts: Path, folders: dict[str, Path], one_process: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Tensor parallel (the blocks split as the causal LM's, the vocabulary split in the embedding,
+    `score` whole): the first two steps' losses and pre-clip gradient norms equal one process's
+    (which equals transformers' own classifier, above)."""
+    run = tmp_path_factory.mktemp("tp2") / "run"
+    train(texts, run, folders["classifier"], **{"parallel.tp": 2, "train.steps": 2, "train.eval_interval": 0})
+    one = one_process("classifier")
+    assert losses(run) == pytest.approx(losses(one)[:2], rel=1e-5)
+    assert grad_norms(run) == pytest.approx(grad_norms(one)[:2], rel=1e-5)
+
+
 @pytest.mark.parametrize("name", ["classifier", "bert"])
 def test_dp2_pp2_trains_as_one_process(
     texts: Path, folders: dict[str, Path], one_process: Callable[[str], Path], tmp_path: Path, name: str
@@ -236,7 +249,11 @@ def bad_folders(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
         ),
         ("classifier", {"task": "causal_lm"}, "model.num_labels gives a Hugging Face model a classification head"),
         ("with-tokenizer", {}, "holds byte ids, not the tokens of the pretrained model's"),
-        ("classifier", {"parallel.tp": 2}, "declares no tensor-parallel plan"),
+        (
+            "classifier",
+            {"parallel.tp": 2, "parallel.sequence_parallel": True},
+            "tp_plan has no scatter, norm and gather styles",
+        ),
         ("bert", {"parallel.tp": 2}, "parallel.tp 2: meshrun has no tensor-parallel plan for bert"),
         ("bert", {"task": "causal_lm", "model.num_labels": "null"}, "model_type bert is an encoder: meshrun trains"),
         ("classifier", {"model.lora.r": 4}, "model.lora with task classification: the new score head would stay"),

@@ -121,6 +121,14 @@ def test_dp2_pp2_trains_as_one_process(one_process: Path, dp2_pp2: Path) -> None
     assert figures[0] == pytest.approx(figures[1], rel=1e-5)
 
 
+def test_tp2_steps_equal_one_process(masked_dir: Path, one_process: Path, tmp_path: Path) -> None:
+    """Tensor parallel (the encoder's tp plan: GPT's block split, the vocabulary split in the
+    embedding, the tokens head whole on each tp rank): the first two steps equal one process's."""
+    run = train(masked_dir, tmp_path / "run", **{"parallel.tp": 2, "train.steps": 2, "train.eval_interval": 0})
+    assert losses(run) == pytest.approx(losses(one_process)[:2], rel=1e-5)
+    assert grad_norms(run) == pytest.approx(grad_norms(one_process)[:2], rel=1e-5)
+
+
 def test_each_sample_is_masked_alike_at_dp1_and_dp2_pp2(masked_dir: Path, dp2_pp2: Path) -> None:
     """What each rank of the dp2 x pp2 run fed (its config read back, its layout's data shard of each
     global batch, as the trainer reads it) masks sample i's positions as the one-process batch does,

@@ -119,8 +119,14 @@ class HFSequenceClassifier(HFCausalLM):
         return self.head(pooled)
 
     def tp_plan(self) -> dict[str, str] | None:
-        """None: tensor parallelism is not planned for a classification head yet (refused before spawn)."""
-        return None
+        """The causal LM's split of the blocks, the embedding split by vocabulary without scattering
+        positions (pooling reads the last text token of every row, so sequence parallel is refused
+        before spawn), and the small `score` head whole on every tp rank."""
+        plan = super().tp_plan()
+        if plan is None:
+            return None
+        del plan["head"]
+        return plan | {"embed": "vocab_embedding"}
 
     def flops_per_token(self, length: int | None = None) -> float:
         """The LM's count without the head: `score` runs once per text, not per token."""
