@@ -18,6 +18,7 @@ from hf_models import SEQ_LEN, backward_microbatches, load_reference, make_model
 from plain_reference import config_from_set_args, cosine_lr
 from test_hf import interrupted
 
+from meshrun.config.schema import Config
 from meshrun.data.dataset import TokenDataset
 
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.target_modules": "all-linear"}
@@ -89,23 +90,31 @@ def initial_model(data_dir: Path, llama_dir: Path):
     return materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True), cfg
 
 
-def peft_reference(data_dir: Path, llama_dir: Path, *, steps: int):
-    """peft on transformers' own model, no meshrun code in the step: get_peft_model with the same
-    LoraConfig, meshrun's initial adapters copied in; per step the whole window's loss (HF shifts the
-    labels), one backward per microbatch, norm clipped over the adapters, torch's AdamW (not fused)."""
+def peft_model_with(ours: torch.nn.Module, cfg: Config, folder: Path) -> torch.nn.Module:
+    """peft's get_peft_model over transformers' model of `folder`, with `cfg.model.lora`'s config
+    (all-linear) and meshrun's adapters `ours` copied in."""
     from peft import LoraConfig, get_peft_model
 
-    ours, cfg = initial_model(data_dir, llama_dir)
-    train, lora = cfg.train, cfg.model.lora
+    lora = cfg.model.lora
     assert lora is not None
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules="all-linear")
-    model = get_peft_model(load_reference(llama_dir), config).train()
+    model = get_peft_model(load_reference(folder), config)
     theirs = dict(model.named_parameters())
     adapters = {peft_name(k): v for k, v in ours.named_parameters() if v.requires_grad}
     assert adapters.keys() == {k for k, v in theirs.items() if v.requires_grad}, "peft adapts other modules"
     with torch.no_grad():
         for name, value in adapters.items():
             theirs[name].copy_(value)
+    return model
+
+
+def peft_reference(data_dir: Path, llama_dir: Path, *, steps: int):
+    """peft on transformers' own model, no meshrun code in the step: get_peft_model with the same
+    LoraConfig, meshrun's initial adapters copied in; per step the whole window's loss (HF shifts the
+    labels), one backward per microbatch, norm clipped over the adapters, torch's AdamW (not fused)."""
+    ours, cfg = initial_model(data_dir, llama_dir)
+    train = cfg.train
+    model = peft_model_with(ours, cfg, llama_dir).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.betas, eps=train.eps, foreach=False)
     for group in optimizer.param_groups:

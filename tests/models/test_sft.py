@@ -18,7 +18,7 @@ from conftest import final_weights, max_weight_diff, read_metrics, run_meshrun, 
 from hf_models import load_reference, make_model
 from plain_reference import config_from_set_args
 from test_hf import interrupted
-from test_lora import peft_name
+from test_lora import peft_model_with
 
 from meshrun.data.packed import PackedDataset
 from meshrun.data.storage import IGNORE
@@ -124,21 +124,11 @@ def reference_step(root: Path, model: torch.nn.Module | None = None) -> tuple[fl
 def lora_reference_step(root: Path) -> tuple[float, float]:
     """reference_step on peft's LoraConfig over transformers' model, with the adapters meshrun draws
     (per parameter name) copied in: B starts at zero, so the norm is B's gradients, which read A."""
-    from peft import LoraConfig, get_peft_model
-
     from meshrun.parallel.materialise import materialise_part
 
     cfg = config_from_set_args(sft_args(root, "unused", **LORA))
     ours = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
-    model = get_peft_model(load_reference(root / "model"), config)
-    theirs = dict(model.named_parameters())
-    adapters = {peft_name(k): v for k, v in ours.named_parameters() if v.requires_grad}
-    assert adapters.keys() == {k for k, v in theirs.items() if v.requires_grad}, "peft adapts other modules"
-    with torch.no_grad():
-        for name, value in adapters.items():
-            theirs[name].copy_(value)
-    return reference_step(root, model)
+    return reference_step(root, peft_model_with(ours, cfg, root / "model"))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
