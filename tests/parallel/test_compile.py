@@ -1,6 +1,6 @@
 """train.compile: each block compiled with torch.compile trains the same numbers as eager, in one
-process, under dp2 x pp2 1F1B, FSDP, HSDP (2 x 2), pp2 ZBV (the backward in two passes), pp2
-interleaved 1F1B (two stages a rank), tp2 and tp2 with sequence parallel; the encoder-decoder under
+process, under dp2 x pp2 1F1B, FSDP, pp2 ZBV (the backward in two passes), pp2 zero-bubble (two
+stages a rank, the backward split), tp2 with sequence parallel; the encoder-decoder under
 pp2 GPipe; fp16 with the GradScaler (an overflowing step skipped); a block that cannot compile runs
 eager after one warning (auto) or stops the run in one line (true).
 
@@ -43,9 +43,7 @@ ROWS = {
     "fsdp-dp2-full": {"parallel.dp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
     "pp2-zbv": {"parallel.pp": 2, "parallel.schedule": "zbv"},  # the backward split in two passes
     "tp2-sequence-parallel": {"parallel.tp": 2, "parallel.sequence_parallel": True},
-    "pp2-interleaved-1f1b": {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},  # 2 stages a rank
     "pp2-zero-bubble": {"parallel.pp": 2, "parallel.schedule": "zero-bubble"},  # split backward, 2 stages a rank
-    "hsdp-2x2": {"parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2},
 }
 PLAIN = {k: v for k, v in BASE.items() if k != "train.compile"}
 
