@@ -1,6 +1,6 @@
 """parallel.balance time | size (fairscale's balancers) profile the model on a microbatch of what
 its first stage reads: token ids, a classifier's padded texts (its blocks hand on the (hidden,
-mask) state), a forecaster's values (planner/task_io.py). In one process, on the CPU."""
+mask) state), a forecaster's values (models/task_io.py). In one process, on the CPU."""
 
 from __future__ import annotations
 

@@ -24,10 +24,10 @@ from torch.utils._pytree import tree_leaves
 
 import meshrun.parallel.recompute as recompute
 from meshrun.config.schema import Config, load_config
+from meshrun.models.task_io import task_io
 from meshrun.parallel.mesh import Mesh, mesh_on
 from meshrun.parallel.parallelize import parallelize
 from meshrun.planner.saved_bytes import SavedBytes, local
-from meshrun.planner.task_io import task_io
 from meshrun.tasks import task_for
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.optim import build_optimizer

@@ -21,6 +21,7 @@ from meshrun.files.json_reader import read_json
 from meshrun.hardware.peaks import PCIE4_LINKS_GBS, device_by_short_name, links_gbs
 from meshrun.hardware.precision import choose_precision, resolve_precision
 from meshrun.metrics.record import read_metrics_rows
+from meshrun.models.task_io import task_io
 from meshrun.parallel.compile import inductor_cache_dir
 from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
@@ -28,7 +29,6 @@ from meshrun.planner.documents import describe as describe_documents
 from meshrun.planner.documents import document_rows
 from meshrun.planner.model_size import check_model_size
 from meshrun.planner.search import Prediction, compiles, predict, rank_layouts
-from meshrun.planner.task_io import task_io
 from meshrun.preflight import preflight
 from meshrun.versions import check_extras
 
@@ -102,7 +102,7 @@ def compile_note(cfg: Config, hw: Hardware, eff: Efficiency) -> str:
 
 
 def task_line(cfg: Config) -> str:
-    """Which task was planned, and the head and loss it priced (planner/task_io.py)."""
+    """Which task was planned, and the head and loss it priced (models/task_io.py)."""
     io = task_io(cfg)
     places = "every position" if io.head_positions == cfg.model.seq_len else f"{io.head_positions} per sample"
     output = " x ".join(str(n) for n in io.output)

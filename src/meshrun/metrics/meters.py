@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import resource
-import sys
-from pathlib import Path
-
 import torch
 
+from meshrun.hardware.device import peak_rss_bytes
 from meshrun.hardware.peaks import find_device
 
 
@@ -28,18 +25,6 @@ def mfu_note(device: torch.device, peak: float | None) -> str | None:
         return None
     name = torch.cuda.get_device_name(device)
     return f"MFU omitted: no peak TFLOP/s known for {name!r} at this precision; set metrics.peak_tflops to report it"
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size. Linux: the memory map's high-water mark (VmHWM), not
-    getrusage's ru_maxrss, which execve keeps from the process that started it: a worker spawned
-    by a 0.8 GB parent read 0.8 GB however little it used itself."""
-    if sys.platform.startswith("linux"):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -16,8 +16,8 @@ from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.models.hf_config import num_layers
 from meshrun.models.protocol import ProtocolModule, standalone_blocks
+from meshrun.models.task_io import task_io
 from meshrun.parallel.stages import check_split, sizes_to_split
-from meshrun.planner.task_io import task_io
 
 
 def _as_sequence(model: ProtocolModule) -> nn.Sequential:

@@ -11,8 +11,8 @@ from meshrun.hardware.device import local_device, rank_memory_bytes
 from meshrun.hardware.precision import resolve_precision
 from meshrun.models.families import init_line
 from meshrun.models.hf_config import is_hf, load_hf_config
+from meshrun.models.task_io import task_io
 from meshrun.parallel.stages import static_split
-from meshrun.planner.task_io import task_io
 
 
 def describe_split(cfg: Config) -> list[str] | None:

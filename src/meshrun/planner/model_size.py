@@ -20,7 +20,7 @@ from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.files.json_reader import read_json
 from meshrun.models.hf_config import hf_dir, load_hf_config
-from meshrun.planner.task_io import task_io
+from meshrun.models.task_io import task_io
 
 # Deepest published Transformer LMs have ~130 blocks (Llama 3.1 405B: 126). Even on the meta
 # device each block is Python objects: 10,000 take ~6 s and ~300 MB to build on a 2-core machine,

@@ -30,13 +30,13 @@ import torch.distributed as dist
 
 from meshrun.config.schema import Config
 from meshrun.errors import RunError
+from meshrun.hardware.device import peak_rss_bytes
 from meshrun.hardware.precision import autocast
 from meshrun.launcher.torchrun import WORKER_ENV
-from meshrun.metrics.meters import peak_rss_bytes
+from meshrun.models.task_io import task_io
 from meshrun.parallel import timeline
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, init_mesh, mesh_on, shutdown
-from meshrun.planner.task_io import task_io
 from meshrun.tasks import task_for
 
 

@@ -25,6 +25,7 @@ from meshrun.config.schema import Config, TrainConfig
 from meshrun.hardware.precision import DTYPES
 from meshrun.models.families import flops_at
 from meshrun.models.protocol import ProtocolModule
+from meshrun.models.task_io import task_io
 from meshrun.parallel.materialise import build_stage, prune_stage
 from meshrun.parallel.recompute import apply_recompute, wants_recompute
 from meshrun.parallel.tensor import shard_numels
@@ -32,7 +33,6 @@ from meshrun.planner.fake_cpu import fake_cpu
 from meshrun.planner.saved_bytes import SavedBytes
 from meshrun.planner.stage_pieces import compose, consecutive
 from meshrun.planner.stage_profile import StageProfile
-from meshrun.planner.task_io import task_io
 from meshrun.planner.tp_shapes import emulate_tp_shapes, shrink_to_tp_shard
 from meshrun.tasks import task_for
 from meshrun.training.loss import MicrobatchLoss

@@ -1,9 +1,10 @@
 """What a task's batch and head look like, without its data: the first stage's input, the last
 stage's targets and output, and how many positions per sample the head maps. The planner traces
-and prices a stage with it (stage_cost.py), `--calibrate`'s probes and `parallel.balance` feed it
-random batches (probe.py, parallel/balance.py), and the preflight bound sizes the last stage's
-output with it (model_size.py). One record per task, from the config alone; torch is imported only
-to make tensors (model_size.py runs before torch is imported).
+and prices a stage with it (planner/stage_cost.py), `--calibrate`'s probes and `parallel.balance`
+feed it random batches (planner/probe.py, parallel/balance.py), and the preflight bound sizes the
+last stage's output with it (planner/model_size.py). One record per task, from the config alone;
+torch is imported only to make tensors (model_size.py runs before torch is imported). It lives
+with the models, below both parallel/ and planner/, which read it.
 
 - causal_lm, seq2seq, masked_lm: token ids (T,) in, a target id (T,) per position (the next token,
   or the masked one), (T, vocab) logits out: the head maps every position.
