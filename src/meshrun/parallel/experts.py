@@ -1,0 +1,219 @@
+"""Expert parallelism (`parallel.ep`): each MoE layer's experts split over the ep ranks, every token
+sent to the ranks of the experts its router chose and back.
+
+An experts module is any module holding 3-D parameters `gate_up_proj` [E, 2 I, H] and `down_proj`
+[E, H, I], called as `experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])`: transformers'
+Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE (5.x) and meshrun's MoE GPT. Under ep each rank keeps E / ep
+consecutive experts (ep rank e: experts e E/ep .. (e + 1) E/ep - 1) and the module's forward becomes
+  1. dispatch: the (token, choice) pairs sorted by expert, the counts exchanged, the rows sent to the
+     ranks holding their experts by `all_to_all_single` with uneven splits (dropless: no capacity);
+  2. the module's own forward over its local experts on the rows it received (each row one expert,
+     weight 1), so the family's activation and its implementation (grouped_mm or a loop) are kept;
+  3. combine: the outputs sent back by the inverse all-to-all, weighted by the router's weights on
+     the rank that routed them and summed per token, as the unsplit module does.
+Both all-to-alls are differentiable (torch's functional collectives: the backward sends gradients
+the opposite way). The router's weights multiply where they were computed: its gradient stays local.
+
+Gradients. Dense weights reduce over dp as before (DDP or FSDP: the mean of the dp ranks'
+gradients). An expert's gradient on its rank already sums every ep rank's contributions (the
+all-to-all's backward brings them), so the experts are left out of DDP / FSDP, and their gradients
+are summed over `ep_dp` (the ranks holding the same experts) and divided by dp: the mean over all dp
+ranks' losses a dense weight gets, so a step equals one process's. The global gradient norm sums the
+experts' squares over `ep` (each rank holds different ones).
+
+Checkpoints: `global_state` names each shard as part of the whole tensor (a DTensor sharded on dim 0
+over the ep mesh) and `local_state` takes it back, so DCP saves whole experts and a resume at
+another ep degree (ep 1 included) reads its own share.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from meshrun.errors import ConfigError
+from meshrun.parallel.mesh import Mesh
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # 3-D, experts on dim 0
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A module whose experts ep can split: 3-D `gate_up_proj` and `down_proj` parameters."""
+    return all(isinstance(p := getattr(module, n, None), nn.Parameter) and p.ndim == 3 for n in EXPERT_WEIGHTS)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every experts module of `model`, with its name."""
+    return [(name, module) for name, module in model.named_modules() if is_experts(module)]
+
+
+def check_experts_split(model: nn.Module, ep: int) -> None:
+    """parallel.ep > 1 needs a model with MoE layers whose experts divide by ep (`model`: whole, on meta)."""
+    if ep == 1:
+        return
+    found = experts_modules(model)
+    if not found:
+        raise ConfigError(
+            f"parallel.ep is {ep} but the model has no MoE layers (no experts with 3-D gate_up_proj and down_proj) "
+            "to split; set parallel.ep=1"
+        )
+    for name, module in found:
+        total = module.get_parameter("gate_up_proj").shape[0]
+        if total % ep:
+            raise ConfigError(
+                f"parallel.ep ({ep}) must divide the number of experts ({total} in {name}); "
+                f"set parallel.ep to a divisor of {total}"
+            )
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The experts a split module holds: `count` of `total`, from `first`, over `mesh` (the ep mesh)."""
+
+    first: int
+    count: int
+    total: int
+    mesh: DeviceMesh
+
+
+def shard_experts(part: nn.Module, mesh: Mesh) -> None:
+    """Keep this ep rank's experts of every experts module of `part` (materialised whole, so their
+    values do not depend on the layout) and route its forward over the ep group; nothing at ep 1."""
+    ep = mesh.size("ep")
+    if ep == 1:
+        return
+    for _, module in experts_modules(part):
+        total = module.get_parameter("gate_up_proj").shape[0]
+        shard = ExpertShard(first=mesh.coordinates.ep * (total // ep), count=total // ep, total=total, mesh=mesh.view("ep"))
+        for name in EXPERT_WEIGHTS:
+            whole = module.get_parameter(name)
+            kept = whole.detach()[shard.first : shard.first + shard.count].clone()
+            setattr(module, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
+        if hasattr(module, "num_experts"):
+            module.num_experts = shard.count  # transformers' forwards count their experts from it
+        module.expert_shard = shard
+        module.forward = functools.partial(routed_forward, module.forward, shard=shard)
+
+
+def routed_forward(
+    local_forward: Callable[..., torch.Tensor],
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    shard: ExpertShard,
+) -> torch.Tensor:
+    """The experts module's output for `hidden` [T, H] routed to `top_k_index` [T, K] with
+    `top_k_weights` [T, K], its experts spread over the ep ranks (see the module docstring)."""
+    group, ep = shard.mesh.get_group(), shard.mesh.size()
+    choices = top_k_index.reshape(-1)  # [T K]: pair p is token p // K's choice p % K
+    order = torch.argsort(choices, stable=True)  # pairs by expert, so by the rank that holds it
+    token = order // top_k_index.shape[1]
+    sent_per_expert = torch.bincount(choices, minlength=shard.total)
+    got_per_expert = torch.empty_like(sent_per_expert)  # [ep, count]: from each rank, per local expert
+    dist.all_to_all_single(got_per_expert, sent_per_expert, group=group)
+    sends = sent_per_expert.view(ep, shard.count).sum(1).tolist()  # a host sync: the splits are sizes
+    gets = got_per_expert.view(ep, shard.count).sum(1).tolist()
+    rows = all_to_all_single_autograd(hidden[token], gets, sends, group)
+    local_ids = torch.arange(shard.count, device=hidden.device).repeat(ep).repeat_interleave(got_per_expert)
+    ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=hidden.device)
+    done = local_forward(rows, local_ids[:, None], ones)
+    back = all_to_all_single_autograd(done, sends, gets, group)
+    weighted = back * top_k_weights.reshape(-1)[order, None]
+    return torch.zeros_like(hidden).index_add(0, token, weighted.to(hidden.dtype))
+
+
+class ExpertGradients:
+    """The expert weights of this rank's parts: their gradients averaged like the dense weights', and
+    their share of the gradient norm (see the module docstring). Empty at ep 1."""
+
+    def __init__(self, parts: Sequence[nn.Module], mesh: Mesh) -> None:
+        self.params = [p for part in parts for p in expert_params(part) if p.requires_grad]
+        self.ep_dp_group = mesh.group("ep_dp") if self.params and mesh.size("ep_dp") > 1 else None
+        self.ep_group = mesh.group("ep") if self.params else None
+        self.dp = mesh.size("dp")
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Sum over ep_dp and divide by dp (call after the backward, before unscale and clip)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.ep_dp_group is not None:
+            dist.all_reduce(flat, group=self.ep_dp_group)
+        flat /= self.dp
+        for grad, synced in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(synced.view_as(grad))
+
+    def dense(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """`params` without the expert weights: the part of the gradient norm every dp rank agrees on."""
+        return [p for p in params if not any(p is e for e in self.params)]
+
+    def squared_norm(self) -> torch.Tensor | None:
+        """The squared norm of every expert gradient of this stage, summed over ep; None at ep 1."""
+        if self.ep_group is None:
+            return None
+        grads = [p.grad for p in self.params if p.grad is not None]
+        squared = torch.nn.utils.get_total_norm(grads, foreach=True).to(torch.float32) ** 2
+        dist.all_reduce(squared, group=self.ep_group)
+        return squared
+
+
+def expert_params(part: nn.Module) -> list[nn.Parameter]:
+    """The split expert weights of `part` (left out of DDP and FSDP)."""
+    return [m.get_parameter(n) for _, m in experts_modules(part) if hasattr(m, "expert_shard") for n in EXPERT_WEIGHTS]
+
+
+def expert_param_names(part: nn.Module) -> list[str]:
+    """The names of `part`'s split expert weights (DDP's parameters to ignore)."""
+    return [f"{name}.{n}" for name, m in experts_modules(part) if hasattr(m, "expert_shard") for n in EXPERT_WEIGHTS]
+
+
+def _shards(part: nn.Module) -> dict[str, ExpertShard]:
+    """Each split expert weight's name (as state dicts name it) -> its shard."""
+    return {f"{name}.{n}": m.expert_shard for name, m in experts_modules(part) if hasattr(m, "expert_shard") for n in EXPERT_WEIGHTS}
+
+
+def global_state(part: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (a model or flattened optimizer state of `part`) with each expert shard as its part of the
+    whole tensor: a DTensor over the ep mesh sharded on dim 0, sharing the shard's memory."""
+    shards = _shards(part)
+    return {key: _as_global(value, shards.get(_weight_of(key, shards))) for key, value in state.items()}
+
+
+def local_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with each DTensor made by `global_state` back to this rank's shard."""
+    return {key: v.to_local() if isinstance(v, DTensor) and _from_ep(v) else v for key, v in state.items()}
+
+
+def _weight_of(key: str, shards: dict[str, ExpertShard]) -> str:
+    """The expert weight a state key belongs to (`…experts.gate_up_proj`, `state.…gate_up_proj.exp_avg`), or ''."""
+    return next((name for name in shards if key == name or f".{name}." in f".{key}."), "")
+
+
+def _as_global(value: torch.Tensor, shard: ExpertShard | None) -> torch.Tensor:
+    if shard is None or not isinstance(value, torch.Tensor) or value.ndim == 0:
+        return value
+    whole = (shard.total, *value.shape[1:])
+    return DTensor.from_local(value, shard.mesh, [Shard(0)], run_check=False, shape=whole, stride=_contiguous(whole))
+
+
+def _from_ep(value: DTensor) -> bool:
+    return value.device_mesh.mesh_dim_names == ("ep",)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
