@@ -17,7 +17,7 @@ from torch import nn
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from meshrun.parallel import experts
+from meshrun.parallel import expert_shards, experts
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, mesh_on
 
@@ -67,7 +67,7 @@ def differences(block: nn.Module, reference: nn.Module, out: torch.Tensor, full_
     kept = slice(shard.first, shard.first + shard.count)
     found = {"output": (out - full_out).abs().max().item()}
     found["router_grad"] = (block.gate.weight.grad - reference.gate.weight.grad).abs().max().item()
-    for name in experts.EXPERT_WEIGHTS:
+    for name in expert_shards.EXPERT_WEIGHTS:
         mine, whole = block.experts.get_parameter(name), reference.experts.get_parameter(name)
         found[f"{name}_grad"] = (mine.grad - whole.grad[kept]).abs().max().item()
     return found
@@ -92,7 +92,7 @@ def main(out_dir: Path) -> None:
         found[f"ep{ep}_groups"] = {name: dist.get_process_group_ranks(mesh.group(name)) for name in ("ep", "ep_dp")}
         if ep == 2:
             found["broken"] = broken_output(mesh, x, full_out)
-            dcp.save(experts.global_state(block, block.state_dict()), checkpoint_id=out_dir / "ep2")
+            dcp.save(expert_shards.global_state(block, block.state_dict()), checkpoint_id=out_dir / "ep2")
     found["resumed"] = resumed(out_dir / "ep2", reference, cpu)
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
@@ -131,14 +131,14 @@ def resumed(path: Path, reference: nn.Module, cpu: torch.device) -> dict[str, fl
     mesh = mesh_on(Layout(dp_replicate=4, ep=4), cpu)
     quarter = moe_block(seed=7)
     experts.shard_experts(quarter, mesh)
-    state = experts.global_state(quarter, quarter.state_dict())
+    state = expert_shards.global_state(quarter, quarter.state_dict())
     dcp.load(state, checkpoint_id=path)
-    quarter.load_state_dict(experts.local_state(state))
+    quarter.load_state_dict(expert_shards.local_state(state))
     shard = quarter.experts.expert_shard
     kept = slice(shard.first, shard.first + shard.count)
     found["ep4"] = max(
         (quarter.experts.get_parameter(n) - reference.experts.get_parameter(n)[kept]).abs().max().item()
-        for n in experts.EXPERT_WEIGHTS
+        for n in expert_shards.EXPERT_WEIGHTS
     )
     return found
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import meshrun_env
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -20,7 +21,6 @@ from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.parallel.experts import check_experts_split
 from meshrun.parallel.layout import Layout
-from conftest import meshrun_env
 
 WORKER = Path(__file__).with_name("experts_worker.py")
 TOLERANCE = 1e-5  # relative to the largest value compared
@@ -30,7 +30,16 @@ TOLERANCE = 1e-5  # relative to the largest value compared
 def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """One 4-rank launch; every rank's measurements (experts_worker.py)."""
     out = tmp_path_factory.mktemp("experts")
-    argv = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(WORKER), str(out)]
+    argv = [
+        sys.executable,
+        "-P",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        str(WORKER),
+        str(out),
+    ]
     env = meshrun_env(out, PYTHONPATH=str(WORKER.parents[2]))
     done = subprocess.run(argv, cwd=out, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -80,7 +89,12 @@ def test_ep_borrows_the_innermost_dp_ranks() -> None:
     layout = Layout(pp=2, dp_replicate=2, dp_shard=2, ep=2)
     assert layout.text() == "dp 4 (hsdp, shard 2, experts over ep 2) x tp 1 x pp 2 (1f1b)"
     assert (layout.size("ep"), layout.size("ep_dp"), layout.world_size) == (2, 2, 8)
-    assert [(layout.coordinates(r).ep_dp, layout.coordinates(r).ep) for r in range(4, 8)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(layout.coordinates(r).ep_dp, layout.coordinates(r).ep) for r in range(4, 8)] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
     assert layout.group_ranks(5, "ep") == [4, 5] and layout.group_ranks(5, "ep_dp") == [5, 7]
 
 
@@ -103,7 +117,9 @@ def test_ep_needs_experts_it_can_divide() -> None:
     with torch.device("meta"):
         block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=6))
     check_experts_split(block, 3)
-    with pytest.raises(ConfigError, match=re.escape("parallel.ep (4) must divide the number of experts (6 in experts)")):
+    with pytest.raises(
+        ConfigError, match=re.escape("parallel.ep (4) must divide the number of experts (6 in experts)")
+    ):
         check_experts_split(block, 4)
     with pytest.raises(ConfigError, match=re.escape("parallel.ep is 2 but the model has no MoE layers")):
         check_experts_split(nn.Linear(2, 2), 2)

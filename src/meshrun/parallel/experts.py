@@ -21,8 +21,7 @@ are summed over `ep_dp` (the ranks holding the same experts) and divided by dp: 
 ranks' losses a dense weight gets, so a step equals one process's. The global gradient norm sums the
 experts' squares over `ep` (each rank holds different ones).
 
-Checkpoints: `global_state` names each shard as part of the whole tensor (a DTensor sharded on dim 0
-over the ep mesh) and `local_state` takes it back, so DCP saves whole experts and a resume at
+Checkpoints: parallel/expert_shards.py names each shard as part of the whole tensor, so a resume at
 another ep degree (ep 1 included) reads its own share.
 """
 
@@ -30,29 +29,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from meshrun.errors import ConfigError
-from meshrun.parallel.mesh import Mesh
+from meshrun.parallel.expert_shards import EXPERT_WEIGHTS, ExpertShard, experts_modules
 
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # 3-D, experts on dim 0
-
-
-def is_experts(module: nn.Module) -> bool:
-    """A module whose experts ep can split: 3-D `gate_up_proj` and `down_proj` parameters."""
-    return all(isinstance(p := getattr(module, n, None), nn.Parameter) and p.ndim == 3 for n in EXPERT_WEIGHTS)
-
-
-def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every experts module of `model`, with its name."""
-    return [(name, module) for name, module in model.named_modules() if is_experts(module)]
+if TYPE_CHECKING:
+    from meshrun.parallel.mesh import Mesh
 
 
 def check_experts_split(model: nn.Module, ep: int) -> None:
@@ -74,16 +62,6 @@ def check_experts_split(model: nn.Module, ep: int) -> None:
             )
 
 
-@dataclass(frozen=True)
-class ExpertShard:
-    """The experts a split module holds: `count` of `total`, from `first`, over `mesh` (the ep mesh)."""
-
-    first: int
-    count: int
-    total: int
-    mesh: DeviceMesh
-
-
 def shard_experts(part: nn.Module, mesh: Mesh) -> None:
     """Keep this ep rank's experts of every experts module of `part` (materialised whole, so their
     values do not depend on the layout) and route its forward over the ep group; nothing at ep 1."""
@@ -92,14 +70,16 @@ def shard_experts(part: nn.Module, mesh: Mesh) -> None:
         return
     for _, module in experts_modules(part):
         total = module.get_parameter("gate_up_proj").shape[0]
-        shard = ExpertShard(first=mesh.coordinates.ep * (total // ep), count=total // ep, total=total, mesh=mesh.view("ep"))
+        shard = ExpertShard(
+            first=mesh.coordinates.ep * (total // ep), count=total // ep, total=total, mesh=mesh.view("ep")
+        )
         for name in EXPERT_WEIGHTS:
             whole = module.get_parameter(name)
             kept = whole.detach()[shard.first : shard.first + shard.count].clone()
             setattr(module, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
         if hasattr(module, "num_experts"):
-            module.num_experts = shard.count  # transformers' forwards count their experts from it
-        module.expert_shard = shard
+            setattr(module, "num_experts", shard.count)  # noqa: B010 transformers' forwards count their experts from it
+        setattr(module, "expert_shard", shard)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors and modules)
         module.forward = functools.partial(routed_forward, module.forward, shard=shard)
 
 
@@ -144,6 +124,9 @@ class ExpertGradients:
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Sum over ep_dp and divide by dp (call after the backward, before unscale and clip)."""
+        for param in self.params:  # a rank no token reached has no gradient: its peers still sum with it
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return
@@ -176,44 +159,3 @@ def expert_params(part: nn.Module) -> list[nn.Parameter]:
 def expert_param_names(part: nn.Module) -> list[str]:
     """The names of `part`'s split expert weights (DDP's parameters to ignore)."""
     return [f"{name}.{n}" for name, m in experts_modules(part) if hasattr(m, "expert_shard") for n in EXPERT_WEIGHTS]
-
-
-def _shards(part: nn.Module) -> dict[str, ExpertShard]:
-    """Each split expert weight's name (as state dicts name it) -> its shard."""
-    return {f"{name}.{n}": m.expert_shard for name, m in experts_modules(part) if hasattr(m, "expert_shard") for n in EXPERT_WEIGHTS}
-
-
-def global_state(part: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` (a model or flattened optimizer state of `part`) with each expert shard as its part of the
-    whole tensor: a DTensor over the ep mesh sharded on dim 0, sharing the shard's memory."""
-    shards = _shards(part)
-    return {key: _as_global(value, shards.get(_weight_of(key, shards))) for key, value in state.items()}
-
-
-def local_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` with each DTensor made by `global_state` back to this rank's shard."""
-    return {key: v.to_local() if isinstance(v, DTensor) and _from_ep(v) else v for key, v in state.items()}
-
-
-def _weight_of(key: str, shards: dict[str, ExpertShard]) -> str:
-    """The expert weight a state key belongs to (`…experts.gate_up_proj`, `state.…gate_up_proj.exp_avg`), or ''."""
-    return next((name for name in shards if key == name or f".{name}." in f".{key}."), "")
-
-
-def _as_global(value: torch.Tensor, shard: ExpertShard | None) -> torch.Tensor:
-    if shard is None or not isinstance(value, torch.Tensor) or value.ndim == 0:
-        return value
-    whole = (shard.total, *value.shape[1:])
-    return DTensor.from_local(value, shard.mesh, [Shard(0)], run_check=False, shape=whole, stride=_contiguous(whole))
-
-
-def _from_ep(value: DTensor) -> bool:
-    return value.device_mesh.mesh_dim_names == ("ep",)
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))

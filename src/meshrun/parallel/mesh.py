@@ -36,7 +36,9 @@ class Mesh:
     layout: Layout
     device: torch.device
     world: DeviceMesh  # every axis of the layout (AXES, outermost first)
-    views: Mapping[str, DeviceMesh]  # each view (VIEWS, and EXPERT_VIEWS when ep > 1) cut from `world`: torch keeps no way back to it
+    views: Mapping[
+        str, DeviceMesh
+    ]  # each view (VIEWS, and EXPERT_VIEWS when ep > 1) cut from `world`: torch keeps no way back to it
 
     @property
     def rank(self) -> int:

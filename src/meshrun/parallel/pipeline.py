@@ -34,6 +34,7 @@ from meshrun.parallel.stages import TORCH_SCHEDULE_NAMES, static_split
 from meshrun.parallel.tensor import tp_loss, vocab_parallel
 
 if TYPE_CHECKING:
+    from meshrun.parallel.experts import ExpertGradients
     from meshrun.parallel.tied import TiedEmbeddings
 
 
@@ -125,6 +126,7 @@ class PipelineModel:
     """pp > 1: one schedule step runs all microbatches' forward and backward on every stage."""
 
     tied: TiedEmbeddings  # set by parallelize
+    experts: ExpertGradients  # set by parallelize
 
     def __init__(
         self,

@@ -97,15 +97,20 @@ def clip_global_norm(
     *,
     max_norm: float,
     pp_group: dist.ProcessGroup | None,
+    split_squared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gradients' global norm over every stage, and clipped to `max_norm` (0: not clipped).
     `counted`: the parameters whose gradients the norm counts (a tied matrix's two copies once);
     dp replicas already agree after DDP's all-reduce, fsdp and tp shards are summed over their
-    meshes (fsdp.full_norm), pipeline stages over `pp_group` (None: one stage)."""
+    meshes (fsdp.full_norm), pipeline stages over `pp_group` (None: one stage). `split_squared`:
+    the squared norm of gradients not in `counted`, already summed over the ranks that split them
+    (parallel.experts: the experts over ep)."""
     grads = [p.grad for p in counted if p.grad is not None]
     device = params[0].device if params else torch.device("cpu")
     norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=device)
     norm = full_norm(norm)
+    if split_squared is not None:
+        norm = (norm.to(torch.float32) ** 2 + split_squared).sqrt()
     if pp_group is not None:
         squared = norm.to(torch.float32) ** 2
         with time_split.section("wait"):  # for the stage that finishes its backward last

@@ -75,6 +75,7 @@ class Trainer:
         self.params = [p for part in self.model.parts for p in part.parameters()]
         self.compiles = any(is_compiled(part.blocks) for part in self.model.parts)
         self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
+        self.norm_params = self.model.experts.dense(self.norm_params)  # split experts: summed over ep apart
         self.train_data, self.val_data, self.data_card, self.task = data.train, data.val, data.card, data.task
         self.flops_model = flops_model  # on meta: prices a step's tokens at its length
         self.flops_by_length: dict[int, float] = {}
@@ -268,6 +269,7 @@ class Trainer:
         time_split.phase("forward_backward")
         loss = self.model.forward_backward(x, y, loss=loss_fn)
         self.model.tied.sync_gradients()  # both copies of a tied embedding get the summed gradient
+        self.model.experts.sync_gradients()  # split experts: averaged over the ranks holding the same ones
         progress.mark("optimizer", "gradient norm over the stages, then the optimizer step")
         time_split.phase("optimizer")
         # fp16: back to real units; found_inf is all-reduced over the pipeline stages.
@@ -304,7 +306,13 @@ class Trainer:
     def clip_gradients(self) -> torch.Tensor:
         """The global norm over all stages, the gradients clipped to it (optim.clip_global_norm)."""
         pp_group = self.mesh.group("pp") if self.mesh.size("pp") > 1 else None
-        return clip_global_norm(self.params, self.norm_params, max_norm=self.cfg.train.grad_clip, pp_group=pp_group)
+        return clip_global_norm(
+            self.params,
+            self.norm_params,
+            max_norm=self.cfg.train.grad_clip,
+            pp_group=pp_group,
+            split_squared=self.model.experts.squared_norm(),
+        )
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
