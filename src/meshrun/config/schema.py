@@ -326,6 +326,17 @@ class Config(Section):
         return value
 
     @model_validator(mode="after")
+    def _microbatch_balance_on_one_stage(self) -> Config:
+        """model.moe.aux_loss microbatch pools every MoE layer of a microbatch: parallel.pp 1 (one stage holds them all)."""
+        moe = getattr(self.model, "moe", None)
+        if moe is not None and moe.aux_loss == "microbatch" and self.parallel.pp > 1:
+            raise ConfigError(
+                f"model.moe.aux_loss microbatch pools every MoE layer of a microbatch, which parallel.pp {self.parallel.pp} "
+                "splits over stages; use model.moe.aux_loss=sequence (layout-independent) or parallel.pp=1"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _layout_runs(self) -> Config:
         """The layout runs: train.global_batch a multiple of micro_batch x dp; the world size split evenly over
         launch.nnodes with each tp group on one node; the heads (and, under sequence parallel, the sequence
