@@ -11,6 +11,7 @@ from meshrun.hardware.device import local_device, rank_memory_bytes
 from meshrun.hardware.precision import resolve_precision
 from meshrun.models.families import init_line
 from meshrun.models.hf_config import is_hf, load_hf_config
+from meshrun.models.moe import inactive_params, sparse_mlps
 from meshrun.models.task_io import task_io
 from meshrun.parallel.stages import static_split
 
@@ -46,6 +47,22 @@ def describe_layout(cfg: Config) -> list[str]:
 _UNREAD = {"hf": ("name", "num_layers", "dim", "num_heads", "vocab_size"), "timeseries": ("vocab_size",)}
 
 
+def describe_experts(model: nn.Module) -> list[str]:
+    """A Mixture-of-Experts model's MoE layers and its active parameters (those a token runs
+    through: what MFU counts); nothing for a dense model."""
+    blocks = getattr(model, "blocks", None)
+    mlps = sparse_mlps(blocks) if isinstance(blocks, nn.ModuleDict) else {}
+    if not mlps:
+        return []
+    gate = next(iter(mlps.values())).gate
+    active = sum(p.numel() for p in model.parameters()) - inactive_params(blocks)
+    layers = ", ".join(str(i) for i in mlps)
+    return [
+        f"  MoE: {len(mlps)} layers ({layers}), {gate.num_experts} experts each, top {gate.top_k}; "
+        f"{active:,.0f} active parameters per token"
+    ]
+
+
 def describe_model(cfg: Config, model: nn.Module) -> list[str]:
     """The shape of the model that will train (a Hugging Face one's own, not the built-in
     defaults), its parameter count and where its weights come from."""
@@ -65,6 +82,7 @@ def describe_model(cfg: Config, model: nn.Module) -> list[str]:
         "model:",
         f"  {source}: {layers} blocks, dim {dim}, {heads} heads, {reads}, seq_len {cfg.model.seq_len}",
         f"  {params:,} parameters{trained}; {init_line(cfg, model)}",
+        *describe_experts(model),
     ]
 
 

@@ -1,0 +1,102 @@
+"""Mixture-of-Experts models: the built-in experts' grouped matmul against a loop, the balance
+losses' arithmetic, and each Hugging Face MoE family in one process against transformers' own
+model (step-1 loss with transformers' auxiliary loss, pre-clip gradient norm)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import in_process_trainer
+from meshrun.models import moe
+from meshrun.models.moe_balance import microbatch_balance, sequence_balance, window_row
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64, "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.1, "bos_token_id": 0, "eos_token_id": 1}
+MOE_FAMILIES = {
+    # layer 1 dense (mlp_only_layers): the sparse layers are whichever transformers made sparse
+    "qwen3_moe": {**TINY, "num_experts": 4, "moe_intermediate_size": 16, "mlp_only_layers": [1], "head_dim": 8},
+    # a shared expert with its sigmoid gate beside the routed ones; every second layer sparse
+    "qwen2_moe": {**TINY, "num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                  "decoder_sparse_step": 2},
+    "mixtral": {**TINY, "num_local_experts": 4},  # files name the block block_sparse_moe, experts w1 w3 w2
+    "olmoe": {**TINY, "num_experts": 4, "pad_token_id": 0},
+}
+
+
+def make_moe(family: str, out: Path) -> Path:
+    """transformers' own model of the family, its random init seeded, saved with save_pretrained."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(family, **MOE_FAMILIES[family])
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_one_process_equals_transformers(family: str, data_dir: Path, tmp_path: Path) -> None:
+    """One process, one microbatch, model.moe.aux_loss microbatch: meshrun's step-1 loss plus its
+    auxiliary loss (x router_aux_loss_coef) is transformers' loss with output_router_logits, and
+    the pre-clip gradient norms agree, to 1e-5 relative."""
+    from hf_models import load_reference
+
+    model_dir = make_moe(family, tmp_path / "model")
+    settings = {"model.hf": model_dir, "model.seq_len": 16, "model.moe.aux_loss": "microbatch",
+                "train.global_batch": 4, "train.micro_batch": 4, "train.steps": 1}
+    with in_process_trainer(data_dir, tmp_path / "run", **settings) as trainer:
+        x, y = trainer.local_batch(trainer.train_data, 0)
+        result = trainer.train_step(0)
+        row = window_row(trainer.model.parts, trainer.moe_layers, trainer.device)
+    reference = load_reference(model_dir).train()
+    out = reference(input_ids=x, labels=y, shift_labels=y.contiguous(), output_router_logits=True)
+    out.loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
+    ours = result.loss.item() + reference.config.router_aux_loss_coef * row["aux_loss"]
+    assert ours == pytest.approx(out.loss.item(), rel=1e-5)
+    assert row["aux_loss"] == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    assert result.grad_norm.item() == pytest.approx(norm, rel=1e-5)
+
+
+def test_grouped_matmul_equals_a_loop_over_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experts' grouped matmul (torch.nn.functional.grouped_mm) and the loop over experts give
+    the same outputs and gradients; torch 2.13 has the grouped matmul (an upgrade that drops or
+    renames it fails here, not silently slower)."""
+    assert hasattr(F, "grouped_mm")
+    experts = moe.Experts(num_experts=4, dim=32, expert_dim=16)
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    x, index = torch.randn(10, 32), torch.randint(0, 4, (10, 2))
+    index[:, 1] = (index[:, 0] + 1) % 4  # two different experts, one of them unused maybe
+    weights = torch.rand(10, 2)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        experts.zero_grad()
+        out = experts(x, index, weights)
+        out.square().sum().backward()
+        return out.detach(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()
+
+    assert moe.grouped_mm_fits(x, experts.gate_up_proj)
+    grouped = run()
+    monkeypatch.setattr(moe, "grouped_mm_fits", lambda x, w: False)
+    looped = run()
+    for a, b in zip(grouped, looped):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sequence_balance_does_not_depend_on_grouping() -> None:
+    """The per-sequence loss summed over any split of a batch is the same; transformers' batch-level
+    form over the same split is not (why `microbatch` depends on train.micro_batch)."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(4 * 8, 4) * 3, dim=-1)  # 4 sequences of 8 tokens, 4 experts
+    chosen = torch.topk(probs, 2, dim=-1).indices
+    whole = sequence_balance(probs, chosen, batch=4).sum()
+    halves = sum(sequence_balance(p, c, batch=2).sum() for p, c in zip(probs.chunk(2), chosen.chunk(2)))
+    torch.testing.assert_close(whole, halves)
+    pooled = microbatch_balance([probs], [chosen])
+    split = sum(microbatch_balance([p], [c]) for p, c in zip(probs.chunk(2), chosen.chunk(2))) / 2
+    assert abs(pooled.item() - split.item()) > 1e-3
