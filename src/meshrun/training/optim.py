@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.amp import GradScaler
+from torch.distributed.tensor import DTensor
 
 from meshrun.config.schema import TrainConfig
 from meshrun.metrics import time_split
@@ -27,7 +28,13 @@ def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     for param in part.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # Each group all DTensors or all plain tensors (torch's fused kernels refuse a mix): under fsdp the
+    # experts parallel.ep splits stay plain (parallel/experts.py) beside the sharded DTensors.
+    groups = [
+        {"params": [p for p in params if isinstance(p, DTensor) == sharded], "weight_decay": weight_decay}
+        for sharded in (True, False)
+        for params, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0))
+    ]
     # LoRA trains matrices only: an empty group would break torch's flattened optimizer state on load
     groups = [group for group in groups if group["params"]]
     # Fused where torch has a fused kernel (AdamW, Adam, SGD; CPU and CUDA): it can skip a step on
@@ -116,8 +123,12 @@ def clip_global_norm(
         with time_split.section("wait"):  # for the stage that finishes its backward last
             dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    for sharded in (
+        (True, False) if max_norm > 0 else ()
+    ):  # torch's foreach kernels refuse DTensors beside plain tensors
+        kind = [p for p in params if isinstance(p, DTensor) == sharded]
+        if kind:
+            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, norm, foreach=True)
     return norm
 
 
