@@ -9,35 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import in_process_trainer
 
+from conftest import in_process_trainer
 from meshrun.models import moe
 from meshrun.models.moe_balance import microbatch_balance, sequence_balance, window_row
 
-TINY = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-    "num_experts_per_tok": 2,
-    "router_aux_loss_coef": 0.1,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-}
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64, "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.1, "bos_token_id": 0, "eos_token_id": 1}
 MOE_FAMILIES = {
     # layer 1 dense (mlp_only_layers): the sparse layers are whichever transformers made sparse
     "qwen3_moe": {**TINY, "num_experts": 4, "moe_intermediate_size": 16, "mlp_only_layers": [1], "head_dim": 8},
     # a shared expert with its sigmoid gate beside the routed ones; every second layer sparse
-    "qwen2_moe": {
-        **TINY,
-        "num_experts": 4,
-        "moe_intermediate_size": 16,
-        "shared_expert_intermediate_size": 16,
-        "decoder_sparse_step": 2,
-    },
+    "qwen2_moe": {**TINY, "num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                  "decoder_sparse_step": 2},
     "mixtral": {**TINY, "num_local_experts": 4},  # files name the block block_sparse_moe, experts w1 w3 w2
     "olmoe": {**TINY, "num_experts": 4, "pad_token_id": 0},
 }
@@ -61,14 +46,8 @@ def test_one_process_equals_transformers(family: str, data_dir: Path, tmp_path: 
     from hf_models import load_reference
 
     model_dir = make_moe(family, tmp_path / "model")
-    settings = {
-        "model.hf": model_dir,
-        "model.seq_len": 16,
-        "model.moe.aux_loss": "microbatch",
-        "train.global_batch": 4,
-        "train.micro_batch": 4,
-        "train.steps": 1,
-    }
+    settings = {"model.hf": model_dir, "model.seq_len": 16, "model.moe.aux_loss": "microbatch",
+                "train.global_batch": 4, "train.micro_batch": 4, "train.steps": 1}
     with in_process_trainer(data_dir, tmp_path / "run", **settings) as trainer:
         x, y = trainer.local_batch(trainer.train_data, 0)
         result = trainer.train_step(0)

@@ -53,7 +53,7 @@ def install_balance(blocks: nn.ModuleDict, cfg: HFSection, config: Any) -> Balan
             routed[:] = [(torch.softmax(logits.float(), dim=-1), chosen)]
 
         def attach(mlp: nn.Module, args: Any, output: torch.Tensor, routed: list = routed) -> torch.Tensor:
-            ((probs, chosen),) = routed
+            (probs, chosen), = routed
             routed.clear()
             return balance.layer_output(output, mlp.meter, probs, chosen, batch=args[0].shape[0])
 

@@ -112,11 +112,7 @@ class MoEMLP(nn.Module):
 def sparse_mlps(blocks: nn.ModuleDict) -> dict[int, nn.Module]:
     """Layer index -> the layer's MoE MLP (one with `experts` and a router `gate` that has `top_k` and
     `num_experts`: ours and transformers' alike)."""
-    return {
-        int(key): block.mlp
-        for key, block in blocks.items()
-        if hasattr(block.mlp, "experts") and hasattr(block.mlp, "gate")
-    }
+    return {int(key): block.mlp for key, block in blocks.items() if hasattr(block.mlp, "experts") and hasattr(block.mlp, "gate")}
 
 
 def moe_layers(blocks: nn.ModuleDict) -> dict[int, int]:

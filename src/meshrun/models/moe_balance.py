@@ -115,9 +115,7 @@ class _AddAuxGradient(torch.autograd.Function):
 def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(..., k) chosen experts -> tokens per expert (E,), float32, on the device (no host sync)."""
     flat = chosen.reshape(-1)
-    return torch.zeros(num_experts, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.float32)
-    )
+    return torch.zeros(num_experts, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
 
 
 def sequence_balance(probs: torch.Tensor, chosen: torch.Tensor, batch: int) -> torch.Tensor:
@@ -126,12 +124,9 @@ def sequence_balance(probs: torch.Tensor, chosen: torch.Tensor, batch: int) -> t
     num_experts = probs.shape[-1]
     p = probs.float().reshape(batch, -1, num_experts)  # (B, T, E)
     picks = chosen.reshape(batch, -1)  # (B, T*k)
-    f = (
-        torch.zeros(batch, num_experts, device=p.device).scatter_add_(
-            1, picks, torch.ones_like(picks, dtype=torch.float32)
-        )
-        / p.shape[1]
-    )  # (B, E): sums to k
+    f = torch.zeros(batch, num_experts, device=p.device).scatter_add_(
+        1, picks, torch.ones_like(picks, dtype=torch.float32)
+    ) / p.shape[1]  # (B, E): sums to k
     return num_experts * (f * p.mean(dim=1)).sum(dim=1)
 
 
@@ -181,9 +176,7 @@ class Balance:
         meters, probs, chosen = zip(*self.pending, strict=True)
         self.pending = []
         value = microbatch_balance(list(probs), list(chosen))
-        records = [
-            (m, expert_counts(c.detach(), m.num_experts), None, 0.0) for m, c in zip(meters, chosen, strict=True)
-        ]
+        records = [(m, expert_counts(c.detach(), m.num_experts), None, 0.0) for m, c in zip(meters, chosen, strict=True)]
         records[-1] = (*records[-1][:2], value.detach(), 1.0)
         return _AddAuxGradient.apply(hidden, value * self.coef, "microbatch", records, 1.0)
 
@@ -203,9 +196,7 @@ def window_row(parts: list[nn.Module], moe_layers: dict[int, int], device: torch
     rows = []
     for layer, experts in sorted(moe_layers.items()):
         meter = held.get(layer)
-        rows.append(
-            meter.take(device) if meter is not None else torch.zeros(experts + 2, dtype=torch.float64, device=device)
-        )
+        rows.append(meter.take(device) if meter is not None else torch.zeros(experts + 2, dtype=torch.float64, device=device))
     summed = torch.cat(rows)
     if dist.is_initialized():
         dist.all_reduce(summed)
