@@ -40,6 +40,7 @@ from meshrun.errors import ConfigError
 from meshrun.parallel.expert_shards import EXPERT_WEIGHTS, ExpertShard, experts_modules
 
 if TYPE_CHECKING:
+    from meshrun.parallel.layout import Layout
     from meshrun.parallel.mesh import Mesh
 
 
@@ -159,3 +160,23 @@ def expert_params(part: nn.Module) -> list[nn.Parameter]:
 def expert_param_names(part: nn.Module) -> list[str]:
     """The names of `part`'s split expert weights (DDP's parameters to ignore)."""
     return [f"{name}.{n}" for name, m in experts_modules(part) if hasattr(m, "expert_shard") for n in EXPERT_WEIGHTS]
+
+
+def describe_expert_parallel(layout: Layout, model: nn.Module) -> list[str]:
+    """--dry-run lines: the ep groups and the experts each ep rank holds (`model`: whole, checked by
+    check_experts_split); nothing at ep 1."""
+    if layout.ep == 1:
+        return []
+    total = experts_modules(model)[0][1].get_parameter("gate_up_proj").shape[0]
+    count = total // layout.ep
+    groups = sorted({tuple(layout.group_ranks(r, "ep")) for r in layout.ranks_of_pp_rank(0)})
+    held = "; ".join(f"ep rank {e}: experts {e * count}-{(e + 1) * count - 1}" for e in range(layout.ep))
+    return [
+        "expert parallel:",
+        (
+            f"  ep {layout.ep} x ep_dp {layout.size('ep_dp')}: each MoE layer's {total} experts split over the ranks "
+            f"of each ep group ({', '.join(str(list(g)) for g in groups)} on pipeline rank 0; the other stages alike)"
+        ),
+        f"  {held}; tokens reach them by two all-to-alls per MoE layer forward, two backward",
+        "  per rank state: not estimated under parallel.ep yet (each run's metrics record what it holds: state_bytes)",
+    ]
