@@ -100,3 +100,67 @@ def test_sequence_balance_does_not_depend_on_grouping() -> None:
     pooled = microbatch_balance([probs], [chosen])
     split = sum(microbatch_balance([p], [c]) for p, c in zip(probs.chunk(2), chosen.chunk(2))) / 2
     assert abs(pooled.item() - split.item()) > 1e-3
+
+
+HERE = Path(__file__).parent
+GPT_MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.aux_loss_coef": 0.1,
+           "train.global_batch": 8, "train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5}
+LAYOUTS = {
+    "one": {},
+    "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
+    # the broken variant: each stage divides by its own MoE layers (tests/models/moe_per_stage.py)
+    "broken-pp2": {"parallel.pp": 2, "parallel.schedule": "1f1b", "model.factory": "moe_per_stage:build",
+                   "train.steps": 1, **{f"model.options.{k}": v for k, v in
+                                        (("num_experts", 4), ("top_k", 2), ("aux_loss_coef", 0.1))}},
+}
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The built-in MoE gpt with the per-sequence balance loss, trained at each layout (one launch each)."""
+    from conftest import meshrun_env, run_meshrun, tiny
+
+    runs = {}
+    for name, layout in LAYOUTS.items():
+        run = tmp_path_factory.mktemp(name) / "run"
+        settings = {**GPT_MOE, **layout}
+        if "model.factory" in settings:
+            settings = {k: v for k, v in settings.items() if not k.startswith("model.moe.")}
+        run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=run.parent,
+                    env=meshrun_env(run.parent, PYTHONPATH=str(HERE)))
+        runs[name] = run
+    return runs
+
+
+def routing(run: Path) -> list[dict[str, float]]:
+    """Each logged step's tokens per expert (min, max, cv per layer) and the balance loss."""
+    from conftest import read_metrics
+
+    return [{k: v for k, v in row.items() if k.startswith("moe/") or k == "aux_loss"}
+            for row in read_metrics(run) if "loss" in row]
+
+
+def test_dp2_pp2_equals_one_process(gpt_runs: dict[str, Path]) -> None:
+    """dp2 x pp2 (1F1B) with the per-sequence balance loss: step-1 loss and gradient norm, the
+    weights after 10 clipped AdamW steps (1e-5), and the routing of every step (tokens per expert
+    of every layer, the balance loss) equal one process's."""
+    from conftest import final_weights, grad_norms, losses, max_weight_diff
+
+    one, split = gpt_runs["one"], gpt_runs["dp2-pp2-1f1b"]
+    assert losses(split)[0] == pytest.approx(losses(one)[0], rel=1e-5)
+    assert grad_norms(split)[0] == pytest.approx(grad_norms(one)[0], rel=1e-5)
+    ours, theirs = routing(split), routing(one)
+    assert ours[0]["aux_loss"] > 0 and ours[0].keys() == theirs[0].keys()
+    for a, b in zip(ours, theirs, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert max_weight_diff(final_weights(split), final_weights(one)) < 1e-5
+
+
+def test_a_balance_loss_normalised_per_stage_differs(gpt_runs: dict[str, Path]) -> None:
+    """The check can fail: a stage that divides the balance loss by its own MoE layers (half the
+    model's) gives another gradient at step 1, though the language loss and routing agree."""
+    from conftest import grad_norms, losses
+
+    one, broken = gpt_runs["one"], gpt_runs["broken-pp2"]
+    assert losses(broken)[0] == pytest.approx(losses(one)[0], rel=1e-5)
+    assert grad_norms(broken)[0] != pytest.approx(grad_norms(one)[0], rel=1e-5)

@@ -49,6 +49,8 @@ class RouterMeter:
     aux_count: float = 0.0
 
     def record(self, counts: torch.Tensor, aux: torch.Tensor | None, aux_count: float) -> None:
+        if not _RECORDING[-1]:  # a pipeline stage's shape inference: a backward on uninitialised tensors
+            return
         self.counts = counts if self.counts is None else self.counts + counts
         if aux is not None:
             self.aux_sum = self.aux_sum + aux
@@ -74,6 +76,19 @@ class _Step:
 
 
 _STEP: list[_Step] = [_Step()]
+_RECORDING: list[bool] = [True]
+
+
+@contextlib.contextmanager
+def routing_recorded(on: bool) -> Iterator[None]:
+    """Whether the backwards run inside count into the router meters: a pipeline schedule turns
+    them off for its step and on for each stage's real backward (its first step also infers the
+    stages' shapes with a forward and backward of uninitialised tensors, which must not count)."""
+    _RECORDING.append(on)
+    try:
+        yield
+    finally:
+        _RECORDING.pop()
 
 
 @contextlib.contextmanager
