@@ -62,6 +62,24 @@ def test_one_process_equals_transformers(family: str, data_dir: Path, tmp_path: 
     assert result.grad_norm.item() == pytest.approx(norm, rel=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_export_hf_loads_in_transformers_with_equal_logits(family: str, tmp_path: Path) -> None:
+    """export --hf writes the experts as the files hold them (one tensor per expert; Mixtral's
+    block_sparse_moe names), and transformers loads the folder into the same logits."""
+    from hf_models import load_reference
+
+    from meshrun.config.schema import validate
+    from meshrun.models.hf_export import export_hf
+    from meshrun.parallel.materialise import materialise_part
+
+    cfg = validate({"model": {"hf_config": {"model_type": family, **MOE_FAMILIES[family]}, "seq_len": 16}})
+    model = materialise_part(cfg, torch.device("cpu"), layers=[0, 1, 2], first=True, last=True).eval()
+    out = export_hf(model, cfg.model, tmp_path / "export")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(load_reference(out)(input_ids=tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_matmul_equals_a_loop_over_experts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The experts' grouped matmul (torch.nn.functional.grouped_mm) and the loop over experts give
     the same outputs and gradients; torch 2.13 has the grouped matmul (an upgrade that drops or
@@ -88,6 +106,20 @@ def test_grouped_matmul_equals_a_loop_over_experts(monkeypatch: pytest.MonkeyPat
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_experts_trace_on_fake_tensors_as_a_balanced_router() -> None:
+    """meshrun plan traces on fake tensors (no counts to route by): the experts run as if each got
+    N k / E rows; torch's private is_fake, which tells a trace apart, still answers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    experts = moe.Experts(num_experts=4, dim=32, expert_dim=16)
+    assert not moe.planned(torch.zeros(1))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(torch.zeros(6, 32))
+        assert moe.planned(fake)
+        out = experts(fake, torch.zeros(6, 2, dtype=torch.long), torch.ones(6, 2))
+    assert out.shape == (6, 32)
+
+
 def test_sequence_balance_does_not_depend_on_grouping() -> None:
     """The per-sequence loss summed over any split of a batch is the same; transformers' batch-level
     form over the same split is not (why `microbatch` depends on train.micro_batch)."""
@@ -107,7 +139,8 @@ GPT_MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.aux_loss
            "train.global_batch": 8, "train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5}
 LAYOUTS = {
     "one": {},
-    "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
+    # recompute: a block's forward runs twice, its routing counts once
+    "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "full"},
     # the broken variant: each stage divides by its own MoE layers (tests/models/moe_per_stage.py)
     "broken-pp2": {"parallel.pp": 2, "parallel.schedule": "1f1b", "model.factory": "moe_per_stage:build",
                    "train.steps": 1, **{f"model.options.{k}": v for k, v in
@@ -141,7 +174,7 @@ def routing(run: Path) -> list[dict[str, float]]:
 
 
 def test_dp2_pp2_equals_one_process(gpt_runs: dict[str, Path]) -> None:
-    """dp2 x pp2 (1F1B) with the per-sequence balance loss: step-1 loss and gradient norm, the
+    """dp2 x pp2 (1F1B, full recompute) with the per-sequence balance loss: step-1 loss and gradient norm, the
     weights after 10 clipped AdamW steps (1e-5), and the routing of every step (tokens per expert
     of every layer, the balance loss) equal one process's."""
     from conftest import final_weights, grad_norms, losses, max_weight_diff

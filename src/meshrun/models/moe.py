@@ -28,14 +28,28 @@ def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return hasattr(F, "grouped_mm") and aligned and x.dtype == weight.dtype
 
 
+def planned(x: torch.Tensor) -> bool:
+    """Whether `x` is a fake tensor (`meshrun plan` traces a stage on them: shapes, no values).
+    torch._subclasses is private: tests/models/test_moe.py checks this still answers."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(x)
+
+
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Each expert's rows of `x` (S, in; sorted by expert, `counts` (E,) rows each) times that
     expert's `weight` (E, out, in) transposed -> (S, out): one grouped matmul where torch has one
-    and the shapes fit (no host sync), else a loop over the experts (reads the counts on the host)."""
+    and the shapes fit (no host sync), else a loop over the experts (reads the counts on the host).
+    Traced for `meshrun plan` (no counts to read): as if every expert got S / E rows, the same
+    FLOPs and saved tensors as a perfectly balanced router's."""
+    if planned(x):
+        pad = -x.shape[0] % weight.shape[0]
+        rows = F.pad(x, (0, 0, 0, pad)).view(weight.shape[0], -1, x.shape[1])
+        return torch.bmm(rows, weight.transpose(1, 2)).reshape(-1, weight.shape[1])[: x.shape[0]]
     if grouped_mm_fits(x, weight):
         offsets = torch.cumsum(counts, dim=0).to(torch.int32)
         return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    pieces = x.split(counts.tolist())
+    pieces = x.split(counts.tolist())  # one host sync
     return torch.cat([piece @ weight[e].T for e, piece in enumerate(pieces)])
 
 
@@ -57,7 +71,8 @@ class Experts(nn.Module):
         flat = top_k_index.reshape(-1)  # (N k,)
         order = torch.argsort(flat, stable=True)
         token = order // k  # the token of each sorted row
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # tokens per expert, a shape known before the values (bincount's is not: the planner traces on fake tensors)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         gate, up = expert_matmul(hidden_states[token], self.gate_up_proj, counts).chunk(2, dim=-1)
         rows = expert_matmul(F.silu(gate) * up, self.down_proj, counts)  # (N k, H)
         rows = rows * top_k_weights.reshape(-1)[order, None].to(rows.dtype)
