@@ -9,20 +9,35 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import in_process_trainer
+
 from meshrun.models import moe
 from meshrun.models.moe_balance import microbatch_balance, sequence_balance, window_row
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64, "num_experts_per_tok": 2,
-        "router_aux_loss_coef": 0.1, "bos_token_id": 0, "eos_token_id": 1}
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+    "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
 MOE_FAMILIES = {
     # layer 1 dense (mlp_only_layers): the sparse layers are whichever transformers made sparse
     "qwen3_moe": {**TINY, "num_experts": 4, "moe_intermediate_size": 16, "mlp_only_layers": [1], "head_dim": 8},
     # a shared expert with its sigmoid gate beside the routed ones; every second layer sparse
-    "qwen2_moe": {**TINY, "num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
-                  "decoder_sparse_step": 2},
+    "qwen2_moe": {
+        **TINY,
+        "num_experts": 4,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+        "decoder_sparse_step": 2,
+    },
     "mixtral": {**TINY, "num_local_experts": 4},  # files name the block block_sparse_moe, experts w1 w3 w2
     "olmoe": {**TINY, "num_experts": 4, "pad_token_id": 0},
 }
@@ -46,8 +61,14 @@ def test_one_process_equals_transformers(family: str, data_dir: Path, tmp_path: 
     from hf_models import load_reference
 
     model_dir = make_moe(family, tmp_path / "model")
-    settings = {"model.hf": model_dir, "model.seq_len": 16, "model.moe.aux_loss": "microbatch",
-                "train.global_batch": 4, "train.micro_batch": 4, "train.steps": 1}
+    settings = {
+        "model.hf": model_dir,
+        "model.seq_len": 16,
+        "model.moe.aux_loss": "microbatch",
+        "train.global_batch": 4,
+        "train.micro_batch": 4,
+        "train.steps": 1,
+    }
     with in_process_trainer(data_dir, tmp_path / "run", **settings) as trainer:
         x, y = trainer.local_batch(trainer.train_data, 0)
         result = trainer.train_step(0)
@@ -135,16 +156,27 @@ def test_sequence_balance_does_not_depend_on_grouping() -> None:
 
 
 HERE = Path(__file__).parent
-GPT_MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.aux_loss_coef": 0.1,
-           "train.global_batch": 8, "train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5}
+GPT_MOE = {
+    "model.moe.num_experts": 4,
+    "model.moe.top_k": 2,
+    "model.moe.aux_loss_coef": 0.1,
+    "train.global_batch": 8,
+    "train.steps": 10,
+    "train.lr": 3e-3,
+    "train.grad_clip": 0.5,
+}
 LAYOUTS = {
     "one": {},
     # recompute: a block's forward runs twice, its routing counts once
     "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "full"},
     # the broken variant: each stage divides by its own MoE layers (tests/models/moe_per_stage.py)
-    "broken-pp2": {"parallel.pp": 2, "parallel.schedule": "1f1b", "model.factory": "moe_per_stage:build",
-                   "train.steps": 1, **{f"model.options.{k}": v for k, v in
-                                        (("num_experts", 4), ("top_k", 2), ("aux_loss_coef", 0.1))}},
+    "broken-pp2": {
+        "parallel.pp": 2,
+        "parallel.schedule": "1f1b",
+        "model.factory": "moe_per_stage:build",
+        "train.steps": 1,
+        **{f"model.options.{k}": v for k, v in (("num_experts", 4), ("top_k", 2), ("aux_loss_coef", 0.1))},
+    },
 }
 
 
@@ -159,8 +191,11 @@ def gpt_runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
         settings = {**GPT_MOE, **layout}
         if "model.factory" in settings:
             settings = {k: v for k, v in settings.items() if not k.startswith("model.moe.")}
-        run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=run.parent,
-                    env=meshrun_env(run.parent, PYTHONPATH=str(HERE)))
+        run_meshrun(
+            ["train", *tiny(data_dir, run, **settings)],
+            tmp_path=run.parent,
+            env=meshrun_env(run.parent, PYTHONPATH=str(HERE)),
+        )
         runs[name] = run
     return runs
 
@@ -169,8 +204,11 @@ def routing(run: Path) -> list[dict[str, float]]:
     """Each logged step's tokens per expert (min, max, cv per layer) and the balance loss."""
     from conftest import read_metrics
 
-    return [{k: v for k, v in row.items() if k.startswith("moe/") or k == "aux_loss"}
-            for row in read_metrics(run) if "loss" in row]
+    return [
+        {k: v for k, v in row.items() if k.startswith("moe/") or k == "aux_loss"}
+        for row in read_metrics(run)
+        if "loss" in row
+    ]
 
 
 def test_dp2_pp2_equals_one_process(gpt_runs: dict[str, Path]) -> None:

@@ -9,6 +9,8 @@ these alike. The router is `gate.weight` (E, H).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,7 +74,9 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // k  # the token of each sorted row
         # tokens per expert, a shape known before the values (bincount's is not: the planner traces on fake tensors)
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
         gate, up = expert_matmul(hidden_states[token], self.gate_up_proj, counts).chunk(2, dim=-1)
         rows = expert_matmul(F.silu(gate) * up, self.down_proj, counts)  # (N k, H)
         rows = rows * top_k_weights.reshape(-1)[order, None].to(rows.dtype)
@@ -124,15 +128,19 @@ class MoEMLP(nn.Module):
         return self._balance[0].layer_output(out, self.meter, probs, chosen, batch=b)
 
 
-def sparse_mlps(blocks: nn.ModuleDict) -> dict[int, nn.Module]:
+def sparse_mlps(blocks: nn.ModuleDict) -> dict[int, Any]:
     """Layer index -> the layer's MoE MLP (one with `experts` and a router `gate` that has `top_k` and
-    `num_experts`: ours and transformers' alike)."""
-    return {int(key): block.mlp for key, block in blocks.items() if hasattr(block.mlp, "experts") and hasattr(block.mlp, "gate")}
+    `num_experts`: ours and transformers' alike, reached by those names: typed Any)."""
+    return {
+        int(key): block.mlp
+        for key, block in blocks.items()
+        if hasattr(block.mlp, "experts") and hasattr(block.mlp, "gate")
+    }
 
 
 def moe_layers(blocks: nn.ModuleDict) -> dict[int, int]:
     """Layer index -> its experts, for the MoE layers among `blocks`."""
-    return {layer: mlp.gate.num_experts for layer, mlp in sparse_mlps(blocks).items()}
+    return {layer: int(mlp.gate.num_experts) for layer, mlp in sparse_mlps(blocks).items()}
 
 
 def inactive_params(blocks: nn.ModuleDict) -> float:

@@ -25,7 +25,7 @@ the loss's value) in its `RouterMeter`: once per microbatch, also under activati
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,7 +130,9 @@ class _AddAuxGradient(torch.autograd.Function):
 def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(..., k) chosen experts -> tokens per expert (E,), float32, on the device (no host sync)."""
     flat = chosen.reshape(-1)
-    return torch.zeros(num_experts, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+    return torch.zeros(num_experts, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.float32)
+    )
 
 
 def sequence_balance(probs: torch.Tensor, chosen: torch.Tensor, batch: int) -> torch.Tensor:
@@ -139,9 +141,12 @@ def sequence_balance(probs: torch.Tensor, chosen: torch.Tensor, batch: int) -> t
     num_experts = probs.shape[-1]
     p = probs.float().reshape(batch, -1, num_experts)  # (B, T, E)
     picks = chosen.reshape(batch, -1)  # (B, T*k)
-    f = torch.zeros(batch, num_experts, device=p.device).scatter_add_(
-        1, picks, torch.ones_like(picks, dtype=torch.float32)
-    ) / p.shape[1]  # (B, E): sums to k
+    f = (
+        torch.zeros(batch, num_experts, device=p.device).scatter_add_(
+            1, picks, torch.ones_like(picks, dtype=torch.float32)
+        )
+        / p.shape[1]
+    )  # (B, E): sums to k
     return num_experts * (f * p.mean(dim=1)).sum(dim=1)
 
 
@@ -191,17 +196,20 @@ class Balance:
         meters, probs, chosen = zip(*self.pending, strict=True)
         self.pending = []
         value = microbatch_balance(list(probs), list(chosen))
-        records = [(m, expert_counts(c.detach(), m.num_experts), None, 0.0) for m, c in zip(meters, chosen, strict=True)]
+        records: list[tuple[RouterMeter, torch.Tensor, torch.Tensor | None, float]] = [
+            (m, expert_counts(c.detach(), m.num_experts), None, 0.0) for m, c in zip(meters, chosen, strict=True)
+        ]
         records[-1] = (*records[-1][:2], value.detach(), 1.0)
         return _AddAuxGradient.apply(hidden, value * self.coef, "microbatch", records, 1.0)
 
 
 def meters_of(module: nn.Module) -> list[RouterMeter]:
     """The router meters of a model or stage's MoE layers (each module that holds one as `meter`)."""
-    return [m.meter for m in module.modules() if isinstance(getattr(m, "meter", None), RouterMeter)]
+    found = (getattr(m, "meter", None) for m in module.modules())
+    return [meter for meter in found if isinstance(meter, RouterMeter)]
 
 
-def window_row(parts: list[nn.Module], moe_layers: dict[int, int], device: torch.device) -> dict[str, float]:
+def window_row(parts: Sequence[nn.Module], moe_layers: dict[int, int], device: torch.device) -> dict[str, float]:
     """Collective (every rank, at a log step): the log window's routing, summed over the ranks:
     `aux_loss` (the balance loss's mean, coef excluded) and per MoE layer the tokens per expert's
     min, max and coefficient of variation (std / mean). `moe_layers`: layer -> experts, whole model."""
@@ -211,7 +219,9 @@ def window_row(parts: list[nn.Module], moe_layers: dict[int, int], device: torch
     rows = []
     for layer, experts in sorted(moe_layers.items()):
         meter = held.get(layer)
-        rows.append(meter.take(device) if meter is not None else torch.zeros(experts + 2, dtype=torch.float64, device=device))
+        rows.append(
+            meter.take(device) if meter is not None else torch.zeros(experts + 2, dtype=torch.float64, device=device)
+        )
     summed = torch.cat(rows)
     if dist.is_initialized():
         dist.all_reduce(summed)

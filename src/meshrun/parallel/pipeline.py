@@ -80,7 +80,11 @@ class MarkedStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         kind = "B" if kwargs.get("full_backward", True) else "I"
         progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id}")
-        with timeline.action(self.stage_index, kind, bwd_chunk_id), time_split.section("compute"), routing_recorded(True):
+        with (
+            timeline.action(self.stage_index, kind, bwd_chunk_id),
+            time_split.section("compute"),
+            routing_recorded(True),
+        ):
             super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         done("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id}")
 
