@@ -52,8 +52,8 @@ def install_balance(blocks: nn.ModuleDict, cfg: HFSection, config: Any) -> Balan
             logits, _, chosen = output
             routed[:] = [(torch.softmax(logits.float(), dim=-1), chosen)]
 
-        def attach(mlp: nn.Module, args: Any, output: torch.Tensor, routed: list = routed) -> torch.Tensor:
-            (probs, chosen), = routed
+        def attach(mlp: Any, args: Any, output: torch.Tensor, routed: list = routed) -> torch.Tensor:
+            ((probs, chosen),) = routed
             routed.clear()
             return balance.layer_output(output, mlp.meter, probs, chosen, batch=args[0].shape[0])
 

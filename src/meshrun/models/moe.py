@@ -9,6 +9,8 @@ these alike. The router is `gate.weight` (E, H).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,14 +30,28 @@ def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return hasattr(F, "grouped_mm") and aligned and x.dtype == weight.dtype
 
 
+def planned(x: torch.Tensor) -> bool:
+    """Whether `x` is a fake tensor (`meshrun plan` traces a stage on them: shapes, no values).
+    torch._subclasses is private: tests/models/test_moe.py checks this still answers."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(x)
+
+
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Each expert's rows of `x` (S, in; sorted by expert, `counts` (E,) rows each) times that
     expert's `weight` (E, out, in) transposed -> (S, out): one grouped matmul where torch has one
-    and the shapes fit (no host sync), else a loop over the experts (reads the counts on the host)."""
+    and the shapes fit (no host sync), else a loop over the experts (reads the counts on the host).
+    Traced for `meshrun plan` (no counts to read): as if every expert got S / E rows, the same
+    FLOPs and saved tensors as a perfectly balanced router's."""
+    if planned(x):
+        pad = -x.shape[0] % weight.shape[0]
+        rows = F.pad(x, (0, 0, 0, pad)).view(weight.shape[0], -1, x.shape[1])
+        return torch.bmm(rows, weight.transpose(1, 2)).reshape(-1, weight.shape[1])[: x.shape[0]]
     if grouped_mm_fits(x, weight):
         offsets = torch.cumsum(counts, dim=0).to(torch.int32)
         return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    pieces = x.split(counts.tolist())
+    pieces = x.split(counts.tolist())  # one host sync
     return torch.cat([piece @ weight[e].T for e, piece in enumerate(pieces)])
 
 
@@ -57,7 +73,10 @@ class Experts(nn.Module):
         flat = top_k_index.reshape(-1)  # (N k,)
         order = torch.argsort(flat, stable=True)
         token = order // k  # the token of each sorted row
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # tokens per expert, a shape known before the values (bincount's is not: the planner traces on fake tensors)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
         gate, up = expert_matmul(hidden_states[token], self.gate_up_proj, counts).chunk(2, dim=-1)
         rows = expert_matmul(F.silu(gate) * up, self.down_proj, counts)  # (N k, H)
         rows = rows * top_k_weights.reshape(-1)[order, None].to(rows.dtype)
@@ -109,15 +128,19 @@ class MoEMLP(nn.Module):
         return self._balance[0].layer_output(out, self.meter, probs, chosen, batch=b)
 
 
-def sparse_mlps(blocks: nn.ModuleDict) -> dict[int, nn.Module]:
+def sparse_mlps(blocks: nn.ModuleDict) -> dict[int, Any]:
     """Layer index -> the layer's MoE MLP (one with `experts` and a router `gate` that has `top_k` and
-    `num_experts`: ours and transformers' alike)."""
-    return {int(key): block.mlp for key, block in blocks.items() if hasattr(block.mlp, "experts") and hasattr(block.mlp, "gate")}
+    `num_experts`: ours and transformers' alike, reached by those names: typed Any)."""
+    return {
+        int(key): block.mlp
+        for key, block in blocks.items()
+        if hasattr(block.mlp, "experts") and hasattr(block.mlp, "gate")
+    }
 
 
 def moe_layers(blocks: nn.ModuleDict) -> dict[int, int]:
     """Layer index -> its experts, for the MoE layers among `blocks`."""
-    return {layer: mlp.gate.num_experts for layer, mlp in sparse_mlps(blocks).items()}
+    return {layer: int(mlp.gate.num_experts) for layer, mlp in sparse_mlps(blocks).items()}
 
 
 def inactive_params(blocks: nn.ModuleDict) -> float:

@@ -25,7 +25,7 @@ the loss's value) in its `RouterMeter`: once per microbatch, also under activati
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,8 @@ class RouterMeter:
     aux_count: float = 0.0
 
     def record(self, counts: torch.Tensor, aux: torch.Tensor | None, aux_count: float) -> None:
+        if not _RECORDING[-1]:  # a pipeline stage's shape inference: a backward on uninitialised tensors
+            return
         self.counts = counts if self.counts is None else self.counts + counts
         if aux is not None:
             self.aux_sum = self.aux_sum + aux
@@ -74,6 +76,19 @@ class _Step:
 
 
 _STEP: list[_Step] = [_Step()]
+_RECORDING: list[bool] = [True]
+
+
+@contextlib.contextmanager
+def routing_recorded(on: bool) -> Iterator[None]:
+    """Whether the backwards run inside count into the router meters: a pipeline schedule turns
+    them off for its step and on for each stage's real backward (its first step also infers the
+    stages' shapes with a forward and backward of uninitialised tensors, which must not count)."""
+    _RECORDING.append(on)
+    try:
+        yield
+    finally:
+        _RECORDING.pop()
 
 
 @contextlib.contextmanager
@@ -115,7 +130,9 @@ class _AddAuxGradient(torch.autograd.Function):
 def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(..., k) chosen experts -> tokens per expert (E,), float32, on the device (no host sync)."""
     flat = chosen.reshape(-1)
-    return torch.zeros(num_experts, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+    return torch.zeros(num_experts, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.float32)
+    )
 
 
 def sequence_balance(probs: torch.Tensor, chosen: torch.Tensor, batch: int) -> torch.Tensor:
@@ -124,9 +141,12 @@ def sequence_balance(probs: torch.Tensor, chosen: torch.Tensor, batch: int) -> t
     num_experts = probs.shape[-1]
     p = probs.float().reshape(batch, -1, num_experts)  # (B, T, E)
     picks = chosen.reshape(batch, -1)  # (B, T*k)
-    f = torch.zeros(batch, num_experts, device=p.device).scatter_add_(
-        1, picks, torch.ones_like(picks, dtype=torch.float32)
-    ) / p.shape[1]  # (B, E): sums to k
+    f = (
+        torch.zeros(batch, num_experts, device=p.device).scatter_add_(
+            1, picks, torch.ones_like(picks, dtype=torch.float32)
+        )
+        / p.shape[1]
+    )  # (B, E): sums to k
     return num_experts * (f * p.mean(dim=1)).sum(dim=1)
 
 
@@ -176,17 +196,20 @@ class Balance:
         meters, probs, chosen = zip(*self.pending, strict=True)
         self.pending = []
         value = microbatch_balance(list(probs), list(chosen))
-        records = [(m, expert_counts(c.detach(), m.num_experts), None, 0.0) for m, c in zip(meters, chosen, strict=True)]
+        records: list[tuple[RouterMeter, torch.Tensor, torch.Tensor | None, float]] = [
+            (m, expert_counts(c.detach(), m.num_experts), None, 0.0) for m, c in zip(meters, chosen, strict=True)
+        ]
         records[-1] = (*records[-1][:2], value.detach(), 1.0)
         return _AddAuxGradient.apply(hidden, value * self.coef, "microbatch", records, 1.0)
 
 
 def meters_of(module: nn.Module) -> list[RouterMeter]:
     """The router meters of a model or stage's MoE layers (each module that holds one as `meter`)."""
-    return [m.meter for m in module.modules() if isinstance(getattr(m, "meter", None), RouterMeter)]
+    found = (getattr(m, "meter", None) for m in module.modules())
+    return [meter for meter in found if isinstance(meter, RouterMeter)]
 
 
-def window_row(parts: list[nn.Module], moe_layers: dict[int, int], device: torch.device) -> dict[str, float]:
+def window_row(parts: Sequence[nn.Module], moe_layers: dict[int, int], device: torch.device) -> dict[str, float]:
     """Collective (every rank, at a log step): the log window's routing, summed over the ranks:
     `aux_loss` (the balance loss's mean, coef excluded) and per MoE layer the tokens per expert's
     min, max and coefficient of variation (std / mean). `moe_layers`: layer -> experts, whole model."""
@@ -196,7 +219,9 @@ def window_row(parts: list[nn.Module], moe_layers: dict[int, int], device: torch
     rows = []
     for layer, experts in sorted(moe_layers.items()):
         meter = held.get(layer)
-        rows.append(meter.take(device) if meter is not None else torch.zeros(experts + 2, dtype=torch.float64, device=device))
+        rows.append(
+            meter.take(device) if meter is not None else torch.zeros(experts + 2, dtype=torch.float64, device=device)
+        )
     summed = torch.cat(rows)
     if dist.is_initialized():
         dist.all_reduce(summed)

@@ -51,16 +51,14 @@ def describe_experts(model: nn.Module) -> list[str]:
     """A Mixture-of-Experts model's MoE layers and its active parameters (those a token runs
     through: what MFU counts); nothing for a dense model."""
     blocks = getattr(model, "blocks", None)
-    mlps = sparse_mlps(blocks) if isinstance(blocks, nn.ModuleDict) else {}
-    if not mlps:
+    if not isinstance(blocks, nn.ModuleDict) or not (mlps := sparse_mlps(blocks)):
         return []
     gate = next(iter(mlps.values())).gate
-    active = sum(p.numel() for p in model.parameters()) - inactive_params(blocks)
+    total = sum(p.numel() for p in model.parameters())
+    active = total - inactive_params(blocks)
     layers = ", ".join(str(i) for i in mlps)
-    return [
-        f"  MoE: {len(mlps)} layers ({layers}), {gate.num_experts} experts each, top {gate.top_k}; "
-        f"{active:,.0f} active parameters per token"
-    ]
+    line = f"  MoE: {len(mlps)} layers ({layers}), {gate.num_experts} experts each, top {gate.top_k}: "
+    return [line + f"{active:,.0f} of the {total:,} parameters active per token (MFU counts these)"]
 
 
 def describe_model(cfg: Config, model: nn.Module) -> list[str]:

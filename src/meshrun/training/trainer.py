@@ -271,7 +271,9 @@ class Trainer:
         self.model.train()
         time_split.phase("forward_backward")
         sequences = count / self.mesh.size("dp")  # the MoE balance loss's divisor, as the loss's (moe_balance.py)
-        with aux_gradient(sequences_per_rank=sequences, microbatches=self.cfg.accumulation_steps, grad_scale=loss_fn.grad_scale):
+        with aux_gradient(
+            sequences_per_rank=sequences, microbatches=self.cfg.accumulation_steps, grad_scale=loss_fn.grad_scale
+        ):
             loss = self.model.forward_backward(x, y, loss=loss_fn)
         self.model.tied.sync_gradients()  # both copies of a tied embedding get the summed gradient
         self.model.experts.sync_gradients()  # split experts: averaged over the ranks holding the same ones
