@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshrun.config.schema import Config
 from meshrun.config.topology import ParallelConfig
 from meshrun.errors import ConfigError
-from meshrun.parallel.layout import AXES, VIEWS, Coordinates, Layout
+from meshrun.parallel.layout import AXES, EXPERT_VIEWS, VIEWS, Coordinates, Layout
 from meshrun.parallel.mesh import Mesh, check_groups, flatten, init_mesh, shutdown
 
 
@@ -24,7 +24,8 @@ def enumerated(layout: Layout) -> dict[int, dict[str, int]]:
     found = {}
     for coords in itertools.product(*(range(d) for d in layout.degrees.values())):
         place = dict(zip(layout.degrees, coords))
-        found[next(ranks)] = {**place, "dp": place["dp_replicate"] * layout.dp_shard + place["dp_shard"]}
+        dp = place["dp_replicate"] * layout.dp_shard + place["dp_shard"]
+        found[next(ranks)] = {**place, "dp": dp, "ep_dp": dp // layout.ep, "ep": dp % layout.ep}
     return found
 
 
@@ -36,7 +37,7 @@ def test_ranks_and_coordinates_are_the_documented_order(pp: int, replicate: int,
     assert layout.dp == replicate * shard
     for rank, coords in expected.items():
         assert layout.coordinates(rank) == coords
-        assert layout.rank_at(**{axis: c for axis, c in coords.items() if axis != "dp"}) == rank
+        assert layout.rank_at(**{axis: c for axis, c in coords.items() if axis in AXES}) == rank
         later = {axis: c for axis, c in coords.items() if axis not in ("pp", "dp", "dp_replicate", "dp_shard")}
         assert layout.rank_at(pp=coords["pp"], dp=coords["dp"], **later) == rank
     for p in range(pp):
@@ -191,7 +192,7 @@ def test_what_each_rank_reads_draws_and_counts(pp: int, replicate: int, shard: i
 
 def test_coordinates_name_every_axis_and_view() -> None:
     coords = Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2).coordinates(13)
-    assert tuple(coords) == (*AXES, *VIEWS) and isinstance(coords, Coordinates)
+    assert tuple(coords) == (*AXES, *VIEWS, *EXPERT_VIEWS) and isinstance(coords, Coordinates)
     assert (coords.pp, coords.dp, coords.tp, coords["dp_shard"]) == (1, 2, 1, 0)
     with pytest.raises(KeyError):
         coords["cp"]

@@ -50,6 +50,7 @@ from meshrun.checkpoint.safe_reader import SafeReader
 from meshrun.errors import CheckpointError, DamagedCheckpointError, RunError
 from meshrun.files.atomic import atomic_target, disk_error, publish_folder, write_atomic
 from meshrun.files.json_reader import read_json
+from meshrun.parallel.expert_shards import global_state, local_state
 from meshrun.versions import installed_versions
 
 DATA_CARD = "data"  # the training data's meta.json and tokenizer.json (no tokens): how to decode
@@ -66,6 +67,7 @@ def model_state(parts: Sequence[nn.Module], *, keep: Callable[[str], bool] | Non
     state: dict[str, torch.Tensor] = {}
     for part in parts:
         own = cast(dict[str, torch.Tensor], get_model_state_dict(part))  # a model state holds tensors only
+        own = global_state(part, own)  # split experts (parallel.ep) saved as parts of their whole tensors
         state.update({k: v for k, v in own.items() if keep is None or keep(k)})
     return state
 
@@ -77,7 +79,7 @@ def optimizer_state(parts: Sequence[nn.Module], optimizers: Sequence[torch.optim
     """
     state: dict[str, torch.Tensor] = {}
     for part, optimizer in zip(parts, optimizers):
-        flat = get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS)
+        flat = global_state(part, get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS))
         state.update(
             {k: cast(torch.Tensor, v) for k, v in flat.items() if k.startswith("state.")}
         )  # flattened: tensors
@@ -87,7 +89,7 @@ def optimizer_state(parts: Sequence[nn.Module], optimizers: Sequence[torch.optim
 def load_optimizer_state(parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], loaded: dict) -> None:
     for part, optimizer in zip(parts, optimizers):
         flat = get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS)
-        flat.update({k: loaded[k] for k in flat if k in loaded})
+        flat.update(local_state({k: loaded[k] for k in flat if k in loaded}))
         set_optimizer_state_dict(part, optimizer, flat, options=_OPTIM_OPTIONS)
 
 
@@ -97,7 +99,9 @@ def load_model_state(parts: Sequence[nn.Module], loaded: dict[str, torch.Tensor]
     for part in parts:
         own = get_model_state_dict(part)
         set_model_state_dict(
-            part, {k: loaded[k] for k in own if strict or k in loaded}, options=StateDictOptions(strict=strict)
+            part,
+            local_state({k: loaded[k] for k in own if strict or k in loaded}),
+            options=StateDictOptions(strict=strict),
         )
 
 

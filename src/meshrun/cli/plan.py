@@ -205,6 +205,10 @@ def _every(seconds: float, what: str) -> Callable[[str], None]:
 
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    if cfg.parallel.ep > 1:  # its all-to-alls and split experts are not priced: a plan would be untrue
+        raise ConfigError(
+            "meshrun plan does not price parallel.ep yet (all-to-alls, experts per rank); plan with parallel.ep=1"
+        )
     if args.calibrate:  # a compiled probe caches in meshrun's folder: set before torch._dynamo loads (it sets /tmp)
         inductor_cache_dir()
     preflight(cfg, scope="model")  # the model builds, before any layout is profiled

@@ -43,6 +43,45 @@ class LoraSection(Section):
         return self
 
 
+class MoEBalanceSection(Section):
+    """A Mixture-of-Experts model's load-balancing loss (models/moe_balance.py; docs/guides/moe.md)."""
+
+    aux_loss: Literal["sequence", "microbatch", "none"] = "sequence"
+    """sequence: DeepSeek's per-sequence balance loss averaged over the global batch's sequences (its value
+    does not depend on the layout); microbatch: transformers' batch-level loss (`output_router_logits`) per
+    microbatch, which depends on train.micro_batch and needs parallel.pp 1; none: no balance loss."""
+    aux_loss_coef: Float | None = Field(default=None, ge=0.0)
+    """Weight of the balance loss in the training loss; None: a Hugging Face config's router_aux_loss_coef,
+    0.01 for the built-in gpt."""
+
+
+class MoESection(MoEBalanceSection):
+    """The built-in gpt's Mixture-of-Experts MLPs (models/moe.py): a top-k router over gated experts, dropless."""
+
+    num_experts: Int = Field(default=8, ge=1)
+    """Experts in each MoE layer."""
+    top_k: Int = Field(default=2, ge=1)
+    """Experts each token is routed to (at most model.moe.num_experts)."""
+    expert_dim: Int | None = Field(default=None, ge=1)
+    """Hidden width of each expert's gated MLP; None: 4 x model.dim / top_k (the dense MLP's active width)."""
+    gate: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over the experts (Mixtral, Qwen) or per-expert sigmoid (DeepSeek-V3), top-k weights
+    renormalised to sum to 1 for sigmoid."""
+    norm_topk_prob: bool = True
+    """softmax: renormalise the top-k probabilities to sum to 1 (Qwen3-MoE's norm_topk_prob; Mixtral's routing)."""
+    sparse_every: Int = Field(default=1, ge=1)
+    """Every n-th block (n, 2n, ...; counted from 1) holds MoE experts, the others the dense MLP (Qwen's decoder_sparse_step)."""
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoESection:
+        """model.moe.top_k is at most model.moe.num_experts."""
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"model.moe.top_k ({self.top_k}) exceeds model.moe.num_experts ({self.num_experts}); lower top_k"
+            )
+        return self
+
+
 class ModelSection(Section):
     """Keys every model family reads."""
 
@@ -112,6 +151,8 @@ class GPTSection(GPTBlocksSection):
     family: ClassVar[str] = "gpt"
     name: Literal["gpt"] = "gpt"
     """Built-in model to train: gpt, encdec, encoder, timeseries; hf with model.hf / model.hf_config; ignored when `factory` is set."""
+    moe: MoESection | None = None
+    """gpt: Mixture-of-Experts MLPs (models/moe.py) instead of dense ones; None: dense."""
 
 
 class EncDecSection(ModelSection):
@@ -182,6 +223,9 @@ class HFSection(ModelSection):
     num_labels: Int | None = Field(default=None, ge=2)
     """task classification: the labels the score head maps to (transformers' `*ForSequenceClassification`, last-token
     pooling); must equal the data's label count (meta.json). None: a language-model head (every other task)."""
+    moe: MoEBalanceSection | None = None
+    """A Hugging Face Mixture-of-Experts model's balance loss (qwen3_moe, qwen2_moe, mixtral, olmoe); None: its
+    defaults. Refused for a model without MoE layers."""
 
     @model_validator(mode="after")
     def _one_hf_source(self) -> HFSection:

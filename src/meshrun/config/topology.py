@@ -54,6 +54,8 @@ class ParallelConfig(Section):
     """fsdp/hsdp: dtype params are all-gathered and computed in (fp32 = autocast alone decides, as with ddp)."""
     fsdp_reduce_dtype: ShardDtype = "fp32"
     """fsdp/hsdp: dtype gradients are reduce-scattered in (fp32 sums exactly as ddp's all-reduce does)."""
+    ep: Int = Field(default=1, ge=1)
+    """Expert parallelism: each MoE layer's experts split over this many of a stage's dp ranks (a divisor of dp; tokens travel to their experts' ranks and back by all-to-all); the dp / ep ranks holding the same experts average their gradients."""
 
     @model_validator(mode="after")
     def _shard_divides_dp(self) -> ParallelConfig:
@@ -69,6 +71,18 @@ class ParallelConfig(Section):
                 f"dp_mode hsdp needs parallel.dp_shard, a divisor of parallel.dp ({self.dp}) between 2 and dp/2 "
                 f"(got {self.dp_shard}); set it, or use dp_mode fsdp to shard over all dp ranks"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _ep_borrows_dp(self) -> ParallelConfig:
+        """parallel.ep divides parallel.dp (the ranks it borrows) and runs with tp 1."""
+        if self.dp % self.ep:
+            raise ValueError(
+                f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp}): the experts are split over dp ranks; "
+                f"set parallel.ep to a divisor of {self.dp}"
+            )
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError("parallel.ep with parallel.tp > 1 is not built yet: set parallel.tp=1 or parallel.ep=1")
         return self
 
     @model_validator(mode="after")

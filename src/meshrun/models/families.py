@@ -32,6 +32,7 @@ from meshrun.models.encdec import EncDec
 from meshrun.models.encoder import Encoder
 from meshrun.models.gpt import GPT
 from meshrun.models.hf_config import is_hf
+from meshrun.models.moe import MoEGPT
 from meshrun.models.protocol import ProtocolModule, fresh_weights, pretrained_dir
 from meshrun.models.timeseries import TimeSeries
 from meshrun.versions import missing_extra
@@ -66,8 +67,13 @@ def _hugging_face(cfg: HFSection) -> nn.Module:
     return HFCausalLM(cfg) if cfg.num_labels is None else HFSequenceClassifier(cfg)
 
 
+def _gpt(cfg: GPTSection) -> nn.Module:
+    """GPT, or with model.moe its Mixture-of-Experts form (models/moe.py)."""
+    return GPT(cfg) if cfg.moe is None else MoEGPT(cfg)
+
+
 FAMILIES: tuple[Family[Any], ...] = (
-    Family(GPTSection, GPT),
+    Family(GPTSection, _gpt),
     Family(EncDecSection, EncDec, source_len=encdec.source_len),
     Family(EncoderSection, Encoder),
     Family(TimeSeriesSection, TimeSeries),

@@ -38,12 +38,15 @@ from meshrun.models.hf_config import (
     FUSED_PARTS,
     FUSED_PROJECTIONS,
     LAYOUT_OF,
+    MOE_TYPES,
     QK_NORMS,
     check_fits,
     load_hf_config,
 )
+from meshrun.models.hf_moe import file_names, install_balance, per_expert
 from meshrun.models.hf_weights import check_shapes, load_weights, pretrained_folder
 from meshrun.models.init import seeded_normal_
+from meshrun.models.moe import inactive_params
 from meshrun.models.protocol import StagedModel
 
 
@@ -149,6 +152,7 @@ class HFCausalLM(StagedModel):
         if self.hf_config.model_type in FUSED_PARTS:
             for layer in layers:
                 _hold_parts(layer, self.hf_config)
+        self.balance = install_balance(self.blocks, cfg, self.hf_config)  # MoE layers' balance loss, or None
         self.head: nn.Module | None = TiedHead(embedding) if self.tied else getattr(hf, self.head_name)
 
     def config_of(self, cfg: HFSection) -> Any:
@@ -170,7 +174,7 @@ class HFCausalLM(StagedModel):
         rank's positions, attention and the MLP gather the whole sequence. None for GPT-2's fused
         Conv1D (refused before spawn)."""
         model_type = self.hf_config.model_type
-        if model_type in FUSED_PROJECTIONS:
+        if model_type in FUSED_PROJECTIONS or model_type in MOE_TYPES:
             return None
         whole_width = model_type in QK_NORMS and QK_NORMS[model_type] == "whole_width"
         attn, mlp = "blocks.*.self_attn.", "blocks.*.mlp."
@@ -243,9 +247,11 @@ class HFCausalLM(StagedModel):
         extra: dict[str, Any] = {} if positions is None else {"position_ids": positions}
         if self._rotary and len(self.blocks):
             extra["position_embeddings"] = self._position_embeddings(x, positions)
+        if self.balance is not None:
+            self.balance.pending.clear()  # a recompute's routing, left by the last backward
         for block in self.blocks.values():
             x = block(x, **extra)
-        return x
+        return x if self.balance is None else self.balance.finish(x)
 
     def standalone_blocks(self) -> list[nn.Module]:
         """The blocks as modules that take hidden states only (what a profiler feeds them)."""
@@ -265,7 +271,7 @@ class HFCausalLM(StagedModel):
 
     def hf_names(self, name: str) -> list[str]:
         """Hugging Face keys for one of our tensor names (or a fused projection's, see `hf_tensors`), most likely first."""
-        return self.layout.hf_names(name, tied=self.tied)
+        return file_names(self.layout.hf_names(name, tied=self.tied), self.hf_config.model_type)
 
     def hf_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Our tensors grouped as the Hugging Face files hold them, by our name: one tensor each,
@@ -276,7 +282,7 @@ class HFCausalLM(StagedModel):
             module, _, param = name.rpartition(".")
             owner = module.rpartition(".")[0]
             grouped.setdefault(f"{owner}.{param}" if owner in fused else name, []).append(tensor)
-        return grouped
+        return per_expert(grouped)  # MoE experts: one tensor per expert, as the files hold them
 
     def pretrained_dir(self) -> Path | None:
         """The directory whose weights this model starts from, per `model.init`."""
@@ -311,10 +317,11 @@ class HFCausalLM(StagedModel):
 
     def flops_per_token(self, length: int | None = None) -> float:
         """Training FLOPs per token of `length`-token samples (default model.seq_len): 6 x matmul
-        params (head included) + causal attention (PaLM appendix B)."""
+        params (head included; MoE: active ones) + causal attention (PaLM appendix B)."""
         c = self.hf_config
         matmul = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("embed."))
         matmul += c.vocab_size * c.hidden_size if self.tied else 0
+        matmul -= inactive_params(self.blocks)  # MoE: the experts a token runs through only
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return 6.0 * matmul + 12.0 * c.num_hidden_layers * c.num_attention_heads * head_dim * (
             length or self.cfg.seq_len

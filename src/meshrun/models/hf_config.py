@@ -52,7 +52,7 @@ class HFLayout:
 LAYOUTS = (
     HFLayout(
         "llama",
-        ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2"),
+        ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"),
         base="model",
         names=(
             ("embed.", "model.embed_tokens."),
@@ -89,6 +89,8 @@ parallelism refuses them."""
 FUSED_PARTS = ("phi3",)
 """Model types whose fused projections (Phi-3's qkv_proj, gate_up_proj) meshrun holds as their
 parts at every tp (models/hf.py's FusedParts), so a column split of each part keeps whole heads."""
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+"""Model types with Mixture-of-Experts layers (models/hf_moe.py): no tensor-parallel plan for their experts."""
 QK_NORMS = {"qwen3": "per_head", "olmo2": "whole_width"}
 """Model types with q_norm / k_norm, and what they normalise: each head, or the whole projected width."""
 TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
@@ -233,6 +235,10 @@ def tp_splits(cfg: HFSection, tp: int) -> dict[str, int]:
     if config.model_type in ENCODER_TYPES:
         raise ConfigError(
             f"parallel.tp {tp}: meshrun has no tensor-parallel plan for {config.model_type}; set parallel.tp=1"
+        )
+    if config.model_type in MOE_TYPES:
+        raise ConfigError(
+            f"parallel.tp {tp}: meshrun has no tensor-parallel plan for {config.model_type}'s experts; set parallel.tp=1"
         )
     if config.model_type in FUSED_PROJECTIONS:
         works = sorted(set(LAYOUT_OF) - set(FUSED_PROJECTIONS))

@@ -43,6 +43,7 @@ from meshrun.config.schema import Config, ParallelConfig
 from meshrun.hardware.precision import DTYPES
 from meshrun.metrics import time_split
 from meshrun.models.protocol import ProtocolModule
+from meshrun.parallel.experts import expert_params
 from meshrun.parallel.mesh import Mesh
 
 
@@ -64,6 +65,7 @@ def wrap_fsdp(part: ProtocolModule, mesh: Mesh, par: ParallelConfig) -> nn.Modul
     compute, and bounds what is gathered at once), then the stage root for the rest."""
     options = {
         "mesh": mesh.data_mesh,
+        "ignored_params": set(expert_params(part)),  # each ep rank holds other experts: experts.ExpertGradients
         "reshard_after_forward": reshard_after_forward(par),
         "mp_policy": mixed_precision(par),
     }

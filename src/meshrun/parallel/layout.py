@@ -12,11 +12,12 @@ consecutive pipeline stages are `dp x tp` ranks apart (activations are small poi
 
 A view (`VIEWS`) is a group of axes flattened into one: `dp` is `dp_replicate` x `dp_shard`, a rank's
 coordinate on it the mixed-radix number of its coordinates on those axes. An axis that borrows ranks
-from others is a view too, not a new factor of the world size: expert parallelism would be
-`"ep": ("dp_shard", "tp")` (the experts split over the ranks that shard the dense weights and split
-their matrices), and the expert weights' own data parallelism the view over the remaining data axis,
-`"ep_dp": ("dp_replicate",)`: its ranks hold the same experts. The world size stays the product of
-`AXES`; `parallel.mesh` builds every view as a flattened group of the one world mesh.
+from others is a view too, not a new factor of the world size. Expert parallelism (`parallel.ep`) splits
+the `dp` view in two (`EXPERT_VIEWS`): a dp coordinate is `ep_dp * ep + ep`, so `ep` is the innermost
+`ep` data-parallel ranks (they split each MoE layer's experts: within `dp_shard` when it is at least
+`ep`, as torchtitan borrows them) and `ep_dp` the ranks that hold the same experts (their gradients are
+averaged over it). tp ranks are not borrowed (parallel.ep with tp > 1 is refused). The world size stays
+the product of `AXES`; `parallel.mesh` builds every view as a group of the one world mesh.
 
 Torch-free (the config's own rules ask it for the world size); `parallel.mesh` builds the device mesh.
 """
@@ -35,6 +36,7 @@ AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
 PLACE_AXES = ("dp", "tp", "pp")  # the order a layout and a rank's place are named in
 DATA_AXES = ("dp_replicate", "dp_shard")  # flattened, they are the data-parallel axis `dp`
 VIEWS = {"dp": DATA_AXES}  # name -> the axes it flattens (outermost first), see the module docstring
+EXPERT_VIEWS = ("ep_dp", "ep")  # the dp view split in two by parallel.ep, outermost first (module docstring)
 # The config keys whose product is the world size; `parallel.tp` is named only when tp > 1 (`keys`),
 # so messages about dp x pp layouts read as they always have.
 KEYS = {"dp": "parallel.dp", "pp": "parallel.pp", "tp": "parallel.tp"}
@@ -52,6 +54,8 @@ class Coordinates(Mapping[str, int]):
     dp_shard: int
     tp: int
     dp: int  # the view over both data axes: this rank's index among the data-parallel ranks
+    ep_dp: int  # which copy of the experts this rank's dp rank holds (dp // ep)
+    ep: int  # which share of each MoE layer's experts it holds (dp % ep)
 
     def __getitem__(self, name: str) -> int:
         if name not in self.__dataclass_fields__:
@@ -84,6 +88,8 @@ class ParallelSection(Protocol):
     def schedule(self) -> str: ...
     @property
     def virtual_stages(self) -> int | None: ...
+    @property
+    def ep(self) -> int: ...
 
 
 def stages_per_rank(schedule: str, requested: int | None) -> int:
@@ -110,11 +116,14 @@ class Layout:
     schedule: str = "1f1b"
     per_rank: int = 1  # pipeline stages each pp rank holds
     sequence_parallel: bool = False  # tp ranks also split norms' and dropout's activations by position
+    ep: int = 1  # expert parallelism: the dp ranks each MoE layer's experts are split over (EXPERT_VIEWS)
 
     def __post_init__(self) -> None:
-        for name, degree in {**self.degrees, "per_rank": self.per_rank}.items():
+        for name, degree in {**self.degrees, "per_rank": self.per_rank, "ep": self.ep}.items():
             if not isinstance(degree, int) or degree < 1:
                 raise ConfigError(f"the {name} degree of a layout must be a whole number >= 1, got {degree!r}")
+        if self.dp % self.ep:
+            raise ConfigError(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp}): it borrows dp ranks")
         if self.pp > 1:
             stages_per_rank(self.schedule, self.per_rank)  # the schedule can hold that many per rank
 
@@ -131,6 +140,7 @@ class Layout:
             schedule=par.schedule,
             per_rank=per_rank,
             sequence_parallel=par.sequence_parallel,
+            ep=par.ep,
         )
 
     @property
@@ -144,6 +154,8 @@ class Layout:
 
     def size(self, name: str) -> int:
         """The degree of an axis, or of a view (the product of its axes')."""
+        if name in EXPERT_VIEWS:
+            return self.ep if name == "ep" else self.dp // self.ep
         return math.prod(getattr(self, axis) for axis in VIEWS.get(name, (name,)))
 
     @property
@@ -185,6 +197,7 @@ class Layout:
         `dp 4 (hsdp, shard 2) x tp 2 (sequence parallel) x pp 2 (interleaved-1f1b, 2 stages per rank)`;
         an axis of degree 1 is named bare, so a layout never reads as if an axis were absent."""
         dp = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": f"hsdp, shard {self.dp_shard}"}[self.dp_mode]
+        dp += f", experts over ep {self.ep}" if self.ep > 1 else ""
         pp = self.schedule + (f", {self.per_rank} stages per rank" if self.per_rank > 1 else "")
         parts = (
             ("dp", self.dp, dp if self.dp > 1 else None),
@@ -216,7 +229,9 @@ class Layout:
     def coordinates(self, rank: int) -> Coordinates:
         """`rank`'s coordinate on every axis and view: the inverse of `rank_at`."""
         coords = self._digits(rank, AXES)
-        return Coordinates(**coords, **{name: self._number(coords, axes) for name, axes in VIEWS.items()})
+        views = {name: self._number(coords, axes) for name, axes in VIEWS.items()}
+        ep_dp, ep = divmod(views["dp"], self.ep)
+        return Coordinates(**coords, **views, ep_dp=ep_dp, ep=ep)
 
     def rank_at(self, **coords: int) -> int:
         """The rank at these coordinates (axes, or a view for the axes it flattens; those not given at 0)."""
@@ -242,6 +257,10 @@ class Layout:
     def group_ranks(self, rank: int, name: str) -> list[int]:
         """The ranks of `rank`'s group on axis or view `name` (those at its place on every other axis),
         in the order of their coordinate on `name`: the group torch builds for it (parallel.mesh)."""
+        if name in EXPERT_VIEWS:  # the dp ranks of this rank's place that differ only on `name`
+            c = self.coordinates(rank)
+            dps = (c.ep_dp * self.ep + e for e in range(self.ep)) if name == "ep" else range(c.ep, self.dp, self.ep)
+            return [self.rank_at(pp=c.pp, tp=c.tp, dp=dp) for dp in dps]
         spans = VIEWS.get(name, (name,))
         here = {axis: c for axis, c in self.coordinates(rank).items() if axis in AXES and axis not in spans}
         ranges = (range(getattr(self, axis)) for axis in spans)

@@ -23,7 +23,7 @@ from meshrun.files.console import say
 from meshrun.hardware.device import pick_device
 from meshrun.launcher.rendezvous import probe
 from meshrun.launcher.torchrun import in_launched_worker
-from meshrun.parallel.layout import AXES, VIEWS, Coordinates, Layout
+from meshrun.parallel.layout import AXES, EXPERT_VIEWS, VIEWS, Coordinates, Layout
 
 WAIT_NOTICE_S = 10  # a wait for the job's other workers is said once it lasts this long (or half its bound)
 PROBE_SECONDS = 0.5
@@ -36,7 +36,9 @@ class Mesh:
     layout: Layout
     device: torch.device
     world: DeviceMesh  # every axis of the layout (AXES, outermost first)
-    views: Mapping[str, DeviceMesh]  # each view (VIEWS) flattened from `world`: torch keeps no way back to it
+    views: Mapping[
+        str, DeviceMesh
+    ]  # each view (VIEWS, and EXPERT_VIEWS when ep > 1) cut from `world`: torch keeps no way back to it
 
     @property
     def rank(self) -> int:
@@ -145,6 +147,9 @@ def mesh_on(layout: Layout, device: torch.device) -> Mesh:
     world size), with its views flattened onto it, checked against the layout's coordinates."""
     world = init_device_mesh(device.type, tuple(layout.degrees.values()), mesh_dim_names=tuple(layout.degrees))
     views = {name: flatten(world, axes, name) for name, axes in VIEWS.items()}
+    if layout.ep > 1:  # the dp view split into (ep_dp, ep): one root, as FSDP2 needs of meshes it composes
+        split = views["dp"]._unflatten(0, (layout.size("ep_dp"), layout.ep), EXPERT_VIEWS)
+        views.update({name: split[name] for name in EXPERT_VIEWS})
     mesh = Mesh(layout=layout, device=device, world=world, views=views)
     check_groups(mesh)
     return mesh
@@ -153,7 +158,8 @@ def mesh_on(layout: Layout, device: torch.device) -> Mesh:
 def flatten(world: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMesh:
     """One group over `axes` of `world`, named `name`. The one use of torch's private
     `DeviceMesh._flatten` (torchtitan's way to the same groups; no public API makes them from one
-    root): tests/parallel/test_layout_object.py fails by name if a torch upgrade changes it."""
+    root; `_unflatten` splits the dp view for parallel.ep the same way): tests/parallel/test_layout_object.py
+    fails by name if a torch upgrade changes `_flatten`, tests/parallel/test_experts.py if `_unflatten` changes."""
     return world[axes]._flatten(name)
 
 
@@ -161,7 +167,7 @@ def check_groups(mesh: Mesh) -> None:
     """Every axis's and view's group, as torch built it, holds the ranks the layout says, in the order
     of their coordinates: else a rank's data, dropout stream or loss would be counted by an order torch
     does not use. A bug, not a user's error (a traceback); it asks no other rank."""
-    for name in (*AXES, *VIEWS):
+    for name in (*AXES, *mesh.views):
         built, expected = dist.get_process_group_ranks(mesh.group(name)), mesh.layout.group_ranks(mesh.rank, name)
         if built != expected or mesh.view(name).get_local_rank() != mesh.coordinates[name]:
             raise RuntimeError(

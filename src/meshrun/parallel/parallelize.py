@@ -9,9 +9,12 @@
   4. tp > 1: split the model's planned modules over the tp mesh (tensor.py; a LoRA-wrapped layer
      with its adapter, split alike: tp_styles.py);
   5. wrap blocks for activation recompute;
+  5a. parallel.ep > 1: keep this ep rank's experts of each MoE layer, their tokens routed by
+     all-to-all (experts.py);
   5b. train.compile: torch.compile each block's forward (compile.py);
   6. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp, and
      ddp with tp > 1) fully_shard per block + the stage root (fsdp.py; 2-D with tp's DTensors);
+     split experts left out, their gradients averaged by `ExpertGradients` after the backward;
   7. pp > 1: PipelineStage + a torch.distributed.pipelining schedule;
   8. tied embeddings: the group that sums the first and last stage's gradients (tied.py).
 Under tp the loss runs on vocabulary-sharded logits (`vocab_parallel`, forward and backward).
@@ -36,6 +39,7 @@ from meshrun.launcher import progress
 from meshrun.metrics import time_split
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.compile import apply_compile, compile_enabled, inductor_cache_dir
+from meshrun.parallel.experts import ExpertGradients, expert_param_names, shard_experts
 from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.materialise import materialise_part
@@ -54,6 +58,7 @@ class LocalModel:
     """pp = 1: gradient accumulation over microbatches, DDP all-reduce only on the last one."""
 
     tied: TiedEmbeddings  # set by parallelize
+    experts: ExpertGradients  # set by parallelize
 
     def __init__(self, part: ProtocolModule, wrapped: nn.Module, *, loss: LossFn, amp: AmpContext, tp: int = 1) -> None:
         self.parts, self.wrapped, self.loss, self.amp = [part], wrapped, loss, amp
@@ -102,6 +107,8 @@ def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Modu
     if mesh.data_mesh is not None:
         return wrap_fsdp(part, mesh, cfg.parallel)
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
+    if split := expert_param_names(part):  # each ep rank holds other experts: ExpertGradients averages them
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(part, split)
     ddp = DistributedDataParallel(part, process_group=mesh.group("dp"), device_ids=device_ids)
     ddp.register_comm_hook(mesh.group("dp"), timed_allreduce)
     return ddp
@@ -116,6 +123,13 @@ def timed_allreduce(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.
 
 # DDP refuses a hook whose annotations are not the classes themselves (here they are strings: PEP 563)
 timed_allreduce.__annotations__ = typing.get_type_hints(timed_allreduce)
+
+
+def local_part(cfg: Config, mesh: Mesh, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
+    """Steps 1-5b for one stage (layers=None: the whole model)."""
+    part = materialise_part(cfg, mesh.device, layers=layers, first=first, last=last, tp_mesh=mesh.view("tp"))
+    shard_experts(part, mesh)
+    return compiled(part, mesh, cfg)
 
 
 def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:
@@ -136,31 +150,20 @@ def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> Lo
     if mesh.rank == 0 and compile_enabled(cfg.train.compile, mesh.device):
         say(f"train.compile: the first step compiles each block (inductor cache {inductor_cache_dir()})")
     if mesh.size("pp") == 1:
-        part = compiled(
-            materialise_part(cfg, mesh.device, layers=None, first=True, last=True, tp_mesh=mesh.view("tp")), mesh, cfg
-        )
+        part = local_part(cfg, mesh, layers=None, first=True, last=True)
         local = LocalModel(part, wrap_data_parallel(part, mesh, cfg), loss=loss, amp=amp, tp=mesh.size("tp"))
         local.tied = TiedEmbeddings([part], [0], num_stages=1, mesh=mesh)
+        local.experts = ExpertGradients([part], mesh)
         return local
     # torch.distributed.pipelining costs about 1.3 s of CPU to import: only pipelines pay it
     from meshrun.parallel.pipeline import PipelineModel, plan_for
 
     plan = plan_for(cfg, mesh)
     parts = [
-        compiled(
-            materialise_part(
-                cfg,
-                mesh.device,
-                layers=plan.split[i],
-                first=i == 0,
-                last=i == plan.num_stages - 1,
-                tp_mesh=mesh.view("tp"),
-            ),
-            mesh,
-            cfg,
-        )
+        local_part(cfg, mesh, layers=plan.split[i], first=i == 0, last=i == plan.num_stages - 1)
         for i in plan.local_stages
     ]
     model = PipelineModel(cfg, mesh, plan, parts, [wrap_data_parallel(p, mesh, cfg) for p in parts], loss=loss, amp=amp)
     model.tied = TiedEmbeddings(parts, plan.local_stages, num_stages=plan.num_stages, mesh=mesh)
+    model.experts = ExpertGradients(parts, mesh)
     return model

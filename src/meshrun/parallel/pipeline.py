@@ -26,6 +26,7 @@ from meshrun.config.schema import Config
 from meshrun.errors import ConfigError
 from meshrun.launcher import progress
 from meshrun.metrics import time_split
+from meshrun.models.moe_balance import routing_recorded
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel import timeline
 from meshrun.parallel.loss_fn import LossFn
@@ -34,6 +35,7 @@ from meshrun.parallel.stages import TORCH_SCHEDULE_NAMES, static_split
 from meshrun.parallel.tensor import tp_loss, vocab_parallel
 
 if TYPE_CHECKING:
+    from meshrun.parallel.experts import ExpertGradients
     from meshrun.parallel.tied import TiedEmbeddings
 
 
@@ -79,7 +81,11 @@ class MarkedStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         kind = "B" if kwargs.get("full_backward", True) else "I"
         progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id}")
-        with timeline.action(self.stage_index, kind, bwd_chunk_id), time_split.section("compute"):
+        with (
+            timeline.action(self.stage_index, kind, bwd_chunk_id),
+            time_split.section("compute"),
+            routing_recorded(True),
+        ):
             super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         done("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id}")
 
@@ -125,6 +131,7 @@ class PipelineModel:
     """pp > 1: one schedule step runs all microbatches' forward and backward on every stage."""
 
     tied: TiedEmbeddings  # set by parallelize
+    experts: ExpertGradients  # set by parallelize
 
     def __init__(
         self,
@@ -181,7 +188,7 @@ class PipelineModel:
             "pipeline step started, before this rank's first action (its input, from the stage before)",
             waiting=True,
         )
-        with timeline.step(), self._ddp_no_sync(), self.amp(), vocab_parallel(self.tp):
+        with timeline.step(), self._ddp_no_sync(), self.amp(), vocab_parallel(self.tp), routing_recorded(False):
             schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs={"loss": loss_fn})
         return self._total(losses, loss_fn)
 

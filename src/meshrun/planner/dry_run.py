@@ -11,6 +11,7 @@ from meshrun.hardware.device import local_device, rank_memory_bytes
 from meshrun.hardware.precision import resolve_precision
 from meshrun.models.families import init_line
 from meshrun.models.hf_config import is_hf, load_hf_config
+from meshrun.models.moe import inactive_params, sparse_mlps
 from meshrun.models.task_io import task_io
 from meshrun.parallel.stages import static_split
 
@@ -46,6 +47,20 @@ def describe_layout(cfg: Config) -> list[str]:
 _UNREAD = {"hf": ("name", "num_layers", "dim", "num_heads", "vocab_size"), "timeseries": ("vocab_size",)}
 
 
+def describe_experts(model: nn.Module) -> list[str]:
+    """A Mixture-of-Experts model's MoE layers and its active parameters (those a token runs
+    through: what MFU counts); nothing for a dense model."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleDict) or not (mlps := sparse_mlps(blocks)):
+        return []
+    gate = next(iter(mlps.values())).gate
+    total = sum(p.numel() for p in model.parameters())
+    active = total - inactive_params(blocks)
+    layers = ", ".join(str(i) for i in mlps)
+    line = f"  MoE: {len(mlps)} layers ({layers}), {gate.num_experts} experts each, top {gate.top_k}: "
+    return [line + f"{active:,.0f} of the {total:,} parameters active per token (MFU counts these)"]
+
+
 def describe_model(cfg: Config, model: nn.Module) -> list[str]:
     """The shape of the model that will train (a Hugging Face one's own, not the built-in
     defaults), its parameter count and where its weights come from."""
@@ -65,11 +80,13 @@ def describe_model(cfg: Config, model: nn.Module) -> list[str]:
         "model:",
         f"  {source}: {layers} blocks, dim {dim}, {heads} heads, {reads}, seq_len {cfg.model.seq_len}",
         f"  {params:,} parameters{trained}; {init_line(cfg, model)}",
+        *describe_experts(model),
     ]
 
 
 def describe_job(cfg: Config, model: nn.Module) -> str:
     """The resolved config, the model, the process layout and the batch maths (for --dry-run)."""
+    from meshrun.parallel.experts import describe_expert_parallel
     from meshrun.parallel.fsdp import describe_data_parallel  # torch.distributed.fsdp: --dry-run only
     from meshrun.planner.layout_memory import rank_state_bytes
 
@@ -87,8 +104,8 @@ def describe_job(cfg: Config, model: nn.Module) -> str:
         ),
         f"  tokens per step {cfg.tokens_per_step} (seq_len {cfg.model.seq_len})",
     ]
-    lines += describe_data_parallel(cfg)
-    states = rank_state_bytes(cfg) or []  # none when the split is measured at start
+    lines += describe_data_parallel(cfg) + describe_expert_parallel(cfg.layout, model)
+    states = (rank_state_bytes(cfg) or []) if cfg.parallel.ep == 1 else []  # none when the split is measured at start
     lines += [
         f"  pipeline rank {r}: per rank params {_mib(s.params)} + grads {_mib(s.grads)} + "
         f"optimizer {_mib(s.optimizer)} = {_mib(s.params + s.grads + s.optimizer)}"

@@ -64,7 +64,7 @@ def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1, logged: 
     model = parallelize(cfg, mesh, loss=loss, amp=partial(autocast, cfg, mesh.device))
     optimizers = Optimizers(model.parts, cfg.train)
     params = [p for part in model.parts for p in part.parameters()]
-    counted = model.tied.counted_once(params)
+    counted = model.experts.dense(model.tied.counted_once(params))
     pp_group = mesh.group("pp") if mesh.size("pp") > 1 else None
     # a random batch of the task's shapes (token ids, labels, a series' values: task_io.py)
     inputs, targets = (
@@ -76,9 +76,12 @@ def time_steps(cfg: Config, mesh: Mesh, *, steps: int, warmup: int = 1, logged: 
     def step() -> float:
         model.forward_backward(inputs, targets)
         model.tied.sync_gradients()
+        model.experts.sync_gradients()
         _sync(mesh.device)
         update = time.perf_counter()
-        clip_global_norm(params, counted, max_norm=cfg.train.grad_clip, pp_group=pp_group)
+        clip_global_norm(
+            params, counted, max_norm=cfg.train.grad_clip, pp_group=pp_group, split_squared=model.experts.squared_norm()
+        )
         optimizers.step_unless(keep)
         optimizers.zero_grad()
         if dist.get_world_size() > 1:  # the trainer's stop-request poll: every rank's flags, each step

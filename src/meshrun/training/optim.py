@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.amp import GradScaler
+from torch.distributed.tensor import DTensor
 
 from meshrun.config.schema import TrainConfig
 from meshrun.metrics import time_split
@@ -27,7 +28,13 @@ def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     for param in part.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # Each group all DTensors or all plain tensors (torch's fused kernels refuse a mix): under fsdp the
+    # experts parallel.ep splits stay plain (parallel/experts.py) beside the sharded DTensors.
+    groups = [
+        {"params": [p for p in params if isinstance(p, DTensor) == sharded], "weight_decay": weight_decay}
+        for sharded in (True, False)
+        for params, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0))
+    ]
     # LoRA trains matrices only: an empty group would break torch's flattened optimizer state on load
     groups = [group for group in groups if group["params"]]
     # Fused where torch has a fused kernel (AdamW, Adam, SGD; CPU and CUDA): it can skip a step on
@@ -97,22 +104,31 @@ def clip_global_norm(
     *,
     max_norm: float,
     pp_group: dist.ProcessGroup | None,
+    split_squared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gradients' global norm over every stage, and clipped to `max_norm` (0: not clipped).
     `counted`: the parameters whose gradients the norm counts (a tied matrix's two copies once);
     dp replicas already agree after DDP's all-reduce, fsdp and tp shards are summed over their
-    meshes (fsdp.full_norm), pipeline stages over `pp_group` (None: one stage)."""
+    meshes (fsdp.full_norm), pipeline stages over `pp_group` (None: one stage). `split_squared`:
+    the squared norm of gradients not in `counted`, already summed over the ranks that split them
+    (parallel.experts: the experts over ep)."""
     grads = [p.grad for p in counted if p.grad is not None]
     device = params[0].device if params else torch.device("cpu")
     norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=device)
     norm = full_norm(norm)
+    if split_squared is not None:
+        norm = (norm.to(torch.float32) ** 2 + split_squared).sqrt()
     if pp_group is not None:
         squared = norm.to(torch.float32) ** 2
         with time_split.section("wait"):  # for the stage that finishes its backward last
             dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    for sharded in (
+        (True, False) if max_norm > 0 else ()
+    ):  # torch's foreach kernels refuse DTensors beside plain tensors
+        kind = [p for p in params if isinstance(p, DTensor) == sharded]
+        if kind:
+            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, norm, foreach=True)
     return norm
 
 

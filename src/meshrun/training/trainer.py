@@ -24,6 +24,8 @@ from meshrun.metrics.meters import device_utilisation, mfu_note, peak_memory_gb,
 from meshrun.metrics.profiler import StepProfiler
 from meshrun.metrics.report import RunReport, run_facts
 from meshrun.models.families import flops_at
+from meshrun.models.moe import moe_layers
+from meshrun.models.moe_balance import aux_gradient, window_row
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel import timeline
 from meshrun.parallel.compile import is_compiled
@@ -75,8 +77,10 @@ class Trainer:
         self.params = [p for part in self.model.parts for p in part.parameters()]
         self.compiles = any(is_compiled(part.blocks) for part in self.model.parts)
         self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
+        self.norm_params = self.model.experts.dense(self.norm_params)  # split experts: summed over ep apart
         self.train_data, self.val_data, self.data_card, self.task = data.train, data.val, data.card, data.task
         self.flops_model = flops_model  # on meta: prices a step's tokens at its length
+        self.moe_layers = moe_layers(flops_model.blocks)  # MoE layer -> experts, whole model (routing figures)
         self.flops_by_length: dict[int, float] = {}
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
         self.run_dir = Path(cfg.run_dir)
@@ -266,8 +270,13 @@ class Trainer:
         # Forward and backward over every microbatch; DDP all-reduces only on the last one.
         self.model.train()
         time_split.phase("forward_backward")
-        loss = self.model.forward_backward(x, y, loss=loss_fn)
+        sequences = count / self.mesh.size("dp")  # the MoE balance loss's divisor, as the loss's (moe_balance.py)
+        with aux_gradient(
+            sequences_per_rank=sequences, microbatches=self.cfg.accumulation_steps, grad_scale=loss_fn.grad_scale
+        ):
+            loss = self.model.forward_backward(x, y, loss=loss_fn)
         self.model.tied.sync_gradients()  # both copies of a tied embedding get the summed gradient
+        self.model.experts.sync_gradients()  # split experts: averaged over the ranks holding the same ones
         progress.mark("optimizer", "gradient norm over the stages, then the optimizer step")
         time_split.phase("optimizer")
         # fp16: back to real units; found_inf is all-reduced over the pipeline stages.
@@ -304,7 +313,13 @@ class Trainer:
     def clip_gradients(self) -> torch.Tensor:
         """The global norm over all stages, the gradients clipped to it (optim.clip_global_norm)."""
         pp_group = self.mesh.group("pp") if self.mesh.size("pp") > 1 else None
-        return clip_global_norm(self.params, self.norm_params, max_norm=self.cfg.train.grad_clip, pp_group=pp_group)
+        return clip_global_norm(
+            self.params,
+            self.norm_params,
+            max_norm=self.cfg.train.grad_clip,
+            pp_group=pp_group,
+            split_squared=self.model.experts.squared_norm(),
+        )
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -384,6 +399,7 @@ class Trainer:
             },
         }
         row.update(time_split.split_row(ranks.extra, wall_s=train_s + window.paused))
+        row.update(window_row(self.model.parts, self.moe_layers, self.device))  # MoE: aux loss, tokens per expert
         straggler, warning = self.stragglers.row(ranks.extra, layout=self.mesh.layout)
         row.update(straggler)
         if warning:

@@ -1,0 +1,95 @@
+"""Hugging Face Mixture-of-Experts layers (qwen3_moe, qwen2_moe, mixtral, olmoe) as transformers
+builds them, with meshrun's balance loss and routing meters hooked on, and their experts named as
+the model files hold them. No distributed code lives here.
+
+transformers 5 keeps a layer's experts as one module, `mlp.experts` (3-D `gate_up_proj` (E, 2 I, H),
+`down_proj` (E, H, I)), and its router as `mlp.gate` (returning logits, top-k weights, top-k
+experts); the files hold one tensor per expert (`experts.{e}.gate_proj.weight`, ...; Mixtral's
+`block_sparse_moe.experts.{e}.w1/w3/w2.weight`). A layer is sparse where transformers made it so
+(Qwen's decoder_sparse_step and mlp_only_layers): whichever layers have `mlp.experts`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshrun.config.model_sections import HFSection
+from meshrun.errors import ConfigError
+from meshrun.models.moe import sparse_mlps
+from meshrun.models.moe_balance import Balance, RouterMeter
+
+_MIXTRAL = (  # transformers 5's names -> Mixtral's files' names
+    (re.compile(r"\.mlp\.experts\.(\d+)\.gate_proj\."), r".block_sparse_moe.experts.\1.w1."),
+    (re.compile(r"\.mlp\.experts\.(\d+)\.up_proj\."), r".block_sparse_moe.experts.\1.w3."),
+    (re.compile(r"\.mlp\.experts\.(\d+)\.down_proj\."), r".block_sparse_moe.experts.\1.w2."),
+    (re.compile(r"\.mlp\.gate\."), ".block_sparse_moe.gate."),
+)
+
+
+def install_balance(blocks: nn.ModuleDict, cfg: HFSection, config: Any) -> Balance | None:
+    """Hooks on every sparse layer: its router's output is kept, its output carries the balance
+    loss's gradient and records the routing (`RouterMeter` as `mlp.meter`). None without MoE layers
+    (model.moe is then refused: it would configure nothing)."""
+    mlps = sparse_mlps(blocks)
+    if not mlps:
+        if cfg.moe is not None:
+            raise ConfigError(
+                f"model.moe sets a balance loss, but the model ({config.model_type}) has no MoE layers; remove model.moe"
+            )
+        return None
+    moe = cfg.moe
+    coef = config.router_aux_loss_coef if moe is None or moe.aux_loss_coef is None else moe.aux_loss_coef
+    balance = Balance("sequence" if moe is None else moe.aux_loss, coef, len(mlps))
+    for layer, mlp in mlps.items():
+        mlp.meter = RouterMeter(layer, mlp.gate.num_experts)
+        routed: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def keep(_gate: nn.Module, _args: Any, output: Any, routed: list = routed) -> None:
+            logits, _, chosen = output
+            routed[:] = [(torch.softmax(logits.float(), dim=-1), chosen)]
+
+        def attach(mlp: Any, args: Any, output: torch.Tensor, routed: list = routed) -> torch.Tensor:
+            ((probs, chosen),) = routed
+            routed.clear()
+            return balance.layer_output(output, mlp.meter, probs, chosen, batch=args[0].shape[0])
+
+        mlp.gate.register_forward_hook(keep)
+        mlp.register_forward_hook(attach)
+    return balance
+
+
+def per_expert(grouped: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    """`hf_tensors`' grouping with each 3-D experts tensor as the files hold it: one view per expert
+    and projection (`experts.{e}.gate_proj.weight` the first I rows of gate_up_proj[e], `up_proj`
+    the rest, `down_proj` down_proj[e]), so loading writes into the parameter and export writes the files' form."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for name, parts in grouped.items():
+        prefix, _, param = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or param not in ("gate_up_proj", "down_proj"):
+            out[name] = parts
+            continue
+        (tensor,) = parts
+        for e in range(tensor.shape[0]):
+            if param == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = [tensor[e]]
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = [gate]
+                out[f"{prefix}.{e}.up_proj.weight"] = [up]
+    return out
+
+
+def file_names(keys: list[str], model_type: str) -> list[str]:
+    """The Hugging Face keys to try for one tensor: Mixtral's files name its MoE block differently."""
+    if model_type != "mixtral":
+        return keys
+    renamed = []
+    for key in keys:
+        for pattern, replacement in _MIXTRAL:
+            key = pattern.sub(replacement, key)
+        renamed.append(key)
+    return list(dict.fromkeys(renamed + keys))

@@ -1,0 +1,182 @@
+"""Expert parallelism (`parallel.ep`): each MoE layer's experts split over the ep ranks, every token
+sent to the ranks of the experts its router chose and back.
+
+An experts module is any module holding 3-D parameters `gate_up_proj` [E, 2 I, H] and `down_proj`
+[E, H, I], called as `experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])`: transformers'
+Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE (5.x) and meshrun's MoE GPT. Under ep each rank keeps E / ep
+consecutive experts (ep rank e: experts e E/ep .. (e + 1) E/ep - 1) and the module's forward becomes
+  1. dispatch: the (token, choice) pairs sorted by expert, the counts exchanged, the rows sent to the
+     ranks holding their experts by `all_to_all_single` with uneven splits (dropless: no capacity);
+  2. the module's own forward over its local experts on the rows it received (each row one expert,
+     weight 1), so the family's activation and its implementation (grouped_mm or a loop) are kept;
+  3. combine: the outputs sent back by the inverse all-to-all, weighted by the router's weights on
+     the rank that routed them and summed per token, as the unsplit module does.
+Both all-to-alls are differentiable (torch's functional collectives: the backward sends gradients
+the opposite way). The router's weights multiply where they were computed: its gradient stays local.
+
+Gradients. Dense weights reduce over dp as before (DDP or FSDP: the mean of the dp ranks'
+gradients). An expert's gradient on its rank already sums every ep rank's contributions (the
+all-to-all's backward brings them), so the experts are left out of DDP / FSDP, and their gradients
+are summed over `ep_dp` (the ranks holding the same experts) and divided by dp: the mean over all dp
+ranks' losses a dense weight gets, so a step equals one process's. The global gradient norm sums the
+experts' squares over `ep` (each rank holds different ones).
+
+Checkpoints: parallel/expert_shards.py names each shard as part of the whole tensor, so a resume at
+another ep degree (ep 1 included) reads its own share.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from meshrun.errors import ConfigError
+from meshrun.parallel.expert_shards import EXPERT_WEIGHTS, ExpertShard, experts_modules
+
+if TYPE_CHECKING:
+    from meshrun.parallel.layout import Layout
+    from meshrun.parallel.mesh import Mesh
+
+
+def check_experts_split(model: nn.Module, ep: int) -> None:
+    """parallel.ep > 1 needs a model with MoE layers whose experts divide by ep (`model`: whole, on meta)."""
+    if ep == 1:
+        return
+    found = experts_modules(model)
+    if not found:
+        raise ConfigError(
+            f"parallel.ep is {ep} but the model has no MoE layers (no experts with 3-D gate_up_proj and down_proj) "
+            "to split; set parallel.ep=1"
+        )
+    for name, module in found:
+        total = module.get_parameter("gate_up_proj").shape[0]
+        if total % ep:
+            raise ConfigError(
+                f"parallel.ep ({ep}) must divide the number of experts ({total} in {name}); "
+                f"set parallel.ep to a divisor of {total}"
+            )
+
+
+def shard_experts(part: nn.Module, mesh: Mesh) -> None:
+    """Keep this ep rank's experts of every experts module of `part` (materialised whole, so their
+    values do not depend on the layout) and route its forward over the ep group; nothing at ep 1."""
+    ep = mesh.size("ep")
+    if ep == 1:
+        return
+    for _, module in experts_modules(part):
+        total = module.get_parameter("gate_up_proj").shape[0]
+        shard = ExpertShard(
+            first=mesh.coordinates.ep * (total // ep), count=total // ep, total=total, mesh=mesh.view("ep")
+        )
+        for name in EXPERT_WEIGHTS:
+            whole = module.get_parameter(name)
+            kept = whole.detach()[shard.first : shard.first + shard.count].clone()
+            setattr(module, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
+        if hasattr(module, "num_experts"):
+            setattr(module, "num_experts", shard.count)  # noqa: B010 transformers' forwards count their experts from it
+        setattr(module, "expert_shard", shard)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors and modules)
+        module.forward = functools.partial(routed_forward, module.forward, shard=shard)
+
+
+def routed_forward(
+    local_forward: Callable[..., torch.Tensor],
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    shard: ExpertShard,
+) -> torch.Tensor:
+    """The experts module's output for `hidden` [T, H] routed to `top_k_index` [T, K] with
+    `top_k_weights` [T, K], its experts spread over the ep ranks (see the module docstring)."""
+    group, ep = shard.mesh.get_group(), shard.mesh.size()
+    choices = top_k_index.reshape(-1)  # [T K]: pair p is token p // K's choice p % K
+    order = torch.argsort(choices, stable=True)  # pairs by expert, so by the rank that holds it
+    token = order // top_k_index.shape[1]
+    sent_per_expert = torch.bincount(choices, minlength=shard.total)
+    got_per_expert = torch.empty_like(sent_per_expert)  # [ep, count]: from each rank, per local expert
+    dist.all_to_all_single(got_per_expert, sent_per_expert, group=group)
+    sends = sent_per_expert.view(ep, shard.count).sum(1).tolist()  # a host sync: the splits are sizes
+    gets = got_per_expert.view(ep, shard.count).sum(1).tolist()
+    rows = all_to_all_single_autograd(hidden[token], gets, sends, group)
+    local_ids = torch.arange(shard.count, device=hidden.device).repeat(ep).repeat_interleave(got_per_expert)
+    ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=hidden.device)
+    done = local_forward(rows, local_ids[:, None], ones)
+    back = all_to_all_single_autograd(done, sends, gets, group)
+    weighted = back * top_k_weights.reshape(-1)[order, None]
+    return torch.zeros_like(hidden).index_add(0, token, weighted.to(hidden.dtype))
+
+
+class ExpertGradients:
+    """The expert weights of this rank's parts: their gradients averaged like the dense weights', and
+    their share of the gradient norm (see the module docstring). Empty at ep 1."""
+
+    def __init__(self, parts: Sequence[nn.Module], mesh: Mesh) -> None:
+        self.params = [p for part in parts for p in expert_params(part) if p.requires_grad]
+        self.ep_dp_group = mesh.group("ep_dp") if self.params and mesh.size("ep_dp") > 1 else None
+        self.ep_group = mesh.group("ep") if self.params else None
+        self.dp = mesh.size("dp")
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Sum over ep_dp and divide by dp (call after the backward, before unscale and clip)."""
+        for param in self.params:  # a rank no token reached has no gradient: its peers still sum with it
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.ep_dp_group is not None:
+            dist.all_reduce(flat, group=self.ep_dp_group)
+        flat /= self.dp
+        for grad, synced in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(synced.view_as(grad))
+
+    def dense(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """`params` without the expert weights: the part of the gradient norm every dp rank agrees on."""
+        return [p for p in params if not any(p is e for e in self.params)]
+
+    def squared_norm(self) -> torch.Tensor | None:
+        """The squared norm of every expert gradient of this stage, summed over ep; None at ep 1."""
+        if self.ep_group is None:
+            return None
+        grads = [p.grad for p in self.params if p.grad is not None]
+        squared = torch.nn.utils.get_total_norm(grads, foreach=True).to(torch.float32) ** 2
+        dist.all_reduce(squared, group=self.ep_group)
+        return squared
+
+
+def expert_params(part: nn.Module) -> list[nn.Parameter]:
+    """The split expert weights of `part` (left out of DDP and FSDP)."""
+    return [m.get_parameter(n) for _, m in experts_modules(part) if hasattr(m, "expert_shard") for n in EXPERT_WEIGHTS]
+
+
+def expert_param_names(part: nn.Module) -> list[str]:
+    """The names of `part`'s split expert weights (DDP's parameters to ignore)."""
+    return [f"{name}.{n}" for name, m in experts_modules(part) if hasattr(m, "expert_shard") for n in EXPERT_WEIGHTS]
+
+
+def describe_expert_parallel(layout: Layout, model: nn.Module) -> list[str]:
+    """--dry-run lines: the ep groups and the experts each ep rank holds (`model`: whole, checked by
+    check_experts_split); nothing at ep 1."""
+    if layout.ep == 1:
+        return []
+    total = experts_modules(model)[0][1].get_parameter("gate_up_proj").shape[0]
+    count = total // layout.ep
+    groups = sorted({tuple(layout.group_ranks(r, "ep")) for r in layout.ranks_of_pp_rank(0)})
+    held = "; ".join(f"ep rank {e}: experts {e * count}-{(e + 1) * count - 1}" for e in range(layout.ep))
+    return [
+        "expert parallel:",
+        (
+            f"  ep {layout.ep} x ep_dp {layout.size('ep_dp')}: each MoE layer's {total} experts split over the ranks "
+            f"of each ep group ({', '.join(str(list(g)) for g in groups)} on pipeline rank 0; the other stages alike)"
+        ),
+        f"  {held}; tokens reach them by two all-to-alls per MoE layer forward, two backward",
+        "  per rank state: not estimated under parallel.ep yet (each run's metrics record what it holds: state_bytes)",
+    ]

@@ -1,0 +1,237 @@
+"""Mixture-of-Experts models: the built-in experts' grouped matmul against a loop, the balance
+losses' arithmetic, and each Hugging Face MoE family in one process against transformers' own
+model (step-1 loss with transformers' auxiliary loss, pre-clip gradient norm)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import in_process_trainer
+
+from meshrun.models import moe
+from meshrun.models.moe_balance import microbatch_balance, sequence_balance, window_row
+
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+    "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+MOE_FAMILIES = {
+    # layer 1 dense (mlp_only_layers): the sparse layers are whichever transformers made sparse
+    "qwen3_moe": {**TINY, "num_experts": 4, "moe_intermediate_size": 16, "mlp_only_layers": [1], "head_dim": 8},
+    # a shared expert with its sigmoid gate beside the routed ones; every second layer sparse
+    "qwen2_moe": {
+        **TINY,
+        "num_experts": 4,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+        "decoder_sparse_step": 2,
+    },
+    "mixtral": {**TINY, "num_local_experts": 4},  # files name the block block_sparse_moe, experts w1 w3 w2
+    "olmoe": {**TINY, "num_experts": 4, "pad_token_id": 0},
+}
+
+
+def make_moe(family: str, out: Path) -> Path:
+    """transformers' own model of the family, its random init seeded, saved with save_pretrained."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(family, **MOE_FAMILIES[family])
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_one_process_equals_transformers(family: str, data_dir: Path, tmp_path: Path) -> None:
+    """One process, one microbatch, model.moe.aux_loss microbatch: meshrun's step-1 loss plus its
+    auxiliary loss (x router_aux_loss_coef) is transformers' loss with output_router_logits, and
+    the pre-clip gradient norms agree, to 1e-5 relative."""
+    from hf_models import load_reference
+
+    model_dir = make_moe(family, tmp_path / "model")
+    settings = {
+        "model.hf": model_dir,
+        "model.seq_len": 16,
+        "model.moe.aux_loss": "microbatch",
+        "train.global_batch": 4,
+        "train.micro_batch": 4,
+        "train.steps": 1,
+    }
+    with in_process_trainer(data_dir, tmp_path / "run", **settings) as trainer:
+        x, y = trainer.local_batch(trainer.train_data, 0)
+        result = trainer.train_step(0)
+        row = window_row(trainer.model.parts, trainer.moe_layers, trainer.device)
+    reference = load_reference(model_dir).train()
+    out = reference(input_ids=x, labels=y, shift_labels=y.contiguous(), output_router_logits=True)
+    out.loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
+    ours = result.loss.item() + reference.config.router_aux_loss_coef * row["aux_loss"]
+    assert ours == pytest.approx(out.loss.item(), rel=1e-5)
+    assert row["aux_loss"] == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    assert result.grad_norm.item() == pytest.approx(norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_export_hf_loads_in_transformers_with_equal_logits(family: str, tmp_path: Path) -> None:
+    """export --hf writes the experts as the files hold them (one tensor per expert; Mixtral's
+    block_sparse_moe names), and transformers loads the folder into the same logits."""
+    from hf_models import load_reference
+
+    from meshrun.config.schema import validate
+    from meshrun.models.hf_export import export_hf
+    from meshrun.parallel.materialise import materialise_part
+
+    cfg = validate({"model": {"hf_config": {"model_type": family, **MOE_FAMILIES[family]}, "seq_len": 16}})
+    model = materialise_part(cfg, torch.device("cpu"), layers=[0, 1, 2], first=True, last=True).eval()
+    out = export_hf(model, cfg.model, tmp_path / "export")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(load_reference(out)(input_ids=tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_equals_a_loop_over_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experts' grouped matmul (torch.nn.functional.grouped_mm) and the loop over experts give
+    the same outputs and gradients; torch 2.13 has the grouped matmul (an upgrade that drops or
+    renames it fails here, not silently slower)."""
+    assert hasattr(F, "grouped_mm")
+    experts = moe.Experts(num_experts=4, dim=32, expert_dim=16)
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    x, index = torch.randn(10, 32), torch.randint(0, 4, (10, 2))
+    index[:, 1] = (index[:, 0] + 1) % 4  # two different experts, one of them unused maybe
+    weights = torch.rand(10, 2)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        experts.zero_grad()
+        out = experts(x, index, weights)
+        out.square().sum().backward()
+        return out.detach(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()
+
+    assert moe.grouped_mm_fits(x, experts.gate_up_proj)
+    grouped = run()
+    monkeypatch.setattr(moe, "grouped_mm_fits", lambda x, w: False)
+    looped = run()
+    for a, b in zip(grouped, looped):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_trace_on_fake_tensors_as_a_balanced_router() -> None:
+    """meshrun plan traces on fake tensors (no counts to route by): the experts run as if each got
+    N k / E rows; torch's private is_fake, which tells a trace apart, still answers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    experts = moe.Experts(num_experts=4, dim=32, expert_dim=16)
+    assert not moe.planned(torch.zeros(1))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(torch.zeros(6, 32))
+        assert moe.planned(fake)
+        out = experts(fake, torch.zeros(6, 2, dtype=torch.long), torch.ones(6, 2))
+    assert out.shape == (6, 32)
+
+
+def test_sequence_balance_does_not_depend_on_grouping() -> None:
+    """The per-sequence loss summed over any split of a batch is the same; transformers' batch-level
+    form over the same split is not (why `microbatch` depends on train.micro_batch)."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(4 * 8, 4) * 3, dim=-1)  # 4 sequences of 8 tokens, 4 experts
+    chosen = torch.topk(probs, 2, dim=-1).indices
+    whole = sequence_balance(probs, chosen, batch=4).sum()
+    halves = sum(sequence_balance(p, c, batch=2).sum() for p, c in zip(probs.chunk(2), chosen.chunk(2)))
+    torch.testing.assert_close(whole, halves)
+    pooled = microbatch_balance([probs], [chosen])
+    split = sum(microbatch_balance([p], [c]) for p, c in zip(probs.chunk(2), chosen.chunk(2))) / 2
+    assert abs(pooled.item() - split.item()) > 1e-3
+
+
+HERE = Path(__file__).parent
+GPT_MOE = {
+    "model.moe.num_experts": 4,
+    "model.moe.top_k": 2,
+    "model.moe.aux_loss_coef": 0.1,
+    "train.global_batch": 8,
+    "train.steps": 10,
+    "train.lr": 3e-3,
+    "train.grad_clip": 0.5,
+}
+LAYOUTS = {
+    "one": {},
+    # recompute: a block's forward runs twice, its routing counts once
+    "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "full"},
+    # the broken variant: each stage divides by its own MoE layers (tests/models/moe_per_stage.py)
+    "broken-pp2": {
+        "parallel.pp": 2,
+        "parallel.schedule": "1f1b",
+        "model.factory": "moe_per_stage:build",
+        "train.steps": 1,
+        **{f"model.options.{k}": v for k, v in (("num_experts", 4), ("top_k", 2), ("aux_loss_coef", 0.1))},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The built-in MoE gpt with the per-sequence balance loss, trained at each layout (one launch each)."""
+    from conftest import meshrun_env, run_meshrun, tiny
+
+    runs = {}
+    for name, layout in LAYOUTS.items():
+        run = tmp_path_factory.mktemp(name) / "run"
+        settings = {**GPT_MOE, **layout}
+        if "model.factory" in settings:
+            settings = {k: v for k, v in settings.items() if not k.startswith("model.moe.")}
+        run_meshrun(
+            ["train", *tiny(data_dir, run, **settings)],
+            tmp_path=run.parent,
+            env=meshrun_env(run.parent, PYTHONPATH=str(HERE)),
+        )
+        runs[name] = run
+    return runs
+
+
+def routing(run: Path) -> list[dict[str, float]]:
+    """Each logged step's tokens per expert (min, max, cv per layer) and the balance loss."""
+    from conftest import read_metrics
+
+    return [
+        {k: v for k, v in row.items() if k.startswith("moe/") or k == "aux_loss"}
+        for row in read_metrics(run)
+        if "loss" in row
+    ]
+
+
+def test_dp2_pp2_equals_one_process(gpt_runs: dict[str, Path]) -> None:
+    """dp2 x pp2 (1F1B, full recompute) with the per-sequence balance loss: step-1 loss and gradient norm, the
+    weights after 10 clipped AdamW steps (1e-5), and the routing of every step (tokens per expert
+    of every layer, the balance loss) equal one process's."""
+    from conftest import final_weights, grad_norms, losses, max_weight_diff
+
+    one, split = gpt_runs["one"], gpt_runs["dp2-pp2-1f1b"]
+    assert losses(split)[0] == pytest.approx(losses(one)[0], rel=1e-5)
+    assert grad_norms(split)[0] == pytest.approx(grad_norms(one)[0], rel=1e-5)
+    ours, theirs = routing(split), routing(one)
+    assert ours[0]["aux_loss"] > 0 and ours[0].keys() == theirs[0].keys()
+    for a, b in zip(ours, theirs, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert max_weight_diff(final_weights(split), final_weights(one)) < 1e-5
+
+
+def test_a_balance_loss_normalised_per_stage_differs(gpt_runs: dict[str, Path]) -> None:
+    """The check can fail: a stage that divides the balance loss by its own MoE layers (half the
+    model's) gives another gradient at step 1, though the language loss and routing agree."""
+    from conftest import grad_norms, losses
+
+    one, broken = gpt_runs["one"], gpt_runs["broken-pp2"]
+    assert losses(broken)[0] == pytest.approx(losses(one)[0], rel=1e-5)
+    assert grad_norms(broken)[0] != pytest.approx(grad_norms(one)[0], rel=1e-5)

@@ -1,0 +1,147 @@
+"""One torchrun worker of tests/parallel/test_experts.py (4 ranks, gloo): transformers' own
+Qwen3-MoE sparse block, whole on every rank (the one-process reference on the global batch), then
+split over ep 2 (ep_dp 2) and ep 4 (ep_dp 1) with each dp rank on its share of the batch; a broken
+variant that returns the experts' outputs to the wrong rows; checkpoints saved at ep 2 and read at
+ep 1 and ep 4. Writes what it measured to OUT/rank-R.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from meshrun.parallel import expert_shards, experts
+from meshrun.parallel.layout import Layout
+from meshrun.parallel.mesh import Mesh, mesh_on
+
+BATCH, SEQ, HIDDEN = 8, 5, 16
+CONFIG = Qwen3MoeConfig(
+    hidden_size=HIDDEN, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+)
+
+
+def moe_block(seed: int = 0) -> Qwen3MoeSparseMoeBlock:
+    """The same weights on every rank (the router's start at zero in transformers: drawn here)."""
+    torch.manual_seed(seed)
+    block = Qwen3MoeSparseMoeBlock(CONFIG)
+    for param in block.parameters():
+        nn.init.normal_(param, std=0.5)
+    return block
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, SEQ, HIDDEN, generator=generator), torch.randn(BATCH, SEQ, HIDDEN, generator=generator)
+
+
+def loss_of(out: torch.Tensor, target: torch.Tensor, *, dp: int) -> torch.Tensor:
+    """Sum over this rank's tokens / the global count, times dp: DDP's mean over dp is the global mean."""
+    return (out - target).pow(2).sum() * dp / (BATCH * SEQ)
+
+
+def step(block: nn.Module, mesh: Mesh, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Forward and backward of this dp rank's samples; gradients reduced as the trainer does."""
+    rows = mesh.data_shard(BATCH)
+    out = block(x[rows.start : rows.stop])
+    loss_of(out, target[rows.start : rows.stop], dp=mesh.size("dp")).backward()
+    for param in experts.ExpertGradients([block], mesh).dense(list(block.parameters())):  # DDP's mean over dp
+        dist.all_reduce(param.grad, group=mesh.group("dp"))
+        param.grad /= mesh.size("dp")
+    gradients = experts.ExpertGradients([block], mesh)
+    gradients.sync_gradients()
+    dense = torch.nn.utils.get_total_norm([p.grad for p in gradients.dense(list(block.parameters()))]) ** 2
+    squared = gradients.squared_norm()
+    return out.detach(), float((dense + (0 if squared is None else squared)).sqrt())
+
+
+def differences(block: nn.Module, reference: nn.Module, out: torch.Tensor, full_out: torch.Tensor) -> dict[str, float]:
+    """Largest differences from the reference: output rows, router and expert gradients (this rank's experts)."""
+    shard = block.experts.expert_shard
+    kept = slice(shard.first, shard.first + shard.count)
+    found = {"output": (out - full_out).abs().max().item()}
+    found["router_grad"] = (block.gate.weight.grad - reference.gate.weight.grad).abs().max().item()
+    for name in expert_shards.EXPERT_WEIGHTS:
+        mine, whole = block.experts.get_parameter(name), reference.experts.get_parameter(name)
+        found[f"{name}_grad"] = (mine.grad - whole.grad[kept]).abs().max().item()
+    return found
+
+
+def main(out_dir: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, cpu = dist.get_rank(), torch.device("cpu")
+    x, target = data()
+    reference = moe_block()
+    full_out = reference(x)
+    loss_of(full_out, target, dp=1).backward()
+    reference_norm = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+    found: dict[str, object] = {"reference_norm": reference_norm}
+    for ep in (2, 4):
+        mesh = mesh_on(Layout(dp_replicate=4, ep=ep), cpu)
+        block = moe_block()
+        experts.shard_experts(block, mesh)
+        out, norm = step(block, mesh, x, target)
+        rows = mesh.data_shard(BATCH)
+        found[f"ep{ep}"] = {**differences(block, reference, out, full_out[rows.start : rows.stop]), "norm": norm}
+        found[f"ep{ep}_groups"] = {name: dist.get_process_group_ranks(mesh.group(name)) for name in ("ep", "ep_dp")}
+        if ep == 2:
+            found["broken"] = broken_output(mesh, x, full_out)
+            dcp.save(expert_shards.global_state(block, block.state_dict()), checkpoint_id=out_dir / "ep2")
+    found["resumed"] = resumed(out_dir / "ep2", reference, cpu)
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def broken_output(mesh: Mesh, x: torch.Tensor, full_out: torch.Tensor) -> float:
+    """ep 2 with the experts' outputs handed back in the wrong order (the combine's rows reversed):
+    the test's check must see it."""
+    exchange = experts.all_to_all_single_autograd
+    calls = iter(range(1_000))
+
+    def misrouted(rows: torch.Tensor, *args: object) -> torch.Tensor:
+        out = exchange(rows, *args)
+        return out.flip(0) if next(calls) % 2 else out  # every second exchange is the combine
+
+    experts.all_to_all_single_autograd = misrouted
+    try:
+        block = moe_block()
+        experts.shard_experts(block, mesh)
+        rows = mesh.data_shard(BATCH)
+        with torch.no_grad():
+            return (block(x[rows.start : rows.stop]) - full_out[rows.start : rows.stop]).abs().max().item()
+    finally:
+        experts.all_to_all_single_autograd = exchange
+
+
+def resumed(path: Path, reference: nn.Module, cpu: torch.device) -> dict[str, float]:
+    """The ep 2 checkpoint read at ep 1 (whole experts) and at ep 4: largest difference from the
+    reference's weights (every rank saved the same starting weights, so they are the reference's)."""
+    found = {}
+    whole = moe_block(seed=7)
+    state = whole.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    whole.load_state_dict(state)
+    found["ep1"] = max((whole.get_parameter(n) - p).abs().max().item() for n, p in reference.named_parameters())
+    mesh = mesh_on(Layout(dp_replicate=4, ep=4), cpu)
+    quarter = moe_block(seed=7)
+    experts.shard_experts(quarter, mesh)
+    state = expert_shards.global_state(quarter, quarter.state_dict())
+    dcp.load(state, checkpoint_id=path)
+    quarter.load_state_dict(expert_shards.local_state(state))
+    shard = quarter.experts.expert_shard
+    kept = slice(shard.first, shard.first + shard.count)
+    found["ep4"] = max(
+        (quarter.experts.get_parameter(n) - reference.experts.get_parameter(n)[kept]).abs().max().item()
+        for n in expert_shards.EXPERT_WEIGHTS
+    )
+    return found
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
