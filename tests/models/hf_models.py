@@ -67,18 +67,22 @@ def make_model(
     return out
 
 
-def load_reference(model_dir: Path):
+def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=dtype)
 
 
-def backward_microbatches(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_microbatches: int) -> float:
-    """transformers' own loss on each microbatch's whole window, one backward each; the batch's loss."""
+def backward_microbatches(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_microbatches: int, *, autocast: bool = False
+) -> float:
+    """transformers' own loss on each microbatch's whole window, one backward each; the batch's loss
+    (`autocast`: each forward under CPU bf16 autocast, as meshrun's precision bf16 runs it)."""
     total = 0.0
     for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
         window = torch.cat([xm, ym[:, -1:]], dim=1)  # (B, T + 1)
-        loss = model(input_ids=window, labels=window).loss / num_microbatches
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=window, labels=window).loss / num_microbatches
         loss.backward()
         total += loss.item()
     return total

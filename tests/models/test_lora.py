@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import final_weights, in_process_trainer, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from hf_models import SEQ_LEN, backward_microbatches, load_reference, make_model
 from plain_reference import config_from_set_args, cosine_lr
 from test_hf import interrupted
@@ -47,7 +47,9 @@ LAYOUTS = {
         "parallel.schedule": "1f1b",
         "parallel.sequence_parallel": True,
     },
+    "bf16-fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp", "precision": "bf16"},  # on the bf16 folder
 }
+BF16 = {"precision": "bf16"}  # model.lora.base_dtype auto: the base as the folder stores it (bf16), under autocast
 
 
 def lora_args(data_dir: Path, run: Path | str, model_dir: Path, **overrides: object) -> list[str]:
@@ -61,14 +63,22 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(llama_dir: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`runs(layout)`: a 10-step LoRA run, trained on first use."""
+def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same Llama saved in bf16, as released models are."""
+    return make_model("llama", tmp_path_factory.mktemp("hf") / "llama-bf16", tie_word_embeddings=True, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def runs(
+    llama_dir: Path, bf16_dir: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """`runs(layout)`: a 10-step LoRA run, trained on first use (bf16-*: on the bf16 folder)."""
     root, done = tmp_path_factory.mktemp("lora-runs"), {}
 
     def get(layout: str) -> Path:
         if layout not in done:
-            run = root / layout
-            run_meshrun(["train", *lora_args(data_dir, run, llama_dir, **LAYOUTS[layout])], tmp_path=root)
+            run, folder = root / layout, bf16_dir if layout.startswith("bf16-") else llama_dir
+            run_meshrun(["train", *lora_args(data_dir, run, folder, **LAYOUTS[layout])], tmp_path=root)
             done[layout] = run
         return done[layout]
 
@@ -82,23 +92,26 @@ def peft_name(ours: str) -> str:
     return "base_model.model." + hf.replace("head.weight", "lm_head.weight")
 
 
-def initial_model(data_dir: Path, llama_dir: Path):
+def initial_model(data_dir: Path, llama_dir: Path, **overrides: object):
     """meshrun's one-process model as a run starts it (the folder's base, adapters drawn per name)."""
     from meshrun.parallel.materialise import materialise_part
 
-    cfg = config_from_set_args(lora_args(data_dir, "unused", llama_dir))
+    cfg = config_from_set_args(lora_args(data_dir, "unused", llama_dir, **overrides))
     return materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True), cfg
 
 
-def peft_model_with(ours: torch.nn.Module, cfg: Config, folder: Path) -> torch.nn.Module:
-    """peft's get_peft_model over transformers' model of `folder`, with `cfg.model.lora`'s config
+def peft_model_with(
+    ours: torch.nn.Module, cfg: Config, folder: Path, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """peft's get_peft_model over transformers' model of `folder` loaded in `dtype` (its adapters
+    fp32 whatever the base's: peft's autocast_adapter_dtype), with `cfg.model.lora`'s config
     (all-linear) and meshrun's adapters `ours` copied in."""
     from peft import LoraConfig, get_peft_model
 
     lora = cfg.model.lora
     assert lora is not None
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules="all-linear")
-    model = get_peft_model(load_reference(folder), config)
+    model = get_peft_model(load_reference(folder, dtype), config)
     theirs = dict(model.named_parameters())
     adapters = {peft_name(k): v for k, v in ours.named_parameters() if v.requires_grad}
     assert adapters.keys() == {k for k, v in theirs.items() if v.requires_grad}, "peft adapts other modules"
@@ -108,13 +121,14 @@ def peft_model_with(ours: torch.nn.Module, cfg: Config, folder: Path) -> torch.n
     return model
 
 
-def peft_reference(data_dir: Path, llama_dir: Path, *, steps: int):
+def peft_reference(data_dir: Path, llama_dir: Path, *, steps: int, base: torch.dtype = torch.float32, bf16=False):
     """peft on transformers' own model, no meshrun code in the step: get_peft_model with the same
     LoraConfig, meshrun's initial adapters copied in; per step the whole window's loss (HF shifts the
-    labels), one backward per microbatch, norm clipped over the adapters, torch's AdamW (not fused)."""
+    labels), one backward per microbatch, norm clipped over the adapters, torch's AdamW (not fused).
+    `base`: the dtype transformers loads the base in; `bf16`: forwards under bf16 autocast."""
     ours, cfg = initial_model(data_dir, llama_dir)
     train = cfg.train
-    model = peft_model_with(ours, cfg, llama_dir).train()
+    model = peft_model_with(ours, cfg, llama_dir, base).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.betas, eps=train.eps, foreach=False)
     for group in optimizer.param_groups:
@@ -123,7 +137,7 @@ def peft_reference(data_dir: Path, llama_dir: Path, *, steps: int):
     num_microbatches = train.global_batch // train.micro_batch
     for step in range(steps):
         x, y = data.batch(step * train.global_batch, train.global_batch)
-        total = backward_microbatches(model, x, y, num_microbatches)
+        total = backward_microbatches(model, x, y, num_microbatches, autocast=bf16)
         norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip).item()
         first = first or (total, norm)
         for group in optimizer.param_groups:
@@ -183,6 +197,67 @@ def test_layout_equals_one_process(layout: str, runs) -> None:
     norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, reference)]
     assert len(norms[0]) == 10 and norms[0] == pytest.approx(norms[1], rel=1e-5)
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def bf16_run(bf16_dir: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One process on the bf16 folder at precision bf16, trained in this process: the run directory,
+    and the live model's parameters and AdamW state's dtypes after its 10 steps."""
+    run = tmp_path_factory.mktemp("lora-bf16") / "run"
+    with in_process_trainer(data_dir, run, **{**BASE, "model.hf": bf16_dir, **LORA, **BF16}) as trainer:
+        trainer.train()
+        live = {name: p.detach().clone() for name, p in trainer.model.parts[0].named_parameters()}
+        moments = {t.dtype for o in trainer.optimizers.optimizers for state in o.state.values() for t in state.values()}
+    return run, live, moments
+
+
+def test_bf16_base_beside_fp32_adapters_equals_peft(bf16_run, bf16_dir: Path, data_dir: Path) -> None:
+    """A bf16 folder at precision bf16 (base_dtype auto): the live base is bf16, bit-identical to the
+    folder after training, and priced so by the planner (2 bytes a weight); adapters and AdamW state
+    fp32. peft on transformers' model loaded in bf16 (peft upcasts its adapters to fp32) under the
+    same autocast gives the same step-1 loss and grad norm and adapters after 10 steps, within
+    bf16's rounding (the two forwards round differently: meshrun's rotary and loss are its own);
+    the same peft over an fp32 base lands further away than that tolerance."""
+    from meshrun.parallel.materialise import build_stage
+    from meshrun.planner.stage_cost import state_bytes
+
+    run, live, moments = bf16_run
+    base = {k: v for k, v in live.items() if ".lora_" not in k}
+    adapters = {k: v for k, v in live.items() if ".lora_" in k}
+    assert {v.dtype for v in base.values()} == {torch.bfloat16}
+    assert {v.dtype for v in adapters.values()} == {torch.float32} and moments == {torch.float32}
+    cfg = config_from_set_args(lora_args(data_dir, "unused", bf16_dir, **BF16))
+    planned = state_bytes(build_stage(cfg, layers=None, first=True, last=True), cfg.train)
+    measured = sum(v.nbytes for v in live.values())
+    assert (
+        planned[0]
+        == measured
+        == sum(2 * v.numel() for v in base.values()) + sum(4 * v.numel() for v in adapters.values())
+    )
+    (loss, grad_norm), theirs = peft_reference(data_dir, bf16_dir, steps=10, base=torch.bfloat16, bf16=True)
+    for name, value in base.items():  # peft's base as transformers loaded it: the folder's
+        assert torch.equal(value, theirs[peft_name(name)]), name
+    metrics = read_metrics(run)[0]
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    assert max((v - theirs[peft_name(k)]).abs().max().item() for k, v in adapters.items()) < 1e-5  # 7e-7 seen
+    _, fp32_base = peft_reference(data_dir, bf16_dir, steps=10, bf16=True)
+    assert max((v - fp32_base[peft_name(k)]).abs().max().item() for k, v in adapters.items()) > 1e-3  # 7e-3 seen
+
+
+def test_bf16_base_under_fsdp_equals_one_process(runs, bf16_run) -> None:
+    """FSDP2 over dp2 shards a bf16 base beside fp32 adapters in the same groups (torch asks one
+    dtype of the trainable parameters only) and equals the one process: step-1 loss and grad norm to
+    1e-5, the adapters after 10 steps to 1e-4 and every loss to 1e-4, not fp32's 1e-5. Each rank's
+    half batch rounds its bf16 activations alike, but the adapters' gradients are summed in another
+    order, and each step's bf16 forward rounds that difference up (adapters 1.2e-5 apart after 10
+    steps, the last steps' grad norms 0.2%; an fp32 base lands 7e-3 away)."""
+    run, reference = runs("bf16-fsdp-dp2"), bf16_run[0]
+    assert max_weight_diff(final_weights(run), final_weights(reference)) < 1e-4
+    assert losses(run) == pytest.approx(losses(reference), abs=1e-4)
+    first = [read_metrics(r)[0] for r in (run, reference)]
+    assert first[0]["loss"] == pytest.approx(first[1]["loss"], rel=1e-5)
+    assert first[0]["grad_norm"] == pytest.approx(first[1]["grad_norm"], rel=1e-5)
 
 
 def test_checkpoints_hold_the_adapters_only(runs, llama_dir: Path, data_dir: Path) -> None:

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 import meshrun.parallel.recompute as recompute
 from meshrun.config.schema import Config, load_config
+from meshrun.hardware.precision import autocast
 from meshrun.models.task_io import task_io
 from meshrun.parallel.mesh import Mesh, mesh_on
 from meshrun.parallel.parallelize import parallelize
@@ -65,7 +66,7 @@ def measure(cfg: Config, mesh: Mesh) -> dict[str, int]:
 def _measure(cfg: Config, mesh: Mesh, caches: list) -> dict[str, int]:
     torch.manual_seed(0)
     loss = MicrobatchLoss(cfg.accumulation_steps, summed=task_for(cfg.task).summed(cfg))
-    model = parallelize(cfg, mesh, loss=loss, amp=contextlib.nullcontext)
+    model = parallelize(cfg, mesh, loss=loss, amp=lambda: autocast(cfg, mesh.device))  # precision's autocast
     optimizers = [build_optimizer(part, cfg.train) for part in model.parts]
     params = [p for part in model.parts for p in part.parameters()]
     counter = SavedBytes(exclude=params)

@@ -80,9 +80,14 @@ ONE_RANK = {
     "classify-single-mb2": [*CLASSIFY, "train.global_batch=4", "train.micro_batch=2"],
     "regress-single-mb2": [*REGRESS, "train.global_batch=4", "train.micro_batch=2"],
 }
+LORA = ["model.lora.r=4", "model.lora.alpha=8"]  # on q, k, v, o: the frozen base saves no input of its own
 HF = {
     "hf-llama-single-mb2": [LLAMA, "train.global_batch=4", "train.micro_batch=2"],
     "hf-llama-single-mb2-selective": [LLAMA, "train.global_batch=4", "train.micro_batch=2", "recompute=selective"],
+    # LoRA: each adapter's A saves its own copy of the layer's input (under bf16 autocast a cast of
+    # it per projection), the frozen matmuls save their weights' casts and not their inputs
+    "hf-llama-lora-single-mb2": [LLAMA, *LORA, "train.global_batch=4", "train.micro_batch=2"],
+    "hf-llama-lora-bf16-single-mb2": [LLAMA, *LORA, "train.global_batch=4", "train.micro_batch=2", "precision=bf16"],
 }
 GROUPS = {"two-ranks": (TWO_RANKS, 2), "one-rank": (ONE_RANK, 1), "hf": (HF, 1)}  # measured once per group
 LAYOUTS = {name: (group, overrides) for group, (layouts, _) in GROUPS.items() for name, overrides in layouts.items()}
@@ -113,7 +118,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[s
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_predicted_memory_matches_a_real_step(name: str, measured: Callable[[str], dict[str, list[dict]]]) -> None:
     group, overrides = LAYOUTS[name]
-    predicted = layout_memory(layout_config(overrides), "fp32")
+    cfg = layout_config(overrides)
+    predicted = layout_memory(cfg, cfg.precision)
     for rank in measured(group)[name]:
         model = predicted.ranks[rank["pp_rank"]]
         assert (model.params, model.optimizer) == (rank["params"], rank["optimizer"])

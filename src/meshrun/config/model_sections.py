@@ -32,6 +32,12 @@ class LoraSection(Section):
     target_modules: list[str] | Literal["all-linear"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
     """Modules to adapt, by name as peft matches them (a module whose name is, or ends in `.NAME`), or
     `all-linear`: every linear layer of the blocks (peft's meaning: the output head is left out)."""
+    base_dtype: Literal["auto", "folder", "fp32"] = "auto"
+    """The frozen base's dtype in memory (the adapters, their gradients and AdamW state are fp32 in
+    every case): folder = each weight as the model folder stores it (bf16 for released models),
+    loaded bit for bit; fp32 = upcast, as full fine-tuning holds its weights; auto = folder under
+    precision bf16 or fp16 (autocast computes in half precision anyway), fp32 under precision fp32.
+    A base without a folder's weights (model.init random, model.hf_config) is fp32."""
 
     @model_validator(mode="after")
     def _some_targets(self) -> LoraSection:

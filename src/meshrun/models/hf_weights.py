@@ -143,6 +143,23 @@ def check_shapes(tensors: Tensors, hf_names: Callable[[str], list[str]], model_d
                     )
 
 
+STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # safetensors' names
+
+
+def stored_dtypes(tensors: Tensors, hf_names: Callable[[str], list[str]], model_dir: Path) -> dict[int, torch.dtype]:
+    """id(our tensor) -> the float dtype the files store it in (reads headers only); a tensor stored
+    in another dtype (fp64, an integer) is left out."""
+    from safetensors import safe_open
+
+    dtypes: dict[int, torch.dtype] = {}
+    for file, entries in _by_file(tensors, hf_names, model_dir).items():
+        with safe_open(file, "pt", device="cpu") as f:
+            for key, parts in entries:
+                stored = STORED_DTYPES.get(f.get_slice(key).get_dtype())
+                dtypes |= {id(part): stored for part in parts if stored is not None}
+    return dtypes
+
+
 @torch.no_grad()
 def load_weights(tensors: Tensors, hf_names: Callable[[str], list[str]], model_dir: Path) -> None:
     """Copy our tensors from the files, one file tensor at a time, a fused one split by rows into

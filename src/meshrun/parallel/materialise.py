@@ -22,8 +22,17 @@ M = TypeVar("M", bound=nn.Module)
 def build_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
     """Steps 1-2 for one stage (layers=None: the whole model), on the meta device, with model.lora's
     adapters (uninitialised): what the planner and --dry-run size, trainable parameters included."""
+    return with_adapters(meta_stage(cfg, layers=layers, first=first, last=last), cfg, seed=None)
+
+
+def meta_stage(cfg: Config, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
+    """Steps 1-2: the stage on the meta device, a LoRA base in the dtypes it will be loaded in."""
     part = prune_stage(build_model(cfg.model), layers=layers, first=first, last=last)
-    return with_adapters(part, cfg, seed=None)
+    if cfg.model.lora is not None:
+        from meshrun.models.lora import hold_base_as_stored  # only when used, as with_adapters
+
+        hold_base_as_stored(part, cfg)
+    return part
 
 
 def with_adapters(part: M, cfg: Config, *, seed: int | None) -> M:
@@ -56,7 +65,7 @@ def materialise_part(
 ) -> ProtocolModule:
     """Steps 1-5 for one stage (layers=None: the whole model); `tp_mesh` of more than one rank:
     tensor parallel (before recompute wraps the blocks, whose module paths the plan names)."""
-    part = prune_stage(build_model(cfg.model), layers=layers, first=first, last=last)
+    part = meta_stage(cfg, layers=layers, first=first, last=last)
     part.to_empty(device=device)
     part.init_weights(cfg.train.seed)
     part = with_adapters(part, cfg, seed=cfg.train.seed)  # after the base's init: an adapter renames the layer it wraps

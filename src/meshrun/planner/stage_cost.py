@@ -196,7 +196,9 @@ def _piece(
 def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precision: str) -> list[StageProfile]:
     """Every stage of `split` (blocks per stage, pipeline order) for one microbatch of `micro_batch`,
     on one tp rank: composed from one- and two-block stages (stage_pieces.py) when the blocks are
-    all of one kind, else each distinct stage traced whole."""
+    all of one kind, else each distinct stage traced whole. `precision` resolved: what the stages
+    are built at (a LoRA base's dtype follows it: models/lora.py's base_as_stored)."""
+    cfg = cfg.model_copy(update={"precision": precision})
     configs = {policy: _model_json(cfg, policy) for policy in {"none", "full", "every:2", cfg.recompute}}
     num_layers, one_kind, _ = _model_facts(_build_key(configs[cfg.recompute]))
     if num_layers < 2 or not one_kind:
