@@ -25,6 +25,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from meshrun.config.context import check_context_split, unsupported
 from meshrun.config.fields import Float, Int, PathText, Section, is_text, lowercase
 from meshrun.config.model_sections import SECTIONS, EncoderSection, GPTSection, HFSection, ModelConfig, route_model
 from meshrun.config.safe_yaml import parse_document, read_config_file
@@ -339,6 +340,7 @@ class Config(Section):
             tp_splits=self.model.tp_splits(),
             sequences=self.model.sequence_splits(self.data.buckets),
         )
+        self._context_splits()
         late = [step for step in self.profile.steps if step > self.train.steps]
         if late:
             raise ConfigError(
@@ -346,6 +348,16 @@ class Config(Section):
                 "no trace would be written; profile earlier steps"
             )
         return self
+
+    def _context_splits(self) -> None:
+        """parallel.cp: a family and task it runs, heads and lengths it divides (config/context.py;
+        a Hugging Face model's heads, read from its config.json, in preflight)."""
+        check_context_split(
+            self.parallel,
+            refused=unsupported(self.model.family, self.task),
+            heads=self.model.tp_splits() if self.model.family == "gpt" else {},
+            sequences=self.model.sequence_splits(self.data.buckets),
+        )
 
     @property
     def layout(self) -> Layout:

@@ -9,6 +9,7 @@
   4. tp > 1: split the model's planned modules over the tp mesh (tensor.py; a LoRA-wrapped layer
      with its adapter, split alike: tp_styles.py);
   5. wrap blocks for activation recompute;
+  5a. cp > 1: each attention core between two all-to-alls over the cp group (context.py);
   5b. train.compile: torch.compile each block's forward (compile.py);
   6. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp, and
      ddp with tp > 1) fully_shard per block + the stage root (fsdp.py; 2-D with tp's DTensors);
@@ -36,6 +37,7 @@ from meshrun.launcher import progress
 from meshrun.metrics import time_split
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.compile import apply_compile, compile_enabled, inductor_cache_dir
+from meshrun.parallel.context import apply_context_parallel
 from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.materialise import materialise_part
@@ -97,13 +99,15 @@ class LocalModel:
 
 
 def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Module:
-    if mesh.size("dp") == 1:
+    """Gradients reduced over the ranks that hold the same weights: the dp ranks and, under context
+    parallel, the cp ranks (each holds a part of every sample's positions)."""
+    if mesh.size("dp_cp") == 1:
         return part
     if mesh.data_mesh is not None:
         return wrap_fsdp(part, mesh, cfg.parallel)
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
-    ddp = DistributedDataParallel(part, process_group=mesh.group("dp"), device_ids=device_ids)
-    ddp.register_comm_hook(mesh.group("dp"), timed_allreduce)
+    ddp = DistributedDataParallel(part, process_group=mesh.group("dp_cp"), device_ids=device_ids)
+    ddp.register_comm_hook(mesh.group("dp_cp"), timed_allreduce)
     return ddp
 
 
@@ -137,7 +141,11 @@ def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> Lo
         say(f"train.compile: the first step compiles each block (inductor cache {inductor_cache_dir()})")
     if mesh.size("pp") == 1:
         part = compiled(
-            materialise_part(cfg, mesh.device, layers=None, first=True, last=True, tp_mesh=mesh.view("tp")), mesh, cfg
+            apply_context_parallel(
+                materialise_part(cfg, mesh.device, layers=None, first=True, last=True, tp_mesh=mesh.view("tp")), mesh
+            ),
+            mesh,
+            cfg,
         )
         local = LocalModel(part, wrap_data_parallel(part, mesh, cfg), loss=loss, amp=amp, tp=mesh.size("tp"))
         local.tied = TiedEmbeddings([part], [0], num_stages=1, mesh=mesh)
@@ -148,13 +156,16 @@ def parallelize(cfg: Config, mesh: Mesh, *, loss: LossFn, amp: AmpContext) -> Lo
     plan = plan_for(cfg, mesh)
     parts = [
         compiled(
-            materialise_part(
-                cfg,
-                mesh.device,
-                layers=plan.split[i],
-                first=i == 0,
-                last=i == plan.num_stages - 1,
-                tp_mesh=mesh.view("tp"),
+            apply_context_parallel(
+                materialise_part(
+                    cfg,
+                    mesh.device,
+                    layers=plan.split[i],
+                    first=i == 0,
+                    last=i == plan.num_stages - 1,
+                    tp_mesh=mesh.view("tp"),
+                ),
+                mesh,
             ),
             mesh,
             cfg,
