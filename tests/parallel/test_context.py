@@ -4,7 +4,8 @@ Each row trains 10 clipped AdamW steps on the plain byte corpus and logs every s
 pre-clip gradient norm as the independent plain-torch reference computes them (1e-5 relative);
 its weights after the last step equal meshrun's one-process run (1e-5). A rank whose positions
 were rotated by the wrong offset, or whose attention saw only its own chunk, moves the loss.
-Packed documents under cp (GPT and Llama) are proven in tests/models/test_sft.py's layouts; the
+Llama under cp is proven in tests/models/test_hf.py (plain text, cp2 resumed at cp1) and
+tests/models/test_sft.py (packed conversations, cp2 x pp2); GPT on packed documents, the
 all-to-alls themselves, and two broken variants, in test_context_attention.py.
 """
 
@@ -19,9 +20,9 @@ from plain_reference import assert_grad_norms_match
 
 BASE = {"train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5, "checkpoint.interval": 5}
 ROWS = {
-    "cp2": {"parallel.cp": 2},
-    # 4 ranks: DDP over the dp x cp ranks (each cp rank holds a part of the same samples)
-    "dp2-cp2": {"parallel.dp": 2, "parallel.cp": 2},
+    "cp2": {"parallel.cp": 2},  # DDP over the cp ranks (each holds a part of the same samples)
+    # 4 ranks: FSDP2 shards over dp x cp (dp_shard_cp, as torchtitan), under full recompute
+    "fsdp-dp2-cp2": {"parallel.dp": 2, "parallel.cp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
 }
 
 
