@@ -317,6 +317,11 @@ class Layout:
     # what FSDP shards over
 
     @property
+    def shard_degree(self) -> int:
+        """The ranks one copy of the training state is split over by FSDP (1: DDP's whole replicas)."""
+        return self.size(self.fsdp_axes[-1]) if self.fsdp_axes else 1
+
+    @property
     def fsdp_axes(self) -> tuple[str, ...]:
         """The axes FSDP2 shards over, none for DDP: `dp_shard` for fsdp; both data axes for hsdp and
         for ddp with tp > 1 (FSDP2 keeps its replicas, a shard degree of 1: fsdp.py). With cp > 1 the

@@ -100,15 +100,15 @@ def data_modes(dp: int) -> list[tuple[str, int | None]]:
 
 
 def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
-    """Every (tp, cp, dp, dp_mode, pp, schedule) of `num_devices` that training would run, at
+    """Every (tp, dp, dp_mode, pp, schedule) of `num_devices` that training would run, at
     micro_batch 1 and full recompute (its least memory): tp within a node, only where the model
-    has a tp plan and its heads (kv heads, MLP width) divide by tp; cp only where the config takes
-    it (1 until context parallel is implemented)."""
+    has a tp plan and its heads (kv heads, MLP width) divide by tp. cp stays 1: the cost model does
+    not price context parallel yet (its activations / cp, its all-to-alls), so it proposes none."""
     found = []
     tps = [t for t in _divisors(min(num_devices, per_node)) if num_devices % t == 0] if has_tp_plan(cfg) else [1]
-    for tp, cp in ((t, c) for t in tps for c in _divisors(num_devices // t)):
-        for dp in _divisors(num_devices // tp // cp):
-            pp = num_devices // tp // cp // dp
+    for tp in tps:
+        for dp in _divisors(num_devices // tp):
+            pp = num_devices // tp // dp
             if cfg.train.global_batch % dp:
                 continue
             for (dp_mode, shard), schedule in itertools.product(data_modes(dp), SCHEDULES if pp > 1 else ("1f1b",)):
@@ -118,7 +118,6 @@ def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
                         dp=dp,
                         pp=pp,
                         tp=tp,
-                        cp=cp,
                         dp_mode=dp_mode,
                         dp_shard=shard,
                         schedule=schedule,
