@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import final_weights, grad_norms, losses, max_weight_diff, run_meshrun, tiny
+from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from plain_reference import assert_grad_norms_match
 
 BASE = {"train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5, "checkpoint.interval": 5}
@@ -58,3 +58,9 @@ def test_context_parallel_matches_plain_torch(row: str, rows, plain_reference, o
     assert_grad_norms_match(grad_norms(run), want.grad_norms)
     assert losses(run) == pytest.approx(want.losses, rel=1e-5)
     assert max_weight_diff(final_weights(run), final_weights(one_process)) < 1e-5
+    # tokens/s and TFLOP/s count each token once, attention over the whole sequence: as one process
+    steps = [[row for row in read_metrics(r) if "tokens_per_s" in row] for r in (run, one_process)]
+    assert len(steps[0]) == len(steps[1]) == BASE["train.steps"]
+    for ours, one in zip(*steps):
+        for key in ("tokens_per_s", "tflops"):
+            assert ours[key] * ours["step_time_s"] == pytest.approx(one[key] * one["step_time_s"], rel=1e-9)
