@@ -676,6 +676,19 @@ CASES = [
         lambda c: ["train", *c.set(model__hf_config=HF_GPT2, parallel__cp=2)],
         ("parallel.cp 2 is not supported for Hugging Face model_type gpt2; it works with",),
     ),
+    # --- activation offload (train.offload_activations) ---
+    Case(
+        "offload-policy-unknown",
+        lambda c: ["train", *c.set(train__offload_activations="every:0")],
+        ("invalid train.offload_activations: use true, false or every:N with N >= 1 (got 'every:0')",),
+        torch_free=True,
+    ),
+    Case(  # a block is either recomputed or offloaded
+        "offload-with-full-recompute",
+        lambda c: ["train", *c.set(train__offload_activations=True, recompute="full")],
+        ("train.offload_activations offloads no block: recompute full recomputes every block",),
+        torch_free=True,
+    ),
     # --- tensor parallelism (parallel.tp) ---
     Case(  # a tp group's ranks are neighbours on one node
         "tp-does-not-divide-nproc-per-node",

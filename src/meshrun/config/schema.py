@@ -39,6 +39,7 @@ Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(l
 TrackerMode = Annotated[Literal["online", "offline", "disabled"], BeforeValidator(lowercase)]
 Backend = Annotated[Literal["wandb", "tensorboard", "jsonl"], BeforeValidator(lowercase)]
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:[1-9][0-9]*)$")
+_EVERY = re.compile(r"^every:[1-9][0-9]*$")
 # words meaning "off" that users write for a mode, mapped to the choice that means it
 _OFF_WORDS = {"off": "disabled", "no": "disabled", "false": "disabled", "none": "disabled"}
 
@@ -137,9 +138,24 @@ class TrainConfig(Section):
     """Seed for weights (per layer, so any layout starts identical) and data order."""
     compile: Annotated[Literal["auto", True, False], BeforeValidator(lowercase)] = "auto"
     """torch.compile each Transformer block: auto (on CUDA; off on CPU, where compiling outlasts short jobs), true (a block that cannot compile stops the run), false (eager)."""
+    offload_activations: bool | str = False
+    """Keep the activations whole blocks save for backward in host memory until it (torch's save_on_cpu, pinned on CUDA): true (every block), every:N (every Nth block) or false; a block the recompute policy selects is recomputed, not offloaded."""
     resume: PathText = "auto"
     """auto: continue from the run directory's newest complete checkpoint; none: refuse an existing run; or a
     checkpoint path to start from (a rerun of the same config continues from the checkpoints saved since)."""
+
+    @field_validator("offload_activations")
+    @classmethod
+    def _offload_policy(cls, value: bool | str) -> bool | str:
+        """true, false or every:N with N >= 1 (any case)."""
+        if isinstance(value, bool):
+            return value
+        value = value.lower()
+        if value in ("true", "false"):
+            return value == "true"
+        if not _EVERY.match(value):
+            raise ValueError(f"use true, false or every:N with N >= 1 (got {value!r})")
+        return value
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -317,6 +333,17 @@ class Config(Section):
         if not _RECOMPUTE.match(value):
             raise ValueError(f"use one of none, full, selective, every:N with N >= 1 (got {value!r})")
         return value
+
+    @model_validator(mode="after")
+    def _offload_leaves_a_block(self) -> Config:
+        """train.offload_activations with a recompute policy that leaves some block not recomputed
+        (a block is either recomputed or offloaded)."""
+        if self.train.offload_activations is not False and self.recompute in ("full", "selective", "every:1"):
+            raise ConfigError(
+                f"train.offload_activations offloads no block: recompute {self.recompute} recomputes every block; "
+                "set recompute to none or every:N (N >= 2), or remove train.offload_activations"
+            )
+        return self
 
     @field_validator("run_dir")
     @classmethod
