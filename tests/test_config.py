@@ -630,6 +630,65 @@ CASES = [
         ("parallel.virtual_stages is for a pipeline (pp is 1)",),
         torch_free=True,
     ),
+    # --- context parallelism (parallel.cp) ---
+    Case(  # each cp rank holds seq_len / cp positions
+        "cp-seq-len-does-not-divide",
+        lambda c: ["train", *c.set(parallel__cp=2, model__seq_len=15)],
+        ("model.seq_len (15) must be divisible by parallel.cp (2); change one of these keys",),
+        torch_free=True,
+    ),
+    Case(  # and seq_len / (cp x tp) under sequence parallel
+        "cp-sequence-parallel-seq-len-does-not-divide",
+        lambda c: [
+            "train",
+            *c.set(
+                parallel__cp=2, parallel__tp=2, parallel__sequence_parallel=True, model__num_heads=4, model__seq_len=18
+            ),
+        ],
+        ("model.seq_len (18) must be divisible by parallel.cp x parallel.tp (2 x 2 = 4)",),
+        torch_free=True,
+    ),
+    Case(  # whole heads per cp rank, after tp's split
+        "cp-does-not-divide-heads",
+        lambda c: ["train", *c.set(parallel__cp=2, parallel__tp=2, model__num_heads=2)],
+        ("model.num_heads (2) must be divisible by parallel.tp x parallel.cp (2 x 2 = 4)", "not repeated"),
+        torch_free=True,
+    ),
+    Case(  # the encoder-decoder's attention is not split by position
+        "cp-encdec",
+        lambda c: ["train", *c.set(parallel__cp=2, model__name="encdec")],
+        ("parallel.cp 2 is not supported for model.name encdec; it works with the built-in gpt or a Hugging Face",),
+        torch_free=True,
+    ),
+    Case(  # key/value heads come from config.json: not repeated to make them divide
+        "cp-does-not-divide-hf-kv-heads",
+        lambda c: [
+            "train",
+            *c.set(
+                model__hf=c.write("m/config.json", json.dumps({**HF_LLAMA, "num_key_value_heads": 1})).parent,
+                parallel__cp=2,
+            ),
+        ],
+        ("num_key_value_heads in", "m/config.json (1) must be divisible by parallel.cp (2)"),
+    ),
+    Case(  # GPT-2's fused attention is not among the decoders cp splits
+        "cp-hf-gpt2",
+        lambda c: ["train", *c.set(model__hf_config=HF_GPT2, parallel__cp=2)],
+        ("parallel.cp 2 is not supported for Hugging Face model_type gpt2; it works with",),
+    ),
+    # --- activation offload (train.offload_activations) ---
+    Case(
+        "offload-policy-unknown",
+        lambda c: ["train", *c.set(train__offload_activations="every:0")],
+        ("invalid train.offload_activations: use true, false or every:N with N >= 1 (got 'every:0')",),
+        torch_free=True,
+    ),
+    Case(  # a block is either recomputed or offloaded
+        "offload-with-full-recompute",
+        lambda c: ["train", *c.set(train__offload_activations=True, recompute="full")],
+        ("train.offload_activations offloads no block: recompute full recomputes every block",),
+        torch_free=True,
+    ),
     # --- tensor parallelism (parallel.tp) ---
     Case(  # a tp group's ranks are neighbours on one node
         "tp-does-not-divide-nproc-per-node",

@@ -27,6 +27,7 @@ from meshrun.files.writable import check_writable
 from meshrun.launcher.rerun import check_rerun
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.models.hf_config import (
+    check_hf_context_split,
     check_hf_tensor_split,
     hf_dir,
     num_layers,
@@ -54,6 +55,7 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
 
     if scope == "job":
         check_hf_tensor_split(cfg)
+        check_hf_context_split(cfg)
     model = build_model(cfg.model)
     if scope == "job":
         if cfg.parallel.tp > 1:

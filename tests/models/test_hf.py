@@ -26,6 +26,8 @@ BASE = {"model.seq_len": SEQ_LEN, "train.global_batch": 16, "train.steps": 10, "
 LAYOUTS = {
     "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "full"},
     "dp1-pp4-interleaved": {"parallel.pp": 4, "parallel.schedule": "interleaved-1f1b", "recompute": "every:2"},
+    # context parallel: half of each sample's positions a rank, rotary at global positions, GQA heads split
+    "cp2": {"parallel.cp": 2},
 }
 MEASURED = {"pp2-balance-time": {"parallel.pp": 2, "parallel.balance": "time"}}  # fairscale profiles the blocks
 
@@ -93,7 +95,8 @@ def test_first_step_equals_transformers(family: str, runs, hf_dirs, data_dir: Pa
 # GPT-2's tied matrix spans the first and last pipeline ranks in dp2 x pp2 as in pp4 interleaved:
 # one row of it suffices (its resume and export tests below reuse that run).
 @pytest.mark.parametrize(
-    "family,layout", [("llama", "dp2-pp2-1f1b"), ("llama", "dp1-pp4-interleaved"), ("gpt2", "dp2-pp2-1f1b")]
+    "family,layout",
+    [("llama", "dp2-pp2-1f1b"), ("llama", "dp1-pp4-interleaved"), ("llama", "cp2"), ("gpt2", "dp2-pp2-1f1b")],
 )
 def test_layout_matches_one_process(family: str, layout: str, runs, weights) -> None:
     run, reference = runs(family, layout), runs(family)
@@ -143,6 +146,14 @@ def test_tied_resume_and_resharded_resume(
         assert losses(run) == losses(full)
     else:
         assert max_weight_diff(resumed, reference) < 1e-5
+
+
+def test_cp2_checkpoint_resumes_at_cp1(runs, weights, hf_dirs, data_dir: Path, tmp_path: Path) -> None:
+    """Llama written as cp2 at step 5, resumed by one process: the weights of the uninterrupted cp2
+    run (1e-5). cp ranks hold whole replicas, so the checkpoint is the same at any cp."""
+    run = interrupted(runs("llama", "cp2"), tmp_path / "run", at_step=5)
+    assert "resumed from" in hf_train(data_dir, run, hf_dirs["llama"]).stderr
+    assert max_weight_diff(final_weights(run), weights("llama", "cp2")) < 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)

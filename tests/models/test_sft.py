@@ -45,6 +45,8 @@ LAYOUTS = {
     "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
     "dp2-tp2-pp2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     "pp2-zbv-full-recompute": {"parallel.pp": 2, "parallel.schedule": "zbv", "recompute": "full"},
+    # context parallel: each rank half of every row's positions, whole documents inside attention
+    "cp2-pp2": {"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
 }
 
 # LoRA (peft's adapters on every linear layer) on the packed conversations, dp2 x pp2

@@ -25,7 +25,8 @@ def enumerated(layout: Layout) -> dict[int, dict[str, int]]:
     for coords in itertools.product(*(range(d) for d in layout.degrees.values())):
         place = dict(zip(layout.degrees, coords))
         dp = place["dp_replicate"] * layout.dp_shard + place["dp_shard"]
-        found[next(ranks)] = {**place, "dp": dp, "ep_dp": dp // layout.ep, "ep": dp % layout.ep}
+        cp = {"dp_cp": dp * layout.cp + place["cp"], "dp_shard_cp": place["dp_shard"] * layout.cp + place["cp"]}
+        found[next(ranks)] = {**place, "dp": dp, **cp, "ep_dp": dp // layout.ep, "ep": dp % layout.ep}
     return found
 
 
@@ -38,7 +39,9 @@ def test_ranks_and_coordinates_are_the_documented_order(pp: int, replicate: int,
     for rank, coords in expected.items():
         assert layout.coordinates(rank) == coords
         assert layout.rank_at(**{axis: c for axis, c in coords.items() if axis in AXES}) == rank
-        later = {axis: c for axis, c in coords.items() if axis not in ("pp", "dp", "dp_replicate", "dp_shard")}
+        later = {
+            axis: c for axis, c in coords.items() if axis in AXES and axis not in ("pp", "dp_replicate", "dp_shard")
+        }
         assert layout.rank_at(pp=coords["pp"], dp=coords["dp"], **later) == rank
     for p in range(pp):
         assert layout.ranks_of_pp_rank(p) == [r for r, c in expected.items() if c["pp"] == p]
@@ -78,6 +81,7 @@ def test_the_mesh_of_a_lone_process_has_every_named_axis() -> None:
         assert mesh.world.mesh_dim_names == AXES
         assert all(mesh.view(name).mesh_dim_names == (name,) for name in (*AXES, *VIEWS))
         assert mesh.view("dp_shard", "tp").mesh_dim_names == ("dp_shard", "tp")
+        assert (mesh.coordinates.cp, mesh.size("cp"), dist.get_world_size(mesh.group("cp"))) == (0, 1, 1)
         assert (mesh.rank, mesh.coordinates.pp, mesh.coordinates.dp, mesh.local_stages) == (0, 0, 0, [0])
         assert dist.get_world_size(mesh.group("dp")) == dist.get_world_size(mesh.group("pp")) == 1
         assert mesh.data_mesh is None
@@ -132,7 +136,7 @@ def test_tp_is_the_innermost_axis(pp: int, replicate: int, shard: int, tp: int) 
     for rank, coords in enumerated(layout).items():
         assert layout.coordinates(rank) == coords
         assert rank == (coords["pp"] * layout.dp + coords["dp"]) * tp + coords["tp"]
-    assert layout.mesh_degrees == {"pp": pp, "dp": replicate * shard, "tp": tp}
+    assert layout.mesh_degrees == {"pp": pp, "dp": replicate * shard, "cp": 1, "tp": tp}
 
 
 def test_messages_name_tp_only_when_it_splits() -> None:
@@ -195,4 +199,21 @@ def test_coordinates_name_every_axis_and_view() -> None:
     assert tuple(coords) == (*AXES, *VIEWS, *EXPERT_VIEWS) and isinstance(coords, Coordinates)
     assert (coords.pp, coords.dp, coords.tp, coords["dp_shard"]) == (1, 2, 1, 0)
     with pytest.raises(KeyError):
-        coords["cp"]
+        coords["sp"]
+
+
+def test_cp_sits_between_the_data_axes_and_tp() -> None:
+    """torchtitan's order: rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank; cp ranks
+    reduce gradients with the dp ranks (dp_cp) and FSDP shards over dp_shard x cp (dp_shard_cp)."""
+    layout = Layout(pp=2, dp_replicate=2, cp=2, tp=2)
+    for rank, coords in enumerated(layout).items():
+        assert layout.coordinates(rank) == coords
+        assert rank == ((coords["pp"] * layout.dp + coords["dp"]) * 2 + coords["cp"]) * 2 + coords["tp"]
+    assert layout.group_ranks(5, "cp") == [5, 7] and layout.size("cp") == 2
+    assert layout.world_text() == "parallel.dp x parallel.pp x parallel.cp x parallel.tp (2 x 2 x 2 x 2 = 16)"
+    assert layout.grid().endswith("rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank")
+    assert layout.group_ranks(5, "dp_cp") == [1, 3, 5, 7] and layout.fsdp_axes == ("dp_replicate", "dp_shard_cp")
+    assert "cp 2" in layout.text()
+    for mode, degrees, axes in (("ddp", {"dp_replicate": 2}, ()), ("fsdp", {"dp_shard": 2}, ("dp_shard_cp",))):
+        assert Layout(cp=2, **degrees).fsdp_axes == axes, mode  # ddp: DDP over dp_cp
+    assert Layout(cp=2, tp=2).fsdp_axes == ("dp_shard_cp",)  # ddp with tp: FSDP2 over cp

@@ -25,6 +25,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from meshrun.config.context import check_context_split, unsupported
 from meshrun.config.fields import Float, Int, PathText, Section, is_text, lowercase
 from meshrun.config.model_sections import SECTIONS, EncoderSection, GPTSection, HFSection, ModelConfig, route_model
 from meshrun.config.safe_yaml import parse_document, read_config_file
@@ -38,6 +39,7 @@ Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(l
 TrackerMode = Annotated[Literal["online", "offline", "disabled"], BeforeValidator(lowercase)]
 Backend = Annotated[Literal["wandb", "tensorboard", "jsonl"], BeforeValidator(lowercase)]
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:[1-9][0-9]*)$")
+_EVERY = re.compile(r"^every:[1-9][0-9]*$")
 # words meaning "off" that users write for a mode, mapped to the choice that means it
 _OFF_WORDS = {"off": "disabled", "no": "disabled", "false": "disabled", "none": "disabled"}
 
@@ -136,9 +138,24 @@ class TrainConfig(Section):
     """Seed for weights (per layer, so any layout starts identical) and data order."""
     compile: Annotated[Literal["auto", True, False], BeforeValidator(lowercase)] = "auto"
     """torch.compile each Transformer block: auto (on CUDA; off on CPU, where compiling outlasts short jobs), true (a block that cannot compile stops the run), false (eager)."""
+    offload_activations: bool | str = False
+    """Keep the activations whole blocks save for backward in host memory until it (torch's save_on_cpu, pinned on CUDA): true (every block), every:N (every Nth block) or false; a block the recompute policy selects is recomputed, not offloaded."""
     resume: PathText = "auto"
     """auto: continue from the run directory's newest complete checkpoint; none: refuse an existing run; or a
     checkpoint path to start from (a rerun of the same config continues from the checkpoints saved since)."""
+
+    @field_validator("offload_activations")
+    @classmethod
+    def _offload_policy(cls, value: bool | str) -> bool | str:
+        """true, false or every:N with N >= 1 (any case)."""
+        if isinstance(value, bool):
+            return value
+        value = value.lower()
+        if value in ("true", "false"):
+            return value == "true"
+        if not _EVERY.match(value):
+            raise ValueError(f"use true, false or every:N with N >= 1 (got {value!r})")
+        return value
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -317,6 +334,17 @@ class Config(Section):
             raise ValueError(f"use one of none, full, selective, every:N with N >= 1 (got {value!r})")
         return value
 
+    @model_validator(mode="after")
+    def _offload_leaves_a_block(self) -> Config:
+        """train.offload_activations with a recompute policy that leaves some block not recomputed
+        (a block is either recomputed or offloaded)."""
+        if self.train.offload_activations is not False and self.recompute in ("full", "selective", "every:1"):
+            raise ConfigError(
+                f"train.offload_activations offloads no block: recompute {self.recompute} recomputes every block; "
+                "set recompute to none or every:N (N >= 2), or remove train.offload_activations"
+            )
+        return self
+
     @field_validator("run_dir")
     @classmethod
     def _run_dir_named(cls, value: str) -> str:
@@ -355,6 +383,7 @@ class Config(Section):
             tp_splits=self.model.tp_splits(),
             sequences=self.model.sequence_splits(self.data.buckets),
         )
+        self._context_splits()
         late = [step for step in self.profile.steps if step > self.train.steps]
         if late:
             raise ConfigError(
@@ -362,6 +391,16 @@ class Config(Section):
                 "no trace would be written; profile earlier steps"
             )
         return self
+
+    def _context_splits(self) -> None:
+        """parallel.cp: a family and task it runs, heads and lengths it divides (config/context.py;
+        a Hugging Face model's heads, read from its config.json, in preflight)."""
+        check_context_split(
+            self.parallel,
+            refused=unsupported(self.model.family, self.task),
+            heads=self.model.tp_splits() if self.model.family == "gpt" else {},
+            sequences=self.model.sequence_splits(self.data.buckets),
+        )
 
     @property
     def layout(self) -> Layout:

@@ -32,6 +32,8 @@ class ParallelConfig(Section):
     """Data-parallel degree (ranks per pipeline stage; see dp_mode)."""
     pp: Int = Field(default=1, ge=1)
     """Pipeline-parallel degree (stages over Transformer blocks)."""
+    cp: Int = Field(default=1, ge=1)
+    """Context-parallel degree: each sequence's positions split over cp ranks (contiguous chunks), all positions of heads / cp of the heads inside attention (all-to-all, Ulysses style; docs/guides/long-context.md)."""
     tp: Int = Field(default=1, ge=1)
     """Tensor-parallel degree: each layer's matrices split over tp neighbouring ranks of one node (DTensor)."""
     sequence_parallel: bool = False

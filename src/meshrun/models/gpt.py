@@ -6,6 +6,8 @@ Follows the model protocol in `meshrun.models.families`: `embed`, `blocks` (Modu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +36,10 @@ class Attention(nn.Module):
     """Separate q, k, v projections: a column split of each holds whole heads (a split of one fused
     [q; k; v] matrix would not), so the same forward runs on a tensor-parallel shard: the head
     count comes from the width the projections return. `causal` False: every position attends to
-    every position `keep` marks (the encoder's padding mask, (B, T), nonzero = a token)."""
+    every position `keep` marks (the encoder's padding mask, (B, T), nonzero = a token). `core`:
+    the causal attention on (B, H, T, D) q, k, v, a seam where parallel/context.py puts its all-to-alls."""
+
+    core: Callable[..., torch.Tensor] = staticmethod(causal_attention)
 
     def __init__(self, cfg: ModelSection, *, causal: bool = True) -> None:
         super().__init__()
@@ -51,7 +56,7 @@ class Attention(nn.Module):
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, H, T, D)
         p = self.dropout if self.training else 0.0
         if self.causal:
-            y = causal_attention(q, k, v, positions, dropout_p=p)
+            y = self.core(q, k, v, positions, dropout_p=p)
         else:
             mask = None if keep is None else keep.bool()[:, None, None, :]  # (B, 1, 1, T): True = attend
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)

@@ -15,6 +15,7 @@ from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from meshrun.config.context import check_context_split, unsupported
 from meshrun.config.model_sections import HFSection, ModelConfig
 from meshrun.config.schema import Config
 from meshrun.config.topology import check_tensor_split
@@ -280,3 +281,15 @@ def check_hf_tensor_split(cfg: Config) -> None:
     if cfg.parallel.tp > 1 and is_hf(cfg.model):
         splits = tp_splits(cfg.model, cfg.parallel.tp)
         check_tensor_split(cfg.parallel, splits, sequences=cfg.model.sequence_splits(cfg.data.buckets))
+
+
+def check_hf_context_split(cfg: Config) -> None:
+    """A Hugging Face model under parallel.cp: a decoder whose attention parallel/context.py splits,
+    with its heads and kv heads (config.json sets them) divisible by tp x cp."""
+    if cfg.parallel.cp > 1 and is_hf(cfg.model):
+        config = load_hf_config(cfg.model)
+        where = "model.hf_config" if cfg.model.hf_config is not None else f"{cfg.model.hf}/config.json"
+        refused = unsupported("hf", cfg.task, config.model_type)
+        keys = ("num_attention_heads", "num_key_value_heads") if refused is None else ()  # gpt2 names them otherwise
+        heads = {f"{key} in {where}": getattr(config, key) for key in keys}
+        check_context_split(cfg.parallel, refused=refused, heads=heads, sequences={})

@@ -160,17 +160,25 @@ def measured_state_bytes(params: list[nn.Parameter], optimizers: Sequence[torch.
 
 def describe_data_parallel(cfg: Config) -> list[str]:
     """--dry-run lines: the data mesh and, for fsdp/hsdp, what is gathered and reduced in which dtype."""
-    par = cfg.parallel
-    shard = cfg.layout.dp_shard
+    par, layout = cfg.parallel, cfg.layout
+    shard, cp = layout.shard_degree, layout.cp  # cp > 1: FSDP2 shards over dp_shard x cp (parallel/context.py)
+    over_cp = f" and {cp} cp ranks" if cp > 1 else ""
     mesh = {
         "ddp": (
             f"  ddp: {par.dp} full replicas per stage (shard 1 x replicate {par.dp})" if par.dp > 1 else "  none (dp 1)"
         )
         + (" kept by FSDP2 (DistributedDataParallel takes no tp DTensors)" if par.tp > 1 and par.dp > 1 else ""),
-        "fsdp": f"  fsdp: each stage sharded over its {par.dp} dp ranks (shard {par.dp} x replicate 1)",
-        "hsdp": f"  hsdp: shard {shard} x replicate {cfg.layout.dp_replicate} (a copy is sharded over neighbouring ranks)",
+        "fsdp": f"  fsdp: each stage sharded over its {par.dp} dp ranks{over_cp} (shard {shard} x replicate 1)",
+        "hsdp": f"  hsdp: shard {shard} x replicate {layout.dp_replicate} (a copy is sharded over neighbouring ranks)",
     }[par.dp_mode]
     lines = ["data parallel:", mesh]
+    if cp > 1:  # cp ranks hold the same weights
+        sharded = (
+            f"; ddp with tp: FSDP2 shards each stage over the {cp} cp ranks"
+            if par.dp_mode == "ddp" and shard > 1
+            else ""
+        )
+        lines.append(f"  cp {cp}: gradients reduced over dp x cp = {layout.size('dp_cp')} ranks{sharded}")
     if par.dp_mode != "ddp":
         lines.append(
             f"  reshard after forward: {reshard_after_forward(par)}; "

@@ -4,11 +4,13 @@ a rank's coordinates, which samples it reads, which dropout stream it draws, ove
 loss is counted, which axes FSDP shards over.
 
 Axes, outermost first (`AXES`): `pp`, then data parallelism as `dp_replicate` x `dp_shard` (ddp:
-dp x 1, fsdp: 1 x dp, hsdp: dp / dp_shard x dp_shard), then tensor parallelism `tp`. A rank is the
-mixed-radix number of its coordinates, so `rank = (pp_rank * dp + dp_rank) * tp + tp_rank` with
+dp x 1, fsdp: 1 x dp, hsdp: dp / dp_shard x dp_shard), then context parallelism `cp` (each sample's
+positions split: parallel/context.py), then tensor parallelism `tp`. A rank is the mixed-radix number of
+its coordinates, so `rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank` with
 `dp_rank = replica * dp_shard + shard`: a tp group is neighbouring ranks (it talks at every block,
-so it gets one node's fastest links), a copy's shards come next (the heavy gradient traffic) and
-consecutive pipeline stages are `dp x tp` ranks apart (activations are small point-to-point messages).
+so it gets one node's fastest links), a cp group next (keys and values pass round it at every
+attention layer, as torchtitan places it), a copy's shards after (the heavy gradient traffic) and
+consecutive pipeline stages are `dp x cp x tp` ranks apart (activations are small point-to-point messages).
 
 A view (`VIEWS`) is a group of axes flattened into one: `dp` is `dp_replicate` x `dp_shard`, a rank's
 coordinate on it the mixed-radix number of its coordinates on those axes. An axis that borrows ranks
@@ -32,14 +34,16 @@ from typing import Protocol
 
 from meshrun.errors import ConfigError
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 PLACE_AXES = ("dp", "tp", "pp")  # the order a layout and a rank's place are named in
 DATA_AXES = ("dp_replicate", "dp_shard")  # flattened, they are the data-parallel axis `dp`
-VIEWS = {"dp": DATA_AXES}  # name -> the axes it flattens (outermost first), see the module docstring
+# name -> the axes it flattens (outermost first), see the module docstring. cp ranks hold the same weights
+# and reduce their gradients as dp ranks do: DDP over `dp_cp`, FSDP shards over `dp_shard_cp` (torchtitan's).
+VIEWS = {"dp": DATA_AXES, "dp_cp": (*DATA_AXES, "cp"), "dp_shard_cp": ("dp_shard", "cp")}
 EXPERT_VIEWS = ("ep_dp", "ep")  # the dp view split in two by parallel.ep, outermost first (module docstring)
-# The config keys whose product is the world size; `parallel.tp` is named only when tp > 1 (`keys`),
-# so messages about dp x pp layouts read as they always have.
-KEYS = {"dp": "parallel.dp", "pp": "parallel.pp", "tp": "parallel.tp"}
+# The config keys whose product is the world size; `parallel.cp` and `parallel.tp` are named only
+# when they split (`keys`), so messages about dp x pp layouts read as they always have.
+KEYS = {"dp": "parallel.dp", "pp": "parallel.pp", "cp": "parallel.cp", "tp": "parallel.tp"}
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: one stage per rank
 V_SCHEDULES = ("zbv",)  # exactly two stages per rank, placed in a V: rank r holds r and 2 pp - 1 - r
 
@@ -52,8 +56,11 @@ class Coordinates(Mapping[str, int]):
     pp: int
     dp_replicate: int
     dp_shard: int
+    cp: int
     tp: int
     dp: int  # the view over both data axes: this rank's index among the data-parallel ranks
+    dp_cp: int  # the view over the data axes and cp: the ranks that hold the same weights
+    dp_shard_cp: int  # the view FSDP shards over when cp > 1
     ep_dp: int  # which copy of the experts this rank's dp rank holds (dp // ep)
     ep: int  # which share of each MoE layer's experts it holds (dp % ep)
 
@@ -80,6 +87,8 @@ class ParallelSection(Protocol):
     def dp_mode(self) -> str: ...
     @property
     def dp_shard(self) -> int | None: ...
+    @property
+    def cp(self) -> int: ...
     @property
     def tp(self) -> int: ...
     @property
@@ -112,6 +121,7 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     schedule: str = "1f1b"
     per_rank: int = 1  # pipeline stages each pp rank holds
@@ -124,6 +134,8 @@ class Layout:
                 raise ConfigError(f"the {name} degree of a layout must be a whole number >= 1, got {degree!r}")
         if self.dp % self.ep:
             raise ConfigError(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp}): it borrows dp ranks")
+        if self.ep > 1 and self.cp > 1:
+            raise ConfigError("parallel.ep and parallel.cp cannot both split yet: set one of them to 1")
         if self.pp > 1:
             stages_per_rank(self.schedule, self.per_rank)  # the schedule can hold that many per rank
 
@@ -136,6 +148,7 @@ class Layout:
             pp=par.pp,
             dp_replicate=par.dp // shard,
             dp_shard=shard,
+            cp=par.cp,
             tp=par.tp,
             schedule=par.schedule,
             per_rank=per_rank,
@@ -170,8 +183,8 @@ class Layout:
 
     @property
     def keys(self) -> dict[str, str]:
-        """The mesh axes messages name, with their config keys: dp and pp, and tp when it splits."""
-        return {name: key for name, key in KEYS.items() if name != "tp" or self.tp > 1}
+        """The mesh axes messages name, with their config keys: dp and pp, and cp and tp when they split."""
+        return {name: key for name, key in KEYS.items() if name in ("dp", "pp") or self.size(name) > 1}
 
     def axes_text(self) -> str:
         """The keys whose product is the world size, for messages."""
@@ -195,7 +208,8 @@ class Layout:
     def text(self) -> str:
         """The whole layout, as every record names it (summaries, `meshrun report`, headers, plots):
         `dp 4 (hsdp, shard 2) x tp 2 (sequence parallel) x pp 2 (interleaved-1f1b, 2 stages per rank)`;
-        an axis of degree 1 is named bare, so a layout never reads as if an axis were absent."""
+        an axis of degree 1 is named bare, so a layout never reads as if an axis were absent (cp is named
+        only when it splits, so that every record of a layout without it reads as before)."""
         dp = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": f"hsdp, shard {self.dp_shard}"}[self.dp_mode]
         dp += f", experts over ep {self.ep}" if self.ep > 1 else ""
         pp = self.schedule + (f", {self.per_rank} stages per rank" if self.per_rank > 1 else "")
@@ -204,6 +218,8 @@ class Layout:
             ("tp", self.tp, "sequence parallel" if self.sequence_parallel else None),
             ("pp", self.pp, pp if self.pp > 1 else None),
         )
+        if self.cp > 1:
+            parts = (parts[0], ("cp", self.cp, None), *parts[1:])
         return " x ".join(f"{axis} {degree}" + (f" ({how})" if how else "") for axis, degree, how in parts)
 
     def place(self, rank: int) -> dict[str, int]:
@@ -270,7 +286,8 @@ class Layout:
 
     def data_shard(self, rank: int, batch: int) -> range:
         """The samples of a `batch`-sample global batch that `rank` reads: the dp ranks split it in dp
-        order; ranks at one dp coordinate (a tp group, the stages of a pipeline) read the same ones."""
+        order; ranks at one dp coordinate (a tp or cp group, the stages of a pipeline) read the same ones
+        (a cp rank keeps its positions of them: parallel/context.py)."""
         per_rank = batch // self.dp
         first = self.coordinates(rank).dp * per_rank
         return range(first, first + per_rank)
@@ -283,7 +300,8 @@ class Layout:
 
     def loss_ranks(self) -> list[int]:
         """The ranks whose loss a step's mean counts: the last stage's (the other stages hold none), one
-        per dp and tp coordinate; tp ranks hold the same value, each dp rank its own samples'."""
+        per dp, cp and tp coordinate; tp ranks hold the same value, each dp rank its own samples', each
+        cp rank its own positions' (their mean is the step's loss: training/loss.py divides by dp x cp)."""
         return self.ranks_of_pp_rank(self.pp_rank_of_stage(self.num_stages - 1))
 
     def ranks_of_pp_rank(self, pp_rank: int) -> list[int]:
@@ -320,12 +338,20 @@ class Layout:
     # what FSDP shards over
 
     @property
+    def shard_degree(self) -> int:
+        """The ranks one copy of the training state is split over by FSDP (1: DDP's whole replicas)."""
+        return self.size(self.fsdp_axes[-1]) if self.fsdp_axes else 1
+
+    @property
     def fsdp_axes(self) -> tuple[str, ...]:
         """The axes FSDP2 shards over, none for DDP: `dp_shard` for fsdp; both data axes for hsdp and
-        for ddp with tp > 1 (FSDP2 keeps its replicas, a shard degree of 1: fsdp.py)."""
-        if self.dp_shard == 1 and (self.tp == 1 or self.dp_replicate == 1):
+        for ddp with tp > 1 (FSDP2 keeps its replicas, a shard degree of 1: fsdp.py). With cp > 1 the
+        shard axis is `dp_shard_cp` (cp ranks hold the same weights: FSDP shards over them too, as
+        torchtitan does; ddp with tp > 1 then shards over cp alone)."""
+        if self.dp_shard == 1 and (self.tp == 1 or self.dp_replicate * self.cp == 1):
             return ()
-        return ("dp_shard",) if self.dp_replicate == 1 else DATA_AXES
+        shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
+        return (shard,) if self.dp_replicate == 1 else ("dp_replicate", shard)
 
 
 def place_text(coords: Mapping[str, float]) -> str:

@@ -9,9 +9,10 @@
   4. tp > 1: split the model's planned modules over the tp mesh (tensor.py; a LoRA-wrapped layer
      with its adapter, split alike: tp_styles.py);
   5. wrap blocks for activation recompute;
-  5a. parallel.ep > 1: keep this ep rank's experts of each MoE layer, their tokens routed by
+  5a. cp > 1: each attention core between two all-to-alls over the cp group (context.py);
+  5b. parallel.ep > 1: keep this ep rank's experts of each MoE layer, their tokens routed by
      all-to-all (experts.py);
-  5b. train.compile: torch.compile each block's forward (compile.py);
+  5c. train.compile: torch.compile each block's forward (compile.py);
   6. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp, and
      ddp with tp > 1) fully_shard per block + the stage root (fsdp.py; 2-D with tp's DTensors);
      split experts left out, their gradients averaged by `ExpertGradients` after the backward;
@@ -39,6 +40,7 @@ from meshrun.launcher import progress
 from meshrun.metrics import time_split
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.compile import apply_compile, compile_enabled, inductor_cache_dir
+from meshrun.parallel.context import apply_context_parallel
 from meshrun.parallel.experts import ExpertGradients, expert_param_names, shard_experts
 from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.loss_fn import LossFn
@@ -102,15 +104,17 @@ class LocalModel:
 
 
 def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Module:
-    if mesh.size("dp") == 1:
+    """Gradients reduced over the ranks that hold the same weights: the dp ranks and, under context
+    parallel, the cp ranks (each holds a part of every sample's positions)."""
+    if mesh.size("dp_cp") == 1:
         return part
     if mesh.data_mesh is not None:
         return wrap_fsdp(part, mesh, cfg.parallel)
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     if split := expert_param_names(part):  # each ep rank holds other experts: ExpertGradients averages them
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(part, split)
-    ddp = DistributedDataParallel(part, process_group=mesh.group("dp"), device_ids=device_ids)
-    ddp.register_comm_hook(mesh.group("dp"), timed_allreduce)
+    ddp = DistributedDataParallel(part, process_group=mesh.group("dp_cp"), device_ids=device_ids)
+    ddp.register_comm_hook(mesh.group("dp_cp"), timed_allreduce)
     return ddp
 
 
@@ -126,10 +130,10 @@ timed_allreduce.__annotations__ = typing.get_type_hints(timed_allreduce)
 
 
 def local_part(cfg: Config, mesh: Mesh, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
-    """Steps 1-5b for one stage (layers=None: the whole model)."""
+    """Steps 1-5c for one stage (layers=None: the whole model)."""
     part = materialise_part(cfg, mesh.device, layers=layers, first=first, last=last, tp_mesh=mesh.view("tp"))
     shard_experts(part, mesh)
-    return compiled(part, mesh, cfg)
+    return compiled(apply_context_parallel(part, mesh), mesh, cfg)
 
 
 def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:

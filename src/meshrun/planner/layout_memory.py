@@ -34,7 +34,7 @@ def layout_split(cfg: Config) -> list[list[int]]:
 
 def regathers(cfg: Config) -> bool:
     """FSDP gathers the parameters for every forward and backward (it reshards after forward)."""
-    return cfg.layout.dp_shard > 1 and reshard_after_forward(cfg.parallel)
+    return cfg.layout.shard_degree > 1 and reshard_after_forward(cfg.parallel)
 
 
 def layout_memory(cfg: Config, precision: str, *, baseline: int = 0) -> LayoutMemory:
@@ -55,7 +55,7 @@ def ranks_memory(cfg: Config, stages: list[StageProfile], *, baseline: int = 0) 
             rank=r,
             pp=par.pp,
             dp=par.dp,
-            shard=layout.dp_shard,
+            shard=layout.shard_degree,
             m=cfg.accumulation_steps,
             regather=regathers(cfg),
             baseline=baseline,

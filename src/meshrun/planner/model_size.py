@@ -158,8 +158,9 @@ def rank_bytes(cfg: Config, size: ModelSize) -> list[int]:
         stages = layout.stages_of(rank)
         params = sum(blocks[s] * size.block for s in stages)
         params += size.embed * (0 in stages) + size.head * (num_stages - 1 in stages)
-        logits = cfg.train.micro_batch * output_values * LOGIT_BYTES * (num_stages - 1 in stages)
-        out.append(params * state_bytes_per_param // layout.dp_shard + logits)
+        # a cp rank holds 1 / cp of each sample's positions, and their logits
+        logits = cfg.train.micro_batch * output_values * LOGIT_BYTES * (num_stages - 1 in stages) // layout.cp
+        out.append(params * state_bytes_per_param // layout.shard_degree + logits)
     return out
 
 

@@ -61,6 +61,7 @@ def with_layout(
     recompute: str,
     global_batch: int | None = None,
     tp: int = 1,
+    cp: int = 1,
     dp_mode: str = "ddp",
     dp_shard: int | None = None,
 ) -> Config:
@@ -71,6 +72,7 @@ def with_layout(
         dp=dp,
         pp=pp,
         tp=tp,
+        cp=cp,
         sequence_parallel=cfg.parallel.sequence_parallel and tp > 1,
         dp_mode=dp_mode,
         dp_shard=dp_shard,
@@ -100,7 +102,8 @@ def data_modes(dp: int) -> list[tuple[str, int | None]]:
 def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
     """Every (tp, dp, dp_mode, pp, schedule) of `num_devices` that training would run, at
     micro_batch 1 and full recompute (its least memory): tp within a node, only where the model
-    has a tp plan and its heads (kv heads, MLP width) divide by tp."""
+    has a tp plan and its heads (kv heads, MLP width) divide by tp. cp stays 1: the cost model does
+    not price context parallel yet (its activations / cp, its all-to-alls), so it proposes none."""
     found = []
     tps = [t for t in _divisors(min(num_devices, per_node)) if num_devices % t == 0] if has_tp_plan(cfg) else [1]
     for tp in tps:
@@ -144,6 +147,7 @@ def variants(mesh: Config) -> list[list[Config]]:
                     dp=par.dp,
                     pp=par.pp,
                     tp=par.tp,
+                    cp=par.cp,
                     dp_mode=par.dp_mode,
                     dp_shard=par.dp_shard,
                     schedule=par.schedule,
@@ -159,7 +163,7 @@ def variants(mesh: Config) -> list[list[Config]]:
 
 
 def candidates(cfg: Config, num_devices: int, per_node: int | None = None) -> list[Config]:
-    """Layouts meshrun can run on `num_devices`: dp x pp x tp = N, micro_batch dividing the batch."""
+    """Layouts meshrun can run on `num_devices`: dp x pp x cp x tp = N, micro_batch dividing the batch."""
     return [c for mesh in meshes(cfg, num_devices, per_node or num_devices) for row in variants(mesh) for c in row]
 
 

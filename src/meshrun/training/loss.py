@@ -9,7 +9,9 @@ weights, the weighted cross-entropies over the summed weights of the targets, as
 hold different token counts, so a mean of per-microbatch means would weight a token in a short
 microbatch more than one in a long one. Each microbatch therefore contributes its token SUM /
 (global count / dp): summing over a rank's microbatches and DDP's average over dp ranks give
-sum / global count, the same gradient one process computes on that batch. The count comes from
+sum / global count, the same gradient one process computes on that batch. Under context parallel
+(parallel.cp) a rank holds T / cp positions of its samples: `dp` is then dp x cp, the ranks the
+gradients are averaged over, and the mean of the ranks' losses is again sum / global count. The count comes from
 the batch itself before the step (`MicrobatchLoss.for_batch`), so no collective runs inside the
 schedule. Pipeline schedules run with scale_grads=False.
 """

@@ -29,6 +29,7 @@ from meshrun.models.moe_balance import aux_gradient, window_row
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel import timeline
 from meshrun.parallel.compile import is_compiled
+from meshrun.parallel.context import shard_batch
 from meshrun.parallel.fsdp import measured_state_bytes
 from meshrun.parallel.mesh import Mesh
 from meshrun.tasks import Batches, SummedLoss, Task, occupancy, positions_per_sample
@@ -93,10 +94,11 @@ class Trainer:
         )
 
     def local_batch(self, data: Batches, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This dp rank's share of the global batch starting at global sample `position`."""
+        """This dp rank's share of the global batch starting at global sample `position` (under cp,
+        this cp rank's positions of it: parallel/context.py)."""
         shard = self.mesh.data_shard(self.cfg.train.global_batch)
         x, y = data.batch(position + shard.start, len(shard))
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return shard_batch(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True), self.mesh)
 
     def batch_loss(
         self, divisor: float, *, scaler: GradScaler | None, summed: SummedLoss | None = None
@@ -107,7 +109,7 @@ class Trainer:
         return MicrobatchLoss.for_batch(
             self.cfg.accumulation_steps,
             target_tokens=divisor,
-            dp=self.mesh.size("dp"),
+            dp=self.mesh.size("dp_cp"),  # cp ranks sum parts of the same samples, as dp ranks do
             grad_scale=None if scaler is None else scaler.scale(torch.ones((), device=self.device)),
             summed=self.task.summed(self.cfg) if summed is None else summed,
         )
@@ -263,7 +265,7 @@ class Trainer:
         loss_fn = self.batch_loss(
             self.task.divisor(self.train_data, position, count, targets=trained), scaler=self.scaler
         )
-        tokens = count * positions_per_sample(self.train_data, x)
+        tokens = count * positions_per_sample(self.train_data, x) * self.mesh.size("cp")  # a cp rank's x: T / cp
         rows = occupancy(self.train_data, position, count)
         self.state.samples_seen += count
         lr = self.optimizers.set_lr(step)
