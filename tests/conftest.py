@@ -8,6 +8,7 @@ timeout, and returns the completed process for assertions.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -190,6 +191,29 @@ def run_meshrun(
 ) -> subprocess.CompletedProcess:
     """Run `python -m meshrun ARGS` to the end (see start_meshrun / finish_meshrun)."""
     return finish_meshrun(start_meshrun(args, tmp_path=tmp_path, env=env), timeout=timeout, check=check)
+
+
+def meshrun_in_process(
+    args: list[str | Path], *, tmp_path: Path, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`meshrun ARGS` through the CLI's own `main` in this process, for a command that starts no
+    worker (plan, export, sample, report, a refusal before any worker): the code and the output of
+    run_meshrun without a new interpreter's imports (torch, transformers: seconds a call). It runs
+    in `tmp_path` with a private cache and `env`'s variables, as run_meshrun does; returns the exit
+    status and what was printed. The process exit itself stays tested by run_meshrun's callers."""
+    from meshrun.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        for key, value in {"XDG_CACHE_HOME": str(tmp_path / "cache"), **(env or {})}.items():
+            patch.setenv(key, value)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(arg) for arg in args])
+    result = subprocess.CompletedProcess(["meshrun", *map(str, args)], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        pytest.fail(f"meshrun {' '.join(result.args[1:])} returned {code}\n{result.stderr[-6000:]}")
+    return result
 
 
 @contextlib.contextmanager

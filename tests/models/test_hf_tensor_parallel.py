@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import final_weights, losses, max_weight_diff, meshrun_in_process, read_metrics, run_meshrun, tiny
 from hf_models import CONFIGS, SEQ_LEN, load_reference, make_model, reference_loss_and_grad_norm
 from test_checkpoint import interrupted_copy
 
@@ -162,7 +162,7 @@ def test_export_from_tp2_loads_in_transformers(row: str, tensor: str, shape: tup
     from meshrun.cli.use_checkpoint import load_full_model
 
     run, out = runs(row), tmp_path / "exported"
-    run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
+    meshrun_in_process(["export", run, "--hf", out], tmp_path=tmp_path)
     theirs, ours = load_reference(out).eval(), load_full_model(run)[0]
     assert theirs.get_parameter(tensor).shape == shape
     tokens = torch.randint(0, 256, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
@@ -186,5 +186,5 @@ def test_phi3_saved_at_tp2_resumes_at_tp1(runs, models, data_dir: Path, tmp_path
 
 def test_sample_reads_a_phi3_tp2_checkpoint(runs, tmp_path: Path) -> None:
     """`meshrun sample` runs one process through the parts (FusedParts) with the whole head counts."""
-    sampled = run_meshrun(["sample", str(runs("phi3-tp2")), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path)
+    sampled = meshrun_in_process(["sample", runs("phi3-tp2"), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path)
     assert sampled.stdout.strip()

@@ -18,7 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import final_weights, grad_norms, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    grad_norms,
+    losses,
+    max_weight_diff,
+    meshrun_env,
+    meshrun_in_process,
+    read_metrics,
+    run_meshrun,
+    tiny,
+)
 from plain_reference import Reference, assert_grad_norms_match, config_from_set_args
 from split_sum_gpt import SplitSumLinear
 from test_checkpoint import interrupted_copy
@@ -240,7 +250,7 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(rows, data_dir: Path, tmp_path: 
 
 def test_sample_reads_a_tp2_checkpoint(rows, tmp_path: Path) -> None:
     """`meshrun sample` runs one process: it loads the vocabulary-split (uneven) shards whole."""
-    sampled = run_meshrun(["sample", str(rows("tp2-odd-vocab")), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path)
+    sampled = meshrun_in_process(["sample", rows("tp2-odd-vocab"), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path)
     assert sampled.stdout.strip()
 
 
@@ -312,6 +322,6 @@ def test_records_name_tp(rows, tmp_path: Path) -> None:
     for row, text in runs.items():
         (tmp_path / row).symlink_to(rows(row))
         assert json.loads((rows(row) / "summary.json").read_text())["layout"] == text
-    report = run_meshrun(["report", *runs, "--out", "r.png"], tmp_path=tmp_path, timeout=120).stdout
+    report = meshrun_in_process(["report", *runs, "--out", "r.png"], tmp_path=tmp_path).stdout
     for row, text in runs.items():
         assert f"| {row} " in report and f"| {text} " in report, report
