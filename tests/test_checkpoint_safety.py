@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import meshrun_env, run_meshrun, tiny
+from conftest import meshrun_env, meshrun_in_process, run_meshrun, tiny
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from meshrun.checkpoint.dcp import _crc32, full_model_state, load, verify
@@ -175,7 +175,7 @@ def test_resume_from_a_checkpoint_with_a_pickled_item_is_refused_before_workers(
 
 def test_export_refuses_a_checkpoint_with_a_pickled_item(finished: Path, tmp_path: Path) -> None:
     ckpt, marker = plant_pickle(finished, tmp_path, "embed.tok.weight")
-    result = run_meshrun(["export", str(ckpt), "--out", "m.safetensors"], tmp_path=tmp_path, check=False, timeout=120)
+    result = meshrun_in_process(["export", ckpt, "--out", "m.safetensors"], tmp_path=tmp_path, check=False)
     assert not marker.exists(), "the checkpoint's pickle ran"
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert str(ckpt / ".metadata") in result.stderr and not (tmp_path / "m.safetensors").exists()
@@ -185,7 +185,7 @@ def test_export_of_a_renamed_checkpoint_folder_names_its_step(finished: Path, tm
     """A checkpoint copied to a folder not named step-N exports, and the line says the step its
     manifest records (it wrote the file, then crashed reading the step from the name)."""
     ckpt = shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "best model")
-    result = run_meshrun(["export", str(ckpt), "--out", "m.safetensors"], tmp_path=tmp_path, timeout=120)
+    result = meshrun_in_process(["export", ckpt, "--out", "m.safetensors"], tmp_path=tmp_path)
     assert result.stdout.startswith(f"exported step {int(CKPTS[-1].split('-')[1])} ({ckpt}) to "), result.stdout
     assert (tmp_path / "m.safetensors").is_file()
 
@@ -238,7 +238,7 @@ def broken_copy(finished: Path, tmp_path: Path) -> Path:
 def test_no_loadable_checkpoint_stops_and_changes_nothing(finished: Path, data_dir: Path, tmp_path: Path) -> None:
     run = broken_copy(finished, tmp_path)
     before = snapshot(run)
-    result = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path, check=False)
+    result = meshrun_in_process(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "step-00000012" in result.stderr and "truncated" in result.stderr and "new run_dir" in result.stderr
     assert snapshot(run) == before  # metrics.jsonl, every checkpoint, latest: byte-identical
@@ -300,7 +300,7 @@ def test_dcp_errors_are_checkpoint_errors(finished: Path) -> None:
 def test_resuming_another_model_is_one_line(finished: Path, data_dir: Path, tmp_path: Path) -> None:
     ckpt = finished / "checkpoints" / CKPTS[-1]
     args = tiny(data_dir, tmp_path / "new", **{"model.dim": 64, "train.resume": ckpt})
-    result = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+    result = meshrun_in_process(["train", *args], tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "another model" in result.stderr
 
@@ -328,7 +328,7 @@ def test_rerunning_a_run_started_from_a_checkpoint_continues_it(finished: Path, 
     args = tiny(data_dir, tmp_path / "b", **{**STEPS, "train.resume": finished / "checkpoints" / CKPTS[0]})
     run_meshrun(["train", *args], tmp_path=tmp_path)
     before = snapshot(tmp_path / "b")
-    again = run_meshrun(["train", *args], tmp_path=tmp_path)
+    again = meshrun_in_process(["train", *args], tmp_path=tmp_path)
     assert f"run already complete: {tmp_path / 'b' / 'checkpoints' / CKPTS[-1]} is at step 12" in again.stderr
     assert snapshot(tmp_path / "b") == before  # nothing trained again, no metrics row dropped
 
@@ -338,7 +338,7 @@ def test_another_runs_checkpoint_is_not_loaded_into_a_run(finished: Path, data_d
     shutil.copytree(finished, run)
     shutil.copytree(finished / "checkpoints" / CKPTS[0], other)
     before = snapshot(run)
-    result = run_meshrun(
+    result = meshrun_in_process(
         ["train", *tiny(data_dir, run, **{**STEPS, "train.resume": other})], tmp_path=tmp_path, check=False
     )
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
@@ -438,7 +438,7 @@ def test_an_index_whose_chunks_do_not_tile_a_tensor_is_refused(
 
 def test_export_refuses_a_tensor_with_a_hole(finished: Path, tmp_path: Path) -> None:
     ckpt = forge_index(shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "ckpt"), holed)
-    result = run_meshrun(["export", str(ckpt), "--out", "m.safetensors"], tmp_path=tmp_path, check=False, timeout=120)
+    result = meshrun_in_process(["export", ckpt, "--out", "m.safetensors"], tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"tensor '{WEIGHT}'" in result.stderr and "hole" in result.stderr
     assert not (tmp_path / "m.safetensors").exists()

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_meshrun, tiny
+from conftest import meshrun_in_process, run_meshrun, tiny
 
 from meshrun.config.schema import Config
 from meshrun.launcher.rerun import RESUMABLE, changed_keys
@@ -64,7 +64,7 @@ def test_a_finished_run_rerun_in_another_layout_changes_no_byte(finished: Path, 
 def test_a_rerun_that_changes_the_training_is_refused_naming_the_keys(finished: Path, data_dir: Path) -> None:
     before = hashes(finished)
     other = {**STEPS, "train.steps": 6, "train.lr": 0.01, "train.seed": 7}
-    result = run_meshrun(["train", *tiny(data_dir, finished, **other)], tmp_path=finished.parent, check=False)
+    result = meshrun_in_process(["train", *tiny(data_dir, finished, **other)], tmp_path=finished.parent, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "train.lr is " in result.stderr and "there, 0.01 here" in result.stderr
     assert "train.seed is 1337 there, 7 here" in result.stderr
@@ -78,7 +78,7 @@ def test_a_finished_run_without_a_checkpoint_is_not_trained_over(data_dir: Path,
     run_meshrun(["train", *tiny(data_dir, run, **no_checkpoint)], tmp_path=tmp_path)
     assert json.loads((run / "summary.json").read_text())["steps"] == 3 and not (run / "checkpoints").exists()
     before = hashes(run)
-    result = run_meshrun(["train", *tiny(data_dir, run, **no_checkpoint)], tmp_path=tmp_path, check=False)
+    result = meshrun_in_process(["train", *tiny(data_dir, run, **no_checkpoint)], tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "no checkpoint to continue from" in result.stderr and "--set run_dir=NEW" in result.stderr
     assert hashes(run) == before
