@@ -193,23 +193,29 @@ def run_meshrun(
     return finish_meshrun(start_meshrun(args, tmp_path=tmp_path, env=env), timeout=timeout, check=check)
 
 
-def meshrun_in_process(
-    args: list[str | Path], *, tmp_path: Path, check: bool = True, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
+def meshrun_in_process(args: list[str | Path], *, tmp_path: Path, check: bool = True) -> subprocess.CompletedProcess:
     """`meshrun ARGS` through the CLI's own `main` in this process, for a command that starts no
     worker (plan, export, sample, report, a refusal before any worker): the code and the output of
     run_meshrun without a new interpreter's imports (torch, transformers: seconds a call). It runs
-    in `tmp_path` with a private cache and `env`'s variables, as run_meshrun does; returns the exit
-    status and what was printed. The process exit itself stays tested by run_meshrun's callers."""
+    in `tmp_path` with a private cache, as run_meshrun does; returns the exit status and what was
+    printed. The process exit itself stays tested by run_meshrun's callers.
+    torch's thread count and random state are put back (plan sets one, sample seeds the other), so
+    no later test in this process sees the call."""
+    import torch
+
     from meshrun.cli import main
 
     out, err = io.StringIO(), io.StringIO()
+    threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(tmp_path)
-        for key, value in {"XDG_CACHE_HOME": str(tmp_path / "cache"), **(env or {})}.items():
-            patch.setenv(key, value)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(arg) for arg in args])
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main([str(arg) for arg in args])
+        finally:
+            torch.set_num_threads(threads)
+            torch.random.set_rng_state(rng)
     result = subprocess.CompletedProcess(["meshrun", *map(str, args)], code, out.getvalue(), err.getvalue())
     if check and code != 0:
         pytest.fail(f"meshrun {' '.join(result.args[1:])} returned {code}\n{result.stderr[-6000:]}")
