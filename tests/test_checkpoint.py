@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, max_weight_diff, meshrun_in_process, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    losses,
+    max_weight_diff,
+    meshrun_in_process,
+    read_metrics,
+    run_meshrun,
+    tiny,
+    train_job,
+)
 from safetensors.torch import load_file
 
 
@@ -24,7 +33,7 @@ STEPS = {"train.steps": 12, "checkpoint.interval": 4, "checkpoint.keep": 3, "tra
 
 
 def train(data_dir: Path, run: Path, *, check: bool = True, **overrides: object):
-    return run_meshrun(["train", *tiny(data_dir, run, **{**STEPS, **overrides})], tmp_path=run.parent, check=check)
+    return train_job(tiny(data_dir, run, **{**STEPS, **overrides}), tmp_path=run.parent, check=check)
 
 
 def interrupted_copy(run: Path, dest: Path, *, at_step: int) -> Path:

@@ -16,8 +16,8 @@ from conftest import (
     max_weight_diff,
     meshrun_in_process,
     read_metrics,
-    run_meshrun,
     tiny,
+    train_job,
 )
 from hf_models import SEQ_LEN, load_reference, make_model, reference_loss_and_grad_norm
 
@@ -33,7 +33,7 @@ MEASURED = {"pp2-balance-time": {"parallel.pp": 2, "parallel.balance": "time"}} 
 
 def hf_train(data_dir: Path, run: Path, model_dir: Path, *, check: bool = True, **overrides: object):
     args = tiny(data_dir, run, **{**BASE, "model.hf": model_dir, **overrides})
-    return run_meshrun(["train", *args], tmp_path=run.parent, check=check)
+    return train_job(args, tmp_path=run.parent, check=check)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, max_weight_diff, meshrun_in_process, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    losses,
+    max_weight_diff,
+    meshrun_in_process,
+    read_metrics,
+    tiny,
+    train_job,
+)
 from hf_models import CONFIGS, SEQ_LEN, load_reference, make_model, reference_loss_and_grad_norm
 from test_checkpoint import interrupted_copy
 
@@ -89,8 +97,9 @@ def runs(models, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ca
     def get(row: str) -> Path:
         if row not in done:
             family, layout = ROWS[row]
-            args = tiny(data_dir, root / row, **{**BASE, "model.hf": models[family], **layout})
-            run_meshrun(["train", *args], tmp_path=root, timeout=420)
+            train_job(
+                tiny(data_dir, root / row, **{**BASE, "model.hf": models[family], **layout}), tmp_path=root, timeout=420
+            )
             done[row] = root / row
         return done[row]
 
@@ -178,7 +187,7 @@ def test_phi3_saved_at_tp2_resumes_at_tp1(runs, models, data_dir: Path, tmp_path
     full = runs("phi3-tp2")
     run = interrupted_copy(full, tmp_path / "run", at_step=2)
     args = tiny(data_dir, run, **{**BASE, "model.hf": models["phi3"], "checkpoint.interval": 2})
-    assert "resumed from" in run_meshrun(["train", *args], tmp_path=tmp_path, timeout=420).stderr
+    assert "resumed from" in train_job(args, tmp_path=tmp_path).stderr
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3]
     assert losses(run) == pytest.approx(losses(full), rel=1e-5)
     assert max_weight_diff(final_weights(run), final_weights(full)) < 1e-5

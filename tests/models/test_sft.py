@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from chat_data import CHATML, conversations, write_chat_tokenizer
-from conftest import final_weights, max_weight_diff, meshrun_in_process, read_metrics, run_meshrun, tiny
+from conftest import final_weights, max_weight_diff, meshrun_in_process, read_metrics, run_meshrun, tiny, train_job
 from hf_models import load_reference, make_model
 from plain_reference import config_from_set_args
 from test_hf import interrupted
@@ -86,10 +86,7 @@ def runs(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable
     def get(layout: str) -> Path:
         if layout not in done:
             run = root / layout
-            run_meshrun(
-                ["train", *sft_args(chat_model, run, **{**LAYOUTS, **LOW_PRECISION, **LORA_RUNS}[layout])],
-                tmp_path=root,
-            )
+            train_job(sft_args(chat_model, run, **{**LAYOUTS, **LOW_PRECISION, **LORA_RUNS}[layout]), tmp_path=root)
             done[layout] = run
         return done[layout]
 

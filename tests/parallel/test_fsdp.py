@@ -22,6 +22,7 @@ from conftest import (
     read_metrics,
     run_meshrun,
     tiny,
+    train_job,
 )
 from plain_reference import assert_grad_norms_match
 from test_checkpoint import interrupted_copy
@@ -51,7 +52,7 @@ ROWS = {
 
 
 def train(data_dir: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data_dir, run, **{**BASE, **overrides})], tmp_path=run.parent, timeout=420)
+    train_job(tiny(data_dir, run, **{**BASE, **overrides}), tmp_path=run.parent, timeout=420)
     return run
 
 

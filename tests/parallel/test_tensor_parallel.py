@@ -28,6 +28,7 @@ from conftest import (
     read_metrics,
     run_meshrun,
     tiny,
+    train_job,
 )
 from plain_reference import Reference, assert_grad_norms_match, config_from_set_args
 from split_sum_gpt import SplitSumLinear
@@ -84,14 +85,14 @@ ROWS = {
 }
 
 
-def launch(data_dir: Path, run: Path, *, env: dict[str, str] | None = None, **overrides: object) -> str:
+def launch(data_dir: Path, run: Path, **overrides: object) -> str:
     """Train to the end; what the job printed on stderr."""
     args = ["train", *tiny(data_dir, run, **{**BASE, **overrides})]
-    return run_meshrun(args, tmp_path=run.parent, env=env, timeout=420).stderr
+    return run_meshrun(args, tmp_path=run.parent, timeout=420).stderr
 
 
-def train(data_dir: Path, run: Path, *, env: dict[str, str] | None = None, **overrides: object) -> Path:
-    launch(data_dir, run, env=env, **overrides)
+def train(data_dir: Path, run: Path, **overrides: object) -> Path:
+    train_job(tiny(data_dir, run, **{**BASE, **overrides}), tmp_path=run.parent, timeout=420)
     return run
 
 
@@ -104,9 +105,8 @@ def one_process(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="module")
 def split_sum_one_process(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One process whose row-parallel Linears sum two half matmuls, as tp2's all-reduce does (split_sum_gpt.py)."""
-    tmp = tmp_path_factory.mktemp("tp-split-sum")
-    env = meshrun_env(tmp, PYTHONPATH=str(Path(__file__).parent))
-    return train(data_dir, tmp / "run", env=env, **{"model.factory": "split_sum_gpt:build"})
+    tmp = tmp_path_factory.mktemp("tp-split-sum")  # split_sum_gpt.py is importable here, beside this file
+    return train(data_dir, tmp / "run", **{"model.factory": "split_sum_gpt:build"})
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from conftest import (
     max_weight_diff,
     meshrun_in_process,
     read_metrics,
-    run_meshrun,
     tiny,
+    train_job,
 )
 from plain_reference import config_from_set_args, plain_blocks
 
@@ -73,7 +73,7 @@ def labelled_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def train(data: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data, run, **{**CLASSIFY, **overrides})], tmp_path=run.parent)
+    train_job(tiny(data, run, **{**CLASSIFY, **overrides}), tmp_path=run.parent)
     return run
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny, train_job
 from plain_reference import config_from_set_args, plain_blocks
 
 from meshrun import cli
@@ -66,7 +66,7 @@ def masked_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def train(data: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data, run, **{**MLM, **overrides})], tmp_path=run.parent)
+    train_job(tiny(data, run, **{**MLM, **overrides}), tmp_path=run.parent)
     return run
 
 

@@ -24,6 +24,7 @@ from conftest import (
     read_metrics,
     run_meshrun,
     tiny,
+    train_job,
 )
 from plain_reference import config_from_set_args, plain_blocks
 
@@ -62,7 +63,7 @@ def series_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def train(data: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data, run, **{**REGRESS, **overrides})], tmp_path=run.parent)
+    train_job(tiny(data, run, **{**REGRESS, **overrides}), tmp_path=run.parent)
     return run
 
 
