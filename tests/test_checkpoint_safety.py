@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import meshrun_env, meshrun_in_process, run_meshrun, tiny
+from conftest import meshrun_env, meshrun_in_process, run_meshrun, tiny, train_job
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from meshrun.checkpoint.dcp import _crc32, full_model_state, load, verify
@@ -32,7 +32,7 @@ CKPTS = ("step-00000004", "step-00000008", "step-00000012")
 def finished(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished one-process run with checkpoints at steps 4, 8 and 12."""
     run = tmp_path_factory.mktemp("safety") / "run"
-    run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=run.parent)
+    train_job(tiny(data_dir, run, **STEPS), tmp_path=run.parent)
     return run
 
 
@@ -312,7 +312,7 @@ def test_retention_keeps_checkpoints_newer_than_the_resumed_one(finished: Path, 
     for name in CKPTS[1:]:  # 8 and 12 fail, 4 loads: the run resumes from 4 and saves 8 and 12 again
         truncate(next((run / "checkpoints" / name).glob("__0_*.distcp")))
     unloadable = {name: snapshot(run / "checkpoints" / name) for name in CKPTS[1:]}
-    result = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)
+    result = train_job(tiny(data_dir, run, **STEPS), tmp_path=tmp_path)
     assert "resumed from" in result.stderr and "step-00000004" in result.stderr
     for name, files in unloadable.items():
         assert snapshot(run / "checkpoints" / f"{name}.kept-1") == files  # kept, moved aside
@@ -326,7 +326,7 @@ def test_rerunning_a_run_started_from_a_checkpoint_continues_it(finished: Path, 
     """A torchrun restart, a Slurm requeue or a rerun repeats the command, train.resume included: it
     must continue from the run's own newest checkpoint, not train again from the named one."""
     args = tiny(data_dir, tmp_path / "b", **{**STEPS, "train.resume": finished / "checkpoints" / CKPTS[0]})
-    run_meshrun(["train", *args], tmp_path=tmp_path)
+    train_job(args, tmp_path=tmp_path)
     before = snapshot(tmp_path / "b")
     again = meshrun_in_process(["train", *args], tmp_path=tmp_path)
     assert f"run already complete: {tmp_path / 'b' / 'checkpoints' / CKPTS[-1]} is at step 12" in again.stderr
@@ -354,9 +354,9 @@ def test_auto_after_a_rollback_continues_the_rolled_back_branch(finished: Path, 
     run = shutil.copytree(finished, tmp_path / "run")
     old_12 = snapshot(run / "checkpoints" / CKPTS[-1])
     back = {**STEPS, "train.steps": 8, "train.resume": run / "checkpoints" / CKPTS[0]}
-    run_meshrun(["train", *tiny(data_dir, run, **back)], tmp_path=tmp_path)
+    train_job(tiny(data_dir, run, **back), tmp_path=tmp_path)
     assert checkpoint_dir(run) == run / "checkpoints" / CKPTS[1]
-    again = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)
+    again = train_job(tiny(data_dir, run, **STEPS), tmp_path=tmp_path)
     assert f"resumed from {run / 'checkpoints' / CKPTS[1]} at step 8\n" in again.stderr
     assert snapshot(run / "checkpoints" / f"{CKPTS[-1]}.kept-1") == old_12  # the old branch, moved aside
 
@@ -448,7 +448,7 @@ def test_export_refuses_a_tensor_with_a_hole(finished: Path, tmp_path: Path) -> 
 def tp2_checkpoint(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The step-2 checkpoint of a tp2 run: its split matrices stored as two chunks each."""
     run = tmp_path_factory.mktemp("tp2") / "run"
-    run_meshrun(["train", *tiny(data_dir, run, **{"parallel.tp": 2, "train.steps": 2})], tmp_path=run.parent)
+    train_job(tiny(data_dir, run, **{"parallel.tp": 2, "train.steps": 2}), tmp_path=run.parent)
     return run / "checkpoints" / "step-00000002"
 
 

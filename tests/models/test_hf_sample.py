@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from conftest import meshrun_in_process, run_meshrun, tiny
+from conftest import meshrun_in_process, tiny, train_job
 from hf_models import bpe_json
 from tokenizers import Tokenizer
 
@@ -29,7 +29,7 @@ def test_sample_decodes_with_the_data_or_the_model_tokenizer(tmp_path: Path) -> 
     data = tmp_path / "data"
     prepare([str(tmp_path / "corpus")], data, tokenizer=str(model_dir), val_fraction=0.25, workers=1, progress=False)
     run = tmp_path / "run"
-    run_meshrun(["train", *tiny(data, run, **{"model.hf": model_dir, "train.steps": 2})], tmp_path=tmp_path)
+    train_job(tiny(data, run, **{"model.hf": model_dir, "train.steps": 2}), tmp_path=tmp_path)
     greedy = ["sample", str(run), "--prompt", "def f1(self", "--tokens", "12", "--temperature", "0"]
     with_data = meshrun_in_process(greedy, tmp_path=tmp_path).stdout.rstrip("\n")
     shutil.rmtree(data)  # no data folder: the model folder's tokenizer decodes
@@ -56,7 +56,7 @@ def test_export_hf_carries_the_data_tokenizer(tmp_path: Path) -> None:
         [str(tmp_path / "corpus")], data, tokenizer=str(tokenizer_json), val_fraction=0.25, workers=1, progress=False
     )
     run, out = tmp_path / "run", tmp_path / "exported"
-    run_meshrun(["train", *tiny(data, run, **{"model.hf": model_dir, "train.steps": 1})], tmp_path=tmp_path)
+    train_job(tiny(data, run, **{"model.hf": model_dir, "train.steps": 1}), tmp_path=tmp_path)
     shutil.rmtree(data)  # the checkpoint's own copy of the data's tokenizer is what gets exported
     (tmp_path / "exported.tmp").mkdir()  # the user's own folder, named like a temporary one
     (tmp_path / "exported.tmp" / "notes.txt").write_text("keep me")
