@@ -8,6 +8,7 @@ timeout, and returns the completed process for assertions.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -77,14 +78,13 @@ WORDS = [
 ]
 
 
+INHERITED_NOT = ("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")  # a test job's own choice, not the caller's
+
+
 def meshrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """Environment for a test run: private cache, no inherited launcher or WANDB_* variables
     (the config's tracker.mode decides; `tiny` turns wandb off)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_NOT)}
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if "PYTHONPATH" in extra and os.environ.get(
         "PYTHONPATH"
@@ -190,6 +190,59 @@ def run_meshrun(
 ) -> subprocess.CompletedProcess:
     """Run `python -m meshrun ARGS` to the end (see start_meshrun / finish_meshrun)."""
     return finish_meshrun(start_meshrun(args, tmp_path=tmp_path, env=env), timeout=timeout, check=check)
+
+
+def meshrun_in_process(args: list[str | Path], *, tmp_path: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """`meshrun ARGS` through the CLI's own `main` in this process, for a command that starts no
+    worker (plan, export, sample, report, a refusal before any worker, a one-process `train`, which
+    meshrun trains in its launcher's process): run_meshrun's code and output without a new
+    interpreter's imports (torch, transformers: seconds a call). It runs in `tmp_path` with a
+    private cache, one thread and meshrun_env's variables left out, as run_meshrun does; returns the
+    exit status and what was printed. torch's thread count, its random state and the environment
+    are put back after (plan sets threads, sample and train seed, inductor names its cache): no
+    later test sees the call. The process exit itself stays tested by run_meshrun's callers."""
+    import torch
+
+    from meshrun.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    threads, rng, environ = torch.get_num_threads(), torch.random.get_rng_state(), dict(os.environ)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        for key in [k for k in os.environ if k.startswith(INHERITED_NOT)]:  # as meshrun_env leaves them out
+            patch.delenv(key)
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        patch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)  # as run_meshrun's process: one thread sums in one order
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main([str(arg) for arg in args])
+        finally:
+            torch.set_num_threads(threads)
+            torch.random.set_rng_state(rng)
+            for key in set(os.environ) - set(environ):
+                del os.environ[key]
+            os.environ.update(environ)
+    result = subprocess.CompletedProcess(["meshrun", *map(str, args)], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        pytest.fail(f"meshrun {' '.join(result.args[1:])} returned {code}\n{result.stderr[-6000:]}")
+    return result
+
+
+def train_job(
+    args: list[str], *, tmp_path: Path, timeout: float = 240, check: bool = True
+) -> subprocess.CompletedProcess:
+    """`meshrun train ARGS` (`--set=` arguments, as `tiny` writes them): a one-process job without a
+    tracker trains in this process, as meshrun trains it in its launcher's process
+    (meshrun_in_process); a larger one, or one that starts wandb or TensorBoard (their own threads
+    and processes), runs as its own process tree (run_meshrun)."""
+    from meshrun.parallel.layout import Layout
+
+    cfg = config_from_set_args(args)
+    tracked = cfg.tracker.mode != "disabled" or "tensorboard" in cfg.tracker.backends
+    if Layout.of(cfg.parallel).world_size == 1 and not tracked:
+        return meshrun_in_process(["train", *args], tmp_path=tmp_path, check=check)
+    return run_meshrun(["train", *args], tmp_path=tmp_path, timeout=timeout, check=check)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    losses,
+    max_weight_diff,
+    meshrun_in_process,
+    read_metrics,
+    run_meshrun,
+    tiny,
+    train_job,
+)
 from safetensors.torch import load_file
 
 
@@ -24,7 +33,7 @@ STEPS = {"train.steps": 12, "checkpoint.interval": 4, "checkpoint.keep": 3, "tra
 
 
 def train(data_dir: Path, run: Path, *, check: bool = True, **overrides: object):
-    return run_meshrun(["train", *tiny(data_dir, run, **{**STEPS, **overrides})], tmp_path=run.parent, check=check)
+    return train_job(tiny(data_dir, run, **{**STEPS, **overrides}), tmp_path=run.parent, check=check)
 
 
 def interrupted_copy(run: Path, dest: Path, *, at_step: int) -> Path:
@@ -132,19 +141,20 @@ def test_metadata_is_never_unpickled_freely(full_runs, tmp_path: Path) -> None:
 def test_export_and_sample_round_trip(full_runs, tmp_path: Path) -> None:
     run = full_runs["fp32"]
     out = tmp_path / "model.safetensors"
-    run_meshrun(["export", str(run), "--out", str(out)], tmp_path=tmp_path)
+    meshrun_in_process(["export", run, "--out", out], tmp_path=tmp_path)
     exported = load_file(out)
     reference = final_weights(run)
     assert exported.keys() == reference.keys()
     assert all(torch.equal(exported[k], reference[k]) for k in reference)
     pt = tmp_path / "model.pt"
-    run_meshrun(["export", str(run / "checkpoints" / "step-00000012"), "--out", str(pt)], tmp_path=tmp_path)
+    meshrun_in_process(["export", run / "checkpoints" / "step-00000012", "--out", pt], tmp_path=tmp_path)
     plain = torch.load(pt, weights_only=True)
     assert all(torch.equal(plain["model"][k], reference[k]) for k in reference)
-    again = run_meshrun(["export", str(run), "--out", str(out)], tmp_path=tmp_path, check=False)
+    again = meshrun_in_process(["export", run, "--out", out], tmp_path=tmp_path, check=False)
     assert again.returncode == 2 and "already exists" in again.stderr
-    a = run_meshrun(["sample", str(run), "--prompt", "def ", "--tokens", "30", "--seed", "3"], tmp_path=tmp_path).stdout
-    b = run_meshrun(["sample", str(run), "--prompt", "def ", "--tokens", "30", "--seed", "3"], tmp_path=tmp_path).stdout
+    sample = ["sample", str(run), "--prompt", "def ", "--tokens", "30", "--seed", "3"]
+    a = run_meshrun(sample, tmp_path=tmp_path).stdout  # a process of its own, then this one: the seed decides
+    b = meshrun_in_process(sample, tmp_path=tmp_path).stdout
     assert a == b and a.startswith("def ") and len(a.rstrip("\n").encode()) >= 30
 
 

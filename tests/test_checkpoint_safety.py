@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import meshrun_env, run_meshrun, tiny
+from conftest import meshrun_env, meshrun_in_process, run_meshrun, tiny, train_job
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from meshrun.checkpoint.dcp import _crc32, full_model_state, load, verify
@@ -32,7 +32,7 @@ CKPTS = ("step-00000004", "step-00000008", "step-00000012")
 def finished(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished one-process run with checkpoints at steps 4, 8 and 12."""
     run = tmp_path_factory.mktemp("safety") / "run"
-    run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=run.parent)
+    train_job(tiny(data_dir, run, **STEPS), tmp_path=run.parent)
     return run
 
 
@@ -175,7 +175,7 @@ def test_resume_from_a_checkpoint_with_a_pickled_item_is_refused_before_workers(
 
 def test_export_refuses_a_checkpoint_with_a_pickled_item(finished: Path, tmp_path: Path) -> None:
     ckpt, marker = plant_pickle(finished, tmp_path, "embed.tok.weight")
-    result = run_meshrun(["export", str(ckpt), "--out", "m.safetensors"], tmp_path=tmp_path, check=False, timeout=120)
+    result = meshrun_in_process(["export", ckpt, "--out", "m.safetensors"], tmp_path=tmp_path, check=False)
     assert not marker.exists(), "the checkpoint's pickle ran"
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert str(ckpt / ".metadata") in result.stderr and not (tmp_path / "m.safetensors").exists()
@@ -185,7 +185,7 @@ def test_export_of_a_renamed_checkpoint_folder_names_its_step(finished: Path, tm
     """A checkpoint copied to a folder not named step-N exports, and the line says the step its
     manifest records (it wrote the file, then crashed reading the step from the name)."""
     ckpt = shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "best model")
-    result = run_meshrun(["export", str(ckpt), "--out", "m.safetensors"], tmp_path=tmp_path, timeout=120)
+    result = meshrun_in_process(["export", ckpt, "--out", "m.safetensors"], tmp_path=tmp_path)
     assert result.stdout.startswith(f"exported step {int(CKPTS[-1].split('-')[1])} ({ckpt}) to "), result.stdout
     assert (tmp_path / "m.safetensors").is_file()
 
@@ -238,7 +238,7 @@ def broken_copy(finished: Path, tmp_path: Path) -> Path:
 def test_no_loadable_checkpoint_stops_and_changes_nothing(finished: Path, data_dir: Path, tmp_path: Path) -> None:
     run = broken_copy(finished, tmp_path)
     before = snapshot(run)
-    result = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path, check=False)
+    result = meshrun_in_process(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "step-00000012" in result.stderr and "truncated" in result.stderr and "new run_dir" in result.stderr
     assert snapshot(run) == before  # metrics.jsonl, every checkpoint, latest: byte-identical
@@ -300,7 +300,7 @@ def test_dcp_errors_are_checkpoint_errors(finished: Path) -> None:
 def test_resuming_another_model_is_one_line(finished: Path, data_dir: Path, tmp_path: Path) -> None:
     ckpt = finished / "checkpoints" / CKPTS[-1]
     args = tiny(data_dir, tmp_path / "new", **{"model.dim": 64, "train.resume": ckpt})
-    result = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+    result = meshrun_in_process(["train", *args], tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "another model" in result.stderr
 
@@ -312,7 +312,7 @@ def test_retention_keeps_checkpoints_newer_than_the_resumed_one(finished: Path, 
     for name in CKPTS[1:]:  # 8 and 12 fail, 4 loads: the run resumes from 4 and saves 8 and 12 again
         truncate(next((run / "checkpoints" / name).glob("__0_*.distcp")))
     unloadable = {name: snapshot(run / "checkpoints" / name) for name in CKPTS[1:]}
-    result = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)
+    result = train_job(tiny(data_dir, run, **STEPS), tmp_path=tmp_path)
     assert "resumed from" in result.stderr and "step-00000004" in result.stderr
     for name, files in unloadable.items():
         assert snapshot(run / "checkpoints" / f"{name}.kept-1") == files  # kept, moved aside
@@ -326,9 +326,9 @@ def test_rerunning_a_run_started_from_a_checkpoint_continues_it(finished: Path, 
     """A torchrun restart, a Slurm requeue or a rerun repeats the command, train.resume included: it
     must continue from the run's own newest checkpoint, not train again from the named one."""
     args = tiny(data_dir, tmp_path / "b", **{**STEPS, "train.resume": finished / "checkpoints" / CKPTS[0]})
-    run_meshrun(["train", *args], tmp_path=tmp_path)
+    train_job(args, tmp_path=tmp_path)
     before = snapshot(tmp_path / "b")
-    again = run_meshrun(["train", *args], tmp_path=tmp_path)
+    again = meshrun_in_process(["train", *args], tmp_path=tmp_path)
     assert f"run already complete: {tmp_path / 'b' / 'checkpoints' / CKPTS[-1]} is at step 12" in again.stderr
     assert snapshot(tmp_path / "b") == before  # nothing trained again, no metrics row dropped
 
@@ -338,7 +338,7 @@ def test_another_runs_checkpoint_is_not_loaded_into_a_run(finished: Path, data_d
     shutil.copytree(finished, run)
     shutil.copytree(finished / "checkpoints" / CKPTS[0], other)
     before = snapshot(run)
-    result = run_meshrun(
+    result = meshrun_in_process(
         ["train", *tiny(data_dir, run, **{**STEPS, "train.resume": other})], tmp_path=tmp_path, check=False
     )
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
@@ -354,9 +354,9 @@ def test_auto_after_a_rollback_continues_the_rolled_back_branch(finished: Path, 
     run = shutil.copytree(finished, tmp_path / "run")
     old_12 = snapshot(run / "checkpoints" / CKPTS[-1])
     back = {**STEPS, "train.steps": 8, "train.resume": run / "checkpoints" / CKPTS[0]}
-    run_meshrun(["train", *tiny(data_dir, run, **back)], tmp_path=tmp_path)
+    train_job(tiny(data_dir, run, **back), tmp_path=tmp_path)
     assert checkpoint_dir(run) == run / "checkpoints" / CKPTS[1]
-    again = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)
+    again = train_job(tiny(data_dir, run, **STEPS), tmp_path=tmp_path)
     assert f"resumed from {run / 'checkpoints' / CKPTS[1]} at step 8\n" in again.stderr
     assert snapshot(run / "checkpoints" / f"{CKPTS[-1]}.kept-1") == old_12  # the old branch, moved aside
 
@@ -438,7 +438,7 @@ def test_an_index_whose_chunks_do_not_tile_a_tensor_is_refused(
 
 def test_export_refuses_a_tensor_with_a_hole(finished: Path, tmp_path: Path) -> None:
     ckpt = forge_index(shutil.copytree(finished / "checkpoints" / CKPTS[-1], tmp_path / "ckpt"), holed)
-    result = run_meshrun(["export", str(ckpt), "--out", "m.safetensors"], tmp_path=tmp_path, check=False, timeout=120)
+    result = meshrun_in_process(["export", ckpt, "--out", "m.safetensors"], tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"tensor '{WEIGHT}'" in result.stderr and "hole" in result.stderr
     assert not (tmp_path / "m.safetensors").exists()
@@ -448,7 +448,7 @@ def test_export_refuses_a_tensor_with_a_hole(finished: Path, tmp_path: Path) -> 
 def tp2_checkpoint(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The step-2 checkpoint of a tp2 run: its split matrices stored as two chunks each."""
     run = tmp_path_factory.mktemp("tp2") / "run"
-    run_meshrun(["train", *tiny(data_dir, run, **{"parallel.tp": 2, "train.steps": 2})], tmp_path=run.parent)
+    train_job(tiny(data_dir, run, **{"parallel.tp": 2, "train.steps": 2}), tmp_path=run.parent)
     return run / "checkpoints" / "step-00000002"
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import WORDS, meshrun_env, run_meshrun, tiny
+from conftest import WORDS, meshrun_env, meshrun_in_process, run_meshrun, tiny, train_job
 
 from meshrun import cli
 from meshrun.cli import train as job
@@ -1568,10 +1568,10 @@ def test_existing_run_is_not_continued_wrongly(
     override: str, fragments: tuple[str, ...], data_dir: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    run_meshrun(["train", *tiny(data_dir, run_dir, **{"train.steps": 1})], tmp_path=tmp_path)
+    train_job(tiny(data_dir, run_dir, **{"train.steps": 1}), tmp_path=tmp_path)
     before = _snapshot(run_dir)
-    result = run_meshrun(
-        ["train", *tiny(data_dir, run_dir), f"--set={override}"], tmp_path=tmp_path, timeout=60, check=False
+    result = meshrun_in_process(
+        ["train", *tiny(data_dir, run_dir), f"--set={override}"], tmp_path=tmp_path, check=False
     )
     _assert_refused(result.returncode, result.stderr, fragments)
     assert _snapshot(run_dir) == before

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_meshrun, tiny
+from conftest import meshrun_in_process, tiny, train_job
 
 from meshrun.config.schema import Config
 from meshrun.launcher.rerun import RESUMABLE, changed_keys
@@ -25,7 +25,7 @@ def hashes(run: Path) -> dict[str, str]:
 def finished(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished one-process run with a final checkpoint at step 3."""
     run = tmp_path_factory.mktemp("rerun") / "run"
-    run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=run.parent)
+    train_job(tiny(data_dir, run, **STEPS), tmp_path=run.parent)
     return run
 
 
@@ -55,7 +55,7 @@ def test_a_finished_run_rerun_in_another_layout_changes_no_byte(finished: Path, 
     """Decided in the launcher: no worker starts, no config.json, tracker or record is rewritten."""
     before = hashes(finished)
     other = {**STEPS, "parallel.dp": 2, "train.micro_batch": 1, "tracker.backends": '["jsonl"]'}
-    result = run_meshrun(["train", *tiny(data_dir, finished, **other)], tmp_path=finished.parent)
+    result = train_job(tiny(data_dir, finished, **other), tmp_path=finished.parent)
     assert "run already complete" in result.stderr and "step-00000003 is at step 3" in result.stderr
     assert "starting" not in result.stderr, result.stderr
     assert hashes(finished) == before
@@ -64,7 +64,7 @@ def test_a_finished_run_rerun_in_another_layout_changes_no_byte(finished: Path, 
 def test_a_rerun_that_changes_the_training_is_refused_naming_the_keys(finished: Path, data_dir: Path) -> None:
     before = hashes(finished)
     other = {**STEPS, "train.steps": 6, "train.lr": 0.01, "train.seed": 7}
-    result = run_meshrun(["train", *tiny(data_dir, finished, **other)], tmp_path=finished.parent, check=False)
+    result = meshrun_in_process(["train", *tiny(data_dir, finished, **other)], tmp_path=finished.parent, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "train.lr is " in result.stderr and "there, 0.01 here" in result.stderr
     assert "train.seed is 1337 there, 7 here" in result.stderr
@@ -75,10 +75,10 @@ def test_a_rerun_that_changes_the_training_is_refused_naming_the_keys(finished: 
 def test_a_finished_run_without_a_checkpoint_is_not_trained_over(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     no_checkpoint = {**STEPS, "checkpoint.at_end": False}
-    run_meshrun(["train", *tiny(data_dir, run, **no_checkpoint)], tmp_path=tmp_path)
+    train_job(tiny(data_dir, run, **no_checkpoint), tmp_path=tmp_path)
     assert json.loads((run / "summary.json").read_text())["steps"] == 3 and not (run / "checkpoints").exists()
     before = hashes(run)
-    result = run_meshrun(["train", *tiny(data_dir, run, **no_checkpoint)], tmp_path=tmp_path, check=False)
+    result = meshrun_in_process(["train", *tiny(data_dir, run, **no_checkpoint)], tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "no checkpoint to continue from" in result.stderr and "--set run_dir=NEW" in result.stderr
     assert hashes(run) == before
@@ -89,9 +89,9 @@ def test_a_finished_run_whose_last_checkpoint_is_older_is_complete(data_dir: Pat
     the summary says it finished, so a rerun trains nothing again and changes no byte."""
     run = tmp_path / "run"
     settings = {"train.steps": 3, "checkpoint.interval": 2, "checkpoint.at_end": False}
-    run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=tmp_path)
+    train_job(tiny(data_dir, run, **settings), tmp_path=tmp_path)
     assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000002"]
     before = hashes(run)
-    result = run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=tmp_path)
+    result = train_job(tiny(data_dir, run, **settings), tmp_path=tmp_path)
     assert "run already complete: its summary.json records step 3" in result.stderr, result.stderr
     assert hashes(run) == before

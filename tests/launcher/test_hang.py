@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import final_weights, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import final_weights, max_weight_diff, meshrun_env, meshrun_in_process, read_metrics, run_meshrun, tiny
 
 HERE = str(Path(__file__).parent)  # hanging_gpt.py
 HUNG_EXIT_CODE = 124
@@ -119,7 +119,7 @@ def test_a_hang_folder_that_is_a_file_is_refused_before_any_worker(data_dir: Pat
     run.mkdir()
     (run / "hang").write_text("mine\n")
     args = tiny(data_dir, run, **{"launch.hang_timeout": TIMEOUT})
-    result = run_meshrun(["train", *args], tmp_path=tmp_path, check=False, timeout=120)
+    result = meshrun_in_process(["train", *args], tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"{run / 'hang'} is not a folder" in result.stderr and (run / "hang").read_text() == "mine\n"
 

@@ -17,6 +17,7 @@ from conftest import (
     kill_tree,
     max_weight_diff,
     meshrun_env,
+    meshrun_in_process,
     plant_hostile_modules,
     read_metrics,
     run_meshrun,
@@ -116,11 +117,8 @@ def test_one_node_with_an_endpoint_still_uses_it() -> None:
     ],
 )
 def test_bad_node_layouts_exit_2_with_one_line(flags: list[str], message: str, tmp_path: Path) -> None:
-    result = run_meshrun(
-        ["train", "--set=parallel.dp=2", "--set=parallel.pp=2", *flags, "--dry-run"],
-        tmp_path=tmp_path,
-        timeout=60,
-        check=False,
+    result = meshrun_in_process(
+        ["train", "--set=parallel.dp=2", "--set=parallel.pp=2", *flags, "--dry-run"], tmp_path=tmp_path, check=False
     )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import meshrun_env, meshrun_in_process, read_metrics, run_meshrun, tiny
 
 pytestmark = pytest.mark.timeout(900)
 SLOW_GPT = Path(__file__).parents[1] / "parallel"  # slow_gpt.py: blocks that sleep a fixed time
@@ -120,7 +120,7 @@ def test_a_run_resumed_elsewhere_says_where_its_figures_start(tmp_path: Path) ->
 
 def report_run(tmp_path: Path, *runs: str, out: str | None = "curves.png", force: bool = False):
     args = ["report", *runs, *(["--out", out] if out else []), *(["--force"] if force else [])]
-    return run_meshrun(args, tmp_path=tmp_path, timeout=120, check=False)
+    return meshrun_in_process(args, tmp_path=tmp_path, check=False)
 
 
 def assert_refused(proc, *fragments: str) -> None:

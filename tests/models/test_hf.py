@@ -14,9 +14,10 @@ from conftest import (
     final_weights,
     losses,
     max_weight_diff,
+    meshrun_in_process,
     read_metrics,
-    run_meshrun,
     tiny,
+    train_job,
 )
 from hf_models import SEQ_LEN, load_reference, make_model, reference_loss_and_grad_norm
 
@@ -34,7 +35,7 @@ MEASURED = {"pp2-balance-time": {"parallel.pp": 2, "parallel.balance": "time"}} 
 
 def hf_train(data_dir: Path, run: Path, model_dir: Path, *, check: bool = True, **overrides: object):
     args = tiny(data_dir, run, **{**BASE, "model.hf": model_dir, **overrides})
-    return run_meshrun(["train", *args], tmp_path=run.parent, check=check)
+    return train_job(args, tmp_path=run.parent, check=check)
 
 
 @pytest.fixture(scope="session")
@@ -162,14 +163,14 @@ def test_export_loads_in_transformers(family: str, runs, tmp_path: Path) -> None
     from meshrun.cli.use_checkpoint import load_full_model
 
     run, out = runs(family, "dp2-pp2-1f1b"), tmp_path / "exported"
-    run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
+    meshrun_in_process(["export", run, "--hf", out], tmp_path=tmp_path)
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     ours = load_full_model(run)[0]
     theirs = load_reference(out).eval()
     tokens = torch.randint(0, 256, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (theirs(input_ids=tokens).logits - ours(tokens)).abs().max().item() < 1e-5
-    again = run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path, check=False)
+    again = meshrun_in_process(["export", run, "--hf", out], tmp_path=tmp_path, check=False)
     assert again.returncode == 2 and "already exists" in again.stderr
-    text = run_meshrun(["sample", str(run), "--prompt", "ab", "--tokens", "5"], tmp_path=tmp_path).stdout
+    text = meshrun_in_process(["sample", run, "--prompt", "ab", "--tokens", "5"], tmp_path=tmp_path).stdout
     assert text.startswith("ab")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, tiny, train_job
 from hf_models import SEQ_LEN, bpe_json, make_model
 from plain_reference import config_from_set_args
 
@@ -72,7 +72,7 @@ def settings(texts: Path, run: Path | str, folder: Path, **overrides: object) ->
 
 
 def train(texts: Path, run: Path, folder: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *settings(texts, run, folder, **overrides)], tmp_path=run.parent)
+    train_job(settings(texts, run, folder, **overrides), tmp_path=run.parent)
     return run
 
 

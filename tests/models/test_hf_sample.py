@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from conftest import run_meshrun, tiny
+from conftest import meshrun_in_process, tiny, train_job
 from hf_models import bpe_json
 from tokenizers import Tokenizer
 
@@ -29,11 +29,11 @@ def test_sample_decodes_with_the_data_or_the_model_tokenizer(tmp_path: Path) -> 
     data = tmp_path / "data"
     prepare([str(tmp_path / "corpus")], data, tokenizer=str(model_dir), val_fraction=0.25, workers=1, progress=False)
     run = tmp_path / "run"
-    run_meshrun(["train", *tiny(data, run, **{"model.hf": model_dir, "train.steps": 2})], tmp_path=tmp_path)
+    train_job(tiny(data, run, **{"model.hf": model_dir, "train.steps": 2}), tmp_path=tmp_path)
     greedy = ["sample", str(run), "--prompt", "def f1(self", "--tokens", "12", "--temperature", "0"]
-    with_data = run_meshrun(greedy, tmp_path=tmp_path).stdout.rstrip("\n")
+    with_data = meshrun_in_process(greedy, tmp_path=tmp_path).stdout.rstrip("\n")
     shutil.rmtree(data)  # no data folder: the model folder's tokenizer decodes
-    with_model = run_meshrun(greedy, tmp_path=tmp_path).stdout.rstrip("\n")
+    with_model = meshrun_in_process(greedy, tmp_path=tmp_path).stdout.rstrip("\n")
     assert with_data.startswith("def f1(self") and len(with_data) > len("def f1(self")
     assert with_model == with_data  # the same tokenizer, reached two ways, decodes the same greedy ids
 
@@ -56,11 +56,11 @@ def test_export_hf_carries_the_data_tokenizer(tmp_path: Path) -> None:
         [str(tmp_path / "corpus")], data, tokenizer=str(tokenizer_json), val_fraction=0.25, workers=1, progress=False
     )
     run, out = tmp_path / "run", tmp_path / "exported"
-    run_meshrun(["train", *tiny(data, run, **{"model.hf": model_dir, "train.steps": 1})], tmp_path=tmp_path)
+    train_job(tiny(data, run, **{"model.hf": model_dir, "train.steps": 1}), tmp_path=tmp_path)
     shutil.rmtree(data)  # the checkpoint's own copy of the data's tokenizer is what gets exported
     (tmp_path / "exported.tmp").mkdir()  # the user's own folder, named like a temporary one
     (tmp_path / "exported.tmp" / "notes.txt").write_text("keep me")
-    run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
+    meshrun_in_process(["export", run, "--hf", out], tmp_path=tmp_path)
     assert (tmp_path / "exported.tmp" / "notes.txt").read_text() == "keep me"
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".exported")]  # its temporary went
     exported = AutoTokenizer.from_pretrained(out, local_files_only=True)

@@ -22,7 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    losses,
+    max_weight_diff,
+    meshrun_in_process,
+    read_metrics,
+    tiny,
+    train_job,
+)
 from hf_models import CONFIGS, SEQ_LEN, load_reference, make_model, reference_loss_and_grad_norm
 from test_checkpoint import interrupted_copy
 
@@ -89,8 +97,9 @@ def runs(models, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ca
     def get(row: str) -> Path:
         if row not in done:
             family, layout = ROWS[row]
-            args = tiny(data_dir, root / row, **{**BASE, "model.hf": models[family], **layout})
-            run_meshrun(["train", *args], tmp_path=root, timeout=420)
+            train_job(
+                tiny(data_dir, root / row, **{**BASE, "model.hf": models[family], **layout}), tmp_path=root, timeout=420
+            )
             done[row] = root / row
         return done[row]
 
@@ -162,7 +171,7 @@ def test_export_from_tp2_loads_in_transformers(row: str, tensor: str, shape: tup
     from meshrun.cli.use_checkpoint import load_full_model
 
     run, out = runs(row), tmp_path / "exported"
-    run_meshrun(["export", str(run), "--hf", str(out)], tmp_path=tmp_path)
+    meshrun_in_process(["export", run, "--hf", out], tmp_path=tmp_path)
     theirs, ours = load_reference(out).eval(), load_full_model(run)[0]
     assert theirs.get_parameter(tensor).shape == shape
     tokens = torch.randint(0, 256, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
@@ -178,7 +187,7 @@ def test_phi3_saved_at_tp2_resumes_at_tp1(runs, models, data_dir: Path, tmp_path
     full = runs("phi3-tp2")
     run = interrupted_copy(full, tmp_path / "run", at_step=2)
     args = tiny(data_dir, run, **{**BASE, "model.hf": models["phi3"], "checkpoint.interval": 2})
-    assert "resumed from" in run_meshrun(["train", *args], tmp_path=tmp_path, timeout=420).stderr
+    assert "resumed from" in train_job(args, tmp_path=tmp_path).stderr
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3]
     assert losses(run) == pytest.approx(losses(full), rel=1e-5)
     assert max_weight_diff(final_weights(run), final_weights(full)) < 1e-5
@@ -186,5 +195,5 @@ def test_phi3_saved_at_tp2_resumes_at_tp1(runs, models, data_dir: Path, tmp_path
 
 def test_sample_reads_a_phi3_tp2_checkpoint(runs, tmp_path: Path) -> None:
     """`meshrun sample` runs one process through the parts (FusedParts) with the whole head counts."""
-    sampled = run_meshrun(["sample", str(runs("phi3-tp2")), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path)
+    sampled = meshrun_in_process(["sample", runs("phi3-tp2"), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path)
     assert sampled.stdout.strip()

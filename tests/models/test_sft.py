@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from chat_data import CHATML, conversations, write_chat_tokenizer
-from conftest import final_weights, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import final_weights, max_weight_diff, meshrun_in_process, read_metrics, run_meshrun, tiny, train_job
 from hf_models import load_reference, make_model
 from plain_reference import config_from_set_args
 from test_hf import interrupted
@@ -72,7 +72,7 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "template.jinja").write_text(TEMPLATE)
     args = ["prepare-data", "--chat", "--source", source, "--tokenizer", model, "--max-len", SEQ_LEN]
     args += ["--chat-template", root / "template.jinja"]
-    run_meshrun([*map(str, args), "--out", str(root / "data")], tmp_path=root)
+    meshrun_in_process([*args, "--out", root / "data"], tmp_path=root)
     return root
 
 
@@ -88,10 +88,7 @@ def runs(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable
     def get(layout: str) -> Path:
         if layout not in done:
             run = root / layout
-            run_meshrun(
-                ["train", *sft_args(chat_model, run, **{**LAYOUTS, **LOW_PRECISION, **LORA_RUNS}[layout])],
-                tmp_path=root,
-            )
+            train_job(sft_args(chat_model, run, **{**LAYOUTS, **LOW_PRECISION, **LORA_RUNS}[layout]), tmp_path=root)
             done[layout] = run
         return done[layout]
 
@@ -250,7 +247,7 @@ def test_plan_states_the_rows_and_what_they_train(packing: bool, chat_model: Pat
     trained_per_step = BASE["train.global_batch"] * meta["trained_tokens"] / len(rows)
     attention = round((sum(int((r**2).sum()) for r in rows) + sum(p * p for p in pads)) / positions)
     args = [*sft_args(chat_model, tmp_path / "run", **{"data.packing": packing}), "--gpus=1", "--gpu=h100", "--top=1"]
-    out = run_meshrun(["plan", *args], tmp_path=tmp_path, timeout=180).stdout
+    out = meshrun_in_process(["plan", *args], tmp_path=tmp_path).stdout
     arranged = "packed whole (best-fit decreasing)" if packing else "one document a row, padded"
     assert f"rows of model.seq_len {SEQ_LEN}, {arranged}" in out
     stated = re.search(r"~(\d+) trained tokens \(([\d.]+)% of positions\), padding ([\d.]+)%", out)
@@ -267,7 +264,7 @@ def test_plan_of_a_packed_run_prices_its_rows(runs, tmp_path: Path) -> None:
     import shutil
 
     def plan_run(run: Path) -> str:
-        return run_meshrun(["plan", "--run", str(run), "--gpu", "h100"], tmp_path=tmp_path).stdout
+        return meshrun_in_process(["plan", "--run", run, "--gpu", "h100"], tmp_path=tmp_path).stdout
 
     assert re.search(rf"attention priced at length \d+ of {SEQ_LEN}", plan_run(runs("one-process")))
     elsewhere = shutil.copytree(runs("one-process"), tmp_path / "moved")
@@ -307,10 +304,10 @@ def test_sample_chat_answers_as_transformers_generate_on_the_export(runs, tmp_pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run, message = runs("one-process"), "What is 7 plus 1? Answer briefly."
-    sampled = run_meshrun(
-        ["sample", str(run), "--chat", message, "--temperature", "0", "--tokens", "24"], tmp_path=tmp_path
+    sampled = meshrun_in_process(
+        ["sample", run, "--chat", message, "--temperature", "0", "--tokens", "24"], tmp_path=tmp_path
     )
-    run_meshrun(["export", str(run), "--hf", str(tmp_path / "hf")], tmp_path=tmp_path)
+    meshrun_in_process(["export", run, "--hf", tmp_path / "hf"], tmp_path=tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     ids = tokenizer.apply_chat_template(

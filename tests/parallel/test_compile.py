@@ -1,6 +1,7 @@
 """train.compile: each block compiled with torch.compile trains the same numbers as eager, in one
-process, under dp2 x pp2 1F1B, FSDP, pp2 ZBV (the backward in two passes), pp2 zero-bubble (two
-stages a rank, the backward split), tp2 with sequence parallel; the encoder-decoder under
+process, under dp2 x pp2 1F1B, FSDP, pp2 ZBV (two stages a rank, the backward in two passes: the
+one path compile.py takes for every split-backward schedule, zero-bubble's too, whose order of
+stage calls test_pipeline.py proves eager), tp2 with sequence parallel; the encoder-decoder under
 pp2 GPipe; fp16 with the GradScaler (an overflowing step skipped); a block that cannot compile runs
 eager after one warning (auto) or stops the run in one line (true).
 
@@ -23,7 +24,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, grad_norms, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    grad_norms,
+    max_weight_diff,
+    meshrun_env,
+    meshrun_in_process,
+    read_metrics,
+    run_meshrun,
+    tiny,
+)
 from encdec_reference import assert_step_one_matches, torch_first_step
 from plain_reference import assert_grad_norms_match
 from test_checkpoint import interrupted_copy
@@ -41,9 +51,8 @@ ROWS = {
     "one-process-selective": {"recompute": "selective", "checkpoint.interval": 5},
     "dp2-pp2-1f1b-every2": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "every:2"},
     "fsdp-dp2-full": {"parallel.dp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
-    "pp2-zbv": {"parallel.pp": 2, "parallel.schedule": "zbv"},  # the backward split in two passes
+    "pp2-zbv": {"parallel.pp": 2, "parallel.schedule": "zbv"},  # the backward split in two passes, 2 stages a rank
     "tp2-sequence-parallel": {"parallel.tp": 2, "parallel.sequence_parallel": True},
-    "pp2-zero-bubble": {"parallel.pp": 2, "parallel.schedule": "zero-bubble"},  # split backward, 2 stages a rank
 }
 PLAIN = {k: v for k, v in BASE.items() if k != "train.compile"}
 
@@ -92,7 +101,8 @@ def test_compiled_layout_trains_the_plain_torch_numbers(
 def test_an_eager_run_resumes_a_compiled_checkpoint(rows, data_dir: Path, tmp_path: Path, plain_reference) -> None:
     """Compiling leaves parameter names alone: an eager rerun continues from step 5 of a compiled run."""
     run = interrupted_copy(rows("one-process-selective"), tmp_path / "run", at_step=5)
-    out = run_meshrun(["train", *tiny(data_dir, run, **{**ROWS["one-process-selective"], **PLAIN})], tmp_path=tmp_path)
+    args = ["train", *tiny(data_dir, run, **{**ROWS["one-process-selective"], **PLAIN})]
+    out = meshrun_in_process(args, tmp_path=tmp_path)  # eager, one process: meshrun trains it in this one
     assert "resumed from" in out.stderr and "train.compile" not in out.stderr
     assert max_weight_diff(final_weights(run), plain_reference(**PLAIN).weights) < 1e-5
 

@@ -13,7 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    grad_norms,
+    losses,
+    max_weight_diff,
+    meshrun_in_process,
+    read_metrics,
+    run_meshrun,
+    tiny,
+    train_job,
+)
 from plain_reference import assert_grad_norms_match
 from test_checkpoint import interrupted_copy
 
@@ -42,7 +52,7 @@ ROWS = {
 
 
 def train(data_dir: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data_dir, run, **{**BASE, **overrides})], tmp_path=run.parent, timeout=420)
+    train_job(tiny(data_dir, run, **{**BASE, **overrides}), tmp_path=run.parent, timeout=420)
     return run
 
 
@@ -130,6 +140,6 @@ def test_hsdp_needs_a_shard_size_that_divides_dp(data_dir: Path, tmp_path: Path)
         "train",
         *tiny(data_dir, tmp_path / "run", **{"parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 3}),
     ]
-    result = run_meshrun(args, tmp_path=tmp_path, check=False)
+    result = meshrun_in_process(args, tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and "parallel.dp_shard" in result.stderr and len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "run").exists()

@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, grad_norms, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    grad_norms,
+    losses,
+    max_weight_diff,
+    meshrun_env,
+    read_metrics,
+    run_meshrun,
+    tiny,
+    train_job,
+)
 from plain_reference import assert_grad_norms_match
 
 HERE = Path(__file__).parent
@@ -24,7 +34,7 @@ BASE = {"model.num_layers": 8, "train.global_batch": 16, "train.steps": 4, "trai
 
 
 def train(data_dir: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data_dir, run, **{**BASE, **overrides})], tmp_path=run.parent)
+    train_job(tiny(data_dir, run, **{**BASE, **overrides}), tmp_path=run.parent)
     return run
 
 

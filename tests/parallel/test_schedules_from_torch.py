@@ -16,8 +16,8 @@ from conftest import (
     losses,
     max_weight_diff,
     read_metrics,
-    run_meshrun,
     tiny,
+    train_job,
 )
 from plain_reference import assert_grad_norms_match
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
@@ -108,7 +108,7 @@ def references(data_dir: Path, tmp_path_factory: pytest.TempPathFactory, plain_r
         if global_batch not in runs:
             settings = {**BASE, "train.global_batch": global_batch}
             run = tmp_path_factory.mktemp("ref") / "run"
-            run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=run.parent)
+            train_job(tiny(data_dir, run, **settings), tmp_path=run.parent)
             runs[global_batch] = final_weights(run), losses(run), plain_reference(**settings).grad_norms
         return runs[global_batch]
 
@@ -126,7 +126,7 @@ def test_schedule_matches_one_process(
     weights, reference_losses, plain_norms = references(global_batch)
     run = tmp_path / "run"
     settings = {**BASE, "train.global_batch": global_batch, "parallel.pp": 2, "parallel.schedule": schedule}
-    run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=tmp_path)
+    train_job(tiny(data_dir, run, **settings), tmp_path=tmp_path)
     norms = [row["grad_norm"] for row in read_metrics(run) if "grad_norm" in row]
     assert min(norms) > 0.5, "clipping must be active for the test to mean anything"
     assert_grad_norms_match(norms, plain_norms)

@@ -18,7 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import final_weights, grad_norms, losses, max_weight_diff, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    grad_norms,
+    losses,
+    max_weight_diff,
+    meshrun_env,
+    meshrun_in_process,
+    read_metrics,
+    run_meshrun,
+    tiny,
+    train_job,
+)
 from plain_reference import Reference, assert_grad_norms_match, config_from_set_args
 from split_sum_gpt import SplitSumLinear
 from test_checkpoint import interrupted_copy
@@ -74,14 +85,14 @@ ROWS = {
 }
 
 
-def launch(data_dir: Path, run: Path, *, env: dict[str, str] | None = None, **overrides: object) -> str:
+def launch(data_dir: Path, run: Path, **overrides: object) -> str:
     """Train to the end; what the job printed on stderr."""
     args = ["train", *tiny(data_dir, run, **{**BASE, **overrides})]
-    return run_meshrun(args, tmp_path=run.parent, env=env, timeout=420).stderr
+    return run_meshrun(args, tmp_path=run.parent, timeout=420).stderr
 
 
-def train(data_dir: Path, run: Path, *, env: dict[str, str] | None = None, **overrides: object) -> Path:
-    launch(data_dir, run, env=env, **overrides)
+def train(data_dir: Path, run: Path, **overrides: object) -> Path:
+    train_job(tiny(data_dir, run, **{**BASE, **overrides}), tmp_path=run.parent, timeout=420)
     return run
 
 
@@ -94,9 +105,8 @@ def one_process(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="module")
 def split_sum_one_process(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One process whose row-parallel Linears sum two half matmuls, as tp2's all-reduce does (split_sum_gpt.py)."""
-    tmp = tmp_path_factory.mktemp("tp-split-sum")
-    env = meshrun_env(tmp, PYTHONPATH=str(Path(__file__).parent))
-    return train(data_dir, tmp / "run", env=env, **{"model.factory": "split_sum_gpt:build"})
+    tmp = tmp_path_factory.mktemp("tp-split-sum")  # split_sum_gpt.py is importable here, beside this file
+    return train(data_dir, tmp / "run", **{"model.factory": "split_sum_gpt:build"})
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +250,7 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(rows, data_dir: Path, tmp_path: 
 
 def test_sample_reads_a_tp2_checkpoint(rows, tmp_path: Path) -> None:
     """`meshrun sample` runs one process: it loads the vocabulary-split (uneven) shards whole."""
-    sampled = run_meshrun(["sample", str(rows("tp2-odd-vocab")), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path)
+    sampled = meshrun_in_process(["sample", rows("tp2-odd-vocab"), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path)
     assert sampled.stdout.strip()
 
 
@@ -312,6 +322,6 @@ def test_records_name_tp(rows, tmp_path: Path) -> None:
     for row, text in runs.items():
         (tmp_path / row).symlink_to(rows(row))
         assert json.loads((rows(row) / "summary.json").read_text())["layout"] == text
-    report = run_meshrun(["report", *runs, "--out", "r.png"], tmp_path=tmp_path, timeout=120).stdout
+    report = meshrun_in_process(["report", *runs, "--out", "r.png"], tmp_path=tmp_path).stdout
     for row, text in runs.items():
         assert f"| {row} " in report and f"| {text} " in report, report

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import REPO, meshrun_env, read_metrics, run_meshrun, tiny, train_job
 
 from meshrun import cli
 from meshrun.config.schema import load_config
@@ -142,7 +142,7 @@ def test_calibrate_then_compare_a_finished_run(tmp_path: Path, data_dir: Path) -
     assert record["step_s"] >= min(p["optimizer_s"] for p in record["probes"]) > 0  # a measured floor
     assert record["runtime_bytes"] > 100 * 2**20  # a worker's resident torch
     run_dir = tmp_path / "run"
-    run_meshrun(["train", *tiny(data_dir, run_dir)], tmp_path=tmp_path)
+    train_job(tiny(data_dir, run_dir), tmp_path=tmp_path)
     measured = [row["step_time_s"] for row in read_metrics(run_dir) if "step_time_s" in row][1:]
     done = run_meshrun(["plan", "--run", str(run_dir), f"--calibration={calibration}"], tmp_path=tmp_path)
     assert "compile: off (train.compile auto on cpu), eager" in done.stdout

@@ -16,7 +16,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    grad_norms,
+    losses,
+    max_weight_diff,
+    meshrun_in_process,
+    read_metrics,
+    tiny,
+    train_job,
+)
 from plain_reference import config_from_set_args, plain_blocks
 
 from meshrun import cli
@@ -64,7 +73,7 @@ def labelled_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def train(data: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data, run, **{**CLASSIFY, **overrides})], tmp_path=run.parent)
+    train_job(tiny(data, run, **{**CLASSIFY, **overrides}), tmp_path=run.parent)
     return run
 
 
@@ -131,7 +140,7 @@ def test_tp2_pp2_step_one_equals_one_process(labelled_dir: Path, one_process: Pa
 
 def test_plan_prices_the_classifier_and_compares_its_run(one_process: Path, tmp_path: Path) -> None:
     """`meshrun plan --run`: the finished run's task and layout against the plan's prediction."""
-    done = run_meshrun(["plan", "--run", str(one_process), "--gpu", "h100"], tmp_path=tmp_path)
+    done = meshrun_in_process(["plan", "--run", one_process, "--gpu", "h100"], tmp_path=tmp_path)
     assert "task classification (vocab 256, 3 labels; head and loss priced on its output, 3 per sample" in done.stdout
     assert any(line.startswith("memory GB, pp rank 0") for line in done.stdout.splitlines())
 

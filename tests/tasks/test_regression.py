@@ -15,7 +15,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    grad_norms,
+    losses,
+    max_weight_diff,
+    meshrun_in_process,
+    read_metrics,
+    run_meshrun,
+    tiny,
+    train_job,
+)
 from plain_reference import config_from_set_args, plain_blocks
 
 from meshrun import cli
@@ -53,7 +63,7 @@ def series_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def train(data: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data, run, **{**REGRESS, **overrides})], tmp_path=run.parent)
+    train_job(tiny(data, run, **{**REGRESS, **overrides}), tmp_path=run.parent)
     return run
 
 
@@ -121,7 +131,7 @@ def test_tp2_sequence_parallel_step_one_equals_one_process(series_dir: Path, one
 
 def test_plan_prices_the_forecaster_and_compares_its_run(one_process: Path, tmp_path: Path) -> None:
     """`meshrun plan --run`: the finished run's task and layout against the plan's prediction."""
-    done = run_meshrun(["plan", "--run", str(one_process), "--gpu", "h100"], tmp_path=tmp_path)
+    done = meshrun_in_process(["plan", "--run", one_process, "--gpu", "h100"], tmp_path=tmp_path)
     assert (
         "task regression (2 features per step, forecasts 3 steps; head and loss priced on its output, 3 x 2"
         in done.stdout

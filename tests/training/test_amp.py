@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import losses, meshrun_env, read_metrics, run_meshrun, tiny
+from conftest import losses, meshrun_env, read_metrics, run_meshrun, tiny, train_job
 
 FAULTY = str(Path(__file__).parents[1] / "parallel")  # faulty_gpt.py, dtype_probe_gpt.py
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -16,7 +16,7 @@ STEPS = {"train.steps": 6}
 @pytest.fixture(scope="module")
 def fp32(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     tmp = tmp_path_factory.mktemp("fp32")
-    run_meshrun(["train", *tiny(data_dir, tmp / "run", **STEPS)], tmp_path=tmp)
+    train_job(tiny(data_dir, tmp / "run", **STEPS), tmp_path=tmp)
     return losses(tmp / "run")
 
 

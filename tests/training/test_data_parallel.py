@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import final_weights, grad_norms, losses, max_weight_diff, run_meshrun, tiny
+from conftest import final_weights, grad_norms, losses, max_weight_diff, run_meshrun, tiny, train_job
 from plain_reference import assert_grad_norms_match
 
 # lr high enough and clip low enough that clipping is active on every step.
@@ -17,7 +17,7 @@ STEPS = dict(**{"train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5})
 def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One process on the same global batch of 8 (4 micro-steps of 2; the dp run does 2 per rank)."""
     tmp = tmp_path_factory.mktemp("ref")
-    run_meshrun(["train", *tiny(data_dir, tmp / "run", **STEPS)], tmp_path=tmp)
+    train_job(tiny(data_dir, tmp / "run", **STEPS), tmp_path=tmp)
     return tmp / "run"
 
 

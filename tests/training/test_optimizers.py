@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import final_weights, grad_norms, max_weight_diff, run_meshrun, tiny
+from conftest import final_weights, grad_norms, max_weight_diff, tiny, train_job
 from plain_reference import assert_grad_norms_match, plain_optimizer
 from test_checkpoint import interrupted_copy
 
@@ -179,7 +179,7 @@ FSDP_DP2_PP2 = {"parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"} 
 def rmsprop_run(data_dir, tmp_path_factory: pytest.TempPathFactory):
     """RMSprop with momentum at FSDP dp2 x pp2, 10 clipped steps, a checkpoint every 5."""
     run = tmp_path_factory.mktemp("rmsprop") / "run"
-    run_meshrun(["train", *tiny(data_dir, run, **LAYOUT_RUN, **FSDP_DP2_PP2)], tmp_path=run.parent)
+    train_job(tiny(data_dir, run, **LAYOUT_RUN, **FSDP_DP2_PP2), tmp_path=run.parent)
     return run
 
 
@@ -197,13 +197,13 @@ def test_sgd_nesterov_at_dp2_x_pp2_trains_and_resumes_as_one_plain_torch_process
     optimizer = {"train.optimizer": "sgd", "train.momentum": 0.9, "train.nesterov": True, "train.lr": 0.05}
     overrides = {"train.steps": 10, **optimizer}
     layout = {"parallel.dp": 2, "parallel.pp": 2, "checkpoint.interval": 5}
-    run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **overrides, **layout)], tmp_path=tmp_path)
+    train_job(tiny(data_dir, tmp_path / "run", **overrides, **layout), tmp_path=tmp_path)
     plain = plain_reference(**overrides)
     assert_grad_norms_match(grad_norms(tmp_path / "run"), plain.grad_norms)
     assert max_weight_diff(final_weights(tmp_path / "run"), plain.weights) < 1e-5
 
     resumed = interrupted_copy(tmp_path / "run", tmp_path / "resumed", at_step=5)
-    result = run_meshrun(["train", *tiny(data_dir, resumed, **overrides)], tmp_path=tmp_path)
+    result = train_job(tiny(data_dir, resumed, **overrides), tmp_path=tmp_path)
     assert "resumed from" in result.stderr
     assert max_weight_diff(final_weights(resumed), final_weights(tmp_path / "run")) < 1e-5
 
@@ -212,7 +212,7 @@ def test_optimizer_state_resumes_resharded(rmsprop_run, data_dir, tmp_path) -> N
     """RMSprop's squared averages and momentum written at fsdp dp2 x pp2, resumed at dp1 x pp1: the
     run continues as the uninterrupted one."""
     run = interrupted_copy(rmsprop_run, tmp_path / "resumed", at_step=5)
-    result = run_meshrun(["train", *tiny(data_dir, run, **LAYOUT_RUN)], tmp_path=tmp_path)
+    result = train_job(tiny(data_dir, run, **LAYOUT_RUN), tmp_path=tmp_path)
     assert "resumed from" in result.stderr
     assert max_weight_diff(final_weights(run), final_weights(rmsprop_run)) < 1e-5
     assert json.loads((run / "config.json").read_text())["train"]["optimizer"] == "rmsprop"

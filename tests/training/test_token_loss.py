@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_meshrun, tiny
+from conftest import tiny, train_job
 from encdec_reference import (
     assert_same_training,
     assert_step_one_matches,
@@ -57,7 +57,7 @@ def pairs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def train(pairs_dir: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(pairs_dir, run, **{**DECODER, **overrides})], tmp_path=run.parent)
+    train_job(tiny(pairs_dir, run, **{**DECODER, **overrides}), tmp_path=run.parent)
     return run
 
 
