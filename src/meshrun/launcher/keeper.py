@@ -1,0 +1,70 @@
+"""One worker kept alive: the process torchrun's agent (or srun, or a pod) starts for a rank runs the
+training worker as its child and, when that child is killed, starts a replacement in its place,
+while the other ranks' workers live on (issue 46, peer recovery).
+
+Why here and not in torchrun's agent: the agent treats any worker's end as the whole group's
+(`LocalElasticAgent` stops every local worker and restarts them all, and with one agent per rank a
+rejoining agent makes every other agent restart its workers too); it has no way to replace one
+worker. A keeper stays alive through its child's death, so the agent sees nothing, and the
+survivors rebuild their process group with the replacement (meshrun.parallel.regroup), each worker
+told its group's generation in GENERATION_ENV. Torch-free: it costs one small process per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from meshrun.files.console import say
+from meshrun.launcher.outcome import STOP_SIGNALS, status_text
+
+GENERATION_ENV = "MESHRUN_GENERATION"  # which generation of the process group a worker joins (0: the first)
+RELAYED = (*STOP_SIGNALS, signal.SIGINT)  # what the agent sends a worker reaches the training worker
+
+
+def keep(argv: Sequence[str], *, env: Mapping[str, str], replacements: int) -> int:
+    """Run `argv` as this rank's worker; each time it is killed by a signal (a crash, the OOM killer,
+    `kill -9`), start it again with the next generation, at most `replacements` times. A worker that
+    exits by itself (done, stopped, or failed in its own words) ends the keeper with its status;
+    the last one's death too, as the shell would say it (128 + the signal)."""
+    rank = env.get("RANK", "?")
+    for number in range(replacements + 1):
+        code = run_relaying(argv, env={**env, GENERATION_ENV: str(number)})
+        if code >= 0:
+            return code
+        if number < replacements:
+            say(
+                f"rank {rank} was {status_text(code)}; starting its replacement "
+                f"({number + 1} of {replacements}), which takes its state from a replica"
+            )
+    say(f"rank {rank} was {status_text(code)}; no replacement left ({replacements} used)")
+    return 128 - code
+
+
+def run_relaying(argv: Sequence[str], *, env: Mapping[str, str]) -> int:
+    """Run `argv` to its end with the stop signals and Ctrl-C this process gets passed on to it (it
+    checkpoints and stops, as when the agent signals it directly). Returns its status (-N: signal N)."""
+    child = subprocess.Popen(list(argv), env=dict(env))
+    previous = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum)) for sig in RELAYED}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meshrun.launcher.keeper", description=__doc__)
+    parser.add_argument("--replacements", type=int, required=True, help="replacements at most for this rank")
+    parser.add_argument("worker", nargs=argparse.REMAINDER, help="the worker's command line, after --")
+    parsed = parser.parse_args(args)
+    worker = parsed.worker[1:] if parsed.worker[:1] == ["--"] else parsed.worker
+    return keep(worker, env=os.environ, replacements=parsed.replacements)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Peer recovery's foundation (issue 46): a rank SIGKILLed mid-step under its keeper is replaced
+while its peer lives on; the peer rebuilds the process group with the replacement and hands it its
+state; the run ends bit-identical to an uninterrupted one with every step trained once, and the
+console says one line. Real processes: the keepers, their workers, a TCPStore, gloo."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshrun.launcher.keeper import keep
+from tests.conftest import meshrun_env
+from tests.parallel.peer_worker import STEPS
+
+WORKER = Path(__file__).with_name("peer_worker.py")
+ROOT = Path(__file__).parents[2]
+
+
+def run_job(out: Path, tmp_path: Path, **env: str) -> list[subprocess.CompletedProcess]:
+    """Two ranks, each a keeper allowed one replacement, over a store this process hosts (the job's
+    store must outlive any worker)."""
+    out.mkdir()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    base = meshrun_env(tmp_path, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), **env)
+    keeper = [sys.executable, "-P", "-m", "meshrun.launcher.keeper", "--replacements", "1", "--"]
+    procs = [
+        subprocess.Popen(
+            [*keeper, sys.executable, "-P", str(WORKER), str(out)],
+            env={**base, "RANK": str(rank), "WORLD_SIZE": "2"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, list]]]:
+    tmp = tmp_path_factory.mktemp("regroup")
+    uninterrupted = run_job(tmp / "uninterrupted", tmp)
+    recovered = run_job(tmp / "recovered", tmp, MESHRUN_TEST_KILL="1:3")
+    yield {"uninterrupted": (tmp / "uninterrupted", uninterrupted), "recovered": (tmp / "recovered", recovered)}
+
+
+def rows(out: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"steps-{rank}.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_rank_is_replaced_from_its_peer_bit_identically(runs) -> None:
+    (plain, plain_ends), (out, ends) = runs["uninterrupted"], runs["recovered"]
+    assert [end.returncode for end in [*plain_ends, *ends]] == [0, 0, 0, 0], [end.stderr[-3000:] for end in ends]
+    for rank in range(2):
+        final, reference = (torch.load(o / f"final-{rank}.pt", weights_only=True) for o in (out, plain))
+        assert all(torch.equal(final[name], reference[name]) for name in reference), rank
+        trained = [row["step"] for row in rows(out, rank) if "step" in row]
+        assert trained == list(range(STEPS)), rank  # every step once, the replaced rank's too: none retrained
+        assert [row["loss"] for row in rows(out, rank) if "loss" in row] == [
+            row["loss"] for row in rows(plain, rank)
+        ], rank
+        recoveries = [row for row in rows(out, rank) if "recovered" in row]
+        assert [(row["recovered"], row["source"]) for row in recoveries] == [(3, 0)], rank  # the in-flight step
+
+
+def test_a_recovered_failure_is_one_line(runs) -> None:
+    survivor, replaced = runs["recovered"][1]
+    assert survivor.stderr == "", survivor.stderr  # no traceback of the broken all-reduce
+    said = replaced.stderr.splitlines()
+    assert said == [
+        "[meshrun] rank 1 was killed by SIGKILL; starting its replacement (1 of 1), which takes its state from a replica"
+    ], replaced.stderr
+
+
+def test_keeper_passes_on_a_worker_end_and_counts_replacements(capfd) -> None:
+    """Torch-free: a worker's own exit status ends the keeper; a killed one is replaced at most as
+    often as allowed, each start told its generation, then the death is the keeper's status."""
+    die = "import os, signal; print(os.environ['MESHRUN_GENERATION'], flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    assert keep([sys.executable, "-c", die], env={"RANK": "3"}, replacements=1) == 128 + signal.SIGKILL
+    out, err = capfd.readouterr()
+    assert out.split() == ["0", "1"]
+    assert err.splitlines()[-1] == "[meshrun] rank 3 was killed by SIGKILL; no replacement left (1 used)"
+    assert keep([sys.executable, "-c", "raise SystemExit(3)"], env={}, replacements=2) == 3
