@@ -6,6 +6,7 @@ console says one line. Real processes: the keepers, their workers, a TCPStore, g
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -96,3 +97,32 @@ def test_keeper_passes_on_a_worker_end_and_counts_replacements(capfd) -> None:
     assert out.split() == ["0", "1"]
     assert err.splitlines()[-1] == "[meshrun] rank 3 was killed by SIGKILL; no replacement left (1 used)"
     assert keep([sys.executable, "-c", "raise SystemExit(3)"], env={}, replacements=2) == 3
+
+
+def test_keeper_is_its_workers_parent_for_their_lifetime(tmp_path: Path) -> None:
+    """The worker follows its keeper, not the agent above it (meshrun.launcher.lifetime): killed
+    with the keeper, never left training alone."""
+    show = "import os; print(os.environ['MESHRUN_PARENT_PID'], os.getppid())"
+    env = meshrun_env(tmp_path, MESHRUN_PARENT_PID=str(os.getpid()))
+    keeper = [sys.executable, "-P", "-m", "meshrun.launcher.keeper", "--replacements", "0", "--"]
+    said = subprocess.run(
+        [*keeper, sys.executable, "-c", show], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    parent, actual = said.stdout.split()
+    assert parent == actual != str(os.getpid()), said.stderr
+
+
+def test_keeper_passes_a_stop_request_on(tmp_path: Path) -> None:
+    """SIGTERM to the keeper (the agent's stop) reaches the worker, which stops in its own way; its
+    status is the keeper's, and no replacement starts."""
+    stops = (
+        "import signal, sys, threading; signal.signal(signal.SIGTERM, lambda *a: sys.exit(print('stopped', flush=True)));"
+        " print('ready', flush=True); threading.Event().wait(30); sys.exit(9)"
+    )
+    keeper = [sys.executable, "-P", "-m", "meshrun.launcher.keeper", "--replacements", "1", "--"]
+    proc = subprocess.Popen(
+        [*keeper, sys.executable, "-c", stops], env=meshrun_env(tmp_path), stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0 and proc.stdout.read() == "stopped\n"

@@ -8,6 +8,8 @@ rejoining agent makes every other agent restart its workers too); it has no way 
 worker. A keeper stays alive through its child's death, so the agent sees nothing, and the
 survivors rebuild their process group with the replacement (meshrun.parallel.regroup), each worker
 told its group's generation in GENERATION_ENV. Torch-free: it costs one small process per rank.
+It passes on the signals the agent sends (a stop request, Ctrl-C) and ends with the agent; its
+worker ends with it (meshrun.launcher.lifetime).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from meshrun.files.console import say
+from meshrun.launcher.lifetime import die_with_parent
 from meshrun.launcher.outcome import STOP_SIGNALS, status_text
 
 GENERATION_ENV = "MESHRUN_GENERATION"  # which generation of the process group a worker joins (0: the first)
@@ -62,6 +65,7 @@ def main(args: Sequence[str] | None = None) -> int:
     parser.add_argument("--replacements", type=int, required=True, help="replacements at most for this rank")
     parser.add_argument("worker", nargs=argparse.REMAINDER, help="the worker's command line, after --")
     parsed = parser.parse_args(args)
+    die_with_parent(signal.SIGTERM)  # the agent gone: the worker stops as on any stop request, then dies with this
     worker = parsed.worker[1:] if parsed.worker[:1] == ["--"] else parsed.worker
     return keep(worker, env=os.environ, replacements=parsed.replacements)
 
