@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from meshrun.launcher.keeper import GENERATION_ENV
 from meshrun.parallel import regroup
 
 STEPS = 6
@@ -52,11 +53,12 @@ def killed_here(rank: int, step: int) -> bool:
 
 def main(out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    number = regroup.generation()
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=TIMEOUT)
-    torch.manual_seed(number)  # a replacement's own initial weights differ: the copy must replace them
+    first = os.environ.get(GENERATION_ENV, "0") == "0"
+    torch.manual_seed(0 if first else 1)  # a replacement's own initial weights differ: the copy must replace them
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    number = regroup.generation()  # a spare waits here, built, for its turn
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=TIMEOUT)
     step = torch.zeros((), dtype=torch.int64)
     log = (out / f"steps-{rank}.jsonl").open("a")
     if number == 0:

@@ -26,13 +26,13 @@ WORKER = Path(__file__).with_name("peer_worker.py")
 ROOT = Path(__file__).parents[2]
 
 
-def run_job(out: Path, tmp_path: Path, **env: str) -> list[subprocess.CompletedProcess]:
-    """Two ranks, each a keeper allowed one replacement, over a store this process hosts (the job's
-    store must outlive any worker)."""
+def run_job(out: Path, tmp_path: Path, *, spare: bool = False, **env: str) -> list[subprocess.CompletedProcess]:
+    """Two ranks, each a keeper allowed one replacement (`spare`: started ahead), over a store this
+    process hosts (the job's store must outlive any worker)."""
     out.mkdir()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     base = meshrun_env(tmp_path, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), **env)
-    keeper = [sys.executable, "-P", "-m", "meshrun.launcher.keeper", "--replacements", "1", "--"]
+    keeper = [sys.executable, "-P", "-m", "meshrun.launcher.keeper", "--replacements", "1", *["--spare"] * spare, "--"]
     procs = [
         subprocess.Popen(
             [*keeper, sys.executable, "-P", str(WORKER), str(out)],
@@ -56,16 +56,19 @@ def run_job(out: Path, tmp_path: Path, **env: str) -> list[subprocess.CompletedP
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, list]]]:
     tmp = tmp_path_factory.mktemp("regroup")
     uninterrupted = run_job(tmp / "uninterrupted", tmp)
-    recovered = run_job(tmp / "recovered", tmp, MESHRUN_TEST_KILL="1:3")
-    yield {"uninterrupted": (tmp / "uninterrupted", uninterrupted), "recovered": (tmp / "recovered", recovered)}
+    runs = {"uninterrupted": (tmp / "uninterrupted", uninterrupted)}
+    for name, spare in (("replaced", False), ("spare", True)):
+        runs[name] = (tmp / name, run_job(tmp / name, tmp, spare=spare, MESHRUN_TEST_KILL="1:3"))
+    yield runs
 
 
 def rows(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"steps-{rank}.jsonl").read_text().splitlines()]
 
 
-def test_a_killed_rank_is_replaced_from_its_peer_bit_identically(runs) -> None:
-    (plain, plain_ends), (out, ends) = runs["uninterrupted"], runs["recovered"]
+@pytest.mark.parametrize("replacement", ["replaced", "spare"])
+def test_a_killed_rank_is_replaced_from_its_peer_bit_identically(runs, replacement: str) -> None:
+    (plain, plain_ends), (out, ends) = runs["uninterrupted"], runs[replacement]
     assert [end.returncode for end in [*plain_ends, *ends]] == [0, 0, 0, 0], [end.stderr[-3000:] for end in ends]
     for rank in range(2):
         final, reference = (torch.load(o / f"final-{rank}.pt", weights_only=True) for o in (out, plain))
@@ -79,24 +82,39 @@ def test_a_killed_rank_is_replaced_from_its_peer_bit_identically(runs) -> None:
         assert [(row["recovered"], row["source"]) for row in recoveries] == [(3, 0)], rank  # the in-flight step
 
 
-def test_a_recovered_failure_is_one_line(runs) -> None:
-    survivor, replaced = runs["recovered"][1]
+@pytest.mark.parametrize(
+    ("replacement", "how"), [("replaced", "starting its replacement"), ("spare", "its spare takes over")]
+)
+def test_a_recovered_failure_is_one_line(runs, replacement: str, how: str) -> None:
+    survivor, replaced = runs[replacement][1]
     assert survivor.stderr == "", survivor.stderr  # no traceback of the broken all-reduce
     said = replaced.stderr.splitlines()
-    assert said == [
-        "[meshrun] rank 1 was killed by SIGKILL; starting its replacement (1 of 1), which takes its state from a replica"
-    ], replaced.stderr
+    assert said == [f"[meshrun] rank 1 was killed by SIGKILL; {how} (1 of 1), which takes its state from a replica"], (
+        replaced.stderr
+    )
 
 
-def test_keeper_passes_on_a_worker_end_and_counts_replacements(capfd) -> None:
+DIES = (
+    "import os, signal, sys; number = os.environ['MESHRUN_GENERATION'];"
+    " number = 'spare:' + sys.stdin.readline().strip() if number == 'spare' else number;"
+    " print(number, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+)
+
+
+@pytest.mark.parametrize(("spare", "generations"), [(False, ["0", "1"]), (True, ["0", "spare:1"])])
+def test_keeper_passes_on_a_worker_end_and_counts_replacements(capfd, spare: bool, generations: list[str]) -> None:
     """Torch-free: a worker's own exit status ends the keeper; a killed one is replaced at most as
-    often as allowed, each start told its generation, then the death is the keeper's status."""
-    die = "import os, signal; print(os.environ['MESHRUN_GENERATION'], flush=True); os.kill(os.getpid(), signal.SIGKILL)"
-    assert keep([sys.executable, "-c", die], env={"RANK": "3"}, replacements=1) == 128 + signal.SIGKILL
+    often as allowed, each start told its generation (a spare: on its stdin when its turn comes),
+    then the death is the keeper's status; a spare not needed is ended with the keeper."""
+    assert keep([sys.executable, "-c", DIES], env={"RANK": "3"}, replacements=1, spare=spare) == 128 + signal.SIGKILL
     out, err = capfd.readouterr()
-    assert out.split() == ["0", "1"]
+    assert out.split() == generations
     assert err.splitlines()[-1] == "[meshrun] rank 3 was killed by SIGKILL; no replacement left (1 used)"
-    assert keep([sys.executable, "-c", "raise SystemExit(3)"], env={}, replacements=2) == 3
+    waits = (
+        "import sys, time; sys.stdin.readline() if sys.argv[1:] else None; time.sleep(0.2); print('done', flush=True)"
+    )
+    assert keep([sys.executable, "-c", waits], env={}, replacements=2, spare=spare) == 0
+    assert capfd.readouterr().out == "done\n"  # the spare never printed: ended, its turn never came
 
 
 def test_keeper_is_its_workers_parent_for_their_lifetime(tmp_path: Path) -> None:

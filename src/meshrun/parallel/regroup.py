@@ -14,6 +14,7 @@ need `distributed_c10d._abort_process_group` (or `ProcessGroup.abort()`), which 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -21,12 +22,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshrun.launcher.keeper import GENERATION_ENV
+from meshrun.launcher.keeper import GENERATION_ENV, SPARE
 
 
 def generation() -> int:
-    """The generation this process joins: 0 for the job's first workers, n after n replacements."""
-    return int(os.environ.get(GENERATION_ENV, "0"))
+    """The generation this process joins: 0 for the job's first workers, n after n replacements. A
+    spare (launcher/keeper.py started it ahead) waits here, its imports done, until its keeper hands
+    it the generation it replaces into; its keeper ended first: it ends too, quietly."""
+    said = os.environ.get(GENERATION_ENV, "0")
+    if said == SPARE:
+        said = sys.stdin.readline().strip()
+        if not said:
+            raise SystemExit(0)
+        os.environ[GENERATION_ENV] = said
+    return int(said)
 
 
 def generation_store(store: dist.Store, number: int) -> dist.Store:
