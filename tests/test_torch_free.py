@@ -22,6 +22,7 @@ TORCH_FREE = (
     "meshrun.data.series",
     "meshrun.data.masking",
     "meshrun.versions",
+    "meshrun.launcher.keeper",  # a process per rank beside its worker: no torch's seconds and memory in it
 )
 
 

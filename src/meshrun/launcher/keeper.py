@@ -1,0 +1,98 @@
+"""One worker kept alive: the process torchrun's agent (or srun, or a pod) starts for a rank runs the
+training worker as its child and, when that child is killed, starts a replacement in its place,
+while the other ranks' workers live on (issue 46, peer recovery).
+
+Why here and not in torchrun's agent: the agent treats any worker's end as the whole group's
+(`LocalElasticAgent` stops every local worker and restarts them all, and with one agent per rank a
+rejoining agent makes every other agent restart its workers too); it has no way to replace one
+worker. A keeper stays alive through its child's death, so the agent sees nothing, and the
+survivors rebuild their process group with the replacement (meshrun.parallel.regroup), each worker
+told its group's generation in GENERATION_ENV. Torch-free: it costs one small process per rank.
+It passes on the signals the agent sends (a stop request, Ctrl-C) and ends with the agent; its
+worker ends with it (meshrun.launcher.lifetime).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from meshrun.files.console import say
+from meshrun.launcher.lifetime import die_with_parent
+from meshrun.launcher.outcome import STOP_SIGNALS, status_text
+
+GENERATION_ENV = "MESHRUN_GENERATION"  # which generation of the process group a worker joins (0: the first)
+SPARE = "spare"  # GENERATION_ENV of a worker started ahead: it waits for the generation it replaces into
+RELAYED = (*STOP_SIGNALS, signal.SIGINT)  # what the agent sends a worker reaches the training worker
+
+
+def keep(argv: Sequence[str], *, env: Mapping[str, str], replacements: int, spare: bool = False) -> int:
+    """Run `argv` as this rank's worker; each time it is killed by a signal (a crash, the OOM killer,
+    `kill -9`), start it again with the next generation, at most `replacements` times. `spare`: keep
+    the next replacement started ahead, waiting (meshrun.parallel.regroup.generation), so that a
+    replacement costs no process start. A worker that exits by itself (done, stopped, or failed in
+    its own words) ends the keeper with its status; the last one's death too, as the shell would
+    say it (128 + the signal)."""
+    rank = env.get("RANK", "?")
+    standby = start(argv, env=env, number=None) if spare and replacements else None
+    worker, number = start(argv, env=env, number=0), 0
+    while (code := wait_relaying(worker)) < 0 and number < replacements:
+        number += 1
+        how = "its spare takes over" if standby is not None else "starting its replacement"
+        say(
+            f"rank {rank} was {status_text(code)}; {how} ({number} of {replacements}), which takes its state from a replica"
+        )
+        worker = promote(standby, number) if standby is not None else start(argv, env=env, number=number)
+        standby = start(argv, env=env, number=None) if spare and number < replacements else None
+    if standby is not None:  # not needed: it holds nothing yet
+        standby.kill()
+        standby.wait()
+    if code >= 0:
+        return code
+    say(f"rank {rank} was {status_text(code)}; no replacement left ({replacements} used)")
+    return 128 - code
+
+
+def start(argv: Sequence[str], *, env: Mapping[str, str], number: int | None) -> subprocess.Popen:
+    """The worker of generation `number`, or (None) a spare, which reads its generation from its stdin."""
+    if number is None:
+        return subprocess.Popen(list(argv), env={**env, GENERATION_ENV: SPARE}, stdin=subprocess.PIPE, text=True)
+    return subprocess.Popen(list(argv), env={**env, GENERATION_ENV: str(number)})
+
+
+def promote(standby: subprocess.Popen, number: int) -> subprocess.Popen:
+    """The waiting spare becomes the worker of generation `number`."""
+    assert standby.stdin is not None
+    standby.stdin.write(f"{number}\n")
+    standby.stdin.close()
+    return standby
+
+
+def wait_relaying(worker: subprocess.Popen) -> int:
+    """Wait for `worker`'s end with the stop signals and Ctrl-C this process gets passed on to it (it
+    checkpoints and stops, as when the agent signals it directly). Returns its status (-N: signal N)."""
+    previous = {sig: signal.signal(sig, lambda signum, frame: worker.send_signal(signum)) for sig in RELAYED}
+    try:
+        return worker.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meshrun.launcher.keeper", description=__doc__)
+    parser.add_argument("--replacements", type=int, required=True, help="replacements at most for this rank")
+    parser.add_argument("--spare", action="store_true", help="keep the next replacement started ahead, waiting")
+    parser.add_argument("worker", nargs=argparse.REMAINDER, help="the worker's command line, after --")
+    parsed = parser.parse_args(args)
+    die_with_parent(signal.SIGTERM)  # the agent gone: the worker stops as on any stop request, then dies with this
+    worker = parsed.worker[1:] if parsed.worker[:1] == ["--"] else parsed.worker
+    return keep(worker, env=os.environ, replacements=parsed.replacements, spare=parsed.spare)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
