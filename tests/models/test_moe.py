@@ -4,6 +4,7 @@ model (step-1 loss with transformers' auxiliary loss, pre-clip gradient norm).""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,30 @@ def test_export_hf_loads_in_transformers_with_equal_logits(family: str, tmp_path
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(load_reference(out)(input_ids=tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("model", "parallel", "message"),
+    [
+        ({"moe": {"num_experts": 4, "top_k": 5}}, {}, "model.moe.top_k (5) exceeds model.moe.num_experts (4)"),
+        ({"moe": {"aux_loss": "microbatch"}}, {"pp": 2}, "model.moe.aux_loss microbatch pools every MoE layer"),
+        ({"moe": {}}, {"tp": 2, "dp": 1}, "the built-in gpt's MoE experts have no tensor-parallel plan"),
+        ({"hf_config": {"model_type": "llama", **TINY}, "moe": {}}, {}, "has no MoE layers; remove model.moe"),
+        (
+            {"hf_config": {"model_type": "mixtral", **TINY, "num_local_experts": 2, "num_experts_per_tok": 3}},
+            {},
+            "num_experts_per_tok (3) exceeds its experts (2)",
+        ),
+    ],
+)
+def test_moe_settings_refused_in_one_line(model: dict, parallel: dict, message: str) -> None:
+    """Before any worker: the config (or the model it builds) names what to change."""
+    from meshrun.config.schema import validate
+    from meshrun.errors import ConfigError
+    from meshrun.models.families import build_model
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_model(validate({"model": {"seq_len": 16, **model}, "parallel": parallel}).model)
 
 
 def test_grouped_matmul_equals_a_loop_over_experts(monkeypatch: pytest.MonkeyPatch) -> None:
