@@ -260,3 +260,23 @@ def test_a_balance_loss_normalised_per_stage_differs(gpt_runs: dict[str, Path]) 
     one, broken = gpt_runs["one"], gpt_runs["broken-pp2"]
     assert losses(broken)[0] == pytest.approx(losses(one)[0], rel=1e-5)
     assert grad_norms(broken)[0] != pytest.approx(grad_norms(one)[0], rel=1e-5)
+
+
+def test_hf_moe_pp2_equals_one_process(data_dir: Path, tmp_path: Path) -> None:
+    """Qwen3-MoE (layers 0 and 2 sparse, 1 dense) split over two pipeline stages, each holding a
+    MoE layer, with the per-sequence balance loss: step-1 loss, gradient norm and routing, and the
+    weights after 4 steps, equal one process's (1e-5)."""
+    from conftest import final_weights, grad_norms, losses, max_weight_diff, run_meshrun, tiny
+
+    model_dir = make_moe("qwen3_moe", tmp_path / "model")
+    settings = {"model.hf": model_dir, "model.seq_len": 16, "train.steps": 4, "train.lr": 3e-3, "train.grad_clip": 0.5}
+    run_meshrun(["train", *tiny(data_dir, tmp_path / "pp2", **settings, **{"parallel.pp": 2})], tmp_path=tmp_path)
+    with in_process_trainer(data_dir, tmp_path / "one", **settings) as trainer:
+        trainer.train()
+        weights = {k: v.detach().clone() for k, v in trainer.model.parts[0].state_dict().items()}
+    one, split = tmp_path / "one", tmp_path / "pp2"
+    assert losses(split)[0] == pytest.approx(losses(one)[0], rel=1e-5)
+    assert grad_norms(split)[0] == pytest.approx(grad_norms(one)[0], rel=1e-5)
+    assert routing(split)[0] == pytest.approx(routing(one)[0], rel=1e-5)
+    assert routing(split)[0]["aux_loss"] > 0
+    assert max_weight_diff(final_weights(split), weights) < 1e-5
