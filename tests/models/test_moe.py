@@ -166,6 +166,28 @@ def test_experts_trace_on_fake_tensors_as_a_balanced_router() -> None:
     assert out.shape == (6, 32)
 
 
+def test_microbatch_balance_pools_only_its_own_forward() -> None:
+    """The microbatch form pools the layers of one forward: routing left over from a forward whose
+    backward never ran (a recompute's, re-run inside the backward) does not join the next one."""
+    from meshrun.config.model_sections import GPTSection
+    from meshrun.models.moe_balance import meters_of
+
+    cfg = GPTSection(
+        num_layers=2, dim=32, num_heads=2, seq_len=8, vocab_size=64, moe={"num_experts": 4, "aux_loss": "microbatch"}
+    )
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    recorded = []
+    for leftover in (False, True):
+        model = moe.MoEGPT(cfg)
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        if leftover:
+            model.blocks["1"].mlp(torch.randn(3, 8, 32))  # routed, never backwarded
+        model(tokens).sum().backward()
+        recorded.append(sum(float(m.aux_sum) for m in meters_of(model)))
+    assert recorded[0] == pytest.approx(recorded[1], rel=1e-6)
+
+
 def test_sequence_balance_does_not_depend_on_grouping() -> None:
     """The per-sequence loss summed over any split of a batch is the same; transformers' batch-level
     form over the same split is not (why `microbatch` depends on train.micro_batch)."""

@@ -183,6 +183,7 @@ class MoEGPT(GPT):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> object:
         """GPT's forward; the microbatch form's balance loss rides on what the blocks return (one stage)."""
+        self.balance.pending.clear()  # a recompute's routing, left by the last backward
         out = super().forward(x, positions)
         if self.balance.pending and isinstance(out, torch.Tensor):
             return self.balance.finish(out)
