@@ -38,7 +38,7 @@ def dry_run(data_dir: Path, tmp_path: Path, **model: object) -> list[str]:
         ({"model.hf": "meta-llama/Llama-3.2-1B"}, "meshrun downloads nothing"),
         (
             {"model.hf_config": "{model_type: t5, d_model: 32}"},
-            "model_type 't5' is not supported; supported: bert, gpt2, llama, mistral, olmo2, phi3, qwen2, qwen3",
+            "model_type 't5' is not supported; supported: bert, gpt2, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe",
         ),
         (
             {"model.hf_config": "{model_type: bert, hidden_size: 32}"},

@@ -4,6 +4,7 @@ model (step-1 loss with transformers' auxiliary loss, pre-clip gradient norm).""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,30 @@ def test_export_hf_loads_in_transformers_with_equal_logits(family: str, tmp_path
         torch.testing.assert_close(load_reference(out)(input_ids=tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("model", "parallel", "message"),
+    [
+        ({"moe": {"num_experts": 4, "top_k": 5}}, {}, "model.moe.top_k (5) exceeds model.moe.num_experts (4)"),
+        ({"moe": {"aux_loss": "microbatch"}}, {"pp": 2}, "model.moe.aux_loss microbatch pools every MoE layer"),
+        ({"moe": {}}, {"tp": 2, "dp": 1}, "the built-in gpt's MoE experts have no tensor-parallel plan"),
+        ({"hf_config": {"model_type": "llama", **TINY}, "moe": {}}, {}, "has no MoE layers; remove model.moe"),
+        (
+            {"hf_config": {"model_type": "mixtral", **TINY, "num_local_experts": 2, "num_experts_per_tok": 3}},
+            {},
+            "num_experts_per_tok (3) exceeds its experts (2)",
+        ),
+    ],
+)
+def test_moe_settings_refused_in_one_line(model: dict, parallel: dict, message: str) -> None:
+    """Before any worker: the config (or the model it builds) names what to change."""
+    from meshrun.config.schema import validate
+    from meshrun.errors import ConfigError
+    from meshrun.models.families import build_model
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_model(validate({"model": {"seq_len": 16, **model}, "parallel": parallel}).model)
+
+
 def test_grouped_matmul_equals_a_loop_over_experts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The experts' grouped matmul (torch.nn.functional.grouped_mm) and the loop over experts give
     the same outputs and gradients; torch 2.13 has the grouped matmul (an upgrade that drops or
@@ -139,6 +164,28 @@ def test_experts_trace_on_fake_tensors_as_a_balanced_router() -> None:
         assert moe.planned(fake)
         out = experts(fake, torch.zeros(6, 2, dtype=torch.long), torch.ones(6, 2))
     assert out.shape == (6, 32)
+
+
+def test_microbatch_balance_pools_only_its_own_forward() -> None:
+    """The microbatch form pools the layers of one forward: routing left over from a forward whose
+    backward never ran (a recompute's, re-run inside the backward) does not join the next one."""
+    from meshrun.config.model_sections import GPTSection
+    from meshrun.models.moe_balance import meters_of
+
+    cfg = GPTSection(
+        num_layers=2, dim=32, num_heads=2, seq_len=8, vocab_size=64, moe={"num_experts": 4, "aux_loss": "microbatch"}
+    )
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    recorded = []
+    for leftover in (False, True):
+        model = moe.MoEGPT(cfg)
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        if leftover:
+            model.blocks["1"].mlp(torch.randn(3, 8, 32))  # routed, never backwarded
+        model(tokens).sum().backward()
+        recorded.append(sum(float(m.aux_sum) for m in meters_of(model)))
+    assert recorded[0] == pytest.approx(recorded[1], rel=1e-6)
 
 
 def test_sequence_balance_does_not_depend_on_grouping() -> None:
@@ -235,3 +282,23 @@ def test_a_balance_loss_normalised_per_stage_differs(gpt_runs: dict[str, Path]) 
     one, broken = gpt_runs["one"], gpt_runs["broken-pp2"]
     assert losses(broken)[0] == pytest.approx(losses(one)[0], rel=1e-5)
     assert grad_norms(broken)[0] != pytest.approx(grad_norms(one)[0], rel=1e-5)
+
+
+def test_hf_moe_pp2_equals_one_process(data_dir: Path, tmp_path: Path) -> None:
+    """Qwen3-MoE (layers 0 and 2 sparse, 1 dense) split over two pipeline stages, each holding a
+    MoE layer, with the per-sequence balance loss: step-1 loss, gradient norm and routing, and the
+    weights after 4 steps, equal one process's (1e-5)."""
+    from conftest import final_weights, grad_norms, losses, max_weight_diff, run_meshrun, tiny
+
+    model_dir = make_moe("qwen3_moe", tmp_path / "model")
+    settings = {"model.hf": model_dir, "model.seq_len": 16, "train.steps": 4, "train.lr": 3e-3, "train.grad_clip": 0.5}
+    run_meshrun(["train", *tiny(data_dir, tmp_path / "pp2", **settings, **{"parallel.pp": 2})], tmp_path=tmp_path)
+    with in_process_trainer(data_dir, tmp_path / "one", **settings) as trainer:
+        trainer.train()
+        weights = {k: v.detach().clone() for k, v in trainer.model.parts[0].state_dict().items()}
+    one, split = tmp_path / "one", tmp_path / "pp2"
+    assert losses(split)[0] == pytest.approx(losses(one)[0], rel=1e-5)
+    assert grad_norms(split)[0] == pytest.approx(grad_norms(one)[0], rel=1e-5)
+    assert routing(split)[0] == pytest.approx(routing(one)[0], rel=1e-5)
+    assert routing(split)[0]["aux_loss"] > 0
+    assert max_weight_diff(final_weights(split), weights) < 1e-5

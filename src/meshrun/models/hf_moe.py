@@ -41,6 +41,11 @@ def install_balance(blocks: nn.ModuleDict, cfg: HFSection, config: Any) -> Balan
                 f"model.moe sets a balance loss, but the model ({config.model_type}) has no MoE layers; remove model.moe"
             )
         return None
+    gate = next(iter(mlps.values())).gate
+    if gate.top_k > gate.num_experts:  # torch.topk would fail in every worker
+        raise ConfigError(
+            f"the model's num_experts_per_tok ({gate.top_k}) exceeds its experts ({gate.num_experts}); lower it in its config"
+        )
     moe = cfg.moe
     coef = config.router_aux_loss_coef if moe is None or moe.aux_loss_coef is None else moe.aux_loss_coef
     balance = Balance("sequence" if moe is None else moe.aux_loss, coef, len(mlps))

@@ -25,9 +25,12 @@ DEFAULT_COEF = 0.01  # the built-in gpt's aux_loss_coef when model.moe leaves it
 
 def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch's grouped matmul takes these operands: it exists (torch.nn.functional.grouped_mm),
-    and both operands' rows are 16-byte aligned (its kernels' stride rule, on CPU as on CUDA)."""
+    both operands' rows are 16-byte aligned (its kernels' stride rule), and the dtype is one it
+    runs: any float on the CPU, bfloat16 only on CUDA and under torch.compile (its shape rule)."""
     aligned = all(n * x.element_size() % 16 == 0 for n in weight.shape[1:])
-    return hasattr(F, "grouped_mm") and aligned and x.dtype == weight.dtype
+    bf16_only = x.device.type != "cpu" or torch.compiler.is_compiling()
+    dtype_ok = x.dtype == weight.dtype and (x.dtype == torch.bfloat16 or not bf16_only)
+    return hasattr(F, "grouped_mm") and aligned and dtype_ok
 
 
 def planned(x: torch.Tensor) -> bool:
@@ -35,7 +38,7 @@ def planned(x: torch.Tensor) -> bool:
     torch._subclasses is private: tests/models/test_moe.py checks this still answers."""
     from torch._subclasses.fake_tensor import is_fake
 
-    return is_fake(x)
+    return not torch.compiler.is_compiling() and is_fake(x)  # torch.compile traces on fake tensors too
 
 
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -183,6 +186,7 @@ class MoEGPT(GPT):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> object:
         """GPT's forward; the microbatch form's balance loss rides on what the blocks return (one stage)."""
+        self.balance.pending.clear()  # a recompute's routing, left by the last backward
         out = super().forward(x, positions)
         if self.balance.pending and isinstance(out, torch.Tensor):
             return self.balance.finish(out)

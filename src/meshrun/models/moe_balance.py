@@ -94,8 +94,8 @@ def routing_recorded(on: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def aux_gradient(*, sequences_per_rank: float, microbatches: int, grad_scale: torch.Tensor | None) -> Iterator[None]:
     """The scale of the aux loss's gradient during one training step's forward and backward: the
-    per-sequence sums are divided by the global batch's sequences / dp (DDP and FSDP average over
-    dp: the global mean), a microbatch's loss by the microbatches of the batch x dp; fp16: times
+    per-sequence sums are divided by the global batch's sequences / dp, a microbatch's loss by the
+    rank's microbatches (DDP and FSDP then average over dp: the global batch's mean); fp16: times
     the loss scale. Outside (a profiler's backward): each forward's own mean."""
     scale: float | torch.Tensor = 1.0 if grad_scale is None else grad_scale
     _STEP.append(_Step(per_sequence=scale / sequences_per_rank, per_microbatch=scale / microbatches))
@@ -176,10 +176,10 @@ class Balance:
     ) -> torch.Tensor:
         """A MoE layer's output (B, T, H), carrying its balance loss's gradient (sequence form) or
         keeping the layer's routing for `finish` (microbatch form)."""
-        counts = expert_counts(chosen.detach(), meter.num_experts)
         if self.form == "microbatch" and torch.is_grad_enabled():
             self.pending.append((meter, probs, chosen))
             return out
+        counts = expert_counts(chosen.detach(), meter.num_experts)
         if self.form != "sequence" or not torch.is_grad_enabled():
             return _AddAuxGradient.apply(out, torch.zeros(()), "none", [(meter, counts, None, 0.0)], 1.0)
         losses = sequence_balance(probs, chosen, batch)  # (B,)
