@@ -112,10 +112,10 @@ def recover(
     holds: bool,
 ) -> tuple[int | None, float]:
     """Collective over the next generation: leave the broken group (a replacement has none), join
-    generation `number` (next_generation, awaited_generation) and copy `tensors` from the lowest rank that `holds` them (see
-    copy_from_replica; one group over the whole world: every rank a replica, as under DDP). Returns
-    the rank the state came from (None: nobody held it) and the seconds from the tear-down to the copy
-    done, the replacement's start not counted."""
+    generation `number` (a survivor's next_generation, a replacement's awaited_generation), copy
+    `tensors` from the lowest rank that `holds` them (copy_from_replica over the whole world: every
+    rank a replica, as under DDP) and record `number` as the one recovered into. Returns the rank the
+    state came from (None: nobody held it) and the seconds from the tear-down to the copy done."""
     started = time.monotonic()
     tear_down()
     join(store, number=number, rank=rank, world=world, timeout=timeout)
