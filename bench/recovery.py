@@ -66,7 +66,8 @@ def worker(rank: int, number: int, port: int, numel: int, said: Queue, turn: Eve
     state = [torch.full((numel,), float(rank == 0))]
     if number == 1:
         turn.wait()  # a spare started ahead waits here; a replacement started when needed finds it set
-        regroup.recover(store, state, number=1, rank=rank, world=RANKS, timeout=TIMEOUT, holds=False)
+        number = regroup.awaited_generation(store, timeout=TIMEOUT)
+        regroup.recover(store, state, number=number, rank=rank, world=RANKS, timeout=TIMEOUT, holds=False)
         said.put(("recovered", time.time()))
         assert bool((state[0] == 1).all()), "the replacement did not receive the survivor's state"
         return regroup.tear_down()
@@ -83,7 +84,7 @@ def worker(rank: int, number: int, port: int, numel: int, said: Queue, turn: Eve
     started = time.monotonic()
     regroup.tear_down()
     said.put(("tear down", time.monotonic() - started))
-    regroup.join(store, number=1, rank=rank, world=RANKS, timeout=TIMEOUT)
+    regroup.join(store, number=regroup.next_generation(store, lost=0), rank=rank, world=RANKS, timeout=TIMEOUT)
     started = time.monotonic()
     regroup.copy_from_replica(state, holds=True)
     said.put(("copy", time.monotonic() - started))

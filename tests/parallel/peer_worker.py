@@ -1,7 +1,7 @@
 """A dp2 DDP worker that survives a lost peer (tests/parallel/test_regroup.py): a small model
 trained with AdamW on batches that are a function of (step, rank), under meshrun.launcher.keeper,
 joining the job's store at MASTER_ADDR:MASTER_PORT (hosted by the test). With
-MESHRUN_TEST_KILL="RANK:STEP" that rank SIGKILLs itself in its first generation just before the
+MESHRUN_TEST_KILL="RANK:STEP[,RANK:STEP]" that rank's first worker SIGKILLs itself just before the
 backward of STEP, while its peer waits in the backward's all-reduce; the survivor rebuilds the group
 with the replacement, which takes every weight and optimizer moment from it, and both retrain the
 step that was in flight. Writes OUT/steps-RANK.jsonl (a row per step trained, a row per recovery)
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from meshrun.launcher.keeper import GENERATION_ENV
+from meshrun.launcher.keeper import FIRST, ROLE_ENV
 from meshrun.parallel import regroup
 
 STEPS = 6
@@ -47,23 +47,26 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, step: torc
 
 
 def killed_here(rank: int, step: int) -> bool:
-    kill = os.environ.get("MESHRUN_TEST_KILL")
-    return kill == f"{rank}:{step}" and regroup.generation() == 0
+    kill = os.environ.get("MESHRUN_TEST_KILL", "")
+    return f"{rank}:{step}" in kill.split(",") and os.environ[ROLE_ENV] == FIRST
 
 
 def main(out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    first = os.environ.get(GENERATION_ENV, "0") == "0"
-    torch.manual_seed(0 if first else 1)  # a replacement's own initial weights differ: the copy must replace them
+    torch.manual_seed(
+        int(os.environ[ROLE_ENV] != FIRST)
+    )  # a replacement's own initial weights: the copy must replace them
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    number = regroup.generation()  # a spare waits here, built, for its turn
+    replacement = regroup.is_replacement()  # a spare waits here, built, for its turn
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=TIMEOUT)
     step = torch.zeros((), dtype=torch.int64)
     log = (out / f"steps-{rank}.jsonl").open("a")
-    if number == 0:
-        regroup.join(store, number=0, rank=rank, world=world, timeout=TIMEOUT)
-    else:  # a replacement: the survivors' state, then the step that was in flight
+    if not replacement:
+        number = 0
+        regroup.join(store, number=number, rank=rank, world=world, timeout=TIMEOUT)
+    else:  # the survivors' state, then the step that was in flight
+        number = regroup.awaited_generation(store, timeout=TIMEOUT)
         source, seconds = regroup.recover(
             store,
             state_tensors(model, optimizer, step),
@@ -76,36 +79,41 @@ def main(out: Path) -> None:
         log.write(json.dumps({"recovered": int(step), "source": source, "seconds": seconds}) + "\n")
     ddp = DistributedDataParallel(model, init_sync=False)  # the state is already the replicas'
     while int(step) < STEPS:
-        x, y = batch(int(step), rank)
         try:
-            loss = nn.functional.mse_loss(ddp(x), y)
-            if killed_here(rank, int(step)):
-                os.kill(os.getpid(), signal.SIGKILL)
-            loss.backward()
+            loss = train_step(ddp, optimizer, rank, int(step))
         except RuntimeError as broken:
             if not regroup.lost_peer(broken):
                 raise
+            loss = None
+        if loss is None:  # out of the except block: its traceback holds the broken step's frames
             optimizer.zero_grad(set_to_none=True)  # half-reduced gradients: the step is trained again
-            number += 1
+            del ddp  # before its group goes: a DDP freed after its group was destroyed hung the process
+            number = regroup.next_generation(store, lost=number)
+            tensors = state_tensors(model, optimizer, step)
             source, seconds = regroup.recover(
-                store,
-                state_tensors(model, optimizer, step),
-                number=number,
-                rank=rank,
-                world=world,
-                timeout=TIMEOUT,
-                holds=True,
+                store, tensors, number=number, rank=rank, world=world, timeout=TIMEOUT, holds=True
             )
             log.write(json.dumps({"recovered": int(step), "source": source, "seconds": seconds}) + "\n")
             ddp = DistributedDataParallel(model, init_sync=False)
             continue
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        log.write(json.dumps({"step": int(step), "loss": loss.item()}) + "\n")
+        log.write(json.dumps({"step": int(step), "loss": loss}) + "\n")
         log.flush()
         step += 1
     torch.save(model.state_dict(), out / f"final-{rank}.pt")
+    del ddp
     regroup.tear_down()
+
+
+def train_step(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, rank: int, step: int) -> float:
+    """One step on this rank's batch; its loss. Raises what a broken all-reduce raises."""
+    x, y = batch(step, rank)
+    loss = nn.functional.mse_loss(ddp(x), y)
+    if killed_here(rank, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
 
 
 if __name__ == "__main__":

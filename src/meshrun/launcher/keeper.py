@@ -7,7 +7,8 @@ Why here and not in torchrun's agent: the agent treats any worker's end as the w
 rejoining agent makes every other agent restart its workers too); it has no way to replace one
 worker. A keeper stays alive through its child's death, so the agent sees nothing, and the
 survivors rebuild their process group with the replacement (meshrun.parallel.regroup), each worker
-told its group's generation in GENERATION_ENV. Torch-free: it costs one small process per rank.
+told its role in ROLE_ENV (which generation of the group to join, the store says: a keeper knows
+only its own rank's deaths). Torch-free: it costs one small process per rank.
 It passes on the signals the agent sends (a stop request, Ctrl-C) and ends with the agent; its
 worker ends with it (meshrun.launcher.lifetime).
 """
@@ -25,8 +26,9 @@ from meshrun.files.console import say
 from meshrun.launcher.lifetime import die_with_parent
 from meshrun.launcher.outcome import STOP_SIGNALS, status_text
 
-GENERATION_ENV = "MESHRUN_GENERATION"  # which generation of the process group a worker joins (0: the first)
-SPARE = "spare"  # GENERATION_ENV of a worker started ahead: it waits for the generation it replaces into
+ROLE_ENV = "MESHRUN_WORKER_ROLE"  # FIRST, REPLACEMENT or SPARE
+FIRST, REPLACEMENT = "first", "replacement"  # the job's first worker for this rank; one started in a lost one's place
+SPARE = "spare"  # started ahead: it waits, on its stdin, for its turn to be a replacement
 RELAYED = (*STOP_SIGNALS, signal.SIGINT)  # what the agent sends a worker reaches the training worker
 
 
@@ -38,16 +40,16 @@ def keep(argv: Sequence[str], *, env: Mapping[str, str], replacements: int, spar
     its own words) ends the keeper with its status; the last one's death too, as the shell would
     say it (128 + the signal)."""
     rank = env.get("RANK", "?")
-    standby = start(argv, env=env, number=None) if spare and replacements else None
-    worker, number = start(argv, env=env, number=0), 0
+    standby = start(argv, env=env, role=SPARE) if spare and replacements else None
+    worker, number = start(argv, env=env, role=FIRST), 0
     while (code := wait_relaying(worker)) < 0 and number < replacements:
         number += 1
         how = "its spare takes over" if standby is not None else "starting its replacement"
         say(
             f"rank {rank} was {status_text(code)}; {how} ({number} of {replacements}), which takes its state from a replica"
         )
-        worker = promote(standby, number) if standby is not None else start(argv, env=env, number=number)
-        standby = start(argv, env=env, number=None) if spare and number < replacements else None
+        worker = promote(standby) if standby is not None else start(argv, env=env, role=REPLACEMENT)
+        standby = start(argv, env=env, role=SPARE) if spare and number < replacements else None
     if standby is not None:  # not needed: it holds nothing yet
         standby.kill()
         standby.wait()
@@ -57,17 +59,16 @@ def keep(argv: Sequence[str], *, env: Mapping[str, str], replacements: int, spar
     return 128 - code
 
 
-def start(argv: Sequence[str], *, env: Mapping[str, str], number: int | None) -> subprocess.Popen:
-    """The worker of generation `number`, or (None) a spare, which reads its generation from its stdin."""
-    if number is None:
-        return subprocess.Popen(list(argv), env={**env, GENERATION_ENV: SPARE}, stdin=subprocess.PIPE, text=True)
-    return subprocess.Popen(list(argv), env={**env, GENERATION_ENV: str(number)})
+def start(argv: Sequence[str], *, env: Mapping[str, str], role: str) -> subprocess.Popen:
+    """A worker in `role`; a spare with a pipe on its stdin, where its turn comes."""
+    stdin = subprocess.PIPE if role == SPARE else None
+    return subprocess.Popen(list(argv), env={**env, ROLE_ENV: role}, stdin=stdin, text=True)
 
 
-def promote(standby: subprocess.Popen, number: int) -> subprocess.Popen:
-    """The waiting spare becomes the worker of generation `number`."""
+def promote(standby: subprocess.Popen) -> subprocess.Popen:
+    """The waiting spare becomes the replacement."""
     assert standby.stdin is not None
-    standby.stdin.write(f"{number}\n")
+    standby.stdin.write(f"{REPLACEMENT}\n")
     standby.stdin.close()
     return standby
 

@@ -22,20 +22,45 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshrun.launcher.keeper import GENERATION_ENV, SPARE
+from meshrun.launcher.keeper import REPLACEMENT, ROLE_ENV, SPARE
+
+# Which generation of the group is which, agreed through the job's store (a keeper knows only its
+# own rank's deaths): survivors write the next, every rank the one it recovered into.
+NEXT_KEY, CURRENT_KEY = "generation/next", "generation/current"
+POLL_SECONDS = 0.01
 
 
-def generation() -> int:
-    """The generation this process joins: 0 for the job's first workers, n after n replacements. A
-    spare (launcher/keeper.py started it ahead) waits here, its imports done, until its keeper hands
-    it the generation it replaces into; its keeper ended first: it ends too, quietly."""
-    said = os.environ.get(GENERATION_ENV, "0")
-    if said == SPARE:
-        said = sys.stdin.readline().strip()
-        if not said:
+def is_replacement() -> bool:
+    """Whether this worker takes a lost one's place (launcher/keeper.py says so in ROLE_ENV). A spare
+    the keeper started ahead waits here, its imports done, until its turn comes; its keeper ended
+    first (never needed): it ends too, quietly."""
+    if os.environ.get(ROLE_ENV) == SPARE:
+        if not sys.stdin.readline():
             raise SystemExit(0)
-        os.environ[GENERATION_ENV] = said
-    return int(said)
+        os.environ[ROLE_ENV] = REPLACEMENT
+    return os.environ.get(ROLE_ENV) == REPLACEMENT
+
+
+def next_generation(store: dist.Store, *, lost: int) -> int:
+    """A survivor's: the generation after `lost` (the one whose collective broke), written to the
+    store for the replacements; every survivor of one loss writes the same number."""
+    store.set(NEXT_KEY, str(lost + 1))
+    return lost + 1
+
+
+def awaited_generation(store: dist.Store, *, timeout: timedelta) -> int:
+    """A replacement's: the generation the survivors move to, once they have noticed the loss (the
+    next one written is newer than the one recovered last). Raises TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while (number := _number(store, NEXT_KEY)) <= _number(store, CURRENT_KEY):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no survivor moved to a new generation of the process group within {timeout}")
+        time.sleep(POLL_SECONDS)
+    return number
+
+
+def _number(store: dist.Store, key: str) -> int:
+    return int(store.get(key)) if store.check([key]) else 0
 
 
 def generation_store(store: dist.Store, number: int) -> dist.Store:
@@ -87,14 +112,16 @@ def recover(
     holds: bool,
 ) -> tuple[int | None, float]:
     """Collective over the next generation: leave the broken group (a replacement has none), join
-    generation `number` and copy `tensors` from the lowest rank that `holds` them (see
-    copy_from_replica; one group over the whole world: every rank a replica, as under DDP). Returns
-    the rank the state came from (None: nobody held it) and the seconds from the tear-down to the copy
-    done, the replacement's start not counted."""
+    generation `number` (a survivor's next_generation, a replacement's awaited_generation), copy
+    `tensors` from the lowest rank that `holds` them (copy_from_replica over the whole world: every
+    rank a replica, as under DDP) and record `number` as the one recovered into. Returns the rank the
+    state came from (None: nobody held it) and the seconds from the tear-down to the copy done."""
     started = time.monotonic()
     tear_down()
     join(store, number=number, rank=rank, world=world, timeout=timeout)
-    return copy_from_replica(tensors, holds=holds), time.monotonic() - started
+    source = copy_from_replica(tensors, holds=holds)
+    store.set(CURRENT_KEY, str(number))
+    return source, time.monotonic() - started
 
 
 def lost_peer(error: BaseException) -> bool:
