@@ -132,12 +132,12 @@ class ExpertGradients:
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Sum over ep_dp and divide by dp (call after the backward, before unscale and clip)."""
+        if not self.params:
+            return
         for param in self.params:  # a rank no token reached has no gradient: its peers still sum with it
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.ep_dp_group is not None:
             dist.all_reduce(flat, group=self.ep_dp_group)
