@@ -121,5 +121,8 @@ def test_ep_needs_experts_it_can_divide() -> None:
         ConfigError, match=re.escape("parallel.ep (4) must divide the number of experts (6 in experts)")
     ):
         check_experts_split(block, 4)
+    with pytest.raises(ConfigError, match=re.escape("parallel.ep with dp_mode hsdp and fp16 is not built yet")):
+        check_experts_split(block, 3, dp_mode="hsdp", precision="fp16")
+    check_experts_split(block, 3, dp_mode="ddp", precision="fp16")
     with pytest.raises(ConfigError, match=re.escape("parallel.ep is 2 but the model has no MoE layers")):
         check_experts_split(nn.Linear(2, 2), 2)

@@ -44,10 +44,17 @@ if TYPE_CHECKING:
     from meshrun.parallel.mesh import Mesh
 
 
-def check_experts_split(model: nn.Module, ep: int) -> None:
-    """parallel.ep > 1 needs a model with MoE layers whose experts divide by ep (`model`: whole, on meta)."""
+def check_experts_split(model: nn.Module, ep: int, *, dp_mode: str = "ddp", precision: str = "fp32") -> None:
+    """parallel.ep > 1 needs a model with MoE layers whose experts divide by ep (`model`: whole, on
+    meta), and not fp16 (`precision`, resolved) under fsdp / hsdp: its loss scaler unscales an
+    optimizer's gradients in one call, which torch refuses for FSDP's DTensors beside the plain experts."""
     if ep == 1:
         return
+    if precision == "fp16" and dp_mode != "ddp":
+        raise ConfigError(
+            f"parallel.ep with dp_mode {dp_mode} and fp16 is not built yet (the loss scaler cannot unscale FSDP's "
+            "sharded gradients beside the split experts); use precision bf16 or fp32, or dp_mode ddp"
+        )
     found = experts_modules(model)
     if not found:
         raise ConfigError(
@@ -125,12 +132,12 @@ class ExpertGradients:
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Sum over ep_dp and divide by dp (call after the backward, before unscale and clip)."""
+        if not self.params:
+            return
         for param in self.params:  # a rank no token reached has no gradient: its peers still sum with it
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.ep_dp_group is not None:
             dist.all_reduce(flat, group=self.ep_dp_group)
