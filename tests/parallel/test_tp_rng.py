@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import grad_norms, losses, meshrun_env, run_meshrun, tiny, train_job
+from conftest import grad_norms, losses, meshrun_env, run_meshrun, tiny
 from encdec_reference import train_encdec
 from test_checkpoint import interrupted_copy
 from test_encdec_parity import ENCDEC
@@ -37,7 +37,7 @@ def test_masks_differ_where_tp_ranks_hold_different_activations(
 def train(data_dir: Path, run: Path, **overrides: object) -> Path:
     """4 steps, a checkpoint every 2."""
     keys = {**DROPOUT, "train.steps": 4, "checkpoint.interval": 2, **overrides}
-    train_job(tiny(data_dir, run, **keys), tmp_path=run.parent, timeout=240)
+    run_meshrun(["train", *tiny(data_dir, run, **keys)], tmp_path=run.parent, timeout=240)
     return run
 
 

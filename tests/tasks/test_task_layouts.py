@@ -21,15 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import (
-    final_weights,
-    in_process_trainer,
-    losses,
-    max_weight_diff,
-    read_metrics,
-    tiny,
-    train_job,
-)
+from conftest import final_weights, in_process_trainer, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 from test_classification import CLASSIFY, labelled_dir  # noqa: F401 (a fixture used here)
 from test_masked_lm import MLM, masked_dir  # noqa: F401 (a fixture used here)
 from test_regression import REGRESS, series_dir  # noqa: F401 (a fixture used here)
@@ -104,7 +96,7 @@ def task_runs(
     args = tiny(
         request.getfixturevalue(fixture), resumed, **{**settings, **ONE_MICROBATCH, **STEPS, **layout, **resume}
     )
-    train_job(args, tmp_path=resumed.parent)
+    run_meshrun(["train", *args], tmp_path=resumed.parent)
     return reference, resumed
 
 
