@@ -671,6 +671,12 @@ CASES = [
         ],
         ("num_key_value_heads in", "m/config.json (1) must be divisible by parallel.cp (2)"),
     ),
+    Case(  # a block holding the all-to-alls is not one graph
+        "cp-strict-compile",
+        lambda c: ["train", *c.set(parallel__cp=2, train__compile=True)],
+        ("train.compile true compiles each block as one graph, which parallel.cp 2's all-to-alls break",),
+        torch_free=True,
+    ),
     Case(  # GPT-2's fused attention is not among the decoders cp splits
         "cp-hf-gpt2",
         lambda c: ["train", *c.set(model__hf_config=HF_GPT2, parallel__cp=2)],

@@ -1,5 +1,5 @@
 """Activation offload (train.offload_activations) on a CPU: the blocks it selects run under torch's
-save_on_cpu, every tensor their backward needs passes through its host copy, and training gives
+saved-tensor hooks (save_on_cpu's, strides kept), every tensor their backward needs passes through its host copy, and training gives
 bit-identical fp32 results with it on or off, alone and beside recompute."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import in_process_trainer
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, OffloadWrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from meshrun.config.schema import load_config
 from meshrun.parallel.materialise import materialise_part
+from meshrun.parallel.offload import OffloadedBlock, apply_offload
 
 
 def trained(data_dir: Path, run: Path, **overrides: object) -> dict[str, torch.Tensor]:
@@ -23,11 +24,16 @@ def trained(data_dir: Path, run: Path, **overrides: object) -> dict[str, torch.T
 
 
 @pytest.mark.parametrize(
-    ("offload", "recompute"), [(True, "none"), ("every:2", "none"), (True, "every:2")], ids=["all", "every2", "beside"]
+    ("offload", "recompute", "compile"),
+    [(True, "none", False), ("every:2", "none", False), (True, "every:2", False), (True, "none", True)],
+    ids=["all", "every2", "beside-recompute", "compiled"],  # compiled: its backward checks the saved strides
 )
-def test_offload_trains_bit_identically(offload: object, recompute: str, data_dir: Path, tmp_path: Path) -> None:
-    plain = trained(data_dir, tmp_path / "plain", recompute=recompute)
-    ours = trained(data_dir, tmp_path / "ours", recompute=recompute, **{"train.offload_activations": offload})
+def test_offload_trains_bit_identically(
+    offload: object, recompute: str, compile: bool, data_dir: Path, tmp_path: Path
+) -> None:
+    same = {"recompute": recompute, "train.compile": compile}
+    plain = trained(data_dir, tmp_path / "plain", **same)
+    ours = trained(data_dir, tmp_path / "ours", **same, **{"train.offload_activations": offload})
     assert ours.keys() == plain.keys()  # the wrapper's state-dict hooks keep the names
     assert all(torch.equal(ours[k], plain[k]) for k in plain)
 
@@ -35,8 +41,9 @@ def test_offload_trains_bit_identically(offload: object, recompute: str, data_di
 def test_a_block_is_either_recomputed_or_offloaded() -> None:
     cfg = load_config(None, ["model.num_layers=4", "recompute=every:2", "train.offload_activations=true"])
     model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
+    apply_offload(model.blocks, cfg.train.offload_activations, recompute=cfg.recompute)
     kinds = {key: type(block) for key, block in model.blocks.items()}
-    assert kinds == {"0": CheckpointWrapper, "1": OffloadWrapper, "2": CheckpointWrapper, "3": OffloadWrapper}
+    assert kinds == {"0": CheckpointWrapper, "1": OffloadedBlock, "2": CheckpointWrapper, "3": OffloadedBlock}
 
 
 def saved_on_the_device(offload: object) -> int:
@@ -44,6 +51,7 @@ def saved_on_the_device(offload: object) -> int:
     sees only those that no inner hook (the offloaded blocks' save_on_cpu) takes first."""
     cfg = load_config(None, ["model.num_layers=2", f"train.offload_activations={offload}"])
     model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
+    apply_offload(model.blocks, cfg.train.offload_activations, recompute=cfg.recompute)
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     seen: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):

@@ -394,7 +394,13 @@ class Config(Section):
 
     def _context_splits(self) -> None:
         """parallel.cp: a family and task it runs, heads and lengths it divides (config/context.py;
-        a Hugging Face model's heads, read from its config.json, in preflight)."""
+        a Hugging Face model's heads, read from its config.json, in preflight); not with
+        train.compile true, whose one graph per block the all-to-alls break."""
+        if self.parallel.cp > 1 and self.train.compile is True:
+            raise ConfigError(
+                f"train.compile true compiles each block as one graph, which parallel.cp {self.parallel.cp}'s "
+                "all-to-alls break; set train.compile: auto (such blocks run eager) or false"
+            )
         check_context_split(
             self.parallel,
             refused=unsupported(self.model.family, self.task),

@@ -15,7 +15,8 @@ T / cp), whose positions are the chunk's global ones, so learned and rotary posi
 read the same positions as one process (models/documents.py's packed input, which the supported
 models take). The models hold no distributed code: this module wraps their attention core, the
 built-in GPT's `Attention.core` and transformers' attention function (a layer's
-`config._attn_implementation`, named `HF_CONTEXT_ATTENTION`).
+`config._attn_implementation`, named `HF_CONTEXT_ATTENTION`). A block holding them does not
+compile whole (`train.compile` compiles each block as one graph): under `auto` it runs eager.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One pipeline stage of the model made real: built on the meta device and pruned to its blocks (the
 planner sizes this), then materialised on the device, initialised, given model.lora's adapters,
-split over the tp mesh and wrapped for recompute or activation offload."""
+split over the tp mesh and wrapped for recompute."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from meshrun.config.schema import Config
 from meshrun.launcher import progress
 from meshrun.models.families import build_model
 from meshrun.models.protocol import ProtocolModule, keep_stage
-from meshrun.parallel.offload import apply_offload
 from meshrun.parallel.recompute import apply_recompute
 
 M = TypeVar("M", bound=nn.Module)
@@ -77,5 +76,4 @@ def materialise_part(
 
         apply_tensor_parallel(part, tp_mesh, sequence_parallel=cfg.parallel.sequence_parallel)
     apply_recompute(part.blocks, cfg.recompute)
-    apply_offload(part.blocks, cfg.train.offload_activations, recompute=cfg.recompute)
     return part

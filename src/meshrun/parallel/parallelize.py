@@ -9,11 +9,12 @@
   4. tp > 1: split the model's planned modules over the tp mesh (tensor.py; a LoRA-wrapped layer
      with its adapter, split alike: tp_styles.py);
   5. wrap blocks for activation recompute;
-  5a. cp > 1: each attention core between two all-to-alls over the cp group (context.py);
-  5b. parallel.ep > 1: keep this ep rank's experts of each MoE layer, their tokens routed by
+  5a. parallel.ep > 1: keep this ep rank's experts of each MoE layer, their tokens routed by
      all-to-all (experts.py);
+  5b. cp > 1: each attention core between two all-to-alls over the cp group (context.py);
   5c. train.compile: torch.compile each block's forward (compile.py);
-  6. data parallel over the dp group (when dp > 1): each stage in DDP, or (dp_mode fsdp/hsdp, and
+  5d. train.offload_activations: the blocks it selects keep their saved tensors on the host (offload.py);
+  6. data parallel over the dp group (dp x cp under context parallelism): each stage in DDP, or (dp_mode fsdp/hsdp, and
      ddp with tp > 1) fully_shard per block + the stage root (fsdp.py; 2-D with tp's DTensors);
      split experts left out, their gradients averaged by `ExpertGradients` after the backward;
   7. pp > 1: PipelineStage + a torch.distributed.pipelining schedule;
@@ -46,6 +47,7 @@ from meshrun.parallel.fsdp import set_gradient_sync, wrap_fsdp
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.materialise import materialise_part
 from meshrun.parallel.mesh import Mesh
+from meshrun.parallel.offload import apply_offload
 from meshrun.parallel.stages import SPLIT_BACKWARD_SCHEDULES
 from meshrun.parallel.tensor import tp_loss, vocab_parallel
 from meshrun.parallel.tied import TiedEmbeddings
@@ -130,15 +132,17 @@ timed_allreduce.__annotations__ = typing.get_type_hints(timed_allreduce)
 
 
 def local_part(cfg: Config, mesh: Mesh, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
-    """Steps 1-5c for one stage (layers=None: the whole model)."""
+    """Steps 1-5d for one stage (layers=None: the whole model)."""
     part = materialise_part(cfg, mesh.device, layers=layers, first=first, last=last, tp_mesh=mesh.view("tp"))
     shard_experts(part, mesh)
     return compiled(apply_context_parallel(part, mesh), mesh, cfg)
 
 
 def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:
-    """Step 5b: the part with its blocks compiled when train.compile says so on this device; one
-    rank per stage (dp and tp index 0) warns of a block that runs eager."""
+    """Step 5c: the part with its blocks compiled when train.compile says so on this device; one
+    rank per stage (dp and tp index 0) warns of a block that runs eager. Then 5d: the blocks
+    train.offload_activations selects wrapped for offload, outside their compiled forward (dynamo
+    does not trace save_on_cpu; the compiled graph's saved tensors still pass through its hooks)."""
     if compile_enabled(cfg.train.compile, mesh.device):
         speaks = mesh.coordinates.dp == 0 and mesh.coordinates.tp == 0
         apply_compile(
@@ -147,6 +151,7 @@ def compiled(part: ProtocolModule, mesh: Mesh, cfg: Config) -> ProtocolModule:
             warn=say if speaks else lambda _: None,
             split_backward=mesh.size("pp") > 1 and cfg.parallel.schedule in SPLIT_BACKWARD_SCHEDULES,
         )
+    apply_offload(part.blocks, cfg.train.offload_activations, recompute=cfg.recompute)
     return part
 
 
