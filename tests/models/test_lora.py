@@ -39,6 +39,8 @@ LAYOUTS = {
     "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
     "pp2-interleaved-recompute": {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "recompute": "full"},
+    # the input and weight halves of backward apart: a frozen base has no weight half
+    "pp2-zero-bubble": {"parallel.pp": 2, "parallel.schedule": "zero-bubble"},
     "tp2": {"parallel.tp": 2},
     "dp2-tp2-pp2-sp": {
         "parallel.dp": 2,
@@ -186,7 +188,9 @@ def test_flops_count_the_frozen_base_at_4_per_weight(runs, llama_dir: Path) -> N
     assert row["tflops"] * 1e12 / row["tokens_per_s"] == pytest.approx(4 * frozen + 6 * adapters + attention, rel=1e-9)
 
 
-@pytest.mark.parametrize("layout", ["dp2-pp2-1f1b", "fsdp-dp2", "pp2-interleaved-recompute", "tp2", "dp2-tp2-pp2-sp"])
+@pytest.mark.parametrize(
+    "layout", ["dp2-pp2-1f1b", "fsdp-dp2", "pp2-interleaved-recompute", "pp2-zero-bubble", "tp2", "dp2-tp2-pp2-sp"]
+)
 def test_layout_equals_one_process(layout: str, runs) -> None:
     """The adapters train alike under DDP and FSDP2 (only they have gradients to reduce), and under
     pipelines (the tied matrix, frozen, spans the first and last stage) with recompute."""
