@@ -39,6 +39,8 @@ LAYOUTS = {
     "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
     "pp2-interleaved-recompute": {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "recompute": "full"},
+    # the input and weight halves of backward apart: a frozen base has no weight half
+    "pp2-zero-bubble": {"parallel.pp": 2, "parallel.schedule": "zero-bubble"},
     "tp2": {"parallel.tp": 2},
     "dp2-tp2-pp2-sp": {
         "parallel.dp": 2,
@@ -186,7 +188,9 @@ def test_flops_count_the_frozen_base_at_4_per_weight(runs, llama_dir: Path) -> N
     assert row["tflops"] * 1e12 / row["tokens_per_s"] == pytest.approx(4 * frozen + 6 * adapters + attention, rel=1e-9)
 
 
-@pytest.mark.parametrize("layout", ["dp2-pp2-1f1b", "fsdp-dp2", "pp2-interleaved-recompute", "tp2", "dp2-tp2-pp2-sp"])
+@pytest.mark.parametrize(
+    "layout", ["dp2-pp2-1f1b", "fsdp-dp2", "pp2-interleaved-recompute", "pp2-zero-bubble", "tp2", "dp2-tp2-pp2-sp"]
+)
 def test_layout_equals_one_process(layout: str, runs) -> None:
     """The adapters train alike under DDP and FSDP2 (only they have gradients to reduce), and under
     pipelines (the tied matrix, frozen, spans the first and last stage) with recompute."""
@@ -219,6 +223,7 @@ def test_bf16_base_beside_fp32_adapters_equals_peft(bf16_run, bf16_dir: Path, da
     bf16's rounding (the two forwards round differently: meshrun's rotary and loss are its own);
     the same peft over an fp32 base lands further away than that tolerance."""
     from meshrun.parallel.materialise import build_stage
+    from meshrun.planner.layout_memory import layout_memory
     from meshrun.planner.stage_cost import state_bytes
 
     run, live, moments = bf16_run
@@ -228,12 +233,11 @@ def test_bf16_base_beside_fp32_adapters_equals_peft(bf16_run, bf16_dir: Path, da
     assert {v.dtype for v in adapters.values()} == {torch.float32} and moments == {torch.float32}
     cfg = config_from_set_args(lora_args(data_dir, "unused", bf16_dir, **BF16))
     planned = state_bytes(build_stage(cfg, layers=None, first=True, last=True), cfg.train)
-    measured = sum(v.nbytes for v in live.values())
-    assert (
-        planned[0]
-        == measured
-        == sum(2 * v.numel() for v in base.values()) + sum(4 * v.numel() for v in adapters.values())
-    )
+    weights = sum(v.numel() for v in base.values()), sum(v.numel() for v in adapters.values())
+    assert planned[0] == sum(v.nbytes for v in live.values()) == 2 * weights[0] + 4 * weights[1]
+    auto = config_from_set_args(lora_args(data_dir, "unused", bf16_dir, precision="auto"))
+    for precision, size in (("bf16", 2), ("fp32", 4)):  # meshrun plan: auto resolved for the device planned
+        assert layout_memory(auto, precision).ranks[0].params == size * weights[0] + 4 * weights[1], precision
     (loss, grad_norm), theirs = peft_reference(data_dir, bf16_dir, steps=10, base=torch.bfloat16, bf16=True)
     for name, value in base.items():  # peft's base as transformers loaded it: the folder's
         assert torch.equal(value, theirs[peft_name(name)]), name

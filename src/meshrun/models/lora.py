@@ -25,9 +25,8 @@ folder's, never written, and a checkpoint resumes or exports only onto the same 
 from __future__ import annotations
 
 import math
-import typing
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -96,7 +95,7 @@ def hold_base_as_stored(part: nn.Module, cfg: Config) -> None:
     folder = frozen_base(cfg.model)
     if folder is None or not base_as_stored(cfg):
         return
-    model = typing.cast("HFCausalLM", part)
+    model = cast("HFCausalLM", part)
     dtypes = stored_dtypes(model.pretrained_tensors(folder), model.hf_names, folder)
     for param in part.parameters():
         if id(param) in dtypes:
