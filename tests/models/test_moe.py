@@ -152,6 +152,49 @@ def test_grouped_matmul_equals_a_loop_over_experts(monkeypatch: pytest.MonkeyPat
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def hf_experts(family: str) -> torch.nn.Module:
+    """The first MoE layer's experts of transformers' own model, built as meshrun builds it."""
+    import transformers
+
+    from meshrun.models.hf_moe import register_hf_experts
+
+    config = transformers.AutoConfig.for_model(family, **MOE_FAMILIES[family])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=register_hf_experts())
+    return next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+
+
+@pytest.mark.parametrize("kind", ["built-in", "qwen3_moe"])
+def test_experts_compute_in_autocast_dtype(kind: str) -> None:
+    """Under bf16 autocast the experts' matmuls take bf16 operands, as a linear layer's would (the
+    grouped matmul is on none of autocast's lists; on CUDA it refuses fp32): the output equals the
+    same experts run on bf16 copies of the weights and tokens, and the fp32 weights get gradients."""
+    experts = hf_experts(kind) if kind != "built-in" else moe.Experts(num_experts=4, dim=32, expert_dim=16)
+    if kind == "built-in":
+        torch.nn.init.normal_(experts.gate_up_proj, std=0.2)
+        torch.nn.init.normal_(experts.down_proj, std=0.2)
+    x, index, weights = torch.randn(10, 32), torch.randint(0, 4, (10, 2)), torch.rand(10, 2)
+    index[:, 1] = (index[:, 0] + 1) % 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts(x, index, weights)
+    out.float().sum().backward()
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in experts.parameters())
+    with torch.no_grad():
+        expected = experts.to(torch.bfloat16)(x.to(torch.bfloat16), index, weights)
+    torch.testing.assert_close(out.to(torch.bfloat16), expected, rtol=0, atol=0)
+
+
+def test_plan_of_an_hf_moe_model_in_bf16_for_a_gpu(data_dir: Path, tmp_path: Path) -> None:
+    """meshrun plan traces a GPU's stage under bf16 autocast: the experts' grouped matmul gets bf16
+    operands there (CUDA's takes no other), where transformers' own would hand it the fp32 weights."""
+    from conftest import meshrun_in_process, tiny
+
+    model_dir = make_moe("qwen3_moe", tmp_path / "model")
+    args = tiny(data_dir, tmp_path / "run", **{"model.hf": model_dir, "model.seq_len": 16, "precision": "bf16"})
+    done = meshrun_in_process(["plan", *args, "--gpus", "2", "--gpu", "h100"], tmp_path=tmp_path)
+    assert "memory per rank" in done.stdout, done.stdout + done.stderr
+
+
 def test_experts_trace_on_fake_tensors_as_a_balanced_router() -> None:
     """meshrun plan traces on fake tensors (no counts to route by): the experts run as if each got
     N k / E rows; torch's private is_fake, which tells a trace apart, still answers."""

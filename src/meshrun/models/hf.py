@@ -43,7 +43,7 @@ from meshrun.models.hf_config import (
     check_fits,
     load_hf_config,
 )
-from meshrun.models.hf_moe import file_names, install_balance, per_expert
+from meshrun.models.hf_moe import file_names, install_balance, per_expert, register_hf_experts
 from meshrun.models.hf_weights import check_shapes, load_weights, pretrained_folder
 from meshrun.models.init import seeded_normal_
 from meshrun.models.moe import inactive_params
@@ -131,8 +131,13 @@ class HFCausalLM(StagedModel):
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         # fp32 master weights whatever the folder's storage dtype (released checkpoints say bfloat16):
         # autocast picks the compute precision, AdamW must update fp32 values
+        moe = {"experts_implementation": register_hf_experts()} if self.hf_config.model_type in MOE_TYPES else {}
         hf = getattr(transformers, self.auto_class).from_config(
-            self.hf_config, attn_implementation=register_hf_attention(), dtype=torch.float32, trust_remote_code=False
+            self.hf_config,
+            attn_implementation=register_hf_attention(),
+            dtype=torch.float32,
+            trust_remote_code=False,
+            **moe,
         )
         self.hf_class_name = type(hf).__name__  # for export's config.json `architectures`
         self._rotary: tuple[nn.Module, ...] = ()

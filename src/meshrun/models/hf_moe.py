@@ -11,7 +11,9 @@ experts); the files hold one tensor per expert (`experts.{e}.gate_proj.weight`, 
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,12 +24,56 @@ from meshrun.errors import ConfigError
 from meshrun.models.moe import sparse_mlps
 from meshrun.models.moe_balance import Balance, RouterMeter
 
+HF_EXPERTS = "meshrun_grouped_mm"  # the experts implementation meshrun builds MoE families with
+
 _MIXTRAL = (  # transformers 5's names -> Mixtral's files' names
     (re.compile(r"\.mlp\.experts\.(\d+)\.gate_proj\."), r".block_sparse_moe.experts.\1.w1."),
     (re.compile(r"\.mlp\.experts\.(\d+)\.up_proj\."), r".block_sparse_moe.experts.\1.w3."),
     (re.compile(r"\.mlp\.experts\.(\d+)\.down_proj\."), r".block_sparse_moe.experts.\1.w2."),
     (re.compile(r"\.mlp\.gate\."), ".block_sparse_moe.gate."),
 )
+
+
+def register_hf_experts() -> str:
+    """Make `experts_forward` known to transformers as HF_EXPERTS (idempotent); returns its name."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(HF_EXPERTS, experts_forward)
+    return HF_EXPERTS
+
+
+def experts_forward(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' grouped experts forward with operands in the dtype the step computes in. Its
+    grouped matmul is on none of autocast's lists and runs the fp32 master weights as they are (on
+    CUDA it takes bf16 only, so a bf16 run would stop); under autocast the weights and the tokens
+    are cast to autocast's dtype, as a linear layer's would be. Without autocast, weights other
+    than bf16 on a GPU take transformers' loop over the experts."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    device = hidden_states.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        with weights_as(module, dtype):
+            return grouped_mm_experts_forward(module, hidden_states.to(dtype), top_k_index, top_k_weights)
+    if device != "cpu" and any(p.dtype != torch.bfloat16 for p in module.parameters(recurse=False)):
+        loop = type(module).forward.__wrapped__  # the family's own forward, under transformers' dispatch
+        return loop(module, hidden_states, top_k_index, top_k_weights)
+    return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+@contextlib.contextmanager
+def weights_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """The module's own parameters read as `dtype` copies (differentiable) while the block runs."""
+    held = dict(module._parameters)
+    try:
+        for name, param in held.items():
+            if param is not None:
+                module._parameters[name] = param.to(dtype)  # type: ignore[assignment]  # a view autograd follows back
+        yield
+    finally:
+        module._parameters.update(held)
 
 
 def install_balance(blocks: nn.ModuleDict, cfg: HFSection, config: Any) -> Balance | None:

@@ -41,6 +41,17 @@ def planned(x: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and is_fake(x)  # torch.compile traces on fake tensors too
 
 
+def autocast_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under autocast, both operands in its dtype, as autocast casts a linear layer's: the grouped
+    matmul is on none of its lists, and would otherwise run the fp32 master weights as they are
+    (in fp32 on the CPU; on CUDA, which takes bf16 only, in the loop)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), weight.to(dtype)
+
+
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Each expert's rows of `x` (S, in; sorted by expert, `counts` (E,) rows each) times that
     expert's `weight` (E, out, in) transposed -> (S, out): one grouped matmul where torch has one
@@ -51,6 +62,7 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -
         pad = -x.shape[0] % weight.shape[0]
         rows = F.pad(x, (0, 0, 0, pad)).view(weight.shape[0], -1, x.shape[1])
         return torch.bmm(rows, weight.transpose(1, 2)).reshape(-1, weight.shape[1])[: x.shape[0]]
+    x, weight = autocast_operands(x, weight)
     if grouped_mm_fits(x, weight):
         offsets = torch.cumsum(counts, dim=0).to(torch.int32)
         return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
