@@ -146,11 +146,8 @@ class MoEMLP(nn.Module):
 def sparse_mlps(blocks: nn.ModuleDict) -> dict[int, Any]:
     """Layer index -> the layer's MoE MLP (one with `experts` and a router `gate` that has `top_k` and
     `num_experts`: ours and transformers' alike, reached by those names: typed Any)."""
-    return {
-        int(key): block.mlp
-        for key, block in blocks.items()
-        if hasattr(block.mlp, "experts") and hasattr(block.mlp, "gate")
-    }
+    mlps = {int(key): getattr(block, "mlp", None) for key, block in blocks.items()}  # BERT's layers have none
+    return {layer: mlp for layer, mlp in mlps.items() if hasattr(mlp, "experts") and hasattr(mlp, "gate")}
 
 
 def moe_layers(blocks: nn.ModuleDict) -> dict[int, int]:
