@@ -54,7 +54,7 @@ def test_saved_degrees_read_every_mesh_axis_from_a_checkpoints_config(tmp_path) 
     from meshrun.parallel.layout import Layout
 
     (tmp_path / CONFIG).write_text(json.dumps({"parallel": {"pp": 2, "dp": 4}}))
-    assert saved_degrees(tmp_path) == {"pp": 2, "dp": 4, "tp": 1}
+    assert saved_degrees(tmp_path) == {"pp": 2, "dp": 4, "cp": 1, "tp": 1}
     assert saved_degrees(tmp_path).keys() == Layout().mesh_degrees.keys()
     (tmp_path / CONFIG).write_text(json.dumps({"parallel": {"dp": 4, "tp": 2}}))
     assert saved_degrees(tmp_path) is None

@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, tiny, train_job
+from conftest import (
+    final_weights,
+    grad_norms,
+    losses,
+    max_weight_diff,
+    meshrun_in_process,
+    read_metrics,
+    tiny,
+    train_job,
+)
 from plain_reference import config_from_set_args, plain_blocks
 
 from meshrun import cli
@@ -177,7 +186,7 @@ def test_the_example_config_trains_past_the_most_frequent_token(tmp_path: Path) 
         **{"train.steps": 60, "train.eval_interval": 60, "train.eval_batches": 2, "metrics.plots": False},
     }
     config = [str(CONFIGS / "mlm-tiny.yaml"), *(f"--set={k}={v}" for k, v in settings.items())]
-    train_job(config, tmp_path=tmp_path)
+    meshrun_in_process(["train", *config], tmp_path=tmp_path)  # one process, no tracker: in this process
     row = next(row for row in read_metrics(tmp_path / "run") if "val_accuracy" in row)
     assert row["val_accuracy"] > row["val_majority_accuracy"] + 0.3
 
