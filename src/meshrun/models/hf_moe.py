@@ -21,7 +21,7 @@ from torch import nn
 
 from meshrun.config.model_sections import HFSection
 from meshrun.errors import ConfigError
-from meshrun.models.moe import sparse_mlps
+from meshrun.models.moe import autocast_dtype, sparse_mlps
 from meshrun.models.moe_balance import Balance, RouterMeter
 
 HF_EXPERTS = "meshrun_grouped_mm"  # the experts implementation meshrun builds MoE families with
@@ -53,8 +53,7 @@ def experts_forward(
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     device = hidden_states.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
+    if (dtype := autocast_dtype(device)) is not None:
         with weights_as(module, dtype):
             return grouped_mm_experts_forward(module, hidden_states.to(dtype), top_k_index, top_k_weights)
     if device != "cpu" and any(p.dtype != torch.bfloat16 for p in module.parameters(recurse=False)):

@@ -41,15 +41,17 @@ def planned(x: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and is_fake(x)  # torch.compile traces on fake tensors too
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on this device type, or None where it is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 def autocast_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Under autocast, both operands in its dtype, as autocast casts a linear layer's: the grouped
     matmul is on none of its lists, and would otherwise run the fp32 master weights as they are
     (in fp32 on the CPU; on CUDA, which takes bf16 only, in the loop)."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return x, weight
-    dtype = torch.get_autocast_dtype(device)
-    return x.to(dtype), weight.to(dtype)
+    dtype = autocast_dtype(x.device.type)
+    return (x, weight) if dtype is None else (x.to(dtype), weight.to(dtype))
 
 
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
