@@ -6,11 +6,14 @@ since every step is clipped and AdamW is scale-invariant. This reference shares 
 only the model definition, its seeded initial weights and the token stream; the loss (mean
 token cross-entropy over the WHOLE global batch, one backward), the optimizer groups (torch.optim's class, not fused), the
 learning-rate schedule and the clipping are written here again from their definitions.
+On documents (prepare-data --chat / --prompt-completion) it shares which documents a step holds
+(data/packing.py, tested on its own) but runs each document alone: no packed rows, no masks.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,8 @@ import torch.nn.functional as F
 
 from meshrun.config.schema import Config, TrainConfig, load_config
 from meshrun.data.dataset import TokenDataset
+from meshrun.data.packed import PackedDataset
+from meshrun.data.storage import DOCUMENTS_FORMAT, read_meta
 from meshrun.models.gpt import GPT
 
 
@@ -56,8 +61,48 @@ def plain_optimizer(train: TrainConfig, groups: list[dict]) -> torch.optim.Optim
     )
 
 
+StepLoss = Callable[[GPT, int], torch.Tensor]  # (model, step) -> that step's loss over the global batch
+
+
+def token_loss(cfg: Config, data_dir: Path) -> StepLoss:
+    """Mean token cross-entropy over the step's whole global batch of plain-text rows."""
+    data, batch = (
+        TokenDataset(data_dir, "train", seq_len=cfg.model.seq_len, seed=cfg.train.seed),
+        cfg.train.global_batch,
+    )
+
+    def loss(model: GPT, step: int) -> torch.Tensor:
+        x, y = data.batch(step * batch, batch)
+        logits = model(x)  # (B, T, V)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))  # mean over B*T tokens
+
+    return loss
+
+
+def documents_loss(cfg: Config, data_dir: Path) -> StepLoss:
+    """Each document of the step's rows run alone (positions 0 .. n-1), the cross-entropy of the
+    next tokens its loss mask trains summed over them all, / their count: the global batch's mean."""
+    data, batch = (
+        PackedDataset(data_dir, "train", seq_len=cfg.model.seq_len, seed=cfg.train.seed),
+        cfg.train.global_batch,
+    )
+
+    def loss(model: GPT, step: int) -> torch.Tensor:
+        total, count = torch.zeros(()), 0
+        for row in data.rows(step * batch, batch):
+            for k in row.docs.tolist():
+                ids, mask = (torch.from_numpy(a) for a in data.docs.document(k))
+                trained = mask[1:]  # position j predicts token j + 1
+                logits = model(ids[None])[0, :-1]  # (n - 1, V)
+                total = total + F.cross_entropy(logits[trained], ids[1:][trained], reduction="sum")
+                count += int(trained.sum())
+        return total / count
+
+    return loss
+
+
 def train_plain(cfg: Config, data_dir: Path) -> Reference:
-    """fp32, one process, whole global batch per step."""
+    """fp32, one process, whole global batch per step: plain text, or documents each run alone."""
     train = cfg.train
     model = GPT(cfg.model)
     model.init_weights(train.seed)
@@ -69,12 +114,11 @@ def train_plain(cfg: Config, data_dir: Path) -> Reference:
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ],
     )
-    data = TokenDataset(data_dir, "train", seq_len=cfg.model.seq_len, seed=train.seed)
+    documents = (read_meta(data_dir) or {}).get("format") == DOCUMENTS_FORMAT
+    step_loss = (documents_loss if documents else token_loss)(cfg, data_dir)
     losses, norms = [], []
     for step in range(train.steps):
-        x, y = data.batch(step * train.global_batch, train.global_batch)
-        logits = model(x)  # (B, T, V)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))  # mean over B*T tokens
+        loss = step_loss(model, step)
         optimizer.zero_grad()
         loss.backward()
         clip = train.grad_clip if train.grad_clip > 0 else math.inf

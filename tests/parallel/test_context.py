@@ -1,39 +1,99 @@
-"""Context parallelism (parallel.cp) against one process, fp32, gloo, real torchrun.
+"""Context parallelism (parallel.cp) against the plain-torch reference, fp32, gloo, real torchrun.
 
-Each row trains 10 clipped AdamW steps on the plain byte corpus and logs every step's loss and
-pre-clip gradient norm as the independent plain-torch reference computes them (1e-5 relative);
-its weights after the last step equal meshrun's one-process run (1e-5). Rows: cp2 (DDP over the
-cp ranks), fsdp dp2 x cp2 under full recompute, tp2 x cp2 under sequence parallel. A rank whose positions
-were rotated by the wrong offset, or whose attention saw only its own chunk, moves the loss.
+Each row trains 10 clipped AdamW steps and logs every step's loss and pre-clip gradient norm as
+the independent plain-torch reference (plain_reference.py) computes them (1e-5 relative, step 1
+first); its weights after the last step equal the reference's (1e-5). Plain text: cp2 (DDP over
+the cp ranks), fsdp dp2 x cp2 under full recompute, cp2 x pp2 (1f1b). Packed documents with
+per-document masks (prompt/completion documents, two a row, crossing the cp chunk boundary;
+the reference runs each document alone): tp2 x cp2 under sequence parallel and the one 8-rank
+row, dp2 x cp2 x pp2. The cp2 run's step-5 checkpoint resumed at dp2 ends where it does.
 Llama under cp is proven in tests/models/test_hf.py (plain text, cp2 resumed at cp1) and
-tests/models/test_sft.py (packed conversations, cp2 x pp2); GPT on packed documents, the
-all-to-alls themselves, and two broken variants, in test_context_attention.py.
+tests/models/test_sft.py (packed conversations, cp2 x pp2); the all-to-alls themselves, and two
+broken variants (positions taken as local, the second all-to-all to the wrong rank) differing at
+step 1 on both kinds of data, in test_context_attention.py.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
-from plain_reference import assert_grad_norms_match
+from chat_data import write_chat_tokenizer
+from conftest import (
+    final_weights,
+    grad_norms,
+    losses,
+    max_weight_diff,
+    meshrun_in_process,
+    read_metrics,
+    tiny,
+    train_job,
+)
+from plain_reference import Reference, assert_grad_norms_match, config_from_set_args, train_plain
+from test_checkpoint import interrupted_copy
 
 BASE = {"train.steps": 10, "train.lr": 3e-3, "train.grad_clip": 0.5, "checkpoint.interval": 5}
+DOCUMENTS = {"model.seq_len": 32, "model.vocab_size": 512}  # and data.dir: the documents folder
 ROWS = {
     "cp2": {"parallel.cp": 2},  # DDP over the cp ranks (each holds a part of the same samples)
     # 4 ranks: FSDP2 shards over dp x cp (dp_shard_cp, as torchtitan), under full recompute
     "fsdp-dp2-cp2": {"parallel.dp": 2, "parallel.cp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
+    # 4 ranks: each stage's attention split over its cp pair; positions travel between the stages
+    "cp2-pp2": {"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     # 4 ranks: heads split by tp, then by cp (4 heads: one a rank inside attention); sequence parallel
-    # holds T / (cp x tp) positions a rank outside attention. Against the reference only (4 heads).
-    "tp2-sp-cp2": {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.cp": 2, "model.num_heads": 4},
+    # holds T / (cp x tp) positions a rank outside attention
+    "tp2-sp-cp2-documents": {
+        **DOCUMENTS,
+        "parallel.tp": 2,
+        "parallel.sequence_parallel": True,
+        "parallel.cp": 2,
+        "model.num_heads": 4,
+    },
+    # the one 8-rank row: every axis that splits a sample or the batch, on packed documents
+    "dp2-cp2-pp2-documents": {**DOCUMENTS, "parallel.dp": 2, "parallel.cp": 2, "parallel.pp": 2},
 }
-MODEL_KEYS = {"model.num_heads"}  # a row's keys that change the maths, not only the layout
+MATHS_KEYS = {"model.num_heads", *DOCUMENTS}  # a row's keys that change the maths, not only the layout
 
 
 def train(data_dir: Path, run: Path, **overrides: object) -> Path:
-    run_meshrun(["train", *tiny(data_dir, run, **{**BASE, **overrides})], tmp_path=run.parent, timeout=420)
+    train_job(tiny(data_dir, run, **{**BASE, **overrides}), tmp_path=run.parent, timeout=420)
     return run
+
+
+@pytest.fixture(scope="module")
+def documents_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """120 prompt/completion documents of 10 to 19 tokens, prepared with a chat tokenizer (vocab 344)."""
+    root = tmp_path_factory.mktemp("cp-documents")
+    records = [{"q": f"{i} plus {i % 7}?", "a": f" It is {i + i % 7}." + " Indeed." * (i % 4)} for i in range(120)]
+    (root / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = ["prepare-data", "--prompt-completion", "--prompt-field", "q", "--completion-field", "a"]
+    args += ["--source", root / "pc.jsonl", "--tokenizer", write_chat_tokenizer(root / "tokenizer")]
+    meshrun_in_process([*args, "--max-len", DOCUMENTS["model.seq_len"], "--out", root / "data"], tmp_path=root)
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def data_of(data_dir: Path, documents_dir: Path) -> Callable[[str], Path]:
+    """`data_of(row)`: the plain byte corpus, or the documents folder for a row on documents."""
+    return lambda row: documents_dir if DOCUMENTS.keys() <= ROWS[row].keys() else data_dir
+
+
+@pytest.fixture(scope="module")
+def reference(data_of: Callable[[str], Path]) -> Callable[[str], Reference]:
+    """`reference(row)`: the plain-torch run of that row's maths, computed once per maths."""
+    done: dict[str, Reference] = {}
+
+    def get(row: str) -> Reference:
+        maths = {k: v for k, v in ROWS[row].items() if k in MATHS_KEYS}
+        key = repr(sorted(maths.items()))
+        if key not in done:
+            cfg = config_from_set_args(tiny(data_of(row), "unused", **{**BASE, **maths}))
+            done[key] = train_plain(cfg, data_of(row))
+        return done[key]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +102,13 @@ def one_process(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 @pytest.fixture(scope="module")
-def rows(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+def rows(data_of: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`rows(name)`: that row's finished run, trained the first time a test asks for it."""
     tmp, done = tmp_path_factory.mktemp("cp-rows"), {}
 
     def get(name: str) -> Path:
         if name not in done:
-            done[name] = train(data_dir, tmp / name, **ROWS[name])
+            done[name] = train(data_of(name), tmp / name, **ROWS[name])
         return done[name]
 
     return get
@@ -56,23 +116,37 @@ def rows(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("row", list(ROWS))
-def test_context_parallel_matches_plain_torch(row: str, rows, plain_reference) -> None:
-    run, want = rows(row), plain_reference(**BASE, **{k: v for k, v in ROWS[row].items() if k in MODEL_KEYS})
+def test_context_parallel_matches_plain_torch(row: str, rows, reference) -> None:
+    """Step 1's loss and pre-clip norm, then every step's, then the weights after 10 clipped steps."""
+    run, want = rows(row), reference(row)
     assert min(grad_norms(run)) > 0.5, "clipping must be active for the test to mean anything"
     assert losses(run)[0] == pytest.approx(want.losses[0], rel=1e-5)
+    assert grad_norms(run)[0] == pytest.approx(want.grad_norms[0], rel=1e-5)
     assert_grad_norms_match(grad_norms(run), want.grad_norms)
     assert losses(run) == pytest.approx(want.losses, rel=1e-5)
+    assert max_weight_diff(final_weights(run), want.weights) < 1e-5
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("row", [row for row, keys in ROWS.items() if not MODEL_KEYS & keys.keys()])
-def test_context_parallel_equals_one_process(row: str, rows, one_process: Path) -> None:
-    """The weights after 10 clipped steps (1e-5); tokens/s and TFLOP/s count each token once, and
-    attention over the whole sequence, as one process does."""
-    run = rows(row)
-    assert max_weight_diff(final_weights(run), final_weights(one_process)) < 1e-5
-    steps = [[r for r in read_metrics(run_dir) if "tokens_per_s" in r] for run_dir in (run, one_process)]
+@pytest.mark.parametrize("row", [row for row, keys in ROWS.items() if not MATHS_KEYS & keys.keys()])
+def test_context_parallel_counts_each_token_once(row: str, rows, one_process: Path) -> None:
+    """tokens/s and TFLOP/s count each token once, and attention over the whole sequence, as one
+    process does."""
+    steps = [[r for r in read_metrics(run_dir) if "tokens_per_s" in r] for run_dir in (rows(row), one_process)]
     assert len(steps[0]) == len(steps[1]) == BASE["train.steps"]
     for ours, one in zip(*steps):
         for key in ("tokens_per_s", "tflops"):
             assert ours[key] * ours["step_time_s"] == pytest.approx(one[key] * one["step_time_s"], rel=1e-9)
+
+
+@pytest.mark.timeout(900)
+def test_cp2_checkpoint_resumes_at_dp2(rows, reference, data_dir: Path, tmp_path: Path) -> None:
+    """cp2's step-5 checkpoint (cp ranks hold whole replicas) resumed by dp2: steps 6 to 10 and the
+    weights after them as the uninterrupted cp2 run and the reference (1e-5)."""
+    full = rows("cp2")
+    run = interrupted_copy(full, tmp_path / "run", at_step=5)
+    done = train_job(tiny(data_dir, run, **{**BASE, "parallel.dp": 2}), tmp_path=tmp_path, timeout=420)
+    assert "resumed from" in done.stderr
+    assert losses(run)[-5:] == pytest.approx(losses(full)[-5:], rel=1e-5)
+    assert losses(run)[-5:] == pytest.approx(reference("cp2").losses[-5:], rel=1e-5)
+    assert max_weight_diff(final_weights(run), final_weights(full)) < 1e-5
