@@ -83,12 +83,21 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
 
 def check_packs_documents(cfg: Config, model: nn.Module) -> None:
     """Documents data trains only a model that keeps the documents of a row apart (or one a row,
-    where its padding tail must still not be attended to): the model protocol's takes_documents."""
+    where its padding tail must still not be attended to): the model protocol's takes_documents;
+    not under train.compile true, whose one graph per block the attention's per-document slices
+    (read on the host, models/documents.py) break."""
     from meshrun.data.storage import DOCUMENTS_FORMAT, read_meta
     from meshrun.models.protocol import takes_documents
 
     meta = None if cfg.data.mixture or cfg.data.format != "meshrun" else read_meta(data_dir(cfg))
-    if meta is None or meta.get("format") != DOCUMENTS_FORMAT or takes_documents(model):
+    if meta is None or meta.get("format") != DOCUMENTS_FORMAT:
+        return
+    if cfg.train.compile is True:
+        raise ConfigError(
+            f"train.compile true compiles each block as one graph, which attention within each document of "
+            f"{data_dir(cfg)} breaks; set train.compile: auto (such blocks run eager) or false"
+        )
+    if takes_documents(model):
         return
     raise ConfigError(
         f"{data_dir(cfg)} holds documents with a loss mask, trained as packed rows whose documents attend only to "

@@ -150,3 +150,13 @@ def test_cp2_checkpoint_resumes_at_dp2(rows, reference, data_dir: Path, tmp_path
     assert losses(run)[-5:] == pytest.approx(losses(full)[-5:], rel=1e-5)
     assert losses(run)[-5:] == pytest.approx(reference("cp2").losses[-5:], rel=1e-5)
     assert max_weight_diff(final_weights(run), final_weights(full)) < 1e-5
+
+
+def test_compile_true_on_documents_is_refused_before_any_worker(documents_dir: Path, tmp_path: Path) -> None:
+    """A packed row's attention slices each document on the host, which breaks the one graph per
+    block that train.compile true asks for: one line, exit 2, no worker (models/documents.py)."""
+    args = tiny(documents_dir, tmp_path / "run", **{**DOCUMENTS, "train.compile": True})
+    done = meshrun_in_process(["train", "--dry-run", *args], tmp_path=tmp_path, check=False)
+    err = done.stderr.strip()
+    assert done.returncode == 2 and err.count("\n") == 0, err
+    assert "train.compile true compiles each block as one graph" in err and "set train.compile: auto" in err

@@ -69,8 +69,11 @@ def _attend_within_documents(
 
 
 def attend_within_documents(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """`_attend_within_documents`, run eagerly inside compiled blocks: a Python loop over slices
-    whose lengths change every batch."""
+    """`_attend_within_documents` kept out of compiled graphs: a Python loop over slices whose
+    lengths change every batch. meshrun compiles whole blocks (fullgraph), so dynamo stops at it with
+    its own Unsupported error, which parallel/compile.py catches (auto: the block runs eager;
+    tracing the loop would raise a data-dependent guard error it does not catch). train.compile
+    true on documents data is refused before any worker (preflight.py)."""
     return _eager()(*args, **kwargs)
 
 
