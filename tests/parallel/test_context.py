@@ -3,10 +3,10 @@
 Each row trains 10 clipped AdamW steps and logs every step's loss and pre-clip gradient norm as
 the independent plain-torch reference (plain_reference.py) computes them (1e-5 relative, step 1
 first); its weights after the last step equal the reference's (1e-5). Plain text: cp2 (DDP over
-the cp ranks), fsdp dp2 x cp2 under full recompute, cp2 x pp2 (1f1b). Packed documents with
+the cp ranks), fsdp dp2 x cp2 under full recompute, cp2 x pp2 (interleaved 1F1B). Packed documents with
 per-document masks (prompt/completion documents, two a row, crossing the cp chunk boundary;
 the reference runs each document alone): tp2 x cp2 under sequence parallel and the one 8-rank
-row, dp2 x cp2 x pp2. The cp2 run's step-5 checkpoint resumed at dp2 ends where it does.
+row, fsdp dp2 x cp2 x pp2 (ZBV: each backward split in two passes). The cp2 run's step-5 checkpoint resumed at dp2 ends where it does.
 Llama under cp is proven in tests/models/test_hf.py (plain text, cp2 resumed at cp1) and
 tests/models/test_sft.py (packed conversations, cp2 x pp2); the all-to-alls themselves, and two
 broken variants (positions taken as local, the second all-to-all to the wrong rank) differing at
@@ -40,8 +40,9 @@ ROWS = {
     "cp2": {"parallel.cp": 2},  # DDP over the cp ranks (each holds a part of the same samples)
     # 4 ranks: FSDP2 shards over dp x cp (dp_shard_cp, as torchtitan), under full recompute
     "fsdp-dp2-cp2": {"parallel.dp": 2, "parallel.cp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
-    # 4 ranks: each stage's attention split over its cp pair; positions travel between the stages
-    "cp2-pp2": {"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
+    # 4 ranks: each stage's attention split over its cp pair (two stages a rank); positions travel
+    # between the stages
+    "cp2-pp2": {"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},
     # 4 ranks: heads split by tp, then by cp (4 heads: one a rank inside attention); sequence parallel
     # holds T / (cp x tp) positions a rank outside attention
     "tp2-sp-cp2-documents": {
@@ -51,8 +52,16 @@ ROWS = {
         "parallel.cp": 2,
         "model.num_heads": 4,
     },
-    # the one 8-rank row: every axis that splits a sample or the batch, on packed documents
-    "dp2-cp2-pp2-documents": {**DOCUMENTS, "parallel.dp": 2, "parallel.cp": 2, "parallel.pp": 2},
+    # the one 8-rank row: every axis that splits a sample or the batch, on packed documents; each
+    # stage's FSDP2 shards over its dp x cp ranks (cp2-pp2 above: DDP over the cp pair)
+    "dp2-cp2-pp2-documents": {
+        **DOCUMENTS,
+        "parallel.dp": 2,
+        "parallel.cp": 2,
+        "parallel.pp": 2,
+        "parallel.dp_mode": "fsdp",
+        "parallel.schedule": "zbv",
+    },
 }
 MATHS_KEYS = {"model.num_heads", *DOCUMENTS}  # a row's keys that change the maths, not only the layout
 
