@@ -2,15 +2,17 @@
 
 Each row trains 10 clipped AdamW steps and logs every step's loss and pre-clip gradient norm as
 the independent plain-torch reference (plain_reference.py) computes them (1e-5 relative, step 1
-first); its weights after the last step equal the reference's (1e-5). Plain text: cp2 (DDP over
-the cp ranks), fsdp dp2 x cp2 under full recompute, cp2 x pp2 (interleaved 1F1B). Packed documents with
-per-document masks (prompt/completion documents, two a row, crossing the cp chunk boundary;
-the reference runs each document alone): tp2 x cp2 under sequence parallel and the one 8-rank
-row, fsdp dp2 x cp2 x pp2 (ZBV: each backward split in two passes). The cp2 run's step-5 checkpoint resumed at dp2 ends where it does.
-Llama under cp is proven in tests/models/test_hf.py (plain text, cp2 resumed at cp1) and
-tests/models/test_sft.py (packed conversations, cp2 x pp2); the all-to-alls themselves, and two
-broken variants (positions taken as local, the second all-to-all to the wrong rank) differing at
-step 1 on both kinds of data, in test_context_attention.py.
+first); its weights after the last step equal the reference's (1e-5).
+- Plain text: cp2 (DDP over the cp ranks), fsdp dp2 x cp2 under full recompute, cp2 x pp2
+  (interleaved 1F1B).
+- Packed documents with per-document masks (prompt/completion documents, two a row, crossing the
+  cp chunk boundary; the reference runs each document alone): tp2 x cp2 under sequence parallel,
+  and the one 8-rank row, fsdp dp2 x cp2 x pp2 under ZBV (each backward split in two passes).
+The cp2 run's step-5 checkpoint resumed at dp2 ends where it does. Llama under cp is proven in
+tests/models/test_hf.py (plain text, cp2 resumed at cp1) and tests/models/test_sft.py (packed
+conversations, cp2 x pp2); the all-to-alls themselves, and two broken variants (positions taken
+as local, the second all-to-all to the wrong rank) differing at step 1 on both kinds of data, in
+test_context_attention.py.
 """
 
 from __future__ import annotations
