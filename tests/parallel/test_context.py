@@ -81,7 +81,7 @@ def documents_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     args = ["prepare-data", "--prompt-completion", "--prompt-field", "q", "--completion-field", "a"]
     args += ["--source", root / "pc.jsonl", "--tokenizer", write_chat_tokenizer(root / "tokenizer")]
-    meshrun_in_process([*args, "--max-len", DOCUMENTS["model.seq_len"], "--out", root / "data"], tmp_path=root)
+    meshrun_in_process([*args, "--max-len", str(DOCUMENTS["model.seq_len"]), "--out", root / "data"], tmp_path=root)
     return root / "data"
 
 
