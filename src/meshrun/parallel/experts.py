@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor
 
 from meshrun.errors import ConfigError
 from meshrun.parallel.expert_shards import EXPERT_WEIGHTS, ExpertShard, experts_modules
@@ -79,7 +80,11 @@ def shard_experts(part: nn.Module, mesh: Mesh) -> None:
     for _, module in experts_modules(part):
         total = module.get_parameter("gate_up_proj").shape[0]
         shard = ExpertShard(
-            first=mesh.coordinates.ep * (total // ep), count=total // ep, total=total, mesh=mesh.view("ep")
+            first=mesh.coordinates.ep * (total // ep),
+            count=total // ep,
+            total=total,
+            mesh=mesh.view("ep"),
+            grid=mesh.view("ep_dp", "ep"),
         )
         for name in EXPERT_WEIGHTS:
             whole = module.get_parameter(name)
@@ -128,11 +133,13 @@ class ExpertGradients:
         self.ep_dp_group = mesh.group("ep_dp") if self.params and mesh.size("ep_dp") > 1 else None
         self.ep_group = mesh.group("ep") if self.params else None
         self.dp = mesh.size("dp")
+        self.reduced_by_fsdp = any(isinstance(p, DTensor) for p in self.params)  # fsdp.wrap_experts: over ep_dp
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Sum over ep_dp and divide by dp (call after the backward, before unscale and clip)."""
-        if not self.params:
+        """Sum over ep_dp and divide by dp (call after the backward, before unscale and clip); FSDP2's
+        reduce-scatter did it for experts it shards."""
+        if not self.params or self.reduced_by_fsdp:
             return
         for param in self.params:  # a rank no token reached has no gradient: its peers still sum with it
             if param.grad is None:
@@ -154,14 +161,20 @@ class ExpertGradients:
         if self.ep_group is None:
             return None
         grads = [p.grad for p in self.params if p.grad is not None]
-        squared = torch.nn.utils.get_total_norm(grads, foreach=True).to(torch.float32) ** 2
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        squared = (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(torch.float32) ** 2  # fsdp: over ep_dp
         dist.all_reduce(squared, group=self.ep_group)
         return squared
 
 
+def split_experts(part: nn.Module) -> list[nn.Module]:
+    """The experts modules of `part` that parallel.ep split."""
+    return [module for _, module in experts_modules(part) if hasattr(module, "expert_shard")]
+
+
 def expert_params(part: nn.Module) -> list[nn.Parameter]:
-    """The split expert weights of `part` (left out of DDP and FSDP)."""
-    return [m.get_parameter(n) for _, m in experts_modules(part) if hasattr(m, "expert_shard") for n in EXPERT_WEIGHTS]
+    """The split expert weights of `part` (left out of DDP; under FSDP, sharded over ep_dp apart)."""
+    return [module.get_parameter(name) for module in split_experts(part) for name in EXPERT_WEIGHTS]
 
 
 def expert_param_names(part: nn.Module) -> list[str]:
