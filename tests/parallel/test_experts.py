@@ -47,15 +47,26 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ep", [2, 4])
-def test_split_experts_equal_one_process(measured: list[dict], ep: int) -> None:
-    """Outputs and gradients (router: dense, DDP's mean; experts: summed over ep_dp, over dp) equal the
-    whole block's on the whole batch, and so does the global gradient norm."""
+@pytest.mark.parametrize("ep", ["ep2", "ep4", "fsdp_ep2"])
+def test_split_experts_equal_one_process(measured: list[dict], ep: str) -> None:
+    """Outputs and gradients (router: dense, DDP's mean; experts: summed over ep_dp, over dp; under
+    fsdp reduce-scattered over ep_dp) equal the whole block's on the whole batch, and so does the
+    global gradient norm."""
     for found in measured:
-        diffs = found[f"ep{ep}"]
+        diffs = found[ep]
         assert diffs["output"] < TOLERANCE and diffs["router_grad"] < TOLERANCE * found["reference_norm"], diffs
         assert max(diffs["gate_up_proj_grad"], diffs["down_proj_grad"]) < TOLERANCE * found["reference_norm"], diffs
         assert diffs["norm"] == pytest.approx(found["reference_norm"], rel=TOLERANCE)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_shards_split_experts_over_ep_dp(measured: list[dict]) -> None:
+    """Under fsdp each rank holds half of its ep rank's 4 experts' weights: dim 1 split over ep_dp 2."""
+    for found in measured:
+        assert found["fsdp_ep2"]["layouts"] == {
+            "gate_up_proj": [["ep_dp"], ["S(1)"], [4, 8, 16]],
+            "down_proj": [["ep_dp"], ["S(1)"], [4, 8, 8]],
+        }
 
 
 @pytest.mark.timeout(300)
