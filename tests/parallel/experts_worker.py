@@ -16,13 +16,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from meshrun.config.schema import TrainConfig
 from meshrun.parallel import expert_shards, experts, fsdp
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, mesh_on
+from meshrun.training.optim import Optimizers
 
 BATCH, SEQ, HIDDEN = 8, 5, 16
 CONFIG = Qwen3MoeConfig(
@@ -116,8 +119,34 @@ def sharded_over_ep_dp(reference: nn.Module, x: torch.Tensor, target: torch.Tens
     layouts = {}
     for name in expert_shards.EXPERT_WEIGHTS:
         param = block.experts.get_parameter(name)
-        layouts[name] = [param.device_mesh.mesh_dim_names, [str(p) for p in param.placements], list(param.to_local().shape)]
-    return {**differences(block, reference, out, full_out[rows.start : rows.stop]), "norm": norm, "layouts": layouts}
+        layouts[name] = [
+            param.device_mesh.mesh_dim_names,
+            [str(p) for p in param.placements],
+            list(param.to_local().shape),
+        ]
+    found = differences(block, reference, out, full_out[rows.start : rows.stop])
+    return {**found, "norm": norm, "layouts": layouts, "fp16_scales": fp16_scales(block)}
+
+
+def fp16_scales(block: nn.Module) -> list[float]:
+    """fp16's loss scaler over the experts sharded over ep_dp beside the router (plain here; over dp in
+    training): gradients scaled by 1024 and unscaled back by `Optimizers.unscale_` (the scale kept),
+    then an inf in one rank's expert shard: every rank halves its scale. Returns the two scales."""
+    before = [fsdp.local(p.grad).clone() for p in block.parameters()]
+    scaler = ShardedGradScaler("cpu", init_scale=1024.0, process_group=dist.group.WORLD)
+    scaler.scale(torch.zeros(()))
+    optimizers = Optimizers([block], TrainConfig())
+    for param in block.parameters():
+        fsdp.local(param.grad).mul_(1024.0)
+    optimizers.unscale_(scaler)
+    scaler.update()
+    assert all(torch.equal(fsdp.local(p.grad), b) for p, b in zip(block.parameters(), before))
+    scales = [scaler.get_scale()]
+    if dist.get_rank() == 3:
+        fsdp.local(block.experts.down_proj.grad)[0, 0, 0] = float("inf")
+    optimizers.unscale_(scaler)
+    scaler.update()
+    return [*scales, scaler.get_scale()]
 
 
 def broken_output(mesh: Mesh, x: torch.Tensor, full_out: torch.Tensor) -> float:

@@ -45,17 +45,10 @@ if TYPE_CHECKING:
     from meshrun.parallel.mesh import Mesh
 
 
-def check_experts_split(model: nn.Module, ep: int, *, dp_mode: str = "ddp", precision: str = "fp32") -> None:
-    """parallel.ep > 1 needs a model with MoE layers whose experts divide by ep (`model`: whole, on
-    meta), and not fp16 (`precision`, resolved) under fsdp / hsdp: its loss scaler unscales an
-    optimizer's gradients in one call, which torch refuses for FSDP's DTensors beside the plain experts."""
+def check_experts_split(model: nn.Module, ep: int) -> None:
+    """parallel.ep > 1 needs a model with MoE layers whose experts divide by ep (`model`: whole, on meta)."""
     if ep == 1:
         return
-    if precision == "fp16" and dp_mode != "ddp":
-        raise ConfigError(
-            f"parallel.ep with dp_mode {dp_mode} and fp16 is not built yet (the loss scaler cannot unscale FSDP's "
-            "sharded gradients beside the split experts); use precision bf16 or fp32, or dp_mode ddp"
-        )
     found = experts_modules(model)
     if not found:
         raise ConfigError(

@@ -93,7 +93,7 @@ def wrap_experts(part: nn.Module, mesh: Mesh, options: dict[str, Any]) -> set[nn
         sharded.set_gradient_divide_factor(mesh.size("dp"))
         sharded.set_force_sum_reduction_for_comms(True)  # a divide apart: gloo has no PREMUL_SUM
         sharded.set_reduce_scatter_unused_params(True)  # zeros where no token reached an expert: every rank sends
-        mark_collectives(sharded)
+        mark_collectives(module)
     return set()
 
 

@@ -173,8 +173,14 @@ class Optimizers:
         return lr
 
     def unscale_(self, scaler: GradScaler) -> None:
-        for optimizer in self.optimizers:
-            scaler.unscale_(optimizer)
+        """fp16: every part's gradients unscaled and checked in one call, on their local shards: torch's
+        foreach kernel refuses DTensors of different meshes side by side (parallel.ep's experts sharded
+        over ep_dp beside the dense weights over dp), and the scaler reduces found_inf over the ranks."""
+        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
+        shards = [local(p.detach()).detach() for p in params]  # share the parameters' memory, no copy
+        for shard, param in zip(shards, params):
+            shard.grad = None if param.grad is None else local(param.grad)  # the same memory: unscaled in place
+        scaler.unscale_(torch.optim.SGD(shards, lr=0.0))  # the scaler reads only an optimizer's param_groups
 
     def step_unless(self, skip: torch.Tensor) -> None:
         """Every optimizer stepped, or none (where `skip` is 1), decided on the device."""
