@@ -16,10 +16,12 @@ the opposite way). The router's weights multiply where they were computed: its g
 
 Gradients. Dense weights reduce over dp as before (DDP or FSDP: the mean of the dp ranks'
 gradients). An expert's gradient on its rank already sums every ep rank's contributions (the
-all-to-all's backward brings them), so the experts are left out of DDP / FSDP, and their gradients
-are summed over `ep_dp` (the ranks holding the same experts) and divided by dp: the mean over all dp
-ranks' losses a dense weight gets, so a step equals one process's. The global gradient norm sums the
-experts' squares over `ep` (each rank holds different ones).
+all-to-all's backward brings them), so it is summed over `ep_dp` (the ranks holding the same experts)
+and divided by dp: the mean over all dp ranks' losses a dense weight gets, so a step equals one
+process's. Under ddp the experts are left out of DDP and `ExpertGradients` all-reduces them; under
+fsdp / hsdp FSDP2 shards each experts module over `ep_dp` and its reduce-scatter does it
+(fsdp.wrap_experts). The global gradient norm sums the experts' squares over `ep` (each rank holds
+different ones).
 
 Checkpoints: parallel/expert_shards.py names each shard as part of the whole tensor, so a resume at
 another ep degree (ep 1 included) reads its own share.
