@@ -64,12 +64,9 @@ def preflight(cfg: Config, *, scope: Literal["job", "model"] = "job") -> nn.Modu
             source = model_source(cfg.model)
             check_plan(model, cfg.parallel.tp, source, sequence_parallel=cfg.parallel.sequence_parallel)
         if cfg.parallel.ep > 1:
-            from meshrun.hardware.device import local_device
-            from meshrun.hardware.precision import resolve_precision
             from meshrun.parallel.experts import check_experts_split
 
-            precision = resolve_precision(cfg.precision, local_device()).precision
-            check_experts_split(model, cfg.parallel.ep, dp_mode=cfg.parallel.dp_mode, precision=precision)
+            check_experts_split(model, cfg.parallel.ep)
         check_weights(model)  # pretrained weights: present, shaped as the config says
         if reads_in_place(cfg) or is_prepared(data_dir(cfg)):
             check_data_fits(cfg, data_dir(cfg))

@@ -1,6 +1,7 @@
 """One torchrun worker of tests/parallel/test_experts.py (4 ranks, gloo): transformers' own
 Qwen3-MoE sparse block, whole on every rank (the one-process reference on the global batch), then
-split over ep 2 (ep_dp 2) and ep 4 (ep_dp 1) with each dp rank on its share of the batch; a broken
+split over ep 2 (ep_dp 2) and ep 4 (ep_dp 1) with each dp rank on its share of the batch, and over ep 2
+with its experts fully_shard-ed over ep_dp 2 as dp_mode fsdp does (parallel/fsdp.py); a broken
 variant that returns the experts' outputs to the wrong rows; checkpoints saved at ep 2 and read at
 ep 1 and ep 4. Writes what it measured to OUT/rank-R.json."""
 
@@ -14,12 +15,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from meshrun.parallel import expert_shards, experts
+from meshrun.config.schema import TrainConfig
+from meshrun.parallel import expert_shards, experts, fsdp
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, mesh_on
+from meshrun.training.optim import Optimizers
 
 BATCH, SEQ, HIDDEN = 8, 5, 16
 CONFIG = Qwen3MoeConfig(
@@ -68,8 +74,9 @@ def differences(block: nn.Module, reference: nn.Module, out: torch.Tensor, full_
     found = {"output": (out - full_out).abs().max().item()}
     found["router_grad"] = (block.gate.weight.grad - reference.gate.weight.grad).abs().max().item()
     for name in expert_shards.EXPERT_WEIGHTS:
-        mine, whole = block.experts.get_parameter(name), reference.experts.get_parameter(name)
-        found[f"{name}_grad"] = (mine.grad - whole.grad[kept]).abs().max().item()
+        mine, whole = block.experts.get_parameter(name).grad, reference.experts.get_parameter(name).grad
+        mine = mine.full_tensor() if isinstance(mine, DTensor) else mine  # fsdp: sharded over ep_dp
+        found[f"{name}_grad"] = (mine - whole[kept]).abs().max().item()
     return found
 
 
@@ -93,9 +100,53 @@ def main(out_dir: Path) -> None:
         if ep == 2:
             found["broken"] = broken_output(mesh, x, full_out)
             dcp.save(expert_shards.global_state(block, block.state_dict()), checkpoint_id=out_dir / "ep2")
+    found["fsdp_ep2"] = sharded_over_ep_dp(reference, x, target, full_out)
     found["resumed"] = resumed(out_dir / "ep2", reference, cpu)
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
+
+
+def sharded_over_ep_dp(reference: nn.Module, x: torch.Tensor, target: torch.Tensor, full_out: torch.Tensor) -> dict:
+    """ep 2 under fsdp: the experts fully_shard-ed over ep_dp by fsdp.wrap_experts (the router left to
+    `step`'s all-reduce); their differences from the reference and how each expert weight is laid out."""
+    mesh = mesh_on(Layout(dp_shard=4, ep=2), torch.device("cpu"))
+    block = moe_block()
+    experts.shard_experts(block, mesh)
+    options = {"mesh": mesh.data_mesh, "reshard_after_forward": True, "mp_policy": MixedPrecisionPolicy()}
+    assert not fsdp.wrap_experts(block, mesh, options)  # none left out at ep_dp 2
+    out, norm = step(block, mesh, x, target)
+    rows = mesh.data_shard(BATCH)
+    layouts = {}
+    for name in expert_shards.EXPERT_WEIGHTS:
+        param = block.experts.get_parameter(name)
+        layouts[name] = [
+            param.device_mesh.mesh_dim_names,
+            [str(p) for p in param.placements],
+            list(param.to_local().shape),
+        ]
+    found = differences(block, reference, out, full_out[rows.start : rows.stop])
+    return {**found, "norm": norm, "layouts": layouts, "fp16_scales": fp16_scales(block)}
+
+
+def fp16_scales(block: nn.Module) -> list[float]:
+    """fp16's loss scaler over the experts sharded over ep_dp beside the router (plain here; over dp in
+    training): gradients scaled by 1024 and unscaled back by `Optimizers.unscale_` (the scale kept),
+    then an inf in one rank's expert shard: every rank halves its scale. Returns the two scales."""
+    before = [fsdp.local(p.grad).clone() for p in block.parameters()]
+    scaler = ShardedGradScaler("cpu", init_scale=1024.0, process_group=dist.group.WORLD)
+    scaler.scale(torch.zeros(()))
+    optimizers = Optimizers([block], TrainConfig())
+    for param in block.parameters():
+        fsdp.local(param.grad).mul_(1024.0)
+    optimizers.unscale_(scaler)
+    scaler.update()
+    assert all(torch.equal(fsdp.local(p.grad), b) for p, b in zip(block.parameters(), before))
+    scales = [scaler.get_scale()]
+    if dist.get_rank() == 3:
+        fsdp.local(block.experts.down_proj.grad)[0, 0, 0] = float("inf")
+    optimizers.unscale_(scaler)
+    scaler.update()
+    return [*scales, scaler.get_scale()]
 
 
 def broken_output(mesh: Mesh, x: torch.Tensor, full_out: torch.Tensor) -> float:

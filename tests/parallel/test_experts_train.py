@@ -1,7 +1,9 @@
-"""`meshrun train` with parallel.ep equals one process: transformers' Qwen3-MoE at dp2 x ep2 under
-DDP; the built-in MoE gpt at dp2 (fsdp) x pp2 x ep2 with recompute, and that run's step-2
-checkpoint resumed as one process (ep2 x pp2 -> ep1 x pp1): losses, gradient norms and final
-weights (fp32, 4 clipped AdamW steps)."""
+"""`meshrun train` with parallel.ep equals one process over 10 clipped AdamW steps (fp32): losses,
+gradient norms, routing (tokens per expert, the balance loss) and final weights. Rows: transformers'
+Qwen3-MoE at dp2 x ep2 under DDP; the built-in MoE gpt at dp2 x pp2 x ep2 (fsdp, 1F1B, recompute;
+ep_dp 1: experts all-reduced) and, in the one 8-rank launch, dp4 x pp2 x ep2 (fsdp, interleaved
+1F1B: experts sharded over ep_dp 2); their step-5 checkpoints resumed as one process (ep2 x pp2 ->
+ep1 x pp1) and at dp4 (ep1, ddp)."""
 
 from __future__ import annotations
 
@@ -10,22 +12,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, grad_norms, losses, max_weight_diff, run_meshrun, tiny
+from conftest import final_weights, grad_norms, losses, max_weight_diff, read_metrics, run_meshrun, tiny
 
-COMMON = {"checkpoint.interval": 2, "train.grad_clip": 0.5}  # clipped: the norm over split experts counts
-BUILT_IN = {"model.moe.num_experts": 4, "model.num_layers": 2}
+STEPS, SAVED = 10, 5
+COMMON = {"checkpoint.interval": SAVED, "train.steps": STEPS, "train.grad_clip": 0.5}  # clipped: the split norm counts
+BUILT_IN = {"model.moe.num_experts": 4}
 QWEN3_MOE = {  # transformers' tiny Qwen3-MoE: 4 experts, top 2, both layers sparse
     "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256, "num_experts": 4,
     "num_experts_per_tok": 2, "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 1,
 }  # fmt: skip
 EP2 = {"parallel.dp": 2, "parallel.ep": 2}
+PP2_FSDP = {"parallel.pp": 2, "parallel.dp_mode": "fsdp"}
+DP4 = {"parallel.dp": 4, "train.micro_batch": 1}  # 2 microbatches a rank: the pipeline's least
 LAYOUTS = {
     "one": BUILT_IN,
-    "fsdp_pp2_ep2": {**BUILT_IN, **EP2, "parallel.dp_mode": "fsdp", "parallel.pp": 2, "recompute": "full"},
+    "pp2_ep2": {**BUILT_IN, **EP2, **PP2_FSDP, "recompute": "full"},
+    "dp4_pp2_ep2": {**BUILT_IN, **DP4, **PP2_FSDP, "parallel.ep": 2, "parallel.schedule": "interleaved-1f1b"},
     "hf_one": {},
     "hf_ddp_ep2": EP2,
 }
+RESUMED = {"resumed_one": ("pp2_ep2", BUILT_IN), "resumed_dp4": ("dp4_pp2_ep2", {**BUILT_IN, **DP4})}
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +45,31 @@ def runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "qwen3_moe")
     for name, settings in LAYOUTS.items():
         model = {"model.hf": tmp / "qwen3_moe"} if name.startswith("hf") else {}
-        run_meshrun(["train", *tiny(data_dir, tmp / name, **COMMON, **model, **settings)], tmp_path=tmp, timeout=300)
-    resumed = tmp / "resumed"  # the fsdp x pp2 x ep2 run as it stood at step 2, then one process
-    shutil.copytree(tmp / "fsdp_pp2_ep2", resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-00000004")
-    (resumed / "checkpoints" / "latest").write_text("step-00000002\n")
-    (resumed / "summary.json").unlink()
-    done = run_meshrun(["train", *tiny(data_dir, resumed, **COMMON, **BUILT_IN)], tmp_path=tmp, timeout=300)
-    assert "resumed from" in done.stderr
-    return {**{name: tmp / name for name in LAYOUTS}, "resumed": resumed}
+        run_meshrun(["train", *tiny(data_dir, tmp / name, **COMMON, **model, **settings)], tmp_path=tmp, timeout=600)
+    for name, (source, settings) in RESUMED.items():  # the run as it stood at step 5, resumed in another layout
+        shutil.copytree(tmp / source, tmp / name)
+        shutil.rmtree(tmp / name / "checkpoints" / f"step-{STEPS:08d}")
+        (tmp / name / "checkpoints" / "latest").write_text(f"step-{SAVED:08d}\n")
+        (tmp / name / "summary.json").unlink()
+        done = run_meshrun(["train", *tiny(data_dir, tmp / name, **COMMON, **settings)], tmp_path=tmp, timeout=300)
+        assert "resumed from" in done.stderr
+    return {name: tmp / name for name in (*LAYOUTS, *RESUMED)}
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["hf_ddp_ep2", "fsdp_pp2_ep2", "resumed"])
+def routing(run_dir: Path) -> list[dict[str, float]]:
+    """Each step's routing figures: tokens per expert (min, max, cv per MoE layer) and the balance loss."""
+    rows = [{k: v for k, v in row.items() if k.startswith("moe/") or k == "aux_loss"} for row in read_metrics(run_dir)]
+    return [row for row in rows if row]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", ["hf_ddp_ep2", "pp2_ep2", "dp4_pp2_ep2", "resumed_one", "resumed_dp4"])
 def test_expert_parallel_training_equals_one_process(runs: dict[str, Path], name: str) -> None:
+    """Every step (a resumed run's metrics hold its source's steps to 5, then its own)."""
     reference = runs["hf_one" if name.startswith("hf") else "one"]
+    assert len(losses(runs[name])) == STEPS
     assert losses(runs[name]) == pytest.approx(losses(reference), rel=1e-5)
     assert grad_norms(runs[name]) == pytest.approx(grad_norms(reference), rel=1e-5)
+    routed, expected = routing(runs[name]), routing(reference)
+    assert len(routed) == STEPS and all(row == pytest.approx(want, rel=1e-5) for row, want in zip(routed, expected))
     assert max_weight_diff(final_weights(runs[name]), final_weights(reference)) < 1e-5

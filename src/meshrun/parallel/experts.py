@@ -16,10 +16,12 @@ the opposite way). The router's weights multiply where they were computed: its g
 
 Gradients. Dense weights reduce over dp as before (DDP or FSDP: the mean of the dp ranks'
 gradients). An expert's gradient on its rank already sums every ep rank's contributions (the
-all-to-all's backward brings them), so the experts are left out of DDP / FSDP, and their gradients
-are summed over `ep_dp` (the ranks holding the same experts) and divided by dp: the mean over all dp
-ranks' losses a dense weight gets, so a step equals one process's. The global gradient norm sums the
-experts' squares over `ep` (each rank holds different ones).
+all-to-all's backward brings them), so it is summed over `ep_dp` (the ranks holding the same experts)
+and divided by dp: the mean over all dp ranks' losses a dense weight gets, so a step equals one
+process's. Under ddp the experts are left out of DDP and `ExpertGradients` all-reduces them; under
+fsdp / hsdp FSDP2 shards each experts module over `ep_dp` and its reduce-scatter does it
+(fsdp.wrap_experts). The global gradient norm sums the experts' squares over `ep` (each rank holds
+different ones).
 
 Checkpoints: parallel/expert_shards.py names each shard as part of the whole tensor, so a resume at
 another ep degree (ep 1 included) reads its own share.
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor
 
 from meshrun.errors import ConfigError
 from meshrun.parallel.expert_shards import EXPERT_WEIGHTS, ExpertShard, experts_modules
@@ -44,17 +47,10 @@ if TYPE_CHECKING:
     from meshrun.parallel.mesh import Mesh
 
 
-def check_experts_split(model: nn.Module, ep: int, *, dp_mode: str = "ddp", precision: str = "fp32") -> None:
-    """parallel.ep > 1 needs a model with MoE layers whose experts divide by ep (`model`: whole, on
-    meta), and not fp16 (`precision`, resolved) under fsdp / hsdp: its loss scaler unscales an
-    optimizer's gradients in one call, which torch refuses for FSDP's DTensors beside the plain experts."""
+def check_experts_split(model: nn.Module, ep: int) -> None:
+    """parallel.ep > 1 needs a model with MoE layers whose experts divide by ep (`model`: whole, on meta)."""
     if ep == 1:
         return
-    if precision == "fp16" and dp_mode != "ddp":
-        raise ConfigError(
-            f"parallel.ep with dp_mode {dp_mode} and fp16 is not built yet (the loss scaler cannot unscale FSDP's "
-            "sharded gradients beside the split experts); use precision bf16 or fp32, or dp_mode ddp"
-        )
     found = experts_modules(model)
     if not found:
         raise ConfigError(
@@ -79,7 +75,11 @@ def shard_experts(part: nn.Module, mesh: Mesh) -> None:
     for _, module in experts_modules(part):
         total = module.get_parameter("gate_up_proj").shape[0]
         shard = ExpertShard(
-            first=mesh.coordinates.ep * (total // ep), count=total // ep, total=total, mesh=mesh.view("ep")
+            first=mesh.coordinates.ep * (total // ep),
+            count=total // ep,
+            total=total,
+            mesh=mesh.view("ep"),
+            grid=mesh.view("ep_dp", "ep"),
         )
         for name in EXPERT_WEIGHTS:
             whole = module.get_parameter(name)
@@ -128,11 +128,13 @@ class ExpertGradients:
         self.ep_dp_group = mesh.group("ep_dp") if self.params and mesh.size("ep_dp") > 1 else None
         self.ep_group = mesh.group("ep") if self.params else None
         self.dp = mesh.size("dp")
+        self.reduced_by_fsdp = any(isinstance(p, DTensor) for p in self.params)  # fsdp.wrap_experts: over ep_dp
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Sum over ep_dp and divide by dp (call after the backward, before unscale and clip)."""
-        if not self.params:
+        """Sum over ep_dp and divide by dp (call after the backward, before unscale and clip); FSDP2's
+        reduce-scatter did it for experts it shards."""
+        if not self.params or self.reduced_by_fsdp:
             return
         for param in self.params:  # a rank no token reached has no gradient: its peers still sum with it
             if param.grad is None:
@@ -154,14 +156,20 @@ class ExpertGradients:
         if self.ep_group is None:
             return None
         grads = [p.grad for p in self.params if p.grad is not None]
-        squared = torch.nn.utils.get_total_norm(grads, foreach=True).to(torch.float32) ** 2
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        squared = (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(torch.float32) ** 2  # fsdp: over ep_dp
         dist.all_reduce(squared, group=self.ep_group)
         return squared
 
 
+def split_experts(part: nn.Module) -> list[nn.Module]:
+    """The experts modules of `part` that parallel.ep split."""
+    return [module for _, module in experts_modules(part) if hasattr(module, "expert_shard")]
+
+
 def expert_params(part: nn.Module) -> list[nn.Parameter]:
-    """The split expert weights of `part` (left out of DDP and FSDP)."""
-    return [m.get_parameter(n) for _, m in experts_modules(part) if hasattr(m, "expert_shard") for n in EXPERT_WEIGHTS]
+    """The split expert weights of `part` (left out of DDP; under FSDP, sharded over ep_dp apart)."""
+    return [module.get_parameter(name) for module in split_experts(part) for name in EXPERT_WEIGHTS]
 
 
 def expert_param_names(part: nn.Module) -> list[str]:

@@ -37,13 +37,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from meshrun.config.schema import Config, ParallelConfig
 from meshrun.hardware.precision import DTYPES
 from meshrun.metrics import time_split
 from meshrun.models.protocol import ProtocolModule
-from meshrun.parallel.experts import expert_params
+from meshrun.parallel.expert_shards import EXPERTS_SHARD_DIM
+from meshrun.parallel.experts import expert_params, split_experts
 from meshrun.parallel.mesh import Mesh
 
 
@@ -65,16 +66,35 @@ def wrap_fsdp(part: ProtocolModule, mesh: Mesh, par: ParallelConfig) -> nn.Modul
     compute, and bounds what is gathered at once), then the stage root for the rest."""
     options = {
         "mesh": mesh.data_mesh,
-        "ignored_params": set(expert_params(part)),  # each ep rank holds other experts: experts.ExpertGradients
         "reshard_after_forward": reshard_after_forward(par),
         "mp_policy": mixed_precision(par),
     }
+    options["ignored_params"] = wrap_experts(part, mesh, options)
     for block in part.blocks.values():
         fully_shard(block, **options)
         mark_collectives(block)
     fully_shard(part, **options)
     mark_collectives(part)
     return part
+
+
+def wrap_experts(part: nn.Module, mesh: Mesh, options: dict[str, Any]) -> set[nn.Parameter]:
+    """Split experts (parallel.ep) fully_shard-ed over `ep_dp`, the ranks holding the same experts, on
+    dim 1 (dim 0 is split over ep): their gradients reduce-scattered there, summed and divided by dp,
+    the mean over every dp rank's loss that a dense weight gets (parallel/experts.py). Returns the
+    expert weights left out: all at ep_dp 1, where torch 2.13 divides a one-rank mesh's gradients
+    twice; experts.ExpertGradients averages those."""
+    split = expert_params(part)
+    if not split or mesh.size("ep_dp") == 1:
+        return set(split)
+    placement = Shard(EXPERTS_SHARD_DIM)
+    for module in split_experts(part):
+        sharded = fully_shard(module, **{**options, "mesh": mesh.view("ep_dp")}, shard_placement_fn=lambda _: placement)
+        sharded.set_gradient_divide_factor(mesh.size("dp"))
+        sharded.set_force_sum_reduction_for_comms(True)  # a divide apart: gloo has no PREMUL_SUM
+        sharded.set_reduce_scatter_unused_params(True)  # zeros where no token reached an expert: every rank sends
+        mark_collectives(module)
+    return set()
 
 
 def mark_collectives(module: nn.Module) -> None:

@@ -39,6 +39,7 @@ class Mesh:
     views: Mapping[
         str, DeviceMesh
     ]  # each view (VIEWS, and EXPERT_VIEWS when ep > 1) cut from `world`: torch keeps no way back to it
+    expert_grid: DeviceMesh | None = None  # ep > 1: the dp view as (ep_dp, ep), where a split expert's whole lives
 
     @property
     def rank(self) -> int:
@@ -58,6 +59,8 @@ class Mesh:
         as FSDP2 needs of the tp and data meshes it composes."""
         if len(names) == 1 and names[0] in self.views:
             return self.views[names[0]]
+        if names == EXPERT_VIEWS and self.expert_grid is not None:
+            return self.expert_grid
         return self.world[names[0] if len(names) == 1 else names]
 
     def group(self, name: str) -> dist.ProcessGroup:
@@ -147,10 +150,11 @@ def mesh_on(layout: Layout, device: torch.device) -> Mesh:
     world size), with its views flattened onto it, checked against the layout's coordinates."""
     world = init_device_mesh(device.type, tuple(layout.degrees.values()), mesh_dim_names=tuple(layout.degrees))
     views = {name: flatten(world, axes, name) for name, axes in VIEWS.items()}
+    split = None
     if layout.ep > 1:  # the dp view split into (ep_dp, ep): one root, as FSDP2 needs of meshes it composes
         split = views["dp"]._unflatten(0, (layout.size("ep_dp"), layout.ep), EXPERT_VIEWS)
         views.update({name: split[name] for name in EXPERT_VIEWS})
-    mesh = Mesh(layout=layout, device=device, world=world, views=views)
+    mesh = Mesh(layout=layout, device=device, world=world, views=views, expert_grid=split)
     check_groups(mesh)
     return mesh
 

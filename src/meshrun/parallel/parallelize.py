@@ -16,7 +16,8 @@
   5d. train.offload_activations: the blocks it selects keep their saved tensors on the host (offload.py);
   6. data parallel over the dp group (dp x cp under context parallelism): each stage in DDP, or (dp_mode fsdp/hsdp, and
      ddp with tp > 1) fully_shard per block + the stage root (fsdp.py; 2-D with tp's DTensors);
-     split experts left out, their gradients averaged by `ExpertGradients` after the backward;
+     split experts left out of DDP (averaged by `ExpertGradients` after the backward), under FSDP
+     sharded over ep_dp apart (fsdp.wrap_experts);
   7. pp > 1: PipelineStage + a torch.distributed.pipelining schedule;
   8. tied embeddings: the group that sums the first and last stage's gradients (tied.py).
 Under tp the loss runs on vocabulary-sharded logits (`vocab_parallel`, forward and backward).

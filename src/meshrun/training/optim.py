@@ -28,15 +28,13 @@ def build_optimizer(part: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     for param in part.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    # Each group all DTensors or all plain tensors (torch's fused kernels refuse a mix): under fsdp the
-    # experts parallel.ep splits stay plain (parallel/experts.py) beside the sharded DTensors.
+    # Each group on one mesh, or all plain tensors (torch's fused kernels refuse a mix): under fsdp the
+    # experts parallel.ep splits are sharded over ep_dp (or stay plain) beside the dp-sharded DTensors.
     groups = [
-        {"params": [p for p in params if isinstance(p, DTensor) == sharded], "weight_decay": weight_decay}
-        for sharded in (True, False)
+        {"params": same, "weight_decay": weight_decay}
         for params, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        for same in by_mesh(params)
     ]
-    # LoRA trains matrices only: an empty group would break torch's flattened optimizer state on load
-    groups = [group for group in groups if group["params"]]
     # Fused where torch has a fused kernel (AdamW, Adam, SGD; CPU and CUDA): it can skip a step on
     # the device (see step_unless), with no host sync. RMSprop has none: foreach.
     if cfg.optimizer == "adamw":
@@ -123,13 +121,19 @@ def clip_global_norm(
         with time_split.section("wait"):  # for the stage that finishes its backward last
             dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
-    for sharded in (
-        (True, False) if max_norm > 0 else ()
-    ):  # torch's foreach kernels refuse DTensors beside plain tensors
-        kind = [p for p in params if isinstance(p, DTensor) == sharded]
-        if kind:
-            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, norm, foreach=True)
+    for same in by_mesh(params) if max_norm > 0 else ():  # torch's foreach kernels refuse a mix of meshes
+        torch.nn.utils.clip_grads_with_norm_(same, max_norm, norm, foreach=True)
     return norm
+
+
+def by_mesh(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` in groups that torch's foreach and fused kernels take in one call: the DTensors of each
+    mesh, the plain tensors (in first-seen order). No empty group: LoRA trains matrices only, and an
+    empty group would break torch's flattened optimizer state on load."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for param in params:
+        groups.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(param)
+    return list(groups.values())
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -169,8 +173,14 @@ class Optimizers:
         return lr
 
     def unscale_(self, scaler: GradScaler) -> None:
-        for optimizer in self.optimizers:
-            scaler.unscale_(optimizer)
+        """fp16: every part's gradients unscaled and checked in one call, on their local shards: torch's
+        foreach kernel refuses DTensors of different meshes side by side (parallel.ep's experts sharded
+        over ep_dp beside the dense weights over dp), and the scaler reduces found_inf over the ranks."""
+        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
+        shards = [local(p.detach()).detach() for p in params]  # share the parameters' memory, no copy
+        for shard, param in zip(shards, params):
+            shard.grad = None if param.grad is None else local(param.grad)  # the same memory: unscaled in place
+        scaler.unscale_(torch.optim.SGD(shards, lr=0.0))  # the scaler reads only an optimizer's param_groups
 
     def step_unless(self, skip: torch.Tensor) -> None:
         """Every optimizer stepped, or none (where `skip` is 1), decided on the device."""
