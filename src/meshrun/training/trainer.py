@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from meshrun.training.optim import clip_global_norm
 from meshrun.training.preemption import Requests
 from meshrun.training.state import TrainState
 from meshrun.training.step_records import AcrossRanks, StepResult, Window
+
+if TYPE_CHECKING:
+    from meshrun.training.recovery import PeerRecovery
 
 T = TypeVar("T")
 
@@ -92,6 +95,7 @@ class Trainer:
         self.stragglers = time_split.Stragglers(
             ratio=cfg.metrics.straggler_ratio, windows=cfg.metrics.straggler_windows
         )
+        self.recovery: PeerRecovery | None = None  # launch.recovery peer: a step broken by a lost peer is trained again
 
     def local_batch(self, data: Batches, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's share of the global batch starting at global sample `position` (under cp,
@@ -161,7 +165,7 @@ class Trainer:
         """`train_step` (profiled when profile.steps names it), counted into the log `window`."""
         done = step + 1
         with self.profiler.step(done, measure=measure):
-            result = self.train_step(step)
+            result = self.train_step(step) if self.recovery is None else self.recovery.step(self, step)
         if step == self.start_step and self.compiles:  # the first step compiled the blocks
             self.report.note(f"step {done} compiled and ran in {time.perf_counter() - window.start:.1f} s")
         length = result.attention_length or result.tokens // self.cfg.train.global_batch
