@@ -164,14 +164,14 @@ def seed_step(cfg: Config, mesh: Mesh, step: int) -> None:
 
 def announce(report: RunReport, copy: Copy, *, noticed: float, joined: float) -> None:
     """The recovery as one console line and a metrics.jsonl event (rank 0's record): from the loss
-    (its keeper's clock; else when this rank noticed it) to the copy done, split into the wait for
-    the replacement and the copy."""
+    (its keeper's clock; else when this rank noticed it) to the copy done, split at the replacement's
+    joining the group (before: its start; after: its model built and the state copied)."""
     lost = ", ".join(map(str, copy.fresh))
     since = copy.lost_at or noticed
-    figures = {"recovery_s": copy.done - since, "replacement_s": joined - since, "state_copy_s": copy.done - joined}
+    figures = {"recovery_s": copy.done - since, "rejoin_s": joined - since, "state_s": copy.done - joined}
     report.note(
-        f"recovered at step {copy.step + 1} in {figures['recovery_s']:.1f} s (the replacement's start "
-        f"{figures['replacement_s']:.1f} s, the state copy {figures['state_copy_s']:.2f} s): rank {lost}'s state "
-        f"copied from rank {copy.source}'s memory; no step lost"
+        f"recovered at step {copy.step + 1} in {figures['recovery_s']:.1f} s ({figures['rejoin_s']:.1f} s until "
+        f"the replacement joined, {figures['state_s']:.1f} s building its model and copying the state): rank {lost}'s "
+        f"state copied from rank {copy.source}'s memory; no step lost"
     )
     report.log(copy.step, {"recovered_ranks": lost, "recovered_from": copy.source, **figures, "steps_lost": 0})
