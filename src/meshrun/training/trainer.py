@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,13 @@ from meshrun.training.preemption import Requests
 from meshrun.training.state import TrainState
 from meshrun.training.step_records import AcrossRanks, StepResult, Window
 
-if TYPE_CHECKING:
-    from meshrun.training.recovery import PeerRecovery
-
 T = TypeVar("T")
+
+
+class StepRecovery(Protocol):
+    """launch.recovery peer's (training/recovery.py): `trainer.train_step(step)`, trained again after a lost peer is replaced."""
+
+    def step(self, trainer: Trainer, step: int) -> StepResult: ...
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ class Trainer:
         self.stragglers = time_split.Stragglers(
             ratio=cfg.metrics.straggler_ratio, windows=cfg.metrics.straggler_windows
         )
-        self.recovery: PeerRecovery | None = None  # launch.recovery peer: a step broken by a lost peer is trained again
+        self.recovery: StepRecovery | None = None  # launch.recovery peer: a step broken by a lost peer is trained again
 
     def local_batch(self, data: Batches, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's share of the global batch starting at global sample `position` (under cp,

@@ -29,10 +29,9 @@ from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.models.families import init_line
 from meshrun.parallel import regroup
 from meshrun.parallel.mesh import Mesh, init_mesh, shutdown
-from meshrun.training.recovery import PeerRecovery, resolved_alone
-from meshrun.training.recovery import join as join_recoverable
 
 if TYPE_CHECKING:
+    from meshrun.training.recovery import PeerRecovery
     from meshrun.training.run import Run
 
 
@@ -85,6 +84,9 @@ def join_job(cfg: Config, *, replacement: bool) -> tuple[Mesh, Config, PeerRecov
     next generation and asks nothing of them before it takes their state (training/recovery.py)."""
     recovery = None
     if kept(cfg):
+        from meshrun.training.recovery import join as join_recoverable
+        from meshrun.training.recovery import resolved_alone  # heavy imports only in workers
+
         mesh, recovery = join_recoverable(cfg.layout, join_timeout=cfg.launch.rdzv_timeout, replacement=replacement)
         if replacement:
             return mesh, resolved_alone(cfg, mesh.device), recovery
