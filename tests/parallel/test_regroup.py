@@ -105,7 +105,7 @@ def test_a_recovered_failure_is_one_line(runs, replacement: str, how: str) -> No
 
 DIES = (
     "import os, signal, sys; role = os.environ['MESHRUN_WORKER_ROLE'];"
-    " role = 'spare:' + sys.stdin.readline().strip() if role == 'spare' else role;"
+    " role = 'spare:' + sys.stdin.readline().split()[0] if role == 'spare' else role;"
     " print(role, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
 )
 

@@ -1,9 +1,10 @@
-"""A GPT that, at its k-th embedding forward, asks to stop (SIGUSR1 to itself) or raises: the three
+"""A GPT that, at its k-th embedding forward, asks to stop (SIGUSR1 to itself), raises or dies: the
 ways a run ends, on cue.
 
-Used through `model.factory: interrupting_gpt:build`. MESHRUN_TEST_SIGNAL_AT=k or
-MESHRUN_TEST_RAISE_AT=k (1-based, counted per process); MESHRUN_TEST_ON_RANK=r limits it to one
-rank (RANK, as torchrun sets it; a lone process is rank 0).
+Used through `model.factory: interrupting_gpt:build`. MESHRUN_TEST_SIGNAL_AT=k,
+MESHRUN_TEST_RAISE_AT=k or MESHRUN_TEST_KILL_AT=k (SIGKILL, mid-step: only the rank's first worker,
+not a replacement under launch.recovery peer) (1-based, counted per process); MESHRUN_TEST_ON_RANK=r
+limits it to one rank (RANK, as torchrun sets it; a lone process is rank 0).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class InterruptingEmbedding(Embedding):
             os.kill(os.getpid(), signal.SIGUSR1)  # what Slurm's warning or a scheduler sends
         if on_this_rank and _calls["forward"] == int(os.environ.get("MESHRUN_TEST_RAISE_AT", "0")):
             raise RuntimeError(f"interrupting_gpt: failing on cue at forward {_calls['forward']}")
+        first = os.environ.get("MESHRUN_WORKER_ROLE", "first") == "first"
+        if on_this_rank and first and _calls["forward"] == int(os.environ.get("MESHRUN_TEST_KILL_AT", "0")):
+            os.kill(os.getpid(), signal.SIGKILL)
         return super().forward(idx)
 
 

@@ -30,7 +30,7 @@ from meshrun.config.fields import Float, Int, PathText, Section, is_text, lowerc
 from meshrun.config.model_sections import SECTIONS, EncoderSection, GPTSection, HFSection, ModelConfig, route_model
 from meshrun.config.safe_yaml import parse_document, read_config_file
 from meshrun.config.tasks import TaskName, TaskOptions, check_task, default_task
-from meshrun.config.topology import LaunchConfig, ParallelConfig, check_layout
+from meshrun.config.topology import LaunchConfig, ParallelConfig, check_layout, peer_recovery
 from meshrun.errors import ConfigError
 from meshrun.parallel.layout import Layout
 
@@ -384,6 +384,10 @@ class Config(Section):
             sequences=self.model.sequence_splits(self.data.buckets),
         )
         self._context_splits()
+        if self.precision == "fp16" and peer_recovery(self.parallel, self.launch):  # its scaler's group is not rebuilt
+            raise ConfigError(
+                "launch.recovery peer does not run fp16 so far; use precision bf16 or fp32, or recovery checkpoint"
+            )
         late = [step for step in self.profile.steps if step > self.train.steps]
         if late:
             raise ConfigError(

@@ -24,6 +24,7 @@ Schedule = Annotated[
 ]
 Balance = Annotated[Literal["even", "time", "size"], BeforeValidator(lowercase)]
 DpMode = Annotated[Literal["ddp", "fsdp", "hsdp"], BeforeValidator(lowercase)]
+Recovery = Annotated[Literal["checkpoint", "peer"], BeforeValidator(lowercase)]
 ShardDtype = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(lowercase)]
 
 
@@ -129,6 +130,10 @@ class LaunchConfig(Section):
     """Seconds a node waits at the rendezvous for all `nnodes` nodes before it gives up (torchrun join_timeout)."""
     hang_timeout: Int = Field(default=600, ge=0)
     """Seconds a worker may make no progress before the job is ended with a hang report (x3 while it initialises, in its first step, evaluation and checkpoints); 0 = never."""
+    recovery: Recovery = "checkpoint"
+    """How a lost worker is recovered: checkpoint (torchrun restarts every worker from the newest checkpoint), or peer (only the lost worker is replaced, up to max_restarts times per rank, and takes its state from a surviving dp replica's memory: no step lost; ddp, pp 1, one node, CPU/gloo so far; dp 1 falls back to checkpoint)."""
+    warm_spare: bool = False
+    """recovery peer: keep each rank's next replacement started ahead, its imports done, waiting (a replacement takes ~0.1 s instead of a process start; an idle process per rank)."""
 
     @field_validator("rdzv_endpoint")
     @classmethod
@@ -177,6 +182,7 @@ def check_layout(
     model's sizes tensor parallelism divides, by the key that sets each)."""
     check_batch_maths(par, global_batch=global_batch, micro_batch=micro_batch)
     check_nodes(par, launch)
+    check_recovery(par, launch)
     check_profiled_ranks(par, profiled_ranks)
     check_tensor_split(par, tp_splits, sequences=sequences)
 
@@ -222,6 +228,33 @@ def check_nodes(par: ParallelConfig, launch: LaunchConfig) -> None:
         raise ConfigError(
             f"parallel.tp ({par.tp}) must divide launch.nproc_per_node ({launch.nproc_per_node}): "
             "a tp group stays on one node; change one of these keys"
+        )
+
+
+def peer_recovery(par: ParallelConfig, launch: LaunchConfig) -> bool:
+    """Whether a lost worker is replaced from a replica (launch.recovery peer with a replica to copy:
+    dp > 1); otherwise torchrun restarts every worker from the newest checkpoint."""
+    return launch.recovery == "peer" and par.dp > 1
+
+
+def check_recovery(par: ParallelConfig, launch: LaunchConfig) -> None:
+    """launch.recovery peer only where it is built (ddp data parallel, one node) and has replacements to give."""
+    if launch.warm_spare and launch.recovery != "peer":
+        raise ConfigError("launch.warm_spare is for launch.recovery peer; remove it or set launch.recovery peer")
+    if not peer_recovery(par, launch):
+        return
+    unbuilt = [f"parallel.{key} is {getattr(par, key)}" for key in ("pp", "tp", "cp", "ep") if getattr(par, key) > 1]
+    unbuilt += [f"parallel.dp_mode is {par.dp_mode}"] if par.dp_mode != "ddp" else []
+    unbuilt += [f"launch.nnodes is {launch.nnodes}"] if launch.nnodes > 1 else []
+    if unbuilt:
+        raise ConfigError(
+            f"launch.recovery peer is built for ddp data parallel on one node so far ({unbuilt[0]}); "
+            "use launch.recovery checkpoint"
+        )
+    if launch.max_restarts == 0:
+        raise ConfigError(
+            "launch.recovery peer replaces a lost worker at most launch.max_restarts times per rank (it is 0); "
+            "set launch.max_restarts (--max-restarts) to 1 or more"
         )
 
 

@@ -20,16 +20,34 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
+from meshrun.config.topology import peer_recovery
+from meshrun.errors import ConfigError
 from meshrun.files.console import say
 from meshrun.launcher.lifetime import die_with_parent
 from meshrun.launcher.outcome import STOP_SIGNALS, status_text
 
+if TYPE_CHECKING:
+    from meshrun.config.schema import Config
+
 ROLE_ENV = "MESHRUN_WORKER_ROLE"  # FIRST, REPLACEMENT or SPARE
 FIRST, REPLACEMENT = "first", "replacement"  # the job's first worker for this rank; one started in a lost one's place
+LOST_AT_ENV = "MESHRUN_LOST_AT"  # a replacement's: when (time.time()) the worker it replaces was lost
 SPARE = "spare"  # started ahead: it waits, on its stdin, for its turn to be a replacement
 RELAYED = (*STOP_SIGNALS, signal.SIGINT)  # what the agent sends a worker reaches the training worker
+
+
+def refuse_peer_recovery(cfg: Config, command: str) -> None:
+    """launch.recovery peer needs a keeper for each worker, which only `meshrun train`'s own torchrun
+    launch starts so far (launcher/torchrun.py)."""
+    if peer_recovery(cfg.parallel, cfg.launch):
+        raise ConfigError(
+            f"launch.recovery peer runs under `meshrun train`'s own launch so far, not `{command}`; "
+            "use launch.recovery checkpoint"
+        )
 
 
 def keep(argv: Sequence[str], *, env: Mapping[str, str], replacements: int, spare: bool = False) -> int:
@@ -38,45 +56,58 @@ def keep(argv: Sequence[str], *, env: Mapping[str, str], replacements: int, spar
     the next replacement started ahead, waiting (meshrun.parallel.regroup.generation), so that a
     replacement costs no process start. A worker that exits by itself (done, stopped, or failed in
     its own words) ends the keeper with its status; the last one's death too, as the shell would
-    say it (128 + the signal)."""
+    say it (128 + the signal), and a death after a stop this keeper passed on (the job is ending)."""
     rank = env.get("RANK", "?")
     standby = start(argv, env=env, role=SPARE) if spare and replacements else None
-    worker, number = start(argv, env=env, role=FIRST), 0
-    while (code := wait_relaying(worker)) < 0 and number < replacements:
+    worker, number, relayed = start(argv, env=env, role=FIRST), 0, []
+    while (code := wait_relaying(worker, relayed)) < 0 and number < replacements and not relayed:
         number += 1
         how = "its spare takes over" if standby is not None else "starting its replacement"
         say(
             f"rank {rank} was {status_text(code)}; {how} ({number} of {replacements}), which takes its state from a replica"
         )
-        worker = promote(standby) if standby is not None else start(argv, env=env, role=REPLACEMENT)
+        lost_at = f"{time.time():.3f}"
+        worker = (
+            promote(standby, lost_at)
+            if standby is not None
+            else start(argv, env=env, role=REPLACEMENT, lost_at=lost_at)
+        )
         standby = start(argv, env=env, role=SPARE) if spare and number < replacements else None
     if standby is not None:  # not needed: it holds nothing yet
         standby.kill()
         standby.wait()
     if code >= 0:
         return code
-    say(f"rank {rank} was {status_text(code)}; no replacement left ({replacements} used)")
+    if not relayed:
+        say(f"rank {rank} was {status_text(code)}; no replacement left ({replacements} used)")
     return 128 - code
 
 
-def start(argv: Sequence[str], *, env: Mapping[str, str], role: str) -> subprocess.Popen:
-    """A worker in `role`; a spare with a pipe on its stdin, where its turn comes."""
+def start(argv: Sequence[str], *, env: Mapping[str, str], role: str, lost_at: str = "") -> subprocess.Popen:
+    """A worker in `role`; a spare with a pipe on its stdin, where its turn comes (and when the
+    worker it replaces was lost)."""
     stdin = subprocess.PIPE if role == SPARE else None
-    return subprocess.Popen(list(argv), env={**env, ROLE_ENV: role}, stdin=stdin, text=True)
+    return subprocess.Popen(list(argv), env={**env, ROLE_ENV: role, LOST_AT_ENV: lost_at}, stdin=stdin, text=True)
 
 
-def promote(standby: subprocess.Popen) -> subprocess.Popen:
-    """The waiting spare becomes the replacement."""
+def promote(standby: subprocess.Popen, lost_at: str) -> subprocess.Popen:
+    """The waiting spare becomes the replacement of a worker lost at `lost_at`."""
     assert standby.stdin is not None
-    standby.stdin.write(f"{REPLACEMENT}\n")
+    standby.stdin.write(f"{REPLACEMENT} {lost_at}\n")
     standby.stdin.close()
     return standby
 
 
-def wait_relaying(worker: subprocess.Popen) -> int:
+def wait_relaying(worker: subprocess.Popen, relayed: list[int]) -> int:
     """Wait for `worker`'s end with the stop signals and Ctrl-C this process gets passed on to it (it
-    checkpoints and stops, as when the agent signals it directly). Returns its status (-N: signal N)."""
-    previous = {sig: signal.signal(sig, lambda signum, frame: worker.send_signal(signum)) for sig in RELAYED}
+    checkpoints and stops, as when the agent signals it directly), each added to `relayed`. Returns
+    its status (-N: signal N)."""
+
+    def relay(signum: int, frame: object) -> None:
+        relayed.append(signum)
+        worker.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, relay) for sig in RELAYED}
     try:
         return worker.wait()
     finally:

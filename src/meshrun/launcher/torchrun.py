@@ -15,6 +15,7 @@ from pathlib import Path
 
 from meshrun.checkpoint.paths import what_a_rerun_does
 from meshrun.config.schema import Config
+from meshrun.config.topology import peer_recovery
 from meshrun.data.locations import cache_root
 from meshrun.errors import RunError
 from meshrun.launcher.outcome import STOP_SIGNALS, Interrupted, Outcome, StoppedBeforeTraining, status_text
@@ -29,6 +30,7 @@ from meshrun.launcher.run_lock import RunDirLock
 SAFE_PATH = {"PYTHONSAFEPATH": "1"}
 WORKER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **SAFE_PATH}
 AGENT = "meshrun.launcher.agent"
+KEEPER = "meshrun.launcher.keeper"  # launch.recovery peer: the process the agent starts for a rank
 RDZV_TIMEOUT_EXIT = 3  # the agent's status when not all nodes joined within launch.rdzv_timeout
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -67,21 +69,21 @@ def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
         argv.append(f"--rdzv-conf={','.join(conf)}")
         if launch.local_addr is not None:
             argv.append(f"--local-addr={launch.local_addr}")
-    argv += [
-        f"--nproc-per-node={cfg.nproc_per_node}",
-        f"--max-restarts={launch.max_restarts}",
-        "-m",
-        "meshrun",
-        *worker_args,
-    ]
-    return argv
+    argv.append(f"--nproc-per-node={cfg.nproc_per_node}")
+    if peer_recovery(cfg.parallel, launch):  # each worker under its keeper, which replaces it alone
+        keeper = ["-m", KEEPER, f"--replacements={launch.max_restarts}", *["--spare"] * launch.warm_spare]
+        keeper += ["--", sys.executable, "-P"]
+        return [*argv, "--max-restarts=0", *keeper, "-m", "meshrun", *worker_args]
+    return [*argv, f"--max-restarts={launch.max_restarts}", "-m", "meshrun", *worker_args]
 
 
 def worker_env(cfg: Config) -> dict[str, str]:
     """The environment torchrun's workers get on top of this process's: OMP_NUM_THREADS set
     explicitly (this node's CPUs shared out over its workers) unless the user set it, so torchrun
-    neither prints its banner nor pins every worker to one thread."""
-    env = {**os.environ, **WORKER_ENV}
+    neither prints its banner nor pins every worker to one thread. Under peer recovery the workers
+    use the agent's store, which outlives any of them (not rank 0's, which dies with it), and
+    torchrun never restarts them (the keepers replace one), so #135712 cannot arise."""
+    env = {**os.environ, **(SAFE_PATH if peer_recovery(cfg.parallel, cfg.launch) else WORKER_ENV)}
     inductor_cache(env)
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // cfg.nproc_per_node))

@@ -26,6 +26,7 @@ Under tp the loss runs on vocabulary-sharded logits (`vocab_parallel`, forward a
 from __future__ import annotations
 
 import contextlib
+import os
 import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -39,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshrun.config.schema import Config
 from meshrun.files.console import say
 from meshrun.launcher import progress
+from meshrun.launcher.keeper import REPLACEMENT, ROLE_ENV
 from meshrun.metrics import time_split
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.compile import apply_compile, compile_enabled, inductor_cache_dir
@@ -106,9 +108,11 @@ class LocalModel:
         self.wrapped.train(mode)
 
 
-def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Module:
+def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config, *, init_sync: bool | None = None) -> nn.Module:
     """Gradients reduced over the ranks that hold the same weights: the dp ranks and, under context
-    parallel, the cp ranks (each holds a part of every sample's positions)."""
+    parallel, the cp ranks (each holds a part of every sample's positions). `init_sync`: DDP sends
+    rank 0's weights to the others; by default not in a replacement worker, nor in a survivor's
+    rewrap (training/recovery.py): their weights come from a replica, not from rank 0."""
     if mesh.size("dp_cp") == 1:
         return part
     if mesh.data_mesh is not None:
@@ -116,7 +120,9 @@ def wrap_data_parallel(part: ProtocolModule, mesh: Mesh, cfg: Config) -> nn.Modu
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     if split := expert_param_names(part):  # each ep rank holds other experts: ExpertGradients averages them
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(part, split)
-    ddp = DistributedDataParallel(part, process_group=mesh.group("dp_cp"), device_ids=device_ids)
+    if init_sync is None:
+        init_sync = os.environ.get(ROLE_ENV) != REPLACEMENT
+    ddp = DistributedDataParallel(part, process_group=mesh.group("dp_cp"), device_ids=device_ids, init_sync=init_sync)
     ddp.register_comm_hook(mesh.group("dp_cp"), timed_allreduce)
     return ddp
 

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshrun.launcher.keeper import REPLACEMENT, ROLE_ENV, SPARE
+from meshrun.launcher.keeper import LOST_AT_ENV, REPLACEMENT, ROLE_ENV, SPARE
 
 # Which generation of the group is which, agreed through the job's store (a keeper knows only its
 # own rank's deaths): survivors write the next, every rank the one it recovered into.
@@ -35,9 +35,9 @@ def is_replacement() -> bool:
     the keeper started ahead waits here, its imports done, until its turn comes; its keeper ended
     first (never needed): it ends too, quietly."""
     if os.environ.get(ROLE_ENV) == SPARE:
-        if not sys.stdin.readline():
+        if not (turn := sys.stdin.readline().split()):
             raise SystemExit(0)
-        os.environ[ROLE_ENV] = REPLACEMENT
+        os.environ[ROLE_ENV], os.environ[LOST_AT_ENV] = REPLACEMENT, turn[-1]
     return os.environ.get(ROLE_ENV) == REPLACEMENT
 
 
@@ -84,21 +84,23 @@ def tear_down() -> None:
 
 def copy_from_replica(
     tensors: Sequence[torch.Tensor], *, holds: bool, group: dist.ProcessGroup | None = None
-) -> int | None:
+) -> tuple[int | None, list[int]]:
     """Collective over `group` (its ranks hold the same state, or will): every rank says whether it
     `holds` the state, and the lowest rank that does sends `tensors`, in place, to the others (a
-    replacement's freshly built state of the same shapes). Returns the global rank that sent them,
-    None if no rank holds them (no replica survived: the caller falls back to a checkpoint)."""
+    replacement's freshly built state of the same shapes). Returns the global rank that sent them
+    (None if no rank holds them: no replica survived, the caller falls back to a checkpoint) and the
+    global ranks that did not hold them (the replacements)."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     held = torch.zeros(len(ranks), dtype=torch.int64)
     held[ranks.index(dist.get_rank())] = int(holds)
     dist.all_reduce(held, group=group)
+    fresh = [rank for rank, holder in zip(ranks, held.tolist()) if not holder]
     if not held.any():
-        return None
+        return None, fresh
     source = ranks[int(held.nonzero()[0])]
     for tensor in tensors:  # one collective per tensor: ~20 ms for the default job's 16 MB on gloo
         dist.broadcast(tensor, src=source, group=group)
-    return source
+    return source, fresh
 
 
 def recover(
@@ -119,9 +121,22 @@ def recover(
     started = time.monotonic()
     tear_down()
     join(store, number=number, rank=rank, world=world, timeout=timeout)
-    source = copy_from_replica(tensors, holds=holds)
-    store.set(CURRENT_KEY, str(number))
+    source, _ = copy_from_replica(tensors, holds=holds)
+    recovered(store, number)
     return source, time.monotonic() - started
+
+
+def lost_at(*, holds: bool) -> float:
+    """Collective: when (time.time(), as the lost worker's keeper saw it) the rank that a replacement
+    took over was lost; 0 if none says (several: the earliest loss's replacement may be the latest)."""
+    when = torch.tensor([0.0 if holds else float(os.environ.get(LOST_AT_ENV) or 0.0)], dtype=torch.float64)
+    dist.all_reduce(when, op=dist.ReduceOp.MAX)
+    return float(when)
+
+
+def recovered(store: dist.Store, number: int) -> None:
+    """Record generation `number` as the one recovered into: a replacement started after it waits for a newer one."""
+    store.set(CURRENT_KEY, str(number))
 
 
 def lost_peer(error: BaseException) -> bool:

@@ -70,6 +70,12 @@ class Requests:
         save, stop = (bool(v) for v in previous[1].tolist())
         return save or stop, stop
 
+    def regroup(self) -> None:
+        """Collective, after a lost peer was replaced (training/recovery.py): the flags' group made
+        again over the new process group. Flags in flight on the broken one are dropped; a signal's
+        stays set and is sent again at the next poll."""
+        self.group, self.pending = dist.new_group(backend="gloo"), None
+
     def close(self) -> None:
         if self.pending is not None:
             self.pending[0].wait()  # no collective left in flight when the process group goes

@@ -24,6 +24,7 @@ from meshrun.parallel.mesh import Mesh
 from meshrun.tasks import job_task
 from meshrun.training.optim import schedule_change_note
 from meshrun.training.preemption import Requests
+from meshrun.training.recovery import PeerRecovery
 from meshrun.training.state import TrainState, build_state
 from meshrun.training.trainer import Trainer, TrainingData
 
@@ -32,12 +33,16 @@ class Run:
     """Owns what a run opens (collective: every rank constructs it at the same point); `trainer`
     trains it. A complete run (resumed at train.steps) opens no tracker: its record stays as it is."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, data_dir: Path, *, recovery: PeerRecovery | None = None) -> None:
+        """`recovery`: launch.recovery peer's (a replacement takes its state from a replica, not a checkpoint)."""
         state = build_state(cfg, mesh)
         data = open_training_data(cfg, data_dir)
         flops_model = build_stage(cfg, layers=None, first=True, last=True)  # on meta, adapters too: prices a step
         run_dir = Path(cfg.run_dir)
-        start_step, newer_checkpoints = resume_state(cfg, mesh, state)
+        replacement = recovery if recovery is not None and recovery.replacement else None  # its state: a replica's
+        start_step, newer_checkpoints = (
+            (replacement.receive(state), ()) if replacement is not None else resume_state(cfg, mesh, state)
+        )
         records = mesh.rank == 0 and start_step < cfg.train.steps  # rank 0 records the run
         self.report = RunReport(
             run_dir,
@@ -62,6 +67,9 @@ class Run:
             background=self.background,
             profiler=StepProfiler(cfg.profile, run_dir=run_dir, rank=mesh.rank, device=mesh.device),
         )
+        self.trainer.recovery = recovery
+        if replacement is not None:
+            replacement.announce_received(self.report)
         time_split.start(mesh.device, at=time.perf_counter())  # train() starts it again with its first window
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,12 @@ from meshrun.training.state import TrainState
 from meshrun.training.step_records import AcrossRanks, StepResult, Window
 
 T = TypeVar("T")
+
+
+class StepRecovery(Protocol):
+    """launch.recovery peer's (training/recovery.py): `trainer.train_step(step)`, trained again after a lost peer is replaced."""
+
+    def step(self, trainer: Trainer, step: int) -> StepResult: ...
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class Trainer:
         self.stragglers = time_split.Stragglers(
             ratio=cfg.metrics.straggler_ratio, windows=cfg.metrics.straggler_windows
         )
+        self.recovery: StepRecovery | None = None  # launch.recovery peer: a step broken by a lost peer is trained again
 
     def local_batch(self, data: Batches, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's share of the global batch starting at global sample `position` (under cp,
@@ -161,7 +168,7 @@ class Trainer:
         """`train_step` (profiled when profile.steps names it), counted into the log `window`."""
         done = step + 1
         with self.profiler.step(done, measure=measure):
-            result = self.train_step(step)
+            result = self.train_step(step) if self.recovery is None else self.recovery.step(self, step)
         if step == self.start_step and self.compiles:  # the first step compiled the blocks
             self.report.note(f"step {done} compiled and ran in {time.perf_counter() - window.start:.1f} s")
         length = result.attention_length or result.tokens // self.cfg.train.global_batch

@@ -13,6 +13,7 @@ import torch
 
 from meshrun.checkpoint.paths import last_complete_checkpoint
 from meshrun.config.schema import Config
+from meshrun.config.topology import peer_recovery
 from meshrun.data.locations import data_dir
 from meshrun.errors import ConfigError, RunError
 from meshrun.files.atomic import DiskFull
@@ -20,14 +21,17 @@ from meshrun.files.console import say
 from meshrun.hardware.precision import with_resolved_precision
 from meshrun.launcher import progress
 from meshrun.launcher.hang import HangWatchdog, Place
+from meshrun.launcher.keeper import ROLE_ENV
 from meshrun.launcher.logs import divert_worker_notes, log_failure
 from meshrun.launcher.outcome import Outcome, failed_in, write_record
 from meshrun.launcher.run_lock import HELD_ENV
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.models.families import init_line
-from meshrun.parallel.mesh import init_mesh, shutdown
+from meshrun.parallel import regroup
+from meshrun.parallel.mesh import Mesh, init_mesh, shutdown
 
 if TYPE_CHECKING:
+    from meshrun.training.recovery import PeerRecovery
     from meshrun.training.run import Run
 
 
@@ -41,16 +45,15 @@ def run_worker(cfg: Config) -> Outcome:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if in_launched_worker():  # torch's notes (DTensor's) go to this rank's log, not the console
         divert_worker_notes(run_dir, int(os.environ["RANK"]))
+    # launch.recovery peer: a spare waits here, its imports done, for its turn (no watchdog: it makes no progress)
+    replacement = kept(cfg) and regroup.is_replacement()
     progress.mark_init("joining the process group")
     watchdog, rank, run, failing = start_watchdog(cfg), 0, None, False
     try:
-        mesh = init_mesh(cfg.layout, join_timeout=cfg.launch.rdzv_timeout)
+        mesh, cfg, recovery = join_job(cfg, replacement=replacement)
         rank = mesh.rank
-        progress.mark_init("the first collective: every node's data prepared")
-        torch.distributed.barrier()  # data prepared by every node's local rank 0
-        cfg = with_resolved_precision(cfg, mesh.device, speaks=rank == 0)
         progress.mark_init("building the model and initialising its weights")
-        run = Run(cfg, mesh, data_dir(cfg))
+        run = Run(cfg, mesh, data_dir(cfg), recovery=recovery)
         if rank == 0 and run.trainer.start_step == 0:  # a resumed run said where it resumed from
             say(init_line(cfg, run.trainer.flops_model))
         outcome = run.trainer.train()
@@ -73,6 +76,30 @@ def run_worker(cfg: Config) -> Outcome:
     if rank == 0:
         write_record(run_dir, outcome, attempt=attempt)
     return outcome
+
+
+def join_job(cfg: Config, *, replacement: bool) -> tuple[Mesh, Config, PeerRecovery | None]:
+    """The process group and meshes, and the config with its precision agreed on; under peer
+    recovery (launch.recovery), also this worker's part in it. A `replacement` joins the survivors'
+    next generation and asks nothing of them before it takes their state (training/recovery.py)."""
+    recovery = None
+    if kept(cfg):
+        from meshrun.training.recovery import join as join_recoverable
+        from meshrun.training.recovery import resolved_alone  # heavy imports only in workers
+
+        mesh, recovery = join_recoverable(cfg.layout, join_timeout=cfg.launch.rdzv_timeout, replacement=replacement)
+        if replacement:
+            return mesh, resolved_alone(cfg, mesh.device), recovery
+    else:
+        mesh = init_mesh(cfg.layout, join_timeout=cfg.launch.rdzv_timeout)
+    progress.mark_init("the first collective: every node's data prepared")
+    torch.distributed.barrier()  # data prepared by every node's local rank 0
+    return mesh, with_resolved_precision(cfg, mesh.device, speaks=mesh.rank == 0), recovery
+
+
+def kept(cfg: Config) -> bool:
+    """Under peer recovery: a worker its keeper started (launch.recovery peer through `meshrun train`)."""
+    return peer_recovery(cfg.parallel, cfg.launch) and in_launched_worker() and ROLE_ENV in os.environ
 
 
 def start_watchdog(cfg: Config) -> HangWatchdog | None:

@@ -1,0 +1,177 @@
+"""Peer recovery in a training worker (launch.recovery peer, issue 46): a lost worker is replaced
+(launch/keeper.py) while the others live on; they notice the loss as a broken collective, leave the
+broken process group, join its next generation with the replacement (parallel/regroup.py), rebuild
+the layout's meshes and DDP over it, and hand the replacement their state from memory: the model,
+the optimizer, the data position and the counters. The step that was in flight is trained again
+by every rank, so no step is lost and none is trained twice.
+
+Built for DDP over dp ranks (pp, tp, cp, ep 1) on one node's CPUs (gloo); config/topology.py
+refuses the rest. The replacement joins at a step's start: a loss noticed inside a step (its
+gradient all-reduce) is recovered there. Dropout draws from a stream seeded per step and rank, so
+the step trained again draws the same masks.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+from meshrun.config.schema import Config
+from meshrun.errors import RunError
+from meshrun.hardware.device import pick_device
+from meshrun.hardware.precision import resolve_precision
+from meshrun.launcher import progress
+from meshrun.parallel import regroup
+from meshrun.parallel.layout import Layout
+from meshrun.parallel.mesh import Mesh, join_store, mesh_on
+from meshrun.parallel.parallelize import LocalModel, wrap_data_parallel
+from meshrun.training.state import TrainState
+
+if TYPE_CHECKING:
+    from meshrun.metrics.report import RunReport
+    from meshrun.training.step_records import StepResult
+    from meshrun.training.trainer import Trainer
+
+# How long a hung peer's collective takes to fail (torch's default; a killed one fails at once).
+COLLECTIVE_TIMEOUT: timedelta = default_pg_timeout
+
+
+@dataclass
+class PeerRecovery:
+    """This worker's place in the job's recoverable process group: the job's store (torchrun's
+    agent's, which outlives every worker), the group's generation, and whether this worker was
+    started in a lost one's place (it takes its state from a replica before its first step)."""
+
+    store: dist.Store
+    number: int
+    replacement: bool
+    joined: float  # when (time.time()) this worker joined the group's current generation
+    received: Copy | None = None  # a replacement's: the state it took
+
+    def step(self, trainer: Trainer, step: int) -> StepResult:
+        """`trainer.train_step(step)`, trained again after a lost peer is replaced (the data position
+        and the gradients of the broken attempt undone; no rank stepped its optimizer: DDP's
+        all-reduce precedes it); any other error is raised as it is."""
+        while True:
+            position, lost = trainer.state.samples_seen, None
+            seed_step(trainer.cfg, trainer.mesh, step)
+            try:
+                return trainer.train_step(step)
+            except RuntimeError as broken:
+                if not regroup.lost_peer(broken):
+                    raise
+                lost = " ".join(str(broken).split())[:200]
+            # out of the except block: its traceback holds the broken DDP's frames (freed before its group)
+            trainer.state.samples_seen = position
+            trainer.optimizers.zero_grad()
+            self.rejoin(trainer, step, cause=lost)
+
+    def rejoin(self, trainer: Trainer, step: int, *, cause: str) -> None:
+        """A survivor's recovery at `step`: the group rebuilt with the replacement, which gets this
+        replica's state; the trainer continues on the new meshes."""
+        noticed = time.time()
+        progress.mark("recovering", f"a peer was lost at step {step + 1}: {cause}")
+        model, rank, world = local_model(trainer.state), trainer.mesh.rank, trainer.cfg.world_size
+        model.wrapped = model.parts[0]
+        gc.collect()  # the broken DDP freed before its group is destroyed (freed after, it hung a process)
+        self.number = regroup.next_generation(self.store, lost=self.number)
+        regroup.tear_down()
+        regroup.join(self.store, number=self.number, rank=rank, world=world, timeout=COLLECTIVE_TIMEOUT)
+        joined = time.time()  # the replacement is there
+        mesh = mesh_on(trainer.mesh.layout, trainer.device)
+        model.wrapped = wrap_data_parallel(model.parts[0], mesh, trainer.cfg, init_sync=False)
+        trainer.mesh = mesh
+        copy = share_state(trainer.state, step, holds=True)
+        trainer.requests.regroup()  # after the state, where the replacement makes its own (Run)
+        regroup.recovered(self.store, self.number)
+        announce(trainer.report, copy, noticed=noticed, joined=joined)
+
+    def receive(self, state: TrainState) -> int:
+        """A replacement's: the state of a surviving replica, at the step that was in flight; returns it."""
+        self.received = share_state(state, 0, holds=False)
+        if self.received.source is None:
+            raise RunError(
+                f"no surviving replica holds rank {dist.get_rank()}'s state (every rank of the group was "
+                "replaced); rerun with launch.recovery checkpoint to resume from the newest checkpoint"
+            )
+        return self.received.step
+
+    def announce_received(self, report: RunReport) -> None:
+        """The replacement on rank 0 records its own recovery (its run record opened after it)."""
+        assert self.received is not None
+        announce(report, self.received, noticed=self.received.lost_at, joined=self.joined)
+
+
+def join(layout: Layout, *, join_timeout: int, replacement: bool) -> tuple[Mesh, PeerRecovery]:
+    """init_mesh for a recoverable job: the first generation of the group, or, for a replacement,
+    the one the survivors move to once they noticed the loss, over the agent's store."""
+    device, _ = pick_device()
+    if device.type != "cpu":
+        raise RunError(
+            f"launch.recovery peer runs on CPUs (gloo) so far, not on {device.type}; use launch.recovery checkpoint"
+        )
+    store, rank, world = join_store(join_timeout)
+    timeout = timedelta(seconds=join_timeout)
+    number = regroup.awaited_generation(store, timeout=timeout) if replacement else 0
+    regroup.join(store, number=number, rank=rank, world=world, timeout=COLLECTIVE_TIMEOUT)
+    return mesh_on(layout, device), PeerRecovery(store, number, replacement, time.time())
+
+
+def resolved_alone(cfg: Config, device: torch.device) -> Config:
+    """A replacement's precision, resolved without asking the others (the survivors agreed on it at
+    the start, on this same node)."""
+    return cfg.model_copy(update={"precision": resolve_precision(cfg.precision, device).precision})
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A state copied from a replica: by `source` (None: no rank held it) to the `fresh` ranks,
+    at `step`, for a rank lost at `lost_at` (time.time(), its keeper's; 0: not known)."""
+
+    source: int | None
+    fresh: list[int]
+    step: int
+    lost_at: float
+    done: float = field(default_factory=time.time)
+
+
+def share_state(state: TrainState, step: int, *, holds: bool) -> Copy:
+    """Collective: every tensor of `state` at `step` (a checkpoint's, RNG left out: dropout is
+    seeded per step) from the lowest rank that `holds` it to the others."""
+    named = state.state_dict(step, rng=False)
+    source, fresh = regroup.copy_from_replica([named[key] for key in sorted(named)], holds=holds)
+    if source is not None:
+        state.load_state_dict(named)
+    return Copy(source, fresh, int(named["progress.step"]), regroup.lost_at(holds=holds))
+
+
+def local_model(state: TrainState) -> LocalModel:
+    assert isinstance(state.model, LocalModel), "peer recovery is built for pp 1 (config/topology.py)"
+    return state.model
+
+
+def seed_step(cfg: Config, mesh: Mesh, step: int) -> None:
+    """Dropout's stream at `step` on this rank: the same when the step is trained again."""
+    torch.manual_seed(hash((cfg.train.seed, mesh.seed_offset, step)) % 2**63)
+
+
+def announce(report: RunReport, copy: Copy, *, noticed: float, joined: float) -> None:
+    """The recovery as one console line and a metrics.jsonl event (rank 0's record): from the loss
+    (its keeper's clock; else when this rank noticed it) to the copy done, split at the replacement's
+    joining the group (before: its start; after: its model built and the state copied)."""
+    lost = ", ".join(map(str, copy.fresh))
+    since = copy.lost_at or noticed
+    figures = {"recovery_s": copy.done - since, "rejoin_s": joined - since, "state_s": copy.done - joined}
+    report.note(
+        f"recovered at step {copy.step + 1} in {figures['recovery_s']:.1f} s ({figures['rejoin_s']:.1f} s until "
+        f"the replacement joined, {figures['state_s']:.1f} s building its model and copying the state): rank {lost}'s "
+        f"state copied from rank {copy.source}'s memory; no step lost"
+    )
+    report.log(copy.step, {"recovered_ranks": lost, "recovered_from": copy.source, **figures, "steps_lost": 0})

@@ -1,0 +1,126 @@
+"""launch.recovery peer through `meshrun train` (issue 46): a dp2 DDP job whose rank 0 (the one that
+records the run) is SIGKILLed mid-step finishes with the weights of an uninterrupted run, each step
+trained once, no checkpoint read, the recovery recorded and said in two lines (the keeper's, and
+the replacement's as rank 0). Real torchrun, keepers, a warm spare, gloo; the layouts peer recovery
+is not built for are refused before any worker starts."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import final_weights, losses, meshrun_env, meshrun_in_process, read_metrics, run_meshrun, tiny
+
+from meshrun.config.schema import load_config
+from meshrun.errors import ConfigError
+from meshrun.launcher.slurm import render_sbatch
+from meshrun.launcher.torchrun import KEEPER, torchrun_argv, worker_env
+
+HERE = str(Path(__file__).parents[1] / "training")  # interrupting_gpt: SIGKILL at a forward, on cue
+STEPS = 6
+# 2 microbatches a step on each rank: forward 5 is step 3's first, mid-step (its peer waits in DDP's all-reduce)
+JOB = {
+    "model.factory": "interrupting_gpt:build",
+    "parallel.dp": 2,
+    "train.steps": STEPS,
+    "checkpoint.interval": 0,  # the only checkpoint is the run's last: none could have been read
+    "launch.max_restarts": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def runs(
+    data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    tmp = tmp_path_factory.mktemp("recovery")
+    done = {}
+    for name, settings, env in (
+        ("uninterrupted", {}, {}),
+        (
+            "killed",
+            {"launch.recovery": "peer", "launch.warm_spare": True},
+            {"MESHRUN_TEST_KILL_AT": "5", "MESHRUN_TEST_ON_RANK": "0"},
+        ),
+    ):
+        run = tmp / name
+        args = ["train", *tiny(data_dir, run, **JOB, **settings)]
+        done[name] = run, run_meshrun(args, tmp_path=tmp, env=meshrun_env(tmp, PYTHONPATH=HERE, **env), timeout=300)
+    return done
+
+
+@pytest.mark.timeout(700)  # the fixture's two launches, on loaded cores
+def test_a_killed_rank_is_replaced_from_its_peer_and_no_step_is_lost(runs, monkeypatch: pytest.MonkeyPatch) -> None:
+    (plain, _), (run, done) = runs["uninterrupted"], runs["killed"]
+    monkeypatch.syspath_prepend(HERE)  # the checkpoints' model.factory
+    reference, recovered = final_weights(plain), final_weights(run)
+    assert all(torch.equal(recovered[name], reference[name]) for name in reference)
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, STEPS + 1))  # each step once
+    assert losses(run) == losses(plain)  # a row per step (log_interval 1): the replacement's window is whole
+    events = [row for row in rows if "recovered_ranks" in row]
+    assert [(e["step"], e["recovered_ranks"], e["recovered_from"], e["steps_lost"]) for e in events] == [(2, "0", 1, 0)]
+    assert "resumed from" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_recovered_failure_is_two_lines(runs) -> None:
+    """The keeper's line (which rank, how it died) and rank 0's (from whom, how long, steps lost);
+    nothing else beyond an uninterrupted run's lines."""
+    plain, killed = (runs[name][1].stderr.splitlines() for name in ("uninterrupted", "killed"))
+    added = [line for line in killed if "rank 0" in line and "straggler" not in line]  # its first steps: slow
+    assert len(added) == 2, killed
+    assert added[0] == (
+        "[meshrun] rank 0 was killed by SIGKILL; its spare takes over (1 of 1), which takes its state from a replica"
+    )
+    assert re.fullmatch(
+        r"\[meshrun\] recovered at step 3 in [\d.]+ s \([\d.]+ s until the replacement joined, [\d.]+ s building "
+        r"its model and copying the state\): rank 0's state copied from rank 1's memory; no step lost",
+        added[1],
+    ), added[1]
+    assert len([line for line in killed if "straggler" not in line]) <= len(plain) + 2, killed
+
+
+def test_peer_recovery_runs_each_worker_under_a_keeper_on_the_agents_store() -> None:
+    """dp2: the agent restarts nothing and shares its store; dp1: checkpoint restarts, as without peer."""
+    peer = load_config(None, ["parallel.dp=2", "parallel.pp=1", "launch.recovery=peer", "launch.max_restarts=2"])
+    argv = torchrun_argv(peer, ["train"])
+    assert argv[argv.index("--max-restarts=0") + 1 :] == [
+        *["-m", KEEPER, "--replacements=2", "--", sys.executable, "-P", "-m", "meshrun", "train"]
+    ]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in worker_env(peer)
+    alone = load_config(None, ["parallel.dp=1", "parallel.pp=2", "launch.recovery=peer", "launch.max_restarts=2"])
+    assert KEEPER not in torchrun_argv(alone, ["train"]) and "--max-restarts=2" in torchrun_argv(alone, ["train"])
+    assert worker_env(alone)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        (
+            ["parallel.pp=2"],
+            "launch.recovery peer is built for ddp data parallel on one node so far (parallel.pp is 2)",
+        ),
+        (["parallel.dp_mode=fsdp"], "(parallel.dp_mode is fsdp)"),
+        (["launch.max_restarts=0"], "at most launch.max_restarts times per rank (it is 0)"),
+        (["precision=fp16"], "launch.recovery peer does not run fp16 so far"),
+        (["launch.recovery=checkpoint", "launch.warm_spare=true"], "launch.warm_spare is for launch.recovery peer"),
+    ],
+)
+def test_peer_recovery_where_it_is_not_built_is_refused_in_one_line(
+    settings: list[str], said: str, data_dir: Path, tmp_path: Path
+) -> None:
+    base = ["parallel.dp=2", "launch.recovery=peer", "launch.max_restarts=1"]
+    args: list[str | Path] = ["train", *tiny(data_dir, tmp_path / "run"), *(f"--set={s}" for s in [*base, *settings])]
+    done = meshrun_in_process(args, tmp_path=tmp_path, check=False)
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_slurm_refuses_peer_recovery_in_one_line() -> None:
+    """Its script starts torchrun without keepers: refused, not run as a checkpoint job that says peer."""
+    cfg = load_config(None, ["parallel.pp=1", "launch.recovery=peer", "launch.max_restarts=1"])
+    with pytest.raises(ConfigError, match=r"launch.recovery peer runs under `meshrun train`'s own launch so far"):
+        render_sbatch(cfg, config=None, overrides=[], nodes=1, gpus_per_node=0)
