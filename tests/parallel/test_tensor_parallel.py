@@ -55,7 +55,7 @@ SHORT = {"train.steps": 2}  # a row that only adds a combination: its reference 
 ROWS = {
     "tp2-odd-vocab": {"parallel.tp": 2, **ODD_VOCAB},
     "tp2-pp2-1f1b": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "every:2"},
-    "tp2-pp2-zbv": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zbv"},  # split backward
+    "tp2-pp2-zbv": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zbv", **SHORT},  # split backward
     # two stages a rank (4 stages of one block: the tiny model's 4 layers are the minimum); 10 steps,
     # whose weights are compared below
     "tp2-pp2-interleaved-1f1b": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},
@@ -68,10 +68,16 @@ ROWS = {
     "hsdp-dp4-tp2": {"parallel.tp": 2, "parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2, **SHORT},
     # Megatron's sequence parallel: norms on a rank's positions, reduce-scatter + all-gather per block
     "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
-    "tp2-sp-pp2": {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.pp": 2, "recompute": "full"},
+    "tp2-sp-pp2": {
+        "parallel.tp": 2,
+        "parallel.sequence_parallel": True,
+        "parallel.pp": 2,
+        "recompute": "full",
+        **SHORT,
+    },
     # all three axes, 8 ranks: each of 2 stages split over tp 2 and sharded over dp 2; each rank's
     # Layout.coordinates are checked against every group torch built (parallel.mesh.check_groups)
-    "fsdp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"},
+    "fsdp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp", **SHORT},
     # split backward with dp (2 stages a rank): refused under DDP (its hooks are bypassed), but ddp
     # with tp runs on FSDP2. The schedules gpipe and looped-bfs are proven at pp without tp
     # (test_pipeline.py): a schedule orders stage calls, which tp leaves as they are.
