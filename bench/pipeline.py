@@ -27,7 +27,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -467,7 +466,7 @@ def main() -> int:
         data = tmp / "data"
         from meshrun.data.prepare import prepare
 
-        prepare([str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")], data)
+        prepare(_quick.stdlib_text(quick=args.quick), data)  # --quick: the a*.py few
         log("section 3: recompute (one process)")
         recompute = recompute_bytes(args, data)
         log("section 2: 1F1B vs GPipe memory (torchrun workers)")

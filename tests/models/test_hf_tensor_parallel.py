@@ -3,7 +3,7 @@ torchrun: step 1 equals transformers itself, and a tp2 run exports full tensors.
 
 The Llama (tests/models/hf_models.py) has 4 query and 2 kv heads, so tp2 holds one kv head per
 rank (grouped-query attention with local head counts). OLMo 2 normalises q and k over the whole
-projected width: its tp2 x pp2 row proves the gathered norms; its head is tied, so the
+projected width: its tp2 x pp2 row (sequence parallel too) proves the gathered norms; its head is tied, so the
 vocabulary-split embedding matrix also serves a head on the other pipeline stage. Qwen3's norms
 run per head on this rank's heads. Qwen2's q, k and v carry biases (split with their
 columns); Mistral is Llama-shaped with its own attention module. Phi-3 fuses q, k, v and gate, up
@@ -11,7 +11,7 @@ into one Linear each, which transformers' forward slices by head counts: meshrun
 their parts (a column split of each), and its files and exports hold transformers' fused tensors.
 Under sequence parallel the RMSNorms run on a rank's positions while attention (called by keyword)
 gathers the whole sequence, whose rotary embeddings the stage computes for all positions; the tp2 x
-pp2 row passes a rank's positions between stages. The refusals (GPT-2's fused Conv1D, kv heads)
+pp2 rows (Llama, OLMo 2, Phi-3) pass a rank's positions between stages. The refusals (GPT-2's fused Conv1D, kv heads)
 live in tests/test_config.py's table.
 """
 
@@ -56,20 +56,26 @@ FAMILIES = {  # beside hf_models.py's llama (8 layers; 4 query heads, 2 kv heads
 }
 ROWS = {
     "llama-tp2": ("llama", {"parallel.tp": 2}),
-    "olmo2-tp2-pp2": ("olmo2", {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"}),
+    # sequence parallel on the way: the whole-width q/k norms gather the heads whether the norms
+    # before them hold a rank's positions or all of them
+    "olmo2-tp2-sp-pp2": (
+        "olmo2",
+        {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.pp": 2, "parallel.schedule": "1f1b"},
+    ),
     "olmo2-one-process": ("olmo2", {}),
     "qwen3-tp2": ("qwen3", {"parallel.tp": 2}),
     "qwen3-one-process": ("qwen3", {}),
     "qwen2-tp2": ("qwen2", {"parallel.tp": 2}),
     "mistral-tp2": ("mistral", {"parallel.tp": 2}),
     "phi3-tp2": ("phi3", {"parallel.tp": 2, "checkpoint.interval": 2}),  # step 2's checkpoint resumes at tp1
-    "phi3-tp2-pp2": ("phi3", {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"}),
+    "phi3-tp2-sp-pp2": (
+        "phi3",
+        {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.pp": 2, "parallel.schedule": "1f1b"},
+    ),
     "phi3-one-process": ("phi3", {}),
     # sequence parallel: RMSNorms on a rank's 8 of 16 positions, attention and MLP gather all 16
     "llama-tp2-sp": ("llama", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
     "llama-tp2-sp-pp2": ("llama", {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.pp": 2}),
-    "olmo2-tp2-sp": ("olmo2", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
-    "phi3-tp2-sp": ("phi3", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
 }
 
 
@@ -111,15 +117,13 @@ def runs(models, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ca
     "row",
     [
         "llama-tp2",
-        "olmo2-tp2-pp2",
+        "olmo2-tp2-sp-pp2",
         "qwen2-tp2",
         "mistral-tp2",
         "phi3-tp2",
-        "phi3-tp2-pp2",
+        "phi3-tp2-sp-pp2",
         "llama-tp2-sp",
         "llama-tp2-sp-pp2",
-        "olmo2-tp2-sp",
-        "phi3-tp2-sp",
     ],
 )
 def test_first_step_equals_transformers(row: str, runs, models, data_dir: Path) -> None:
@@ -140,7 +144,7 @@ def test_first_step_equals_transformers(row: str, runs, models, data_dir: Path) 
 @pytest.mark.parametrize(
     ("row", "against"),
     [
-        ("olmo2-tp2-pp2", "olmo2-one-process"),
+        ("olmo2-tp2-sp-pp2", "olmo2-one-process"),
         ("qwen3-tp2", "qwen3-one-process"),
         ("phi3-tp2", "phi3-one-process"),
         ("llama-tp2-sp", "llama-tp2"),

@@ -41,9 +41,10 @@ LAYOUTS = {
     "one-process": {},
     "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     "dp2-pp2-interleaved": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},
-    "tp2-sequence-parallel": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+    # tp's heads and a rank's positions under sequence parallel, passed between pipeline stages (with
+    # dp: the dp2 x pp2 rows and fsdp-dp2; the three axes' numerics: test_tensor_parallel.py's 8 ranks)
+    "tp2-sp-pp2": {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
-    "dp2-tp2-pp2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     "pp2-zbv-full-recompute": {"parallel.pp": 2, "parallel.schedule": "zbv", "recompute": "full"},
     # context parallel: each rank half of every row's positions, whole documents inside attention
     "cp2-pp2": {"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
@@ -53,9 +54,11 @@ LAYOUTS = {
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.target_modules": "all-linear"}
 LORA_RUNS = {"lora-dp2-pp2": {**LORA, "parallel.dp": 2, "parallel.pp": 2, "train.steps": 2, "checkpoint.interval": 0}}
 
-# pipeline, 3 steps: bf16 autocast and fp16 with its GradScaler (the loss's grad_scale path)
+# 3 steps: bf16 autocast in one process (a pipeline's bf16 is test_pipeline.py's), fp16 with its
+# GradScaler under a pipeline (the pipeline loss's grad_scale path)
 LOW_PRECISION = {
-    p: {"parallel.pp": 2, "precision": p, "train.steps": 3, "checkpoint.interval": 0} for p in ("bf16", "fp16")
+    p: {"parallel.pp": pp, "precision": p, "train.steps": 3, "checkpoint.interval": 0}
+    for p, pp in (("bf16", 1), ("fp16", 2))
 }
 
 
@@ -120,6 +123,12 @@ def reference_step(root: Path, model: torch.nn.Module | None = None) -> tuple[fl
     return total, norm
 
 
+@pytest.fixture(scope="module")
+def reference(chat_model: Path) -> tuple[float, float]:
+    """reference_step of the folder's model, computed once for every test that compares with it."""
+    return reference_step(chat_model)
+
+
 def lora_reference_step(root: Path) -> tuple[float, float]:
     """reference_step on peft's LoraConfig over transformers' model, with the adapters meshrun draws
     (per parameter name) copied in: B starts at zero, so the norm is B's gradients, which read A."""
@@ -131,8 +140,8 @@ def lora_reference_step(root: Path) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_packed_step_equals_conversations_alone(layout: str, runs, chat_model: Path) -> None:
-    loss, grad_norm = reference_step(chat_model)
+def test_packed_step_equals_conversations_alone(layout: str, runs, reference: tuple[float, float]) -> None:
+    loss, grad_norm = reference
     first = read_metrics(runs(layout))[0]
     assert first["loss"] == pytest.approx(loss, rel=1e-5)
     assert first["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
@@ -157,7 +166,7 @@ def test_lora_on_packed_conversations_equals_peft_on_each_alone(runs, chat_model
     assert grad_norm > 0.0
 
 
-def test_leaky_rows_differ(chat_model: Path) -> None:
+def test_leaky_rows_differ(chat_model: Path, reference: tuple[float, float]) -> None:
     """The comparison can fail: the same packed rows with attention across documents (ids alone:
     plain causal attention over the row) give another loss than with the documents kept apart."""
     from meshrun.parallel.materialise import materialise_part
@@ -169,7 +178,7 @@ def test_leaky_rows_differ(chat_model: Path) -> None:
     x, y = data.batch(0, cfg.train.global_batch)
     loss = MicrobatchLoss.for_batch(1, target_tokens=data.target_tokens(0, cfg.train.global_batch), dp=1)
     kept, leaky = loss(model(x), y).item(), loss(model(x[:, 0]), y).item()
-    assert kept == pytest.approx(reference_step(chat_model)[0], rel=1e-5)
+    assert kept == pytest.approx(reference[0], rel=1e-5)
     assert abs(leaky - kept) > 10 * 1e-5 * kept, "a leak must show beyond the proofs' tolerance"
 
 
@@ -370,12 +379,12 @@ def test_the_shipped_example_prepares_and_plans(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize("precision", list(LOW_PRECISION))
-def test_low_precision_packed_step(precision: str, runs, chat_model: Path) -> None:
-    """bf16 and fp16 autocast over packed rows under a pipeline: step 1 within 1% of the fp32
+def test_low_precision_packed_step(precision: str, runs, reference: tuple[float, float]) -> None:
+    """bf16 autocast over packed rows, and fp16 under a pipeline: step 1 within 1% of the fp32
     reference (half-precision matmuls carry 8 or 11 mantissa bits, ~0.4% or 0.05% per product; the
     loss, a mean of thousands of them, lands well inside 1%; the gradient norm inside 5%), and the
     run trains on."""
-    loss, grad_norm = reference_step(chat_model)
+    loss, grad_norm = reference
     rows = read_metrics(runs(precision))
     assert rows[0]["loss"] == pytest.approx(loss, rel=1e-2)
     assert rows[0]["grad_norm"] == pytest.approx(grad_norm, rel=5e-2)

@@ -28,11 +28,10 @@ from conftest import (
     final_weights,
     grad_norms,
     max_weight_diff,
-    meshrun_env,
     meshrun_in_process,
     read_metrics,
-    run_meshrun,
     tiny,
+    train_job,
 )
 from encdec_reference import assert_step_one_matches, torch_first_step
 from plain_reference import assert_grad_norms_match
@@ -62,6 +61,15 @@ def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("inductor")
 
 
+def train_compiled(args: list[str], *, tmp_path: Path, inductor_cache: Path, **env: str) -> str:
+    """train_job (one process: in this one, else torchrun) with the shared inductor cache and `env`
+    set; what the job printed on stderr."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {"TORCHINDUCTOR_CACHE_DIR": str(inductor_cache), **env}.items():
+            patch.setenv(key, value)
+        return train_job(args, tmp_path=tmp_path, timeout=420).stderr
+
+
 @pytest.fixture(scope="module")
 def consoles() -> dict[str, str]:
     """Each row's console output (stderr), by row."""
@@ -78,9 +86,8 @@ def rows(
     def get(name: str) -> Path:
         run = tmp / name
         if name not in consoles:
-            env = meshrun_env(tmp, TORCHINDUCTOR_CACHE_DIR=str(inductor_cache))
-            args = ["train", *tiny(data_dir, run, **{**BASE, **ROWS[name]})]
-            consoles[name] = run_meshrun(args, tmp_path=tmp, env=env, timeout=420).stderr
+            args = tiny(data_dir, run, **{**BASE, **ROWS[name]})
+            consoles[name] = train_compiled(args, tmp_path=tmp, inductor_cache=inductor_cache)
         return run
 
     return get
@@ -160,15 +167,14 @@ def test_a_compiled_encoder_decoder_pipeline_equals_torch_transformer(
     shapes above, whose graphs the shared cache then holds."""
     run = tmp_path / "run"
     layout = {"parallel.pp": 2, "parallel.schedule": "gpipe", "train.steps": 2, "train.compile": True}
-    env = meshrun_env(tmp_path, TORCHINDUCTOR_CACHE_DIR=str(inductor_cache))
     args = tiny(lopsided_dir, run, **{**ENCDEC, **layout})
-    assert "step 1 compiled and ran in " in run_meshrun(["train", *args], tmp_path=tmp_path, env=env).stderr
+    assert "step 1 compiled and ran in " in train_compiled(args, tmp_path=tmp_path, inductor_cache=inductor_cache)
     assert_step_one_matches(run, *torch_first_step(lopsided_dir, ENCDEC), micro_batch=2)
 
 
 @pytest.mark.timeout(600)
 def test_compiled_fp16_trains_eagers_losses_and_skips_an_overflowing_step(
-    data_dir: Path, tmp_path: Path, inductor_cache: Path
+    data_dir: Path, tmp_path: Path, inductor_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """fp16 autocast and the GradScaler around compiled blocks: step 3's gradients overflow (an inf
         injected in the embedding's backward, faulty_gpt.py); the compiled run skips that step and
@@ -178,13 +184,15 @@ def test_compiled_fp16_trains_eagers_losses_and_skips_an_overflowing_step(
     equal; grad norms within 2.2e-5 (inductor keeps a fused kernel's intermediates in fp32 where eager
     rounds each op's output to fp16, eps 9.8e-4). Asserted: losses 1e-4, norms 1e-3 (~50x measured);
     a scale applied twice or not undone moves the norm by far more."""
-    here = str(Path(__file__).parent)  # faulty_gpt.py
-    env = meshrun_env(tmp_path, PYTHONPATH=here, MESHRUN_TEST_INF_AT="9", TORCHINDUCTOR_CACHE_DIR=str(inductor_cache))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    import faulty_gpt  # both one-process runs train in this process: its count of backwards goes on
+
     job = {"train.steps": 5, "precision": "fp16", "model.factory": "faulty_gpt:build"}  # 4 microbatches a step
     metrics = {}
     for compile_ in (True, False):
-        run = tmp_path / f"compile-{compile_}"
-        run_meshrun(["train", *tiny(data_dir, run, **job, **{"train.compile": compile_})], tmp_path=tmp_path, env=env)
+        run, ninth = tmp_path / f"compile-{compile_}", str(faulty_gpt._calls["backward"] + 9)  # step 3's first
+        args = tiny(data_dir, run, **job, **{"train.compile": compile_})
+        train_compiled(args, tmp_path=tmp_path, inductor_cache=inductor_cache, MESHRUN_TEST_INF_AT=ninth)
         metrics[compile_] = [r for r in read_metrics(run) if "skipped_steps" in r]
     for rows in metrics.values():
         assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1]

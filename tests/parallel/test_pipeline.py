@@ -11,6 +11,7 @@ the first step's norm, a block updated twice or never in the weights after one u
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -148,7 +149,9 @@ def test_every_block_trained_exactly_once(
     assert losses(run) == pytest.approx(losses(seven_block_reference), abs=1e-5)
 
 
-def test_fp16_overflow_in_one_stage_makes_every_stage_skip(data_dir: Path, tmp_path: Path) -> None:
+def test_fp16_overflow_in_one_stage_makes_every_stage_skip(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Inf gradients appear only in stage 0 (the embedding) at step 3. Every stage must skip that
     step (its weights stay bit-identical across it) and back off the scale together."""
     fp16 = {
@@ -159,14 +162,19 @@ def test_fp16_overflow_in_one_stage_makes_every_stage_skip(data_dir: Path, tmp_p
         "checkpoint.keep": 10,
     }
     microbatches = 8  # global 16 / micro 2, dp 1
-    env = meshrun_env(tmp_path, PYTHONPATH=str(HERE), MESHRUN_TEST_INF_AT=str(2 * microbatches + 1))  # step 3
+    monkeypatch.syspath_prepend(str(HERE))  # the one-process reference trains in this process
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    import faulty_gpt
 
-    def fp16_run(name: str, **overrides: object) -> Path:
+    def fp16_run(name: str, backwards_before: int, **overrides: object) -> Path:
+        """`backwards_before`: what the process that trains it counted before (faulty_gpt.py)."""
         run = tmp_path / name
-        run_meshrun(["train", *tiny(data_dir, run, **{**BASE, **fp16, **overrides})], tmp_path=tmp_path, env=env)
+        monkeypatch.setenv("MESHRUN_TEST_INF_AT", str(backwards_before + 2 * microbatches + 1))  # step 3
+        train_job(tiny(data_dir, run, **{**BASE, **fp16, **overrides}), tmp_path=tmp_path)
         return run
 
-    piped, reference = fp16_run("pp2", **{"parallel.pp": 2}), fp16_run("ref")
+    piped = fp16_run("pp2", 0, **{"parallel.pp": 2})  # its own processes
+    reference = fp16_run("ref", faulty_gpt._calls["backward"])  # one process: this one
     for run in (piped, reference):
         rows = [r for r in read_metrics(run) if "loss_scale" in r]
         assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1]

@@ -3,10 +3,11 @@
 Each row trains 10 clipped AdamW steps (a checkpoint at step 5; 2 steps for a row that only adds a
 combination, against a 2-step reference) and must log every step's loss and pre-clip grad norm as
 the independent one-process reference computes them (1e-5 relative): a tp shard counted twice, or
-a replicated norm weight counted tp times, moves the norm. The tp2
-row uses an odd vocabulary (257: shards of 129 and 128, Megatron-LM #1754's case), so the loss of
-unevenly sharded logits is proven equal too. tp2 x pp2 runs every pipeline schedule (each stage
-split over tp) and tp2 every recompute policy. The refusals live in tests/test_config.py's table.
+a replicated norm weight counted tp times, moves the norm. The tp2 sequence-parallel row uses an
+odd vocabulary (257: shards of 129 and 128, Megatron-LM #1754's case), so the loss of unevenly
+sharded logits is proven equal too (the head and the loss take the same vocabulary shards with or
+without sequence parallel; tp2 without it trains 10 steps in ddp-dp2-tp2). tp2 x pp2 runs every
+pipeline schedule (each stage split over tp) and tp2 every recompute policy. The refusals live in tests/test_config.py's table.
 """
 
 from __future__ import annotations
@@ -53,9 +54,8 @@ ODD_VOCAB = {"model.vocab_size": 257}
 SHORT = {"train.steps": 2}  # a row that only adds a combination: its reference trains 2 steps too
 
 ROWS = {
-    "tp2-odd-vocab": {"parallel.tp": 2, **ODD_VOCAB},
     "tp2-pp2-1f1b": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "recompute": "every:2"},
-    "tp2-pp2-zbv": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zbv"},  # split backward
+    "tp2-pp2-zbv": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zbv", **SHORT},  # split backward
     # two stages a rank (4 stages of one block: the tiny model's 4 layers are the minimum); 10 steps,
     # whose weights are compared below
     "tp2-pp2-interleaved-1f1b": {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},
@@ -67,11 +67,17 @@ ROWS = {
     # HSDP x TP, 8 ranks: each tp shard sharded over 2 dp ranks, replicated over the other 2
     "hsdp-dp4-tp2": {"parallel.tp": 2, "parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2, **SHORT},
     # Megatron's sequence parallel: norms on a rank's positions, reduce-scatter + all-gather per block
-    "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
-    "tp2-sp-pp2": {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.pp": 2, "recompute": "full"},
+    "tp2-sp-odd-vocab": {"parallel.tp": 2, "parallel.sequence_parallel": True, **ODD_VOCAB},
+    "tp2-sp-pp2": {
+        "parallel.tp": 2,
+        "parallel.sequence_parallel": True,
+        "parallel.pp": 2,
+        "recompute": "full",
+        **SHORT,
+    },
     # all three axes, 8 ranks: each of 2 stages split over tp 2 and sharded over dp 2; each rank's
     # Layout.coordinates are checked against every group torch built (parallel.mesh.check_groups)
-    "fsdp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp"},
+    "fsdp-dp2-tp2-pp2": {"parallel.tp": 2, "parallel.dp": 2, "parallel.pp": 2, "parallel.dp_mode": "fsdp", **SHORT},
     # split backward with dp (2 stages a rank): refused under DDP (its hooks are bypassed), but ddp
     # with tp runs on FSDP2. The schedules gpipe and looped-bfs are proven at pp without tp
     # (test_pipeline.py): a schedule orders stage calls, which tp leaves as they are.
@@ -240,7 +246,7 @@ def test_metrics_count_the_model_once_and_a_rank_its_shard(rows, one_process: Pa
 def test_checkpoint_saved_at_tp2_resumes_at_tp1(rows, data_dir: Path, tmp_path: Path) -> None:
     """DCP reshards the vocabulary-split (uneven) DTensors into whole tensors: the resumed tp1 run
     continues the tp2 run it interrupts."""
-    full = rows("tp2-odd-vocab")
+    full = rows("tp2-sp-odd-vocab")
     run = interrupted_copy(full, tmp_path / "run", at_step=5)
     train(data_dir, run, **ODD_VOCAB)
     assert max_weight_diff(final_weights(run), final_weights(full)) < 1e-5
@@ -250,29 +256,23 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(rows, data_dir: Path, tmp_path: 
 
 def test_sample_reads_a_tp2_checkpoint(rows, tmp_path: Path) -> None:
     """`meshrun sample` runs one process: it loads the vocabulary-split (uneven) shards whole."""
-    sampled = meshrun_in_process(["sample", rows("tp2-odd-vocab"), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path)
+    sampled = meshrun_in_process(
+        ["sample", rows("tp2-sp-odd-vocab"), "--tokens", "8", "--seed", "3"], tmp_path=tmp_path
+    )
     assert sampled.stdout.strip()
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    "resumed_as",
-    [
-        {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},  # tp's ranks become dp's
-        {"parallel.dp": 4},  # no tp, no pipeline
-    ],
-    ids=["dp2-tp1-pp2", "dp4"],
-)
-def test_checkpoint_saved_at_tp2_pp2_resumes_at_another_layout(
-    resumed_as: dict, rows, data_dir: Path, tmp_path: Path
-) -> None:
-    """Saved at dp1 x tp2 x pp2 (step 5), resumed with tp's split undone and the ranks given to dp:
-    the second half continues the uninterrupted tp2 x pp2 run. Not bit-equal: steps 6-10 sum their
-    dot products and dp's gradients in another order (fp32 rounding); measured, weights within
-    1.3e-7 and losses within 3.6e-7 of it, hence 1e-5 as the dp x pp resharding tests (test_checkpoint.py)."""
+def test_checkpoint_saved_at_tp2_pp2_resumes_at_dp4(rows, data_dir: Path, tmp_path: Path) -> None:
+    """Saved at dp1 x tp2 x pp2 (step 5), resumed at dp4 (tp's split and the stages undone, every
+    rank given to dp): the second half continues the uninterrupted tp2 x pp2 run. (Resharding dp x
+    pp to other dp x pp layouts is test_checkpoint.py's; tp2 to tp1 alone is the odd-vocab row's
+    test above.) Not bit-equal: steps 6-10 sum their dot products and dp's gradients in another
+    order (fp32 rounding); measured, weights within 1.3e-7 and losses within 3.6e-7 of it, hence
+    1e-5 as the dp x pp resharding tests (test_checkpoint.py)."""
     full = rows("tp2-pp2-1f1b")
     run = interrupted_copy(full, tmp_path / "run", at_step=5)
-    train(data_dir, run, **resumed_as, recompute="every:2")
+    train(data_dir, run, **{"parallel.dp": 4}, recompute="every:2")
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 11))
     assert losses(run)[5:] == pytest.approx(losses(full)[5:], abs=1e-5)
     assert max_weight_diff(final_weights(run), final_weights(full)) < 1e-5

@@ -81,10 +81,12 @@ def assert_same_run(run: Path, reference: Path) -> None:
 
 
 @pytest.mark.timeout(600)  # the first row also trains the uninterrupted fixture: 3 runs on loaded cores
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("sig,resume", [(signal.SIGTERM, True), (signal.SIGUSR1, False)], ids=["SIGTERM", "SIGUSR1"])
 def test_signal_to_one_rank_checkpoints_all_and_resume_completes(
-    sig, uninterrupted, data_dir: Path, tmp_path: Path
+    sig, resume: bool, uninterrupted, data_dir: Path, tmp_path: Path
 ) -> None:
+    """Either signal stops every rank at one checkpoint (exit 75); what resumes from it does not
+    depend on which signal stopped it, so SIGTERM's row alone resumes (one launch fewer)."""
     run = tmp_path / "run"
     proc = start(data_dir, run)
     wait_for(lambda: (run / "checkpoints" / "latest").exists(), timeout=180, what="the first checkpoint")
@@ -94,6 +96,8 @@ def test_signal_to_one_rank_checkpoints_all_and_resume_completes(
     assert "stop requested: checkpoint at step" in err
     stopped_at = int((run / "checkpoints" / "latest").read_text().split("-")[1])
     assert stopped_at < STEPS["train.steps"] and not (run / "summary.json").exists()
+    if not resume:
+        return
     resumed = run_meshrun(["train", *tiny(data_dir, run, **STEPS)], tmp_path=tmp_path)
     assert f"at step {stopped_at}" in resumed.stderr
     assert_same_run(run, uninterrupted)
