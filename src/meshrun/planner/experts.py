@@ -1,0 +1,179 @@
+"""Expert parallelism (`parallel.ep`) in the plan: which ep degrees a layout may take, the expert
+state each rank holds, and the all-to-alls that carry tokens to their experts.
+
+Routing is planned as balanced: every expert receives top_k x tokens / E rows per microbatch, so
+each ep rank computes the rows of top_k x tokens (its own tokens' worth: the FLOPs and saved bytes of
+one process's trace, models/moe.py's planned path) and each all-to-all sends (ep - 1) / ep of a rank's
+rows away. A real router is not balanced: the busiest ep rank computes, saves and receives more (its
+excess is what the balance loss keeps small); the plan says so where it prints.
+
+Per MoE layer and microbatch a rank runs, as parallel/experts.py does: forward, an exchange of the
+row counts and two all-to-alls of top_k x tokens x hidden (rows out, results back); backward, two
+(their gradients); a recomputed block's forward again. Each costs the ring term at the ep group's link
+and the calibrated per-message `p2p_s`, as a tp or dp collective does (planner/cost.py). Once per step
+the experts' gradients are summed over ep_dp (an all-reduce of the rank's share).
+
+Memory: the experts are kept out of DDP / FSDP (no buckets, no shards of theirs), so a rank holds the
+dense state as dp_mode says and its ep share of the experts' (`expert_split`), while the activations
+are one process's (balanced routing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from meshrun.config.schema import Config
+from meshrun.models.moe import sparse_mlps
+from meshrun.parallel.expert_shards import EXPERT_WEIGHTS
+from meshrun.parallel.materialise import build_stage
+from meshrun.parallel.recompute import wants_recompute
+from meshrun.planner.cost import Efficiency, Hardware, _ring
+from meshrun.planner.memory import RankMemory
+from meshrun.planner.stage_profile import StageProfile
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer's experts, whole (all E of them)."""
+
+    param_bytes: int
+    grad_bytes: int  # 0 when frozen
+    tensors: int  # trainable expert tensors: the optimizer keeps a step count for each, split or not
+    top_k: int
+    num_experts: int
+
+
+@functools.lru_cache(maxsize=8)
+def _moe_layers(model_json: str) -> dict[int, MoELayer]:
+    cfg = Config.model_validate_json(model_json)
+    whole = build_stage(cfg, layers=None, first=True, last=True)  # meta: shapes only
+    layers = {}
+    for index, mlp in sparse_mlps(whole.blocks).items():
+        weights = [mlp.experts.get_parameter(name) for name in EXPERT_WEIGHTS]
+        trained = [w for w in weights if w.requires_grad]
+        layers[index] = MoELayer(
+            param_bytes=sum(w.numel() * w.element_size() for w in weights),
+            grad_bytes=sum(w.numel() * w.element_size() for w in trained),
+            tensors=len(trained),
+            top_k=int(mlp.gate.top_k),
+            num_experts=int(mlp.gate.num_experts),
+        )
+    return layers
+
+
+def moe_layers(cfg: Config) -> dict[int, MoELayer]:
+    """Block index -> its experts, for the model's MoE layers (empty for a dense model)."""
+    update = {"parallel": type(cfg.parallel)(), "train": type(cfg.train)(), "recompute": "none"}
+    return _moe_layers(cfg.model_copy(update=update).model_dump_json())
+
+
+def expert_degrees(cfg: Config, dp: int) -> list[int]:
+    """The ep degrees a layout with `dp` data-parallel ranks may take: divisors of dp that divide every
+    MoE layer's experts (1 alone for a dense model); within a node or across nodes alike."""
+    counts = {layer.num_experts for layer in moe_layers(cfg).values()}
+    return [ep for ep in range(1, dp + 1) if dp % ep == 0 and all(n % ep == 0 for n in counts)]
+
+
+def expert_split(cfg: Config) -> int:
+    """Ranks each MoE layer's expert state is split over: the ep ranks. parallel/experts.py keeps each
+    ep rank's experts whole on it, replicated over ep_dp (their gradients all-reduced); were they
+    FSDP-sharded over ep_dp, this is the one place to multiply by that shard degree."""
+    return cfg.parallel.ep
+
+
+def _held(cfg: Config, blocks: list[int]) -> list[MoELayer]:
+    layers = moe_layers(cfg)
+    return [layers[b] for b in blocks if b in layers]
+
+
+def dense_stages(cfg: Config, stages: list[StageProfile], split: list[list[int]]) -> list[StageProfile]:
+    """Each stage less its experts' state (parameters, gradients, optimizer): what DDP / FSDP hold
+    and reduce under ep (`split`: each stage's blocks)."""
+    per_value, per_tensor = cfg.train.optimizer_state()
+    out = []
+    for stage, blocks in zip(stages, split):
+        held = _held(cfg, blocks)
+        grads = sum(layer.grad_bytes for layer in held)
+        out.append(
+            dataclasses.replace(
+                stage,
+                param_bytes=stage.param_bytes - sum(layer.param_bytes for layer in held),
+                grad_bytes=stage.grad_bytes - grads,
+                optimizer_bytes=stage.optimizer_bytes
+                - per_value * grads
+                - per_tensor * sum(layer.tensors for layer in held),
+            )
+        )
+    return out
+
+
+def with_experts(cfg: Config, memory: RankMemory, held: list[tuple[StageProfile, list[int]]]) -> RankMemory:
+    """`memory` (a rank's dense state, activations and buffers) plus its share of the experts of the
+    stages it holds (`held`: each with its blocks): 1 / expert_split of their state, whole step counts
+    (see dense_stages), and what routing adds to each microbatch in flight: the combine's weighting
+    keeps the returned rows (top_k x tokens x hidden) of every MoE layer not recomputed, beside the
+    same rows the experts' own forward keeps (weighted by ones: parallel/experts.py)."""
+    blocks = [b for _, stage_blocks in held for b in stage_blocks]
+    layers, share = _held(cfg, blocks), expert_split(cfg)
+    per_value, per_tensor = cfg.train.optimizer_state()
+    grads = sum(layer.grad_bytes for layer in layers) // share
+    returned = max(
+        sum(layer.top_k * stage.hidden_bytes for b, layer in _kept(cfg, stage_blocks)) for stage, stage_blocks in held
+    )
+    return dataclasses.replace(
+        memory,
+        params=memory.params + sum(layer.param_bytes for layer in layers) // share,
+        grads=memory.grads + grads,
+        optimizer=memory.optimizer + per_value * grads + per_tensor * sum(layer.tensors for layer in layers),
+        activations=memory.activations + memory.in_flight * returned,
+    )
+
+
+def _kept(cfg: Config, blocks: list[int]) -> list[tuple[int, MoELayer]]:
+    """The MoE layers among `blocks` whose tensors backward keeps (not recomputed)."""
+    layers = moe_layers(cfg)
+    return [(b, layers[b]) for b in blocks if b in layers and not wants_recompute(cfg.recompute, b)]
+
+
+def expert_parallel_s(
+    cfg: Config, stages: list[StageProfile], split: list[list[int]], hw: Hardware, eff: Efficiency
+) -> float:
+    """One step's ep communication on the busiest pp rank: every microbatch's all-to-alls through its
+    MoE layers, then the experts' gradient all-reduce over ep_dp (see the module docstring); 0 at ep 1."""
+    par, layout = cfg.parallel, cfg.layout
+    if par.ep == 1:
+        return 0.0
+    span = par.ep * par.cp * par.tp  # the ep group: ep neighbouring dp ranks
+    gbs = hw.intra_gbs if span <= hw.gpus_per_node and hw.gpus_per_node % span == 0 else hw.inter_gbs
+    dp_gbs = hw.intra_gbs if par.dp * par.cp * par.tp <= hw.gpus_per_node else hw.inter_gbs
+    ep_dp = par.dp // par.ep
+    per_rank = []
+    for r in range(par.pp):
+        seconds = 0.0
+        for s in layout.stages_of(r):
+            for block in split[s]:
+                layer = moe_layers(cfg).get(block)
+                if layer is None:
+                    continue
+                forwards = 1 + wants_recompute(cfg.recompute, block)
+                rows = layer.top_k * stages[s].hidden_bytes  # top_k x tokens x hidden, per microbatch
+                seconds += (2 * forwards + 2) * (_ring(rows, par.ep, gbs, 1.0) + eff.p2p_s) + forwards * eff.p2p_s
+        grads = sum(layer.grad_bytes for s in layout.stages_of(r) for layer in _held(cfg, split[s]))
+        sync = _ring(grads / expert_split(cfg), ep_dp, dp_gbs, 2.0) + eff.p2p_s
+        per_rank.append(cfg.accumulation_steps * seconds + sync)
+    return max(per_rank)
+
+
+def routing_note(cfg: Config) -> str | None:
+    """The plan's line on a MoE model: its layers, and the routing balance every figure assumes."""
+    layers = moe_layers(cfg)
+    if not layers:
+        return None
+    first = next(iter(layers.values()))
+    return (
+        f"MoE: {len(layers)} layers of {first.num_experts} experts, top {first.top_k}; planned with balanced routing "
+        "(each expert gets top_k x tokens / E rows: a real router's busiest ep rank computes, saves and receives "
+        "more); ep: 2 all-to-alls per MoE layer forward and 2 backward, experts split over ep and replicated "
+        "over dp / ep, computed at active parameters"
+    )
