@@ -58,3 +58,15 @@ def test_experts_state_is_split_and_all_to_alls_priced() -> None:
     model = build_model(_cfg().model)
     priced = sum(s.model_flops_per_token for s in layout_memory(_cfg(dp=4, ep=2), "fp32").stages)
     assert priced == pytest.approx(flops_at(model, 16), rel=1e-12)
+
+
+@pytest.mark.parametrize("dp_mode", ["ddp", "fsdp"])
+def test_dry_run_names_each_ep_ranks_experts_and_no_full_replicas(dp_mode: str) -> None:
+    """--dry-run under ep: which experts each ep rank holds, and the data-parallel line speaks of the
+    dense weights only (the experts are split over ep, not replicated or sharded over all dp ranks)."""
+    from meshrun.planner.dry_run import describe_job
+
+    cfg = _cfg(dp=4, ep=2, dp_mode=dp_mode)
+    text = describe_job(cfg, build_model(cfg.model))
+    assert "ep rank 0: experts 0-1; ep rank 1: experts 2-3" in text
+    assert "full replicas" not in text and "each stage's dense weights" in text
