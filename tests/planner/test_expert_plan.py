@@ -70,3 +70,13 @@ def test_dry_run_names_each_ep_ranks_experts_and_no_full_replicas(dp_mode: str) 
     text = describe_job(cfg, build_model(cfg.model))
     assert "ep rank 0: experts 0-1; ep rank 1: experts 2-3" in text
     assert "full replicas" not in text and "each stage's dense weights" in text
+
+
+def test_plan_proposes_no_ep_layout_training_refuses() -> None:
+    """fp16 with ep under fsdp is refused by training (parallel/experts.py): the plan leaves it out."""
+    from meshrun.planner.search import rank_layouts
+
+    cfg = _cfg(dp=2)
+    ranked = rank_layouts(cfg, 2, _hw(2), Efficiency(), precision="fp16", margin=0.1)
+    modes = {p.label["dp_mode"] for p in ranked}
+    assert "ddp+ep2" in modes and "fsdp" in modes and "fsdp+ep2" not in modes

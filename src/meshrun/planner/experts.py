@@ -23,9 +23,13 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from torch import nn
+
 from meshrun.config.schema import Config
+from meshrun.errors import ConfigError
 from meshrun.models.moe import sparse_mlps
 from meshrun.parallel.expert_shards import EXPERT_WEIGHTS
+from meshrun.parallel.experts import check_experts_split
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.recompute import wants_recompute
 from meshrun.planner.cost import Efficiency, Hardware, _ring
@@ -44,10 +48,21 @@ class MoELayer:
     num_experts: int
 
 
+@functools.lru_cache(maxsize=4)
+def _whole(model_json: str) -> nn.Module:
+    """The whole model on the meta device (shapes only), once per model."""
+    return build_stage(Config.model_validate_json(model_json), layers=None, first=True, last=True)
+
+
+def _model_json(cfg: Config) -> str:
+    """The config less its layout and training: what the model's build reads."""
+    update = {"parallel": type(cfg.parallel)(), "train": type(cfg.train)(), "recompute": "none"}
+    return cfg.model_copy(update=update).model_dump_json()
+
+
 @functools.lru_cache(maxsize=8)
 def _moe_layers(model_json: str) -> dict[int, MoELayer]:
-    cfg = Config.model_validate_json(model_json)
-    whole = build_stage(cfg, layers=None, first=True, last=True)  # meta: shapes only
+    whole = _whole(model_json)
     layers = {}
     for index, mlp in sparse_mlps(whole.blocks).items():
         weights = [mlp.experts.get_parameter(name) for name in EXPERT_WEIGHTS]
@@ -64,8 +79,19 @@ def _moe_layers(model_json: str) -> dict[int, MoELayer]:
 
 def moe_layers(cfg: Config) -> dict[int, MoELayer]:
     """Block index -> its experts, for the model's MoE layers (empty for a dense model)."""
-    update = {"parallel": type(cfg.parallel)(), "train": type(cfg.train)(), "recompute": "none"}
-    return _moe_layers(cfg.model_copy(update=update).model_dump_json())
+    return _moe_layers(_model_json(cfg))
+
+
+def trains_experts(cfg: Config, precision: str) -> bool:
+    """Whether training would run this layout's ep at `precision` (parallel/experts.py's check: e.g.
+    fp16 under fsdp / hsdp is refused): the plan proposes no layout training refuses."""
+    try:
+        check_experts_split(
+            _whole(_model_json(cfg)), cfg.parallel.ep, dp_mode=cfg.parallel.dp_mode, precision=precision
+        )
+    except ConfigError:
+        return False
+    return True
 
 
 def expert_degrees(cfg: Config, dp: int) -> list[int]:
