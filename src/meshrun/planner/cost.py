@@ -104,9 +104,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (
-            self.compute + self.bubble + self.allreduce + self.p2p + self.fixed + self.latency + self.logging
-        ) + self.experts
+        parts = (self.compute, self.bubble, self.allreduce, self.p2p, self.fixed, self.latency, self.logging)
+        return sum(parts) + self.experts
 
     @property
     def bubble_fraction(self) -> float:

@@ -144,9 +144,7 @@ def with_experts(cfg: Config, memory: RankMemory, held: list[tuple[StageProfile,
     layers, share = _held(cfg, blocks), expert_split(cfg)
     per_value, per_tensor = cfg.train.optimizer_state()
     grads = sum(layer.grad_bytes for layer in layers) // share
-    returned = max(
-        sum(layer.top_k * stage.hidden_bytes for b, layer in _kept(cfg, stage_blocks)) for stage, stage_blocks in held
-    )
+    returned = max(sum(layer.top_k * stage.hidden_bytes for layer in _kept(cfg, blocks)) for stage, blocks in held)
     return dataclasses.replace(
         memory,
         params=memory.params + sum(layer.param_bytes for layer in layers) // share,
@@ -156,10 +154,10 @@ def with_experts(cfg: Config, memory: RankMemory, held: list[tuple[StageProfile,
     )
 
 
-def _kept(cfg: Config, blocks: list[int]) -> list[tuple[int, MoELayer]]:
+def _kept(cfg: Config, blocks: list[int]) -> list[MoELayer]:
     """The MoE layers among `blocks` whose tensors backward keeps (not recomputed)."""
     layers = moe_layers(cfg)
-    return [(b, layers[b]) for b in blocks if b in layers and not wants_recompute(cfg.recompute, b)]
+    return [layers[b] for b in blocks if b in layers and not wants_recompute(cfg.recompute, b)]
 
 
 def expert_parallel_s(
@@ -173,13 +171,13 @@ def expert_parallel_s(
     span = par.ep * par.cp * par.tp  # the ep group: ep neighbouring dp ranks
     gbs = hw.intra_gbs if span <= hw.gpus_per_node and hw.gpus_per_node % span == 0 else hw.inter_gbs
     dp_gbs = hw.intra_gbs if par.dp * par.cp * par.tp <= hw.gpus_per_node else hw.inter_gbs
-    ep_dp = par.dp // par.ep
+    ep_dp, layers = par.dp // par.ep, moe_layers(cfg)
     per_rank = []
     for r in range(par.pp):
         seconds = 0.0
         for s in layout.stages_of(r):
             for block in split[s]:
-                layer = moe_layers(cfg).get(block)
+                layer = layers.get(block)
                 if layer is None:
                     continue
                 forwards = 1 + wants_recompute(cfg.recompute, block)
