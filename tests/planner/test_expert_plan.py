@@ -45,6 +45,10 @@ def test_experts_state_is_split_and_all_to_alls_priced() -> None:
     assert plain.memory.params - ep2.memory.params == experts // 2
     assert plain.memory.params - ep4.memory.params == 3 * experts // 4
     assert plain.time.experts == 0.0
+    # under fsdp the split experts are sharded over ep_dp too (parallel/fsdp.py): 1 / dp of them, as at ep 1
+    sharded = [predict(_cfg(dp=4, ep=ep, dp_mode="fsdp"), _hw(4), eff, precision="fp32", margin=0.1) for ep in (1, 2)]
+    assert sharded[1].memory.params == pytest.approx(sharded[0].memory.params, abs=4)
+    assert sharded[1].time.experts > 0.0
     # per MoE layer and microbatch: 4 all-to-alls of top_k x tokens x hidden, (ep - 1) / ep of them sent,
     # and a count exchange; then the experts' gradients (their ep share) all-reduced over ep_dp
     rows = 2 * (2 * 16 * 32 * 4)
@@ -70,13 +74,3 @@ def test_dry_run_names_each_ep_ranks_experts_and_no_full_replicas(dp_mode: str) 
     text = describe_job(cfg, build_model(cfg.model))
     assert "ep rank 0: experts 0-1; ep rank 1: experts 2-3" in text
     assert "full replicas" not in text and "each stage's dense weights" in text
-
-
-def test_plan_proposes_no_ep_layout_training_refuses() -> None:
-    """fp16 with ep under fsdp is refused by training (parallel/experts.py): the plan leaves it out."""
-    from meshrun.planner.search import rank_layouts
-
-    cfg = _cfg(dp=2)
-    ranked = rank_layouts(cfg, 2, _hw(2), Efficiency(), precision="fp16", margin=0.1)
-    modes = {p.label["dp_mode"] for p in ranked}
-    assert "ddp+ep2" in modes and "fsdp" in modes and "fsdp+ep2" not in modes

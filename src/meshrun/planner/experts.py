@@ -11,11 +11,14 @@ Per MoE layer and microbatch a rank runs, as parallel/experts.py does: forward, 
 row counts and two all-to-alls of top_k x tokens x hidden (rows out, results back); backward, two
 (their gradients); a recomputed block's forward again. Each costs the ring term at the ep group's link
 and the calibrated per-message `p2p_s`, as a tp or dp collective does (planner/cost.py). Once per step
-the experts' gradients are summed over ep_dp (an all-reduce of the rank's share).
+the experts' gradients are summed over ep_dp: an all-reduce of the rank's share, or, where the experts
+are FSDP-sharded over ep_dp (dp_mode fsdp / hsdp: `experts_sharded`), their gathers and reduce-scatter
+priced as the dense FSDP collectives are.
 
-Memory: the experts are kept out of DDP / FSDP (no buckets, no shards of theirs), so a rank holds the
-dense state as dp_mode says and its ep share of the experts' (`expert_split`), while the activations
-are one process's (balanced routing)."""
+Memory: the experts are kept out of the dense weights' DDP / FSDP (no buckets or shards of theirs), so
+a rank holds the dense state as dp_mode says and 1 / `expert_split` of the experts' (ep, or dp where
+they are sharded over ep_dp too, with FSDP's gather buffers), while the activations are one process's
+(balanced routing) plus the combine's copy of the returned rows."""
 
 from __future__ import annotations
 
@@ -26,14 +29,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from meshrun.config.schema import Config
-from meshrun.errors import ConfigError
 from meshrun.models.moe import sparse_mlps
 from meshrun.parallel.expert_shards import EXPERT_WEIGHTS
-from meshrun.parallel.experts import check_experts_split
+from meshrun.parallel.fsdp import reshard_after_forward
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.recompute import wants_recompute
 from meshrun.planner.cost import Efficiency, Hardware, _ring
-from meshrun.planner.memory import RankMemory
+from meshrun.planner.memory import RankMemory, comm_buffers
 from meshrun.planner.stage_profile import StageProfile
 
 
@@ -82,18 +84,6 @@ def moe_layers(cfg: Config) -> dict[int, MoELayer]:
     return _moe_layers(_model_json(cfg))
 
 
-def trains_experts(cfg: Config, precision: str) -> bool:
-    """Whether training would run this layout's ep at `precision` (parallel/experts.py's check: e.g.
-    fp16 under fsdp / hsdp is refused): the plan proposes no layout training refuses."""
-    try:
-        check_experts_split(
-            _whole(_model_json(cfg)), cfg.parallel.ep, dp_mode=cfg.parallel.dp_mode, precision=precision
-        )
-    except ConfigError:
-        return False
-    return True
-
-
 def expert_degrees(cfg: Config, dp: int) -> list[int]:
     """The ep degrees a layout with `dp` data-parallel ranks may take: divisors of dp that divide every
     MoE layer's experts (1 alone for a dense model); within a node or across nodes alike."""
@@ -101,11 +91,18 @@ def expert_degrees(cfg: Config, dp: int) -> list[int]:
     return [ep for ep in range(1, dp + 1) if dp % ep == 0 and all(n % ep == 0 for n in counts)]
 
 
+def experts_sharded(cfg: Config) -> bool:
+    """Whether each ep rank's experts are FSDP-sharded over ep_dp as well: under dp_mode fsdp / hsdp with
+    ep_dp > 1 (parallel/fsdp.py's wrap_experts: over the whole ep_dp, hsdp too); else replicated there,
+    their gradients all-reduced (parallel/experts.py's ExpertGradients)."""
+    par = cfg.parallel
+    return par.dp_mode != "ddp" and par.dp > par.ep
+
+
 def expert_split(cfg: Config) -> int:
-    """Ranks each MoE layer's expert state is split over: the ep ranks. parallel/experts.py keeps each
-    ep rank's experts whole on it, replicated over ep_dp (their gradients all-reduced); were they
-    FSDP-sharded over ep_dp, this is the one place to multiply by that shard degree."""
-    return cfg.parallel.ep
+    """Ranks each MoE layer's expert state is split over: ep, times ep_dp where they are sharded there
+    (experts_sharded): the one place the memory model asks how the experts are kept."""
+    return cfg.parallel.dp if experts_sharded(cfg) else cfg.parallel.ep
 
 
 def _held(cfg: Config, blocks: list[int]) -> list[MoELayer]:
@@ -145,12 +142,20 @@ def with_experts(cfg: Config, memory: RankMemory, held: list[tuple[StageProfile,
     per_value, per_tensor = cfg.train.optimizer_state()
     grads = sum(layer.grad_bytes for layer in layers) // share
     returned = max(sum(layer.top_k * stage.hidden_bytes for layer in _kept(cfg, blocks)) for stage, blocks in held)
+    buffers = 0
+    if experts_sharded(cfg):  # FSDP's gathered expert weights and unsharded gradients, over ep_dp
+        ep, ep_dp = cfg.parallel.ep, cfg.parallel.dp // cfg.parallel.ep
+        whole = [sum(getattr(x, f) for x in layers) // ep for f in ("param_bytes", "grad_bytes")]  # an ep rank's
+        owned = StageProfile(*whole, 0, 0, 0.0, 0.0, 0, blocks=len(layers))
+        regather = reshard_after_forward(cfg.parallel)
+        buffers = comm_buffers([owned], dp=ep_dp, shard=ep_dp, regather=regather, m=cfg.accumulation_steps)
     return dataclasses.replace(
         memory,
         params=memory.params + sum(layer.param_bytes for layer in layers) // share,
         grads=memory.grads + grads,
         optimizer=memory.optimizer + per_value * grads + per_tensor * sum(layer.tensors for layer in layers),
         activations=memory.activations + memory.in_flight * returned,
+        buffers=memory.buffers + buffers,
     )
 
 
@@ -171,7 +176,7 @@ def expert_parallel_s(
     span = par.ep * par.cp * par.tp  # the ep group: ep neighbouring dp ranks
     gbs = hw.intra_gbs if span <= hw.gpus_per_node and hw.gpus_per_node % span == 0 else hw.inter_gbs
     dp_gbs = hw.intra_gbs if par.dp * par.cp * par.tp <= hw.gpus_per_node else hw.inter_gbs
-    ep_dp, layers = par.dp // par.ep, moe_layers(cfg)
+    layers = moe_layers(cfg)
     per_rank = []
     for r in range(par.pp):
         seconds = 0.0
@@ -183,10 +188,23 @@ def expert_parallel_s(
                 forwards = 1 + wants_recompute(cfg.recompute, block)
                 rows = layer.top_k * stages[s].hidden_bytes  # top_k x tokens x hidden, per microbatch
                 seconds += (2 * forwards + 2) * (_ring(rows, par.ep, gbs, 1.0) + eff.p2p_s) + forwards * eff.p2p_s
-        grads = sum(layer.grad_bytes for s in layout.stages_of(r) for layer in _held(cfg, split[s]))
-        sync = _ring(grads / expert_split(cfg), ep_dp, dp_gbs, 2.0) + eff.p2p_s
-        per_rank.append(cfg.accumulation_steps * seconds + sync)
+        held = [layer for s in layout.stages_of(r) for layer in _held(cfg, split[s])]
+        per_rank.append(cfg.accumulation_steps * seconds + _expert_sync_s(cfg, held, dp_gbs, eff))
     return max(per_rank)
+
+
+def _expert_sync_s(cfg: Config, held: list[MoELayer], gbs: float, eff: Efficiency) -> float:
+    """One step's traffic over ep_dp for a rank's share of `held`: replicated experts' gradients
+    all-reduced at once; sharded ones (experts_sharded) gathered per forward and backward (once a step
+    when FSDP keeps them gathered) and reduce-scattered, per layer, as the dense FSDP collectives are
+    priced (planner/cost.py's data_parallel)."""
+    ep, ep_dp = cfg.parallel.ep, cfg.parallel.dp // cfg.parallel.ep
+    params, grads = (sum(getattr(layer, f) for layer in held) / ep for f in ("param_bytes", "grad_bytes"))
+    if not experts_sharded(cfg):
+        return _ring(grads, ep_dp, gbs, 2.0) + eff.p2p_s
+    gathers = 2 * cfg.accumulation_steps if reshard_after_forward(cfg.parallel) else 1
+    seconds = gathers * _ring(params, ep_dp, gbs, 1.0) + _ring(grads, ep_dp, gbs, 1.0)
+    return seconds + (gathers + 1) * len(held) * eff.shard_s
 
 
 def routing_note(cfg: Config) -> str | None:
@@ -198,6 +216,6 @@ def routing_note(cfg: Config) -> str | None:
     return (
         f"MoE: {len(layers)} layers of {first.num_experts} experts, top {first.top_k}; planned with balanced routing "
         "(each expert gets top_k x tokens / E rows: a real router's busiest ep rank computes, saves and receives "
-        "more); ep: 2 all-to-alls per MoE layer forward and 2 backward, experts split over ep and replicated "
-        "over dp / ep, computed at active parameters"
+        "more); ep: 2 all-to-alls per MoE layer forward and 2 backward, experts split over ep (and over dp / ep "
+        "under fsdp / hsdp), computed at active parameters"
     )

@@ -17,7 +17,7 @@ from meshrun.parallel.compile import compile_enabled
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.stages import validate_layout
 from meshrun.planner.cost import DataParallel, Efficiency, Hardware, StepTime, step_time
-from meshrun.planner.experts import dense_stages, expert_degrees, expert_parallel_s, trains_experts
+from meshrun.planner.experts import dense_stages, expert_degrees, expert_parallel_s
 from meshrun.planner.layout_memory import layout_split, ranks_memory, regathers
 from meshrun.planner.memory import RankMemory
 from meshrun.planner.stage_cost import priced_at_length, profile_stages
@@ -287,7 +287,7 @@ def rank_layouts(
     fit is reported by that layout alone, and per recompute policy the micro_batches beyond the
     first that does not fit are skipped (activations only grow with micro_batch)."""
     predictions = []
-    all_meshes = [m for m in meshes(cfg, num_devices, hw.gpus_per_node) if trains_experts(m, precision)]
+    all_meshes = meshes(cfg, num_devices, hw.gpus_per_node)
     for index, mesh in enumerate(all_meshes, 1):
         if progress is not None:
             progress(f"mesh {index}/{len(all_meshes)}: {mesh.layout.text()}")
