@@ -26,10 +26,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from torch import nn
-
 from meshrun.config.schema import Config
 from meshrun.models.moe import sparse_mlps
+from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.expert_shards import EXPERT_WEIGHTS
 from meshrun.parallel.fsdp import reshard_after_forward
 from meshrun.parallel.materialise import build_stage
@@ -51,7 +50,7 @@ class MoELayer:
 
 
 @functools.lru_cache(maxsize=4)
-def _whole(model_json: str) -> nn.Module:
+def _whole(model_json: str) -> ProtocolModule:
     """The whole model on the meta device (shapes only), once per model."""
     return build_stage(Config.model_validate_json(model_json), layers=None, first=True, last=True)
 
@@ -145,8 +144,8 @@ def with_experts(cfg: Config, memory: RankMemory, held: list[tuple[StageProfile,
     buffers = 0
     if experts_sharded(cfg):  # FSDP's gathered expert weights and unsharded gradients, over ep_dp
         ep, ep_dp = cfg.parallel.ep, cfg.parallel.dp // cfg.parallel.ep
-        whole = [sum(getattr(x, f) for x in layers) // ep for f in ("param_bytes", "grad_bytes")]  # an ep rank's
-        owned = StageProfile(*whole, 0, 0, 0.0, 0.0, 0, blocks=len(layers))
+        params, ep_grads = (sum(getattr(x, f) for x in layers) // ep for f in ("param_bytes", "grad_bytes"))
+        owned = StageProfile(params, ep_grads, 0, 0, 0.0, 0.0, 0, blocks=len(layers))  # an ep rank's, whole
         regather = reshard_after_forward(cfg.parallel)
         buffers = comm_buffers([owned], dp=ep_dp, shard=ep_dp, regather=regather, m=cfg.accumulation_steps)
     return dataclasses.replace(
