@@ -16,7 +16,10 @@ What it runs, all in this one process on a one-process mesh (meshrun's real Trai
    q/k/v/o, eager and compiled: its MFU counts the frozen weights at 4 FLOPs per token, not 6);
 4. `meshrun plan`'s predicted peak memory vs torch.cuda.max_memory_allocated for every trained
    configuration (target: within 10%);
-5. the peak table's entry for this device (meshrun.hardware.peaks).
+5. the peak table's entry for this device (meshrun.hardware.peaks);
+6. Mixture of Experts (one process, bf16, eager, seq 2048): the built-in MoE GPT (12 layers, dim 1024,
+   16 experts, top 2) and a Qwen3-MoE-shaped model (hidden 1024, 16 layers, 64 experts of width 256,
+   top 8): tokens/s, MFU over active parameters, and their planned peak vs measured in item 4's table.
 Exit status 1 when a check fails; the targets are reported, not enforced.
 """
 
@@ -281,6 +284,56 @@ def llama_run(kit: Kit, name: str, model: dict[str, object], *, policy: str, com
     return f"{name} mb{mb}", train(kit, cfg, warmup=2 if kit.smoke else 4)
 
 
+QWEN3_MOE = {  # Qwen3-30B-A3B's proportions at ~1/2 its width and 1/3 its depth (the probe's, bench/README.md)
+    "model_type": "qwen3_moe",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "moe_intermediate_size": 256,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 32000,
+}
+QWEN3_MOE_TINY = {**QWEN3_MOE, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32}
+QWEN3_MOE_TINY.update(num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
+
+
+def moe(kit: Kit, lines: list[str]) -> list[tuple[str, Trained]]:
+    """Mixture of Experts, one process, bf16, eager (MoE blocks do not compile yet): the built-in MoE GPT
+    and a Qwen3-MoE-shaped Hugging Face model, at the largest micro batch that fits; MFU over active
+    parameters (a token's top_k of E experts), its memory rows beside the Llama's."""
+    seq = 64 if kit.smoke else 2048
+    gpt = (
+        {"num_layers": 2, "dim": 64, "num_heads": 2} if kit.smoke else {"num_layers": 12, "dim": 1024, "num_heads": 16}
+    )
+    models = {
+        "moe-gpt-16x-top2": {**gpt, "vocab_size": 32000, "seq_len": seq, "moe": {"num_experts": 16, "top_k": 2}},
+        "qwen3-moe-64x-top8": {"hf_config": QWEN3_MOE_TINY if kit.smoke else QWEN3_MOE, "seq_len": seq},
+    }
+    runs = []
+    for name, model in models.items():
+        settings: dict[str, object] = {
+            "model": model,
+            "precision": "bf16",
+            "recompute": "none",
+            "train.compile": False,
+            "train.steps": 4 if kit.smoke else 12,
+            "train.lr": 3e-4,
+        }
+        mb = micro_batch_that_fits(kit, settings, name)
+        cfg = job(kit, name, {**settings, "train.micro_batch": mb, "train.global_batch": mb})
+        runs.append((f"{name} mb{mb}", train(kit, cfg, warmup=2 if kit.smoke else 4)))
+    lines += ["", f"## MoE: one process, bf16, eager, seq {seq}, MFU over active parameters", ""]
+    lines += ["| run | active MFU | tokens/s | first step s |", "|---|---|---|---|"]
+    for name, run in runs:
+        shown = f"{run.mfu:.1%}" if run.mfu is not None else "no peak known"
+        lines.append(f"| {name} | {shown} | {run.tokens_per_s:,.0f} | {run.first_step_s:.1f} |")
+    return runs
+
+
 def memory(runs: list[tuple[str, Trained]], kit: Kit, lines: list[str]) -> None:
     what = "torch.cuda.max_memory_allocated" if kit.device.type == "cuda" else "peak RSS (CPU: not comparable)"
     lines += [
@@ -329,6 +382,7 @@ def main() -> int:
         ok = host_sync(kit, lines) and ok
         args.out.write_text("\n".join(lines) + "\n")
         runs = mfu(kit, lines)
+        runs += moe(kit, lines)
         memory(runs, kit, lines)
     lines.append(f"\nKit ran in {time.perf_counter() - start:.0f} s.")
     args.out.write_text("\n".join(lines) + "\n")

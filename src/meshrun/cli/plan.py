@@ -27,6 +27,7 @@ from meshrun.planner import calibrate as calibration
 from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.documents import describe as describe_documents
 from meshrun.planner.documents import document_rows
+from meshrun.planner.experts import routing_note
 from meshrun.planner.model_size import check_model_size
 from meshrun.planner.search import Prediction, compiles, predict, rank_layouts
 from meshrun.preflight import preflight
@@ -205,10 +206,6 @@ def _every(seconds: float, what: str) -> Callable[[str], None]:
 
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    if cfg.parallel.ep > 1:  # its all-to-alls and split experts are not priced: a plan would be untrue
-        raise ConfigError(
-            "meshrun plan does not price parallel.ep yet (all-to-alls, experts per rank); plan with parallel.ep=1"
-        )
     if args.calibrate:  # a compiled probe caches in meshrun's folder: set before torch._dynamo loads (it sets /tmp)
         inductor_cache_dir()
     preflight(cfg, scope="model")  # the model builds, before any layout is profiled
@@ -240,6 +237,8 @@ def run_plan(args: argparse.Namespace) -> int:
         + ("; sequence parallel where tp > 1" if cfg.parallel.sequence_parallel else "")
     )
     print(compile_note(cfg, hw, eff))
+    if (routing := routing_note(cfg)) is not None:
+        print(routing)
     if documents is not None:
         print(describe_documents(documents, cfg, str(data_dir(cfg))))
     print(table(ranked, args.top))

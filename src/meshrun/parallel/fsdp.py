@@ -183,13 +183,13 @@ def describe_data_parallel(cfg: Config) -> list[str]:
     par, layout = cfg.parallel, cfg.layout
     shard, cp = layout.shard_degree, layout.cp  # cp > 1: FSDP2 shards over dp_shard x cp (parallel/context.py)
     over_cp = f" and {cp} cp ranks" if cp > 1 else ""
+    held = "each stage's dense weights" if par.ep > 1 else "each stage"  # ep: the experts split apart (below)
+    copies = f"replicas of {held}" if par.ep > 1 else "full replicas per stage"
     mesh = {
-        "ddp": (
-            f"  ddp: {par.dp} full replicas per stage (shard 1 x replicate {par.dp})" if par.dp > 1 else "  none (dp 1)"
-        )
+        "ddp": (f"  ddp: {par.dp} {copies} (shard 1 x replicate {par.dp})" if par.dp > 1 else "  none (dp 1)")
         + (" kept by FSDP2 (DistributedDataParallel takes no tp DTensors)" if par.tp > 1 and par.dp > 1 else ""),
-        "fsdp": f"  fsdp: each stage sharded over its {par.dp} dp ranks{over_cp} (shard {shard} x replicate 1)",
-        "hsdp": f"  hsdp: shard {shard} x replicate {layout.dp_replicate} (a copy is sharded over neighbouring ranks)",
+        "fsdp": f"  fsdp: {held} sharded over its {par.dp} dp ranks{over_cp} (shard {shard} x replicate 1)",
+        "hsdp": f"  hsdp: shard {shard} x replicate {layout.dp_replicate} (a copy of {held} is sharded over neighbouring ranks)",
     }[par.dp_mode]
     lines = ["data parallel:", mesh]
     if cp > 1:  # cp ranks hold the same weights

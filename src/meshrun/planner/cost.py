@@ -100,10 +100,12 @@ class StepTime:
     latency: float = 0.0  # messages x p2p_s + shard_collectives x shard_s
     shard_collectives: int = 0  # FSDP/HSDP collectives per step (a block's gathers, reduce-scatters)
     logging: float = 0.0  # a logged step's extra, shared over the steps of a log interval
+    experts: float = 0.0  # parallel.ep: the all-to-alls and the experts' gradient sum (planner/experts.py)
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.allreduce + self.p2p + self.fixed + self.latency + self.logging
+        parts = (self.compute, self.bubble, self.allreduce, self.p2p, self.fixed, self.latency, self.logging)
+        return sum(parts) + self.experts
 
     @property
     def bubble_fraction(self) -> float:

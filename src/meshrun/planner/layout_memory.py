@@ -8,6 +8,7 @@ from meshrun.config.schema import Config
 from meshrun.parallel.fsdp import reshard_after_forward
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.stages import static_split
+from meshrun.planner.experts import dense_stages, with_experts
 from meshrun.planner.memory import RankMemory, rank_memory
 from meshrun.planner.stage_cost import profile_stages, state_bytes
 from meshrun.planner.stage_profile import StageProfile
@@ -45,11 +46,14 @@ def layout_memory(cfg: Config, precision: str, *, baseline: int = 0) -> LayoutMe
 
 def ranks_memory(cfg: Config, stages: list[StageProfile], *, baseline: int = 0) -> list[RankMemory]:
     """The memory of every pp rank of this layout, from its stages' profiles (dp and tp ranks of
-    one pp rank hold alike; `baseline`: the runtime's own bytes, each rank's)."""
+    one pp rank hold alike; `baseline`: the runtime's own bytes, each rank's). Under parallel.ep the
+    experts' state is apart from dp_mode's (planner/experts.py)."""
     layout, par = cfg.layout, cfg.parallel
-    return [
+    split = layout_split(cfg) if par.ep > 1 else []
+    held = dense_stages(cfg, stages, split) if par.ep > 1 else stages
+    ranks = [
         rank_memory(
-            stages,
+            held,
             layout.stages_of(r),
             schedule=par.schedule,
             rank=r,
@@ -62,6 +66,9 @@ def ranks_memory(cfg: Config, stages: list[StageProfile], *, baseline: int = 0) 
         )
         for r in range(par.pp)
     ]
+    if par.ep == 1:
+        return ranks
+    return [with_experts(cfg, mem, [(stages[s], split[s]) for s in layout.stages_of(r)]) for r, mem in enumerate(ranks)]
 
 
 def rank_state_bytes(cfg: Config) -> list[RankMemory] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from meshrun.parallel.compile import compile_enabled
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.stages import validate_layout
 from meshrun.planner.cost import DataParallel, Efficiency, Hardware, StepTime, step_time
+from meshrun.planner.experts import dense_stages, expert_degrees, expert_parallel_s
 from meshrun.planner.layout_memory import layout_split, ranks_memory, regathers
 from meshrun.planner.memory import RankMemory
 from meshrun.planner.stage_cost import priced_at_length, profile_stages
@@ -42,7 +44,9 @@ class Prediction:
         return {
             "tp": par.tp,
             "dp": par.dp,
-            "dp_mode": par.dp_mode if par.dp_mode != "hsdp" else f"hsdp/{self.cfg.layout.dp_shard}",
+            "ep": par.ep,
+            "dp_mode": (par.dp_mode if par.dp_mode != "hsdp" else f"hsdp/{self.cfg.layout.dp_shard}")
+            + (f"+ep{par.ep}" if par.ep > 1 else ""),  # experts split over ep of the dp ranks
             "pp": par.pp,
             "schedule": (par.schedule + (f"/v{v}" if v > 1 else "")) if par.pp > 1 else "-",
             "micro_batch": self.cfg.train.micro_batch,
@@ -64,6 +68,7 @@ def with_layout(
     cp: int = 1,
     dp_mode: str = "ddp",
     dp_shard: int | None = None,
+    ep: int = 1,
 ) -> Config:
     """`cfg` with another layout (explicit stage_layers are dropped: they belong to one pp;
     sequence parallel, when the config asks for it, where tp > 1)."""
@@ -73,6 +78,7 @@ def with_layout(
         pp=pp,
         tp=tp,
         cp=cp,
+        ep=ep,
         sequence_parallel=cfg.parallel.sequence_parallel and tp > 1,
         dp_mode=dp_mode,
         dp_shard=dp_shard,
@@ -100,9 +106,10 @@ def data_modes(dp: int) -> list[tuple[str, int | None]]:
 
 
 def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
-    """Every (tp, dp, dp_mode, pp, schedule) of `num_devices` that training would run, at
+    """Every (tp, dp, ep, dp_mode, pp, schedule) of `num_devices` that training would run, at
     micro_batch 1 and full recompute (its least memory): tp within a node, only where the model
-    has a tp plan and its heads (kv heads, MLP width) divide by tp. cp stays 1: the cost model does
+    has a tp plan and its heads (kv heads, MLP width) divide by tp; ep (a MoE model's) any divisor of
+    dp that divides its experts, within or across nodes (planner/experts.py). cp stays 1: the cost model does
     not price context parallel yet (its activations / cp, its all-to-alls), so it proposes none."""
     found = []
     tps = [t for t in _divisors(min(num_devices, per_node)) if num_devices % t == 0] if has_tp_plan(cfg) else [1]
@@ -111,7 +118,8 @@ def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
             pp = num_devices // tp // dp
             if cfg.train.global_batch % dp:
                 continue
-            for (dp_mode, shard), schedule in itertools.product(data_modes(dp), SCHEDULES if pp > 1 else ("1f1b",)):
+            modes = itertools.product(data_modes(dp), SCHEDULES if pp > 1 else ("1f1b",), expert_degrees(cfg, dp))
+            for (dp_mode, shard), schedule, ep in modes:
                 try:
                     layout = with_layout(
                         cfg,
@@ -120,6 +128,7 @@ def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
                         tp=tp,
                         dp_mode=dp_mode,
                         dp_shard=shard,
+                        ep=ep,
                         schedule=schedule,
                         micro_batch=1,
                         recompute="full",
@@ -150,6 +159,7 @@ def variants(mesh: Config) -> list[list[Config]]:
                     cp=par.cp,
                     dp_mode=par.dp_mode,
                     dp_shard=par.dp_shard,
+                    ep=par.ep,
                     schedule=par.schedule,
                     micro_batch=micro_batch,
                     recompute=recompute,
@@ -228,8 +238,9 @@ def predict(
     m = cfg.accumulation_steps
     ranks = ranks_memory(cfg, stages, baseline=eff.runtime_bytes)
     worst = max(ranks, key=lambda rank: rank.total)
+    split = layout_split(cfg)
     time = step_time(
-        stages,
+        dense_stages(cfg, stages, split) if par.ep > 1 else stages,  # the experts stay out of DDP / FSDP
         local,
         schedule=par.schedule,
         dp=DataParallel(dp=par.dp, shard=cfg.layout.dp_shard, regather=regathers(cfg)),
@@ -243,6 +254,7 @@ def predict(
         measured_bubble=measured_bubble,
         compiled=compiles(cfg, hw),
     )
+    time = dataclasses.replace(time, experts=expert_parallel_s(cfg, stages, split, hw, eff))
     tokens_per_s = cfg.tokens_per_step / time.total
     model_flops = sum(s.model_flops_per_token for s in stages) * par.tp
     mfu = tokens_per_s * model_flops / (cfg.world_size * hw.peak_flops) if hw.peak_flops else None

@@ -24,6 +24,7 @@ from torch import nn
 from meshrun.config.schema import Config, TrainConfig
 from meshrun.hardware.precision import DTYPES
 from meshrun.models.families import flops_at
+from meshrun.models.moe import sparse_mlps
 from meshrun.models.protocol import ProtocolModule
 from meshrun.models.task_io import task_io
 from meshrun.parallel.materialise import build_stage, prune_stage
@@ -70,18 +71,29 @@ def _matmul_flops(cfg: Config, module: ProtocolModule) -> float:
     models/lora.py's flops_per_token). The embedding's tables are lookups (none; a Linear in it, a
     projection of values, counts), and the head's count as the share of positions it maps
     (task_io.py: a pooled or last-step head runs once per sample, so B x hidden x labels is
-    1/seq_len of a token's)."""
+    1/seq_len of a token's); MoE experts count their active share (expert_shares)."""
     lookups: set[int] = set()
     if module.embed is not None:
         projections = {id(p) for m in module.embed.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
         lookups = {id(p) for p in module.embed.parameters()} - projections
     head = {id(p) for p in module.head.parameters()} if module.head is not None else set()
     share = task_io(cfg).head_positions / cfg.model.seq_len
+    active = expert_shares(module.blocks)
     return sum(
-        (6.0 if p.requires_grad else 4.0) * p.numel() * (share if id(p) in head else 1.0)
+        (6.0 if p.requires_grad else 4.0) * p.numel() * (share if id(p) in head else active.get(id(p), 1.0))
         for p in module.parameters()
         if id(p) not in lookups
     )
+
+
+def expert_shares(blocks: nn.ModuleDict) -> dict[int, float]:
+    """id of each MoE expert weight -> the share of it a token runs through (top_k / E): MoE compute
+    is priced at active parameters, as MFU counts them (models/moe.py's inactive_params)."""
+    return {
+        id(p): mlp.gate.top_k / mlp.gate.num_experts
+        for mlp in sparse_mlps(blocks).values()
+        for p in mlp.experts.parameters()
+    }
 
 
 def stage_flops_per_token(cfg: Config, part: ProtocolModule, attention: float) -> tuple[float, float]:
@@ -90,8 +102,9 @@ def stage_flops_per_token(cfg: Config, part: ProtocolModule, attention: float) -
     (`attention`, per block: see attention_per_block) evenly over blocks; recomputed blocks add
     their forward again (2 per weight, trained or frozen, and a third of attention's)."""
     useful = _matmul_flops(cfg, part) + attention * len(part.blocks)
+    active = expert_shares(part.blocks)
     extra = sum(
-        2.0 * sum(p.numel() for p in block.parameters()) + attention / 3
+        2.0 * sum(p.numel() * active.get(id(p), 1.0) for p in block.parameters()) + attention / 3
         for key, block in part.blocks.items()
         if wants_recompute(cfg.recompute, int(key))
     )

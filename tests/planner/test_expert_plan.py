@@ -1,0 +1,76 @@
+"""`meshrun plan` with a Mixture-of-Experts model: it enumerates parallel.ep, prices the all-to-alls
+and the experts' gradient sum with the link and per-message cost dp and tp collectives use, splits the
+experts' state over ep, computes at active parameters and says what it assumes of routing (the memory
+against a real ep2 step: test_memory_model.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import meshrun_in_process, tiny
+
+from meshrun.config.schema import Config
+from meshrun.models.families import build_model, flops_at
+from meshrun.planner.cost import Efficiency, Hardware
+from meshrun.planner.layout_memory import layout_memory
+from meshrun.planner.search import predict
+
+MOE = {"num_experts": 4, "top_k": 2, "expert_dim": 64}
+MODEL = {"vocab_size": 256, "num_layers": 4, "dim": 32, "num_heads": 2, "seq_len": 16, "moe": MOE}
+
+
+def _cfg(**parallel: object) -> Config:
+    return Config.model_validate(
+        {"model": MODEL, "parallel": parallel, "train": {"global_batch": 8, "micro_batch": 2}, "recompute": "none"}
+    )
+
+
+def _hw(per_node: int) -> Hardware:
+    return Hardware("h100", 80 * 2**30, 1e15, intra_gbs=100.0, inter_gbs=10.0, gpus_per_node=per_node)
+
+
+def test_plan_enumerates_ep_and_says_it_assumes_balanced_routing(data_dir: Path, tmp_path: Path) -> None:
+    args = tiny(data_dir, tmp_path / "run", **{f"model.moe.{k}": v for k, v in MOE.items()})
+    done = meshrun_in_process(["plan", *args, "--gpus", "4", "--gpu", "h100", "--top", "200"], tmp_path=tmp_path)
+    assert "planned with balanced routing" in done.stdout
+    modes = {line.split()[3] for line in done.stdout.splitlines() if line[:3].strip().isdigit()}
+    assert {"ddp", "ddp+ep2", "ddp+ep4", "fsdp+ep4"} <= modes, modes
+
+
+def test_experts_state_is_split_and_all_to_alls_priced() -> None:
+    eff = Efficiency(p2p_s=1e-5)
+    plain, ep2, ep4 = (predict(_cfg(dp=4, ep=ep), _hw(4), eff, precision="fp32", margin=0.1) for ep in (1, 2, 4))
+    experts = 4 * (4 * (2 * 64 * 32 + 32 * 64)) * 4  # 4 layers of 4 experts, fp32
+    assert plain.memory.params - ep2.memory.params == experts // 2
+    assert plain.memory.params - ep4.memory.params == 3 * experts // 4
+    assert plain.time.experts == 0.0
+    # under fsdp the split experts are sharded over ep_dp too (parallel/fsdp.py): 1 / dp of them, as at ep 1
+    sharded = [predict(_cfg(dp=4, ep=ep, dp_mode="fsdp"), _hw(4), eff, precision="fp32", margin=0.1) for ep in (1, 2)]
+    assert sharded[1].memory.params == pytest.approx(sharded[0].memory.params, abs=4)
+    assert sharded[1].time.experts > 0.0
+    # per MoE layer and microbatch: 4 all-to-alls of top_k x tokens x hidden, (ep - 1) / ep of them sent,
+    # and a count exchange; then the experts' gradients (their ep share) all-reduced over ep_dp
+    rows = 2 * (2 * 16 * 32 * 4)
+    m = 8 // 4 // 2
+    per_layer = 4 * (0.5 * rows / 100e9 + 1e-5) + 1e-5
+    sync = 2 * 0.5 * (experts / 2) / 100e9 + 1e-5
+    assert ep2.time.experts == pytest.approx(m * 4 * per_layer + sync, rel=1e-9)
+    across = predict(_cfg(dp=4, ep=4), _hw(2), eff, precision="fp32", margin=0.1)  # ep 4 spans two nodes
+    assert across.time.experts > ep4.time.experts
+    # compute at active parameters: the stages' FLOPs are the model's own count (k / E of the experts)
+    model = build_model(_cfg().model)
+    priced = sum(s.model_flops_per_token for s in layout_memory(_cfg(dp=4, ep=2), "fp32").stages)
+    assert priced == pytest.approx(flops_at(model, 16), rel=1e-12)
+
+
+@pytest.mark.parametrize("dp_mode", ["ddp", "fsdp"])
+def test_dry_run_names_each_ep_ranks_experts_and_no_full_replicas(dp_mode: str) -> None:
+    """--dry-run under ep: which experts each ep rank holds, and the data-parallel line speaks of the
+    dense weights only (the experts are split over ep, not replicated or sharded over all dp ranks)."""
+    from meshrun.planner.dry_run import describe_job
+
+    cfg = _cfg(dp=4, ep=2, dp_mode=dp_mode)
+    text = describe_job(cfg, build_model(cfg.model))
+    assert "ep rank 0: experts 0-1; ep rank 1: experts 2-3" in text
+    assert "full replicas" not in text and "each stage's dense weights" in text
