@@ -69,6 +69,16 @@ TWO_RANKS = {
         "train.micro_batch=1",
     ],
     "regress-tp2-sp-mb2": [*REGRESS, *SP_MB2],
+    # context parallel: each rank keeps T / cp positions' activations (planner/long_context.py traces
+    # the stage at seq_len / cp); the real step runs the two all-to-alls around every attention
+    "cp2-mb2": ["parallel.cp=2", "train.global_batch=4", "train.micro_batch=2"],
+    "hf-llama-cp2-mb2-every2": [
+        LLAMA,
+        "parallel.cp=2",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+        "recompute=every:2",
+    ],
 }
 ONE_RANK = {
     "single-mb2-m2": ["train.global_batch=4", "train.micro_batch=2"],
