@@ -33,6 +33,7 @@ VERDICTS = {  # bench -> a line its quick run must print (its verdict or its rat
     "sft.py": r"^(PASS|FAIL): packed / padded trained tokens/s [\d.]+x",
     "tasks.py": r"^(PASS|FAIL): every task's meshrun/hand median <= [\d.]+x",
     "recovery.py": r"^(PASS|FAIL): SIGKILL -> state copied [\d.]+ s with a spare",
+    "context.py": r"^(PASS|FAIL): peak activations per rank cp2 / cp1 [\d.]+x",
 }
 ELSEWHERE = {"gpu.py": "tests/test_gpu_kit.py runs `--smoke`"}  # its quick mode, already tested
 TIMEOUT = 240  # seconds per bench; each takes 5-40 s of CPU
