@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         f"cp1 {lengths[1]}, cp2 {lengths[2]} = {grown:.2f}x"
     )
     memory_ok, length_ok = ratio <= ACTIVATIONS_TARGET, grown >= LENGTH_TARGET
-    print(f"{'PASS' if memory_ok else 'FAIL'}: peak activations per rank cp2 / cp1 {ratio:.3f}x (<= {ACTIVATIONS_TARGET})")
+    print(
+        f"{'PASS' if memory_ok else 'FAIL'}: peak activations per rank cp2 / cp1 {ratio:.3f}x (<= {ACTIVATIONS_TARGET})"
+    )
     print(f"{'PASS' if length_ok else 'FAIL'}: longest sequence cp2 / cp1 {grown:.2f}x (>= {LENGTH_TARGET})")
     return _quick.exit_code(memory_ok and length_ok, quick=args.quick)
 
