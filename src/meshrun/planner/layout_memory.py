@@ -42,7 +42,10 @@ def layout_memory(cfg: Config, precision: str, *, baseline: int = 0) -> LayoutMe
     """Profiles every stage of this layout (one cp rank's, under parallel.cp) and the memory of every pp rank."""
     stages = profile_stages(cfg, layout_split(cfg), cfg.train.micro_batch, precision)
     stages = context_stages(
-        cfg, stages, lambda short: profile_stages(short, layout_split(short), short.train.micro_batch, precision)
+        cfg,
+        stages,
+        lambda short: profile_stages(short, layout_split(short), short.train.micro_batch, precision),
+        precision,
     )
     return LayoutMemory(stages=stages, ranks=ranks_memory(cfg, stages, baseline=baseline))
 

@@ -51,14 +51,25 @@ def one_rank_of_cp(cfg: Config) -> Config:
     return cfg.model_copy(update={"model": model})
 
 
-def context_stages(cfg: Config, stages: list[StageProfile], profiles: Profiles) -> list[StageProfile]:
+def context_stages(cfg: Config, stages: list[StageProfile], profiles: Profiles, precision: str) -> list[StageProfile]:
     """`stages` (traced over the whole sequence) with one cp rank's activations and sizes: those
-    of stages traced at seq_len / cp (the module docstring says why that is what a cp rank keeps)."""
+    of stages traced at seq_len / cp (the module docstring says why that is what a cp rank keeps),
+    plus, in the built-in GPT, one copy of attention's output per block that keeps its tensors: the
+    second all-to-all returns it heads-major, so the projection's input is a copy where one process
+    saves a view of attention's own output (measured: a real cp2 step's saved tensors)."""
     if cfg.parallel.cp == 1:
         return stages
     short = profiles(one_rank_of_cp(cfg))
-    kept = ("activation_bytes", "boundary_bytes", "hidden_bytes", "backward_bytes")
-    return [dataclasses.replace(s, **{f: getattr(c, f) for f in kept}) for s, c in zip(stages, short, strict=True)]
+    kept = ("boundary_bytes", "hidden_bytes", "backward_bytes")
+    copy = _attention_bytes(cfg, precision)[0] if cfg.model.family == "gpt" else 0
+    return [
+        dataclasses.replace(
+            s,
+            **{f: getattr(c, f) for f in kept},
+            activation_bytes=c.activation_bytes + (s.blocks - s.recomputed_blocks) * copy,
+        )
+        for s, c in zip(stages, short, strict=True)
+    ]
 
 
 def attention_widths(cfg: Config) -> tuple[int, int]:
@@ -72,15 +83,22 @@ def attention_widths(cfg: Config) -> tuple[int, int]:
     return dim, dim
 
 
+def _attention_bytes(cfg: Config, precision: str) -> tuple[int, int]:
+    """Bytes of one microbatch's q and of each of k and v on a tp and cp rank (T / cp positions)."""
+    par = cfg.parallel
+    q_width, kv_width = attention_widths(cfg)
+    positions = cfg.train.micro_batch * cfg.model.seq_len // par.cp
+    size = DTYPES[precision].itemsize if precision in DTYPES else 4
+    q, kv = (positions * width // par.tp * size for width in (q_width, kv_width))
+    return q, kv
+
+
 def context_s(cfg: Config, held: list[StageProfile], precision: str, *, hw: Hardware, eff: Efficiency) -> float:
     """Seconds of one microbatch's cp all-to-alls on a rank holding `held` (module docstring)."""
     par = cfg.parallel
     if par.cp == 1:
         return 0.0
-    q_width, kv_width = attention_widths(cfg)
-    positions = cfg.train.micro_batch * cfg.model.seq_len // par.cp
-    size = DTYPES[precision].itemsize if precision in DTYPES else 4
-    q, kv = (positions * width // par.tp * size for width in (q_width, kv_width))
+    q, kv = _attention_bytes(cfg, precision)
     gbs = hw.intra_gbs if par.cp * par.tp <= hw.gpus_per_node else hw.inter_gbs
     exchange = 2 * _ring(q, par.cp, gbs, 1.0) + 2 * _ring(kv, par.cp, gbs, 1.0) + 4 * eff.p2p_s
     forwards = sum(s.blocks + s.recomputed_blocks for s in held)

@@ -208,7 +208,9 @@ def _profiles(
 
 def rank_stages(cfg: Config, precision: str) -> list[StageProfile]:
     """`stage_profiles` of what one rank holds: under parallel.cp, one cp rank's positions."""
-    return context_stages(cfg, stage_profiles(cfg, precision), lambda short: stage_profiles(short, precision))
+    return context_stages(
+        cfg, stage_profiles(cfg, precision), lambda short: stage_profiles(short, precision), precision
+    )
 
 
 def stage_profiles(cfg: Config, precision: str) -> list[StageProfile]:
