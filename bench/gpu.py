@@ -20,6 +20,10 @@ What it runs, all in this one process on a one-process mesh (meshrun's real Trai
 6. Mixture of Experts (one process, bf16, eager, seq 2048): the built-in MoE GPT (12 layers, dim 1024,
    16 experts, top 2) and a Qwen3-MoE-shaped model (hidden 1024, 16 layers, 64 experts of width 256,
    top 8): tokens/s, MFU over active parameters, and their planned peak vs measured in item 4's table.
+7. long context: a ~200M Llama-shaped model (hidden 1024, 8 layers, GQA 16/4, vocab 32000, bf16,
+   eager) at one sequence of 32768 tokens, activation offload off / every:2 / on (cp is 1 on one
+   GPU): tokens/s, torch.cuda.max_memory_allocated and the plan's device and host bytes (offload's
+   copies on side streams: parallel/offload.py); a check that offload's losses follow the plain run's.
 Exit status 1 when a check fails; the targets are reported, not enforced.
 """
 
@@ -59,6 +63,9 @@ LLAMA_1B = {
 }
 LLAMA_TINY = {**LLAMA_1B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 LLAMA_TINY["num_key_value_heads"] = 2
+LLAMA_LONG = {**LLAMA_1B, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8}
+LLAMA_LONG |= {"num_attention_heads": 16, "num_key_value_heads": 4}
+LONG_SEQ, LONG_LOSS_TOLERANCE = 32768, 0.01  # offload's losses within 1% of the plain run's at every step
 MFU_TARGET, MEMORY_TOLERANCE = 0.45, 0.10
 
 
@@ -348,6 +355,44 @@ def memory(runs: list[tuple[str, Trained]], kit: Kit, lines: list[str]) -> None:
         lines.append(f"| {name} | {run.predicted_peak_gb:.2f} | {run.measured_peak_gb:.2f} | {error:.1%} |")
 
 
+def long_context(kit: Kit, lines: list[str]) -> bool:
+    """Offload off / every:2 / on at LONG_SEQ tokens (smoke: the tiny Llama at 256): a table, and
+    True when offload's losses follow the plain run's (a copy raced or misplaced would not)."""
+    from meshrun.planner.cost import Efficiency, Hardware
+    from meshrun.planner.search import predict
+
+    shape, seq = (LLAMA_TINY, 256) if kit.smoke else (LLAMA_LONG, LONG_SEQ)
+    lines += ["", f"## Long context: one sequence of {seq} tokens, bf16, eager, activation offload", ""]
+    lines += ["| offload | tokens/s | peak GB | plan: device GB | plan: host GB |", "|---|---|---|---|---|"]
+    any_memory = Hardware("gpu", float("inf"), 1e15, 1.0, 1.0, 1)  # a GPU plan: offload's terms
+    runs = {}
+    for offload in (False, "every:2", True):
+        settings: dict[str, object] = {
+            "model": {"hf_config": {**shape, "max_position_embeddings": seq}, "seq_len": seq},
+            "precision": "bf16",
+            "recompute": "none",
+            "train.compile": False,
+            "train.offload_activations": offload,
+            "train.global_batch": 1,
+            "train.micro_batch": 1,
+            "train.steps": 4 if kit.smoke else 8,
+            "train.lr": 3e-4,
+        }
+        cfg = job(kit, f"long-offload-{offload}", settings)
+        run = runs[offload] = train(kit, cfg, warmup=2 if kit.smoke else 3)
+        plan = predict(cfg, any_memory, Efficiency(runtime_bytes=0), precision="bf16", margin=0.0).memory
+        lines.append(
+            f"| {offload} | {run.tokens_per_s:,.0f} | {run.measured_peak_gb:.2f} | {plan.total / 1e9:.2f} | "
+            f"{plan.host / 1e9:.2f} |"
+        )
+    plain = runs[False].losses
+    worst = max(relative(a, b) for run in runs.values() for a, b in zip(run.losses, plain, strict=True))
+    ok = worst <= LONG_LOSS_TOLERANCE
+    lines += ["", "| check | result | detail |", "|---|---|---|"]
+    lines.append(f"| offload's losses follow the plain run's | {'PASS' if ok else 'FAIL'} | worst {worst:.2e} |")
+    return ok
+
+
 def device_line(kit: Kit) -> str:
     if kit.device.type != "cuda":
         return "Device: CPU (smoke run: no GPU numbers)."
@@ -384,6 +429,8 @@ def main() -> int:
         runs = mfu(kit, lines)
         runs += moe(kit, lines)
         memory(runs, kit, lines)
+        args.out.write_text("\n".join(lines) + "\n")
+        ok = long_context(kit, lines) and ok
     lines.append(f"\nKit ran in {time.perf_counter() - start:.0f} s.")
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -34,6 +34,7 @@ VERDICTS = {  # bench -> a line its quick run must print (its verdict or its rat
     "tasks.py": r"^(PASS|FAIL): every task's meshrun/hand median <= [\d.]+x",
     "recovery.py": r"^(PASS|FAIL): SIGKILL -> state copied [\d.]+ s with a spare",
     "moe.py": r"^(PASS|FAIL): ep2 / ep1 state [\d.]+, planner / measured [\d.]+",
+    "context.py": r"^(PASS|FAIL): peak activations per rank cp2 / cp1 [\d.]+x",
 }
 ELSEWHERE = {"gpu.py": "tests/test_gpu_kit.py runs `--smoke`"}  # its quick mode, already tested
 TIMEOUT = 240  # seconds per bench; each takes 5-40 s of CPU

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -14,7 +16,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshrun.config.schema import Config
 from meshrun.config.topology import ParallelConfig
 from meshrun.errors import ConfigError
-from meshrun.parallel.layout import AXES, EXPERT_VIEWS, VIEWS, Coordinates, Layout
+from meshrun.launcher.hang import HANG_DIR, Place, hang_summary
+from meshrun.metrics.record import slowest_rank
+from meshrun.metrics.time_split import PARTS, Stragglers
+from meshrun.parallel.layout import AXES, EXPERT_VIEWS, VIEWS, Coordinates, Layout, place_text
 from meshrun.parallel.mesh import Mesh, check_groups, flatten, init_mesh, shutdown
 
 
@@ -217,3 +222,24 @@ def test_cp_sits_between_the_data_axes_and_tp() -> None:
     for mode, degrees, axes in (("ddp", {"dp_replicate": 2}, ()), ("fsdp", {"dp_shard": 2}, ("dp_shard_cp",))):
         assert Layout(cp=2, **degrees).fsdp_axes == axes, mode  # ddp: DDP over dp_cp
     assert Layout(cp=2, tp=2).fsdp_axes == ("dp_shard_cp",)  # ddp with tp: FSDP2 over cp
+
+
+def test_two_cp_ranks_are_named_apart_in_straggler_and_hang_labels(tmp_path: Path) -> None:
+    """Ranks 0 and 1 of a cp2 group differ only in cp: the straggler row, its warning, the run
+    summary's slowest rank and the hang summary name it (a cp-1 layout's labels are unchanged)."""
+    layout = Layout(dp_replicate=2, cp=2, tp=2)
+    assert layout.place(2) == {"dp": 0, "cp": 1, "tp": 0, "pp": 0} and layout.place(0) != layout.place(2)
+    assert layout.rank_text(2) == "rank 2 (dp 0, cp 1, tp 0, pp 0)"
+    assert Layout(dp_replicate=2, tp=2).rank_text(2) == "rank 2 (dp 1, tp 0, pp 0)"
+    row, _ = Stragglers(ratio=1.5, windows=1).row([[1.0] * len(PARTS)] * 2 + [[9.0] * len(PARTS)] * 6, layout=layout)
+    assert row["straggler/cp"] == 1 and row["straggler/rank"] == 2
+    slow = slowest_rank([{**row, "step": 1}])
+    assert slow is not None and "cp 1" in place_text(slow)
+    folder = tmp_path / HANG_DIR / "attempt-0"
+    folder.mkdir(parents=True)
+    for rank in (0, 2):  # rank 2 stalled in its forward, rank 0 waits in the all-to-all's backward
+        phase = "forward" if rank == 2 else "backward"
+        report = {**Place.of(layout, rank).report(), "phase": phase, "detail": "", "step": 3, "first_step": 1}
+        (folder / f"rank{rank}.json").write_text(json.dumps({**report, "stalled_s": 9.0, "last_progress": 0.0}))
+    found = hang_summary(tmp_path, 4, record=None)
+    assert found is not None and "rank 2 (dp 0, cp 1, tp 0, pp 0, stages [0])" in found[0][0], found

@@ -62,3 +62,23 @@ def saved_on_the_device(offload: object) -> int:
 def test_saved_activations_of_offloaded_blocks_leave_the_device() -> None:
     none, half, every = (saved_on_the_device(o) for o in (False, "every:2", True))
     assert none > half > every > 0  # block 0, then both blocks, saved through save_on_cpu; the head stays
+
+
+def test_each_offloaded_block_prefetches_the_one_before_and_holds_nothing_after_backward() -> None:
+    """The chain a CUDA backward prefetches along (parallel/offload.py): block 2's forward group
+    names block 0's (the next offloaded block backward reaches); once backward has used them,
+    nothing holds them (the chain keeps weak references: no host or device memory outlives it)."""
+    cfg = load_config(None, ["model.num_layers=4", "train.offload_activations=every:2"])
+    model = materialise_part(cfg, torch.device("cpu"), layers=None, first=True, last=True)
+    apply_offload(model.blocks, cfg.train.offload_activations, recompute=cfg.recompute)
+    first, third = model.blocks["0"], model.blocks["2"]
+    assert isinstance(first, OffloadedBlock) and isinstance(third, OffloadedBlock) and first.chain is third.chain
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens).sum()
+    groups = {key: ref() for key, ref in first.chain.last.items()}
+    assert set(groups) == {"0", "2"} and groups["0"] is not None and groups["2"] is not None
+    assert groups["2"].previous is groups["0"] and groups["0"].previous is None
+    del groups
+    loss.backward()
+    del loss
+    assert all(ref() is None for ref in first.chain.last.values())

@@ -26,6 +26,7 @@ import meshrun.parallel.recompute as recompute
 from meshrun.config.schema import Config, load_config
 from meshrun.hardware.precision import autocast
 from meshrun.models.task_io import task_io
+from meshrun.parallel.context import shard_batch
 from meshrun.parallel.mesh import Mesh, mesh_on
 from meshrun.parallel.parallelize import parallelize
 from meshrun.planner.saved_bytes import SavedBytes, local
@@ -75,6 +76,7 @@ def _measure(cfg: Config, mesh: Mesh, caches: list) -> dict[str, int]:
         counter.count_checkpoint_inputs(part)
     local = cfg.train.global_batch // cfg.parallel.dp
     inputs, targets = task_io(cfg).batch(local, torch.Generator().manual_seed(1))  # the task's shapes
+    inputs, targets = shard_batch(inputs, targets, mesh)  # this cp rank's positions (as is where cp is 1)
     peak = 0
     for _ in range(2):
         # garbage first: step 1's shape-inference graph, dropped without a backward, is a reference
@@ -134,7 +136,7 @@ def _count_selective_caches(part: torch.nn.Module, caches: list, counter: SavedB
 
 
 def worker(rank: int, world: int, store_dir: str, layouts: list[list[str]], out: str) -> None:
-    """torch.multiprocessing target: every layout (dp x pp = world) on this rank, results to OUT/rank{R}.json."""
+    """torch.multiprocessing target: every layout (dp x cp x tp x pp = world) on this rank, results to OUT/rank{R}.json."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     store = dist.FileStore(str(Path(store_dir) / "store"), world)

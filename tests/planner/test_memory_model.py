@@ -69,6 +69,16 @@ TWO_RANKS = {
         "train.micro_batch=1",
     ],
     "regress-tp2-sp-mb2": [*REGRESS, *SP_MB2],
+    # context parallel: each rank keeps T / cp positions' activations (planner/long_context.py traces
+    # the stage at seq_len / cp); the real step runs the two all-to-alls around every attention
+    "cp2-mb2": ["parallel.cp=2", "train.global_batch=4", "train.micro_batch=2"],
+    "hf-llama-cp2-mb2-every2": [
+        LLAMA,
+        "parallel.cp=2",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+        "recompute=every:2",
+    ],
 }
 ONE_RANK = {
     "single-mb2-m2": ["train.global_batch=4", "train.micro_batch=2"],
@@ -101,16 +111,18 @@ EXPERT_PARALLEL = {
         "train.micro_batch=2",
     ]
 }
+# offload: the real step's hooks see only what stays on the device (test_offload_matches_a_real_step)
+OFFLOADED = {"single-mb2-m2-offload": ["train.global_batch=4", "train.micro_batch=2", "train.offload_activations=true"]}
 GROUPS = {
     "two-ranks": ({**TWO_RANKS, **EXPERT_PARALLEL}, 2),
-    "one-rank": (ONE_RANK, 1),
+    "one-rank": (ONE_RANK | OFFLOADED, 1),
     "hf": (HF, 1),
 }  # measured once per group
 LAYOUTS = {
     name: (group, overrides)
     for group, (layouts, _) in GROUPS.items()
     for name, overrides in layouts.items()
-    if name not in EXPERT_PARALLEL
+    if name not in EXPERT_PARALLEL and name not in OFFLOADED
 }
 
 
@@ -219,3 +231,24 @@ def test_backward_term_is_what_a_real_backward_adds(model_name: str, precision: 
         loss.backward()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     assert abs(planned / (peak - after_forward) - 1) <= 0.10, (planned, peak - after_forward)
+
+
+def test_offload_matches_a_real_step(measured: Callable[[str], dict[str, list[dict]]]) -> None:
+    """A GPU plan of offload on every block (planner/long_context.py) against real steps with it off
+    and on: its host bytes are what offload took off the device (saved-tensor hooks outside the
+    offload's own see only what stays), its device bytes what stayed plus the RETURNED blocks'
+    worth backward brings back at once, each within 10%."""
+    from meshrun.planner.cost import Efficiency, Hardware
+    from meshrun.planner.layout_memory import layout_split
+    from meshrun.planner.long_context import RETURNED, block_bytes
+    from meshrun.planner.search import predict, stage_profiles
+
+    runs = measured("one-rank")
+    whole, stayed = (runs[name][0]["activations"] for name in ("single-mb2-m2", "single-mb2-m2-offload"))
+    cfg = layout_config(OFFLOADED["single-mb2-m2-offload"])
+    gpu = Hardware("gpu", 80e9, 1e15, intra_gbs=450.0, inter_gbs=50.0, gpus_per_node=8)
+    plan = predict(cfg, gpu, Efficiency(runtime_bytes=0), precision="fp32", margin=0.0).memory
+    block = block_bytes(cfg, layout_split(cfg), lambda c: stage_profiles(c, "fp32"))[0]
+    assert 0 < stayed < whole
+    assert abs(plan.host / (whole - stayed) - 1) <= 0.10, (plan.host, whole - stayed)
+    assert abs((plan.activations - RETURNED * block) / stayed - 1) <= 0.10, (plan.activations, block, stayed)

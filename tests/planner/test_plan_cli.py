@@ -40,7 +40,9 @@ def test_table_ranks_layouts_and_writes_the_best(tmp_path: Path) -> None:
     done = plan(tmp_path, "--gpus=2", "--gpu=h100", f"--write={out}", "--top=50")
     rows = table_rows(done.stdout)
     assert rows and all(row[17] == "yes" for row in rows)  # 2 x 80 GiB holds every layout of a tiny model
-    assert {(row[1], row[2], row[4]) for row in rows} == {("1", "1", "2"), ("1", "2", "1"), ("2", "1", "1")}
+    layouts = {(row[1], row[2], row[4], row[22]) for row in rows}  # tp, dp, pp, cp
+    assert layouts == {("1", "1", "2", "1"), ("1", "2", "1", "1"), ("2", "1", "1", "1"), ("1", "1", "1", "2")}
+    assert {row[23] for row in rows} == {"-", "on"}  # on a GPU, offload's layouts too
     assert {row[3] for row in rows} == {"ddp", "fsdp"}  # dp 2: both data-parallel modes
     times = [float(row[18]) for row in rows]
     terms = [line for line in done.stdout.splitlines() if line.startswith("  pp rank ")]
@@ -55,6 +57,7 @@ def test_table_ranks_layouts_and_writes_the_best(tmp_path: Path) -> None:
         int(first[6]),
         first[8],
     )
+    assert (best.parallel.cp, best.train.offload_activations is not False) == (int(first[22]), first[23] == "on")
     assert best.train.global_batch == 4 and best.model.dim == 32
 
 
@@ -106,7 +109,8 @@ def test_every_task_is_planned_and_named(config: str, task: str, capsys: pytest.
     out = capsys.readouterr().out
     assert out.startswith(f"meshrun plan: {task}")
     rows = table_rows(out)
-    assert {(row[1], row[2], row[4]) for row in rows} == {("1", "1", "2"), ("1", "2", "1"), ("2", "1", "1")}
+    layouts = {(row[1], row[2], row[4], row[22]) for row in rows}  # tp, dp, pp, cp: no cp (not a decoder)
+    assert layouts == {("1", "1", "2", "1"), ("1", "2", "1", "1"), ("2", "1", "1", "1")}
 
 
 def test_write_never_overwrites(tmp_path: Path) -> None:

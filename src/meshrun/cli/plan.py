@@ -28,6 +28,7 @@ from meshrun.planner.cost import Efficiency, Hardware
 from meshrun.planner.documents import describe as describe_documents
 from meshrun.planner.documents import document_rows
 from meshrun.planner.experts import routing_note
+from meshrun.planner.long_context import HOST_GBS
 from meshrun.planner.model_size import check_model_size
 from meshrun.planner.search import Prediction, compiles, predict, rank_layouts
 from meshrun.preflight import preflight
@@ -118,7 +119,7 @@ def table(predictions: list[Prediction], top: int) -> str:
     head = (
         f"{'#':>3} {'tp':>2} {'dp':>3} {'dp mode':<7} {'pp':>3} {'schedule':<20} {'mb':>3} {'m':>3} {'recompute':<9} "
         f"{'param':>7} {'grad':>7} {'optim':>7} {'act':>7} {'bwd':>7} {'buf':>7} {'base':>5} {'total GiB':>9} {'fits':<4} "
-        f"{'step s':>9} {'bubble':>6} {'tok/s':>10} {'MFU':>6}"
+        f"{'step s':>9} {'bubble':>6} {'tok/s':>10} {'MFU':>6} {'cp':>2} {'offload':<7} {'host GiB':>8}"
     )
     lines = [head, "-" * len(head)]
     shown = [p for p in predictions if p.fits][:top] + [p for p in predictions if not p.fits][:top]
@@ -131,20 +132,29 @@ def table(predictions: list[Prediction], top: int) -> str:
             f"{_gib(mem.grads):>7} {_gib(mem.optimizer):>7} {_gib(mem.activations):>7} {_gib(mem.backward):>7} "
             f"{_gib(mem.buffers):>7} "
             f"{_gib(mem.baseline):>5} {_gib(mem.total):>9} {'yes' if p.fits else 'NO':<4} {p.time.total:>9.4g} "
-            f"{p.time.bubble_fraction:>6.1%} {p.tokens_per_s:>10.4g} {mfu:>6}"
+            f"{p.time.bubble_fraction:>6.1%} {p.tokens_per_s:>10.4g} {mfu:>6} {lab['cp']:>2} {lab['offload']:<7} "
+            f"{_gib(mem.host):>8}"
         )
     return "\n".join(lines)
 
 
 def rank_terms(prediction: Prediction) -> str:
-    """Every pp rank's memory as its named terms (dp and tp ranks of a pp rank hold alike)."""
+    """Every pp rank's memory as its named terms (dp, cp and tp ranks of a pp rank hold alike), its
+    host memory where it offloads, and the step's share in cp's all-to-alls and offload's copies."""
     lines = []
     for rank, mem in enumerate(prediction.ranks):
         terms = " + ".join(
             f"{name} {_gib(value)}" + (f" ({mem.in_flight} in flight)" if name == "activations" else "")
             for name, value in mem.terms().items()
         )
-        lines.append(f"  pp rank {rank}: {terms} = {_gib(mem.total)} GiB")
+        host = f"; host (offloaded activations) {_gib(mem.host)} GiB" if mem.host else ""
+        lines.append(f"  pp rank {rank}: {terms} = {_gib(mem.total)} GiB{host}")
+    time = prediction.time
+    if time.context or time.host:
+        lines.append(
+            f"  of the step's {time.total:.4g} s: cp all-to-alls {time.context:.4g} s, offload copies not hidden "
+            f"{time.host:.4g} s (long_context.py: HOST_GBS {HOST_GBS:g} GB/s assumed)"
+        )
     return "\n".join(lines)
 
 

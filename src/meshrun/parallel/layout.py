@@ -35,7 +35,7 @@ from typing import Protocol
 from meshrun.errors import ConfigError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
-PLACE_AXES = ("dp", "tp", "pp")  # the order a layout and a rank's place are named in
+PLACE_AXES = ("dp", "cp", "tp", "pp")  # the order a rank's place is named in (cp only where it splits)
 DATA_AXES = ("dp_replicate", "dp_shard")  # flattened, they are the data-parallel axis `dp`
 # name -> the axes it flattens (outermost first), see the module docstring. cp ranks hold the same weights
 # and reduce their gradients as dp ranks do: DDP over `dp_cp`, FSDP shards over `dp_shard_cp` (torchtitan's).
@@ -223,13 +223,15 @@ class Layout:
         return " x ".join(f"{axis} {degree}" + (f" ({how})" if how else "") for axis, degree, how in parts)
 
     def place(self, rank: int) -> dict[str, int]:
-        """`rank`'s coordinates on the axes a layout is named by, in their order: {dp, tp, pp}."""
+        """`rank`'s coordinates on the axes a layout is named by, in their order: {dp, tp, pp}, and
+        cp between dp and tp where it splits (two cp ranks are otherwise alike; at cp 1 the labels
+        read as they always have)."""
         coords = self.coordinates(rank)
-        return {axis: coords[axis] for axis in PLACE_AXES}
+        return {axis: coords[axis] for axis in PLACE_AXES if axis != "cp" or self.cp > 1}
 
     def rank_text(self, rank: int) -> str:
         """`rank 5 (dp 0, tp 1, pp 1)`: a rank as warnings and reports name it."""
-        return f"rank {rank} ({place_text(self.coordinates(rank))})"
+        return f"rank {rank} ({place_text(self.place(rank))})"
 
     def grid(self) -> str:
         """The rank order, for --dry-run: `rank = (pp_rank * dp + dp_rank) * tp + tp_rank`, over the
@@ -356,5 +358,6 @@ class Layout:
 
 def place_text(coords: Mapping[str, float]) -> str:
     """A rank's coordinates as labels name them, `dp 0, tp 1, pp 1` (the layout's order); an axis a
-    record does not hold (a run from before tp was recorded) is left out, not guessed."""
+    record does not hold (a run from before tp was recorded, cp where it does not split) is left
+    out, not guessed."""
     return ", ".join(f"{axis} {int(coords[axis])}" for axis in PLACE_AXES if axis in coords)

@@ -101,6 +101,8 @@ class StepTime:
     shard_collectives: int = 0  # FSDP/HSDP collectives per step (a block's gathers, reduce-scatters)
     logging: float = 0.0  # a logged step's extra, shared over the steps of a log interval
     experts: float = 0.0  # parallel.ep: the all-to-alls and the experts' gradient sum (planner/experts.py)
+    context: float = 0.0  # of compute: cp's all-to-alls on the slowest rank (planner/long_context.py)
+    host: float = 0.0  # of compute: offload's host copies the compute did not hide (planner/long_context.py)
 
     @property
     def total(self) -> float:
@@ -216,9 +218,12 @@ def step_time(
     log_interval: int = 1,
     measured_bubble: float | None = None,
     compiled: bool = False,
+    extra: list[float] | None = None,
 ) -> StepTime:
     """`local[r]`: the stage indices pp rank r holds (stage profiles are per tp rank); a step of
-    `log_interval` is logged; `compiled`: the blocks run compiled (train.compile)."""
+    `log_interval` is logged; `compiled`: the blocks run compiled (train.compile); `dp`: under
+    parallel.cp the dp x cp ranks that reduce gradients together; `extra[r]`: seconds pp rank r adds
+    to each microbatch beyond compute and tp (cp's all-to-alls, offload's exposed copies: long_context.py)."""
     pp, v = len(local), len(local[0])
     flops_per_s = eff.flops_per_s(hw)
     total_units = sum(s.units for s in stages)
@@ -227,7 +232,8 @@ def step_time(
     per_rank = [
         factor * rank_compute_s([stages[i] for i in held], total_units, tokens_per_microbatch, flops_per_s, eff)
         + tensor_parallel_s([stages[i] for i in held], tp, gbs=tp_gbs, eff=eff, sequence_parallel=sequence_parallel)
-        for held in local
+        + (extra[r] if extra else 0.0)
+        for r, held in enumerate(local)
     ]
     world = dp.dp * pp * tp
     slowdown = eff.slowdown(min(world, hw.gpus_per_node))

@@ -9,6 +9,7 @@ from meshrun.parallel.fsdp import reshard_after_forward
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.stages import static_split
 from meshrun.planner.experts import dense_stages, with_experts
+from meshrun.planner.long_context import context_stages
 from meshrun.planner.memory import RankMemory, rank_memory
 from meshrun.planner.stage_cost import profile_stages, state_bytes
 from meshrun.planner.stage_profile import StageProfile
@@ -39,8 +40,14 @@ def regathers(cfg: Config) -> bool:
 
 
 def layout_memory(cfg: Config, precision: str, *, baseline: int = 0) -> LayoutMemory:
-    """Profiles every stage of this layout and the memory of every pp rank."""
+    """Profiles every stage of this layout (one cp rank's, under parallel.cp) and the memory of every pp rank."""
     stages = profile_stages(cfg, layout_split(cfg), cfg.train.micro_batch, precision)
+    stages = context_stages(
+        cfg,
+        stages,
+        lambda short: profile_stages(short, layout_split(short), short.train.micro_batch, precision),
+        precision,
+    )
     return LayoutMemory(stages=stages, ranks=ranks_memory(cfg, stages, baseline=baseline))
 
 
@@ -58,7 +65,7 @@ def ranks_memory(cfg: Config, stages: list[StageProfile], *, baseline: int = 0) 
             schedule=par.schedule,
             rank=r,
             pp=par.pp,
-            dp=par.dp,
+            dp=par.dp * par.cp,  # cp ranks reduce gradients with the dp ranks (DDP over dp x cp)
             shard=layout.shard_degree,
             m=cfg.accumulation_steps,
             regather=regathers(cfg),

@@ -37,6 +37,7 @@ class RankMemory:
     baseline: int = 0  # the runtime's own memory (Efficiency.runtime_bytes)
     in_flight: int = 1  # microbatches' activations held at the peak (interleaved: chunks, as stages)
     backward: int = 0  # backward's largest temporaries on top of the activations (StageProfile.backward_bytes)
+    host: int = 0  # offloaded activations in host memory (not the device's: not a term; long_context.py)
 
     @property
     def total(self) -> int:

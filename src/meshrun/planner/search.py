@@ -12,19 +12,21 @@ import torch
 
 from meshrun.config.schema import Config, validate
 from meshrun.errors import ConfigError
-from meshrun.models.hf_config import check_hf_tensor_split
+from meshrun.models.hf_config import check_hf_context_split, check_hf_tensor_split
 from meshrun.parallel.compile import compile_enabled
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.stages import validate_layout
 from meshrun.planner.cost import DataParallel, Efficiency, Hardware, StepTime, step_time
 from meshrun.planner.experts import dense_stages, expert_degrees, expert_parallel_s
 from meshrun.planner.layout_memory import layout_split, ranks_memory, regathers
+from meshrun.planner.long_context import context_stages, long_context_s, offload_stages, with_host
 from meshrun.planner.memory import RankMemory
 from meshrun.planner.stage_cost import priced_at_length, profile_stages
 from meshrun.planner.stage_profile import StageProfile
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "every:2", "full")
+OFFLOADED = ("none", "every:2")  # recompute policies planned with offload too: its blocks are the rest
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class Prediction:
             "micro_batch": self.cfg.train.micro_batch,
             "microbatches": self.cfg.accumulation_steps,
             "recompute": self.cfg.recompute,
+            "cp": par.cp,
+            "offload": "-" if self.cfg.train.offload_activations is False else "on",
         }
 
 
@@ -69,6 +73,7 @@ def with_layout(
     dp_mode: str = "ddp",
     dp_shard: int | None = None,
     ep: int = 1,
+    offload: bool = False,
 ) -> Config:
     """`cfg` with another layout (explicit stage_layers are dropped: they belong to one pp;
     sequence parallel, when the config asks for it, where tp > 1)."""
@@ -89,6 +94,7 @@ def with_layout(
     data["train"]["micro_batch"] = micro_batch
     data["train"]["global_batch"] = global_batch or cfg.train.global_batch
     data["recompute"] = recompute
+    data["train"]["offload_activations"] = offload
     data["launch"]["nproc_per_node"] = None
     return validate(data)
 
@@ -106,16 +112,16 @@ def data_modes(dp: int) -> list[tuple[str, int | None]]:
 
 
 def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
-    """Every (tp, dp, ep, dp_mode, pp, schedule) of `num_devices` that training would run, at
+    """Every (tp, cp, dp, ep, dp_mode, pp, schedule) of `num_devices` that training would run, at
     micro_batch 1 and full recompute (its least memory): tp within a node, only where the model
-    has a tp plan and its heads (kv heads, MLP width) divide by tp; ep (a MoE model's) any divisor of
-    dp that divides its experts, within or across nodes (planner/experts.py). cp stays 1: the cost model does
-    not price context parallel yet (its activations / cp, its all-to-alls), so it proposes none."""
+    has a tp plan and its heads (kv heads, MLP width) divide by tp; cp where training would run it
+    (config/context.py's checks: family, heads and seq_len divisible); ep (a MoE model's) any divisor
+    of dp that divides its experts, within or across nodes (planner/experts.py)."""
     found = []
     tps = [t for t in _divisors(min(num_devices, per_node)) if num_devices % t == 0] if has_tp_plan(cfg) else [1]
-    for tp in tps:
-        for dp in _divisors(num_devices // tp):
-            pp = num_devices // tp // dp
+    for tp, cp in ((t, c) for t in tps for c in _divisors(num_devices // t)):
+        for dp in _divisors(num_devices // tp // cp):
+            pp = num_devices // tp // cp // dp
             if cfg.train.global_batch % dp:
                 continue
             modes = itertools.product(data_modes(dp), SCHEDULES if pp > 1 else ("1f1b",), expert_degrees(cfg, dp))
@@ -126,6 +132,7 @@ def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
                         dp=dp,
                         pp=pp,
                         tp=tp,
+                        cp=cp,
                         dp_mode=dp_mode,
                         dp_shard=shard,
                         ep=ep,
@@ -135,19 +142,22 @@ def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
                     )
                     validate_layout(layout)
                     check_hf_tensor_split(layout)  # e.g. kv heads that tp does not divide
+                    check_hf_context_split(layout)  # a decoder cp splits, heads that tp x cp divide
                 except ConfigError:
                     continue
                 found.append(layout)
     return found
 
 
-def variants(mesh: Config) -> list[list[Config]]:
-    """The micro_batch x recompute layouts of one mesh: one list per recompute policy, smallest
+def variants(mesh: Config, *, offload: bool = False) -> list[list[Config]]:
+    """The micro_batch x recompute layouts of one mesh: one list per recompute policy (and, with
+    `offload`, per policy of OFFLOADED with the blocks it does not recompute offloaded), smallest
     micro_batch first (activations grow with it: the first that does not fit ends the list)."""
     par = mesh.parallel
     per_dp = mesh.train.global_batch // par.dp
     out = []
-    for recompute in RECOMPUTE:
+    policies = [(r, False) for r in RECOMPUTE] + ([(r, True) for r in OFFLOADED] if offload else [])
+    for recompute, offloaded in policies:
         row = []
         for micro_batch in _divisors(per_dp):
             try:
@@ -163,6 +173,7 @@ def variants(mesh: Config) -> list[list[Config]]:
                     schedule=par.schedule,
                     micro_batch=micro_batch,
                     recompute=recompute,
+                    offload=offloaded,
                 )
                 validate_layout(layout)
             except ConfigError:
@@ -204,6 +215,13 @@ def _profiles(
     return tuple(profile_stages(cfg, [list(s) for s in split], micro_batch, precision))
 
 
+def rank_stages(cfg: Config, precision: str) -> list[StageProfile]:
+    """`stage_profiles` of what one rank holds: under parallel.cp, one cp rank's positions."""
+    return context_stages(
+        cfg, stage_profiles(cfg, precision), lambda short: stage_profiles(short, precision), precision
+    )
+
+
 def stage_profiles(cfg: Config, precision: str) -> list[StageProfile]:
     """Profiles depend on the model, split, micro_batch, recompute, tp and sequence parallel only:
     cached across layouts."""
@@ -215,7 +233,8 @@ def stage_profiles(cfg: Config, precision: str) -> list[StageProfile]:
 def compiles(cfg: Config, hw: Hardware) -> bool:
     """Whether `cfg`'s blocks run compiled on `hw` (train.compile resolved as training resolves it:
     auto is on for any GPU, off for a CPU)."""
-    return compile_enabled(cfg.train.compile, torch.device("cpu" if hw.name == "cpu" else "cuda"))
+    device = torch.device("cpu" if hw.name == "cpu" else "cuda")
+    return compile_enabled(cfg.train.compile, device) and cfg.parallel.cp == 1  # cp's blocks run eager
 
 
 def predict(
@@ -229,32 +248,44 @@ def predict(
     attention_length: int | None = None,
 ) -> Prediction:
     """`cfg`'s memory and step time on `hw`; `attention_length`: rows of packed documents whose
-    attention costs that of this length (planner/documents.py), else full rows of model.seq_len."""
+    attention costs that of this length (planner/documents.py), else full rows of model.seq_len.
+    Under parallel.cp and train.offload_activations, as planner/long_context.py prices them."""
     par = cfg.parallel
-    stages = stage_profiles(cfg, precision)
+    stages = rank_stages(cfg, precision)
     if attention_length is not None:
         stages = priced_at_length(cfg, stages, attention_length)
+    stages, host = offload_stages(cfg, stages, layout_split(cfg), lambda c: rank_stages(c, precision))
     local = [cfg.layout.stages_of(r) for r in range(par.pp)]
     m = cfg.accumulation_steps
-    ranks = ranks_memory(cfg, stages, baseline=eff.runtime_bytes)
+    ranks = with_host(cfg, ranks_memory(cfg, stages, baseline=eff.runtime_bytes), host)
     worst = max(ranks, key=lambda rank: rank.total)
     split = layout_split(cfg)
+    factor = eff.compute_factor(compiles(cfg, hw))
+    context, copies = long_context_s(cfg, stages, host, precision, hw=hw, eff=eff, compute_factor=factor)
+    shard = cfg.layout.shard_degree if par.cp > 1 else cfg.layout.dp_shard  # FSDP over dp_shard x cp
     time = step_time(
         dense_stages(cfg, stages, split) if par.ep > 1 else stages,  # the experts stay out of DDP / FSDP
         local,
         schedule=par.schedule,
-        dp=DataParallel(dp=par.dp, shard=cfg.layout.dp_shard, regather=regathers(cfg)),
+        dp=DataParallel(dp=par.dp * par.cp, shard=shard, regather=regathers(cfg)),
         tp=par.tp,
         sequence_parallel=par.sequence_parallel,
         m=m,
-        tokens_per_microbatch=cfg.train.micro_batch * cfg.model.seq_len,
+        tokens_per_microbatch=cfg.train.micro_batch * cfg.model.seq_len // par.cp,
         hw=hw,
         eff=eff,
         log_interval=cfg.train.log_interval,
         measured_bubble=measured_bubble,
         compiled=compiles(cfg, hw),
+        extra=[c + h for c, h in zip(context, copies)],
     )
-    time = dataclasses.replace(time, experts=expert_parallel_s(cfg, stages, split, hw, eff))
+    slowdown = eff.slowdown(min(cfg.world_size, hw.gpus_per_node))
+    time = dataclasses.replace(
+        time,
+        experts=expert_parallel_s(cfg, stages, split, hw, eff),
+        context=m * slowdown * max(context),
+        host=m * slowdown * max(copies),
+    )
     tokens_per_s = cfg.tokens_per_step / time.total
     model_flops = sum(s.model_flops_per_token for s in stages) * par.tp
     mfu = tokens_per_s * model_flops / (cfg.world_size * hw.peak_flops) if hw.peak_flops else None
@@ -284,18 +315,21 @@ def rank_layouts(
     (`attention_length`: as predict's).
 
     Pruned before costing: a mesh whose least-memory layout (micro_batch 1, full recompute) does not
-    fit is reported by that layout alone, and per recompute policy the micro_batches beyond the
-    first that does not fit are skipped (activations only grow with micro_batch)."""
+    fit is reported by that layout alone (on a GPU, its offloaded layouts are still tried: offload
+    may hold less than full recompute), and per recompute policy the micro_batches beyond the
+    first that does not fit are skipped (activations only grow with micro_batch). A CPU plan
+    offers no offload: its host memory is its device's."""
     predictions = []
     all_meshes = meshes(cfg, num_devices, hw.gpus_per_node)
     for index, mesh in enumerate(all_meshes, 1):
         if progress is not None:
             progress(f"mesh {index}/{len(all_meshes)}: {mesh.layout.text()}")
         least = predict(mesh, hw, eff, precision=precision, margin=margin, attention_length=attention_length)
+        rows = variants(mesh, offload=hw.name != "cpu")
         if not least.fits:
             predictions.append(least)
-            continue
-        for row in variants(mesh):
+            rows = [row for row in rows if row and row[0].train.offload_activations is not False]
+        for row in rows:
             for layout in row:
                 if layout == mesh:
                     prediction = least
@@ -303,7 +337,8 @@ def rank_layouts(
                     prediction = predict(
                         layout, hw, eff, precision=precision, margin=margin, attention_length=attention_length
                     )
-                predictions.append(prediction)
+                if prediction.fits or least.fits:
+                    predictions.append(prediction)
                 if not prediction.fits:
                     break
     return sorted(predictions, key=lambda p: (not p.fits, p.time.total if p.fits else p.memory.total, p.memory.total))
