@@ -87,6 +87,8 @@ def expert_degrees(cfg: Config, dp: int) -> list[int]:
     """The ep degrees a layout with `dp` data-parallel ranks may take: divisors of dp that divide every
     MoE layer's experts (1 alone for a dense model); within a node or across nodes alike."""
     counts = {layer.num_experts for layer in moe_layers(cfg).values()}
+    if not counts:
+        return [1]
     return [ep for ep in range(1, dp + 1) if dp % ep == 0 and all(n % ep == 0 for n in counts)]
 
 
