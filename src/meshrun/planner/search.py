@@ -115,11 +115,12 @@ def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
     """Every (tp, cp, dp, ep, dp_mode, pp, schedule) of `num_devices` that training would run, at
     micro_batch 1 and full recompute (its least memory): tp within a node, only where the model
     has a tp plan and its heads (kv heads, MLP width) divide by tp; cp where training would run it
-    (config/context.py's checks: family, heads and seq_len divisible); ep (a MoE model's) any divisor
+    (config/context.py's checks: family, heads and seq_len divisible) and within a node beside tp
+    (tp x cp <= per_node: the all-to-alls on every attention stay on the node's links); ep (a MoE model's) any divisor
     of dp that divides its experts, within or across nodes (planner/experts.py)."""
     found = []
     tps = [t for t in _divisors(min(num_devices, per_node)) if num_devices % t == 0] if has_tp_plan(cfg) else [1]
-    for tp, cp in ((t, c) for t in tps for c in _divisors(num_devices // t)):
+    for tp, cp in ((t, c) for t in tps for c in _divisors(num_devices // t) if t * c <= per_node):
         for dp in _divisors(num_devices // tp // cp):
             pp = num_devices // tp // cp // dp
             if cfg.train.global_batch % dp:
