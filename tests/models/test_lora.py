@@ -8,12 +8,25 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, in_process_trainer, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    finish_meshrun,
+    in_process_trainer,
+    losses,
+    max_weight_diff,
+    meshrun_env,
+    read_metrics,
+    run_meshrun,
+    tiny,
+    train_job,
+)
 from hf_models import SEQ_LEN, backward_microbatches, load_reference, make_model
 from plain_reference import config_from_set_args, cosine_lr
 from test_hf import interrupted
@@ -70,21 +83,53 @@ def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model("llama", tmp_path_factory.mktemp("hf") / "llama-bf16", tie_word_embeddings=True, dtype="bfloat16")
 
 
+WORKER = Path(__file__).with_name("lora_worker.py")
+LIVE = ("fsdp-dp2", "dp2-tp2-pp2-sp")  # trained by lora_worker.py: every rank's live parameters read back
+
+
+def train_live(args: list[str], out: Path, *, nproc: int) -> None:
+    """The job `args` trained by `nproc` torchrun workers of lora_worker.py (each rank's parameters to `out`)."""
+    out.mkdir()
+    argv = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = meshrun_env(out, PYTHONPATH=str(WORKER.parents[2] / "src"))
+    with subprocess.Popen(
+        [*argv, str(WORKER), str(out), *(a.removeprefix("--set=") for a in args)],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        finish_meshrun(proc)
+
+
 @pytest.fixture(scope="module")
 def runs(
     llama_dir: Path, bf16_dir: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], Path]:
-    """`runs(layout)`: a 10-step LoRA run, trained on first use (bf16-*: on the bf16 folder)."""
+    """`runs(layout)`: a 10-step LoRA run, trained on first use (bf16-*: on the bf16 folder; LIVE:
+    by lora_worker.py, every rank's parameters after training read by `live_params`)."""
     root, done = tmp_path_factory.mktemp("lora-runs"), {}
 
     def get(layout: str) -> Path:
         if layout not in done:
             run, folder = root / layout, bf16_dir if layout.startswith("bf16-") else llama_dir
-            run_meshrun(["train", *lora_args(data_dir, run, folder, **LAYOUTS[layout])], tmp_path=root)
+            args = lora_args(data_dir, run, folder, **LAYOUTS[layout])
+            if layout in LIVE:
+                train_live(args, root / f"{layout}-live", nproc=config_from_set_args(args).world_size)
+            else:
+                train_job(args, tmp_path=root)
             done[layout] = run
         return done[layout]
 
     return get
+
+
+def live_params(run: Path) -> list[dict]:
+    """Each rank's parameters after training, as lora_worker.py read them (a LIVE layout's run)."""
+    out = run.with_name(f"{run.name}-live")
+    return [json.loads(path.read_text()) for path in sorted(out.glob("rank-*.json"), key=lambda p: int(p.stem[5:]))]
 
 
 def peft_name(ours: str) -> str:
@@ -201,6 +246,26 @@ def test_layout_equals_one_process(layout: str, runs) -> None:
     norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, reference)]
     assert len(norms[0]) == 10 and norms[0] == pytest.approx(norms[1], rel=1e-5)
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", LIVE)
+def test_every_ranks_base_is_the_folders_and_fsdp_gathers_only_adapters(
+    layout: str, runs, llama_dir: Path, data_dir: Path
+) -> None:
+    """After training, every rank's live base is bit-identical to the folder's (tp shards gathered),
+    and FSDP2 left the frozen base out: a plain tensor (tp's DTensor under tp) whole on every dp
+    rank, never all-gathered nor reduce-scattered, while the adapters are sharded over dp."""
+    from lora_worker import digest
+
+    ranks = live_params(runs(layout))
+    assert len(ranks) == config_from_set_args(lora_args(data_dir, "unused", llama_dir, **LAYOUTS[layout])).world_size
+    folder = {name: digest(p) for name, p in initial_model(data_dir, llama_dir)[0].named_parameters()}
+    for rank, found in enumerate(ranks):
+        base = {name: held for name, held in found.items() if ".lora_" not in name}
+        adapters = {name: held for name, held in found.items() if ".lora_" in name}
+        assert base and all(held["sha256"] == folder[name] for name, held in base.items()), f"rank {rank}"
+        assert {str(held["mesh"]) for held in base.values()} <= {"None", "['tp']"}, f"rank {rank}"
+        assert adapters and all("dp_shard" in held["mesh"] for held in adapters.values()), f"rank {rank}"
 
 
 @pytest.fixture(scope="module")
@@ -461,16 +526,51 @@ def test_merged_export_loads_in_transformers(runs, llama_dir: Path, data_dir: Pa
         export_hf(build_model(full), full, tmp_path / "full", merge=True)
 
 
+def peft_counts(folder: Path) -> tuple[int, int]:
+    """(trainable, total) parameters by peft's own count over transformers' model with LORA's config."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    return get_peft_model(load_reference(folder), config).get_nb_trainable_parameters()
+
+
+def test_metrics_report_peft_counts_and_the_trainable_state(runs, llama_dir: Path, data_dir: Path) -> None:
+    """Every metrics row and summary.json give peft's trainable and total parameters and the largest
+    rank's trainable state (adapter params + grads + AdamW state): as the planner prices it in one
+    process; halved over FSDP2's dp2, while the frozen base is held whole on each rank, as
+    `meshrun plan` and --dry-run price it."""
+    from meshrun.parallel.materialise import build_stage
+    from meshrun.planner.layout_memory import rank_state_bytes
+    from meshrun.planner.stage_cost import state_bytes
+
+    trainable, total = peft_counts(llama_dir)
+    rows = {layout: [r for r in read_metrics(runs(layout)) if "loss" in r] for layout in ("one-process", "fsdp-dp2")}
+    for layout, logged in rows.items():
+        summary = json.loads((runs(layout) / "summary.json").read_text())
+        for row in (*logged, summary):
+            assert (row["trainable_params"], row["params"]) == (trainable, total), layout
+        assert summary["trainable_state_bytes"] == logged[-1]["trainable_state_bytes"]
+    one, fsdp = rows["one-process"][0], rows["fsdp-dp2"][0]
+    cfg = config_from_set_args(lora_args(data_dir, "unused", llama_dir))
+    params, grads, optimizer = state_bytes(build_stage(cfg, layers=None, first=True, last=True), cfg.train)
+    assert one["trainable_state_bytes"] == 2 * grads + optimizer and one["state_bytes"] == params + grads + optimizer
+    frozen = one["state_bytes"] - one["trainable_state_bytes"]
+    assert fsdp["state_bytes"] - fsdp["trainable_state_bytes"] == frozen, "the base is whole on every FSDP rank"
+    halved = one["trainable_state_bytes"] / 2  # but every rank keeps each AdamW step count (4 bytes)
+    assert fsdp["trainable_state_bytes"] == pytest.approx(halved, rel=3e-3)
+    planned = rank_state_bytes(config_from_set_args(lora_args(data_dir, "unused", llama_dir, **LAYOUTS["fsdp-dp2"])))
+    assert planned is not None and planned[0].params == frozen + grads // 2
+    assert fsdp["state_bytes"] == pytest.approx(planned[0].params + planned[0].grads + planned[0].optimizer, rel=1e-3)
+
+
 def test_dry_run_counts_what_peft_counts(llama_dir: Path, data_dir: Path, tmp_path: Path) -> None:
     """--dry-run's trainable and total parameters are peft's own count on transformers' model, and
     the tensors it says are loaded are the folder's (the adapters are drawn, not loaded)."""
-    from peft import LoraConfig, get_peft_model
     from safetensors import safe_open
 
     args = lora_args(data_dir, tmp_path / "run", llama_dir)
     done = run_meshrun(["train", *args, "--dry-run"], tmp_path=tmp_path)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    trainable, total = get_peft_model(load_reference(llama_dir), config).get_nb_trainable_parameters()
+    trainable, total = peft_counts(llama_dir)
     with safe_open(str(llama_dir / "model.safetensors"), "pt") as f:
         num_tensors = len(list(f.keys()))
     line = f"{total:,} parameters ({trainable:,} trainable: the LoRA adapters); weights loaded from {llama_dir} "
