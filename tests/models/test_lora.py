@@ -22,6 +22,7 @@ from conftest import (
     losses,
     max_weight_diff,
     meshrun_env,
+    meshrun_in_process,
     read_metrics,
     run_meshrun,
     tiny,
@@ -312,6 +313,30 @@ def test_bf16_base_beside_fp32_adapters_equals_peft(bf16_run, bf16_dir: Path, da
     assert max((v - theirs[peft_name(k)]).abs().max().item() for k, v in adapters.items()) < 1e-5  # 7e-7 seen
     _, fp32_base = peft_reference(data_dir, bf16_dir, steps=10, bf16=True)
     assert max((v - fp32_base[peft_name(k)]).abs().max().item() for k, v in adapters.items()) > 1e-3  # 7e-3 seen
+
+
+def test_sample_and_merged_export_keep_a_bf16_base(bf16_run, bf16_dir: Path, data_dir: Path, tmp_path: Path) -> None:
+    """`sample` and `export` of the bf16 run build the base as training held it: bf16, bit-identical
+    to the live base, beside its fp32 adapters; `export --hf --merge` writes bf16 weights (config.json
+    says so) equal bit for bit to peft's merge_and_unload over transformers' bf16 model: the base as
+    the folder stores it, never upcast and cast back."""
+    from safetensors.torch import load_file
+
+    from meshrun.cli.use_checkpoint import load_full_model
+
+    run, live, _ = bf16_run
+    ours, cfg, _ = load_full_model(run)
+    for name, value in ours.named_parameters():
+        assert value.dtype == live[name].dtype and torch.equal(value, live[name]), name
+    out = tmp_path / "merged"
+    meshrun_in_process(["export", run, "--hf", out, "--merge"], tmp_path=tmp_path)
+    merged = load_file(str(out / "model.safetensors"))
+    assert {v.dtype for v in merged.values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # safe_merge, as meshrun merges: W + (B A x alpha / r rounded to bf16), rounded (the default,
+    # unsafe merge adds the fp32 delta in place and rounds once: 1 bf16 ulp apart at most)
+    theirs = peft_model_with(ours, cfg, bf16_dir, torch.bfloat16).merge_and_unload(safe_merge=True).state_dict()
+    assert merged.keys() <= theirs.keys() and all(torch.equal(merged[k], theirs[k]) for k in merged)
 
 
 def test_bf16_base_under_fsdp_equals_one_process(runs, bf16_run) -> None:
