@@ -35,7 +35,8 @@ def held(run: Run) -> dict[str, dict]:
     base its whole value's digest (every rank of a tp group gathers alike, in the same order)."""
     found = {}
     for part in run.trainer.model.parts:
-        for name, param in part.named_parameters():
+        for wrapped, param in part.named_parameters():
+            name = wrapped.replace("._checkpoint_wrapped_module", "")  # recompute's wrapper: as state dicts name it
             mesh = list(param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else None
             found[name] = {"mesh": mesh}
             if not is_adapter(name):

@@ -1,7 +1,11 @@
 """LoRA (model.lora) on a Hugging Face Llama: one process equals peft's own `get_peft_model` on
 transformers' LlamaForCausalLM given the same adapters (step-1 loss and pre-clip norm, the adapters
-after 10 clipped AdamW steps, the base bit-identical), dp2 x pp2 (1F1B) equals one process, and bad
-input is refused in one line before any worker."""
+after 10 clipped AdamW steps, the base bit-identical), every layout equals one process, every rank's
+live base stays the folder's and FSDP2 shards only the adapters, and bad input is refused in one
+line before any worker.
+
+Launches: the one-process and bf16 references train in this process; each other layout is one
+launch shared by every test that reads it (`runs`); refusals and exports run the CLI in process."""
 
 from __future__ import annotations
 
@@ -52,7 +56,13 @@ LAYOUTS = {
     "one-process": {},
     "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
-    "pp2-interleaved-recompute": {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "recompute": "full"},
+    "dp2-pp2-interleaved-fsdp-recompute": {
+        "parallel.dp": 2,
+        "parallel.dp_mode": "fsdp",
+        "parallel.pp": 2,
+        "parallel.schedule": "interleaved-1f1b",
+        "recompute": "full",
+    },
     # the input and weight halves of backward apart: a frozen base has no weight half
     "pp2-zero-bubble": {"parallel.pp": 2, "parallel.schedule": "zero-bubble"},
     "tp2": {"parallel.tp": 2},
@@ -85,7 +95,11 @@ def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 WORKER = Path(__file__).with_name("lora_worker.py")
-LIVE = ("fsdp-dp2", "dp2-tp2-pp2-sp")  # trained by lora_worker.py: every rank's live parameters read back
+LIVE = (
+    "fsdp-dp2",
+    "dp2-pp2-interleaved-fsdp-recompute",
+    "dp2-tp2-pp2-sp",
+)  # trained by lora_worker.py: every rank's live parameters read back
 
 
 def train_live(args: list[str], out: Path, *, nproc: int) -> None:
@@ -235,7 +249,8 @@ def test_flops_count_the_frozen_base_at_4_per_weight(runs, llama_dir: Path) -> N
 
 
 @pytest.mark.parametrize(
-    "layout", ["dp2-pp2-1f1b", "fsdp-dp2", "pp2-interleaved-recompute", "pp2-zero-bubble", "tp2", "dp2-tp2-pp2-sp"]
+    "layout",
+    ["dp2-pp2-1f1b", "fsdp-dp2", "dp2-pp2-interleaved-fsdp-recompute", "pp2-zero-bubble", "tp2", "dp2-tp2-pp2-sp"],
 )
 def test_layout_equals_one_process(layout: str, runs) -> None:
     """The adapters train alike under DDP and FSDP2 (only they have gradients to reduce), and under
@@ -340,8 +355,7 @@ def test_sample_and_merged_export_keep_a_bf16_base(bf16_run, bf16_dir: Path, dat
 
 
 def test_bf16_base_under_fsdp_equals_one_process(runs, bf16_run) -> None:
-    """FSDP2 over dp2 shards a bf16 base beside fp32 adapters in the same groups (torch asks one
-    dtype of the trainable parameters only) and equals the one process: step-1 loss and grad norm to
+    """FSDP2 over dp2 shards the fp32 adapters, leaves the bf16 base whole, and equals the one process: step-1 loss and grad norm to
     1e-5, the adapters after 10 steps to 1e-4 and every loss to 1e-4, not fp32's 1e-5. Each rank's
     half batch rounds its bf16 activations alike, but the adapters' gradients are summed in another
     order, and each step's bf16 forward rounds that difference up (adapters 1.2e-5 apart after 10
@@ -383,7 +397,7 @@ def test_resume_onto_other_weights_is_refused(runs, llama_dir: Path, data_dir: P
     sha = json.loads((checkpoint / "manifest.json").read_text())["base"]["sha256"]
     for base in (other, copy):
         args = lora_args(data_dir, tmp_path / f"run-{base.name}", base, **{"train.resume": checkpoint})
-        done = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+        done = meshrun_in_process(["train", *args], tmp_path=tmp_path, check=False)
         if base == copy:
             assert done.returncode == 0 and "run already complete" in done.stderr, done.stderr
             continue
@@ -399,13 +413,17 @@ def test_resume_onto_other_weights_is_refused(runs, llama_dir: Path, data_dir: P
 
 def test_resharded_resume(runs, llama_dir: Path, data_dir: Path, tmp_path: Path) -> None:
     """A tp2 LoRA run stopped at step 5 (its adapters split over tp: B of q, A of o by halves) resumes
-    as dp2 x pp2, tp1, to the one-process run's adapters (1e-5), base untouched."""
+    as dp2 x pp2 under GPipe, tp1, to the one-process run's adapters (1e-5), base untouched, and
+    steps 6-10's gradient norms equal the one process's (1e-5): GPipe's equality too."""
     run = interrupted(runs("tp2"), tmp_path / "run", at_step=5)
-    done = run_meshrun(["train", *lora_args(data_dir, run, llama_dir, **LAYOUTS["dp2-pp2-1f1b"])], tmp_path=tmp_path)
+    gpipe = {**LAYOUTS["dp2-pp2-1f1b"], "parallel.schedule": "gpipe"}
+    done = run_meshrun(["train", *lora_args(data_dir, run, llama_dir, **gpipe)], tmp_path=tmp_path)
     assert "resumed from" in done.stderr
     resumed, reference = final_weights(run), final_weights(runs("one-process"))
     assert max_weight_diff(resumed, reference) < 1e-5
     assert all(torch.equal(resumed[k], reference[k]) for k in resumed if ".lora_" not in k)
+    norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, runs("one-process"))]
+    assert len(norms[0]) == 10 and norms[0][5:] == pytest.approx(norms[1][5:], rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -438,7 +456,9 @@ def test_bad_lora_is_refused_before_any_worker(
     overrides: dict, expect: str, llama_dir: Path, data_dir: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    done = run_meshrun(["train", *lora_args(data_dir, run, llama_dir, **overrides)], tmp_path=tmp_path, check=False)
+    done = meshrun_in_process(
+        ["train", *lora_args(data_dir, run, llama_dir, **overrides)], tmp_path=tmp_path, check=False
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"meshrun: error: {expect}"]
     assert not run.exists()
@@ -459,7 +479,7 @@ def test_a_pipeline_stage_without_adapters_is_refused(
     optimizer): the untied head's only, or one block's only, are refused before any worker."""
     model = make_model("llama", tmp_path / "untied")
     args = lora_args(data_dir, tmp_path / "run", model, **{"model.lora.target_modules": targets, "parallel.pp": 2})
-    done = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+    done = meshrun_in_process(["train", *args], tmp_path=tmp_path, check=False)
     assert done.returncode == 2, done.stderr
     fix = "name modules every block has (e.g. q_proj, v_proj), or set parallel.pp=1"
     line = f"model.lora.target_modules: {expect}, and under parallel.pp a stage with nothing to train cannot run; {fix}"
@@ -472,7 +492,7 @@ def test_an_adapter_tp_does_not_split_is_refused(data_dir: Path, tmp_path: Path)
     by vocabulary for the vocabulary-parallel loss) is refused before any worker."""
     model = make_model("llama", tmp_path / "untied")
     args = lora_args(data_dir, tmp_path / "run", model, **{"model.lora.target_modules": "[head]", "parallel.tp": 2})
-    done = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+    done = meshrun_in_process(["train", *args], tmp_path=tmp_path, check=False)
     assert done.returncode == 2, done.stderr
     line = (
         "model.lora.target_modules names head, which parallel.tp splits as vocab_head: adapters are split with "
@@ -487,7 +507,9 @@ def test_a_model_lora_cannot_wrap_is_refused(model: str, data_dir: Path, tmp_pat
     """The built-in families are refused by the schema; GPT-2's Conv1D projections by preflight."""
     source = {"model.hf": make_model("gpt2", tmp_path / "gpt2")} if model == "gpt2" else {}
     lora = {"model.lora.target_modules": "[c_attn]" if model == "gpt2" else "[qkv]"}
-    done = run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **source, **lora)], tmp_path=tmp_path, check=False)
+    done = meshrun_in_process(
+        ["train", *tiny(data_dir, tmp_path / "run", **source, **lora)], tmp_path=tmp_path, check=False
+    )
     assert done.returncode == 2, done.stderr
     expect = (
         "names blocks.0.attn.c_attn, a Conv1D: meshrun's LoRA adapts nn.Linear layers only"
@@ -507,7 +529,7 @@ def test_adapter_export_loads_in_peft(runs, llama_dir: Path, tmp_path: Path) -> 
     from meshrun.cli.use_checkpoint import load_full_model
 
     run, out = runs("dp2-pp2-1f1b"), tmp_path / "adapter"
-    run_meshrun(["export", str(run), "--adapter", str(out)], tmp_path=tmp_path)
+    meshrun_in_process(["export", str(run), "--adapter", str(out)], tmp_path=tmp_path)
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -531,7 +553,7 @@ def test_merged_export_loads_in_transformers(runs, llama_dir: Path, data_dir: Pa
     from meshrun.models.hf_export import export_hf
 
     run, out = runs("dp2-pp2-1f1b"), tmp_path / "merged"
-    done = run_meshrun(["export", str(run), "--hf", str(out), "--merge"], tmp_path=tmp_path)
+    done = meshrun_in_process(["export", str(run), "--hf", str(out), "--merge"], tmp_path=tmp_path)
     assert "as a Hugging Face model (the LoRA adapters merged into its weights)" in done.stdout
     merged, base, ours = load_reference(out).eval(), load_reference(llama_dir).eval(), load_full_model(run)[0]
     assert not any(".lora_" in name or "base_layer" in name for name, _ in merged.named_parameters())
@@ -544,7 +566,7 @@ def test_merged_export_loads_in_transformers(runs, llama_dir: Path, data_dir: Pa
         (["--hf", str(tmp_path / "hf")], "writes full weights with the adapters merged in: add --merge, or export"),
         (["--adapter", str(tmp_path / "a"), "--merge"], "--merge goes with --hf OUT_DIR"),
     ]:
-        done = run_meshrun(["export", str(run), *flags], tmp_path=tmp_path, check=False)
+        done = meshrun_in_process(["export", str(run), *flags], tmp_path=tmp_path, check=False)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and expect in done.stderr
     full = config_from_set_args(tiny(data_dir, "unused", **{"model.hf": llama_dir})).model
     with pytest.raises(ConfigError, match="this run trained every weight: drop --merge"):
@@ -594,7 +616,7 @@ def test_dry_run_counts_what_peft_counts(llama_dir: Path, data_dir: Path, tmp_pa
     from safetensors import safe_open
 
     args = lora_args(data_dir, tmp_path / "run", llama_dir)
-    done = run_meshrun(["train", *args, "--dry-run"], tmp_path=tmp_path)
+    done = meshrun_in_process(["train", *args, "--dry-run"], tmp_path=tmp_path)
     trainable, total = peft_counts(llama_dir)
     with safe_open(str(llama_dir / "model.safetensors"), "pt") as f:
         num_tensors = len(list(f.keys()))
