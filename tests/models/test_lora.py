@@ -1,19 +1,37 @@
 """LoRA (model.lora) on a Hugging Face Llama: one process equals peft's own `get_peft_model` on
 transformers' LlamaForCausalLM given the same adapters (step-1 loss and pre-clip norm, the adapters
-after 10 clipped AdamW steps, the base bit-identical), dp2 x pp2 (1F1B) equals one process, and bad
-input is refused in one line before any worker."""
+after 10 clipped AdamW steps, the base bit-identical), every layout equals one process, every rank's
+live base stays the folder's and FSDP2 shards only the adapters, and bad input is refused in one
+line before any worker.
+
+Launches: the one-process and bf16 references train in this process; each other layout is one
+launch shared by every test that reads it (`runs`); refusals and exports run the CLI in process."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, in_process_trainer, losses, max_weight_diff, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    finish_meshrun,
+    in_process_trainer,
+    losses,
+    max_weight_diff,
+    meshrun_env,
+    meshrun_in_process,
+    read_metrics,
+    run_meshrun,
+    tiny,
+    train_job,
+)
 from hf_models import SEQ_LEN, backward_microbatches, load_reference, make_model
 from plain_reference import config_from_set_args, cosine_lr
 from test_hf import interrupted
@@ -38,7 +56,13 @@ LAYOUTS = {
     "one-process": {},
     "dp2-pp2-1f1b": {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b"},
     "fsdp-dp2": {"parallel.dp": 2, "parallel.dp_mode": "fsdp"},
-    "pp2-interleaved-recompute": {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "recompute": "full"},
+    "dp2-pp2-interleaved-fsdp-recompute": {
+        "parallel.dp": 2,
+        "parallel.dp_mode": "fsdp",
+        "parallel.pp": 2,
+        "parallel.schedule": "interleaved-1f1b",
+        "recompute": "full",
+    },
     # the input and weight halves of backward apart: a frozen base has no weight half
     "pp2-zero-bubble": {"parallel.pp": 2, "parallel.schedule": "zero-bubble"},
     "tp2": {"parallel.tp": 2},
@@ -70,21 +94,57 @@ def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model("llama", tmp_path_factory.mktemp("hf") / "llama-bf16", tie_word_embeddings=True, dtype="bfloat16")
 
 
+WORKER = Path(__file__).with_name("lora_worker.py")
+LIVE = (
+    "fsdp-dp2",
+    "dp2-pp2-interleaved-fsdp-recompute",
+    "dp2-tp2-pp2-sp",
+)  # trained by lora_worker.py: every rank's live parameters read back
+
+
+def train_live(args: list[str], out: Path, *, nproc: int) -> None:
+    """The job `args` trained by `nproc` torchrun workers of lora_worker.py (each rank's parameters to `out`)."""
+    out.mkdir()
+    argv = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = meshrun_env(out, PYTHONPATH=str(WORKER.parents[2] / "src"))
+    with subprocess.Popen(
+        [*argv, str(WORKER), str(out), *(a.removeprefix("--set=") for a in args)],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        finish_meshrun(proc)
+
+
 @pytest.fixture(scope="module")
 def runs(
     llama_dir: Path, bf16_dir: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], Path]:
-    """`runs(layout)`: a 10-step LoRA run, trained on first use (bf16-*: on the bf16 folder)."""
+    """`runs(layout)`: a 10-step LoRA run, trained on first use (bf16-*: on the bf16 folder; LIVE:
+    by lora_worker.py, every rank's parameters after training read by `live_params`)."""
     root, done = tmp_path_factory.mktemp("lora-runs"), {}
 
     def get(layout: str) -> Path:
         if layout not in done:
             run, folder = root / layout, bf16_dir if layout.startswith("bf16-") else llama_dir
-            run_meshrun(["train", *lora_args(data_dir, run, folder, **LAYOUTS[layout])], tmp_path=root)
+            args = lora_args(data_dir, run, folder, **LAYOUTS[layout])
+            if layout in LIVE:
+                train_live(args, root / f"{layout}-live", nproc=config_from_set_args(args).world_size)
+            else:
+                train_job(args, tmp_path=root)
             done[layout] = run
         return done[layout]
 
     return get
+
+
+def live_params(run: Path) -> list[dict]:
+    """Each rank's parameters after training, as lora_worker.py read them (a LIVE layout's run)."""
+    out = run.with_name(f"{run.name}-live")
+    return [json.loads(path.read_text()) for path in sorted(out.glob("rank-*.json"), key=lambda p: int(p.stem[5:]))]
 
 
 def peft_name(ours: str) -> str:
@@ -189,7 +249,8 @@ def test_flops_count_the_frozen_base_at_4_per_weight(runs, llama_dir: Path) -> N
 
 
 @pytest.mark.parametrize(
-    "layout", ["dp2-pp2-1f1b", "fsdp-dp2", "pp2-interleaved-recompute", "pp2-zero-bubble", "tp2", "dp2-tp2-pp2-sp"]
+    "layout",
+    ["dp2-pp2-1f1b", "fsdp-dp2", "dp2-pp2-interleaved-fsdp-recompute", "pp2-zero-bubble", "tp2", "dp2-tp2-pp2-sp"],
 )
 def test_layout_equals_one_process(layout: str, runs) -> None:
     """The adapters train alike under DDP and FSDP2 (only they have gradients to reduce), and under
@@ -201,6 +262,26 @@ def test_layout_equals_one_process(layout: str, runs) -> None:
     norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, reference)]
     assert len(norms[0]) == 10 and norms[0] == pytest.approx(norms[1], rel=1e-5)
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", LIVE)
+def test_every_ranks_base_is_the_folders_and_fsdp_gathers_only_adapters(
+    layout: str, runs, llama_dir: Path, data_dir: Path
+) -> None:
+    """After training, every rank's live base is bit-identical to the folder's (tp shards gathered),
+    and FSDP2 left the frozen base out: a plain tensor (tp's DTensor under tp) whole on every dp
+    rank, never all-gathered nor reduce-scattered, while the adapters are sharded over dp."""
+    from lora_worker import digest
+
+    ranks = live_params(runs(layout))
+    assert len(ranks) == config_from_set_args(lora_args(data_dir, "unused", llama_dir, **LAYOUTS[layout])).world_size
+    folder = {name: digest(p) for name, p in initial_model(data_dir, llama_dir)[0].named_parameters()}
+    for rank, found in enumerate(ranks):
+        base = {name: held for name, held in found.items() if ".lora_" not in name}
+        adapters = {name: held for name, held in found.items() if ".lora_" in name}
+        assert base and all(held["sha256"] == folder[name] for name, held in base.items()), f"rank {rank}"
+        assert {str(held["mesh"]) for held in base.values()} <= {"None", "['tp']"}, f"rank {rank}"
+        assert adapters and all("dp_shard" in held["mesh"] for held in adapters.values()), f"rank {rank}"
 
 
 @pytest.fixture(scope="module")
@@ -249,9 +330,32 @@ def test_bf16_base_beside_fp32_adapters_equals_peft(bf16_run, bf16_dir: Path, da
     assert max((v - fp32_base[peft_name(k)]).abs().max().item() for k, v in adapters.items()) > 1e-3  # 7e-3 seen
 
 
+def test_sample_and_merged_export_keep_a_bf16_base(bf16_run, bf16_dir: Path, data_dir: Path, tmp_path: Path) -> None:
+    """`sample` and `export` of the bf16 run build the base as training held it: bf16, bit-identical
+    to the live base, beside its fp32 adapters; `export --hf --merge` writes bf16 weights (config.json
+    says so) equal bit for bit to peft's merge_and_unload over transformers' bf16 model: the base as
+    the folder stores it, never upcast and cast back."""
+    from safetensors.torch import load_file
+
+    from meshrun.cli.use_checkpoint import load_full_model
+
+    run, live, _ = bf16_run
+    ours, cfg, _ = load_full_model(run)
+    for name, value in ours.named_parameters():
+        assert value.dtype == live[name].dtype and torch.equal(value, live[name]), name
+    out = tmp_path / "merged"
+    meshrun_in_process(["export", run, "--hf", out, "--merge"], tmp_path=tmp_path)
+    merged = load_file(str(out / "model.safetensors"))
+    assert {v.dtype for v in merged.values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # safe_merge, as meshrun merges: W + (B A x alpha / r rounded to bf16), rounded (the default,
+    # unsafe merge adds the fp32 delta in place and rounds once: 1 bf16 ulp apart at most)
+    theirs = peft_model_with(ours, cfg, bf16_dir, torch.bfloat16).merge_and_unload(safe_merge=True).state_dict()
+    assert merged.keys() <= theirs.keys() and all(torch.equal(merged[k], theirs[k]) for k in merged)
+
+
 def test_bf16_base_under_fsdp_equals_one_process(runs, bf16_run) -> None:
-    """FSDP2 over dp2 shards a bf16 base beside fp32 adapters in the same groups (torch asks one
-    dtype of the trainable parameters only) and equals the one process: step-1 loss and grad norm to
+    """FSDP2 over dp2 shards the fp32 adapters, leaves the bf16 base whole, and equals the one process: step-1 loss and grad norm to
     1e-5, the adapters after 10 steps to 1e-4 and every loss to 1e-4, not fp32's 1e-5. Each rank's
     half batch rounds its bf16 activations alike, but the adapters' gradients are summed in another
     order, and each step's bf16 forward rounds that difference up (adapters 1.2e-5 apart after 10
@@ -293,7 +397,7 @@ def test_resume_onto_other_weights_is_refused(runs, llama_dir: Path, data_dir: P
     sha = json.loads((checkpoint / "manifest.json").read_text())["base"]["sha256"]
     for base in (other, copy):
         args = lora_args(data_dir, tmp_path / f"run-{base.name}", base, **{"train.resume": checkpoint})
-        done = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+        done = meshrun_in_process(["train", *args], tmp_path=tmp_path, check=False)
         if base == copy:
             assert done.returncode == 0 and "run already complete" in done.stderr, done.stderr
             continue
@@ -309,13 +413,17 @@ def test_resume_onto_other_weights_is_refused(runs, llama_dir: Path, data_dir: P
 
 def test_resharded_resume(runs, llama_dir: Path, data_dir: Path, tmp_path: Path) -> None:
     """A tp2 LoRA run stopped at step 5 (its adapters split over tp: B of q, A of o by halves) resumes
-    as dp2 x pp2, tp1, to the one-process run's adapters (1e-5), base untouched."""
+    as dp2 x pp2 under GPipe, tp1, to the one-process run's adapters (1e-5), base untouched, and
+    steps 6-10's gradient norms equal the one process's (1e-5): GPipe's equality too."""
     run = interrupted(runs("tp2"), tmp_path / "run", at_step=5)
-    done = run_meshrun(["train", *lora_args(data_dir, run, llama_dir, **LAYOUTS["dp2-pp2-1f1b"])], tmp_path=tmp_path)
+    gpipe = {**LAYOUTS["dp2-pp2-1f1b"], "parallel.schedule": "gpipe"}
+    done = run_meshrun(["train", *lora_args(data_dir, run, llama_dir, **gpipe)], tmp_path=tmp_path)
     assert "resumed from" in done.stderr
     resumed, reference = final_weights(run), final_weights(runs("one-process"))
     assert max_weight_diff(resumed, reference) < 1e-5
     assert all(torch.equal(resumed[k], reference[k]) for k in resumed if ".lora_" not in k)
+    norms = [[row["grad_norm"] for row in read_metrics(r) if "grad_norm" in row] for r in (run, runs("one-process"))]
+    assert len(norms[0]) == 10 and norms[0][5:] == pytest.approx(norms[1][5:], rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -348,7 +456,9 @@ def test_bad_lora_is_refused_before_any_worker(
     overrides: dict, expect: str, llama_dir: Path, data_dir: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    done = run_meshrun(["train", *lora_args(data_dir, run, llama_dir, **overrides)], tmp_path=tmp_path, check=False)
+    done = meshrun_in_process(
+        ["train", *lora_args(data_dir, run, llama_dir, **overrides)], tmp_path=tmp_path, check=False
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"meshrun: error: {expect}"]
     assert not run.exists()
@@ -369,7 +479,7 @@ def test_a_pipeline_stage_without_adapters_is_refused(
     optimizer): the untied head's only, or one block's only, are refused before any worker."""
     model = make_model("llama", tmp_path / "untied")
     args = lora_args(data_dir, tmp_path / "run", model, **{"model.lora.target_modules": targets, "parallel.pp": 2})
-    done = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+    done = meshrun_in_process(["train", *args], tmp_path=tmp_path, check=False)
     assert done.returncode == 2, done.stderr
     fix = "name modules every block has (e.g. q_proj, v_proj), or set parallel.pp=1"
     line = f"model.lora.target_modules: {expect}, and under parallel.pp a stage with nothing to train cannot run; {fix}"
@@ -382,7 +492,7 @@ def test_an_adapter_tp_does_not_split_is_refused(data_dir: Path, tmp_path: Path)
     by vocabulary for the vocabulary-parallel loss) is refused before any worker."""
     model = make_model("llama", tmp_path / "untied")
     args = lora_args(data_dir, tmp_path / "run", model, **{"model.lora.target_modules": "[head]", "parallel.tp": 2})
-    done = run_meshrun(["train", *args], tmp_path=tmp_path, check=False)
+    done = meshrun_in_process(["train", *args], tmp_path=tmp_path, check=False)
     assert done.returncode == 2, done.stderr
     line = (
         "model.lora.target_modules names head, which parallel.tp splits as vocab_head: adapters are split with "
@@ -397,7 +507,9 @@ def test_a_model_lora_cannot_wrap_is_refused(model: str, data_dir: Path, tmp_pat
     """The built-in families are refused by the schema; GPT-2's Conv1D projections by preflight."""
     source = {"model.hf": make_model("gpt2", tmp_path / "gpt2")} if model == "gpt2" else {}
     lora = {"model.lora.target_modules": "[c_attn]" if model == "gpt2" else "[qkv]"}
-    done = run_meshrun(["train", *tiny(data_dir, tmp_path / "run", **source, **lora)], tmp_path=tmp_path, check=False)
+    done = meshrun_in_process(
+        ["train", *tiny(data_dir, tmp_path / "run", **source, **lora)], tmp_path=tmp_path, check=False
+    )
     assert done.returncode == 2, done.stderr
     expect = (
         "names blocks.0.attn.c_attn, a Conv1D: meshrun's LoRA adapts nn.Linear layers only"
@@ -417,7 +529,7 @@ def test_adapter_export_loads_in_peft(runs, llama_dir: Path, tmp_path: Path) -> 
     from meshrun.cli.use_checkpoint import load_full_model
 
     run, out = runs("dp2-pp2-1f1b"), tmp_path / "adapter"
-    run_meshrun(["export", str(run), "--adapter", str(out)], tmp_path=tmp_path)
+    meshrun_in_process(["export", str(run), "--adapter", str(out)], tmp_path=tmp_path)
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -441,7 +553,7 @@ def test_merged_export_loads_in_transformers(runs, llama_dir: Path, data_dir: Pa
     from meshrun.models.hf_export import export_hf
 
     run, out = runs("dp2-pp2-1f1b"), tmp_path / "merged"
-    done = run_meshrun(["export", str(run), "--hf", str(out), "--merge"], tmp_path=tmp_path)
+    done = meshrun_in_process(["export", str(run), "--hf", str(out), "--merge"], tmp_path=tmp_path)
     assert "as a Hugging Face model (the LoRA adapters merged into its weights)" in done.stdout
     merged, base, ours = load_reference(out).eval(), load_reference(llama_dir).eval(), load_full_model(run)[0]
     assert not any(".lora_" in name or "base_layer" in name for name, _ in merged.named_parameters())
@@ -454,23 +566,58 @@ def test_merged_export_loads_in_transformers(runs, llama_dir: Path, data_dir: Pa
         (["--hf", str(tmp_path / "hf")], "writes full weights with the adapters merged in: add --merge, or export"),
         (["--adapter", str(tmp_path / "a"), "--merge"], "--merge goes with --hf OUT_DIR"),
     ]:
-        done = run_meshrun(["export", str(run), *flags], tmp_path=tmp_path, check=False)
+        done = meshrun_in_process(["export", str(run), *flags], tmp_path=tmp_path, check=False)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and expect in done.stderr
     full = config_from_set_args(tiny(data_dir, "unused", **{"model.hf": llama_dir})).model
     with pytest.raises(ConfigError, match="this run trained every weight: drop --merge"):
         export_hf(build_model(full), full, tmp_path / "full", merge=True)
 
 
+def peft_counts(folder: Path) -> tuple[int, int]:
+    """(trainable, total) parameters by peft's own count over transformers' model with LORA's config."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    return get_peft_model(load_reference(folder), config).get_nb_trainable_parameters()
+
+
+def test_metrics_report_peft_counts_and_the_trainable_state(runs, llama_dir: Path, data_dir: Path) -> None:
+    """Every metrics row and summary.json give peft's trainable and total parameters and the largest
+    rank's trainable state (adapter params + grads + AdamW state): as the planner prices it in one
+    process; halved over FSDP2's dp2, while the frozen base is held whole on each rank, as
+    `meshrun plan` and --dry-run price it."""
+    from meshrun.parallel.materialise import build_stage
+    from meshrun.planner.layout_memory import rank_state_bytes
+    from meshrun.planner.stage_cost import state_bytes
+
+    trainable, total = peft_counts(llama_dir)
+    rows = {layout: [r for r in read_metrics(runs(layout)) if "loss" in r] for layout in ("one-process", "fsdp-dp2")}
+    for layout, logged in rows.items():
+        summary = json.loads((runs(layout) / "summary.json").read_text())
+        for row in (*logged, summary):
+            assert (row["trainable_params"], row["params"]) == (trainable, total), layout
+        assert summary["trainable_state_bytes"] == logged[-1]["trainable_state_bytes"]
+    one, fsdp = rows["one-process"][0], rows["fsdp-dp2"][0]
+    cfg = config_from_set_args(lora_args(data_dir, "unused", llama_dir))
+    params, grads, optimizer = state_bytes(build_stage(cfg, layers=None, first=True, last=True), cfg.train)
+    assert one["trainable_state_bytes"] == 2 * grads + optimizer and one["state_bytes"] == params + grads + optimizer
+    frozen = one["state_bytes"] - one["trainable_state_bytes"]
+    assert fsdp["state_bytes"] - fsdp["trainable_state_bytes"] == frozen, "the base is whole on every FSDP rank"
+    halved = one["trainable_state_bytes"] / 2  # but every rank keeps each AdamW step count (4 bytes)
+    assert fsdp["trainable_state_bytes"] == pytest.approx(halved, rel=3e-3)
+    planned = rank_state_bytes(config_from_set_args(lora_args(data_dir, "unused", llama_dir, **LAYOUTS["fsdp-dp2"])))
+    assert planned is not None and planned[0].params == frozen + grads // 2
+    assert fsdp["state_bytes"] == pytest.approx(planned[0].params + planned[0].grads + planned[0].optimizer, rel=1e-3)
+
+
 def test_dry_run_counts_what_peft_counts(llama_dir: Path, data_dir: Path, tmp_path: Path) -> None:
     """--dry-run's trainable and total parameters are peft's own count on transformers' model, and
     the tensors it says are loaded are the folder's (the adapters are drawn, not loaded)."""
-    from peft import LoraConfig, get_peft_model
     from safetensors import safe_open
 
     args = lora_args(data_dir, tmp_path / "run", llama_dir)
-    done = run_meshrun(["train", *args, "--dry-run"], tmp_path=tmp_path)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    trainable, total = get_peft_model(load_reference(llama_dir), config).get_nb_trainable_parameters()
+    done = meshrun_in_process(["train", *args, "--dry-run"], tmp_path=tmp_path)
+    trainable, total = peft_counts(llama_dir)
     with safe_open(str(llama_dir / "model.safetensors"), "pt") as f:
         num_tensors = len(list(f.keys()))
     line = f"{total:,} parameters ({trainable:,} trainable: the LoRA adapters); weights loaded from {llama_dir} "

@@ -51,9 +51,10 @@ def load_full_model(
 
 def adapters_on_base(cfg: Config, folder: Path, saved_base: object) -> nn.Module:
     """The whole model of an adapter-only checkpoint: the base read from its folder (refused unless
-    it holds the weights the adapters were trained on), the adapters from the checkpoint."""
-    from meshrun.models.families import build_model
+    it holds the weights the adapters were trained on) in the dtype training held it in
+    (model.lora.base_dtype, with the precision the run resolved), the adapters from the checkpoint."""
     from meshrun.models.lora import add_adapters, base_identity, check_same_base, is_adapter
+    from meshrun.parallel.materialise import meta_stage
 
     base = base_identity(cfg.model)
     if base is None or cfg.model.lora is None:
@@ -61,7 +62,7 @@ def adapters_on_base(cfg: Config, folder: Path, saved_base: object) -> nn.Module
             f"checkpoint {folder} holds LoRA adapters only, but its config names no base with weights"
         )
     check_same_base(folder, saved_base, base, fix="put back the folder they were trained on to use them")
-    model = build_model(cfg.model)
+    model = meta_stage(cfg, layers=None, first=True, last=True)
     model.to_empty(device="cpu")
     model.init_weights(cfg.train.seed)  # the folder's weights
     add_adapters(model, cfg.model.lora, seed=None)

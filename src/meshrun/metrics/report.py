@@ -200,4 +200,5 @@ def run_facts(cfg: Config, row: dict[str, Any]) -> dict[str, Any]:
     }
     if "bubble" in row:
         facts["bubble"] = row["bubble"]
+    facts.update({k: row[k] for k in ("trainable_params", "params", "trainable_state_bytes") if k in row})  # LoRA
     return facts

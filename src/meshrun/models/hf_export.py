@@ -61,7 +61,8 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out: Path, *, data: Path | Non
     }
     config = copy.deepcopy(model.hf_config)  # the model's is shared (load_hf_config caches it): not changed
     config.architectures = [model.hf_class_name]
-    config.dtype = torch.float32
+    dtypes = {tensor.dtype for tensor in state.values()}  # a LoRA base held as its folder stores it: merged so
+    config.dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     labels = (read_meta(data) or {}).get("labels") if data is not None and cfg.num_labels is not None else None
     if isinstance(labels, list) and len(labels) == config.num_labels:  # a classifier's: the data's label names
         config.id2label = {k: str(label) for k, label in enumerate(labels)}

@@ -181,6 +181,20 @@ def init_adapters(part: nn.Module, seed: int) -> None:
             param.zero_()
 
 
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of the whole `model` (meta is fine), counted as peft's
+    `get_nb_trainable_parameters` counts them: each parameter once (a tied matrix once)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def lora_row(counts: tuple[int, int], trainable_state_bytes: int) -> dict[str, int]:
+    """A LoRA run's figures in each metrics row beside `state_bytes` (and in summary.json):
+    `parameter_counts` and the largest rank's trainable state (the adapters' params + grads +
+    optimizer state, local shards)."""
+    return {"trainable_params": counts[0], "params": counts[1], "trainable_state_bytes": trainable_state_bytes}
+
+
 def flops_per_token(model: HFCausalLM, length: int) -> float:
     """Training FLOPs per token of a model with adapters on `length`-token samples: the model's own
     count (6 per matmul weight, adapters included, + attention) with every frozen weight at 4, not 6:

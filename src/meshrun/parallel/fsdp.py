@@ -5,6 +5,12 @@ with `torch.distributed.fsdp.fully_shard` over the data mesh (mesh.py's `data_me
 axis, or (dp_replicate, dp_shard) for hsdp). Parameters become DTensors sharded on dim 0; gradients and
 AdamW moments follow, so a rank holds 1/dp_shard of its stage's training state.
 
+Frozen parameters (model.lora's base) are left out (`ignored_params`): each rank holds them whole,
+as loaded, and FSDP neither gathers nor reduces them. They have no gradient to reduce and no
+optimizer state to shard, so sharding them would only buy memory (1/dp_shard of the base) at the
+price of an all-gather of the whole base per forward (and backward, when resharded): the traffic
+LoRA exists to avoid. The planner prices them whole on every rank (planner/memory.py).
+
 When gradients are reduced and parameters resharded:
 - pp = 1 (LocalModel): gradients reduce-scatter only after the last microbatch
   (`set_requires_gradient_sync`), as DDP's no_sync does: one reduction per step, not one per
@@ -64,12 +70,13 @@ def mixed_precision(par: ParallelConfig) -> MixedPrecisionPolicy:
 def wrap_fsdp(part: ProtocolModule, mesh: Mesh, par: ParallelConfig) -> nn.Module:
     """fully_shard every block (one all-gather per block: overlaps with the previous block's
     compute, and bounds what is gathered at once), then the stage root for the rest."""
+    frozen = {p for p in part.parameters() if not p.requires_grad}  # model.lora's base: the module docstring
     options = {
         "mesh": mesh.data_mesh,
         "reshard_after_forward": reshard_after_forward(par),
         "mp_policy": mixed_precision(par),
     }
-    options["ignored_params"] = wrap_experts(part, mesh, options)
+    options["ignored_params"] = wrap_experts(part, mesh, options) | frozen
     for block in part.blocks.values():
         fully_shard(block, **options)
         mark_collectives(block)
@@ -165,8 +172,9 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def measured_state_bytes(params: list[nn.Parameter], optimizers: Sequence[torch.optim.Optimizer]) -> int:
-    """Bytes this rank holds of parameters, their gradients and optimizer state (local shards)."""
+def measured_state_bytes(params: list[nn.Parameter], optimizers: Sequence[torch.optim.Optimizer]) -> tuple[int, int]:
+    """Bytes this rank holds of parameters, their gradients and optimizer state (local shards), and
+    of those the trainable parameters' (all but model.lora's frozen base, which has neither)."""
     total = 0
     for param in params:
         total += local(param.detach()).nbytes
@@ -175,7 +183,7 @@ def measured_state_bytes(params: list[nn.Parameter], optimizers: Sequence[torch.
     for optimizer in optimizers:
         for state in optimizer.state.values():
             total += sum(local(v).nbytes for v in state.values() if isinstance(v, torch.Tensor))
-    return total
+    return total, total - sum(local(p.detach()).nbytes for p in params if not p.requires_grad)
 
 
 def describe_data_parallel(cfg: Config) -> list[str]:

@@ -11,6 +11,7 @@ from meshrun.hardware.device import local_device, rank_memory_bytes
 from meshrun.hardware.precision import resolve_precision
 from meshrun.models.families import init_line
 from meshrun.models.hf_config import is_hf, load_hf_config
+from meshrun.models.lora import parameter_counts
 from meshrun.models.moe import inactive_params, sparse_mlps
 from meshrun.models.task_io import task_io
 from meshrun.parallel.stages import static_split
@@ -73,8 +74,7 @@ def describe_model(cfg: Config, model: nn.Module) -> list[str]:
         shape = (cfg.model.num_layers, cfg.model.dim, cfg.model.num_heads, cfg.model.vocab_size)
     layers, dim, heads, vocab = shape
     reads = task_io(cfg, vocab=vocab).reads  # the task's: a vocabulary, labels, or a series' features
-    params = sum(p.numel() for p in model.parameters())  # a tied matrix once
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # peft's count of trainable ones
+    trainable, params = parameter_counts(model)  # a tied matrix once; peft's count of trainable ones
     trained = f" ({trainable:,} trainable: the LoRA adapters)" if cfg.model.lora is not None else ""
     return [
         "model:",

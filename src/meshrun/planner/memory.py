@@ -4,8 +4,11 @@ its schedule keeps in flight at the worst moment of a step, the communication bu
 runtime's baseline (what a rank holds before any tensor of the model: a CPU process's resident
 torch, a GPU's CUDA context and NCCL buffers).
 
+FSDP shards only what trains: a frozen parameter (model.lora's base; its bytes are a stage's
+param_bytes less its grad_bytes) is held whole on every rank and never gathered (parallel/fsdp.py).
+
 Communication buffers: DDP's flat gradient buckets (a second copy of the gradients, dp > 1);
-FSDP's unsharded parameters while gathered (two blocks' worth, the one computing and the one
+FSDP's unsharded (trainable) parameters while gathered (two blocks' worth, the one computing and the one
 prefetched, when it reshards after forward; the whole stage when it does not, as under pp) and its
 unsharded gradients (the stage's while microbatches accumulate without reduction, else two
 blocks' being reduce-scattered).
@@ -97,7 +100,7 @@ def comm_buffers(held: list[StageProfile], *, dp: int, shard: int, regather: boo
         return 0
     if shard == 1:
         return grads
-    params = sum(s.param_bytes for s in held)
+    params = sum(s.grad_bytes for s in held)  # the trainable parameters' bytes: what FSDP gathers
     blocks = max(1, sum(s.blocks for s in held))
     unsharded = 1.0 - 1.0 / shard  # the part of a gathered tensor other ranks hold
     gathered = 2 * params / blocks if regather else params
@@ -119,11 +122,13 @@ def rank_memory(
     baseline: int = 0,
 ) -> RankMemory:
     """Memory of the rank at pp position `rank`, holding stages `local` (indices into `stages`), its
-    training state split over `shard` ranks (FSDP; FSDP's padding of dim 0 to a multiple is ignored)."""
+    training state split over `shard` ranks (FSDP; FSDP's padding of dim 0 to a multiple is ignored),
+    frozen parameters whole."""
     held = [stages[i] for i in local]
     activations, in_flight = in_flight_bytes(schedule, [s.activation_bytes for s in held], rank=rank, pp=pp, m=m)
+    frozen = sum(s.param_bytes - s.grad_bytes for s in held)  # a gradient per trainable parameter, in its dtype
     return RankMemory(
-        params=sum(s.param_bytes for s in held) // shard,
+        params=frozen + sum(s.grad_bytes for s in held) // shard,
         grads=sum(s.grad_bytes for s in held) // shard,
         optimizer=sum(s.optimizer_bytes for s in held) // shard,
         activations=activations,

@@ -20,7 +20,8 @@ class StepResult:
     tokens: int  # positions trained on: global batch x this batch's length (a length bucket is shorter)
     trained: int  # targets the loss counted (the global batch's non-IGNORE targets)
     skipped: bool  # fp16: the scaler found inf/NaN and backed off (fp32/bf16: see NonFiniteSteps)
-    state_bytes: int | None = None  # a segment's first step: params + grads + optimizer state on this rank
+    state_bytes: tuple[int, int] | None = None  # a segment's first step: params + grads + optimizer state on
+    # this rank, all and the trainable parameters' only (fsdp.measured_state_bytes)
     padding: int | None = None  # packed documents: positions holding no document token (None: not known)
     attention_length: int | None = None  # packed documents: the length whose attention costs what theirs does
 
@@ -55,4 +56,5 @@ class AcrossRanks:
     loss: float  # averaged over dp (it lives on the last stage)
     memory_gb: list[float]  # each rank's peak, by rank
     state_bytes: int  # the largest rank's params + grads + optimizer state
+    trainable_state_bytes: int  # the same, of the trainable parameters only (model.lora: the adapters)
     extra: list[list[float]]  # each rank's own further figures, by rank

@@ -24,6 +24,7 @@ from meshrun.metrics.meters import device_utilisation, mfu_note, peak_memory_gb,
 from meshrun.metrics.profiler import StepProfiler
 from meshrun.metrics.report import RunReport, run_facts
 from meshrun.models.families import flops_at
+from meshrun.models.lora import lora_row, parameter_counts
 from meshrun.models.moe import moe_layers
 from meshrun.models.moe_balance import aux_gradient, window_row
 from meshrun.models.protocol import ProtocolModule
@@ -91,7 +92,8 @@ class Trainer:
         self.flops_by_length: dict[int, float] = {}
         self.peak = peak_tflops(self.device, cfg.metrics.peak_tflops, cfg.precision)
         self.run_dir = Path(cfg.run_dir)
-        self.state_bytes = 0  # params + grads + optimizer state on this rank, measured at the first step
+        self.state_bytes = (0, 0)  # params + grads + optimizer state on this rank (all, trainable), at the first step
+        self.lora_params = parameter_counts(flops_model) if cfg.model.lora is not None else None
         self.nonfinite = NonFiniteSteps(self.device)
         self.start_step, self.newer_checkpoints = start_step, newer_checkpoints  # newer: never deleted
         self.report, self.requests, self.background, self.profiler = report, requests, background, profiler
@@ -356,7 +358,7 @@ class Trainer:
     def _across_ranks(self, loss: torch.Tensor, extra: tuple[float, ...] = ()) -> AcrossRanks:
         """`loss` averaged over the ranks that hold it (Layout.loss_ranks: the last stage's), with every
         rank's peak memory, training-state bytes and `extra`."""
-        own = [peak_memory_gb(self.device), self.state_bytes, *extra]
+        own = [peak_memory_gb(self.device), *self.state_bytes, *extra]
         mine = torch.cat([loss.double().reshape(1), torch.tensor(own, dtype=torch.float64, device=self.device)])
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         with time_split.section("wait"):  # at a log step (inside an evaluation: its time)
@@ -366,7 +368,8 @@ class Trainer:
             loss=sum(gathered[r][0].item() for r in counted) / len(counted),
             memory_gb=[g[1].item() for g in gathered],
             state_bytes=int(max(g[2].item() for g in gathered)),
-            extra=[g[3:].tolist() for g in gathered],
+            trainable_state_bytes=int(max(g[3].item() for g in gathered)),
+            extra=[g[4:].tolist() for g in gathered],
         )
 
     def flops_per_token(self, length: int) -> float:
@@ -402,6 +405,7 @@ class Trainer:
             **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.state.samples_seen).items()},
             "memory_gb": max(memory),
             "state_bytes": ranks.state_bytes,
+            **({} if self.lora_params is None else lora_row(self.lora_params, ranks.trainable_state_bytes)),
             **{
                 f"memory_gb/stage{s}": max(memory[r] for r in self.mesh.layout.ranks_of_pp_rank(s))
                 for s in range(self.mesh.size("pp"))
