@@ -39,6 +39,7 @@ from meshrun.hardware.precision import resolve_precision
 from meshrun.models.hf_config import hf_dir
 from meshrun.models.hf_weights import has_weights, stored_dtypes, weights_digest
 from meshrun.models.init import named_generator
+from meshrun.models.moe import sparse_mlps
 
 if TYPE_CHECKING:
     from meshrun.models.hf import HFCausalLM
@@ -205,6 +206,9 @@ def flops_per_token(model: HFCausalLM, length: int) -> float:
     )
     if model.tied:
         frozen += model.hf_config.vocab_size * model.hf_config.hidden_size
+    for mlp in sparse_mlps(model.blocks).values():  # MoE: a token runs through top_k of E experts only
+        share = 1 - mlp.gate.top_k / mlp.gate.num_experts
+        frozen -= share * sum(p.numel() for p in mlp.experts.parameters() if not p.requires_grad)
     return model.flops_per_token(length=length) - 2.0 * frozen
 
 
