@@ -18,6 +18,7 @@ test_context_attention.py.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -171,3 +172,31 @@ def test_compile_true_on_documents_is_refused_before_any_worker(documents_dir: P
     err = done.stderr.strip()
     assert done.returncode == 2 and err.count("\n") == 0, err
     assert "train.compile true compiles each block as one graph" in err and "set train.compile: auto" in err
+
+
+def test_sample_reads_a_cp2_checkpoint(rows, one_process: Path, tmp_path: Path) -> None:
+    """`meshrun sample` (one process) reads the cp2 run's checkpoint: the same text as the
+    one-process run's (weights within 1e-5 of each other, the same seed)."""
+    texts = [
+        meshrun_in_process(["sample", run, "--tokens", "12", "--seed", "3"], tmp_path=tmp_path).stdout.strip()
+        for run in (rows("cp2"), one_process)
+    ]
+    assert texts[0] and texts[0] == texts[1]
+
+
+LOW_PRECISION = {
+    p: {"parallel.cp": 2, "precision": p, "train.steps": 3, "checkpoint.interval": 0} for p in ("bf16", "fp16")
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("precision", list(LOW_PRECISION))
+def test_low_precision_under_cp_tracks_fp32(precision: str, data_dir: Path, reference, tmp_path: Path) -> None:
+    """bf16 autocast, and fp16 with its GradScaler, at cp2: step 1 within 1% of the fp32 reference
+    (half-precision matmuls carry 8 or 11 mantissa bits, ~0.4% or 0.05% a product; the loss, a mean
+    over every position, lands well inside 1%), every step finite, the run trains on."""
+    run = train(data_dir, tmp_path / "run", **LOW_PRECISION[precision])
+    ours = losses(run)
+    assert len(ours) == 3 and all(map(math.isfinite, ours))
+    assert ours[0] == pytest.approx(reference("cp2").losses[0], rel=1e-2)
+    assert ours[-1] < ours[0]
