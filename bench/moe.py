@@ -118,7 +118,7 @@ class Side:
         experts = [p for part in self.model.parts for name, p in part.named_parameters() if ".experts." in name]
         moments = [o.state[p] for o in self.optimizers for p in experts if p in o.state]
         return {
-            "state": measured_state_bytes(self.params, self.optimizers),
+            "state": measured_state_bytes(self.params, self.optimizers)[0],
             "experts": sum(p.nbytes + p.grad.nbytes for p in experts if p.grad is not None)
             + sum(t.nbytes for state in moments for t in state.values() if isinstance(t, torch.Tensor)),
         }
