@@ -5,6 +5,7 @@ against a real ep2 step: test_memory_model.py)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,13 @@ def test_dry_run_names_each_ep_ranks_experts_and_no_full_replicas(dp_mode: str) 
     text = describe_job(cfg, build_model(cfg.model))
     assert "ep rank 0: experts 0-1; ep rank 1: experts 2-3" in text
     assert "full replicas" not in text and "each stage's dense weights" in text
+
+    def state_mib(c: Config) -> float:
+        found = re.search(r"pipeline rank 0: per rank params .* = ([\d.]+) MiB", describe_job(c, build_model(c.model)))
+        assert found, "--dry-run prints each pipeline rank's state under ep too"
+        return float(found.group(1))
+
+    split, whole = state_mib(cfg), state_mib(_cfg(dp=4, ep=1, dp_mode=dp_mode))
+    # ddp: each ep rank holds half the experts; fsdp: the experts are sharded over all 4 dp ranks either
+    # way (rank_state_bytes against a real ep2 step: test_memory_model.py)
+    assert split < whole if dp_mode == "ddp" else split == whole

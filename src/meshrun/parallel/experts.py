@@ -193,5 +193,4 @@ def describe_expert_parallel(layout: Layout, model: nn.Module) -> list[str]:
             f"of each ep group ({', '.join(str(list(g)) for g in groups)} on pipeline rank 0; the other stages alike)"
         ),
         f"  {held}; tokens reach them by two all-to-alls per MoE layer forward, two backward",
-        "  per rank state: not estimated under parallel.ep yet (each run's metrics record what it holds: state_bytes)",
     ]

@@ -105,7 +105,7 @@ def describe_job(cfg: Config, model: nn.Module) -> str:
         f"  tokens per step {cfg.tokens_per_step} (seq_len {cfg.model.seq_len})",
     ]
     lines += describe_data_parallel(cfg) + describe_expert_parallel(cfg.layout, model)
-    states = (rank_state_bytes(cfg) or []) if cfg.parallel.ep == 1 else []  # none when the split is measured at start
+    states = rank_state_bytes(cfg) or []  # none when the split is measured at start
     lines += [
         f"  pipeline rank {r}: per rank params {_mib(s.params)} + grads {_mib(s.grads)} + "
         f"optimizer {_mib(s.optimizer)} = {_mib(s.params + s.grads + s.optimizer)}"
