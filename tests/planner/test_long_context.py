@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from measure_memory import layout_config
 
-from meshrun.planner.cost import Efficiency, Hardware, _ring
+from meshrun.planner.cost import Efficiency, Hardware, ring_s
 from meshrun.planner.long_context import HOST_GBS
 from meshrun.planner.search import candidates, meshes, predict, rank_layouts
 
@@ -64,7 +64,7 @@ def test_the_all_to_alls_are_priced_per_attention() -> None:
     for recompute, forwards in (("none", 4), ("full", 8)):
         cfg = layout_config(["parallel.cp=2", "train.global_batch=2", "train.micro_batch=2", f"recompute={recompute}"])
         time = predict(cfg, CPU, EFF, precision="fp32", margin=0.0).time
-        exchange = 4 * _ring(2 * 8 * 32 * 4, 2, CPU.intra_gbs, 1.0) + 4 * EFF.p2p_s
+        exchange = 4 * ring_s(2 * 8 * 32 * 4, 2, CPU.intra_gbs, 1.0) + 4 * EFF.p2p_s
         assert time.context == pytest.approx(forwards * (exchange + EFF.p2p_s) + 4 * exchange, rel=1e-9)
     assert (
         predict(

@@ -45,6 +45,11 @@ class Hardware:
     inter_gbs: float  # between nodes
     gpus_per_node: int
 
+    def link_gbs(self, span: int) -> float:
+        """The bandwidth of a collective over `span` neighbouring ranks: the node's link when they fit
+        in one node, else the link between nodes."""
+        return self.intra_gbs if span <= self.gpus_per_node else self.inter_gbs
+
 
 @dataclass(frozen=True)
 class Efficiency:
@@ -150,24 +155,24 @@ class DataParallel:
     regather: bool = False
 
 
-def _ring(nbytes: float, ranks: int, gbs: float, factor: float) -> float:
+def ring_s(nbytes: float, ranks: int, gbs: float, factor: float) -> float:
     """Seconds of a ring collective moving factor x (ranks - 1) / ranks of `nbytes` per rank."""
     return factor * (ranks - 1) / ranks * nbytes / (gbs * 1e9) if ranks > 1 else 0.0
 
 
 def data_parallel(
-    grad_bytes: int, param_bytes: int, units: int, dp: DataParallel, *, m: int, gbs: float
+    grad_bytes: float, param_bytes: float, units: int, dp: DataParallel, *, m: int, gbs: float
 ) -> tuple[float, int]:
     """One step's dp communication on a rank (bytes: its stages', unsharded): (seconds at the
     link's bandwidth, collectives)."""
     if dp.dp == 1:
         return 0.0, 0
     if dp.shard == 1:  # DDP: one all-reduce of the gradients in 25 MiB buckets (its default)
-        return _ring(grad_bytes, dp.dp, gbs, 2.0), math.ceil(grad_bytes / DDP_BUCKET_BYTES)
+        return ring_s(grad_bytes, dp.dp, gbs, 2.0), math.ceil(grad_bytes / DDP_BUCKET_BYTES)
     gathers = 2 * m if dp.regather else 1
     replicas = dp.dp // dp.shard
-    seconds = gathers * _ring(param_bytes, dp.shard, gbs, 1.0) + _ring(grad_bytes, dp.shard, gbs, 1.0)
-    seconds += _ring(grad_bytes / dp.shard, replicas, gbs, 2.0)  # HSDP: the shard's all-reduce over replicas
+    seconds = gathers * ring_s(param_bytes, dp.shard, gbs, 1.0) + ring_s(grad_bytes, dp.shard, gbs, 1.0)
+    seconds += ring_s(grad_bytes / dp.shard, replicas, gbs, 2.0)  # HSDP: the shard's all-reduce over replicas
     return seconds, (gathers + 1 + (replicas > 1)) * units  # a collective per block and the root
 
 
@@ -182,8 +187,8 @@ def tensor_parallel_s(
     messages = sum(4 * s.blocks + 2 * s.recomputed_blocks for s in held)
     hidden = max(s.hidden_bytes for s in held)
     if sequence_parallel:
-        return 2 * messages * (_ring(hidden, tp, gbs, 1.0) + eff.p2p_s)
-    return messages * (_ring(hidden, tp, gbs, 2.0) + eff.p2p_s)
+        return 2 * messages * (ring_s(hidden, tp, gbs, 1.0) + eff.p2p_s)
+    return messages * (ring_s(hidden, tp, gbs, 2.0) + eff.p2p_s)
 
 
 def rank_compute_s(
@@ -227,7 +232,7 @@ def step_time(
     pp, v = len(local), len(local[0])
     flops_per_s = eff.flops_per_s(hw)
     total_units = sum(s.units for s in stages)
-    tp_gbs = hw.intra_gbs if tp <= hw.gpus_per_node else hw.inter_gbs
+    tp_gbs = hw.link_gbs(tp)
     factor = eff.compute_factor(compiled)
     per_rank = [
         factor * rank_compute_s([stages[i] for i in held], total_units, tokens_per_microbatch, flops_per_s, eff)
@@ -243,8 +248,7 @@ def step_time(
         bubble = compute * measured_bubble / (1.0 - measured_bubble)
     else:
         bubble = bubble_slots(schedule, pp, v) * slowest
-    dp_gbs = hw.intra_gbs if dp.dp * tp <= hw.gpus_per_node else hw.inter_gbs
-    pp_gbs = hw.intra_gbs if world <= hw.gpus_per_node else hw.inter_gbs
+    dp_gbs, pp_gbs = hw.link_gbs(dp.dp * tp), hw.link_gbs(world)
     allreduce, dp_messages = max(
         data_parallel(
             sum(stages[i].grad_bytes for i in held),

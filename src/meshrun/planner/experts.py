@@ -33,7 +33,7 @@ from meshrun.parallel.expert_shards import EXPERT_WEIGHTS
 from meshrun.parallel.fsdp import reshard_after_forward
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.recompute import wants_recompute
-from meshrun.planner.cost import Efficiency, Hardware, _ring
+from meshrun.planner.cost import DataParallel, Efficiency, Hardware, data_parallel, ring_s
 from meshrun.planner.memory import RankMemory, comm_buffers
 from meshrun.planner.stage_profile import StageProfile
 
@@ -162,8 +162,7 @@ def with_experts(cfg: Config, memory: RankMemory, held: list[tuple[StageProfile,
 
 def _kept(cfg: Config, blocks: list[int]) -> list[MoELayer]:
     """The MoE layers among `blocks` whose tensors backward keeps (not recomputed)."""
-    layers = moe_layers(cfg)
-    return [layers[b] for b in blocks if b in layers and not wants_recompute(cfg.recompute, b)]
+    return _held(cfg, [b for b in blocks if not wants_recompute(cfg.recompute, b)])
 
 
 def expert_parallel_s(
@@ -175,8 +174,8 @@ def expert_parallel_s(
     if par.ep == 1:
         return 0.0
     span = par.ep * par.cp * par.tp  # the ep group: ep neighbouring dp ranks
-    gbs = hw.intra_gbs if span <= hw.gpus_per_node and hw.gpus_per_node % span == 0 else hw.inter_gbs
-    dp_gbs = hw.intra_gbs if par.dp * par.cp * par.tp <= hw.gpus_per_node else hw.inter_gbs
+    gbs = hw.link_gbs(span) if hw.gpus_per_node % span == 0 else hw.inter_gbs
+    dp_gbs = hw.link_gbs(par.dp * par.cp * par.tp)
     layers = moe_layers(cfg)
     per_rank = []
     for r in range(par.pp):
@@ -188,7 +187,7 @@ def expert_parallel_s(
                     continue
                 forwards = 1 + wants_recompute(cfg.recompute, block)
                 rows = layer.top_k * stages[s].hidden_bytes  # top_k x tokens x hidden, per microbatch
-                seconds += (2 * forwards + 2) * (_ring(rows, par.ep, gbs, 1.0) + eff.p2p_s) + forwards * eff.p2p_s
+                seconds += (2 * forwards + 2) * (ring_s(rows, par.ep, gbs, 1.0) + eff.p2p_s) + forwards * eff.p2p_s
         held = [layer for s in layout.stages_of(r) for layer in _held(cfg, split[s])]
         per_rank.append(cfg.accumulation_steps * seconds + _expert_sync_s(cfg, held, dp_gbs, eff))
     return max(per_rank)
@@ -202,10 +201,10 @@ def _expert_sync_s(cfg: Config, held: list[MoELayer], gbs: float, eff: Efficienc
     ep, ep_dp = cfg.parallel.ep, cfg.parallel.dp // cfg.parallel.ep
     params, grads = (sum(getattr(layer, f) for layer in held) / ep for f in ("param_bytes", "grad_bytes"))
     if not experts_sharded(cfg):
-        return _ring(grads, ep_dp, gbs, 2.0) + eff.p2p_s
-    gathers = 2 * cfg.accumulation_steps if reshard_after_forward(cfg.parallel) else 1
-    seconds = gathers * _ring(params, ep_dp, gbs, 1.0) + _ring(grads, ep_dp, gbs, 1.0)
-    return seconds + (gathers + 1) * len(held) * eff.shard_s
+        return ring_s(grads, ep_dp, gbs, 2.0) + eff.p2p_s
+    over = DataParallel(dp=ep_dp, shard=ep_dp, regather=reshard_after_forward(cfg.parallel))
+    seconds, collectives = data_parallel(grads, params, len(held), over, m=cfg.accumulation_steps, gbs=gbs)
+    return seconds + collectives * eff.shard_s
 
 
 def routing_note(cfg: Config) -> str | None:

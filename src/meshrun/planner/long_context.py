@@ -36,7 +36,7 @@ from meshrun.hardware.precision import DTYPES
 from meshrun.models.hf_config import is_hf, load_hf_config
 from meshrun.parallel.offload import wants_offload
 from meshrun.parallel.recompute import wants_recompute
-from meshrun.planner.cost import Efficiency, Hardware, _ring, rank_compute_s
+from meshrun.planner.cost import Efficiency, Hardware, rank_compute_s, ring_s
 from meshrun.planner.memory import RankMemory, in_flight_bytes
 from meshrun.planner.stage_profile import StageProfile
 
@@ -99,8 +99,8 @@ def context_s(cfg: Config, held: list[StageProfile], precision: str, *, hw: Hard
     if par.cp == 1:
         return 0.0
     q, kv = _attention_bytes(cfg, precision)
-    gbs = hw.intra_gbs if par.cp * par.tp <= hw.gpus_per_node else hw.inter_gbs
-    exchange = 2 * _ring(q, par.cp, gbs, 1.0) + 2 * _ring(kv, par.cp, gbs, 1.0) + 4 * eff.p2p_s
+    gbs = hw.link_gbs(par.cp * par.tp)
+    exchange = 2 * ring_s(q, par.cp, gbs, 1.0) + 2 * ring_s(kv, par.cp, gbs, 1.0) + 4 * eff.p2p_s
     forwards = sum(s.blocks + s.recomputed_blocks for s in held)
     return forwards * (exchange + eff.p2p_s) + sum(s.blocks for s in held) * exchange
 

@@ -255,13 +255,14 @@ def predict(
     stages = rank_stages(cfg, precision)
     if attention_length is not None:
         stages = priced_at_length(cfg, stages, attention_length)
-    stages, host = offload_stages(cfg, stages, layout_split(cfg), lambda c: rank_stages(c, precision))
+    split = layout_split(cfg)
+    stages, host = offload_stages(cfg, stages, split, lambda c: rank_stages(c, precision))
     local = [cfg.layout.stages_of(r) for r in range(par.pp)]
     m = cfg.accumulation_steps
     ranks = with_host(cfg, ranks_memory(cfg, stages, baseline=eff.runtime_bytes), host)
     worst = max(ranks, key=lambda rank: rank.total)
-    split = layout_split(cfg)
-    factor = eff.compute_factor(compiles(cfg, hw))
+    compiled = compiles(cfg, hw)
+    factor = eff.compute_factor(compiled)
     context, copies = long_context_s(cfg, stages, host, precision, hw=hw, eff=eff, compute_factor=factor)
     shard = cfg.layout.shard_degree if par.cp > 1 else cfg.layout.dp_shard  # FSDP over dp_shard x cp
     time = step_time(
@@ -277,7 +278,7 @@ def predict(
         eff=eff,
         log_interval=cfg.train.log_interval,
         measured_bubble=measured_bubble,
-        compiled=compiles(cfg, hw),
+        compiled=compiled,
         extra=[c + h for c, h in zip(context, copies)],
     )
     slowdown = eff.slowdown(min(cfg.world_size, hw.gpus_per_node))
