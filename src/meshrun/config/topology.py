@@ -258,6 +258,16 @@ def check_recovery(par: ParallelConfig, launch: LaunchConfig) -> None:
         )
 
 
+def refuse_peer_recovery(par: ParallelConfig, launch: LaunchConfig, command: str) -> None:
+    """launch.recovery peer needs a keeper for each worker (launcher/keeper.py), which only `meshrun
+    train`'s own torchrun launch starts so far (launcher/torchrun.py)."""
+    if peer_recovery(par, launch):
+        raise ConfigError(
+            f"launch.recovery peer runs under `meshrun train`'s own launch so far, not `{command}`; "
+            "use launch.recovery checkpoint"
+        )
+
+
 def check_profiled_ranks(par: ParallelConfig, ranks: Sequence[int]) -> None:
     """profile.ranks name ranks of this layout."""
     layout = Layout.of(par)

@@ -29,10 +29,9 @@ from typing import Any, Literal
 import yaml
 
 from meshrun.config.schema import Config
-from meshrun.config.topology import workers_per_node
+from meshrun.config.topology import refuse_peer_recovery, workers_per_node
 from meshrun.errors import ConfigError
 from meshrun.files.atomic import write_atomic
-from meshrun.launcher.keeper import refuse_peer_recovery
 from meshrun.launcher.outcome import STOPPED_EXIT_CODE
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -199,7 +198,7 @@ class JobShape:
 
 def check_options(cfg: Config, options: PodOptions) -> JobShape:
     """Every refusal of `meshrun k8s` that needs no model, one line each (ConfigError)."""
-    refuse_peer_recovery(cfg, "meshrun k8s")
+    refuse_peer_recovery(cfg.parallel, cfg.launch, "meshrun k8s")
     if not 1 <= options.nodes <= MAX_INDEXED_PODS:
         raise ConfigError(
             f"--nodes must be from 1 to {MAX_INDEXED_PODS:,} (Kubernetes' limit for an Indexed Job), got {options.nodes}"

@@ -22,32 +22,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
-from meshrun.config.topology import peer_recovery
-from meshrun.errors import ConfigError
 from meshrun.files.console import say
 from meshrun.launcher.lifetime import die_with_parent
 from meshrun.launcher.outcome import STOP_SIGNALS, status_text
-
-if TYPE_CHECKING:
-    from meshrun.config.schema import Config
 
 ROLE_ENV = "MESHRUN_WORKER_ROLE"  # FIRST, REPLACEMENT or SPARE
 FIRST, REPLACEMENT = "first", "replacement"  # the job's first worker for this rank; one started in a lost one's place
 LOST_AT_ENV = "MESHRUN_LOST_AT"  # a replacement's: when (time.time()) the worker it replaces was lost
 SPARE = "spare"  # started ahead: it waits, on its stdin, for its turn to be a replacement
 RELAYED = (*STOP_SIGNALS, signal.SIGINT)  # what the agent sends a worker reaches the training worker
-
-
-def refuse_peer_recovery(cfg: Config, command: str) -> None:
-    """launch.recovery peer needs a keeper for each worker, which only `meshrun train`'s own torchrun
-    launch starts so far (launcher/torchrun.py)."""
-    if peer_recovery(cfg.parallel, cfg.launch):
-        raise ConfigError(
-            f"launch.recovery peer runs under `meshrun train`'s own launch so far, not `{command}`; "
-            "use launch.recovery checkpoint"
-        )
 
 
 def keep(argv: Sequence[str], *, env: Mapping[str, str], replacements: int, spare: bool = False) -> int:

@@ -27,9 +27,8 @@ from importlib import resources
 from pathlib import Path
 
 from meshrun.config.schema import Config
-from meshrun.config.topology import workers_per_node
+from meshrun.config.topology import refuse_peer_recovery, workers_per_node
 from meshrun.errors import ConfigError
-from meshrun.launcher.keeper import refuse_peer_recovery
 
 # Where the generic script's own header ends and the job every script shares begins.
 BODY_MARKER = "# ---- the job: `meshrun slurm` scripts share everything below with this file ----\n"
@@ -119,7 +118,7 @@ def render_sbatch(
     `node_cpus`: the CPUs of the partition's smallest node (`partition_cpus`), which the one agent task
     per node asks for unless `cpus_per_task` says otherwise; unknown: one per worker. `mem`: sbatch's
     --mem (None: 0, all of each node's memory). The header says what was chosen and why (`chosen`)."""
-    refuse_peer_recovery(cfg, "meshrun slurm")
+    refuse_peer_recovery(cfg.parallel, cfg.launch, "meshrun slurm")
     world = cfg.world_size
     nproc = workers_per_node(cfg.parallel, nodes, named=f"--nodes {nodes}", change="--nodes")
     if gpus_per_node and gpus_per_node != nproc:
