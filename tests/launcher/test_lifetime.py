@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import descendants, kill_tree, run_meshrun, start_meshrun, tiny, wait_for
 
+from meshrun.launcher.lifetime import WORKER_NAME
 from meshrun.launcher.run_lock import hold_run_dir
 
 # Two workers under torchrun, far more steps than the test lasts, a row per step.
@@ -123,9 +124,14 @@ def test_a_killed_launchers_job_keeps_the_run_dir_until_every_process_has_ended(
 
 @pytest.mark.timeout(600)
 def test_workers_end_with_their_agent(data_dir: Path, tmp_path: Path) -> None:
-    """The launcher then says in one line what killed the agent, exit 128 + the signal (it
-    exited 247, Python's -9 as a byte, and said nothing)."""
+    """The workers are forked from the agent's preloaded server (meshrun.launcher.forked), which
+    ends with the agent as they do. The launcher then says in one line what killed the agent, exit
+    128 + the signal (it exited 247, Python's -9 as a byte, and said nothing)."""
     with running_job(data_dir, tmp_path / "run") as (proc, job, output):
+        named = [pid for pid in job if Path(f"/proc/{pid}/comm").read_text().startswith(WORKER_NAME)]
+        servers = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in named}
+        assert len(named) == 2 and len(servers) == 1, described(job)
+        assert b"meshrun.launcher.fork_server" in Path(f"/proc/{servers.pop()}/cmdline").read_bytes()
         os.kill(agent_of(job), signal.SIGKILL)
         wait_until_ended(job, timeout=120, what="the workers to end")
         assert proc.wait(timeout=60) == 128 + signal.SIGKILL

@@ -24,6 +24,7 @@ from conftest import (
 )
 
 from meshrun.checkpoint.paths import complete_checkpoints, step_of
+from meshrun.launcher.lifetime import WORKER_NAME
 from meshrun.launcher.run_lock import LOCK, hold_run_dir
 
 # Long enough that a signal sent after the first checkpoint (step 5) always lands mid-run: 35
@@ -35,19 +36,16 @@ LONG = {"train.steps": 2000}
 
 
 def workers(root_pid: int) -> dict[int, int]:
-    """rank -> pid of the training workers under a launcher process.
-
-    Only meshrun processes count: helpers a worker starts (wandb's service) inherit its RANK."""
+    """rank -> pid of the training workers under a launcher process, by their command name
+    (meshrun.launcher.lifetime.name_worker: a forked worker's command line is its fork server's)."""
     found = {}
     for pid in descendants(root_pid):
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        env = dict(kv.split("=", 1) for kv in environ if "=" in kv)
-        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env and b"meshrun" in cmdline:
-            found[int(env["RANK"])] = pid
+        if name.startswith(WORKER_NAME):
+            found[int(name.removeprefix(WORKER_NAME))] = pid
     return found
 
 

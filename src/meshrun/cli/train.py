@@ -14,7 +14,7 @@ from torch import nn
 from meshrun.config.schema import Config
 from meshrun.data.first_use import prepare_on_first_use
 from meshrun.launcher.hang import check_report_folder, clear_reports
-from meshrun.launcher.lifetime import die_with_parent
+from meshrun.launcher.lifetime import die_with_parent, name_worker
 from meshrun.launcher.local import already_complete, launch, launcher_job
 from meshrun.launcher.outcome import Interrupted
 from meshrun.launcher.run_lock import HELD_ENV, hold_run_dir, worker_job
@@ -29,6 +29,7 @@ def train(cfg: Config, worker_args: list[str], model: nn.Module) -> int:
     directory changes before the run is known to train (a complete run: nothing to do)."""
     if in_launched_worker():
         die_with_parent(signal.SIGKILL)  # the agent that started this worker is gone: so is the job
+        name_worker(int(os.environ.get("RANK", "0")))
         with worker_hold(cfg):
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 ensure_data(cfg)

@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.run import main
 
+from meshrun.launcher.forked import fork_meshrun_workers
 from meshrun.launcher.lifetime import die_with_parent
 from meshrun.launcher.logs import divert_agent_log
 from meshrun.launcher.outcome import status_text
@@ -26,6 +27,7 @@ from meshrun.launcher.torchrun import RDZV_TIMEOUT_EXIT
 def run_agent() -> None:
     die_with_parent(signal.SIGTERM)
     divert_agent_log()
+    fork_meshrun_workers()
     try:
         main()
     except SignalException as stop:

@@ -17,6 +17,8 @@ import sys
 
 PARENT_PID = "MESHRUN_PARENT_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PR_SET_NAME = 15
+WORKER_NAME = "meshrun-r"  # + the rank: a worker's command name (ps -o comm, top, /proc/PID/comm)
 
 
 def die_with_parent(sig: signal.Signals) -> None:
@@ -32,3 +34,10 @@ def die_with_parent(sig: signal.Signals) -> None:
     if os.getppid() != int(parent):  # it ended before the request above: no signal will come
         os.kill(os.getpid(), sig)
     os.environ[PARENT_PID] = str(os.getpid())
+
+
+def name_worker(rank: int) -> None:
+    """Name this process `meshrun-rRANK` for ps and top (Linux; 15 characters at most): a forked
+    worker's command line is its fork server's (meshrun.launcher.forked)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, f"{WORKER_NAME}{rank}".encode()[:15], 0, 0, 0)

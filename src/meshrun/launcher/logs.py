@@ -75,6 +75,7 @@ def divert_agent_log() -> None:
     folder = os.environ.get(LOGS_ENV)
     if folder is not None:
         divert("torch.distributed.elastic", Path(folder) / "torchrun.log")
+        divert("torch.multiprocessing", Path(folder) / "torchrun.log")  # "Terminating process" for forked workers
 
 
 def log_failure(run_dir: Path, rank: int, exc: BaseException, *, attempt: int) -> str:
