@@ -8,7 +8,8 @@ on the same batch of the built-in GPT (fp32, no recompute, each rank its T / cp 
 `shard_batch`). Per rank:
 
 - activations: the peak bytes autograd keeps for backward over one step (saved-tensor hooks, the
-  planner's count: planner/saved_bytes.py), and the planner's prediction of them;
+  planner's count: planner/saved_bytes.py) at cp1's longest seq_len (`--seq-len`: another), and
+  the planner's prediction of them;
 - step time: the median over the timed steps (after a warm-up step), and on the last the profiler's
   all-to-all time over the step's (gloo: copies through loopback, printed, no target);
 - longest sequence: found by real training steps. Under `--budget-mib` per rank, the longest
@@ -20,19 +21,21 @@ on the same batch of the built-in GPT (fp32, no recompute, each rank its T / cp 
   under the same budget is printed beside it.
 
 Why a budget of megabytes stands in for a device's gigabytes: every term of a rank's peak is a
-constant (the weights and their state, whole on each cp rank) or grows linearly with seq_len
-(activations, / cp; the learned position table, whole), so the longest length grows with the
-budget and the cp2 / cp1 ratio does not depend on it; the budget need only make the lengths long
-enough that one granule is a small error (> 30 granules) and the steps short enough for seconds.
+constant (the weights and their state, whole on each cp rank; cp2's DDP buckets) or grows linearly
+with seq_len (activations, / cp; the learned position table, whole), so the longest length grows
+with the budget and the cp2 / cp1 ratio tends to the ratio of the bytes per position once the
+constants are a small part of the budget, as in a device's gigabytes. The defaults keep them so
+(a small model, a batch of 8: 7% of 64 MiB), the lengths long enough that one granule is a small
+error (> 50 granules) and each step under a second or so.
 Transients outside autograd's saved tensors (a matmul's output before it is saved, the
 optimizer's temporaries) are not counted, on either side.
 
 Targets (issue 45): peak activations per rank cp2 / cp1 <= 0.6x; longest trainable sequence
 cp2 / cp1 >= 1.8x.
 
-    python bench/context.py                 # ~2 minutes on 2 busy cores: seq 2048, 4 timed steps, the search
-    python bench/context.py --seq-len 4096 --budget-mib 256
-    python bench/context.py --quick         # seconds: seq 64, a 1-layer d16 model, 2 steps
+    python bench/context.py                 # ~2 minutes on 2 busy cores: the searches, 4 timed steps
+    python bench/context.py --budget-mib 32 --steps 2
+    python bench/context.py --quick         # seconds: a 1-layer d16 model under 0.25 MiB, 2 steps
 """
 
 from __future__ import annotations
