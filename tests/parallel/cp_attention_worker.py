@@ -1,8 +1,8 @@
 """One torchrun worker of test_context_attention.py: a model's step-1 loss and gradients with its
 attention split by parallel/context.py over a cp group of 2, against the whole model on one rank.
 
-Models: the built-in GPT (learned positions), and each Hugging Face decoder cp supports besides
-Llama (tests/models/test_hf.py trains that one), built by transformers, saved and built from the
+Models: the built-in GPT (learned positions), and each Hugging Face decoder cp supports (Llama
+also trains 10 steps at cp2 in tests/models/test_hf.py), built by transformers, saved and built from the
 folder by meshrun as training builds it (rotary positions, grouped-query attention: 4 query and 2
 key/value heads, one of each a rank inside attention). Rows: plain text and a packed batch
 (documents crossing the chunk boundary), each with the real wrapper and the broken variant
@@ -40,7 +40,8 @@ SMALL = {  # tests/models/test_hf_families.py's tiny decoder
     "vocab_size": 64,
     "max_position_embeddings": 64,
 }
-HF_FAMILIES = {  # CP_HF_TYPES (config/context.py) but llama
+HF_FAMILIES = {  # CP_HF_TYPES (config/context.py)
+    "llama": {"model_type": "llama", **SMALL},
     "qwen2": {"model_type": "qwen2", **SMALL},
     "qwen3": {"model_type": "qwen3", **SMALL, "head_dim": 16},
     "mistral": {"model_type": "mistral", **SMALL, "sliding_window": 32},

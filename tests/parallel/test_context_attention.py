@@ -1,7 +1,7 @@
 """parallel/context.py's all-to-alls under real torchrun (2 ranks, gloo, fp32): the step-1 loss and
 gradients with attention split over cp 2 equal the whole model on one rank, on plain text and on
-packed documents that cross the chunk boundary, for the built-in GPT and the Hugging Face Qwen2,
-Qwen3, Mistral and OLMo 2 decoders (Llama: tests/models/test_hf.py trains it at cp2); broken
+packed documents that cross the chunk boundary, for the built-in GPT and the Hugging Face Llama,
+Qwen2, Qwen3, Mistral and OLMo 2 decoders (Llama also trains at cp2 in tests/models/test_hf.py); broken
 variants differ: positions counted from 0 on each rank (learned positions, and rotary ones in each
 Hugging Face family), the second all-to-all returning positions to the wrong rank (GPT). One
 launch (cp_attention_worker.py) for every row."""
@@ -36,7 +36,7 @@ def differences(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[floa
     return json.loads((tmp / "found.json").read_text())
 
 
-MODELS = ["", "qwen2-", "qwen3-", "mistral-", "olmo2-"]  # the built-in GPT, then the HF families
+MODELS = ["", "llama-", "qwen2-", "qwen3-", "mistral-", "olmo2-"]  # the built-in GPT, then the HF families
 
 
 @pytest.mark.parametrize("data", ["plain", "packed"])
