@@ -3,11 +3,16 @@
 Each row trains 10 clipped AdamW steps and logs every step's loss and pre-clip gradient norm as
 the independent plain-torch reference (plain_reference.py) computes them (1e-5 relative, step 1
 first); its weights after the last step equal the reference's (1e-5).
-- Plain text: cp2 (DDP over the cp ranks), fsdp dp2 x cp2 under full recompute, cp2 x pp2
-  (interleaved 1F1B).
+- Plain text: cp2 (DDP over the cp ranks), fsdp dp2 x cp2 under full recompute, cp2 x pp2 under
+  interleaved 1F1B, GPipe (blocks alternately recomputed and offloaded) and zero-bubble (DDP over
+  the cp pair with a split backward: parallel/pipeline.py averages its gradients).
 - Packed documents with per-document masks (prompt/completion documents, two a row, crossing the
-  cp chunk boundary; the reference runs each document alone): tp2 x cp2 under sequence parallel,
-  and the one 8-rank row, fsdp dp2 x cp2 x pp2 under ZBV (each backward split in two passes).
+  cp chunk boundary; the reference runs each document alone): cp2 x pp2 under looped BFS, tp2 x cp2
+  under sequence parallel, and the one 8-rank row, fsdp dp2 x cp2 x pp2 under ZBV (each backward
+  split in two passes).
+Every schedule runs under cp: 1F1B in tests/models/test_sft.py (Llama, packed conversations), the
+five others here; each new row of these was seen failing with the second all-to-all returning
+positions to the wrong rank, and with positions taken as local.
 The cp2 run's step-5 checkpoint resumed at dp2 ends where it does. Llama under cp is proven in
 tests/models/test_hf.py (plain text, cp2 resumed at cp1) and tests/models/test_sft.py (packed
 conversations, cp2 x pp2); the all-to-alls themselves, and two broken variants (positions taken
@@ -46,6 +51,24 @@ ROWS = {
     # 4 ranks: each stage's attention split over its cp pair (two stages a rank); positions travel
     # between the stages
     "cp2-pp2": {"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},
+    # 4 ranks, the other schedules of cp2 x pp2 (1F1B: tests/models/test_sft.py; ZBV: the 8-rank row):
+    # GPipe with its blocks alternately recomputed and offloaded (train.offload_activations beside
+    # recompute under cp), zero-bubble's split backward (weight gradients apart from DDP's hooks),
+    # looped BFS on packed documents
+    "cp2-pp2-gpipe": {
+        "parallel.cp": 2,
+        "parallel.pp": 2,
+        "parallel.schedule": "gpipe",
+        "recompute": "every:2",
+        "train.offload_activations": True,
+    },
+    "cp2-pp2-zero-bubble": {"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "zero-bubble"},
+    "cp2-pp2-looped-bfs-documents": {
+        **DOCUMENTS,
+        "parallel.cp": 2,
+        "parallel.pp": 2,
+        "parallel.schedule": "looped-bfs",
+    },
     # 4 ranks: heads split by tp, then by cp (4 heads: one a rank inside attention); sequence parallel
     # holds T / (cp x tp) positions a rank outside attention
     "tp2-sp-cp2-documents": {

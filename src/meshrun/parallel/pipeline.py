@@ -31,7 +31,7 @@ from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel import timeline
 from meshrun.parallel.loss_fn import LossFn
 from meshrun.parallel.mesh import Mesh
-from meshrun.parallel.stages import TORCH_SCHEDULE_NAMES, static_split
+from meshrun.parallel.stages import SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULE_NAMES, static_split
 from meshrun.parallel.tensor import tp_loss, vocab_parallel
 
 if TYPE_CHECKING:
@@ -69,7 +69,26 @@ def loss_of_step(output: torch.Tensor, target: torch.Tensor, *, loss: LossFn) ->
 class MarkedStage(PipelineStage):
     """A PipelineStage whose computations show up, named, in profiler traces, mark this worker's
     progress (the hang watchdog's: a slow pipeline step still moves action by action) and count as
-    compute in the time split (receiving their inputs, outside these, is waiting)."""
+    compute in the time split (receiving their inputs, outside these, is waiting).
+
+    `split_backward` (zero-bubble, zbv) with a DDP stage: the weight pass computes gradients apart
+    from DDP's hooks (pytorch #144530), so DDP would reduce only the first stage's (its weight pass
+    is a full backward). No backward reduces then; `perform_reduce_grad`, after the stage's last
+    backward, averages every gradient over DDP's group at once (the cp ranks; dp > 1 is refused).
+    """
+
+    def __init__(self, *args: Any, split_backward: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.averages_after_backward = split_backward and isinstance(self.submod, DistributedDataParallel)
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        last = last_backward and not self.averages_after_backward  # not last: under DDP's no_sync
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.averages_after_backward:
+            average_gradients(self.submod)  # pyright: ignore[reportArgumentType]
+        super().perform_reduce_grad(grad_scale_factor)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         progress.mark("forward", f"stage {self.stage_index} microbatch {fwd_chunk_id}")
@@ -94,6 +113,21 @@ class MarkedStage(PipelineStage):
         with timeline.action(self.stage_index, "W", bwd_chunk_id), time_split.section("compute"):
             super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
         done("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id} weights")
+
+
+def average_gradients(ddp: DistributedDataParallel) -> None:
+    """DDP's arithmetic by hand: every gradient of the module (those DDP ignores, split experts,
+    left to ExpertGradients) summed over its group in one all-reduce and divided by its size."""
+    ignored = ddp.parameters_to_ignore
+    grads = [p.grad for name, p in ddp.module.named_parameters() if p.grad is not None and name not in ignored]
+    if not grads:
+        return
+    time_split.gradients_ready()
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=ddp.process_group)
+    flat /= dist.get_world_size(ddp.process_group)
+    for grad, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(reduced.view_as(grad))
 
 
 def done(phase: str, action: str) -> None:
@@ -161,7 +195,14 @@ class PipelineModel:
         """
         if shapes not in self.schedules:
             stages = [
-                MarkedStage(module, index, self.plan.num_stages, self.device, group=self.pp_group)
+                MarkedStage(
+                    module,
+                    index,
+                    self.plan.num_stages,
+                    self.device,
+                    group=self.pp_group,
+                    split_backward=self.schedule_name in SPLIT_BACKWARD_SCHEDULES,
+                )
                 for module, index in zip(self.wrapped, self.plan.local_stages)
             ]
             self.schedules[shapes] = make_schedule(
