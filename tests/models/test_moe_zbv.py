@@ -1,7 +1,8 @@
 """transformers' Qwen3-MoE from a pretrained folder (each rank loading its stages and its experts only)
-at dp2 x pp2 x ep2 (fsdp) under the ZBV schedule (two stages a rank, a V; ddp refuses it) equals one process over 10
-clipped AdamW steps, and `export --hf` of that run writes the whole model (every expert, every
-layer) that transformers loads with meshrun's logits. One 4-rank launch."""
+at dp2 x pp2 x ep2 (fsdp; ddp refuses them) under the two schedules that split the backward, ZBV
+(two stages a rank, a V) and zero-bubble, equals one process over 10 clipped AdamW steps; `export
+--hf` of the ZBV run writes the whole model (every expert, every layer) that transformers loads
+with meshrun's logits, and `sample` reads it. Two 4-rank launches."""
 
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ from test_moe import MOE_FAMILIES, routing
 
 QWEN3_MOE = {**MOE_FAMILIES["qwen3_moe"], "num_hidden_layers": 4}  # a layer per ZBV stage; layer 1 dense
 SETTINGS = {"model.seq_len": 16, "train.steps": 10, "train.grad_clip": 0.5}
-ZBV = {"parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2, "parallel.schedule": "zbv", "parallel.dp_mode": "fsdp"}
+EP2_PP2 = {"parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mode": "fsdp"}
+SCHEDULES = ("zbv", "zero-bubble")  # the first stage's whole backward runs in its W action
 
 
 @pytest.fixture(scope="module")
 def runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The ZBV run (launched) and the one-process run (in this process) from the same folder."""
+    """The split-backward runs (launched) and the one-process run (in this process) from the same folder."""
     import transformers
 
     tmp = tmp_path_factory.mktemp("moe_zbv")
@@ -36,17 +38,20 @@ def runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "model")
     settings = {"model.hf": tmp / "model", **SETTINGS}
-    run_meshrun(["train", *tiny(data_dir, tmp / "zbv", **settings, **ZBV)], tmp_path=tmp, timeout=600)
+    for schedule in SCHEDULES:
+        run = tiny(data_dir, tmp / schedule, **settings, **EP2_PP2, **{"parallel.schedule": schedule})
+        run_meshrun(["train", *run], tmp_path=tmp, timeout=600)
     with in_process_trainer(data_dir, tmp / "one", **settings) as trainer:
         trainer.train()
-    return {"zbv": tmp / "zbv", "one": tmp / "one", "model": tmp / "model"}
+    return {name: tmp / name for name in (*SCHEDULES, "one", "model")}
 
 
 @pytest.mark.timeout(900)
-def test_zbv_with_expert_parallel_equals_one_process(runs: dict[str, Path]) -> None:
-    """Every step's loss, gradient norm and routing (tokens per expert per layer, the balance loss),
-    and the weights after 10 steps, equal one process's (1e-5)."""
-    zbv, one = runs["zbv"], runs["one"]
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_split_backward_schedules_with_expert_parallel_equal_one_process(runs: dict[str, Path], schedule: str) -> None:
+    """Every step's loss, gradient norm and routing (tokens per expert per layer, the balance loss:
+    the first stage's layers count too), and the weights after 10 steps, equal one process's (1e-5)."""
+    zbv, one = runs[schedule], runs["one"]
     assert len(losses(zbv)) == 10
     assert losses(zbv) == pytest.approx(losses(one), rel=1e-5)
     assert grad_norms(zbv) == pytest.approx(grad_norms(one), rel=1e-5)
@@ -58,7 +63,8 @@ def test_zbv_with_expert_parallel_equals_one_process(runs: dict[str, Path]) -> N
 @pytest.mark.timeout(900)
 def test_export_hf_of_an_ep2_pp2_run_loads_in_transformers(runs: dict[str, Path], tmp_path: Path) -> None:
     """The exported folder holds every layer's every expert (one tensor each, as save_pretrained
-    writes them) and transformers' model of it gives the logits of meshrun's whole trained model."""
+    writes them) and transformers' model of it gives the logits of meshrun's whole trained model;
+    `sample` generates from the run's checkpoint."""
     from hf_models import load_reference
     from safetensors import safe_open
 
@@ -77,3 +83,5 @@ def test_export_hf_of_an_ep2_pp2_run_loads_in_transformers(runs: dict[str, Path]
         assert (theirs(input_ids=tokens).logits - ours(tokens)).abs().max().item() < 1e-5
     trained = load_reference(runs["model"]).state_dict()["model.layers.3.mlp.experts.gate_up_proj"]
     assert not torch.equal(theirs.state_dict()["model.layers.3.mlp.experts.gate_up_proj"], trained)  # trained ones
+    text = meshrun_in_process(["sample", runs["zbv"], "--prompt", "ab", "--tokens", "5"], tmp_path=tmp_path).stdout
+    assert text.startswith("ab")
