@@ -377,3 +377,20 @@ def test_flops_count_only_the_experts_a_token_runs_through(lora: bool, data_dir:
             frozen, trained = (frozen + head, trained) if lora else (frozen, trained + head)
         attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * 16
         assert flops_at(model, 16) == pytest.approx(4 * frozen + 6 * trained + attention, rel=1e-9)
+
+
+def test_dry_run_states_active_and_total_parameters() -> None:
+    """--dry-run's MoE line: the sparse layers, and the parameters a token runs through (each expert
+    weight at top_k / E) of the total, counted here from the parameters' names."""
+    from meshrun.config.schema import validate
+    from meshrun.models.families import build_model
+    from meshrun.planner.dry_run import describe_job
+
+    cfg = validate({"model": {"hf_config": {"model_type": "qwen3_moe", **MOE_FAMILIES["qwen3_moe"]}, "seq_len": 16}})
+    model = build_model(cfg.model)
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    active = sum(p.numel() * (2 / 4 if ".experts." in n else 1) for n, p in params.items())
+    assert f"MoE: 2 layers (0, 2), 4 experts each, top 2: {active:,.0f} of the {total:,} parameters" in describe_job(
+        cfg, model
+    )
