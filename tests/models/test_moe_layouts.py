@@ -1,8 +1,9 @@
 """transformers' Qwen3-MoE from a pretrained folder (each rank loading its stages and its experts only)
-at dp2 x pp2 x ep2 (fsdp; ddp refuses them) under the two schedules that split the backward, ZBV
-(two stages a rank, a V) and zero-bubble, equals one process over 10 clipped AdamW steps; `export
---hf` of the ZBV run writes the whole model (every expert, every layer) that transformers loads
-with meshrun's logits, and `sample` reads it. Two 4-rank launches."""
+under parallel.ep equals one process over 10 clipped AdamW steps: at dp2 x pp2 x ep2 (fsdp; ddp
+refuses them) under the two schedules that split the backward, ZBV (two stages a rank, a V) and
+zero-bubble, and at dp4 x ep2 under hsdp (replicate 2 x shard 2). `export --hf` of the ZBV run writes
+the whole model (every expert, every layer) that transformers loads with meshrun's logits, and
+`sample` reads it. Three 4-rank launches."""
 
 from __future__ import annotations
 
@@ -25,12 +26,16 @@ from test_moe import MOE_FAMILIES, routing
 QWEN3_MOE = {**MOE_FAMILIES["qwen3_moe"], "num_hidden_layers": 4}  # a layer per ZBV stage; layer 1 dense
 SETTINGS = {"model.seq_len": 16, "train.steps": 10, "train.grad_clip": 0.5}
 EP2_PP2 = {"parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mode": "fsdp"}
-SCHEDULES = ("zbv", "zero-bubble")  # the first stage's whole backward runs in its W action
+LAYOUTS = {  # zbv, zero-bubble: the first stage's whole backward runs in its W action
+    "zbv": {**EP2_PP2, "parallel.schedule": "zbv"},
+    "zero-bubble": {**EP2_PP2, "parallel.schedule": "zero-bubble"},
+    "hsdp": {"parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2, "parallel.ep": 2},
+}
 
 
 @pytest.fixture(scope="module")
 def runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The split-backward runs (launched) and the one-process run (in this process) from the same folder."""
+    """The ep runs (launched) and the one-process run (in this process) from the same folder."""
     import transformers
 
     tmp = tmp_path_factory.mktemp("moe_zbv")
@@ -38,26 +43,25 @@ def runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "model")
     settings = {"model.hf": tmp / "model", **SETTINGS}
-    for schedule in SCHEDULES:
-        run = tiny(data_dir, tmp / schedule, **settings, **EP2_PP2, **{"parallel.schedule": schedule})
-        run_meshrun(["train", *run], tmp_path=tmp, timeout=600)
+    for name, layout in LAYOUTS.items():
+        run_meshrun(["train", *tiny(data_dir, tmp / name, **settings, **layout)], tmp_path=tmp, timeout=600)
     with in_process_trainer(data_dir, tmp / "one", **settings) as trainer:
         trainer.train()
-    return {name: tmp / name for name in (*SCHEDULES, "one", "model")}
+    return {name: tmp / name for name in (*LAYOUTS, "one", "model")}
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_split_backward_schedules_with_expert_parallel_equal_one_process(runs: dict[str, Path], schedule: str) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_parallel_layouts_equal_one_process(runs: dict[str, Path], layout: str) -> None:
     """Every step's loss, gradient norm and routing (tokens per expert per layer, the balance loss:
-    the first stage's layers count too), and the weights after 10 steps, equal one process's (1e-5)."""
-    zbv, one = runs[schedule], runs["one"]
-    assert len(losses(zbv)) == 10
-    assert losses(zbv) == pytest.approx(losses(one), rel=1e-5)
-    assert grad_norms(zbv) == pytest.approx(grad_norms(one), rel=1e-5)
-    assert routing(zbv)[0]["aux_loss"] > 0
-    assert all(a == pytest.approx(b, rel=1e-5) for a, b in zip(routing(zbv), routing(one), strict=True))
-    assert max_weight_diff(final_weights(zbv), final_weights(one)) < 1e-5
+    a split backward's first stage counts too), and the weights after 10 steps, equal one process's (1e-5)."""
+    split, one = runs[layout], runs["one"]
+    assert len(losses(split)) == 10
+    assert losses(split) == pytest.approx(losses(one), rel=1e-5)
+    assert grad_norms(split) == pytest.approx(grad_norms(one), rel=1e-5)
+    assert routing(split)[0]["aux_loss"] > 0
+    assert all(a == pytest.approx(b, rel=1e-5) for a, b in zip(routing(split), routing(one), strict=True))
+    assert max_weight_diff(final_weights(split), final_weights(one)) < 1e-5
 
 
 @pytest.mark.timeout(900)
