@@ -347,29 +347,50 @@ def test_hf_moe_pp2_equals_one_process(data_dir: Path, tmp_path: Path) -> None:
     assert max_weight_diff(final_weights(split), weights) < 1e-5
 
 
-def test_lora_flops_count_only_the_experts_a_token_runs_through(data_dir: Path, tmp_path: Path) -> None:
-    """LoRA on an MoE model (adapters on attention): the FLOPs per token behind MFU count each frozen
-    weight at 4 and each adapter at 6, the experts at top_k / E of their weights, + attention —
-    counted here from the parameters (not from lora.flops_per_token's arithmetic)."""
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_flops_count_only_the_experts_a_token_runs_through(lora: bool, data_dir: Path, tmp_path: Path) -> None:
+    """The FLOPs per token behind MFU count each trained weight at 6 (LoRA on attention: each frozen
+    weight at 4, each adapter at 6), the experts at top_k / E of their weights, + attention —
+    counted here from the parameters (not from flops_per_token's arithmetic)."""
     from meshrun.models.families import flops_at
 
     model_dir = make_moe("qwen3_moe", tmp_path / "model")
-    lora = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.target_modules": ["q_proj", "v_proj"]}
-    with in_process_trainer(data_dir, tmp_path / "run", **{"model.hf": model_dir, "model.seq_len": 16, **lora}) as t:
+    adapted = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.target_modules": ["q_proj", "v_proj"]}
+    settings = {"model.hf": model_dir, "model.seq_len": 16, **(adapted if lora else {})}
+    with in_process_trainer(data_dir, tmp_path / "run", **settings) as t:
         model = t.model.parts[0]
         config = model.hf_config
         share = config.num_experts_per_tok / config.num_experts
-        frozen = adapters = 0.0
+        frozen = trained = 0.0
         for name, p in model.named_parameters():
             if name.startswith("embed."):
                 continue  # a lookup, no matmul
             weight = p.numel() * (share if ".experts." in name else 1.0)
             if p.requires_grad:
-                adapters += weight
+                trained += weight
             else:
                 frozen += weight
-        assert adapters > 0 and any(".experts." in n for n, _ in model.named_parameters())
-        if model.tied:
-            frozen += config.vocab_size * config.hidden_size
+        assert trained > 0 and any(".experts." in n for n, _ in model.named_parameters())
+        assert (frozen > 0) == lora
+        if model.tied:  # the head reads the embedding's matrix, trained unless LoRA froze it
+            head = config.vocab_size * config.hidden_size
+            frozen, trained = (frozen + head, trained) if lora else (frozen, trained + head)
         attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * 16
-        assert flops_at(model, 16) == pytest.approx(4 * frozen + 6 * adapters + attention, rel=1e-9)
+        assert flops_at(model, 16) == pytest.approx(4 * frozen + 6 * trained + attention, rel=1e-9)
+
+
+def test_dry_run_states_active_and_total_parameters() -> None:
+    """--dry-run's MoE line: the sparse layers, and the parameters a token runs through (each expert
+    weight at top_k / E) of the total, counted here from the parameters' names."""
+    from meshrun.config.schema import validate
+    from meshrun.models.families import build_model
+    from meshrun.planner.dry_run import describe_job
+
+    cfg = validate({"model": {"hf_config": {"model_type": "qwen3_moe", **MOE_FAMILIES["qwen3_moe"]}, "seq_len": 16}})
+    model = build_model(cfg.model)
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    active = sum(p.numel() * (2 / 4 if ".experts." in n else 1) for n, p in params.items())
+    assert f"MoE: 2 layers (0, 2), 4 experts each, top 2: {active:,.0f} of the {total:,} parameters" in describe_job(
+        cfg, model
+    )

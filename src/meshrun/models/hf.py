@@ -43,10 +43,10 @@ from meshrun.models.hf_config import (
     check_fits,
     load_hf_config,
 )
-from meshrun.models.hf_moe import file_names, install_balance, per_expert, register_hf_experts
-from meshrun.models.hf_weights import check_shapes, load_weights, pretrained_folder
+from meshrun.models.hf_moe import as_stored, file_names, install_balance, register_hf_experts
+from meshrun.models.hf_weights import check_shapes, load_weights, pretrained_folder, weight_index
 from meshrun.models.init import seeded_normal_
-from meshrun.models.moe import inactive_params
+from meshrun.models.moe import expert_rows, held_experts, inactive_params, sparse_mlps
 from meshrun.models.protocol import StagedModel
 
 
@@ -278,16 +278,23 @@ class HFCausalLM(StagedModel):
         """Hugging Face keys for one of our tensor names (or a fused projection's, see `hf_tensors`), most likely first."""
         return file_names(self.layout.hf_names(name, tied=self.tied), self.hf_config.model_type)
 
-    def hf_tensors(self) -> dict[str, list[torch.Tensor]]:
+    def hf_tensors(self, stored: Path | None = None) -> dict[str, list[torch.Tensor]]:
         """Our tensors grouped as the Hugging Face files hold them, by our name: one tensor each,
-        but a fused projection's parts (their rows in order) under the fused module's name."""
+        but a fused projection's parts (their rows in order) under the fused module's name. MoE
+        experts: one tensor per expert (what save_pretrained writes), or, where the folder at
+        `stored` holds a layer's experts fused (transformers 5's 3-D names), as those tensors."""
         fused = {name for name, module in self.named_modules() if isinstance(module, FusedParts)}
         grouped: dict[str, list[torch.Tensor]] = {}
         for name, tensor in self.state_dict(keep_vars=True).items():
             module, _, param = name.rpartition(".")
             owner = module.rpartition(".")[0]
             grouped.setdefault(f"{owner}.{param}" if owner in fused else name, []).append(tensor)
-        return per_expert(grouped)  # MoE experts: one tensor per expert, as the files hold them
+        held = {
+            f"blocks.{layer}.mlp.experts": held_experts(mlp.experts) for layer, mlp in sparse_mlps(self.blocks).items()
+        }
+        index = weight_index(stored) if stored is not None and held else {}
+        fused_experts = {name for name in held if any(k in index for k in self.hf_names(f"{name}.gate_up_proj"))}
+        return as_stored(grouped, held, fused_experts)
 
     def pretrained_dir(self) -> Path | None:
         """The directory whose weights this model starts from, per `model.init`."""
@@ -300,8 +307,8 @@ class HFCausalLM(StagedModel):
             check_shapes(self.pretrained_tensors(path), self.hf_names, path)
 
     def pretrained_tensors(self, path: Path) -> dict[str, list[torch.Tensor]]:
-        """The tensors loaded from the folder at `path` (`hf_tensors`' grouping): all of them."""
-        return self.hf_tensors()
+        """The tensors loaded from the folder at `path` (`hf_tensors`' grouping as it stores them): all of them."""
+        return self.hf_tensors(path)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -318,7 +325,8 @@ class HFCausalLM(StagedModel):
             elif param.ndim == 1:
                 param.fill_(1.0)  # norm scales
             else:  # GPT-2 scales its residual output projections by depth, as transformers does
-                seeded_normal_(param, seed, name, std=depth_std if name.endswith("c_proj.weight") else std)
+                std_of = depth_std if name.endswith("c_proj.weight") else std
+                seeded_normal_(param, seed, name, std=std_of, rows=expert_rows(self, name))
 
     def flops_per_token(self, length: int | None = None) -> float:
         """Training FLOPs per token of `length`-token samples (default model.seq_len): 6 x matmul

@@ -84,7 +84,7 @@ class HFSequenceClassifier(HFCausalLM):
     def pretrained_tensors(self, path: Path) -> dict[str, list[torch.Tensor]]:
         """Everything from a *ForSequenceClassification folder; all but the head from a causal LM's."""
         fresh = self.fresh_weights()
-        return {name: parts for name, parts in self.hf_tensors().items() if name not in fresh}
+        return {name: parts for name, parts in self.hf_tensors(path).items() if name not in fresh}
 
     def fresh_weights(self) -> list[str]:
         """The tensors drawn from the seed although weights load: the score a causal-LM folder lacks."""

@@ -5,7 +5,11 @@ the model files hold them. No distributed code lives here.
 transformers 5 keeps a layer's experts as one module, `mlp.experts` (3-D `gate_up_proj` (E, 2 I, H),
 `down_proj` (E, H, I)), and its router as `mlp.gate` (returning logits, top-k weights, top-k
 experts); the files hold one tensor per expert (`experts.{e}.gate_proj.weight`, ...; Mixtral's
-`block_sparse_moe.experts.{e}.w1/w3/w2.weight`). A layer is sparse where transformers made it so
+`block_sparse_moe.experts.{e}.w1/w3/w2.weight`), which transformers' loading merges (its
+conversion_mapping: MergeModulelist, then gate and up concatenated), or, written from a transformers
+5 state dict, the 3-D tensors under the module's own names, which it loads as they are. A stage
+cut to one ep rank's experts (models/moe.HeldExperts) reads only those: its experts' own tensors,
+or their rows of a 3-D one (`safe_open(...).get_slice`). A layer is sparse where transformers made it so
 (Qwen's decoder_sparse_step and mlp_only_layers): whichever layers have `mlp.experts`.
 """
 
@@ -21,7 +25,8 @@ from torch import nn
 
 from meshrun.config.model_sections import HFSection
 from meshrun.errors import ConfigError
-from meshrun.models.moe import autocast_dtype, sparse_mlps
+from meshrun.models.hf_weights import elsewhere
+from meshrun.models.moe import HeldExperts, autocast_dtype, sparse_mlps
 from meshrun.models.moe_balance import Balance, RouterMeter
 
 HF_EXPERTS = "meshrun_grouped_mm"  # the experts implementation meshrun builds MoE families with
@@ -31,6 +36,7 @@ _MIXTRAL = (  # transformers 5's names -> Mixtral's files' names
     (re.compile(r"\.mlp\.experts\.(\d+)\.up_proj\."), r".block_sparse_moe.experts.\1.w3."),
     (re.compile(r"\.mlp\.experts\.(\d+)\.down_proj\."), r".block_sparse_moe.experts.\1.w2."),
     (re.compile(r"\.mlp\.gate\."), ".block_sparse_moe.gate."),
+    (re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$"), r".block_sparse_moe.experts.\1"),  # fused
 )
 
 
@@ -112,22 +118,34 @@ def install_balance(blocks: nn.ModuleDict, cfg: HFSection, config: Any) -> Balan
     return balance
 
 
-def per_expert(grouped: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
-    """`hf_tensors`' grouping with each 3-D experts tensor as the files hold it: one view per expert
-    and projection (`experts.{e}.gate_proj.weight` the first I rows of gate_up_proj[e], `up_proj`
-    the rest, `down_proj` down_proj[e]), so loading writes into the parameter and export writes the files' form."""
+def as_stored(
+    grouped: dict[str, list[torch.Tensor]], held: dict[str, HeldExperts], fused: set[str]
+) -> dict[str, list[torch.Tensor]]:
+    """`hf_tensors`' grouping with each experts module's 3-D tensors (by module name in `held`, with
+    the experts it holds) as the files hold them. Per expert (what save_pretrained writes): one view
+    per held expert and projection, named by its index in the layer (`experts.{e}.gate_proj.weight`
+    the first I rows of gate_up_proj[e], `up_proj` the rest, `down_proj` down_proj[e]), so loading
+    writes into the parameter, reads no other expert's tensors, and export writes the files' form.
+    A module in `fused` (the files hold its 3-D tensors): the parameter as the rows `first ..` of
+    the file tensor, the other experts' rows as meta placeholders, never read (hf_weights)."""
     out: dict[str, list[torch.Tensor]] = {}
     for name, parts in grouped.items():
         prefix, _, param = name.rpartition(".")
-        if not prefix.endswith("mlp.experts") or param not in ("gate_up_proj", "down_proj"):
+        if prefix not in held or param not in ("gate_up_proj", "down_proj"):
             out[name] = parts
             continue
         (tensor,) = parts
-        for e in range(tensor.shape[0]):
+        rows = held[prefix]
+        if prefix in fused:
+            before, after = rows.first, rows.total - rows.first - rows.count
+            out[name] = [elsewhere(before, tensor), tensor, elsewhere(after, tensor)]
+            continue
+        for local in range(tensor.shape[0]):
+            e = rows.first + local
             if param == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = [tensor[e]]
+                out[f"{prefix}.{e}.down_proj.weight"] = [tensor[local]]
             else:
-                gate, up = tensor[e].chunk(2, dim=0)
+                gate, up = tensor[local].chunk(2, dim=0)
                 out[f"{prefix}.{e}.gate_proj.weight"] = [gate]
                 out[f"{prefix}.{e}.up_proj.weight"] = [up]
     return out

@@ -2,7 +2,8 @@
 only the tensors its stage owns (safetensors maps the file; nothing else is loaded).
 
 A model hands its tensors grouped as the files hold them (`tensors`: our name -> the tensors whose
-rows, in order, make that file tensor: one, or a fused projection's parts) and names them with
+rows, in order, make that file tensor: one, or a fused projection's parts, or a rank's experts of a
+3-D experts tensor between meta placeholders for the rows other ranks hold) and names them with
 `hf_names(name)`: the Hugging Face keys to try, in order (a tied embedding may be stored as the
 input embedding or as lm_head; old GPT-2 files lack the `transformer.` prefix).
 """
@@ -14,6 +15,7 @@ import json
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -128,6 +130,21 @@ def _joined_shape(parts: list[torch.Tensor]) -> tuple[int, ...]:
     return (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
 
 
+def elsewhere(rows: int, like: torch.Tensor) -> torch.Tensor:
+    """A placeholder for `rows` rows of a file tensor this stage does not hold (another ep rank's
+    experts): on the meta device, so it has a shape and no bytes; loading skips it."""
+    return torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device="meta")
+
+
+def _checked_shape(f: Any, key: str, parts: list[torch.Tensor], file: Path, model_dir: Path) -> None:
+    shape, ours = tuple(f.get_slice(key).get_shape()), _joined_shape(parts)
+    if shape != ours:
+        raise ConfigError(
+            f"model.hf {model_dir}: tensor {key} in {file.name} has shape {list(shape)}, but config.json "
+            f"makes it {list(ours)}; the weights and config.json disagree"
+        )
+
+
 def check_shapes(tensors: Tensors, hf_names: Callable[[str], list[str]], model_dir: Path) -> None:
     """Every tensor the (meta) model needs exists in the files with the same shape; reads headers only."""
     from safetensors import safe_open
@@ -135,12 +152,7 @@ def check_shapes(tensors: Tensors, hf_names: Callable[[str], list[str]], model_d
     for file, entries in _by_file(tensors, hf_names, model_dir).items():
         with safe_open(file, "pt", device="cpu") as f:
             for key, parts in entries:
-                shape, ours = tuple(f.get_slice(key).get_shape()), _joined_shape(parts)
-                if shape != ours:
-                    raise ConfigError(
-                        f"model.hf {model_dir}: tensor {key} in {file.name} has shape {list(shape)}, but config.json "
-                        f"makes it {list(ours)}; the weights and config.json disagree"
-                    )
+                _checked_shape(f, key, parts, file, model_dir)
 
 
 STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # safetensors' names
@@ -162,14 +174,21 @@ def stored_dtypes(tensors: Tensors, hf_names: Callable[[str], list[str]], model_
 
 @torch.no_grad()
 def load_weights(tensors: Tensors, hf_names: Callable[[str], list[str]], model_dir: Path) -> None:
-    """Copy our tensors from the files, one file tensor at a time, a fused one split by rows into
-    its parts (cast to the parameter dtype)."""
+    """Copy our tensors from the files (cast to the parameter dtype), each from its own rows of its
+    file tensor (`get_slice`: a fused projection's parts, a rank's experts of a 3-D tensor), so no
+    other rows are read or allocated; the shape is checked against the header first. Meta parts
+    (`elsewhere`) are rows this stage does not hold: skipped."""
     from safetensors import safe_open
 
     for file, entries in _by_file(tensors, hf_names, model_dir).items():
         with safe_open(file, "pt", device="cpu") as f:
             for key, parts in entries:
-                stored = f.get_tensor(key)
-                rows = stored.split([p.shape[0] for p in parts]) if len(parts) > 1 else [stored]
-                for part, values in zip(parts, rows, strict=True):
-                    part.copy_(values)
+                _checked_shape(f, key, parts, file, model_dir)
+                if len(parts) == 1:
+                    parts[0].copy_(f.get_tensor(key))
+                    continue
+                start = 0
+                for part in parts:
+                    if not part.is_meta:
+                        part.copy_(f.get_slice(key)[start : start + part.shape[0]])
+                    start += part.shape[0]

@@ -17,10 +17,15 @@ def named_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
-def seeded_normal_(tensor: torch.Tensor, seed: int, name: str, *, std: float) -> None:
-    """Fill `tensor` from the (seed, parameter name) generator (`named_generator`)."""
-    values = torch.randn(tensor.shape, generator=named_generator(seed, name), dtype=torch.float32) * std
-    tensor.copy_(values)
+def seeded_normal_(
+    tensor: torch.Tensor, seed: int, name: str, *, std: float, rows: tuple[int, int] | None = None
+) -> None:
+    """Fill `tensor` from the (seed, parameter name) generator (`named_generator`). `rows` (first,
+    total): `tensor` holds rows first .. of a tensor of `total` rows (a rank's experts), drawn whole
+    (one tensor at a time) for the same values at every split."""
+    shape = tensor.shape if rows is None else (rows[1], *tensor.shape[1:])
+    values = torch.randn(shape, generator=named_generator(seed, name), dtype=torch.float32) * std
+    tensor.copy_(values if rows is None else values[rows[0] : rows[0] + tensor.shape[0]])
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ these alike. The router is `gate.weight` (E, H).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,6 +99,51 @@ class Experts(nn.Module):
         rows = expert_matmul(F.silu(gate) * up, self.down_proj, counts)  # (N k, H)
         rows = rows * top_k_weights.reshape(-1)[order, None].to(rows.dtype)
         return torch.zeros_like(hidden_states).index_add_(0, token, rows.to(hidden_states.dtype))
+
+
+@dataclass(frozen=True)
+class HeldExperts:
+    """The experts an experts module holds: `count` consecutive ones of the layer's `total`, from
+    `first`. parallel.ep cuts each stage to its rank's share on the meta device (`hold_experts`), so
+    materialising and loading the stage allocate and read only those."""
+
+    first: int
+    count: int
+    total: int
+
+    @classmethod
+    def of_rank(cls, total: int, rank: int, ranks: int) -> HeldExperts:
+        """Rank `rank` of `ranks`'s share: experts rank E/ranks .. (rank + 1) E/ranks - 1."""
+        count = total // ranks
+        return cls(first=rank * count, count=count, total=total)
+
+
+def held_experts(module: nn.Module) -> HeldExperts:
+    """What an experts module (3-D `gate_up_proj`, experts on dim 0) holds: its record, else all of them."""
+    total = int(module.get_parameter("gate_up_proj").shape[0])
+    return getattr(module, "held_experts", None) or HeldExperts(first=0, count=total, total=total)
+
+
+def hold_experts(module: nn.Module, held: HeldExperts) -> None:
+    """Keep only `held`'s experts of a whole experts module: on the meta device nothing is allocated
+    (a later `to_empty` makes just these); a real module's other experts are freed."""
+    for name in ("gate_up_proj", "down_proj"):
+        whole = module.get_parameter(name)
+        kept = whole.detach()[held.first : held.first + held.count].clone()
+        setattr(module, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
+    if hasattr(module, "num_experts"):
+        setattr(module, "num_experts", held.count)  # noqa: B010 transformers' forwards count their experts from it
+    setattr(module, "held_experts", held)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors and modules)
+
+
+def expert_rows(model: nn.Module, name: str) -> tuple[int, int] | None:
+    """(first, total) of the experts parameter `name` of `model` when its module holds a share of
+    the layer's experts (`hold_experts`); None for any other parameter or whole experts."""
+    owner, _, param = name.rpartition(".")
+    if param not in ("gate_up_proj", "down_proj"):
+        return None
+    held = getattr(model.get_submodule(owner), "held_experts", None)
+    return None if held is None or held.count == held.total else (held.first, held.total)
 
 
 class Router(nn.Module):
@@ -206,14 +252,16 @@ class MoEGPT(GPT):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """GPT's init, then the routers and experts from their own (seed, name) streams: normal(0.02),
-        the down projections depth-scaled as GPT's residual projections."""
+        the down projections depth-scaled as GPT's residual projections (a rank's share of the
+        experts: its rows of the whole layer's draw)."""
         super().init_weights(seed)
         depth_std = 0.02 / (2 * self.cfg.num_layers) ** 0.5
         for name, param in self.named_parameters():
-            if name.endswith(("mlp.gate.weight", "experts.gate_up_proj")):
+            if name.endswith("mlp.gate.weight"):
                 seeded_normal_(param, seed, name, std=0.02)
-            elif name.endswith("experts.down_proj"):
-                seeded_normal_(param, seed, name, std=depth_std)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                std = 0.02 if name.endswith("gate_up_proj") else depth_std
+                seeded_normal_(param, seed, name, std=std, rows=expert_rows(self, name))
 
     def flops_per_token(self, length: int | None = None) -> float:
         """GPT's count with only the active experts' weights: each MoE layer's experts count top_k / E

@@ -40,6 +40,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor
 
 from meshrun.errors import ConfigError
+from meshrun.models.moe import HeldExperts, held_experts, hold_experts
 from meshrun.parallel.expert_shards import EXPERT_WEIGHTS, ExpertShard, experts_modules
 
 if TYPE_CHECKING:
@@ -67,26 +68,20 @@ def check_experts_split(model: nn.Module, ep: int) -> None:
 
 
 def shard_experts(part: nn.Module, mesh: Mesh) -> None:
-    """Keep this ep rank's experts of every experts module of `part` (materialised whole, so their
-    values do not depend on the layout) and route its forward over the ep group; nothing at ep 1."""
+    """Route the forward of every experts module of `part` over the ep group; nothing at ep 1. A
+    stage holds this ep rank's experts since its meta build (materialise.hold_rank_experts: only
+    those are made and loaded); a module built whole (a test's block) is cut to them here."""
     ep = mesh.size("ep")
     if ep == 1:
         return
     for _, module in experts_modules(part):
-        total = module.get_parameter("gate_up_proj").shape[0]
+        held = held_experts(module)
+        if held.count == held.total:
+            held = HeldExperts.of_rank(held.total, mesh.coordinates.ep, ep)
+            hold_experts(module, held)
         shard = ExpertShard(
-            first=mesh.coordinates.ep * (total // ep),
-            count=total // ep,
-            total=total,
-            mesh=mesh.view("ep"),
-            grid=mesh.view("ep_dp", "ep"),
+            first=held.first, count=held.count, total=held.total, mesh=mesh.view("ep"), grid=mesh.view("ep_dp", "ep")
         )
-        for name in EXPERT_WEIGHTS:
-            whole = module.get_parameter(name)
-            kept = whole.detach()[shard.first : shard.first + shard.count].clone()
-            setattr(module, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
-        if hasattr(module, "num_experts"):
-            setattr(module, "num_experts", shard.count)  # noqa: B010 transformers' forwards count their experts from it
         setattr(module, "expert_shard", shard)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors and modules)
         module.forward = functools.partial(routed_forward, module.forward, shard=shard)
 

@@ -140,7 +140,10 @@ timed_allreduce.__annotations__ = typing.get_type_hints(timed_allreduce)
 
 def local_part(cfg: Config, mesh: Mesh, *, layers: list[int] | None, first: bool, last: bool) -> ProtocolModule:
     """Steps 1-5d for one stage (layers=None: the whole model)."""
-    part = materialise_part(cfg, mesh.device, layers=layers, first=first, last=last, tp_mesh=mesh.view("tp"))
+    ep_rank = (mesh.coordinates.ep, mesh.size("ep"))  # its experts only: made and loaded as such
+    part = materialise_part(
+        cfg, mesh.device, layers=layers, first=first, last=last, tp_mesh=mesh.view("tp"), ep_rank=ep_rank
+    )
     shard_experts(part, mesh)
     return compiled(apply_context_parallel(part, mesh), mesh, cfg)
 

@@ -109,8 +109,14 @@ class MarkedStage(PipelineStage):
         done("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id}")
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        """The weight half of a split backward (zero-bubble, ZBV). The first stage's input needs no
+        gradient, so torch runs its whole backward here: its MoE layers' routing counts here."""
         progress.mark("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id} weights")
-        with timeline.action(self.stage_index, "W", bwd_chunk_id), time_split.section("compute"):
+        with (
+            timeline.action(self.stage_index, "W", bwd_chunk_id),
+            time_split.section("compute"),
+            routing_recorded(self.is_first),
+        ):
             super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
         done("backward", f"stage {self.stage_index} microbatch {bwd_chunk_id} weights")
 
