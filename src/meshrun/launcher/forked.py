@@ -8,13 +8,15 @@ torchrun's agent starts a function entrypoint with a multiprocessing start metho
 that preloaded the modules named here. The worker's environment, exit status, signals and
 console are as a `python -u -m meshrun ...` worker's: torchrun sets each rank's environment in the
 child and watches it as it watches a subprocess. Any other command (the peer-recovery keeper, a
-command a user gave torchrun by hand) starts as torchrun starts it.
+command a user gave torchrun by hand), and every worker where the temporary folder's path is too
+long for the server's socket, starts as torchrun starts it.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,10 @@ import torch.distributed.run as torchrun_module
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 MESHRUN_WORKER = ("-u", "-m", "meshrun")  # how torchrun's `-m meshrun ARGS` reaches elastic_launch
+# The server listens on a Unix socket in the temporary folder: TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX
+# must fit a socket's 107 characters; a longer TMPDIR (a scheduler's per-job folder) starts workers
+# as processes, as torchrun does
+LONGEST_TMPDIR = 107 - len("/pymp-12345678/listener-12345678")
 TRACKER_WARNING = "resource_tracker"  # its warnings start so ("-W" splits at colons)
 PRELOAD = ["meshrun.launcher.fork_server"]  # the server's lifetime, then what every worker imports
 
@@ -42,7 +48,8 @@ def forking_launch(config: LaunchConfig, entrypoint: Callable | str | None) -> C
     workers forked from the preloaded server."""
 
     def launch(*args: str) -> Any:
-        if entrypoint != sys.executable or tuple(args[: len(MESHRUN_WORKER)]) != MESHRUN_WORKER:
+        meshrun = entrypoint == sys.executable and tuple(args[: len(MESHRUN_WORKER)]) == MESHRUN_WORKER
+        if not meshrun or len(tempfile.gettempdir()) > LONGEST_TMPDIR:
             return elastic_launch(config, entrypoint)(*args)
         config.start_method = "forkserver"
         multiprocessing.set_forkserver_preload(PRELOAD)
