@@ -179,7 +179,7 @@ def sparse_layers(num_layers: int, every: int) -> list[int]:
 
 
 class MoEGPT(GPT):
-    """GPT with MoE MLPs in the blocks `sparse_every` names. No tensor-parallel plan (tp > 1 refused)."""
+    """GPT with MoE MLPs in the blocks `sparse_every` names."""
 
     def __init__(self, cfg: GPTSection) -> None:
         super().__init__(cfg)
@@ -191,9 +191,18 @@ class MoEGPT(GPT):
         for i in self.moe_layers:
             self.blocks[str(i)].mlp = MoEMLP(cfg, i, self.balance)
 
-    def tp_plan(self) -> None:  # type: ignore[override]
-        """None: the experts have no tensor-parallel split (parallel.tp > 1 is refused)."""
-        return None
+    def tp_plan(self) -> dict[str, str]:
+        """GPT's split for attention, the embedding, the head and the dense blocks' MLPs; each MoE
+        MLP whole on every tp rank (`moe_block`: router and experts plain tensors, the experts split
+        by parallel.ep over dp ranks instead)."""
+        plan = super().tp_plan()
+        mlp = {key: style for key, style in plan.items() if key.startswith("blocks.*.mlp")}
+        dense = [i for i in range(self.cfg.num_layers) if i not in self.moe_layers]
+        return {
+            **{key: style for key, style in plan.items() if key not in mlp},
+            **{key.replace("*", str(i)): style for i in dense for key, style in mlp.items()},
+            **{f"blocks.{i}.mlp": "moe_block" for i in self.moe_layers},
+        }
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> object:
         """GPT's forward; the microbatch form's balance loss rides on what the blocks return (one stage)."""
