@@ -84,3 +84,18 @@ def test_expert_parallel_training_equals_one_process(runs: dict[str, Path], name
     routed, expected = routing(runs[name]), routing(reference)
     assert len(routed) == STEPS and all(row == pytest.approx(want, rel=1e-5) for row, want in zip(routed, expected))
     assert max_weight_diff(final_weights(runs[name]), final_weights(reference)) < 1e-5
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", ["tp2_ep2", "hf_tp2_sp_ep2"])
+def test_planned_state_under_tp_equals_the_measured(runs: dict[str, Path], name: str) -> None:
+    """--dry-run's and `meshrun plan`'s state per rank (planner/layout_memory.rank_state_bytes: the MoE
+    blocks whole on each tp rank, their experts split over ep) is the largest rank's measured params,
+    gradients and optimizer state after its first step (ddp rows: under fsdp the plan divides AdamW's
+    4-byte step counts by the shard degree too, planner/memory.py)."""
+    from meshrun.config.schema import Config
+    from meshrun.planner.layout_memory import rank_state_bytes
+
+    cfg = Config.model_validate_json((runs[name] / "config.json").read_text())
+    (planned,) = rank_state_bytes(cfg) or []
+    assert planned.params + planned.grads + planned.optimizer == read_metrics(runs[name])[0]["state_bytes"]
