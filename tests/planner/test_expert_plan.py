@@ -102,4 +102,7 @@ def test_tp_keeps_each_moe_block_whole() -> None:
     assert params[1, 1] - params[2, 1] == params[1, 2] - params[2, 2] > 0
     cfg = _cfg(dp=2, tp=2, ep=2, sequence_parallel=True)
     text = describe_job(cfg, build_model(cfg.model))
-    assert "tp 2: each MoE block whole on every rank of a tp group (the whole sequence gathered first)" in text
+    assert (
+        "tp 2: each MoE block whole on every rank of a tp group (the whole sequence gathered first); each tp rank routes"
+        in text
+    )

@@ -192,20 +192,17 @@ def describe_expert_parallel(layout: Layout, model: nn.Module) -> list[str]:
     count = total // layout.ep
     groups = sorted({tuple(layout.group_ranks(r, "ep")) for r in layout.ranks_of_pp_rank(0)})
     held = "; ".join(f"ep rank {e}: experts {e * count}-{(e + 1) * count - 1}" for e in range(layout.ep))
-    whole = "the whole sequence gathered first" if layout.sequence_parallel else "the same tokens"
-    over_tp = (
-        [
-            f"  tp {layout.tp}: each MoE block whole on every rank of a tp group ({whole}), each tp rank in its own ep groups"
-        ]
-        if layout.tp > 1
-        else []
-    )
-    return [
+    lines = [
         "expert parallel:",
         (
             f"  ep {layout.ep} x ep_dp {layout.size('ep_dp')}: each MoE layer's {total} experts split over the ranks "
             f"of each ep group ({', '.join(str(list(g)) for g in groups)} on pipeline rank 0; the other stages alike)"
         ),
         f"  {held}; tokens reach them by two all-to-alls per MoE layer forward, two backward",
-        *over_tp,
     ]
+    if layout.tp > 1:  # parallel/tp_styles.py's moe_block
+        whole = "the whole sequence gathered first" if layout.sequence_parallel else "the same tokens"
+        lines.append(
+            f"  tp {layout.tp}: each MoE block whole on every rank of a tp group ({whole}); each tp rank routes through its own ep groups"
+        )
+    return lines

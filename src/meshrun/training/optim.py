@@ -107,8 +107,9 @@ def clip_global_norm(
     """The gradients' global norm over every stage, and clipped to `max_norm` (0: not clipped).
     `counted`: the parameters whose gradients the norm counts (a tied matrix's two copies once);
     dp replicas already agree after DDP's all-reduce, fsdp and tp shards are summed over their
-    meshes (fsdp.full_norm, one mesh at a time: the plain tensors of a MoE block under tp, equal on
-    every tp rank, count once beside them), pipeline stages over `pp_group` (None: one stage). `split_squared`:
+    meshes (fsdp.full_norm, one mesh at a time: under tp a MoE block's tensors, equal on every tp rank,
+    are plain or on the dp mesh alone, and count once beside tp's), pipeline stages over `pp_group`
+    (None: one stage). `split_squared`:
     the squared norm of gradients not in `counted`, already summed over the ranks that split them
     (parallel.experts: the experts over ep)."""
     grads = [p.grad for p in counted if p.grad is not None]
