@@ -106,3 +106,25 @@ def test_tp_keeps_each_moe_block_whole() -> None:
         "tp 2: each MoE block whole on every rank of a tp group (the whole sequence gathered first); each tp rank routes"
         in text
     )
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp_prices_a_moe_block_without_the_mlps_collectives(sequence_parallel: bool) -> None:
+    """A MoE block's MLP runs no tp collective (with sequence parallel: one all-gather each way, where a
+    dense MLP runs two each way): its tp time is attention's alone, half a dense block's (3/4 under
+    sequence parallel), a recomputed block's forward alike."""
+    import dataclasses
+
+    from meshrun.planner.cost import tensor_parallel_s
+    from meshrun.planner.stage_cost import profile_stages
+
+    for recompute in ("none", "full"):
+        cfg = _cfg(dp=2, tp=2, ep=2, sequence_parallel=sequence_parallel).model_copy(update={"recompute": recompute})
+        (stage,) = profile_stages(cfg, [[0, 1, 2, 3]], 2, "fp32")
+        assert (stage.moe_blocks, stage.recomputed_moe_blocks) == (4, stage.recomputed_blocks)
+        dense = dataclasses.replace(stage, moe_blocks=0, recomputed_moe_blocks=0)
+        priced = [
+            tensor_parallel_s([s], 2, gbs=100.0, eff=Efficiency(p2p_s=1e-5), sequence_parallel=sequence_parallel)
+            for s in (stage, dense)
+        ]
+        assert priced[0] == pytest.approx(priced[1] * (0.75 if sequence_parallel else 0.5), rel=1e-12)
