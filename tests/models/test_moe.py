@@ -107,7 +107,6 @@ def test_export_hf_loads_in_transformers_with_equal_logits(family: str, tmp_path
     [
         ({"moe": {"num_experts": 4, "top_k": 5}}, {}, "model.moe.top_k (5) exceeds model.moe.num_experts (4)"),
         ({"moe": {"aux_loss": "microbatch"}}, {"pp": 2}, "model.moe.aux_loss microbatch pools every MoE layer"),
-        ({"moe": {}}, {"tp": 2, "dp": 1}, "the built-in gpt's MoE experts have no tensor-parallel plan"),
         ({"hf_config": {"model_type": "llama", **TINY}, "moe": {}}, {}, "has no MoE layers; remove model.moe"),
         (
             {"hf_config": {"model_type": "mixtral", **TINY, "num_local_experts": 2, "num_experts_per_tok": 3}},

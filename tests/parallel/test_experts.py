@@ -120,7 +120,7 @@ def test_ep_borrows_the_innermost_dp_ranks() -> None:
     ("parallel", "message"),
     [
         ({"dp": 4, "ep": 3}, "parallel.ep (3) must divide parallel.dp (4)"),
-        ({"dp": 2, "ep": 2, "tp": 2}, "parallel.ep with parallel.tp > 1 is not built yet"),
+        ({"dp": 2, "ep": 2, "cp": 2}, "parallel.ep and parallel.cp cannot both split yet: set one of them to 1"),
     ],
 )
 def test_ep_settings_are_checked(parallel: dict, message: str) -> None:

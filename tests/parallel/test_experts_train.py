@@ -1,9 +1,11 @@
 """`meshrun train` with parallel.ep equals one process over 10 clipped AdamW steps (fp32): losses,
 gradient norms, routing (tokens per expert, the balance loss) and final weights. Rows: transformers'
-Qwen3-MoE at dp2 x ep2 under DDP; the built-in MoE gpt at dp2 x pp2 x ep2 (fsdp, 1F1B, recompute;
-ep_dp 1: experts all-reduced) and, in the one 8-rank launch, dp4 x pp2 x ep2 (fsdp, interleaved
-1F1B: experts sharded over ep_dp 2); their step-5 checkpoints resumed as one process (ep2 x pp2 ->
-ep1 x pp1) and at dp4 (ep1, ddp)."""
+Qwen3-MoE at dp2 x ep2 under DDP and at dp2 x tp2 (sequence parallel) x ep2; the built-in MoE gpt at
+dp2 x pp2 x ep2 (fsdp, 1F1B, recompute; ep_dp 1: experts all-reduced), at dp2 x tp2 x ep2 (ddp: FSDP2
+keeps the dense replicas, the MoE blocks whole on each tp rank) and dp2 x tp2 (sequence parallel) x
+ep2 (fsdp) and, in the one 8-rank launch, dp4 x pp2 x ep2 (fsdp, interleaved 1F1B: experts sharded
+over ep_dp 2); step-5 checkpoints resumed as one process (ep2 x pp2 -> ep1 x pp1, tp2 x ep2 -> 1)
+and at dp4 (ep1, ddp)."""
 
 from __future__ import annotations
 
@@ -25,14 +27,23 @@ QWEN3_MOE = {  # transformers' tiny Qwen3-MoE: 4 experts, top 2, both layers spa
 EP2 = {"parallel.dp": 2, "parallel.ep": 2}
 PP2_FSDP = {"parallel.pp": 2, "parallel.dp_mode": "fsdp"}
 DP4 = {"parallel.dp": 4, "train.micro_batch": 1}  # 2 microbatches a rank: the pipeline's least
+TP2_SP = {"parallel.tp": 2, "parallel.sequence_parallel": True}  # the MoE blocks gather the whole sequence
 LAYOUTS = {
     "one": BUILT_IN,
     "pp2_ep2": {**BUILT_IN, **EP2, **PP2_FSDP, "recompute": "full"},
     "dp4_pp2_ep2": {**BUILT_IN, **DP4, **PP2_FSDP, "parallel.ep": 2, "parallel.schedule": "interleaved-1f1b"},
+    "tp2_ep2": {**BUILT_IN, **EP2, "parallel.tp": 2},
+    "tp2_sp_ep2": {**BUILT_IN, **EP2, **TP2_SP, "parallel.dp_mode": "fsdp"},
     "hf_one": {},
     "hf_ddp_ep2": EP2,
+    "hf_tp2_sp_ep2": {**EP2, **TP2_SP},
 }
-RESUMED = {"resumed_one": ("pp2_ep2", BUILT_IN), "resumed_dp4": ("dp4_pp2_ep2", {**BUILT_IN, **DP4})}
+RESUMED = {
+    "resumed_one": ("pp2_ep2", BUILT_IN),
+    "resumed_dp4": ("dp4_pp2_ep2", {**BUILT_IN, **DP4}),
+    "resumed_tp_one": ("tp2_ep2", BUILT_IN),
+}
+ROWS = ["hf_ddp_ep2", "hf_tp2_sp_ep2", "pp2_ep2", "dp4_pp2_ep2", "tp2_ep2", "tp2_sp_ep2", *RESUMED]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +74,7 @@ def routing(run_dir: Path) -> list[dict[str, float]]:
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("name", ["hf_ddp_ep2", "pp2_ep2", "dp4_pp2_ep2", "resumed_one", "resumed_dp4"])
+@pytest.mark.parametrize("name", ROWS)
 def test_expert_parallel_training_equals_one_process(runs: dict[str, Path], name: str) -> None:
     """Every step (a resumed run's metrics hold its source's steps to 5, then its own)."""
     reference = runs["hf_one" if name.startswith("hf") else "one"]
@@ -73,3 +84,18 @@ def test_expert_parallel_training_equals_one_process(runs: dict[str, Path], name
     routed, expected = routing(runs[name]), routing(reference)
     assert len(routed) == STEPS and all(row == pytest.approx(want, rel=1e-5) for row, want in zip(routed, expected))
     assert max_weight_diff(final_weights(runs[name]), final_weights(reference)) < 1e-5
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", ["tp2_ep2", "hf_tp2_sp_ep2"])
+def test_planned_state_under_tp_equals_the_measured(runs: dict[str, Path], name: str) -> None:
+    """--dry-run's and `meshrun plan`'s state per rank (planner/layout_memory.rank_state_bytes: the MoE
+    blocks whole on each tp rank, their experts split over ep) is the largest rank's measured params,
+    gradients and optimizer state after its first step (ddp rows: under fsdp the plan divides AdamW's
+    4-byte step counts by the shard degree too, planner/memory.py)."""
+    from meshrun.config.schema import Config
+    from meshrun.planner.layout_memory import rank_state_bytes
+
+    cfg = Config.model_validate_json((runs[name] / "config.json").read_text())
+    (planned,) = rank_state_bytes(cfg) or []
+    assert planned.params + planned.grads + planned.optimizer == read_metrics(runs[name])[0]["state_bytes"]

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshrun.config.model_sections import EncDecSection, GPTSection
+from meshrun.config.model_sections import EncDecSection, GPTSection, MoESection
 from meshrun.models.families import build_model
 from meshrun.models.gpt import GPT
 from meshrun.models.protocol import tp_plan
@@ -117,6 +117,7 @@ def probes() -> dict[str, nn.Module]:
         "keyword": keyword,
         "keyword-lora": adapted,
         "made-up": made_up,
+        "moe-gpt": build_model(GPTSection(**TINY, moe=MoESection(num_experts=2, top_k=1))),  # moe_block
     }
 
 
@@ -187,6 +188,8 @@ def _applied(meta_model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool
     model = copy.deepcopy(meta_model)
     model.to_empty(device="cpu")
     torch.manual_seed(0)  # the same values on every rank
+    for param in model.parameters():  # where no reset_parameters sets them (a MoE block's router and experts)
+        torch.nn.init.normal_(param.detach(), std=0.02)
     for module in model.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()

@@ -35,8 +35,9 @@ def test_plan_enumerates_ep_and_says_it_assumes_balanced_routing(data_dir: Path,
     args = tiny(data_dir, tmp_path / "run", **{f"model.moe.{k}": v for k, v in MOE.items()})
     done = meshrun_in_process(["plan", *args, "--gpus", "4", "--gpu", "h100", "--top", "200"], tmp_path=tmp_path)
     assert "planned with balanced routing" in done.stdout
-    modes = {line.split()[3] for line in done.stdout.splitlines() if line[:3].strip().isdigit()}
-    assert {"ddp", "ddp+ep2", "ddp+ep4", "fsdp+ep4"} <= modes, modes
+    rows = [line.split() for line in done.stdout.splitlines() if line[:3].strip().isdigit()]
+    assert {"ddp", "ddp+ep2", "ddp+ep4", "fsdp+ep4"} <= {row[3] for row in rows}, rows
+    assert {("2", "ddp+ep2"), ("2", "fsdp+ep2")} <= {(row[1], row[3]) for row in rows}  # tp x ep (dp 2 x tp 2)
 
 
 def test_experts_state_is_split_and_all_to_alls_priced() -> None:
@@ -85,3 +86,45 @@ def test_dry_run_names_each_ep_ranks_experts_and_no_full_replicas(dp_mode: str) 
     # ddp: each ep rank holds half the experts; fsdp: the experts are sharded over all 4 dp ranks either
     # way (rank_state_bytes against a real ep2 step: test_memory_model.py)
     assert split < whole if dp_mode == "ddp" else split == whole
+
+
+def test_tp_keeps_each_moe_block_whole() -> None:
+    """Under tp the MoE blocks are whole on every tp rank (parallel/tp_styles.py's moe_block): tp halves
+    the dense weights alone, ep the experts alone, each the same with or without the other (the state
+    against real tp2 x ep2 steps: tests/parallel/test_experts_train.py); --dry-run says so."""
+    from meshrun.planner.dry_run import describe_job
+
+    params = {
+        (tp, ep): layout_memory(_cfg(dp=2, tp=tp, ep=ep), "fp32").ranks[0].params for tp in (1, 2) for ep in (1, 2)
+    }
+    experts = 4 * (4 * (2 * 64 * 32 + 32 * 64)) * 4  # 4 layers of 4 experts, fp32
+    assert params[1, 1] - params[1, 2] == params[2, 1] - params[2, 2] == experts // 2
+    assert params[1, 1] - params[2, 1] == params[1, 2] - params[2, 2] > 0
+    cfg = _cfg(dp=2, tp=2, ep=2, sequence_parallel=True)
+    text = describe_job(cfg, build_model(cfg.model))
+    assert (
+        "tp 2: each MoE block whole on every rank of a tp group (the whole sequence gathered first); each tp rank routes"
+        in text
+    )
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp_prices_a_moe_block_without_the_mlps_collectives(sequence_parallel: bool) -> None:
+    """A MoE block's MLP runs no tp collective (with sequence parallel: one all-gather each way, where a
+    dense MLP runs two each way): its tp time is attention's alone, half a dense block's (3/4 under
+    sequence parallel), a recomputed block's forward alike."""
+    import dataclasses
+
+    from meshrun.planner.cost import tensor_parallel_s
+    from meshrun.planner.stage_cost import profile_stages
+
+    for recompute in ("none", "full"):
+        cfg = _cfg(dp=2, tp=2, ep=2, sequence_parallel=sequence_parallel).model_copy(update={"recompute": recompute})
+        (stage,) = profile_stages(cfg, [[0, 1, 2, 3]], 2, "fp32")
+        assert (stage.moe_blocks, stage.recomputed_moe_blocks) == (4, stage.recomputed_blocks)
+        dense = dataclasses.replace(stage, moe_blocks=0, recomputed_moe_blocks=0)
+        priced = [
+            tensor_parallel_s([s], 2, gbs=100.0, eff=Efficiency(p2p_s=1e-5), sequence_parallel=sequence_parallel)
+            for s in (stage, dense)
+        ]
+        assert priced[0] == pytest.approx(priced[1] * (0.75 if sequence_parallel else 0.5), rel=1e-12)

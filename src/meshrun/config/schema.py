@@ -356,12 +356,8 @@ class Config(Section):
     @model_validator(mode="after")
     def _moe_layout(self) -> Config:
         """model.moe.aux_loss microbatch pools every MoE layer of a microbatch: parallel.pp 1 (one stage holds
-        them all); the built-in MoE gpt has no tensor-parallel plan: parallel.tp 1."""
+        them all)."""
         moe = getattr(self.model, "moe", None)
-        if isinstance(self.model, GPTSection) and moe is not None and self.parallel.tp > 1:
-            raise ConfigError(
-                f"parallel.tp {self.parallel.tp}: the built-in gpt's MoE experts have no tensor-parallel plan; set parallel.tp=1"
-            )
         if moe is not None and moe.aux_loss == "microbatch" and self.parallel.pp > 1:
             raise ConfigError(
                 f"model.moe.aux_loss microbatch pools every MoE layer of a microbatch, which parallel.pp {self.parallel.pp} "

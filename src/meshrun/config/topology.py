@@ -78,14 +78,12 @@ class ParallelConfig(Section):
 
     @model_validator(mode="after")
     def _ep_borrows_dp(self) -> ParallelConfig:
-        """parallel.ep divides parallel.dp (the ranks it borrows) and runs with tp 1."""
+        """parallel.ep divides parallel.dp (the ranks it borrows; under tp > 1 the MoE blocks stay whole on every tp rank)."""
         if self.dp % self.ep:
             raise ValueError(
                 f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp}): the experts are split over dp ranks; "
                 f"set parallel.ep to a divisor of {self.dp}"
             )
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError("parallel.ep with parallel.tp > 1 is not built yet: set parallel.tp=1 or parallel.ep=1")
         return self
 
     @model_validator(mode="after")

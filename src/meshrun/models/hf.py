@@ -46,7 +46,7 @@ from meshrun.models.hf_config import (
 from meshrun.models.hf_moe import as_stored, file_names, install_balance, register_hf_experts
 from meshrun.models.hf_weights import check_shapes, load_weights, pretrained_folder, weight_index
 from meshrun.models.init import seeded_normal_
-from meshrun.models.moe import expert_rows, held_experts, inactive_params, sparse_mlps
+from meshrun.models.moe import expert_rows, held_experts, inactive_params, sparse_mlps, with_moe_blocks
 from meshrun.models.protocol import StagedModel
 
 
@@ -176,10 +176,11 @@ class HFCausalLM(StagedModel):
         down by rows, the vocabulary in embedding and head. Qwen3's q/k norms run per head on this
         rank's heads; OLMo 2's normalise the whole projected width, so q and k are gathered for
         them and they hand on this rank's heads. Under sequence parallel the RMSNorms run on a
-        rank's positions, attention and the MLP gather the whole sequence. None for GPT-2's fused
+        rank's positions, attention and the MLP gather the whole sequence. A MoE family's sparse
+        MLPs stay whole on every tp rank (models/moe.with_moe_blocks). None for GPT-2's fused
         Conv1D (refused before spawn)."""
         model_type = self.hf_config.model_type
-        if model_type in FUSED_PROJECTIONS or model_type in MOE_TYPES:
+        if model_type in FUSED_PROJECTIONS:
             return None
         whole_width = model_type in QK_NORMS and QK_NORMS[model_type] == "whole_width"
         attn, mlp = "blocks.*.self_attn.", "blocks.*.mlp."
@@ -202,7 +203,7 @@ class HFCausalLM(StagedModel):
         }
         if model_type in QK_NORMS:
             plan |= {f"{attn}{name}_norm": "sliced_output" if whole_width else "per_head" for name in "qk"}
-        return plan
+        return with_moe_blocks(plan, self.blocks) if model_type in MOE_TYPES else plan
 
     def tp_local(self, tp: int) -> None:
         """This stage runs as one of `tp` ranks: Phi-3's attention slices its q, k, v output by the

@@ -91,8 +91,8 @@ FUSED_PARTS = ("phi3",)
 """Model types whose fused projections (Phi-3's qkv_proj, gate_up_proj) meshrun holds as their
 parts at every tp (models/hf.py's FusedParts), so a column split of each part keeps whole heads."""
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-"""Model types with Mixture-of-Experts layers (models/hf_moe.py): no tensor-parallel plan for their experts."""
-QK_NORMS = {"qwen3": "per_head", "olmo2": "whole_width"}
+"""Model types with Mixture-of-Experts layers (models/hf_moe.py): under tp their sparse MLPs stay whole."""
+QK_NORMS = {"qwen3": "per_head", "olmo2": "whole_width", "qwen3_moe": "per_head", "olmoe": "whole_width"}
 """Model types with q_norm / k_norm, and what they normalise: each head, or the whole projected width."""
 TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them makes a tokenizer
 TOKENIZER_FILES = (  # what export copies into a Hugging Face folder, and transformers reads
@@ -236,10 +236,6 @@ def tp_splits(cfg: HFSection, tp: int) -> dict[str, int]:
     if config.model_type in ENCODER_TYPES:
         raise ConfigError(
             f"parallel.tp {tp}: meshrun has no tensor-parallel plan for {config.model_type}; set parallel.tp=1"
-        )
-    if config.model_type in MOE_TYPES:
-        raise ConfigError(
-            f"parallel.tp {tp}: meshrun has no tensor-parallel plan for {config.model_type}'s experts; set parallel.tp=1"
         )
     if config.model_type in FUSED_PROJECTIONS:
         works = sorted(set(LAYOUT_OF) - set(FUSED_PROJECTIONS))

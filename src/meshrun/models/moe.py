@@ -198,6 +198,21 @@ def sparse_mlps(blocks: nn.ModuleDict) -> dict[int, Any]:
     return {layer: mlp for layer, mlp in mlps.items() if hasattr(mlp, "experts") and hasattr(mlp, "gate")}
 
 
+def with_moe_blocks(plan: dict[str, str], blocks: nn.ModuleDict) -> dict[str, str]:
+    """A dense model's tp plan for a model with MoE MLPs among `blocks` (`blocks.*.mlp` its MLPs):
+    the dense blocks' MLPs split as `plan` says, each MoE MLP whole on every tp rank (style
+    `moe_block`: router, experts and a shared expert plain tensors; parallel.ep splits the experts
+    over dp ranks instead). Attention, the embedding and the head as `plan` says."""
+    mlp = {key: style for key, style in plan.items() if key.startswith("blocks.*.mlp")}
+    sparse = sparse_mlps(blocks)
+    dense = [key for key in blocks if int(key) not in sparse]
+    return {
+        **{key: style for key, style in plan.items() if key not in mlp},
+        **{key.replace("*", i, 1): style for i in dense for key, style in mlp.items()},
+        **{f"blocks.{i}.mlp": "moe_block" for i in sparse},
+    }
+
+
 def moe_layers(blocks: nn.ModuleDict) -> dict[int, int]:
     """Layer index -> its experts, for the MoE layers among `blocks`."""
     return {layer: int(mlp.gate.num_experts) for layer, mlp in sparse_mlps(blocks).items()}
@@ -225,7 +240,7 @@ def sparse_layers(num_layers: int, every: int) -> list[int]:
 
 
 class MoEGPT(GPT):
-    """GPT with MoE MLPs in the blocks `sparse_every` names. No tensor-parallel plan (tp > 1 refused)."""
+    """GPT with MoE MLPs in the blocks `sparse_every` names."""
 
     def __init__(self, cfg: GPTSection) -> None:
         super().__init__(cfg)
@@ -237,9 +252,9 @@ class MoEGPT(GPT):
         for i in self.moe_layers:
             self.blocks[str(i)].mlp = MoEMLP(cfg, i, self.balance)
 
-    def tp_plan(self) -> None:  # type: ignore[override]
-        """None: the experts have no tensor-parallel split (parallel.tp > 1 is refused)."""
-        return None
+    def tp_plan(self) -> dict[str, str]:
+        """GPT's split, its MoE MLPs whole on every tp rank (`with_moe_blocks`)."""
+        return with_moe_blocks(super().tp_plan(), self.blocks)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> object:
         """GPT's forward; the microbatch form's balance loss rides on what the blocks return (one stage)."""

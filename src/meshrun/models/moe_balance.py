@@ -209,10 +209,13 @@ def meters_of(module: nn.Module) -> list[RouterMeter]:
     return [meter for meter in found if isinstance(meter, RouterMeter)]
 
 
-def window_row(parts: Sequence[nn.Module], moe_layers: dict[int, int], device: torch.device) -> dict[str, float]:
+def window_row(
+    parts: Sequence[nn.Module], moe_layers: dict[int, int], device: torch.device, *, copies: int = 1
+) -> dict[str, float]:
     """Collective (every rank, at a log step): the log window's routing, summed over the ranks:
     `aux_loss` (the balance loss's mean, coef excluded) and per MoE layer the tokens per expert's
-    min, max and coefficient of variation (std / mean). `moe_layers`: layer -> experts, whole model."""
+    min, max and coefficient of variation (std / mean). `moe_layers`: layer -> experts, whole model;
+    `copies`: the ranks that route each token alike (a tp group's), counted once."""
     if not moe_layers:
         return {}
     held = {m.layer: m for part in parts for m in meters_of(part)}
@@ -225,6 +228,7 @@ def window_row(parts: Sequence[nn.Module], moe_layers: dict[int, int], device: t
     summed = torch.cat(rows)
     if dist.is_initialized():
         dist.all_reduce(summed)
+    summed /= copies
     row: dict[str, float] = {}
     at, aux_sum, aux_count = 0, 0.0, 0.0
     for layer, experts in sorted(moe_layers.items()):

@@ -14,6 +14,12 @@ consecutive experts (ep rank e: experts e E/ep .. (e + 1) E/ep - 1) and the modu
 Both all-to-alls are differentiable (torch's functional collectives: the backward sends gradients
 the opposite way). The router's weights multiply where they were computed: its gradient stays local.
 
+Under tp (`parallel.tp`) each MoE block stays whole on every tp rank, as plain tensors (tp style
+`moe_block`, parallel/tp_styles.py): the ranks of a tp group route the same tokens (under sequence
+parallel the block gathers the whole sequence: the per-sequence balance loss needs it) through the ep
+groups of their own tp coordinate, so their router and expert gradients are equal and are reduced
+over dp alone, and the norm counts them once per tp group.
+
 Gradients. Dense weights reduce over dp as before (DDP or FSDP: the mean of the dp ranks'
 gradients). An expert's gradient on its rank already sums every ep rank's contributions (the
 all-to-all's backward brings them), so it is summed over `ep_dp` (the ranks holding the same experts)
@@ -181,7 +187,7 @@ def describe_expert_parallel(layout: Layout, model: nn.Module) -> list[str]:
     count = total // layout.ep
     groups = sorted({tuple(layout.group_ranks(r, "ep")) for r in layout.ranks_of_pp_rank(0)})
     held = "; ".join(f"ep rank {e}: experts {e * count}-{(e + 1) * count - 1}" for e in range(layout.ep))
-    return [
+    lines = [
         "expert parallel:",
         (
             f"  ep {layout.ep} x ep_dp {layout.size('ep_dp')}: each MoE layer's {total} experts split over the ranks "
@@ -189,3 +195,9 @@ def describe_expert_parallel(layout: Layout, model: nn.Module) -> list[str]:
         ),
         f"  {held}; tokens reach them by two all-to-alls per MoE layer forward, two backward",
     ]
+    if layout.tp > 1:  # parallel/tp_styles.py's moe_block
+        whole = "the whole sequence gathered first" if layout.sequence_parallel else "the same tokens"
+        lines.append(
+            f"  tp {layout.tp}: each MoE block whole on every rank of a tp group ({whole}); each tp rank routes through its own ep groups"
+        )
+    return lines

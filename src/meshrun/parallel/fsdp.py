@@ -90,9 +90,10 @@ def wrap_experts(part: nn.Module, mesh: Mesh, options: dict[str, Any]) -> set[nn
     dim 1 (dim 0 is split over ep): their gradients reduce-scattered there, summed and divided by dp,
     the mean over every dp rank's loss that a dense weight gets (parallel/experts.py). Returns the
     expert weights left out: all at ep_dp 1, where torch 2.13 divides a one-rank mesh's gradients
-    twice; experts.ExpertGradients averages those."""
+    twice, and under ddp with tp (FSDP2 keeps the dense replicas there; the experts stay replicas
+    too); experts.ExpertGradients averages those."""
     split = expert_params(part)
-    if not split or mesh.size("ep_dp") == 1:
+    if not split or mesh.size("ep_dp") == 1 or mesh.layout.dp_shard == 1:
         return set(split)
     placement = Shard(EXPERTS_SHARD_DIM)
     for module in split_experts(part):

@@ -18,7 +18,8 @@ from others is a view too, not a new factor of the world size. Expert parallelis
 the `dp` view in two (`EXPERT_VIEWS`): a dp coordinate is `ep_dp * ep + ep`, so `ep` is the innermost
 `ep` data-parallel ranks (they split each MoE layer's experts: within `dp_shard` when it is at least
 `ep`, as torchtitan borrows them) and `ep_dp` the ranks that hold the same experts (their gradients are
-averaged over it). tp ranks are not borrowed (parallel.ep with tp > 1 is refused). The world size stays
+averaged over it). tp ranks are not borrowed: under tp a MoE block is whole on every tp rank of a group,
+each tp coordinate has its own ep groups (parallel/experts.py). The world size stays
 the product of `AXES`; `parallel.mesh` builds every view as a group of the one world mesh.
 
 Torch-free (the config's own rules ask it for the world size); `parallel.mesh` builds the device mesh.

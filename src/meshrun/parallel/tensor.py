@@ -21,10 +21,12 @@ a state tuple) say where; pipeline stages pass a rank's positions, and the stage
 
 Dropout where a rank holds its own heads or positions draws from a stream of its own (tp_rng.py).
 
-Parameters the plan leaves whole (norms, position embeddings) become replicated DTensors, so every
-parameter of a tp stage is a DTensor on one mesh: fused AdamW, clipping and the fp16 scaler run
-foreach kernels that take no mix of plain tensors and DTensors. Their gradients are equal on every
-tp rank, and a replicated DTensor's norm counts them once (fsdp.full_norm reduces the shards').
+Parameters the plan leaves whole (norms, position embeddings) become replicated DTensors: their
+gradients are equal on every tp rank, and a replicated DTensor's norm counts them once
+(fsdp.full_norm reduces the shards'). A module of a `keeps_plain` style (a MoE block) keeps plain
+parameters, equal on every tp rank: routing, dispatch and expert parallelism's all-to-alls run on
+plain tensors. Fused AdamW, clipping and the fp16 scaler take each mesh's parameters, and the plain
+ones, apart (optim.by_mesh): their foreach kernels take no mix.
 """
 
 from __future__ import annotations
@@ -152,8 +154,9 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
     for param in part.parameters():
         if param.requires_grad and isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
             param.register_hook(partial(_sharded_like_param, placements=param.placements))
-    for module in part.modules():
-        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+    plain = _kept_plain(plan, list(modules))
+    for name, module in modules.items():
+        if name not in plain and any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             # torch annotates the hooks as returning None but uses what they return (as nn.Module hooks do)
             distribute_module(
                 module,
@@ -161,6 +164,18 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
                 input_fn=_replicated_inputs,  # pyright: ignore[reportArgumentType]
                 output_fn=local_outputs,  # pyright: ignore[reportArgumentType]
             )
+
+
+def _kept_plain(plan: dict[str, str], names: list[str]) -> set[str]:
+    """The modules among `names` a `keeps_plain` style (a MoE block) covers, with everything below them."""
+    roots = [
+        name
+        for pattern, style in plan.items()
+        if TP_STYLES[style].keeps_plain
+        for name in names
+        if fnmatch(name, pattern)
+    ]
+    return {name for name in names for root in roots if name == root or name.startswith(f"{root}.")}
 
 
 def _sharded_like_param(grad: torch.Tensor, *, placements: tuple) -> torch.Tensor:

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -99,6 +100,9 @@ class TPStyle:
     # sequence parallel), a new tensor that selective recompute keeps (parallel/recompute.py)
     kept_by_selective: bool = False
     adapted: Adapted | None = None  # its split of a LoRA-wrapped Linear; None: model.lora under tp refuses it
+    # its parameters (and its submodules') stay plain tensors, the same on every tp rank, and it computes
+    # on plain tensors: tensor.py makes none of them DTensors (a MoE block: routing and all-to-alls)
+    keeps_plain: bool = False
 
     def form(self, sequence_parallel: bool) -> Form:
         return self.sequence if sequence_parallel and self.sequence is not None else self.plain
@@ -339,5 +343,26 @@ _RECORDS = (
     ),
     # a norm taking the state tuple
     TPStyle("norm_state", LEFT_WHOLE, Form(StateNorm)),
+    # a Mixture-of-Experts block (router, experts, a shared expert) whole on every tp rank, on plain
+    # tensors: every tp rank routes the same tokens, so its gradients are equal on the tp ranks and
+    # need no reduction over tp (parallel/experts.py). Under sequence parallel its input is gathered
+    # to the whole sequence (the per-sequence balance loss needs whole sequences) and its output cut to
+    # this rank's positions, whose backward all-gathers the gradient: every tp rank still computes the same.
+    TPStyle(
+        "moe_block",
+        LEFT_WHOLE,
+        Form(
+            lambda: PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+            ),
+            takes=POSITIONS_GATHERED,
+            hands_on=POSITIONS_CUT,
+        ),
+        keeps_plain=True,
+    ),
 )
 TP_STYLES: dict[str, TPStyle] = {style.name: style for style in _RECORDS}

@@ -181,10 +181,13 @@ def tensor_parallel_s(
 ) -> float:
     """Seconds of one microbatch's tp all-reduces on a rank: two per block forward and two backward
     (a recomputed block's forward twice), each of the whole hidden state; under sequence parallel
-    each is a reduce-scatter and an all-gather, each moving half an all-reduce's bytes."""
+    each is a reduce-scatter and an all-gather, each moving half an all-reduce's bytes. A MoE block's
+    MLP is whole on every tp rank (parallel/tp_styles.py's moe_block): it runs none of the MLP's
+    (under sequence parallel: one all-gather forward, one backward, half of them)."""
     if tp == 1:
         return 0.0
     messages = sum(4 * s.blocks + 2 * s.recomputed_blocks for s in held)
+    messages -= (1 if sequence_parallel else 2) * sum(s.moe_blocks + s.recomputed_moe_blocks / 2 for s in held)
     hidden = max(s.hidden_bytes for s in held)
     if sequence_parallel:
         return 2 * messages * (ring_s(hidden, tp, gbs, 1.0) + eff.p2p_s)

@@ -15,6 +15,13 @@ the experts' gradients are summed over ep_dp: an all-reduce of the rank's share,
 are FSDP-sharded over ep_dp (dp_mode fsdp / hsdp: `experts_sharded`), their gathers and reduce-scatter
 priced as the dense FSDP collectives are.
 
+Under tp a MoE block is whole on every tp rank (parallel/tp_styles.py's `moe_block`): the traced tp
+stage holds its router and experts whole and computes it over the whole sequence (under sequence
+parallel too), so its state, FLOPs and the all-to-alls' rows (the whole hidden state) are priced
+undivided by tp, and each tp rank's ep group spans ep x tp neighbouring ranks; cost.py's tp
+collectives count attention's alone for a MoE block (its MLP runs none; under sequence parallel one
+all-gather each way).
+
 Memory: the experts are kept out of the dense weights' DDP / FSDP (no buckets or shards of theirs), so
 a rank holds the dense state as dp_mode says and 1 / `expert_split` of the experts' (ep, or dp where
 they are sharded over ep_dp too, with FSDP's gather buffers), while the activations are one process's
@@ -217,5 +224,6 @@ def routing_note(cfg: Config) -> str | None:
         f"MoE: {len(layers)} layers of {first.num_experts} experts, top {first.top_k}; planned with balanced routing "
         "(each expert gets top_k x tokens / E rows: a real router's busiest ep rank computes, saves and receives "
         "more); ep: 2 all-to-alls per MoE layer forward and 2 backward, experts split over ep (and over dp / ep "
-        "under fsdp / hsdp), computed at active parameters"
+        "under fsdp / hsdp), computed at active parameters; under tp each MoE block is whole on every tp rank (its "
+        "compute, state and all-to-alls not divided by tp)"
     )

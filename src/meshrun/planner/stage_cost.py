@@ -296,6 +296,7 @@ def _trace(
     param_bytes, grad_bytes, optimizer_bytes = state_bytes(part, cfg.train)  # already shrunk to one tp rank's shards
     blocks = list(part.blocks.keys())
     recomputed = sum(wants_recompute(cfg.recompute, int(b)) for b in blocks)
+    moe = list(sparse_mlps(part.blocks))
     block_out: list[int] = []
     fake = fake_cpu()
     with fake.mode:
@@ -333,6 +334,8 @@ def _trace(
             units=len(blocks) + first + last,
             blocks=len(blocks),
             recomputed_blocks=recomputed,
+            moe_blocks=len(moe),
+            recomputed_moe_blocks=sum(wants_recompute(cfg.recompute, b) for b in moe),
             hidden_bytes=shards * block_out[0] if block_out else 0,
             backward_bytes=loss_gradient_bytes(out) if last else 0,
         )

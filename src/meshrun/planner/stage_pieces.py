@@ -45,6 +45,8 @@ def compose(
         units=len(layers) + first + last,
         blocks=len(layers),
         recomputed_blocks=sum(own),
+        moe_blocks=base.moe_blocks * len(layers),  # blocks of one kind: all MoE or none
+        recomputed_moe_blocks=base.moe_blocks * sum(own),
     )
 
 

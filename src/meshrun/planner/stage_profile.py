@@ -20,6 +20,8 @@ class StageProfile:
     units: int = 1  # blocks + 1 for the embedding (first stage) + 1 for the head (last): what fixed costs scale with
     blocks: int = 0
     recomputed_blocks: int = 0
+    moe_blocks: int = 0  # blocks with a MoE MLP: whole on every tp rank, no tp collective of their own
+    recomputed_moe_blocks: int = 0
     hidden_bytes: int = 0  # one block's whole output per microbatch (all positions): what a tp all-reduce moves
     backward_bytes: int = 0  # what backward allocates at once beyond the kept activations (the loss's gradient)
 

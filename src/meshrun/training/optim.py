@@ -107,13 +107,17 @@ def clip_global_norm(
     """The gradients' global norm over every stage, and clipped to `max_norm` (0: not clipped).
     `counted`: the parameters whose gradients the norm counts (a tied matrix's two copies once);
     dp replicas already agree after DDP's all-reduce, fsdp and tp shards are summed over their
-    meshes (fsdp.full_norm), pipeline stages over `pp_group` (None: one stage). `split_squared`:
+    meshes (fsdp.full_norm, one mesh at a time: under tp a MoE block's tensors, equal on every tp rank,
+    are plain or on the dp mesh alone, and count once beside tp's), pipeline stages over `pp_group`
+    (None: one stage). `split_squared`:
     the squared norm of gradients not in `counted`, already summed over the ranks that split them
     (parallel.experts: the experts over ep)."""
     grads = [p.grad for p in counted if p.grad is not None]
     device = params[0].device if params else torch.device("cpu")
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=device)
-    norm = full_norm(norm)
+    norms = [full_norm(torch.nn.utils.get_total_norm(same, foreach=True)) for same in by_mesh(grads)]
+    if len(norms) > 1:  # several meshes (a MoE block's plain tensors beside tp's DTensors): squares summed
+        norms = [torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()]
+    norm = norms[0] if norms else torch.zeros((), device=device)
     if split_squared is not None:
         norm = (norm.to(torch.float32) ** 2 + split_squared).sqrt()
     if pp_group is not None:

@@ -412,7 +412,8 @@ class Trainer:
             },
         }
         row.update(time_split.split_row(ranks.extra, wall_s=train_s + window.paused))
-        row.update(window_row(self.model.parts, self.moe_layers, self.device))  # MoE: aux loss, tokens per expert
+        # MoE: aux loss, tokens per expert (each tp rank routes its group's tokens: parallel/tp_styles.py's moe_block)
+        row.update(window_row(self.model.parts, self.moe_layers, self.device, copies=self.mesh.size("tp")))
         straggler, warning = self.stragglers.row(ranks.extra, layout=self.mesh.layout)
         row.update(straggler)
         if warning:
