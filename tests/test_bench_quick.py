@@ -35,6 +35,7 @@ VERDICTS = {  # bench -> a line its quick run must print (its verdict or its rat
     "recovery.py": r"^(PASS|FAIL): SIGKILL -> state copied [\d.]+ s with a spare",
     "moe.py": r"^(PASS|FAIL): ep2 / ep1 state [\d.]+, planner / measured [\d.]+",
     "context.py": r"^(PASS|FAIL): peak activations per rank cp2 / cp1 [\d.]+x",
+    "startup.py": r"^(PASS|FAIL): forked / spawned launch wall time median [\d.]+x",
 }
 ELSEWHERE = {"gpu.py": "tests/test_gpu_kit.py runs `--smoke`"}  # its quick mode, already tested
 TIMEOUT = 240  # seconds per bench; each takes 5-40 s of CPU
