@@ -3,7 +3,8 @@
 Each row trains 10 clipped AdamW steps and logs every step's loss and pre-clip gradient norm as
 the independent plain-torch reference (plain_reference.py) computes them (1e-5 relative, step 1
 first); its weights after the last step equal the reference's (1e-5).
-- Plain text: cp2 (DDP over the cp ranks), fsdp dp2 x cp2 under full recompute, cp2 x pp2 under
+- Plain text: cp2 (DDP over the cp ranks), fsdp dp2 x cp2 under full recompute, HSDP dp4 x cp2
+  (8 ranks: each replica sharded over dp_shard x cp), cp2 x pp2 under
   interleaved 1F1B, GPipe (blocks alternately recomputed and offloaded) and zero-bubble (DDP over
   the cp pair with a split backward: parallel/pipeline.py averages its gradients).
 - Packed documents with per-document masks (prompt/completion documents, two a row, crossing the
@@ -48,6 +49,8 @@ ROWS = {
     "cp2": {"parallel.cp": 2},  # DDP over the cp ranks (each holds a part of the same samples)
     # 4 ranks: FSDP2 shards over dp x cp (dp_shard_cp, as torchtitan), under full recompute
     "fsdp-dp2-cp2": {"parallel.dp": 2, "parallel.cp": 2, "parallel.dp_mode": "fsdp", "recompute": "full"},
+    # 8 ranks: HSDP, each replica sharded over its dp_shard x cp ranks (2 x 2), 2 replicas
+    "hsdp-dp4-cp2": {"parallel.dp": 4, "parallel.cp": 2, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2},
     # 4 ranks: each stage's attention split over its cp pair (two stages a rank); positions travel
     # between the stages
     "cp2-pp2": {"parallel.cp": 2, "parallel.pp": 2, "parallel.schedule": "interleaved-1f1b"},
