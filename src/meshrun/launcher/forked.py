@@ -15,6 +15,7 @@ long for the server's socket, starts as torchrun starts it.
 from __future__ import annotations
 
 import multiprocessing
+import runpy
 import sys
 import tempfile
 from collections.abc import Callable
@@ -29,7 +30,8 @@ MESHRUN_WORKER = ("-u", "-m", "meshrun")  # how torchrun's `-m meshrun ARGS` rea
 # as processes, as torchrun does
 LONGEST_TMPDIR = 107 - len("/pymp-12345678/listener-12345678")
 TRACKER_WARNING = "resource_tracker"  # its warnings start so ("-W" splits at colons)
-PRELOAD = ["meshrun.launcher.fork_server"]  # the server's lifetime, then what every worker imports
+# the server's lifetime (first), then what every worker imports
+PRELOAD = ["meshrun.launcher.fork_server", "meshrun.cli", "meshrun.training.worker"]
 
 
 def worker(*argv: str) -> None:
@@ -38,9 +40,7 @@ def worker(*argv: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(write_through=True)  # type: ignore[attr-defined]  # python -u
     sys.argv = ["meshrun", *argv]
-    from meshrun.cli import run
-
-    run()
+    runpy.run_module("meshrun", run_name="__main__", alter_sys=True)
 
 
 def forking_launch(config: LaunchConfig, entrypoint: Callable | str | None) -> Callable[..., Any]:
