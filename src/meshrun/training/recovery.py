@@ -174,4 +174,5 @@ def announce(report: RunReport, copy: Copy, *, noticed: float, joined: float) ->
         f"the replacement joined, {figures['state_s']:.1f} s building its model and copying the state): rank {lost}'s "
         f"state copied from rank {copy.source}'s memory; no step lost"
     )
-    report.log(copy.step, {"recovered_ranks": lost, "recovered_from": copy.source, **figures, "steps_lost": 0})
+    event = {"recovered_ranks": lost, "recovered_from": copy.source, "lost_at": since, **figures, "steps_lost": 0}
+    report.log(copy.step, event)  # lost_at: the loss's time.time(), its keeper's record's (launcher/failures.py)
