@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -37,19 +38,22 @@ def runs(
 ) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """uninterrupted; hung (rank 1 blocks in step 3's forward, its first worker only); repeated
     (rank 1 SIGKILLed at its 5th forward in every worker: its replacement dies too); restarted
-    (launch.recovery checkpoint, a checkpoint every 3 steps, rank 1 SIGKILLed in step 5)."""
+    (launch.recovery checkpoint, a checkpoint every 3 steps, rank 1 SIGKILLed in step 5); sender lost
+    (rank 1 SIGKILLed in step 3, then rank 0 as it is about to send its state)."""
     tmp = tmp_path_factory.mktemp("recovery_report")
     hang = {"MESHRUN_TEST_HANG": "1:3", "MESHRUN_TEST_HANG_ONCE": str(tmp / "hung-once")}
     kill = {"MESHRUN_TEST_KILL_AT": "5", "MESHRUN_TEST_ON_RANK": "1", "MESHRUN_TEST_KILL_EVERY": "1"}
     restart = {"MESHRUN_TEST_KILL_AT": "9", "MESHRUN_TEST_ON_RANK": "1"}  # 2 forwards a step: step 5's first
+    sender = {"MESHRUN_TEST_KILL_AT": "5", "MESHRUN_TEST_ON_RANK": "1", "MESHRUN_TEST_KILL_SENDING": "0"}
     done = {}
     for name, settings, env in (
         ("uninterrupted", {"model.factory": "hanging_gpt:build"}, {}),
         ("hung", {"model.factory": "hanging_gpt:build", "launch.hang_timeout": HANG_TIMEOUT, **PEER}, hang),
         ("repeated", {"model.factory": "interrupting_gpt:build", "launch.recovery": "peer"}, kill),
         ("restarted", {"model.factory": "interrupting_gpt:build", "checkpoint.interval": INTERVAL}, restart),
+        ("sender lost", {"model.factory": "interrupting_gpt:build", "checkpoint.interval": 2, **PEER}, sender),
     ):
-        run = tmp / name
+        run = tmp / name.replace(" ", "-")
         path = f"{HERE}:{KILLER}"
         args = ["train", *tiny(data_dir, run, **{**JOB, **settings})]
         proc = run_meshrun(args, tmp_path=tmp, env=meshrun_env(tmp, PYTHONPATH=path, **env), timeout=300, check=False)
@@ -57,7 +61,7 @@ def runs(
     return done
 
 
-@pytest.mark.timeout(1200)  # the fixture's four launches, on loaded cores
+@pytest.mark.timeout(1500)  # the fixture's five launches, on loaded cores
 def test_a_hung_rank_is_ended_alone_and_replaced_from_its_peer(runs, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bit-identical to the uninterrupted run, each step once; the hang's report kept aside, under
     a name no later failure of the run is read as."""
@@ -92,6 +96,23 @@ def test_a_rank_that_keeps_failing_is_named_with_its_node(runs) -> None:
         f"replacements used up: if node {host} keeps failing, drain it (take it out of the job) before rerunning; "
     ), last
     assert [row["step"] for row in read_metrics(run) if "recovered_ranks" in row] == [2]  # the first was recovered
+
+
+def test_a_rank_lost_while_sending_its_state_stops_the_run_in_one_line(runs) -> None:
+    """dp2: both replicas of the state lost (the survivor as it was about to send it): the run stops
+    with one line saying so and what a rerun does, no traceback; its checkpoint and rows are kept."""
+    run, done = runs["sender lost"]
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert re.fullmatch(
+        r"meshrun: error: no surviving replica holds rank [01]'s state: a rank was lost while the state was copied; "
+        r"rerun the same command to resume from the newest checkpoint \(from the start if none\)",
+        lines[-1],
+    ), lines[-1]
+    assert "Traceback" not in done.stderr
+    assert [row["step"] for row in read_metrics(run) if "loss" in row] == [1, 2]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    assert (run / "checkpoints" / "step-00000002" / ".metadata").is_file()
 
 
 def test_report_says_each_recovery_and_marks_it_on_the_loss_curve(runs, tmp_path: Path) -> None:

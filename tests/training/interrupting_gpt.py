@@ -5,7 +5,8 @@ Used through `model.factory: interrupting_gpt:build`. MESHRUN_TEST_SIGNAL_AT=k,
 MESHRUN_TEST_RAISE_AT=k or MESHRUN_TEST_KILL_AT=k (SIGKILL, mid-step: only the rank's first worker,
 not a replacement under launch.recovery peer, unless MESHRUN_TEST_KILL_EVERY is set: each of them)
 (1-based, counted per process); MESHRUN_TEST_ON_RANK=r limits it to one rank (RANK, as torchrun sets
-it; a lone process is rank 0).
+it; a lone process is rank 0). MESHRUN_TEST_KILL_SENDING=r: rank r's first worker is SIGKILLed when
+its state is asked for while it recovers (a survivor about to send a replacement its state).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import torch
 
 from meshrun.config.schema import ModelConfig
+from meshrun.launcher import progress
 from meshrun.models.gpt import GPT, Embedding
 
 _calls = {"forward": 0}
@@ -37,7 +39,16 @@ class InterruptingEmbedding(Embedding):
         return super().forward(idx)
 
 
+class InterruptingGPT(GPT):
+    def state_dict(self, *args, **kwargs):
+        first = os.environ.get("MESHRUN_WORKER_ROLE", "first") == "first"
+        sending = os.environ.get("MESHRUN_TEST_KILL_SENDING") == os.environ.get("RANK", "0")
+        if first and sending and progress.current().phase == "recovering":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().state_dict(*args, **kwargs)
+
+
 def build(cfg: ModelConfig) -> GPT:
-    model = GPT(cfg)
+    model = InterruptingGPT(cfg)
     model.embed = InterruptingEmbedding(cfg)  # same parameter names as the plain GPT
     return model

@@ -95,7 +95,15 @@ class PeerRecovery:
 
     def receive(self, state: TrainState) -> int:
         """A replacement's: the state of a surviving replica, at the step that was in flight; returns it."""
-        self.received = share_state(state, 0, holds=False)
+        try:
+            self.received = share_state(state, 0, holds=False)
+        except RuntimeError as broken:
+            if not regroup.lost_peer(broken):
+                raise
+            raise RunError(  # the replica sending it, or the replacement of a rank lost since, is gone
+                f"no surviving replica holds rank {dist.get_rank()}'s state: a rank was lost while the state was "
+                "copied; rerun the same command to resume from the newest checkpoint (from the start if none)"
+            ) from None
         if self.received.source is None:
             raise RunError(
                 f"no surviving replica holds rank {dist.get_rank()}'s state (every rank of the group was "
