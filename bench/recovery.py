@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -254,6 +255,9 @@ def goodput_main(every_min: float, *, quick: bool) -> int:
         f"{terms.peer_s:.2f} s, checkpoint restart {terms.restart_s:.2f} s (each from the loss to training again)"
     )
     every_s = every_min * 60
+    print(
+        f"  goodput with no failure: {terms.goodput(math.inf, peer=True):.2%} (the checkpoint saves' share is the rest)"
+    )
     for name, peer in (("peer recovery", True), ("checkpoint restart", False)):
         print(f"  goodput, one failure every {every_min:g} min, {name}: {terms.goodput(every_s, peer=peer):.2%}")
     return 0
