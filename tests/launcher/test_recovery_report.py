@@ -8,8 +8,10 @@ and the steps lost. One module-scoped launch of each (real torchrun, keepers, gl
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -202,3 +204,19 @@ def test_goodput_from_the_measured_terms_equals_a_simulated_run(runs) -> None:
     for every_s, peer in itertools.product((60, 600), (True, False)):
         expected = simulated_goodput(terms, every_s, peer=peer)
         assert terms.goodput(every_s, peer=peer) == pytest.approx(expected, rel=1e-3), (every_s, peer)
+
+
+def test_report_leaves_out_failure_records_meshrun_did_not_write(runs, tmp_path: Path) -> None:
+    """A failures file or event row from elsewhere (wrong types, escapes, missing keys) is left out,
+    not printed or a crash; the run's own lines stay."""
+    run = tmp_path / "hung"
+    shutil.copytree(runs["hung"][0], run)
+    (run / "failures" / "rank0.json").write_text(
+        json.dumps([{"rank": 0, "host": "h\x1b[2J", "how": "x", "at": 1.0, "job": "", "replaced": True}, 7, {"a": 1}])
+    )
+    (run / "failures" / "rank9.json").write_text("[[[")
+    with (run / "metrics.jsonl").open("a") as rows:
+        rows.write(json.dumps({"step": 4, "recovered_ranks": "0", "steps_lost": 0}) + "\n")
+    done = meshrun_in_process(["report", run, "--out", tmp_path / "r.png"], tmp_path=tmp_path)
+    lines = done.stdout.split("how the run went on):\n")[1].split("\n\n")[0].splitlines()
+    assert len(lines) == 1 and lines[0].startswith("  hung step 3: rank 1 on node "), done.stdout

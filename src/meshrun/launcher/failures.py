@@ -24,6 +24,7 @@ from meshrun.launcher.outcome import status_text
 FAILURES = "failures"
 RUN_DIR_ENV = "MESHRUN_RUN_DIR"  # for keepers: where their records go (set by `meshrun train`'s launcher)
 HANG_DIR, HUNG_EXIT_CODE = "hang", 124  # launcher/hang.py's (not imported: the keeper stays light)
+MAX_TEXT = 1000  # a record's words (a hang's stacks path included), as read back
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,26 @@ def record(run_dir: Path | None, loss: Loss) -> None:
 
 
 def read_rank(path: Path) -> list[Loss]:
-    """One rank's losses; [] for a file meshrun did not write (a report is no reason to fail)."""
+    """One rank's losses; those meshrun could not have written left out (a report is no reason to fail)."""
     try:
         items = json.loads(path.read_text())
-        return [Loss(**item) for item in items] if isinstance(items, list) else []
-    except (OSError, ValueError, TypeError):
+        return [loss for loss in map(_loss, items) if loss is not None] if isinstance(items, list) else []
+    except (OSError, ValueError, RecursionError):
         return []
+
+
+def _loss(item: object) -> Loss | None:
+    """A Loss from a parsed item, if every field has the type meshrun writes (text short and printable)."""
+    try:
+        loss = Loss(**item) if isinstance(item, dict) else None
+    except TypeError:
+        return None
+    if loss is None or type(loss.rank) is not int or type(loss.replaced) is not bool:
+        return None
+    if not isinstance(loss.at, (int, float)) or isinstance(loss.at, bool):
+        return None
+    texts = (loss.host, loss.how, loss.job)
+    return loss if all(isinstance(t, str) and len(t) <= MAX_TEXT and t.isprintable() for t in texts) else None
 
 
 def read_losses(run_dir: Path) -> list[Loss]:

@@ -16,6 +16,8 @@ from typing import Any
 
 from meshrun.launcher.failures import Loss, read_losses
 
+PEER_KEYS = ("recovered_ranks", "recovered_from", "recovery_s", "steps_lost")  # training/recovery.py's event
+RESTART_KEYS = ("resumed_from_step", "steps_lost", "restart_s")  # metrics/run_dir.py's
 MATCH_S = 5.0  # a keeper's record and the event's lost_at are the same clock's on one node; across nodes, close
 
 
@@ -57,9 +59,9 @@ def run_recoveries(rows: list[dict[str, Any]], run_dir: Path) -> list[Recovery]:
     losses = read_losses(run_dir)
     found, used = [], set()
     for row in rows:
-        if "resumed_from_step" in row:  # in the step it was lost in, as logged
+        if all(key in row for key in RESTART_KEYS):  # in the step it was lost in, as logged
             found.append((row.get("time", 0.0), Recovery(row["step"] + row["steps_lost"] + 1, "", None, row)))
-        if "recovered_ranks" not in row:
+        if not all(key in row for key in PEER_KEYS):
             continue
         ranks = {int(r) for r in row["recovered_ranks"].split(",") if r.strip().isdigit()}
         near = [
