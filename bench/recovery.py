@@ -24,18 +24,29 @@ target for the whole recovery, of which the first step after it is not counted h
     python bench/recovery.py --state-mb 256  # a larger state
     python bench/recovery.py --quick         # one round, 1 MB
     python bench/recovery.py --train         # the wired path: `meshrun train`, launch.recovery peer
+    python bench/recovery.py --goodput 30    # goodput, one failure every 30 min: peer vs checkpoint restart
 
 `--train` measures what a user gets: the default job's model and data at dp2 x pp1 (peer recovery
 is built for DDP only), `launch.recovery: peer`, rank 1's worker SIGKILLed once a step is logged;
 from the SIGKILL to the next step's line on the console (the step trained again included), with the
 recovery's own split from its metrics.jsonl event (until the replacement joined; its model built and
 the state copied), with and without `launch.warm_spare`.
+
+`--goodput MINUTES` prices what a failure every MINUTES costs each recovery (meshrun/metrics/goodput.py:
+the share of wall time kept as training): two `meshrun train` runs of the default job at dp2 x pp1,
+each with a checkpoint every GOODPUT_INTERVAL steps and rank 1's worker SIGKILLed once a step is
+logged, one under launch.recovery peer (a warm spare), one under launch.recovery checkpoint (torchrun
+restarts every worker from the newest checkpoint). Every term is read from the runs' own
+metrics.jsonl: the step and save times, each recovery from the logged step before it to training
+again. Here and not in `meshrun report`: the comparison needs both kinds measured on the same job
+and machine, and one run folder holds one kind.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -54,11 +65,14 @@ import torch
 import torch.distributed as dist
 
 from meshrun.launcher.keeper import FIRST, ROLE_ENV
+from meshrun.metrics.goodput import measured
+from meshrun.metrics.record import read_metrics_rows
 from meshrun.parallel import regroup
 
 TIMEOUT = timedelta(seconds=60)
 TARGET_S = 5.0
 RANKS = 2
+GOODPUT_INTERVAL = 10  # checkpoint.interval of the --goodput runs
 
 
 def default_state_bytes() -> int:
@@ -164,15 +178,16 @@ def train_round(folder: Path, *, spare: bool, steps: int = 40, kill_after: int =
     }
 
 
-def first_worker(launcher: int, *, rank: int) -> int:
-    """The pid of `rank`'s first training worker under `launcher` (its keeper's child, not the spare)."""
+def first_worker(launcher: int, *, rank: int, role: str | None = FIRST) -> int:
+    """The pid of `rank`'s first training worker under `launcher` (its keeper's child, not the spare;
+    `role` None: a worker torchrun started itself, no keeper's)."""
     for pid in Path("/proc").iterdir():
         try:
             raw = (pid / "environ").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
         environ = dict(kv.split("=", 1) for kv in raw if "=" in kv)
-        if environ.get("RANK") == str(rank) and environ.get(ROLE_ENV) == FIRST and launcher in ancestors(int(pid.name)):
+        if environ.get("RANK") == str(rank) and environ.get(ROLE_ENV) == role and launcher in ancestors(int(pid.name)):
             return int(pid.name)
     raise SystemExit(f"no worker of rank {rank} found under {launcher}")
 
@@ -201,6 +216,53 @@ def train_main(rounds: int) -> int:
     return 0 if warm <= TARGET_S else 1
 
 
+def killed_run(folder: Path, *, recovery: str, steps: int, kill_after: int) -> list[dict]:
+    """One `meshrun train` of the default job at dp2 x pp1, a checkpoint every GOODPUT_INTERVAL steps,
+    rank 1's worker SIGKILLed once step `kill_after` is logged, recovered by `recovery`; its
+    metrics.jsonl rows."""
+    run = folder / f"run-{recovery}"
+    sets = {
+        "parallel.pp": 1, "launch.recovery": recovery, "launch.max_restarts": 1, "run_dir": run,
+        "launch.warm_spare": recovery == "peer", "train.steps": steps, "train.log_interval": 1,
+        "train.eval_interval": 0, "checkpoint.interval": GOODPUT_INTERVAL, "tracker.mode": "disabled",
+        "metrics.plots": False,
+    }  # fmt: skip
+    args = [sys.executable, "-P", "-m", "meshrun", "train", *(f"--set={k}={v}" for k, v in sets.items())]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=folder, start_new_session=True)
+    assert proc.stderr is not None
+    killed = False
+    for line in proc.stderr:
+        if line.startswith(f"[meshrun] step {kill_after}/") and not killed:
+            os.kill(first_worker(proc.pid, rank=1, role=FIRST if recovery == "peer" else None), signal.SIGKILL)
+            killed = True
+    if proc.wait() != 0 or not killed:
+        raise SystemExit(f"the run in {run} failed or never logged step {kill_after}: see its logs/")
+    return read_metrics_rows(run / "metrics.jsonl")
+
+
+def goodput_main(every_min: float, *, quick: bool) -> int:
+    """--goodput: both recoveries measured once, and each one's goodput at one failure every `every_min`."""
+    steps, kill_after = (16, 13) if quick else (40, 25)  # the kill: past a checkpoint, before the next
+    with tempfile.TemporaryDirectory(prefix="meshrun-goodput-") as folder:
+        runs = {
+            kind: killed_run(Path(folder), recovery=kind, steps=steps, kill_after=kill_after)
+            for kind in ("peer", "checkpoint")
+        }
+    terms = measured(runs["peer"], runs["checkpoint"], interval=GOODPUT_INTERVAL)
+    print(
+        f"the default job's model at dp2 x pp1, a checkpoint every {terms.interval} steps, rank 1 SIGKILLed after "
+        f"step {kill_after}; measured: step {terms.step_s:.3f} s, save {terms.save_s:.3f} s, peer recovery "
+        f"{terms.peer_s:.2f} s, checkpoint restart {terms.restart_s:.2f} s (each from the loss to training again)"
+    )
+    every_s = every_min * 60
+    print(
+        f"  goodput with no failure: {terms.goodput(math.inf, peer=True):.2%} (the checkpoint saves' share is the rest)"
+    )
+    for name, peer in (("peer recovery", True), ("checkpoint restart", False)):
+        print(f"  goodput, one failure every {every_min:g} min, {name}: {terms.goodput(every_s, peer=peer):.2%}")
+    return 0
+
+
 def print_medians(rounds: list[dict[bool, dict[str, float]]], *, spare_name: str) -> dict[bool, dict[str, float]]:
     """A table of each term's median over `rounds`, without and with a spare; returns the medians."""
     print(f"  {'replacement':22s}" + "".join(f"{term:>14s}" for term in rounds[0][False]))
@@ -216,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--state-mb", type=float, default=None, help="state per rank (default: the default job's)")
     p.add_argument("--train", action="store_true", help="the wired path: `meshrun train` under launch.recovery peer")
+    p.add_argument("--goodput", type=float, metavar="MINUTES", help="goodput with one failure every MINUTES")
     args = _quick.parse(p, {"rounds": 1, "state_mb": 1.0}, argv)
+    if args.goodput is not None:
+        return goodput_main(args.goodput, quick=args.quick)
     if args.train:
         return train_main(args.rounds)
     state_bytes = default_state_bytes() if args.state_mb is None else int(args.state_mb * 2**20)

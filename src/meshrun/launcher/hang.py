@@ -15,7 +15,10 @@ before its peers have reported. A step that is slow but progressing marks each m
 pipeline action, so it never fires. A watchdog that cannot write its report (the folder is a file,
 the disk is full) still ends the job with `HUNG_EXIT_CODE` and one line saying where it tried to
 write and why it could not; a one-process job, whose worker is its launcher, prints the summary
-itself.
+itself. Under launch.recovery peer (`alone`) only the rank that stalled exits, once every rank has
+reported (the `_odd_one` of the reports); the others wait on in their collective, which its exit
+breaks, and recover with its replacement (training/recovery.py); its keeper moves the reports aside
+(launcher/failures.py).
 
 Launcher side (`hang_summary`): after torchrun ends without a recorded outcome, the newest attempt's
 reports become one summary: the rank that stalled (see `_odd_one`: its stage, dp index, phase and
@@ -56,7 +59,7 @@ TRIGGER = "trigger"
 HUNG_EXIT_CODE = 124  # as coreutils' timeout: the job was ended for making no progress
 POLL_SECONDS = 0.5
 # long without a mark by nature: watched at SLOW_FACTOR x the timeout (init: before step 1)
-SLOW_PHASES = ("init", "compile", "eval", "checkpoint")
+SLOW_PHASES = ("init", "compile", "eval", "checkpoint", "recovering")
 SLOW_FACTOR = 3
 GRACE_SECONDS = 3.0  # every rank exits this long after the trigger: time for all to report
 
@@ -91,9 +94,11 @@ class HangWatchdog:
     """Ends this worker when its progress mark stalls (see the module docstring). `summarise`: this
     worker is its own launcher (one process): it prints the summary before it exits."""
 
-    def __init__(self, run_dir: Path, place: Place, *, timeout: float, attempt: int, summarise: bool = False) -> None:
+    def __init__(
+        self, run_dir: Path, place: Place, *, timeout: float, attempt: int, summarise: bool = False, alone: bool = False
+    ) -> None:
         self.run_dir, self.folder = run_dir, run_dir / HANG_DIR / f"attempt-{attempt}"
-        self.place, self.timeout, self.summarise = place, timeout, summarise
+        self.place, self.timeout, self.summarise, self.alone = place, timeout, summarise, alone
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="meshrun-hang-watchdog", daemon=True)
 
@@ -109,18 +114,32 @@ class HangWatchdog:
         return self.timeout * (SLOW_FACTOR if _is_slow(now.phase, now.step, now.first_step) else 1)
 
     def _watch(self) -> None:
+        answered, since = 0.0, 0.0  # `alone`: the last trigger this worker reported to and survived (mtime, monotonic)
         while not self._stop.wait(POLL_SECONDS):
             now = progress.current()
             if now.phase == "finishing":
                 continue  # the summary and pictures: no longer watched
-            stalled = time.monotonic() - now.at
-            peer_fired = (self.folder / TRIGGER).exists()
+            stalled = time.monotonic() - max(now.at, since)
+            peer_fired = _trigger_time(self.folder) > answered
             if stalled > self.limit(now) or peer_fired:
                 try:
                     self._report(now, stalled, first=not peer_fired)
                 except Exception as exc:  # noqa: BLE001 - whatever stops the report, the job still ends
                     self._say_unwritable(now, stalled, exc)
-                os._exit(HUNG_EXIT_CODE)  # the main thread is stuck: end the process from here
+                    os._exit(HUNG_EXIT_CODE)
+                if not self.alone or self._stalled_here():
+                    os._exit(HUNG_EXIT_CODE)  # the main thread is stuck: end the process from here
+                answered, since = _trigger_time(self.folder), time.monotonic()
+
+    def _stalled_here(self) -> bool:
+        """`alone` (launch.recovery peer): whether this rank is the one that stalled (`_odd_one` of
+        the reports), which then ends alone, its peers' reads done, to be replaced; the others wait
+        in their collective until it breaks, and recover."""
+        found = read_reports(self.run_dir)
+        if found is None or _odd_one(found[1])["rank"] != self.place.rank:
+            return False
+        time.sleep(2 * POLL_SECONDS)  # the others read the reports at the same moment: before they move
+        return True
 
     def _report(self, now: progress.Progress, stalled: float, *, first: bool) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -164,6 +183,14 @@ class HangWatchdog:
         if not self.summarise:
             with contextlib.suppress(Exception):  # the run folder is unwritable too: the line above is all
                 write_record(self.run_dir, Outcome.FAILED, error=line, exit_code=HUNG_EXIT_CODE)
+
+
+def _trigger_time(folder: Path) -> float:
+    """When the newest hang of `folder` was triggered (its trigger file's mtime); 0: none."""
+    try:
+        return (folder / TRIGGER).stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def check_report_folder(run_dir: Path) -> None:

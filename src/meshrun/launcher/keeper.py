@@ -16,16 +16,22 @@ worker ends with it (meshrun.launcher.lifetime).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+from meshrun.checkpoint.paths import what_a_rerun_does
+from meshrun.errors import RunError
 from meshrun.files.console import say
+from meshrun.launcher.failures import RUN_DIR_ENV, how_it_ended, lost, new_loss, read_losses, record, repeated_line
 from meshrun.launcher.lifetime import die_with_parent
-from meshrun.launcher.outcome import STOP_SIGNALS, status_text
+from meshrun.launcher.outcome import STOP_SIGNALS, Outcome, write_record
+from meshrun.launcher.run_lock import HELD_ENV
 
 ROLE_ENV = "MESHRUN_WORKER_ROLE"  # FIRST, REPLACEMENT or SPARE
 FIRST, REPLACEMENT = "first", "replacement"  # the job's first worker for this rank; one started in a lost one's place
@@ -36,20 +42,23 @@ RELAYED = (*STOP_SIGNALS, signal.SIGINT)  # what the agent sends a worker reache
 
 def keep(argv: Sequence[str], *, env: Mapping[str, str], replacements: int, spare: bool = False) -> int:
     """Run `argv` as this rank's worker; each time it is killed by a signal (a crash, the OOM killer,
-    `kill -9`), start it again with the next generation, at most `replacements` times. `spare`: keep
+    `kill -9`) or ended by its hang watchdog, start it again with the next generation, at most
+    `replacements` times, each loss recorded in the run's failures (launcher/failures.py). `spare`: keep
     the next replacement started ahead, waiting (meshrun.parallel.regroup.generation), so that a
     replacement costs no process start. A worker that exits by itself (done, stopped, or failed in
     its own words) ends the keeper with its status; the last one's death too, as the shell would
     say it (128 + the signal), and a death after a stop this keeper passed on (the job is ending)."""
-    rank = env.get("RANK", "?")
+    rank, run_dir = env.get("RANK", "?"), (Path(env[RUN_DIR_ENV]) if RUN_DIR_ENV in env else None)
     standby = start(argv, env=env, role=SPARE) if spare and replacements else None
     worker, number, relayed = start(argv, env=env, role=FIRST), 0, []
-    while (code := wait_relaying(worker, relayed)) < 0 and number < replacements and not relayed:
+    while lost(code := wait_relaying(worker, relayed)) and not relayed:
+        how = note_loss(run_dir, env, code, number=number, replaced=number < replacements)
+        if number == replacements:
+            give_up(run_dir, env, code, how=how, replacements=replacements)
+            break
         number += 1
-        how = "its spare takes over" if standby is not None else "starting its replacement"
-        say(
-            f"rank {rank} was {status_text(code)}; {how} ({number} of {replacements}), which takes its state from a replica"
-        )
+        took = "its spare takes over" if standby is not None else "starting its replacement"
+        say(f"rank {rank} {how}; {took} ({number} of {replacements}), which takes its state from a replica")
         lost_at = f"{time.time():.3f}"
         worker = (
             promote(standby, lost_at)
@@ -60,11 +69,32 @@ def keep(argv: Sequence[str], *, env: Mapping[str, str], replacements: int, spar
     if standby is not None:  # not needed: it holds nothing yet
         standby.kill()
         standby.wait()
-    if code >= 0:
-        return code
-    if not relayed:
-        say(f"rank {rank} was {status_text(code)}; no replacement left ({replacements} used)")
-    return 128 - code
+    return code if code >= 0 else 128 - code
+
+
+def note_loss(run_dir: Path | None, env: Mapping[str, str], code: int, *, number: int, replaced: bool) -> str:
+    """How this rank's worker ended, in words, recorded in the run's failures (launcher/failures.py)."""
+    rank = int(env.get("RANK", "0"))
+    how = how_it_ended(code, run_dir, rank, number + 1)
+    with contextlib.suppress(OSError):  # the record is for the report: the run goes on without it
+        record(run_dir, new_loss(rank, how, job=env.get(HELD_ENV, ""), replaced=replaced))
+    return how
+
+
+def give_up(run_dir: Path | None, env: Mapping[str, str], code: int, *, how: str, replacements: int) -> None:
+    """No replacement left: said here, and, as the run's last line (its outcome record, which the
+    launcher repeats), the rank and the node it kept failing on."""
+    say(f"rank {env.get('RANK', '?')} {how}; no replacement left ({replacements} used)")
+    if run_dir is None:
+        return
+    mine = [
+        loss
+        for loss in read_losses(run_dir)
+        if loss.rank == int(env.get("RANK", "0")) and loss.job == env.get(HELD_ENV, "")
+    ]
+    line = f"{repeated_line(mine, replacements=replacements)}; {what_a_rerun_does(run_dir)}"
+    with contextlib.suppress(OSError, RunError):
+        write_record(run_dir, Outcome.FAILED, error=line, exit_code=code if code >= 0 else 128 - code)
 
 
 def start(argv: Sequence[str], *, env: Mapping[str, str], role: str, lost_at: str = "") -> subprocess.Popen:

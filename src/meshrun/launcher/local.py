@@ -15,6 +15,7 @@ from meshrun.config.topology import peer_recovery
 from meshrun.errors import RunError
 from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
+from meshrun.launcher.failures import RUN_DIR_ENV
 from meshrun.launcher.hang import hang_summary
 from meshrun.launcher.lifetime import PARENT_PID
 from meshrun.launcher.logs import LOGS_ENV, log_dir
@@ -88,6 +89,7 @@ def launch(cfg: Config, worker_args: list[str], *, lock: RunDirLock) -> int:
         watch.start()
     clear_record(run_dir)  # an earlier launch's outcome must not be read as this one's
     env = {**worker_env(cfg), PARENT_PID: str(os.getpid()), HELD_ENV: lock.job, LOGS_ENV: str(log_dir(run_dir))}
+    env[RUN_DIR_ENV] = str(run_dir)  # the keepers' failure records (launch.recovery peer)
     try:
         with run_tmpdir(env):
             code, relayed = run_torchrun(argv, env=env, lock=lock)

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from meshrun.config.topology import ParallelConfig
 from meshrun.errors import ConfigError
 from meshrun.metrics.record import read_metrics_rows, read_summary, slowest_rank, time_split_totals
+from meshrun.metrics.recoveries import Recovery, format_recoveries, run_recoveries
 from meshrun.parallel.layout import Layout, place_text
 
 REPORT_NAME = "report.png"  # the picture's name in the first run's directory when --out is not given
@@ -32,6 +33,7 @@ class RunRecord:
     summary: dict[str, Any] | None  # None: the run has not completed
     rows: list[dict[str, Any]]
     layout: Layout
+    recoveries: list[Recovery]
 
     @property
     def tokens_per_step(self) -> int:
@@ -52,7 +54,8 @@ def read_run(path: Path) -> RunRecord:
         )
     summary = read_summary(path / "summary.json")
     rows = read_metrics_rows(path / "metrics.jsonl")
-    return RunRecord(path.name or str(path), config, summary, rows, _run_layout(path, config["parallel"]))
+    layout = _run_layout(path, config["parallel"])
+    return RunRecord(path.name or str(path), config, summary, rows, layout, run_recoveries(rows, path))
 
 
 def _run_layout(path: Path, parallel: dict[str, Any]) -> Layout:
@@ -153,6 +156,7 @@ def plot_losses(runs: list[RunRecord], path: Path, *, replace: bool = False) -> 
             if points:
                 ax.plot(*zip(*points), style, color=colour, label=f"{run.name} {key.replace('_', ' ')}")
                 drawn = True
+        mark_recoveries(ax, run, colour)
     ax.set_xlabel("tokens")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
@@ -161,6 +165,16 @@ def plot_losses(runs: list[RunRecord], path: Path, *, replace: bool = False) -> 
     else:
         ax.set_title("no loss logged yet in these runs' metrics.jsonl")
     save_figure(fig, path, replace=replace)
+
+
+def mark_recoveries(ax: Any, run: RunRecord, colour: str) -> None:
+    """A marker on `run`'s loss curve at each step a lost worker was recovered in (its loss: the
+    step trained again), labelled once."""
+    loss = {row["step"]: row["loss"] for row in run.rows if "loss" in row}
+    steps = [r.step for r in run.recoveries if r.event is not None and r.step is not None and r.step in loss]
+    if steps:
+        x = [step * run.tokens_per_step for step in steps]
+        ax.plot(x, [loss[s] for s in steps], "X", color=colour, markersize=10, label=f"{run.name} recovered")
 
 
 def report(paths: list[str], *, out: str | None = None, force: bool = False) -> str:
@@ -184,4 +198,6 @@ def report(paths: list[str], *, out: str | None = None, force: bool = False) -> 
         raise ConfigError(f"{name} appeared while the picture was drawn; choose another --out") from None
     except OSError as exc:
         raise ConfigError(f"{name} cannot be written ({exc.strerror}); choose another --out") from None
-    return f"{format_table(runs)}\n\n{format_time_split(runs)}\n\nloss curves: {target}"
+    recoveries = format_recoveries([(run.name, run.recoveries) for run in runs])
+    more = f"\n\n{recoveries}" if recoveries else ""
+    return f"{format_table(runs)}\n\n{format_time_split(runs)}{more}\n\nloss curves: {target}"

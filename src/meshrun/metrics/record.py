@@ -23,6 +23,15 @@ from meshrun.parallel.layout import PLACE_AXES
 
 LARGEST_COUNT = 2**63  # meshrun's counts are int64; a larger integer is no count it wrote
 STRAGGLER = ("straggler/rank", "straggler/pp", "straggler/dp", "straggler/ratio")  # written together
+TEXT_KEYS = ("recovered_ranks",)  # the only words in a row: a recovery event's ranks ("0", "1, 3")
+MAX_TEXT = 200
+
+
+def _is_value(key: str, value: Any) -> bool:
+    """A number meshrun could have written, or, under TEXT_KEYS, a short line of text."""
+    if key in TEXT_KEYS:
+        return isinstance(value, str) and len(value) <= MAX_TEXT and value.isprintable()
+    return _is_number(value)
 
 
 def _is_number(value: Any) -> bool:
@@ -45,7 +54,7 @@ def _row_problem(row: Any) -> str | None:
     step = row.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < LARGEST_COUNT:
         return f"step {_shown(step)} is not a step count"
-    bad = next((key for key, value in row.items() if not _is_number(value)), None)
+    bad = next((key for key, value in row.items() if not _is_value(key, value)), None)
     if bad is not None:
         return f"{_shown(bad)} is {_shown(row[bad])}, not a number"
     bad = next((k for k, v in row.items() if _is_duration_or_share(k) and not 0 <= v < math.inf), None)

@@ -95,7 +95,15 @@ class PeerRecovery:
 
     def receive(self, state: TrainState) -> int:
         """A replacement's: the state of a surviving replica, at the step that was in flight; returns it."""
-        self.received = share_state(state, 0, holds=False)
+        try:
+            self.received = share_state(state, 0, holds=False)
+        except RuntimeError as broken:
+            if not regroup.lost_peer(broken):
+                raise
+            raise RunError(  # the replica sending it, or the replacement of a rank lost since, is gone
+                f"no surviving replica holds rank {dist.get_rank()}'s state: a rank was lost while the state was "
+                "copied; rerun the same command to resume from the newest checkpoint (from the start if none)"
+            ) from None
         if self.received.source is None:
             raise RunError(
                 f"no surviving replica holds rank {dist.get_rank()}'s state (every rank of the group was "
@@ -174,4 +182,5 @@ def announce(report: RunReport, copy: Copy, *, noticed: float, joined: float) ->
         f"the replacement joined, {figures['state_s']:.1f} s building its model and copying the state): rank {lost}'s "
         f"state copied from rank {copy.source}'s memory; no step lost"
     )
-    report.log(copy.step, {"recovered_ranks": lost, "recovered_from": copy.source, **figures, "steps_lost": 0})
+    event = {"recovered_ranks": lost, "recovered_from": copy.source, "lost_at": since, **figures, "steps_lost": 0}
+    report.log(copy.step, event)  # lost_at: the loss's time.time(), its keeper's record's (launcher/failures.py)

@@ -112,7 +112,12 @@ def start_watchdog(cfg: Config) -> HangWatchdog | None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     one_process = not in_launched_worker()  # its own launcher: it says the summary itself
     watchdog = HangWatchdog(
-        Path(cfg.run_dir), place, timeout=cfg.launch.hang_timeout, attempt=attempt, summarise=one_process
+        Path(cfg.run_dir),
+        place,
+        timeout=cfg.launch.hang_timeout,
+        attempt=attempt,
+        summarise=one_process,
+        alone=kept(cfg),  # launch.recovery peer: the rank that stalled ends alone, and is replaced
     )
     watchdog.start()
     return watchdog
