@@ -183,8 +183,10 @@ def share_state(state: TrainState, mesh: Mesh, step: int, *, holds: bool) -> Cop
 
 
 def unwrap(model: LocalModel | PipelineModel) -> None:
-    """The broken group's data-parallel wrappers and pipeline schedules (their stages hold its
-    transfers) dropped, so that they are freed before the group is destroyed."""
+    """The broken group's data-parallel wrappers, pipeline schedules (their stages hold its
+    transfers) and the groups the model holds dropped, so that they are freed before the group is
+    destroyed (regroup.release)."""
+    model.tied.group = None
     if isinstance(model, LocalModel):
         model.wrapped = model.parts[0]
     else:
