@@ -118,10 +118,11 @@ def copy_from_replica(
     }
     if None in sources.values():
         return sources
-    mine = [r for r in replicas_of(rank) if r in sources]
-    if mine:  # one collective per tensor: ~20 ms for the default job's 16 MB on gloo
+    fresh_here = [r for r in replicas_of(rank) if r in sources]
+    source = sources[fresh_here[0]] if fresh_here else None  # this rank's group's: the same for each of its fresh
+    if source is not None:  # one collective per tensor: ~20 ms for the default job's 16 MB on gloo
         for tensor in tensors:
-            dist.broadcast(tensor, src=sources[mine[0]], group=group)  # type: ignore[arg-type]
+            dist.broadcast(tensor, src=source, group=group)
     return sources
 
 
@@ -134,8 +135,8 @@ def agreed_step(step: int, *, holds: bool) -> None:
     latest, earliest = int(bounds[0]), -int(bounds[1])
     if latest != earliest:
         raise RunError(
-            f"a peer was lost while step {earliest + 1} was being committed: some ranks applied it, others "
-            f"did not, and no replica holds one state; rerun the same command to resume from the newest checkpoint"
+            f"a peer was lost while step {earliest + 1} was being committed, after some ranks had applied it and "
+            "before others did; rerun the same command to resume from the newest checkpoint"
         )
 
 
