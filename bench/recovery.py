@@ -26,11 +26,11 @@ target for the whole recovery, of which the first step after it is not counted h
     python bench/recovery.py --train         # the wired path: `meshrun train`, launch.recovery peer
     python bench/recovery.py --goodput 30    # goodput, one failure every 30 min: peer vs checkpoint restart
 
-`--train` measures what a user gets: the default job's model and data at dp2 x pp1 (peer recovery
-is built for DDP only), `launch.recovery: peer`, rank 1's worker SIGKILLed once a step is logged;
-from the SIGKILL to the next step's line on the console (the step trained again included), with the
-recovery's own split from its metrics.jsonl event (until the replacement joined; its model built and
-the state copied), with and without `launch.warm_spare`.
+`--train` measures what a user gets: the default job as it is (dp2 x pp2, 1F1B), `launch.recovery:
+peer`, rank 1's worker (stage 0) SIGKILLed once a step is logged; from the SIGKILL to the next step's
+line on the console (the step trained again included), with the recovery's own split from its
+metrics.jsonl event (until the replacement joined: detection, tear-down and its start; its model
+built and the state copied) and the step trained again, with and without `launch.warm_spare`.
 
 `--goodput MINUTES` prices what a failure every MINUTES costs each recovery (meshrun/metrics/goodput.py:
 the share of wall time kept as training): two `meshrun train` runs of the default job at dp2 x pp1,
@@ -149,11 +149,11 @@ def one_round(numel: int, *, spare: bool) -> dict[str, float]:
 
 
 def train_round(folder: Path, *, spare: bool, steps: int = 40, kill_after: int = 20) -> dict[str, float]:
-    """One `meshrun train` of the default job at dp2 x pp1 under peer recovery, rank 1 killed after
+    """One `meshrun train` of the default job (dp2 x pp2) under peer recovery, rank 1 killed after
     step `kill_after`: seconds from the SIGKILL to the next step's line, and the event's split."""
     run = folder / f"run-{'spare' if spare else 'cold'}"
     sets = {
-        "parallel.pp": 1, "launch.recovery": "peer", "launch.max_restarts": 1, "launch.warm_spare": spare,
+        "launch.recovery": "peer", "launch.max_restarts": 1, "launch.warm_spare": spare,
         "run_dir": run, "train.steps": steps, "train.log_interval": 1, "train.eval_interval": 0,
         "checkpoint.interval": 0, "tracker.mode": "disabled", "metrics.plots": False,
     }  # fmt: skip
@@ -208,7 +208,7 @@ def train_main(rounds: int) -> int:
     """--train: the wired path, medians of `rounds` (each: a cold replacement and a warm spare)."""
     with tempfile.TemporaryDirectory(prefix="meshrun-recovery-") as folder:
         done = [{spare: train_round(Path(folder), spare=spare) for spare in (False, True)} for _ in range(rounds)]
-    print(f"the default job's model at dp2 x pp1, launch.recovery peer; medians of {rounds} rounds, seconds:")
+    print(f"the default job (dp2 x pp2), launch.recovery peer; medians of {rounds} rounds, seconds:")
     warm = print_medians(done, spare_name="launch.warm_spare")[True]["to next step"]
     print(
         f"{'PASS' if warm <= TARGET_S else 'FAIL'}: SIGKILL -> next step {warm:.2f} s with a warm spare (target <= {TARGET_S:.0f} s)"

@@ -1,8 +1,11 @@
 """launch.recovery peer through `meshrun train` (issue 46): a dp2 DDP job whose rank 0 (the one that
 records the run) is SIGKILLed mid-step finishes with the weights of an uninterrupted run, each step
 trained once, no checkpoint read, the recovery recorded and said in two lines (the keeper's, and
-the replacement's as rank 0). Real torchrun, keepers, a warm spare, gloo; the layouts peer recovery
-is not built for are refused before any worker starts."""
+the replacement's as rank 0); so does the default job's layout, dp2 x pp2, whose rank 1 is killed
+(the other stage's ranks regroup and train the step again too). Real torchrun, keepers, a warm
+spare, gloo; the layouts peer recovery is not built for are refused before any worker starts.
+dp1 x pp2 under peer is the checkpoint launch (test_peer_recovery_runs_each_worker_under_a_keeper...),
+whose restart is bit-identical (tests/training/test_preemption.py::test_killed_rank_restarts_and_resumes)."""
 
 from __future__ import annotations
 
@@ -32,29 +35,53 @@ JOB = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(
-    data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+def launch(
+    data_dir: Path, tmp: Path, job: dict[str, object], kill: dict[str, str]
 ) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    tmp = tmp_path_factory.mktemp("recovery")
+    """`job` uninterrupted, and under launch.recovery peer with a warm spare and `kill` (on cue)."""
     done = {}
     for name, settings, env in (
         ("uninterrupted", {}, {}),
-        (
-            "killed",
-            {"launch.recovery": "peer", "launch.warm_spare": True},
-            {"MESHRUN_TEST_KILL_AT": "5", "MESHRUN_TEST_ON_RANK": "0"},
-        ),
+        ("killed", {"launch.recovery": "peer", "launch.warm_spare": True}, kill),
     ):
         run = tmp / name
-        args = ["train", *tiny(data_dir, run, **JOB, **settings)]
+        args = ["train", *tiny(data_dir, run, **job, **settings)]
         done[name] = run, run_meshrun(args, tmp_path=tmp, env=meshrun_env(tmp, PYTHONPATH=HERE, **env), timeout=300)
     return done
 
 
+@pytest.fixture(scope="module")
+def runs(
+    data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    return launch(
+        data_dir, tmp_path_factory.mktemp("recovery"), JOB, {"MESHRUN_TEST_KILL_AT": "5", "MESHRUN_TEST_ON_RANK": "0"}
+    )
+
+
 @pytest.mark.timeout(700)  # the fixture's two launches, on loaded cores
 def test_a_killed_rank_is_replaced_from_its_peer_and_no_step_is_lost(runs, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert_recovered(runs, monkeypatch, event=(2, "0", 1, 0))
+
+
+@pytest.mark.timeout(900)  # two launches of 4 ranks (keepers and spares beside), on loaded cores
+def test_a_killed_pipeline_rank_is_replaced_from_its_stage_replica(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dp2 x pp2 (1F1B): rank 1 (stage 0) killed in step 3's second forward; ranks 2 and 3 (stage 1),
+    which hold none of its state, regroup and train the step again with ranks 0 and 1."""
+    job = {**JOB, "parallel.pp": 2}
+    runs = launch(data_dir, tmp_path, job, {"MESHRUN_TEST_KILL_AT": "7", "MESHRUN_TEST_ON_RANK": "1"})
+    assert_recovered(runs, monkeypatch, event=(2, "1", 0, 0))
+    plain, killed = (runs[name][1].stderr.splitlines() for name in ("uninterrupted", "killed"))
+    assert len([line for line in killed if "straggler" not in line]) <= len(plain) + 2, killed
+
+
+def assert_recovered(runs: dict, monkeypatch: pytest.MonkeyPatch, *, event: tuple) -> None:
+    """The killed run's weights are the uninterrupted run's, each step trained once, no checkpoint
+    read (checkpoint.interval 0: none was written before the end), one recovery recorded: `event`."""
     (plain, _), (run, done) = runs["uninterrupted"], runs["killed"]
+    assert done.returncode == 0, done.stderr[-3000:]
     monkeypatch.syspath_prepend(HERE)  # the checkpoints' model.factory
     reference, recovered = final_weights(plain), final_weights(run)
     assert all(torch.equal(recovered[name], reference[name]) for name in reference)
@@ -62,7 +89,7 @@ def test_a_killed_rank_is_replaced_from_its_peer_and_no_step_is_lost(runs, monke
     assert [row["step"] for row in rows if "loss" in row] == list(range(1, STEPS + 1))  # each step once
     assert losses(run) == losses(plain)  # a row per step (log_interval 1): the replacement's window is whole
     events = [row for row in rows if "recovered_ranks" in row]
-    assert [(e["step"], e["recovered_ranks"], e["recovered_from"], e["steps_lost"]) for e in events] == [(2, "0", 1, 0)]
+    assert [(e["step"], e["recovered_ranks"], e["recovered_from"], e["steps_lost"]) for e in events] == [event]
     assert "resumed from" not in done.stderr and "Traceback" not in done.stderr
 
 
@@ -100,9 +127,13 @@ def test_peer_recovery_runs_each_worker_under_a_keeper_on_the_agents_store() -> 
     ("settings", "said"),
     [
         (
-            ["parallel.pp=2"],
-            "launch.recovery peer is built for ddp data parallel on one node so far (parallel.pp is 2)",
+            ["parallel.pp=2", "parallel.schedule=gpipe"],
+            (
+                "launch.recovery peer is built for ddp data parallel, and pipelines of schedule 1f1b split evenly or "
+                "by parallel.stage_layers, on one node so far (parallel.schedule is gpipe)"
+            ),
         ),
+        (["parallel.pp=2", "parallel.balance=size"], "(parallel.balance is size)"),
         (["parallel.dp_mode=fsdp"], "(parallel.dp_mode is fsdp)"),
         (["launch.max_restarts=0"], "at most launch.max_restarts times per rank (it is 0)"),
         (["precision=fp16"], "launch.recovery peer does not run fp16 so far"),

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from meshrun.launcher.keeper import keep
+from meshrun.parallel import regroup
 from tests.conftest import kill_tree, meshrun_env
 from tests.parallel.peer_worker import STEPS
 
@@ -153,3 +155,20 @@ def test_keeper_passes_a_stop_request_on(tmp_path: Path) -> None:
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0 and proc.stdout.read() == "stopped\n"
+
+
+def test_release_drops_the_groups_a_device_mesh_holds() -> None:
+    """regroup.release reads DeviceMesh's private `_pg_registry` (every group a mesh and the meshes
+    cut from it made, kept in the root's): this fails by name if a torch upgrade moves them. While
+    a mesh holds a gloo group its connections stay open, and a peer blocked on this rank in it
+    never notices the loss (a pipeline's other stage, in its gradient all-reduce)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        world = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
+        flat = world["pp", "dp"]._flatten("all")
+        held = list(world._pg_registry.values())
+        assert all(any(group is mine for mine in held) for group in (world.get_group("dp"), flat.get_group()))
+        regroup.release([world, flat, None])
+        assert not world._pg_registry and not flat._pg_registry
+    finally:
+        dist.destroy_process_group()

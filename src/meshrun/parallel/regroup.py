@@ -16,12 +16,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from meshrun.errors import RunError
 from meshrun.launcher.keeper import LOST_AT_ENV, REPLACEMENT, ROLE_ENV, SPARE
 
 # Which generation of the group is which, agreed through the job's store (a keeper knows only its
@@ -75,6 +77,17 @@ def join(store: dist.Store, *, number: int, rank: int, world: int, timeout: time
     dist.init_process_group("gloo", store=generation_store(store, number), rank=rank, world_size=world, timeout=timeout)
 
 
+def release(meshes: Iterable[DeviceMesh | None]) -> None:
+    """Drop the process groups that `meshes` keep (a DeviceMesh holds each group it made, in its
+    root's `_pg_registry`: torch's private field; tests/parallel/test_regroup.py fails by name if a
+    torch upgrade changes it). A gloo group's connections close only once nothing holds it: a peer
+    blocked on this rank in one of them (another stage's rank in its gradient all-reduce) notices
+    the loss then, not when this process ends."""
+    for mesh in meshes:
+        if mesh is not None:
+            mesh._pg_registry.clear()
+
+
 def tear_down() -> None:
     """Leave the (broken) default process group and every group cut from it, so that the next
     generation can be joined by this same process; what the broken group still raises is moot."""
@@ -83,24 +96,48 @@ def tear_down() -> None:
 
 
 def copy_from_replica(
-    tensors: Sequence[torch.Tensor], *, holds: bool, group: dist.ProcessGroup | None = None
-) -> tuple[int | None, list[int]]:
-    """Collective over `group` (its ranks hold the same state, or will): every rank says whether it
-    `holds` the state, and the lowest rank that does sends `tensors`, in place, to the others (a
-    replacement's freshly built state of the same shapes). Returns the global rank that sent them
-    (None if no rank holds them: no replica survived, the caller falls back to a checkpoint) and the
-    global ranks that did not hold them (the replacements)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    held = torch.zeros(len(ranks), dtype=torch.int64)
-    held[ranks.index(dist.get_rank())] = int(holds)
-    dist.all_reduce(held, group=group)
-    fresh = [rank for rank, holder in zip(ranks, held.tolist()) if not holder]
-    if not held.any():
-        return None, fresh
-    source = ranks[int(held.nonzero()[0])]
-    for tensor in tensors:  # one collective per tensor: ~20 ms for the default job's 16 MB on gloo
-        dist.broadcast(tensor, src=source, group=group)
-    return source, fresh
+    tensors: Sequence[torch.Tensor],
+    *,
+    holds: bool,
+    group: dist.ProcessGroup | None = None,
+    replicas: Callable[[int], Sequence[int]] | None = None,
+) -> dict[int, int | None]:
+    """Collective over every rank: each says whether it `holds` its state, and in each `group` of
+    replicas (the ranks that hold the same state, or will: `replicas(rank)`, by default every rank)
+    that has a rank without it, the lowest rank that holds it sends `tensors`, in place, to the others
+    (a replacement's freshly built state of the same shapes). Returns, for each global rank that did
+    not hold its state (the replacements), the global rank its copy came from; None where none of
+    its replicas held it: then nothing is sent anywhere, and the caller falls back to a checkpoint."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    held = torch.zeros(world, dtype=torch.int64)
+    held[rank] = int(holds)
+    dist.all_reduce(held)
+    replicas_of = replicas or (lambda _: range(world))
+    sources = {
+        fresh: next((r for r in replicas_of(fresh) if held[r]), None) for fresh in range(world) if not held[fresh]
+    }
+    if None in sources.values():
+        return sources
+    fresh_here = [r for r in replicas_of(rank) if r in sources]
+    source = sources[fresh_here[0]] if fresh_here else None  # this rank's group's: the same for each of its fresh
+    if source is not None:  # one collective per tensor: ~20 ms for the default job's 16 MB on gloo
+        for tensor in tensors:
+            dist.broadcast(tensor, src=source, group=group)
+    return sources
+
+
+def agreed_step(step: int, *, holds: bool) -> None:
+    """Collective: every rank that `holds` its state recovers at the same `step` (a replacement knows
+    none). They differ only where a peer was lost inside a step's commit (training/recovery.py), after
+    some ranks had stepped their optimizers: that is said in one line (RunError) on every rank."""
+    bounds = torch.tensor([step, -step] if holds else [-(2**62), -(2**62)], dtype=torch.int64)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    latest, earliest = int(bounds[0]), -int(bounds[1])
+    if latest != earliest:
+        raise RunError(
+            f"a peer was lost while step {earliest + 1} was being committed, after some ranks had applied it and "
+            "before others did; rerun the same command to resume from the newest checkpoint"
+        )
 
 
 def recover(
@@ -117,13 +154,13 @@ def recover(
     generation `number` (a survivor's next_generation, a replacement's awaited_generation), copy
     `tensors` from the lowest rank that `holds` them (copy_from_replica over the whole world: every
     rank a replica, as under DDP) and record `number` as the one recovered into. Returns the rank the
-    state came from (None: nobody held it) and the seconds from the tear-down to the copy done."""
+    state came from (None: nobody held it, or nobody lacked it) and the seconds from the tear-down to the copy done."""
     started = time.monotonic()
     tear_down()
     join(store, number=number, rank=rank, world=world, timeout=timeout)
-    source, _ = copy_from_replica(tensors, holds=holds)
+    sources = copy_from_replica(tensors, holds=holds)
     recovered(store, number)
-    return source, time.monotonic() - started
+    return next(iter(sources.values()), None), time.monotonic() - started
 
 
 def lost_at(*, holds: bool) -> float:
@@ -142,6 +179,12 @@ def recovered(store: dist.Store, number: int) -> None:
 def lost_peer(error: BaseException) -> bool:
     """`error` is a collective broken by a lost or hung peer: on gloo a RuntimeError raised by its
     TCP transport ("Connection reset by peer", "Timed out waiting ...ms for recv"), whose source path
-    torch 2.13 puts in the message; any other error is a bug or the user's and is not recovered from.
-    tests/parallel/test_regroup.py fails if a torch upgrade changes the message."""
-    return isinstance(error, RuntimeError) and "gloo/transport/tcp" in str(error)
+    torch 2.13 puts in the message, or one that a pipeline stage's backward wraps (its cause); any
+    other error is a bug or the user's and is not recovered from. tests/parallel/test_regroup.py
+    fails if a torch upgrade changes the message."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, RuntimeError) and "gloo/transport/tcp" in str(cause):
+            return True
+        cause = cause.__cause__
+    return False

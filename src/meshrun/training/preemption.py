@@ -70,6 +70,12 @@ class Requests:
         save, stop = (bool(v) for v in previous[1].tolist())
         return save or stop, stop
 
+    def leave(self) -> None:
+        """Before a broken process group is destroyed (training/recovery.py): the flags' group and
+        the all-reduce in flight on it dropped, so that its connections close (a peer blocked on
+        them then notices the loss too); `regroup` makes them again."""
+        self.group, self.pending = None, None
+
     def regroup(self) -> None:
         """Collective, after a lost peer was replaced (training/recovery.py): the flags' group made
         again over the new process group. Flags in flight on the broken one are dropped; a signal's

@@ -5,10 +5,14 @@ the layout's meshes and DDP over it, and hand the replacement their state from m
 the optimizer, the data position and the counters. The step that was in flight is trained again
 by every rank, so no step is lost and none is trained twice.
 
-Built for DDP over dp ranks (pp, tp, cp, ep 1) on one node's CPUs (gloo); config/topology.py
-refuses the rest. The replacement joins at a step's start: a loss noticed inside a step (its
-gradient all-reduce) is recovered there. Dropout draws from a stream seeded per step and rank, so
-the step trained again draws the same masks.
+Built for DDP over dp ranks, with or without pipeline stages (tp, cp, ep 1), on one node's CPUs
+(gloo); config/topology.py refuses the rest. Under pp the ranks of every stage regroup and train the
+step again, and a replacement takes its stage's state from a dp replica of that stage. The
+replacement joins at a step's start: a loss noticed inside a step (a pipeline transfer, a gradient
+all-reduce, the norm over the stages) is recovered there. No rank steps its optimizer before every
+rank's gradients are final (`commit`, the step's last collective), so a step broken before it was
+applied nowhere. Dropout draws from a stream seeded per step and rank, so the step trained again
+draws the same masks.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 from meshrun.config.schema import Config
@@ -29,13 +34,16 @@ from meshrun.hardware.device import pick_device
 from meshrun.hardware.precision import resolve_precision
 from meshrun.launcher import progress
 from meshrun.parallel import regroup
+from meshrun.parallel.experts import ExpertGradients
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, join_store, mesh_on
 from meshrun.parallel.parallelize import LocalModel, wrap_data_parallel
+from meshrun.parallel.tied import TiedEmbeddings
 from meshrun.training.state import TrainState
 
 if TYPE_CHECKING:
     from meshrun.metrics.report import RunReport
+    from meshrun.parallel.pipeline import PipelineModel
     from meshrun.training.step_records import StepResult
     from meshrun.training.trainer import Trainer
 
@@ -57,8 +65,8 @@ class PeerRecovery:
 
     def step(self, trainer: Trainer, step: int) -> StepResult:
         """`trainer.train_step(step)`, trained again after a lost peer is replaced (the data position
-        and the gradients of the broken attempt undone; no rank stepped its optimizer: DDP's
-        all-reduce precedes it); any other error is raised as it is."""
+        and the gradients of the broken attempt undone; no rank stepped its optimizer: `commit`
+        precedes it); any other error is raised as it is."""
         while True:
             position, lost = trainer.state.samples_seen, None
             seed_step(trainer.cfg, trainer.mesh, step)
@@ -73,30 +81,40 @@ class PeerRecovery:
             trainer.optimizers.zero_grad()
             self.rejoin(trainer, step, cause=lost)
 
+    def commit(self) -> None:
+        """Collective over every rank, the step's last (its optimizer steps after it): once it
+        returns on any rank, every rank's gradients are final. A peer lost before it fails it on
+        every rank, and nobody has stepped; one lost inside it may have let some ranks step
+        (`regroup.agreed_step` then stops the run in one line)."""
+        progress.mark("optimizer", "every rank's gradients final before any optimizer steps (launch.recovery peer)")
+        dist.all_reduce(torch.zeros(1))
+
     def rejoin(self, trainer: Trainer, step: int, *, cause: str) -> None:
-        """A survivor's recovery at `step`: the group rebuilt with the replacement, which gets this
+        """A survivor's recovery at `step`: the group rebuilt with the replacement, which gets its
         replica's state; the trainer continues on the new meshes."""
         noticed = time.time()
         progress.mark("recovering", f"a peer was lost at step {step + 1}: {cause}")
-        model, rank, world = local_model(trainer.state), trainer.mesh.rank, trainer.cfg.world_size
-        model.wrapped = model.parts[0]
+        model, rank, world = trainer.state.model, trainer.mesh.rank, trainer.cfg.world_size
+        unwrap(model)
+        trainer.requests.leave()
+        regroup.release([trainer.mesh.world, *trainer.mesh.views.values(), trainer.mesh.expert_grid])
         gc.collect()  # the broken DDP freed before its group is destroyed (freed after, it hung a process)
         self.number = regroup.next_generation(self.store, lost=self.number)
         regroup.tear_down()
         regroup.join(self.store, number=self.number, rank=rank, world=world, timeout=COLLECTIVE_TIMEOUT)
         joined = time.time()  # the replacement is there
         mesh = mesh_on(trainer.mesh.layout, trainer.device)
-        model.wrapped = wrap_data_parallel(model.parts[0], mesh, trainer.cfg, init_sync=False)
+        rewrap(model, mesh, trainer.cfg)
         trainer.mesh = mesh
-        copy = share_state(trainer.state, step, holds=True)
+        copy = share_state(trainer.state, mesh, step, holds=True)
         trainer.requests.regroup()  # after the state, where the replacement makes its own (Run)
         regroup.recovered(self.store, self.number)
         announce(trainer.report, copy, noticed=noticed, joined=joined)
 
-    def receive(self, state: TrainState) -> int:
+    def receive(self, state: TrainState, mesh: Mesh) -> int:
         """A replacement's: the state of a surviving replica, at the step that was in flight; returns it."""
         try:
-            self.received = share_state(state, 0, holds=False)
+            self.received = share_state(state, mesh, 0, holds=False)
         except RuntimeError as broken:
             if not regroup.lost_peer(broken):
                 raise
@@ -104,11 +122,6 @@ class PeerRecovery:
                 f"no surviving replica holds rank {dist.get_rank()}'s state: a rank was lost while the state was "
                 "copied; rerun the same command to resume from the newest checkpoint (from the start if none)"
             ) from None
-        if self.received.source is None:
-            raise RunError(
-                f"no surviving replica holds rank {dist.get_rank()}'s state (every rank of the group was "
-                "replaced); rerun with launch.recovery checkpoint to resume from the newest checkpoint"
-            )
         return self.received.step
 
     def announce_received(self, report: RunReport) -> None:
@@ -140,29 +153,67 @@ def resolved_alone(cfg: Config, device: torch.device) -> Config:
 
 @dataclass(frozen=True)
 class Copy:
-    """A state copied from a replica: by `source` (None: no rank held it) to the `fresh` ranks,
+    """A state copied from replicas: to each `fresh` rank from its source (`sources`, in that order),
     at `step`, for a rank lost at `lost_at` (time.time(), its keeper's; 0: not known)."""
 
-    source: int | None
-    fresh: list[int]
+    sources: dict[int, int]
     step: int
     lost_at: float
     done: float = field(default_factory=time.time)
 
+    @property
+    def fresh(self) -> list[int]:
+        return list(self.sources)
 
-def share_state(state: TrainState, step: int, *, holds: bool) -> Copy:
+
+def share_state(state: TrainState, mesh: Mesh, step: int, *, holds: bool) -> Copy:
     """Collective: every tensor of `state` at `step` (a checkpoint's, RNG left out: dropout is
-    seeded per step) from the lowest rank that `holds` it to the others."""
+    seeded per step) from the lowest rank of each dp group that `holds` it to the others (under pp,
+    each stage's replicas)."""
+    regroup.agreed_step(step, holds=holds)
     named = state.state_dict(step, rng=False)
-    source, fresh = regroup.copy_from_replica([named[key] for key in sorted(named)], holds=holds)
-    if source is not None:
+    layout = mesh.layout
+    sources = regroup.copy_from_replica(
+        [named[key] for key in sorted(named)],
+        holds=holds,
+        group=mesh.group("dp"),
+        replicas=lambda rank: layout.group_ranks(rank, "dp"),
+    )
+    if lost := [rank for rank, source in sources.items() if source is None]:
+        raise RunError(
+            f"no surviving replica holds rank {lost[0]}'s state (each of its dp replicas was lost); "
+            "rerun with launch.recovery checkpoint to resume from the newest checkpoint"
+        )
+    if not holds:
         state.load_state_dict(named)
-    return Copy(source, fresh, int(named["progress.step"]), regroup.lost_at(holds=holds))
+    copied = {rank: source for rank, source in sources.items() if source is not None}
+    return Copy(copied, int(named["progress.step"]), regroup.lost_at(holds=holds))
 
 
-def local_model(state: TrainState) -> LocalModel:
-    assert isinstance(state.model, LocalModel), "peer recovery is built for pp 1 (config/topology.py)"
-    return state.model
+def unwrap(model: LocalModel | PipelineModel) -> None:
+    """The broken group's data-parallel wrappers, pipeline schedules (their stages hold its
+    transfers) and the groups the model holds dropped, so that they are freed before the group is
+    destroyed (regroup.release)."""
+    model.tied.group = None
+    if isinstance(model, LocalModel):
+        model.wrapped = model.parts[0]
+    else:
+        model.wrapped, model.schedules = list[nn.Module](model.parts), {}
+        del model.pp_group
+
+
+def rewrap(model: LocalModel | PipelineModel, mesh: Mesh, cfg: Config) -> None:
+    """What `parallelize` makes over the process group once the parts are built, over `mesh`, in
+    its order (a replacement's parallelize makes the same collectives): each part's data-parallel
+    wrapper (no weights sent: they come from a replica), the pipeline's stage group (its schedules
+    are made again at the next step) and the tied embedding's groups."""
+    wrapped = [wrap_data_parallel(part, mesh, cfg, init_sync=False) for part in model.parts]
+    if isinstance(model, LocalModel):
+        model.wrapped = wrapped[0]
+    else:
+        model.wrapped, model.pp_group = wrapped, mesh.group("pp")
+        model.tied = TiedEmbeddings(model.parts, model.plan.local_stages, num_stages=model.plan.num_stages, mesh=mesh)
+    model.experts = ExpertGradients(model.parts, mesh)
 
 
 def seed_step(cfg: Config, mesh: Mesh, step: int) -> None:
@@ -177,10 +228,15 @@ def announce(report: RunReport, copy: Copy, *, noticed: float, joined: float) ->
     lost = ", ".join(map(str, copy.fresh))
     since = copy.lost_at or noticed
     figures = {"recovery_s": copy.done - since, "rejoin_s": joined - since, "state_s": copy.done - joined}
+    copied = ", ".join(
+        f"rank {rank}'s state copied from rank {source}'s memory" for rank, source in copy.sources.items()
+    )
     report.note(
         f"recovered at step {copy.step + 1} in {figures['recovery_s']:.1f} s ({figures['rejoin_s']:.1f} s until "
-        f"the replacement joined, {figures['state_s']:.1f} s building its model and copying the state): rank {lost}'s "
-        f"state copied from rank {copy.source}'s memory; no step lost"
+        f"the replacement joined, {figures['state_s']:.1f} s building its model and copying the state): "
+        f"{copied}; no step lost"
     )
-    event = {"recovered_ranks": lost, "recovered_from": copy.source, "lost_at": since, **figures, "steps_lost": 0}
+    sources = list(copy.sources.values())
+    source = sources[0] if len(sources) == 1 else ", ".join(map(str, sources))  # as recovered_ranks: one per rank
+    event = {"recovered_ranks": lost, "recovered_from": source, "lost_at": since, **figures, "steps_lost": 0}
     report.log(copy.step, event)  # lost_at: the loss's time.time(), its keeper's record's (launcher/failures.py)

@@ -41,7 +41,7 @@ class Run:
         run_dir = Path(cfg.run_dir)
         replacement = recovery if recovery is not None and recovery.replacement else None  # its state: a replica's
         start_step, newer_checkpoints = (
-            (replacement.receive(state), ()) if replacement is not None else resume_state(cfg, mesh, state)
+            (replacement.receive(state, mesh), ()) if replacement is not None else resume_state(cfg, mesh, state)
         )
         records = mesh.rank == 0 and start_step < cfg.train.steps  # rank 0 records the run
         self.report = RunReport(

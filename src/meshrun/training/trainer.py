@@ -49,6 +49,8 @@ class StepRecovery(Protocol):
 
     def step(self, trainer: Trainer, step: int) -> StepResult: ...
 
+    def commit(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class TrainingData:
@@ -294,6 +296,8 @@ class Trainer:
         if self.scaler is not None:
             self.optimizers.unscale_(self.scaler)
         grad_norm = self.clip_gradients()  # the global norm, over every stage
+        if self.recovery is not None:  # launch.recovery peer: no rank steps before every rank's gradients are final
+            self.recovery.commit()
         # Apply the step unless it is non-finite, decided on the device.
         skipped = False
         if self.scaler is not None:
