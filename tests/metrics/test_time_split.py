@@ -100,6 +100,30 @@ def test_a_straggler_is_named_once_after_its_streak() -> None:
     assert [stragglers.persistent(Slowest(0, 1.3)) for _ in range(3)] == [False, False, True]
 
 
+class Places:
+    def place(self, rank: int) -> dict[str, int]:
+        return {"dp": rank}
+
+    def rank_text(self, rank: int) -> str:
+        return f"rank {rank}"
+
+
+def test_a_window_holding_a_recovery_is_judged_on_no_rank() -> None:
+    """A peer recovery's window (some ranks trained its step twice) names nobody and ends any streak."""
+    stragglers, slow = Stragglers(ratio=1.2, windows=2), [[0.0] * len(PARTS) for _ in range(2)]
+    slow[1][PARTS.index("compute")], slow[0][PARTS.index("compute")] = 3.0, 1.0
+    assert stragglers.row(slow, layout=Places())[1] is None  # one slow window of two
+    stragglers.excuse()
+    row, warning = stragglers.row(slow, layout=Places())
+    assert warning is None and row["straggler/rank"] == 1
+    assert stragglers.row(slow, layout=Places())[1] is None  # the streak starts again
+    assert stragglers.row(slow, layout=Places())[1] == (
+        "warning: rank 1 is a straggler: its compute took 1.50x the median rank's in 2 log windows in a row "
+        "(metrics.straggler_ratio 1.2); the others wait for it (a slower device or host, or more work: an uneven "
+        "pipeline split)"
+    )
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     ("layout", "straggler", "where"),

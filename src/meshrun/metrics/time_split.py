@@ -209,6 +209,12 @@ class Stragglers:
         self.ratio, self.windows = ratio, windows
         self.streak: tuple[int, int] = (-1, 0)  # (rank, consecutive slow windows)
         self.named: set[int] = set()
+        self.excused = False
+
+    def excuse(self) -> None:
+        """The current window holds a peer recovery (training/recovery.py): some ranks trained its
+        step twice, a replacement once, after a wait of its own; judge no rank on it."""
+        self.excused = True
 
     def persistent(self, slow: Slowest) -> bool:
         """True once per rank: at the window that makes its streak of slow windows long enough."""
@@ -229,6 +235,9 @@ class Stragglers:
         place = layout.place(slow.rank)
         row: dict[str, float] = {"straggler/rank": slow.rank, **{f"straggler/{a}": c for a, c in place.items()}}
         row["straggler/ratio"] = slow.ratio
+        if self.excused:
+            self.excused, self.streak = False, (-1, 0)
+            return row, None
         if not self.persistent(slow):
             return row, None
         return row, (

@@ -110,6 +110,7 @@ class PeerRecovery:
         trainer.requests.regroup()  # after the state, where the replacement makes its own (Run)
         regroup.recovered(self.store, self.number)
         announce(trainer.report, copy, noticed=noticed, joined=joined)
+        trainer.stragglers.excuse()
 
     def receive(self, state: TrainState, mesh: Mesh) -> int:
         """A replacement's: the state of a surviving replica, at the step that was in flight; returns it."""

@@ -70,6 +70,7 @@ class Run:
         self.trainer.recovery = recovery
         if replacement is not None:
             replacement.announce_received(self.report)
+            self.trainer.stragglers.excuse()
         time_split.start(mesh.device, at=time.perf_counter())  # train() starts it again with its first window
 
     def close(self) -> None:
