@@ -1,6 +1,7 @@
 """Mixture-of-Experts models: the built-in experts' grouped matmul against a loop, the balance
-losses' arithmetic, and each Hugging Face MoE family in one process against transformers' own
-model (step-1 loss with transformers' auxiliary loss, pre-clip gradient norm)."""
+losses' arithmetic, the built-in gpt's sigmoid gate (router and a training step) against plain
+torch, and each Hugging Face MoE family in one process against transformers' own model (step-1
+loss with transformers' auxiliary loss, pre-clip gradient norm)."""
 
 from __future__ import annotations
 

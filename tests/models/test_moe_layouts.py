@@ -106,15 +106,19 @@ LOW_PRECISION = {
 @pytest.mark.parametrize("precision", list(LOW_PRECISION))
 def test_low_precision_under_ep_tracks_fp32(precision: str, runs: dict[str, Path], data_dir: Path) -> None:
     """bf16 autocast, and fp16 with its GradScaler, at dp2 x ep2 (the tokens' all-to-alls carry
-    half-precision activations): step 1 within 1% of the fp32 one-process run (8 or 11 mantissa
-    bits, ~0.4% or 0.05% a product; the loss, a mean over every position, lands well inside 1%),
-    every step finite, the balance loss within 1% too, the run trains on (fp16: its loss scale logged)."""
+    half-precision activations) track the fp32 one-process run at step 1: the loss within 2e-5 and
+    the pre-clip gradient norm and balance loss within 1e-3, relative; every step finite, the run
+    trains on (fp16: its loss scale logged). Tighter than the cp rows' 1%: at this tiny model's init
+    the loss sits near log(vocab), so half precision moves it by ~3e-6 (bf16; fp16 2e-6) and the
+    norm by 2e-4 (fp16 1e-5), while tokens returned to the wrong rows move them by 7e-5 and 2e-3,
+    which 1% would pass (measured on CPU)."""
     run = runs["model"].parent / precision
     settings = {"model.hf": runs["model"], **SETTINGS, **LOW_PRECISION[precision]}
     run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=run.parent, timeout=600)
-    ours = losses(run)
+    ours, one = losses(run), runs["one"]
     assert len(ours) == 3 and all(map(math.isfinite, ours))
-    assert ours[0] == pytest.approx(losses(runs["one"])[0], rel=1e-2)
-    assert routing(run)[0]["aux_loss"] == pytest.approx(routing(runs["one"])[0]["aux_loss"], rel=1e-2)
+    assert ours[0] == pytest.approx(losses(one)[0], rel=2e-5)
+    assert grad_norms(run)[0] == pytest.approx(grad_norms(one)[0], rel=1e-3)
+    assert routing(run)[0]["aux_loss"] == pytest.approx(routing(one)[0]["aux_loss"], rel=1e-3)
     assert ours[-1] < ours[0]
     assert ("loss_scale" in read_metrics(run)[0]) == (precision == "fp16")  # the GradScaler ran
