@@ -146,10 +146,12 @@ def plain_blocks(
     num_heads: int,
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    mlp: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """meshrun's pre-LN blocks `blocks.{i}.*` of `w` on hidden states (B, T, C), written from the
     definitions: torch's multi_head_attention_forward (masks as it takes them: True = may not
-    attend), a GELU MLP, residuals; then the final LayerNorm `norm.*`."""
+    attend), a GELU MLP (or `mlp(layer, normed states)`: a Mixture-of-Experts one), residuals; then
+    the final LayerNorm `norm.*`."""
     dim = h.shape[-1]
     for i in range(num_layers):
         p = f"blocks.{i}."
@@ -164,6 +166,9 @@ def plain_blocks(
         )  # fmt: skip
         h = h + attended.transpose(0, 1)
         m = F.layer_norm(h, (dim,), w[p + "ln2.weight"], w[p + "ln2.bias"])
+        if mlp is not None:
+            h = h + mlp(i, m)
+            continue
         h = h + F.linear(
             F.gelu(F.linear(m, w[p + "mlp.fc.weight"], w[p + "mlp.fc.bias"])),
             w[p + "mlp.proj.weight"],

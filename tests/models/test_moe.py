@@ -1,6 +1,7 @@
 """Mixture-of-Experts models: the built-in experts' grouped matmul against a loop, the balance
-losses' arithmetic, and each Hugging Face MoE family in one process against transformers' own
-model (step-1 loss with transformers' auxiliary loss, pre-clip gradient norm)."""
+losses' arithmetic, the built-in gpt's sigmoid gate (router and a training step) against plain
+torch, and each Hugging Face MoE family in one process against transformers' own model (step-1
+loss with transformers' auxiliary loss, pre-clip gradient norm)."""
 
 from __future__ import annotations
 
@@ -242,6 +243,93 @@ def test_sequence_balance_does_not_depend_on_grouping() -> None:
     pooled = microbatch_balance([probs], [chosen])
     split = sum(microbatch_balance([p], [c]) for p, c in zip(probs.chunk(2), chosen.chunk(2))) / 2
     assert abs(pooled.item() - split.item()) > 1e-3
+
+
+SIGMOID_GPT = {
+    "model.moe.num_experts": 4,
+    "model.moe.top_k": 2,
+    "model.moe.gate": "sigmoid",
+    "model.moe.aux_loss_coef": 0.1,
+}
+
+
+def plain_sigmoid_route(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
+    """DeepSeek-V3's sigmoid routing from its definition, for tokens `x` (N, H) and a router `gate`
+    (E, H): each expert's affinity 1 / (1 + exp(-x . g_e)); a token's k largest by a full
+    descending sort; their weights the affinities over their sum; and, for the balance loss, the
+    affinities over every expert's sum -> (probabilities (N, E), weights (N, k), experts (N, k))."""
+    scores = 1 / (1 + torch.exp(-(x @ gate.T)))
+    chosen = scores.sort(dim=-1, descending=True).indices[:, :top_k]
+    top = scores.gather(-1, chosen)
+    return scores / scores.sum(dim=-1, keepdim=True), top / top.sum(dim=-1, keepdim=True), chosen
+
+
+def test_sigmoid_router_equals_plain_torch() -> None:
+    """model.moe.gate sigmoid: the router's probabilities, chosen experts (best first) and top-k
+    weights (summing to 1) are the plain computation's; softmax's renormalised weights differ."""
+    from meshrun.config.model_sections import MoESection
+
+    router = moe.Router(MoESection(num_experts=6, top_k=2, gate="sigmoid"), dim=16)
+    generator = torch.Generator().manual_seed(0)
+    router.weight.data = torch.randn(6, 16, generator=generator)
+    x = torch.randn(20, 16, generator=generator)
+    probs, weights, chosen = router(x)
+    want_probs, want_weights, want_chosen = plain_sigmoid_route(x, router.weight.detach(), 2)
+    assert torch.equal(chosen, want_chosen)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(probs, want_probs, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(20))
+    softmax = torch.softmax(x @ router.weight.detach().T, dim=-1).gather(-1, chosen)
+    assert (softmax / softmax.sum(dim=-1, keepdim=True) - weights).abs().max() > 1e-2
+
+
+def test_sigmoid_gate_training_step_equals_plain_torch(data_dir: Path, tmp_path: Path) -> None:
+    """The built-in MoE gpt with the sigmoid gate, one process, 4 microbatches accumulated: step 1's
+    language loss, balance loss (per-sequence, coef excluded), tokens per expert of every layer and
+    pre-clip gradient norm equal a plain-torch forward and backward of the same weights over the
+    whole global batch (plain_reference.plain_blocks with each MLP a loop over the experts, the
+    routing plain_sigmoid_route's), 1e-5 relative."""
+    from plain_reference import plain_blocks
+
+    with in_process_trainer(data_dir, tmp_path / "run", **SIGMOID_GPT, **{"train.steps": 1}) as trainer:
+        cfg = trainer.cfg.model
+        w = {n: p.detach().clone().requires_grad_() for n, p in trainer.model.parts[0].named_parameters()}
+        x, y = trainer.local_batch(trainer.train_data, 0)
+        result = trainer.train_step(0)
+        row = window_row(trainer.model.parts, trainer.moe_layers, trainer.device)
+    (b, t), experts, balance, counts = x.shape, SIGMOID_GPT["model.moe.num_experts"], [], []
+
+    def moe_mlp(layer: int, m: torch.Tensor) -> torch.Tensor:
+        p, flat = f"blocks.{layer}.mlp.", m.reshape(b * t, -1)
+        probs, weights, chosen = plain_sigmoid_route(flat, w[p + "gate.weight"], 2)
+        out = torch.zeros_like(flat)
+        for e in range(experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            gate, up = F.linear(flat[token], w[p + "experts.gate_up_proj"][e]).chunk(2, dim=-1)
+            done = F.linear(F.silu(gate) * up, w[p + "experts.down_proj"][e])
+            out = out.index_add(0, token, weights[token, slot, None] * done)
+        picks = F.one_hot(chosen, experts).sum(dim=1).float().view(b, t, experts)
+        balance.append(experts * (picks.mean(dim=1) * probs.view(b, t, experts).mean(dim=1)).sum(dim=-1))  # (B,)
+        counts.append(picks.sum(dim=(0, 1)))
+        return out.view(b, t, -1)
+
+    h = w["embed.tok.weight"][x] + w["embed.pos.weight"][:t]
+    future = torch.ones(t, t, dtype=torch.bool).triu(1)  # True: may not attend
+    h = plain_blocks(w, h, num_layers=cfg.num_layers, num_heads=cfg.num_heads, attn_mask=future, mlp=moe_mlp)
+    logits = F.linear(h, w["head.weight"])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    aux = torch.stack(balance).mean()  # over the MoE layers and the global batch's sequences
+    grads = torch.autograd.grad(loss + SIGMOID_GPT["model.moe.aux_loss_coef"] * aux, list(w.values()))
+    norm = torch.stack([(g.double() ** 2).sum() for g in grads]).sum().sqrt().item()
+    assert result.loss.item() == pytest.approx(loss.item(), rel=1e-5)
+    assert row["aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
+    for layer, tokens in enumerate(counts):
+        assert tokens.sum() == b * t * 2
+        assert (row[f"moe/layer{layer}/tokens_min"], row[f"moe/layer{layer}/tokens_max"]) == (
+            tokens.min(),
+            tokens.max(),
+        )
+    assert result.grad_norm.item() == pytest.approx(norm, rel=1e-5)
 
 
 HERE = Path(__file__).parent

@@ -1,12 +1,14 @@
 """transformers' Qwen3-MoE from a pretrained folder (each rank loading its stages and its experts only)
 under parallel.ep equals one process over 10 clipped AdamW steps: at dp2 x pp2 x ep2 (fsdp; ddp
 refuses them) under the two schedules that split the backward, ZBV (two stages a rank, a V) and
-zero-bubble, and at dp4 x ep2 under hsdp (replicate 2 x shard 2). `export --hf` of the ZBV run writes
-the whole model (every expert, every layer) that transformers loads with meshrun's logits, and
-`sample` reads it. Three 4-rank launches."""
+zero-bubble, under GPipe and looped BFS (two stages a rank, breadth first), and at dp4 x ep2 under
+hsdp (replicate 2 x shard 2). `export --hf` of the ZBV run writes the whole model (every expert,
+every layer) that transformers loads with meshrun's logits, and `sample` reads it. bf16 autocast and
+fp16 with its GradScaler at dp2 x ep2 track the fp32 run. Five 4-rank launches, two 2-rank ones."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from conftest import (
     losses,
     max_weight_diff,
     meshrun_in_process,
+    read_metrics,
     run_meshrun,
     tiny,
 )
@@ -29,6 +32,8 @@ EP2_PP2 = {"parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2, "parallel.dp_mo
 LAYOUTS = {  # zbv, zero-bubble: the first stage's whole backward runs in its W action
     "zbv": {**EP2_PP2, "parallel.schedule": "zbv"},
     "zero-bubble": {**EP2_PP2, "parallel.schedule": "zero-bubble"},
+    "gpipe": {**EP2_PP2, "parallel.schedule": "gpipe"},  # every forward, then every backward
+    "looped-bfs": {**EP2_PP2, "parallel.schedule": "looped-bfs"},  # a rank's two stages, breadth first
     "hsdp": {"parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2, "parallel.ep": 2},
 }
 
@@ -89,3 +94,31 @@ def test_export_hf_of_an_ep2_pp2_run_loads_in_transformers(runs: dict[str, Path]
     assert not torch.equal(theirs.state_dict()["model.layers.3.mlp.experts.gate_up_proj"], trained)  # trained ones
     text = meshrun_in_process(["sample", runs["zbv"], "--prompt", "ab", "--tokens", "5"], tmp_path=tmp_path).stdout
     assert text.startswith("ab")
+
+
+LOW_PRECISION = {
+    p: {"parallel.dp": 2, "parallel.ep": 2, "precision": p, "train.steps": 3, "train.lr": 3e-3}
+    for p in ("bf16", "fp16")
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("precision", list(LOW_PRECISION))
+def test_low_precision_under_ep_tracks_fp32(precision: str, runs: dict[str, Path], data_dir: Path) -> None:
+    """bf16 autocast, and fp16 with its GradScaler, at dp2 x ep2 (the tokens' all-to-alls carry
+    half-precision activations) track the fp32 one-process run at step 1: the loss within 2e-5 and
+    the pre-clip gradient norm and balance loss within 1e-3, relative; every step finite, the run
+    trains on (fp16: its loss scale logged). Tighter than the cp rows' 1%: at this tiny model's init
+    the loss sits near log(vocab), so half precision moves it by ~3e-6 (bf16; fp16 2e-6) and the
+    norm by 2e-4 (fp16 1e-5), while tokens returned to the wrong rows move them by 7e-5 and 2e-3,
+    which 1% would pass (measured on CPU)."""
+    run = runs["model"].parent / precision
+    settings = {"model.hf": runs["model"], **SETTINGS, **LOW_PRECISION[precision]}
+    run_meshrun(["train", *tiny(data_dir, run, **settings)], tmp_path=run.parent, timeout=600)
+    ours, one = losses(run), runs["one"]
+    assert len(ours) == 3 and all(map(math.isfinite, ours))
+    assert ours[0] == pytest.approx(losses(one)[0], rel=2e-5)
+    assert grad_norms(run)[0] == pytest.approx(grad_norms(one)[0], rel=1e-3)
+    assert routing(run)[0]["aux_loss"] == pytest.approx(routing(one)[0]["aux_loss"], rel=1e-3)
+    assert ours[-1] < ours[0]
+    assert ("loss_scale" in read_metrics(run)[0]) == (precision == "fp16")  # the GradScaler ran
