@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.run import main
 
+from meshrun.launcher import forked
 from meshrun.launcher.forked import fork_meshrun_workers
 from meshrun.launcher.lifetime import die_with_parent
 from meshrun.launcher.logs import divert_agent_log
@@ -50,6 +51,8 @@ def failures_line(failed: ChildFailedError) -> str:
     said = ", ".join(f"rank {rank} {status_text(failure.exitcode)}" for rank, failure in ranks)
     if any(failure.exitcode == ended for _, failure in ranks):
         said += " (torchrun sends SIGTERM to the other workers once one fails)"
+    elif forked.FORKED:  # torch.multiprocessing reports one failed worker, not every one
+        said += " (the failed worker torchrun found first; it stops the others)"
     return said
 
 

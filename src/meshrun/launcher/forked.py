@@ -29,6 +29,7 @@ MESHRUN_WORKER = ("-u", "-m", "meshrun")  # how torchrun's `-m meshrun ARGS` rea
 # must fit a socket's 107 characters; a longer TMPDIR (a scheduler's per-job folder) starts workers
 # as processes, as torchrun does
 LONGEST_TMPDIR = 107 - len("/pymp-12345678/listener-12345678")
+FORKED = False  # this agent started its workers forked (its failure report names one of them)
 TRACKER_WARNING = "resource_tracker"  # its warnings start so ("-W" splits at colons)
 # the server's lifetime (first), then what every worker imports
 PRELOAD = ["meshrun.launcher.fork_server", "meshrun.cli", "meshrun.training.worker"]
@@ -51,6 +52,8 @@ def forking_launch(config: LaunchConfig, entrypoint: Callable | str | None) -> C
         meshrun = entrypoint == sys.executable and tuple(args[: len(MESHRUN_WORKER)]) == MESHRUN_WORKER
         if not meshrun or len(tempfile.gettempdir()) > LONGEST_TMPDIR:
             return elastic_launch(config, entrypoint)(*args)
+        global FORKED
+        FORKED = True
         config.start_method = "forkserver"
         multiprocessing.set_forkserver_preload(PRELOAD)
         # multiprocessing's resource tracker (a process the agent starts, passing its -W options on)
