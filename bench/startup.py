@@ -29,7 +29,8 @@ from pathlib import Path
 import _quick  # bench/ is the script's folder: on sys.path
 
 from meshrun.data.prepare import prepare
-from meshrun.launcher.forked import LONGEST_TMPDIR
+from meshrun.launcher.forked import LONGEST_TMPDIR, forks_under
+from meshrun.launcher.torchrun import LAUNCH_TMP_PREFIX
 
 TARGET = 0.85
 
@@ -72,7 +73,7 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=4, help="workers (an even number: dp x pp2)")
     p.add_argument("--rounds", type=int, default=5)
     args = _quick.parse(p, {"ranks": 2, "rounds": 1})
-    if len(tempfile.gettempdir()) + len("/meshrun-run-12345678") > LONGEST_TMPDIR:
+    if not forks_under(os.path.join(tempfile.gettempdir(), LAUNCH_TMP_PREFIX + "12345678")):
         print(f"note: TMPDIR {tempfile.gettempdir()} is too long for the fork server: every way spawns")
     work = Path(tempfile.mkdtemp(prefix="bench-startup-"))
     try:

@@ -35,6 +35,11 @@ TRACKER_WARNING = "resource_tracker"  # its warnings start so ("-W" splits at co
 PRELOAD = ["meshrun.launcher.fork_server", "meshrun.cli", "meshrun.training.worker"]
 
 
+def forks_under(tmpdir: str) -> bool:
+    """Whether workers are forked where the temporary folder is `tmpdir` (the server's socket fits)."""
+    return len(tmpdir) <= LONGEST_TMPDIR
+
+
 def worker(*argv: str) -> None:
     """One forked worker: `python -u -m meshrun ARGV` as a call (its parent, the fork server,
     ends with the agent: meshrun.launcher.fork_server)."""
@@ -50,7 +55,7 @@ def forking_launch(config: LaunchConfig, entrypoint: Callable | str | None) -> C
 
     def launch(*args: str) -> Any:
         meshrun = entrypoint == sys.executable and tuple(args[: len(MESHRUN_WORKER)]) == MESHRUN_WORKER
-        if not meshrun or len(tempfile.gettempdir()) > LONGEST_TMPDIR:
+        if not meshrun or not forks_under(tempfile.gettempdir()):
             return elastic_launch(config, entrypoint)(*args)
         global FORKED
         FORKED = True

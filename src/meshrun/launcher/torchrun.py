@@ -33,6 +33,7 @@ AGENT = "meshrun.launcher.agent"
 KEEPER = "meshrun.launcher.keeper"  # launch.recovery peer: the process the agent starts for a rank
 RDZV_TIMEOUT_EXIT = 3  # the agent's status when not all nodes joined within launch.rdzv_timeout
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+LAUNCH_TMP_PREFIX = "meshrun-run-"  # a launch's own TMPDIR (run_tmpdir): this + 8 random characters
 
 
 def inductor_cache(env: MutableMapping[str, str]) -> str:
@@ -96,7 +97,7 @@ def run_tmpdir(env: MutableMapping[str, str]) -> Iterator[str]:
     sets as `env`'s TMPDIR, for torchrun's agent and its workers: what torch leaves in a temporary
     folder (the agent's torchelastic_* folders, ...) is removed with it when the launch ends. Only
     this folder is removed, never anything meshrun did not create."""
-    folder = tempfile.mkdtemp(prefix="meshrun-run-")
+    folder = tempfile.mkdtemp(prefix=LAUNCH_TMP_PREFIX)
     env["TMPDIR"] = folder
     try:
         yield folder
