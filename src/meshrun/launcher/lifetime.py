@@ -14,6 +14,8 @@ import ctypes
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 PARENT_PID = "MESHRUN_PARENT_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -41,3 +43,25 @@ def name_worker(rank: int) -> None:
     worker's command line is its fork server's (meshrun.launcher.forked)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(PR_SET_NAME, f"{WORKER_NAME}{rank}".encode()[:15], 0, 0, 0)
+
+
+def wait_for_session(session: int, timeout: float = 30.0) -> None:
+    """Wait, at most `timeout` seconds, until no live process is left in `session` (the agent's:
+    it was started in a session of its own). A killed agent's workers end a moment after it (their
+    fork server's and their own parent-death signals), still printing; the launcher's line about
+    the agent comes after theirs. Linux (/proc); elsewhere nothing to wait for."""
+    deadline = time.monotonic() + timeout
+    while sys.platform.startswith("linux") and time.monotonic() < deadline and session_alive(session):
+        time.sleep(0.05)
+
+
+def session_alive(session: int) -> bool:
+    """Whether a process other than a zombie is in `session` (/proc/PID/stat: state, session)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # ended while read
+            continue
+        if int(fields[3]) == session and fields[0] not in ("Z", "X"):
+            return True
+    return False

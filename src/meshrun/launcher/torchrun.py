@@ -18,6 +18,7 @@ from meshrun.config.schema import Config
 from meshrun.config.topology import peer_recovery
 from meshrun.data.locations import cache_root
 from meshrun.errors import RunError
+from meshrun.launcher.lifetime import wait_for_session
 from meshrun.launcher.outcome import STOP_SIGNALS, Interrupted, Outcome, StoppedBeforeTraining, status_text
 from meshrun.launcher.run_lock import RunDirLock
 
@@ -170,6 +171,8 @@ def run_torchrun(argv: list[str], *, env: dict[str, str], lock: RunDirLock) -> t
     previous = {sig: signal.signal(sig, relay) for sig in relays}
     try:
         code = proc.wait()
+        if code < 0:  # killed: its workers end with it, after it
+            wait_for_session(proc.pid)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
