@@ -462,20 +462,6 @@ CASES = [
         ("parallel.virtual_stages must be 1 for schedule 1f1b",),
         torch_free=True,
     ),
-    Case(
-        "zero-bubble-with-dp",
-        _pp(
-            parallel__pp=2,
-            parallel__dp=2,
-            parallel__schedule="zero-bubble",
-            model__num_layers=4,
-            train__global_batch=8,
-            train__micro_batch=2,
-        ),
-        ("zero-bubble with parallel.dp > 1 is refused", "parallel.dp=1"),
-        subprocess=True,
-        torch_free=True,
-    ),
     # --- data (job layer, only on the real training path) ---
     Case(
         "data-dir-empty",

@@ -1,7 +1,8 @@
 """Schedules come from torch.distributed.pipelining (issue 15): names resolve through torch's
 `get_schedule_class`, the torch-free microbatch check refuses exactly what torch's constructors
-refuse, and the schedules added that way (looped BFS, ZBV) and a count torch accepts that meshrun
-used to refuse (interleaved 1F1B, 3 microbatches on pp 2) equal one process."""
+refuse, and the schedules added that way (looped BFS, ZBV), a count torch accepts that meshrun
+used to refuse (interleaved 1F1B, 3 microbatches on pp 2), and the split-backward schedules under
+DDP at dp 2 (once refused) equal one process."""
 
 from __future__ import annotations
 
@@ -116,16 +117,19 @@ def references(data_dir: Path, tmp_path_factory: pytest.TempPathFactory, plain_r
 
 
 @pytest.mark.parametrize(
-    "schedule,global_batch",
-    [("looped-bfs", 8), ("zbv", 8), ("interleaved-1f1b", 6)],
-    ids=["looped-bfs", "zbv", "interleaved-3-microbatches-on-pp2"],
+    "schedule,global_batch,dp",
+    [("looped-bfs", 8, 1), ("zbv", 8, 1), ("interleaved-1f1b", 6, 1), ("zbv", 8, 2), ("zero-bubble", 8, 2)],
+    ids=["looped-bfs", "zbv", "interleaved-3-microbatches-on-pp2", "zbv-ddp-dp2", "zero-bubble-ddp-dp2"],
 )
 def test_schedule_matches_one_process(
-    schedule: str, global_batch: int, references, data_dir: Path, tmp_path: Path
+    schedule: str, global_batch: int, dp: int, references, data_dir: Path, tmp_path: Path
 ) -> None:
+    """dp 2 under ddp: the split weight-gradient pass bypasses DDP's hooks; each stage averages its
+    gradients over the dp ranks after its last backward (parallel/pipeline.py's MarkedStage)."""
     weights, reference_losses, plain_norms = references(global_batch)
     run = tmp_path / "run"
     settings = {**BASE, "train.global_batch": global_batch, "parallel.pp": 2, "parallel.schedule": schedule}
+    settings |= {"parallel.dp": dp, "parallel.dp_mode": "ddp"}
     train_job(tiny(data_dir, run, **settings), tmp_path=tmp_path)
     norms = [row["grad_norm"] for row in read_metrics(run) if "grad_norm" in row]
     assert min(norms) > 0.5, "clipping must be active for the test to mean anything"

@@ -74,7 +74,7 @@ class MarkedStage(PipelineStage):
     `split_backward` (zero-bubble, zbv) with a DDP stage: the weight pass computes gradients apart
     from DDP's hooks (pytorch #144530), so DDP would reduce only the first stage's (its weight pass
     is a full backward). No backward reduces then; `perform_reduce_grad`, after the stage's last
-    backward, averages every gradient over DDP's group at once (the cp ranks; dp > 1 is refused).
+    backward, averages every gradient over DDP's group at once (the dp and cp ranks).
     """
 
     def __init__(self, *args: Any, split_backward: bool = False, **kwargs: Any) -> None:

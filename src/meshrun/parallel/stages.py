@@ -104,12 +104,6 @@ def validate_layout(cfg: Config) -> None:
         return
     static_split(cfg)
     check_microbatches(par.schedule, cfg.accumulation_steps, par.pp)
-    # ddp with tp > 1 runs on FSDP2 (fsdp.py), whose reduction the stage calls after the last backward
-    if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.dp > 1 and par.dp_mode == "ddp" and par.tp == 1:
-        raise ConfigError(
-            f"schedule {par.schedule} with parallel.dp > 1 is refused under ddp: its split weight-gradient backward bypasses "
-            "DDP's all-reduce hooks (pytorch #144530); use interleaved-1f1b, parallel.dp_mode=fsdp, or set parallel.dp=1"
-        )
     if par.schedule in SPLIT_BACKWARD_SCHEDULES and cfg.recompute == "selective":
         raise ConfigError(
             f"schedule {par.schedule} with recompute selective is refused: torch's selective checkpointing allows one "
