@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import final_weights, losses, meshrun_env, meshrun_in_process, read_metrics, run_meshrun, tiny
+from nodes import free_port, run_nodes
 
 from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError
@@ -77,6 +78,24 @@ def test_a_killed_pipeline_rank_is_replaced_from_its_stage_replica(
     assert len([line for line in killed if "straggler" not in line]) <= len(plain) + 2, killed
 
 
+@pytest.mark.timeout(700)  # two agents, keepers and a spare each, on loaded cores
+def test_a_killed_rank_on_another_node_is_replaced_from_its_peer(
+    runs, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dp2 over two nodes (two torchrun agents, c10d rendezvous over loopback, a worker each): rank 1,
+    on the second node, killed mid-step; its node's keeper replaces it, the workers regroup over the
+    host agent's store, and the run equals the one-node uninterrupted run."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    settings = {**JOB, "launch.recovery": "peer", "launch.warm_spare": True}
+    args = ["train", *tiny(data_dir, tmp_path / "run", **settings), "--nnodes=2", f"--rdzv-endpoint={endpoint}"]
+    env = meshrun_env(tmp_path, PYTHONPATH=HERE, MESHRUN_TEST_KILL_AT="5", MESHRUN_TEST_ON_RANK="1")
+    node = ([sys.executable, "-m", "meshrun", *args, "--rdzv-id=peer"], env)
+    said = run_nodes([node, node], cwd=tmp_path, timeout=300)
+    two_nodes = {**runs, "killed": (tmp_path / "run", subprocess.CompletedProcess([], 0, "", "\n".join(said)))}
+    assert_recovered(two_nodes, monkeypatch, event=(2, "1", 0, 0))
+    assert sum("rank 1 was killed by SIGKILL" in out for out in said) == 1, said
+
+
 def assert_recovered(runs: dict, monkeypatch: pytest.MonkeyPatch, *, event: tuple) -> None:
     """The killed run's weights are the uninterrupted run's, each step trained once, no checkpoint
     read (checkpoint.interval 0: none was written before the end), one recovery recorded: `event`."""
@@ -130,7 +149,7 @@ def test_peer_recovery_runs_each_worker_under_a_keeper_on_the_agents_store() -> 
             ["parallel.pp=2", "parallel.schedule=gpipe"],
             (
                 "launch.recovery peer is built for ddp data parallel, and pipelines of schedule 1f1b split evenly or "
-                "by parallel.stage_layers, on one node so far (parallel.schedule is gpipe)"
+                "by parallel.stage_layers, so far (parallel.schedule is gpipe)"
             ),
         ),
         (["parallel.pp=2", "parallel.balance=size"], "(parallel.balance is size)"),

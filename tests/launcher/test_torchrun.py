@@ -3,7 +3,6 @@ across two network namespaces, each equal in weights to the same dp x pp job on 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import uuid
@@ -14,7 +13,6 @@ import pytest
 from conftest import (
     REPO,
     final_weights,
-    kill_tree,
     max_weight_diff,
     meshrun_env,
     meshrun_in_process,
@@ -23,6 +21,7 @@ from conftest import (
     run_meshrun,
     tiny,
 )
+from nodes import free_port, run_nodes
 
 from meshrun.config.schema import load_config
 from meshrun.launcher.torchrun import torchrun_argv
@@ -36,7 +35,6 @@ STEPS = {"train.steps": 6, "train.lr": 3e-3}
 def test_the_agent_is_torchruns_own_main() -> None:
     """meshrun.launcher.agent imports torchrun's main and its SignalException: a torch upgrade that
     moves either fails here, not in a preempted job."""
-    import subprocess
 
     done = subprocess.run(
         [sys.executable, "-m", "meshrun.launcher.agent", "--help"],
@@ -148,37 +146,6 @@ def test_flags_land_in_the_launch_section(tmp_path: Path) -> None:
 
 
 # ---- real multi-node jobs --------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def run_nodes(nodes: list[tuple[list[str], dict[str, str]]], *, cwd: Path, timeout: float = 240) -> None:
-    """Start one agent command per node at once; all must exit 0. Every process group is killed on
-    timeout or failure, so no worker outlives the test."""
-    procs = [
-        subprocess.Popen(
-            argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        for argv, env in nodes
-    ]
-    outputs: list[str] = []
-    try:
-        for proc in procs:
-            try:
-                outputs.append(proc.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"node command {proc.args} timed out after {timeout}s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_tree(proc.pid)  # workers live in sessions of their own: a group kill misses them
-                proc.wait()
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, f"node command {proc.args} exited {proc.returncode}\n{out[-6000:]}"
 
 
 @pytest.mark.timeout(120)

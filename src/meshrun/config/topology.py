@@ -129,7 +129,7 @@ class LaunchConfig(Section):
     hang_timeout: Int = Field(default=600, ge=0)
     """Seconds a worker may make no progress before the job is ended with a hang report (x3 while it initialises, in its first step, evaluation and checkpoints); 0 = never."""
     recovery: Recovery = "checkpoint"
-    """How a lost worker is recovered: checkpoint (torchrun restarts every worker from the newest checkpoint), or peer (only the lost worker is replaced, up to max_restarts times per rank, and takes its state from a surviving dp replica's memory: no step lost; ddp, pipelines of schedule 1f1b, one node, CPU/gloo so far; dp 1 falls back to checkpoint)."""
+    """How a lost worker is recovered: checkpoint (torchrun restarts every worker from the newest checkpoint), or peer (only the lost worker is replaced, up to max_restarts times per rank, and takes its state from a surviving dp replica's memory: no step lost; ddp, pipelines of schedule 1f1b, one node or several (a lost worker, not a lost node), CPU/gloo so far; dp 1 falls back to checkpoint)."""
     warm_spare: bool = False
     """recovery peer: keep each rank's next replacement started ahead, its imports done, waiting (a replacement takes ~0.1 s instead of a process start; an idle process per rank)."""
 
@@ -237,14 +237,13 @@ def peer_recovery(par: ParallelConfig, launch: LaunchConfig) -> bool:
 
 def check_recovery(par: ParallelConfig, launch: LaunchConfig) -> None:
     """launch.recovery peer only where it is built (ddp data parallel, pipelines of schedule 1f1b with
-    a split known without measuring, one node) and has replacements to give."""
+    a split known without measuring; on any number of nodes) and has replacements to give."""
     if launch.warm_spare and launch.recovery != "peer":
         raise ConfigError("launch.warm_spare is for launch.recovery peer; remove it or set launch.recovery peer")
     if not peer_recovery(par, launch):
         return
     unbuilt = [f"parallel.{key} is {getattr(par, key)}" for key in ("tp", "cp", "ep") if getattr(par, key) > 1]
     unbuilt += [f"parallel.dp_mode is {par.dp_mode}"] if par.dp_mode != "ddp" else []
-    unbuilt += [f"launch.nnodes is {launch.nnodes}"] if launch.nnodes > 1 else []
     if par.pp > 1:  # a replacement builds its stage as the others did, asking them nothing (no measured split)
         unbuilt += [f"parallel.schedule is {par.schedule}"] if par.schedule != "1f1b" else []
         measured = par.balance != "even" and par.stage_layers is None
@@ -252,7 +251,7 @@ def check_recovery(par: ParallelConfig, launch: LaunchConfig) -> None:
     if unbuilt:
         raise ConfigError(
             "launch.recovery peer is built for ddp data parallel, and pipelines of schedule 1f1b split evenly or "
-            f"by parallel.stage_layers, on one node so far ({unbuilt[0]}); use launch.recovery checkpoint"
+            f"by parallel.stage_layers, so far ({unbuilt[0]}); use launch.recovery checkpoint"
         )
     if launch.max_restarts == 0:
         raise ConfigError(

@@ -1,0 +1,44 @@
+"""Several torchrun agents started at once as the nodes of one job (over loopback, or inside
+network namespaces): shared by the multi-node tests."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import kill_tree
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def run_nodes(nodes: list[tuple[list[str], dict[str, str]]], *, cwd: Path, timeout: float = 240) -> list[str]:
+    """Start one agent command per node at once; all must exit 0. Returns each node's output
+    (stdout and stderr). Every process group is killed on timeout or failure, so no worker outlives
+    the test."""
+    procs = [
+        subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        for argv, env in nodes
+    ]
+    outputs: list[str] = []
+    try:
+        for proc in procs:
+            try:
+                outputs.append(proc.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"node command {proc.args} timed out after {timeout}s")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc.pid)  # workers live in sessions of their own: a group kill misses them
+                proc.wait()
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, f"node command {proc.args} exited {proc.returncode}\n{out[-6000:]}"
+    return outputs
