@@ -21,7 +21,7 @@ from nodes import free_port, run_nodes
 
 from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError
-from meshrun.launcher.slurm import render_sbatch
+from meshrun.launcher.k8s import PodOptions, check_options
 from meshrun.launcher.torchrun import KEEPER, torchrun_argv, worker_env
 
 HERE = str(Path(__file__).parents[1] / "training")  # interrupting_gpt: SIGKILL at a forward, on cue
@@ -169,8 +169,11 @@ def test_peer_recovery_where_it_is_not_built_is_refused_in_one_line(
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
-def test_slurm_refuses_peer_recovery_in_one_line() -> None:
-    """Its script starts torchrun without keepers: refused, not run as a checkpoint job that says peer."""
+def test_k8s_refuses_peer_recovery_in_one_line() -> None:
+    """A restarted pod does not join a running group as a replacement yet: refused, not run as a
+    checkpoint job that says peer."""
     cfg = load_config(None, ["parallel.pp=1", "launch.recovery=peer", "launch.max_restarts=1"])
-    with pytest.raises(ConfigError, match=r"launch.recovery peer runs under `meshrun train`'s own launch so far"):
-        render_sbatch(cfg, config=None, overrides=[], nodes=1, gpus_per_node=0)
+    with pytest.raises(
+        ConfigError, match=r"launch.recovery peer runs under `meshrun train` and `meshrun slurm` so far"
+    ):
+        check_options(cfg, PodOptions(image="meshrun:1", nodes=1))

@@ -1,6 +1,6 @@
 """Config -> sbatch script, and real Slurm jobs (slurmctld + two slurmd on localhost): a two-node
 job completes; a job warned with USR1 checkpoints, requeues itself and finishes bit-identical to
-an uninterrupted one."""
+an uninterrupted one; a worker killed under launch.recovery peer is replaced from its peer."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import REPO, final_weights, meshrun_env, read_metrics, run_meshrun, tiny
 from slurm_cluster import SlurmCluster, free_port, slurm_cluster_fixture, wait_until  # noqa: F401 (registers the slurm_cluster fixture)
+from test_recovery import HERE, JOB, assert_recovered
 
 from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError
@@ -122,7 +123,7 @@ def test_cli_prints_the_script_and_exits_2_on_bad_layouts(tmp_path: Path) -> Non
 # ---- real Slurm --------------------------------------------------------------------------------
 
 
-def job_env(cluster: SlurmCluster, tmp_path: Path) -> dict[str, str]:
+def job_env(cluster: SlurmCluster, tmp_path: Path, **extra: str) -> dict[str, str]:
     """What the test submits with: sbatch passes it on to the job. Node names n1/n2 do not resolve
     here, so the rendezvous goes to 127.0.0.1 (on a real cluster: the first node's name)."""
     return meshrun_env(
@@ -131,6 +132,7 @@ def job_env(cluster: SlurmCluster, tmp_path: Path) -> dict[str, str]:
         MESHRUN_RDZV_HOST="127.0.0.1",
         MESHRUN_RDZV_PORT=str(free_port()),
         MESHRUN_PYTHON=sys.executable,
+        **extra,
     )
 
 
@@ -224,3 +226,27 @@ def test_usr1_checkpoints_requeues_and_resumes_bit_identical(
     ours, reference = final_weights(run_dir), final_weights(uninterrupted)
     assert ours.keys() == reference.keys()
     assert all(torch.equal(ours[k], reference[k]) for k in ours), "resumed run differs from the uninterrupted one"
+
+
+@pytest.mark.timeout(700)
+def test_a_killed_rank_under_slurm_is_replaced_from_its_peer(
+    slurm_cluster: SlurmCluster, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """launch.recovery peer under `meshrun slurm` (issue 46): dp2, a worker on each of two nodes, rank
+    1 SIGKILLed mid-step; its node's keeper replaces it, and the job ends with the weights of the same
+    job run uninterrupted on one node, each step once, no checkpoint read."""
+    plain = tmp_path / "uninterrupted"
+    factory = meshrun_env(tmp_path, PYTHONPATH=HERE)  # finds the model.factory
+    run_meshrun(["train", *tiny(data_dir, plain, **JOB)], tmp_path=tmp_path, env=factory)
+    run = tmp_path / "killed"
+    settings = {**JOB, "launch.recovery": "peer", "launch.warm_spare": True}
+    argv = ["slurm", *tiny(data_dir, run, **settings), "--nodes=2", "--gpus-per-node=0"]
+    script = tmp_path / "job.sbatch"
+    script.write_text(run_meshrun(argv, tmp_path=tmp_path, env=factory, timeout=60).stdout)
+    env = job_env(slurm_cluster, tmp_path, PYTHONPATH=HERE, MESHRUN_TEST_KILL_AT="5", MESHRUN_TEST_ON_RANK="1")
+    done = slurm_cluster.run("sbatch", "--wait", str(script), env=env, cwd=tmp_path, timeout=400, check=False)
+    log = job_log(tmp_path)
+    assert done.returncode == 0, f"job failed: {done.stderr}\n{log}\n{slurm_cluster.log_tails()}"
+    assert "rank 1 was killed by SIGKILL" in log, log
+    runs = {"uninterrupted": (plain, None), "killed": (run, subprocess.CompletedProcess([], 0, "", log))}
+    assert_recovered(runs, monkeypatch, event=(2, "1", 0, 0))

@@ -261,11 +261,12 @@ def check_recovery(par: ParallelConfig, launch: LaunchConfig) -> None:
 
 
 def refuse_peer_recovery(par: ParallelConfig, launch: LaunchConfig, command: str) -> None:
-    """launch.recovery peer needs a keeper for each worker (launcher/keeper.py), which only `meshrun
-    train`'s own torchrun launch starts so far (launcher/torchrun.py)."""
+    """launch.recovery peer needs a keeper for each worker (launcher/keeper.py), which `meshrun train`'s
+    torchrun launch starts (launcher/torchrun.py; also each node's under Slurm), and a pod restarted
+    by Kubernetes cannot join a running group as a replacement yet."""
     if peer_recovery(par, launch):
         raise ConfigError(
-            f"launch.recovery peer runs under `meshrun train`'s own launch so far, not `{command}`; "
+            f"launch.recovery peer runs under `meshrun train` and `meshrun slurm` so far, not `{command}`; "
             "use launch.recovery checkpoint"
         )
 

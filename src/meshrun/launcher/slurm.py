@@ -6,7 +6,8 @@ is a link to it): the generic script, taking the config and overrides as script 
 `render_sbatch` writes the script for one config (`meshrun slurm`): its own #SBATCH header, then
 the template's job part unchanged, so the two cannot drift. Each node's job step runs `meshrun
 train` with the multi-node flags, so the torchrun command line is built only in
-`meshrun.launcher.torchrun`.
+`meshrun.launcher.torchrun` (under `launch.recovery: peer` each worker under its keeper, which
+replaces it alone: issue 46).
 
 Preemption: Slurm sends USR1 to the batch shell `signal_seconds` before the time limit (or on
 `scancel --signal=USR1 --batch JOB`). torchrun does not handle USR1, so the shell's trap sends
@@ -27,7 +28,7 @@ from importlib import resources
 from pathlib import Path
 
 from meshrun.config.schema import Config
-from meshrun.config.topology import refuse_peer_recovery, workers_per_node
+from meshrun.config.topology import workers_per_node
 from meshrun.errors import ConfigError
 
 # Where the generic script's own header ends and the job every script shares begins.
@@ -118,7 +119,6 @@ def render_sbatch(
     `node_cpus`: the CPUs of the partition's smallest node (`partition_cpus`), which the one agent task
     per node asks for unless `cpus_per_task` says otherwise; unknown: one per worker. `mem`: sbatch's
     --mem (None: 0, all of each node's memory). The header says what was chosen and why (`chosen`)."""
-    refuse_peer_recovery(cfg.parallel, cfg.launch, "meshrun slurm")
     world = cfg.world_size
     nproc = workers_per_node(cfg.parallel, nodes, named=f"--nodes {nodes}", change="--nodes")
     if gpus_per_node and gpus_per_node != nproc:
