@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -136,6 +137,11 @@ def main(out: str) -> None:
         with open(out, "w") as f:
             json.dump(found, f)
     shutdown()
+    # End as meshrun's own forked workers do (multiprocessing ends them with os._exit): process groups
+    # a DeviceMesh still references are freed at interpreter finalization, where gloo can abort
+    # (pytorch #179291); CI once saw rank 1 end with SIGABRT after every row was computed.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
