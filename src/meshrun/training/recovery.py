@@ -35,10 +35,12 @@ from meshrun.hardware.precision import resolve_precision
 from meshrun.launcher import progress
 from meshrun.parallel import regroup
 from meshrun.parallel.experts import ExpertGradients
+from meshrun.parallel.fsdp import local
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, join_store, mesh_on
 from meshrun.parallel.parallelize import LocalModel, wrap_data_parallel
 from meshrun.parallel.tied import TiedEmbeddings
+from meshrun.training import sharded_recovery
 from meshrun.training.state import TrainState
 
 if TYPE_CHECKING:
@@ -94,8 +96,10 @@ class PeerRecovery:
         replica's state; the trainer continues on the new meshes."""
         noticed = time.time()
         progress.mark("recovering", f"a peer was lost at step {step + 1}: {cause}")
-        model, rank, world = trainer.state.model, trainer.mesh.rank, trainer.cfg.world_size
-        unwrap(model)
+        rank, world = trainer.mesh.rank, trainer.cfg.world_size
+        kept = sharded_recovery.kept_shards(trainer, step) if sharded_recovery.rebuilds(trainer.mesh) else None
+        if kept is None:
+            unwrap(trainer.state.model)
         trainer.requests.leave()
         regroup.release([trainer.mesh.world, *trainer.mesh.views.values(), trainer.mesh.expert_grid])
         gc.collect()  # the broken DDP freed before its group is destroyed (freed after, it hung a process)
@@ -104,7 +108,10 @@ class PeerRecovery:
         regroup.join(self.store, number=self.number, rank=rank, world=world, timeout=COLLECTIVE_TIMEOUT)
         joined = time.time()  # the replacement is there
         mesh = mesh_on(trainer.mesh.layout, trainer.device)
-        rewrap(model, mesh, trainer.cfg)
+        if kept is None:
+            rewrap(trainer.state.model, mesh, trainer.cfg)
+        else:  # HSDP: FSDP2's modules are bound to the old mesh
+            trainer.hold(sharded_recovery.rebuilt(trainer.cfg, mesh, kept))
         trainer.mesh = mesh
         copy = share_state(trainer.state, mesh, step, holds=True)
         trainer.requests.regroup()  # after the state, where the replacement makes its own (Run)
@@ -169,16 +176,17 @@ class Copy:
 
 def share_state(state: TrainState, mesh: Mesh, step: int, *, holds: bool) -> Copy:
     """Collective: every tensor of `state` at `step` (a checkpoint's, RNG left out: dropout is
-    seeded per step) from the lowest rank of each dp group that `holds` it to the others (under pp,
-    each stage's replicas)."""
+    seeded per step) from the lowest rank of each group of replicas that `holds` it to the others:
+    the `dp_replicate` group, the ranks that hold the same state (DDP's dp group; under HSDP the
+    ranks at the same shard index; under pp, of the same stage), each sending its local shards."""
     regroup.agreed_step(step, holds=holds)
     named = state.state_dict(step, rng=False)
     layout = mesh.layout
     sources = regroup.copy_from_replica(
-        [named[key] for key in sorted(named)],
+        [local(named[key]) for key in sorted(named)],
         holds=holds,
-        group=mesh.group("dp"),
-        replicas=lambda rank: layout.group_ranks(rank, "dp"),
+        group=mesh.group("dp_replicate"),
+        replicas=lambda rank: layout.group_ranks(rank, "dp_replicate"),
     )
     if lost := [rank for rank, source in sources.items() if source is None]:
         raise RunError(
