@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, meshrun_env, meshrun_in_process, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    in_process_trainer,
+    losses,
+    meshrun_env,
+    meshrun_in_process,
+    read_metrics,
+    run_meshrun,
+    tiny,
+)
 from nodes import free_port, run_nodes
 
 from meshrun.config.schema import load_config
@@ -24,6 +33,7 @@ from meshrun.config.topology import no_replica
 from meshrun.errors import ConfigError
 from meshrun.launcher.k8s import PodOptions, check_options
 from meshrun.launcher.torchrun import KEEPER, torchrun_argv, worker_env
+from meshrun.training.recovery import share_state
 
 HERE = str(Path(__file__).parents[1] / "training")  # interrupting_gpt: SIGKILL at a forward, on cue
 STEPS = 6
@@ -141,6 +151,16 @@ def test_a_recovered_failure_is_two_lines(runs) -> None:
         added[1],
     ), added[1]
     assert len([line for line in killed if "straggler" not in line]) <= len(plain) + 2, killed
+
+
+def test_a_state_copied_before_the_first_step_counts_no_step(data_dir: Path, tmp_path: Path) -> None:
+    """A peer lost in step 1: the state a survivor sends (torch's state-dict helper makes AdamW's
+    state by a step at lr 0) leaves every optimizer as a fresh one, its step counts 0 and moments 0,
+    so that the step trained again is AdamW's first, as in an uninterrupted run."""
+    with in_process_trainer(data_dir, tmp_path / "run") as trainer:
+        share_state(trainer.state, trainer.mesh, 0, holds=True)
+        states = [state for optimizer in trainer.optimizers.optimizers for state in optimizer.state.values()]
+        assert states and all(not tensor.any() for state in states for tensor in state.values())
 
 
 def test_peer_recovery_runs_each_worker_under_a_keeper_on_the_agents_store() -> None:

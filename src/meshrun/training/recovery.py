@@ -5,9 +5,11 @@ the layout's meshes and DDP over it, and hand the replacement their state from m
 the optimizer, the data position and the counters. The step that was in flight is trained again
 by every rank, so no step is lost and none is trained twice.
 
-Built for DDP over dp ranks, with or without pipeline stages (tp, cp, ep 1), on one node's CPUs
-(gloo); config/topology.py refuses the rest. Under pp the ranks of every stage regroup and train the
-step again, and a replacement takes its stage's state from a dp replica of that stage. The
+Built for DDP over dp ranks, with or without pipeline stages, and HSDP without them (tp, cp, ep 1),
+on one node's CPUs (gloo); config/topology.py refuses the rest. Under pp the ranks of every stage
+regroup and train the step again, and a replacement takes its stage's state from a dp replica of
+that stage; under HSDP its shard from the other replica's rank at its shard index, and every
+survivor builds its FSDP2 state again over the new meshes (training/sharded_recovery.py). The
 replacement joins at a step's start: a loss noticed inside a step (a pipeline transfer, a gradient
 all-reduce, the norm over the stages) is recovered there. No rank steps its optimizer before every
 rank's gradients are final (`commit`, the step's last collective), so a step broken before it was
@@ -193,10 +195,23 @@ def share_state(state: TrainState, mesh: Mesh, step: int, *, holds: bool) -> Cop
             f"no surviving replica holds rank {lost[0]}'s state (each of its dp replicas was lost); "
             "rerun with launch.recovery checkpoint to resume from the newest checkpoint"
         )
-    if not holds:
+    copied_step = int(named["progress.step"])
+    if copied_step == 0:  # nobody has stepped, but torch's state-dict helper made AdamW's state by a step at lr 0
+        unstep(named)
+    if not holds or copied_step == 0:
         state.load_state_dict(named)
     copied = {rank: source for rank, source in sources.items() if source is not None}
-    return Copy(copied, int(named["progress.step"]), regroup.lost_at(holds=holds))
+    return Copy(copied, copied_step, regroup.lost_at(holds=holds))
+
+
+def unstep(named: dict[str, torch.Tensor]) -> None:
+    """Optimizer state made before the first step (`_init_optim_state` in torch.distributed.checkpoint's
+    state_dict: a step with zero gradients at lr 0, whose moments stay 0 but whose count is 1) as a
+    fresh optimizer's: every step count 0. Left at 1, the first step trained again would be AdamW's
+    second (its bias correction), not an uninterrupted run's first."""
+    for key, tensor in named.items():
+        if key.startswith("state.") and key.endswith(".step"):
+            local(tensor).zero_()
 
 
 def unwrap(model: LocalModel | PipelineModel) -> None:
