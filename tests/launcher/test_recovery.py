@@ -2,9 +2,10 @@
 records the run) is SIGKILLed mid-step finishes with the weights of an uninterrupted run, each step
 trained once, no checkpoint read, the recovery recorded and said in two lines (the keeper's, and
 the replacement's as rank 0); so does the default job's layout, dp2 x pp2, whose rank 1 is killed
-(the other stage's ranks regroup and train the step again too). Real torchrun, keepers, a warm
-spare, gloo; the layouts peer recovery is not built for are refused before any worker starts.
-dp1 x pp2 under peer is the checkpoint launch (test_peer_recovery_runs_each_worker_under_a_keeper...),
+(the other stage's ranks regroup and train the step again too), and HSDP dp4 (2 replicas x 2 shards),
+whose replacement takes its shard from the other replica. Real torchrun, keepers, a warm spare,
+gloo; the layouts peer recovery is not built for are refused before any worker starts. dp1 x pp2
+and fsdp under peer are the checkpoint launch (test_peer_recovery_runs_each_worker_under_a_keeper...),
 whose restart is bit-identical (tests/training/test_preemption.py::test_killed_rank_restarts_and_resumes)."""
 
 from __future__ import annotations
