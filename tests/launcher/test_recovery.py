@@ -2,9 +2,10 @@
 records the run) is SIGKILLed mid-step finishes with the weights of an uninterrupted run, each step
 trained once, no checkpoint read, the recovery recorded and said in two lines (the keeper's, and
 the replacement's as rank 0); so does the default job's layout, dp2 x pp2, whose rank 1 is killed
-(the other stage's ranks regroup and train the step again too). Real torchrun, keepers, a warm
-spare, gloo; the layouts peer recovery is not built for are refused before any worker starts.
-dp1 x pp2 under peer is the checkpoint launch (test_peer_recovery_runs_each_worker_under_a_keeper...),
+(the other stage's ranks regroup and train the step again too), and HSDP dp4 (2 replicas x 2 shards),
+whose replacement takes its shard from the other replica. Real torchrun, keepers, a warm spare,
+gloo; the layouts peer recovery is not built for are refused before any worker starts. dp1 x pp2
+and fsdp under peer are the checkpoint launch (test_peer_recovery_runs_each_worker_under_a_keeper...),
 whose restart is bit-identical (tests/training/test_preemption.py::test_killed_rank_restarts_and_resumes)."""
 
 from __future__ import annotations
@@ -16,13 +17,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, losses, meshrun_env, meshrun_in_process, read_metrics, run_meshrun, tiny
+from conftest import (
+    final_weights,
+    in_process_trainer,
+    losses,
+    meshrun_env,
+    meshrun_in_process,
+    read_metrics,
+    run_meshrun,
+    tiny,
+)
 from nodes import free_port, run_nodes
 
 from meshrun.config.schema import load_config
+from meshrun.config.topology import no_replica
 from meshrun.errors import ConfigError
 from meshrun.launcher.k8s import PodOptions, check_options
 from meshrun.launcher.torchrun import KEEPER, torchrun_argv, worker_env
+from meshrun.training.recovery import share_state
 
 HERE = str(Path(__file__).parents[1] / "training")  # interrupting_gpt: SIGKILL at a forward, on cue
 STEPS = 6
@@ -96,6 +108,19 @@ def test_a_killed_rank_on_another_node_is_replaced_from_its_peer(
     assert sum("rank 1 was killed by SIGKILL" in out for out in said) == 1, said
 
 
+@pytest.mark.timeout(900)  # two launches of 4 ranks (keepers and spares beside), on loaded cores
+def test_a_killed_hsdp_rank_takes_its_shard_from_the_other_replica(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HSDP dp4, 2 replicas x 2 shards (rank = replica x 2 + shard): rank 1 (replica 0, shard 1)
+    killed in step 3's first forward; every survivor builds its FSDP2 state again over the new
+    meshes with its own shards, and the replacement takes shard 1 from rank 3, the other replica's."""
+    job = {**JOB, "parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2, "train.global_batch": 16}
+    runs = launch(data_dir, tmp_path, job, {"MESHRUN_TEST_KILL_AT": "5", "MESHRUN_TEST_ON_RANK": "1"})
+    assert_recovered(runs, monkeypatch, event=(2, "1", 3, 0))
+    assert "rank 1's state copied from rank 3's memory; no step lost" in runs["killed"][1].stderr
+
+
 def assert_recovered(runs: dict, monkeypatch: pytest.MonkeyPatch, *, event: tuple) -> None:
     """The killed run's weights are the uninterrupted run's, each step trained once, no checkpoint
     read (checkpoint.interval 0: none was written before the end), one recovery recorded: `event`."""
@@ -129,6 +154,16 @@ def test_a_recovered_failure_is_two_lines(runs) -> None:
     assert len([line for line in killed if "straggler" not in line]) <= len(plain) + 2, killed
 
 
+def test_a_state_copied_before_the_first_step_counts_no_step(data_dir: Path, tmp_path: Path) -> None:
+    """A peer lost in step 1: the state a survivor sends (torch's state-dict helper makes AdamW's
+    state by a step at lr 0) leaves every optimizer as a fresh one, its step counts 0 and moments 0,
+    so that the step trained again is AdamW's first, as in an uninterrupted run."""
+    with in_process_trainer(data_dir, tmp_path / "run") as trainer:
+        share_state(trainer.state, trainer.mesh, 0, holds=True)
+        states = [state for optimizer in trainer.optimizers.optimizers for state in optimizer.state.values()]
+        assert states and all(not tensor.any() for state in states for tensor in state.values())
+
+
 def test_peer_recovery_runs_each_worker_under_a_keeper_on_the_agents_store() -> None:
     """dp2: the agent restarts nothing and shares its store; dp1: checkpoint restarts, as without peer."""
     peer = load_config(None, ["parallel.dp=2", "parallel.pp=1", "launch.recovery=peer", "launch.max_restarts=2"])
@@ -140,6 +175,10 @@ def test_peer_recovery_runs_each_worker_under_a_keeper_on_the_agents_store() -> 
     alone = load_config(None, ["parallel.dp=1", "parallel.pp=2", "launch.recovery=peer", "launch.max_restarts=2"])
     assert KEEPER not in torchrun_argv(alone, ["train"]) and "--max-restarts=2" in torchrun_argv(alone, ["train"])
     assert worker_env(alone)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    fsdp = load_config(None, ["parallel.dp_mode=fsdp", "launch.recovery=peer", "launch.max_restarts=2"])  # dp 2
+    assert KEEPER not in torchrun_argv(fsdp, ["train"]) and "--max-restarts=2" in torchrun_argv(fsdp, ["train"])
+    said = "parallel.dp_mode fsdp shards each rank's state over all 2 dp ranks, none holds another's"
+    assert no_replica(fsdp.parallel) == said  # launch's line: "launch.recovery peer: {said}, so no replica ..."
 
 
 @pytest.mark.parametrize(
@@ -148,12 +187,16 @@ def test_peer_recovery_runs_each_worker_under_a_keeper_on_the_agents_store() -> 
         (
             ["parallel.pp=2", "parallel.schedule=gpipe"],
             (
-                "launch.recovery peer is built for ddp data parallel, and pipelines of schedule 1f1b split evenly or "
-                "by parallel.stage_layers, so far (parallel.schedule is gpipe)"
+                "launch.recovery peer is built for ddp data parallel with pipelines of schedule 1f1b split evenly or "
+                "by parallel.stage_layers, and hsdp without pipelines, so far (parallel.schedule is gpipe); "
+                "use launch.recovery checkpoint"
             ),
         ),
         (["parallel.pp=2", "parallel.balance=size"], "(parallel.balance is size)"),
-        (["parallel.dp_mode=fsdp"], "(parallel.dp_mode is fsdp)"),
+        (
+            ["parallel.dp=4", "parallel.pp=2", "parallel.dp_mode=hsdp", "parallel.dp_shard=2"],
+            "and hsdp without pipelines, so far (parallel.dp_mode is hsdp with parallel.pp 2)",
+        ),
         (["launch.max_restarts=0"], "at most launch.max_restarts times per rank (it is 0)"),
         (["precision=fp16"], "launch.recovery peer does not run fp16 so far"),
         (["launch.recovery=checkpoint", "launch.warm_spare=true"], "launch.warm_spare is for launch.recovery peer"),

@@ -129,7 +129,7 @@ class LaunchConfig(Section):
     hang_timeout: Int = Field(default=600, ge=0)
     """Seconds a worker may make no progress before the job is ended with a hang report (x3 while it initialises, in its first step, evaluation and checkpoints); 0 = never."""
     recovery: Recovery = "checkpoint"
-    """How a lost worker is recovered: checkpoint (torchrun restarts every worker from the newest checkpoint), or peer (only the lost worker is replaced, up to max_restarts times per rank, and takes its state from a surviving dp replica's memory: no step lost; ddp, pipelines of schedule 1f1b, one node or several (a lost worker, not a lost node), CPU/gloo so far; dp 1 falls back to checkpoint)."""
+    """How a lost worker is recovered: checkpoint (torchrun restarts every worker from the newest checkpoint), or peer (only the lost worker is replaced, up to max_restarts times per rank, and takes its state from a surviving dp replica's memory: no step lost; ddp with pipelines of schedule 1f1b, hsdp without, one node or several (a lost worker, not a lost node), CPU/gloo so far; dp 1 and fsdp, where no rank holds another's state, fall back to checkpoint)."""
     warm_spare: bool = False
     """recovery peer: keep each rank's next replacement started ahead, its imports done, waiting (a replacement takes ~0.1 s instead of a process start; an idle process per rank)."""
 
@@ -231,27 +231,37 @@ def check_nodes(par: ParallelConfig, launch: LaunchConfig) -> None:
 
 def peer_recovery(par: ParallelConfig, launch: LaunchConfig) -> bool:
     """Whether a lost worker is replaced from a replica (launch.recovery peer with a replica to copy:
-    dp > 1); otherwise torchrun restarts every worker from the newest checkpoint."""
-    return launch.recovery == "peer" and par.dp > 1
+    more than one dp_replicate, as ddp at dp > 1 and hsdp have); otherwise (dp 1, or fsdp, where each
+    shard is on one rank only) torchrun restarts every worker from the newest checkpoint."""
+    return launch.recovery == "peer" and Layout.of(par).dp_replicate > 1
+
+
+def no_replica(par: ParallelConfig) -> str:
+    """Why no replica holds a lost worker's state, where `peer_recovery` falls back (said at launch)."""
+    if par.dp == 1:
+        return "dp is 1"
+    return f"parallel.dp_mode {par.dp_mode} shards each rank's state over all {par.dp} dp ranks, none holds another's"
 
 
 def check_recovery(par: ParallelConfig, launch: LaunchConfig) -> None:
-    """launch.recovery peer only where it is built (ddp data parallel, pipelines of schedule 1f1b with
-    a split known without measuring; on any number of nodes) and has replacements to give."""
+    """launch.recovery peer only where it is built (ddp data parallel with pipelines of schedule 1f1b
+    split without measuring, or hsdp without pipelines; on any number of nodes) and has replacements to give."""
     if launch.warm_spare and launch.recovery != "peer":
         raise ConfigError("launch.warm_spare is for launch.recovery peer; remove it or set launch.recovery peer")
     if not peer_recovery(par, launch):
         return
     unbuilt = [f"parallel.{key} is {getattr(par, key)}" for key in ("tp", "cp", "ep") if getattr(par, key) > 1]
-    unbuilt += [f"parallel.dp_mode is {par.dp_mode}"] if par.dp_mode != "ddp" else []
-    if par.pp > 1:  # a replacement builds its stage as the others did, asking them nothing (no measured split)
+    if par.pp > 1 and par.dp_mode != "ddp":  # hsdp: built and tested without pipelines only
+        unbuilt += [f"parallel.dp_mode is {par.dp_mode} with parallel.pp {par.pp}"]
+    elif par.pp > 1:  # a replacement builds its stage as the others did, asking them nothing (no measured split)
         unbuilt += [f"parallel.schedule is {par.schedule}"] if par.schedule != "1f1b" else []
         measured = par.balance != "even" and par.stage_layers is None
         unbuilt += [f"parallel.balance is {par.balance}"] if measured else []
     if unbuilt:
         raise ConfigError(
-            "launch.recovery peer is built for ddp data parallel, and pipelines of schedule 1f1b split evenly or "
-            f"by parallel.stage_layers, so far ({unbuilt[0]}); use launch.recovery checkpoint"
+            "launch.recovery peer is built for ddp data parallel with pipelines of schedule 1f1b split evenly or "
+            f"by parallel.stage_layers, and hsdp without pipelines, so far ({unbuilt[0]}); "
+            "use launch.recovery checkpoint"
         )
     if launch.max_restarts == 0:
         raise ConfigError(

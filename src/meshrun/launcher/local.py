@@ -11,7 +11,7 @@ from torch import nn
 
 from meshrun.checkpoint.paths import resume_candidates
 from meshrun.config.schema import Config
-from meshrun.config.topology import peer_recovery
+from meshrun.config.topology import no_replica, peer_recovery
 from meshrun.errors import RunError
 from meshrun.files.console import say
 from meshrun.files.json_reader import read_json
@@ -80,8 +80,8 @@ def launch(cfg: Config, worker_args: list[str], *, lock: RunDirLock) -> int:
     say(f"starting {cfg.world_size} workers: {' '.join(argv[1:])}")
     if cfg.launch.recovery == "peer" and not peer_recovery(cfg.parallel, cfg.launch):
         say(
-            "launch.recovery peer: dp is 1, so no replica holds a lost worker's state; a lost worker "
-            "restarts every worker from the newest checkpoint (launch.max_restarts)"
+            f"launch.recovery peer: {no_replica(cfg.parallel)}, so no replica holds a lost worker's state; a lost "
+            "worker restarts every worker from the newest checkpoint (launch.max_restarts)"
         )
     watch = RendezvousWatch(cfg) if cfg.launch.nnodes > 1 else None
     if watch is not None:

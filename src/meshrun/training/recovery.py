@@ -5,9 +5,11 @@ the layout's meshes and DDP over it, and hand the replacement their state from m
 the optimizer, the data position and the counters. The step that was in flight is trained again
 by every rank, so no step is lost and none is trained twice.
 
-Built for DDP over dp ranks, with or without pipeline stages (tp, cp, ep 1), on one node's CPUs
-(gloo); config/topology.py refuses the rest. Under pp the ranks of every stage regroup and train the
-step again, and a replacement takes its stage's state from a dp replica of that stage. The
+Built for DDP over dp ranks, with or without pipeline stages, and HSDP without them (tp, cp, ep 1),
+on one node's CPUs (gloo); config/topology.py refuses the rest. Under pp the ranks of every stage
+regroup and train the step again, and a replacement takes its stage's state from a dp replica of
+that stage; under HSDP its shard from the other replica's rank at its shard index, and every
+survivor builds its FSDP2 state again over the new meshes (training/sharded_recovery.py). The
 replacement joins at a step's start: a loss noticed inside a step (a pipeline transfer, a gradient
 all-reduce, the norm over the stages) is recovered there. No rank steps its optimizer before every
 rank's gradients are final (`commit`, the step's last collective), so a step broken before it was
@@ -35,10 +37,12 @@ from meshrun.hardware.precision import resolve_precision
 from meshrun.launcher import progress
 from meshrun.parallel import regroup
 from meshrun.parallel.experts import ExpertGradients
+from meshrun.parallel.fsdp import local
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, join_store, mesh_on
 from meshrun.parallel.parallelize import LocalModel, wrap_data_parallel
 from meshrun.parallel.tied import TiedEmbeddings
+from meshrun.training import sharded_recovery
 from meshrun.training.state import TrainState
 
 if TYPE_CHECKING:
@@ -94,8 +98,10 @@ class PeerRecovery:
         replica's state; the trainer continues on the new meshes."""
         noticed = time.time()
         progress.mark("recovering", f"a peer was lost at step {step + 1}: {cause}")
-        model, rank, world = trainer.state.model, trainer.mesh.rank, trainer.cfg.world_size
-        unwrap(model)
+        rank, world = trainer.mesh.rank, trainer.cfg.world_size
+        kept = sharded_recovery.kept_shards(trainer, step) if sharded_recovery.rebuilds(trainer.mesh) else None
+        if kept is None:
+            unwrap(trainer.state.model)
         trainer.requests.leave()
         regroup.release([trainer.mesh.world, *trainer.mesh.views.values(), trainer.mesh.expert_grid])
         gc.collect()  # the broken DDP freed before its group is destroyed (freed after, it hung a process)
@@ -104,7 +110,10 @@ class PeerRecovery:
         regroup.join(self.store, number=self.number, rank=rank, world=world, timeout=COLLECTIVE_TIMEOUT)
         joined = time.time()  # the replacement is there
         mesh = mesh_on(trainer.mesh.layout, trainer.device)
-        rewrap(model, mesh, trainer.cfg)
+        if kept is None:
+            rewrap(trainer.state.model, mesh, trainer.cfg)
+        else:  # HSDP: FSDP2's modules are bound to the old mesh
+            trainer.hold(sharded_recovery.rebuilt(trainer.cfg, mesh, kept))
         trainer.mesh = mesh
         copy = share_state(trainer.state, mesh, step, holds=True)
         trainer.requests.regroup()  # after the state, where the replacement makes its own (Run)
@@ -169,26 +178,40 @@ class Copy:
 
 def share_state(state: TrainState, mesh: Mesh, step: int, *, holds: bool) -> Copy:
     """Collective: every tensor of `state` at `step` (a checkpoint's, RNG left out: dropout is
-    seeded per step) from the lowest rank of each dp group that `holds` it to the others (under pp,
-    each stage's replicas)."""
+    seeded per step) from the lowest rank of each group of replicas that `holds` it to the others:
+    the `dp_replicate` group, the ranks that hold the same state (DDP's dp group; under HSDP the
+    ranks at the same shard index; under pp, of the same stage), each sending its local shards."""
     regroup.agreed_step(step, holds=holds)
     named = state.state_dict(step, rng=False)
     layout = mesh.layout
     sources = regroup.copy_from_replica(
-        [named[key] for key in sorted(named)],
+        [local(named[key]) for key in sorted(named)],
         holds=holds,
-        group=mesh.group("dp"),
-        replicas=lambda rank: layout.group_ranks(rank, "dp"),
+        group=mesh.group("dp_replicate"),
+        replicas=lambda rank: layout.group_ranks(rank, "dp_replicate"),
     )
     if lost := [rank for rank, source in sources.items() if source is None]:
         raise RunError(
             f"no surviving replica holds rank {lost[0]}'s state (each of its dp replicas was lost); "
             "rerun with launch.recovery checkpoint to resume from the newest checkpoint"
         )
-    if not holds:
+    copied_step = int(named["progress.step"])
+    if copied_step == 0:  # nobody has stepped, but torch's state-dict helper made AdamW's state by a step at lr 0
+        unstep(named)
+    if not holds or copied_step == 0:
         state.load_state_dict(named)
     copied = {rank: source for rank, source in sources.items() if source is not None}
-    return Copy(copied, int(named["progress.step"]), regroup.lost_at(holds=holds))
+    return Copy(copied, copied_step, regroup.lost_at(holds=holds))
+
+
+def unstep(named: dict[str, torch.Tensor]) -> None:
+    """Optimizer state made before the first step (`_init_optim_state` in torch.distributed.checkpoint's
+    state_dict: a step with zero gradients at lr 0, whose moments stay 0 but whose count is 1) as a
+    fresh optimizer's: every step count 0. Left at 1, the first step trained again would be AdamW's
+    second (its bias correction), not an uninterrupted run's first."""
+    for key, tensor in named.items():
+        if key.startswith("state.") and key.endswith(".step"):
+            local(tensor).zero_()
 
 
 def unwrap(model: LocalModel | PipelineModel) -> None:

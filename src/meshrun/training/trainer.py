@@ -83,11 +83,7 @@ class Trainer:
         profiler: StepProfiler,
     ) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
-        self.state, self.model, self.optimizers, self.scaler = state, state.model, state.optimizers, state.scaler
-        self.params = [p for part in self.model.parts for p in part.parameters()]
-        self.compiles = any(is_compiled(part.blocks) for part in self.model.parts)
-        self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
-        self.norm_params = self.model.experts.dense(self.norm_params)  # split experts: summed over ep apart
+        self.hold(state)
         self.train_data, self.val_data, self.data_card, self.task = data.train, data.val, data.card, data.task
         self.flops_model = flops_model  # on meta: prices a step's tokens at its length
         self.moe_layers = moe_layers(flops_model.blocks)  # MoE layer -> experts, whole model (routing figures)
@@ -103,6 +99,20 @@ class Trainer:
             ratio=cfg.metrics.straggler_ratio, windows=cfg.metrics.straggler_windows
         )
         self.recovery: StepRecovery | None = None  # launch.recovery peer: a step broken by a lost peer is trained again
+
+    def hold(self, state: TrainState) -> None:
+        """Train `state` from here: the run's, or the one peer recovery built again over new meshes
+        (HSDP: training/sharded_recovery.py)."""
+        self.state, self.model, self.optimizers, self.scaler = state, state.model, state.optimizers, state.scaler
+        self.params = [p for part in self.model.parts for p in part.parameters()]
+        self.compiles = any(is_compiled(part.blocks) for part in self.model.parts)
+        self.norm_params = self.model.tied.counted_once(self.params)  # a tied matrix's two copies count once
+        self.norm_params = self.model.experts.dense(self.norm_params)  # split experts: summed over ep apart
+
+    def drop_state(self) -> None:
+        """Forget what `hold` took (peer recovery under HSDP: its FSDP2 modules hold the broken
+        process group's groups, whose connections close only once nothing holds them); `hold` again."""
+        del self.state, self.model, self.optimizers, self.scaler, self.params, self.norm_params
 
     def local_batch(self, data: Batches, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's share of the global batch starting at global sample `position` (under cp,
