@@ -40,6 +40,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshrun.parallel.experts import TokenShare
+
 
 @dataclass(frozen=True)
 class Resize:
@@ -103,8 +105,13 @@ class TPStyle:
     # its parameters (and its submodules') stay plain tensors, the same on every tp rank, and it computes
     # on plain tensors: tensor.py makes none of them DTensors (a MoE block: routing and all-to-alls)
     keeps_plain: bool = False
+    # where parallel.ep spans the tp ranks (Layout.experts_over_tp): its forms without and with sequence
+    # parallel (a MoE block on this rank's share of the tokens); None: as without it
+    over_tp: tuple[Form, Form] | None = None
 
-    def form(self, sequence_parallel: bool) -> Form:
+    def form(self, sequence_parallel: bool, *, experts_over_tp: bool = False) -> Form:
+        if experts_over_tp and self.over_tp is not None:
+            return self.over_tp[sequence_parallel]
         return self.sequence if sequence_parallel and self.sequence is not None else self.plain
 
 
@@ -348,6 +355,7 @@ _RECORDS = (
     # need no reduction over tp (parallel/experts.py). Under sequence parallel its input is gathered
     # to the whole sequence (the per-sequence balance loss needs whole sequences) and its output cut to
     # this rank's positions, whose backward all-gathers the gradient: every tp rank still computes the same.
+    # Where parallel.ep spans tp (`over_tp`) each tp rank computes on its own positions instead.
     TPStyle(
         "moe_block",
         LEFT_WHOLE,
@@ -363,6 +371,9 @@ _RECORDS = (
             hands_on=POSITIONS_CUT,
         ),
         keeps_plain=True,
+        # ep spanning tp: each tp rank routes its own positions (under sequence parallel those it holds),
+        # its router's gradients summed over tp by parallel/experts.py's ExpertGradients
+        over_tp=(Form(TokenShare, takes=POSITIONS_CUT, hands_on=POSITIONS_GATHERED), LEFT_WHOLE),
     ),
 )
 TP_STYLES: dict[str, TPStyle] = {style.name: style for style in _RECORDS}
