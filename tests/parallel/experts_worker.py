@@ -3,7 +3,9 @@ Qwen3-MoE sparse block, whole on every rank (the one-process reference on the gl
 split over ep 2 (ep_dp 2) and ep 4 (ep_dp 1) with each dp rank on its share of the batch, and over ep 2
 with its experts fully_shard-ed over ep_dp 2 as dp_mode fsdp does (parallel/fsdp.py); a broken
 variant that returns the experts' outputs to the wrong rows; checkpoints saved at ep 2 and read at
-ep 1 and ep 4. Writes what it measured to OUT/rank-R.json."""
+ep 1 and ep 4; at dp 2 x tp 2 with ep 4 spanning tp (each tp rank routing its own positions, with and
+without sequence parallel) and its two broken variants (the router's gradient not summed over tp,
+every tp rank routing all the tokens). Writes what it measured to OUT/rank-R.json."""
 
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from meshrun.config.schema import TrainConfig
 from meshrun.parallel import expert_shards, experts, fsdp
 from meshrun.parallel.layout import Layout
+from meshrun.parallel.tp_styles import TP_STYLES
 from meshrun.parallel.mesh import Mesh, mesh_on
 from meshrun.training.optim import Optimizers
 
@@ -52,15 +56,16 @@ def loss_of(out: torch.Tensor, target: torch.Tensor, *, dp: int) -> torch.Tensor
     return (out - target).pow(2).sum() * dp / (BATCH * SEQ)
 
 
-def step(block: nn.Module, mesh: Mesh, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Forward and backward of this dp rank's samples; gradients reduced as the trainer does."""
-    rows = mesh.data_shard(BATCH)
-    out = block(x[rows.start : rows.stop])
-    loss_of(out, target[rows.start : rows.stop], dp=mesh.size("dp")).backward()
-    for param in experts.ExpertGradients([block], mesh).dense(list(block.parameters())):  # DDP's mean over dp
+def step(
+    block: nn.Module, mesh: Mesh, x: torch.Tensor, target: torch.Tensor, *, gradients: experts.ExpertGradients | None = None
+) -> tuple[torch.Tensor, float]:
+    """Forward and backward of this dp rank's samples (`x`, `target`: theirs); gradients reduced as the trainer does."""
+    out = block(x)
+    loss_of(out, target, dp=mesh.size("dp")).backward()
+    gradients = gradients or experts.ExpertGradients([block], mesh)
+    for param in gradients.dense(list(block.parameters())):  # DDP's mean over dp
         dist.all_reduce(param.grad, group=mesh.group("dp"))
         param.grad /= mesh.size("dp")
-    gradients = experts.ExpertGradients([block], mesh)
     gradients.sync_gradients()
     dense = torch.nn.utils.get_total_norm([p.grad for p in gradients.dense(list(block.parameters()))]) ** 2
     squared = gradients.squared_norm()
@@ -93,14 +98,16 @@ def main(out_dir: Path) -> None:
         mesh = mesh_on(Layout(dp_replicate=4, ep=ep), cpu)
         block = moe_block()
         experts.shard_experts(block, mesh)
-        out, norm = step(block, mesh, x, target)
         rows = mesh.data_shard(BATCH)
+        out, norm = step(block, mesh, x[rows.start : rows.stop], target[rows.start : rows.stop])
         found[f"ep{ep}"] = {**differences(block, reference, out, full_out[rows.start : rows.stop]), "norm": norm}
         found[f"ep{ep}_groups"] = {name: dist.get_process_group_ranks(mesh.group(name)) for name in ("ep", "ep_dp")}
         if ep == 2:
             found["broken"] = broken_output(mesh, x, full_out)
             dcp.save(expert_shards.global_state(block, block.state_dict()), checkpoint_id=out_dir / "ep2")
     found["fsdp_ep2"] = sharded_over_ep_dp(reference, x, target, full_out)
+    for variant in ("plain", "sequence", "router_not_summed", "tokens_not_split"):
+        found[f"over_tp_{variant}"] = over_tp(x, target, variant)
     found["resumed"] = resumed(out_dir / "ep2", reference, cpu)
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
@@ -114,8 +121,8 @@ def sharded_over_ep_dp(reference: nn.Module, x: torch.Tensor, target: torch.Tens
     experts.shard_experts(block, mesh)
     options = {"mesh": mesh.data_mesh, "reshard_after_forward": True, "mp_policy": MixedPrecisionPolicy()}
     assert not fsdp.wrap_experts(block, mesh, options)  # none left out at ep_dp 2
-    out, norm = step(block, mesh, x, target)
     rows = mesh.data_shard(BATCH)
+    out, norm = step(block, mesh, x[rows.start : rows.stop], target[rows.start : rows.stop])
     layouts = {}
     for name in expert_shards.EXPERT_WEIGHTS:
         param = block.experts.get_parameter(name)
@@ -126,6 +133,37 @@ def sharded_over_ep_dp(reference: nn.Module, x: torch.Tensor, target: torch.Tens
         ]
     found = differences(block, reference, out, full_out[rows.start : rows.stop])
     return {**found, "norm": norm, "layouts": layouts, "fp16_scales": fp16_scales(block)}
+
+
+def over_tp(x: torch.Tensor, target: torch.Tensor, variant: str) -> dict[str, float]:
+    """dp 2 x tp 2 with ep 4 spanning tp, the block styled `moe_block` as tensor.py applies it there:
+    without sequence parallel (`plain`: the dp rank's batch replicated, this rank's positions routed,
+    the output gathered), under it (`sequence`: this rank's positions in and out), and broken: the
+    routers' gradients left unsummed over tp, or every tp rank routing all positions (no TokenShare).
+    Differences from the whole block on the whole batch (its first 4 positions: tp divides them), the
+    input's gradient too (the share's backward gathers it)."""
+    x, target = x[:, :4], target[:, :4]
+    reference, whole = moe_block(), x.clone().requires_grad_()
+    full_out = reference(whole)
+    loss_of(full_out, target, dp=1).backward()
+    mesh = mesh_on(Layout(dp_replicate=2, tp=2, ep=4), torch.device("cpu"))
+    tp_rank, sequence = mesh.coordinates.tp, variant == "sequence"
+    block = moe_block()
+    experts.shard_experts(block, mesh)
+    if variant != "tokens_not_split" and (style := TP_STYLES["moe_block"].form(sequence, experts_over_tp=True).make):
+        parallelize_module(block, mesh.view("tp"), style())
+    rows = mesh.data_shard(BATCH)
+    mine = slice(tp_rank * 2, tp_rank * 2 + 2) if sequence else slice(None)
+    ours = x[rows.start : rows.stop, mine].clone().requires_grad_()
+    gradients = experts.ExpertGradients([block], mesh)
+    if variant == "router_not_summed":
+        gradients.tp_group = None
+    out, norm = step(block, mesh, ours, target[rows.start : rows.stop, mine], gradients=gradients)
+    assert whole.grad is not None and ours.grad is not None
+    found = differences(block, reference, out, full_out.detach()[rows.start : rows.stop, mine])
+    input_grad = (ours.grad / mesh.size("dp") - whole.grad[rows.start : rows.stop, mine]).abs().max().item()
+    reference_norm = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+    return {**found, "input_grad": input_grad, "norm": norm, "reference_norm": reference_norm}
 
 
 def fp16_scales(block: nn.Module) -> list[float]:

@@ -60,6 +60,31 @@ def test_split_experts_equal_one_process(measured: list[dict], ep: str) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", ["plain", "sequence"])
+def test_experts_split_over_tp_equal_one_process(measured: list[dict], variant: str) -> None:
+    """dp 2 x tp 2 with ep 4 spanning tp (Layout.experts_over_tp), without and with sequence parallel:
+    each tp rank routes its own positions, so its output rows, the input's gradient, the router's (summed
+    over tp) and its experts' gradients and the global norm equal the whole block's on the whole batch."""
+    for found in measured:
+        diffs = found[f"over_tp_{variant}"]
+        scale = TOLERANCE * diffs["reference_norm"]
+        assert diffs["output"] < TOLERANCE and diffs["input_grad"] < scale and diffs["router_grad"] < scale, diffs
+        assert max(diffs["gate_up_proj_grad"], diffs["down_proj_grad"]) < scale, diffs
+        assert diffs["norm"] == pytest.approx(diffs["reference_norm"], rel=TOLERANCE)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", ["router_not_summed", "tokens_not_split"])
+def test_experts_split_over_tp_broken_are_seen(measured: list[dict], variant: str) -> None:
+    """The router's gradient left unsummed over tp (each tp rank's from its own positions), or every tp
+    rank routing all positions (the experts' and router's gradients counted tp times): the router's
+    gradient differs on every rank, far beyond the tolerance."""
+    for found in measured:
+        diffs = found[f"over_tp_{variant}"]
+        assert diffs["router_grad"] > 1e3 * TOLERANCE * diffs["reference_norm"], diffs
+
+
+@pytest.mark.timeout(300)
 def test_fsdp_shards_split_experts_over_ep_dp(measured: list[dict]) -> None:
     """Under fsdp each rank holds half of its ep rank's 4 experts' weights: dim 1 split over ep_dp 2."""
     for found in measured:
