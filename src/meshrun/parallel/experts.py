@@ -280,16 +280,25 @@ def describe_expert_parallel(layout: Layout, model: nn.Module) -> list[str]:
     total = experts_modules(model)[0][1].get_parameter("gate_up_proj").shape[0]
     count = total // layout.ep
     groups = sorted({tuple(layout.group_ranks(r, "ep")) for r in layout.ranks_of_pp_rank(0)})
-    held = "; ".join(f"ep rank {e}: experts {e * count}-{(e + 1) * count - 1}" for e in range(layout.ep))
+    held = "; ".join(
+        f"ep rank {e}: " + (f"expert {e}" if count == 1 else f"experts {e * count}-{(e + 1) * count - 1}")
+        for e in range(layout.ep)
+    )
     lines = [
         "expert parallel:",
         (
             f"  ep {layout.ep} x ep_dp {layout.size('ep_dp')}: each MoE layer's {total} experts split over the ranks "
-            f"of each ep group ({', '.join(str(list(g)) for g in groups)} on pipeline rank 0; the other stages alike)"
+            f"of each ep group ({', '.join(str(list(g)) for g in groups)} on pipeline rank 0, in ep rank order; the other stages alike)"
         ),
         f"  {held}; tokens reach them by two all-to-alls per MoE layer forward, two backward",
     ]
-    if layout.tp > 1:  # parallel/tp_styles.py's moe_block
+    if layout.experts_over_tp:  # parallel/tp_styles.py's moe_block, its over_tp forms
+        own = "the positions it holds" if layout.sequence_parallel else "its 1/tp of the positions, the output gathered back"
+        lines.append(
+            f"  tp {layout.tp}: ep spans the tp ranks (ep {layout.ep} = tp {layout.tp} x {layout.ep // layout.tp} dp ranks); "
+            f"each tp rank holds its ep rank's experts and routes {own}"
+        )
+    elif layout.tp > 1:
         whole = "the whole sequence gathered first" if layout.sequence_parallel else "the same tokens"
         lines.append(
             f"  tp {layout.tp}: each MoE block whole on every rank of a tp group ({whole}); each tp rank routes through its own ep groups"
