@@ -27,8 +27,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from meshrun.config.schema import TrainConfig
 from meshrun.parallel import expert_shards, experts, fsdp
 from meshrun.parallel.layout import Layout
-from meshrun.parallel.tp_styles import TP_STYLES
 from meshrun.parallel.mesh import Mesh, mesh_on
+from meshrun.parallel.tp_styles import TP_STYLES
 from meshrun.training.optim import Optimizers
 
 BATCH, SEQ, HIDDEN = 8, 5, 16
@@ -57,7 +57,12 @@ def loss_of(out: torch.Tensor, target: torch.Tensor, *, dp: int) -> torch.Tensor
 
 
 def step(
-    block: nn.Module, mesh: Mesh, x: torch.Tensor, target: torch.Tensor, *, gradients: experts.ExpertGradients | None = None
+    block: nn.Module,
+    mesh: Mesh,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    gradients: experts.ExpertGradients | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Forward and backward of this dp rank's samples (`x`, `target`: theirs); gradients reduced as the trainer does."""
     out = block(x)

@@ -146,6 +146,12 @@ def test_ep_spanning_tp_splits_the_experts_over_every_rank_of_the_group() -> Non
     assert "dp 2 (ddp, experts over ep 4 spanning tp) x tp 2" in text
     assert "ep group ([0, 1, 2, 3] on pipeline rank 0, in ep rank order" in text
     assert "ep rank 0: expert 0; ep rank 1: expert 1; ep rank 2: expert 2; ep rank 3: expert 3" in text
-    assert "tp 2: ep spans the tp ranks (ep 4 = tp 2 x 2 dp ranks); each tp rank holds its ep rank's experts and routes the positions it holds" in text
-    with pytest.raises(ValueError, match=re.escape("parallel.ep (3) must divide parallel.dp (2), or be parallel.tp (2) times a divisor of it")):
+    assert (
+        "tp 2: ep spans the tp ranks (ep 4 = tp 2 x 2 dp ranks); each tp rank holds its ep rank's experts and routes the positions it holds"
+        in text
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape("parallel.ep (3) must divide parallel.dp (2), or be parallel.tp (2) times a divisor of it"),
+    ):
         _cfg(dp=2, tp=2, ep=3)

@@ -293,7 +293,11 @@ def describe_expert_parallel(layout: Layout, model: nn.Module) -> list[str]:
         f"  {held}; tokens reach them by two all-to-alls per MoE layer forward, two backward",
     ]
     if layout.experts_over_tp:  # parallel/tp_styles.py's moe_block, its over_tp forms
-        own = "the positions it holds" if layout.sequence_parallel else "its 1/tp of the positions, the output gathered back"
+        own = (
+            "the positions it holds"
+            if layout.sequence_parallel
+            else "its 1/tp of the positions, the output gathered back"
+        )
         lines.append(
             f"  tp {layout.tp}: ep spans the tp ranks (ep {layout.ep} = tp {layout.tp} x {layout.ep // layout.tp} dp ranks); "
             f"each tp rank holds its ep rank's experts and routes {own}"

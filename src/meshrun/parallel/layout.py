@@ -299,7 +299,11 @@ class Layout:
         in the order of their coordinate on `name`: the group torch builds for it (parallel.mesh)."""
         if name in EXPERT_VIEWS:  # the dp (x tp) ranks of this rank's place that differ only on `name`
             c, over = self.coordinates(rank), self._ep_tp
-            flat = (c.ep_dp * self.ep + e for e in range(self.ep)) if name == "ep" else range(c.ep, self.dp * over, self.ep)
+            flat = (
+                (c.ep_dp * self.ep + e for e in range(self.ep))
+                if name == "ep"
+                else range(c.ep, self.dp * over, self.ep)
+            )
             places = (divmod(f, over) if over > 1 else (f, c.tp) for f in flat)
             return [self.rank_at(pp=c.pp, dp=dp, tp=tp) for dp, tp in places]
         spans = VIEWS.get(name, (name,))

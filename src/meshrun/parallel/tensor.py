@@ -143,7 +143,8 @@ def apply_tensor_parallel(
         name: applied
         for pattern, style in plan.items()
         for name, module in modules.items()
-        if fnmatch(name, pattern) and (applied := _applied(module, TP_STYLES[style], sequence_parallel, experts_over_tp)) is not None
+        if fnmatch(name, pattern)
+        and (applied := _applied(module, TP_STYLES[style], sequence_parallel, experts_over_tp)) is not None
     }
     frozen = {name for name, param in part.named_parameters() if not param.requires_grad}  # model.lora's base
     parallelize_module(part, tp_mesh, concrete)
