@@ -43,7 +43,13 @@ def moe_block(seed: int = 0) -> Qwen3MoeSparseMoeBlock:
     block = Qwen3MoeSparseMoeBlock(CONFIG)
     for param in block.parameters():
         nn.init.normal_(param, std=0.5)
+    block.gate.register_forward_hook(_keep_choices)
     return block
+
+
+def _keep_choices(gate: nn.Module, _args: tuple, out: tuple[torch.Tensor, ...]) -> None:
+    """The router's last top-k experts, [tokens, k], kept on it: the per-token routing each test compares."""
+    gate.choices = out[-1].detach()
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,11 +83,26 @@ def step(
     return out.detach(), float((dense + (0 if squared is None else squared)).sqrt())
 
 
-def differences(block: nn.Module, reference: nn.Module, out: torch.Tensor, full_out: torch.Tensor) -> dict[str, float]:
-    """Largest differences from the reference: output rows, router and expert gradients (this rank's experts)."""
+def differences(
+    block: nn.Module,
+    reference: nn.Module,
+    out: torch.Tensor,
+    full_out: torch.Tensor,
+    at: tuple[slice, slice],
+    routed: tuple[slice, slice] | None = None,
+) -> dict[str, float]:
+    """Largest differences from the reference: output rows (`at`: this rank's samples and positions of
+    the whole batch), router and expert gradients (this rank's experts), and `misrouted`: the tokens
+    this rank routed (`routed`, by default `at`) whose chosen experts differ from the reference's."""
     shard = block.experts.expert_shard
     kept = slice(shard.first, shard.first + shard.count)
-    found = {"output": (out - full_out).abs().max().item()}
+    found = {"output": (out - full_out[at]).abs().max().item()}
+    expected = reference.gate.choices.view(*full_out.shape[:2], -1)[routed or at].reshape(
+        -1, CONFIG.num_experts_per_tok
+    )
+    chosen, expected = block.gate.choices.sort(-1).values, expected.sort(-1).values
+    mismatched = len(chosen) if chosen.shape != expected.shape else (chosen != expected).any(-1).sum().item()
+    found["misrouted"] = float(mismatched)
     found["router_grad"] = (block.gate.weight.grad - reference.gate.weight.grad).abs().max().item()
     for name in expert_shards.EXPERT_WEIGHTS:
         mine, whole = block.experts.get_parameter(name).grad, reference.experts.get_parameter(name).grad
@@ -105,7 +126,8 @@ def main(out_dir: Path) -> None:
         experts.shard_experts(block, mesh)
         rows = mesh.data_shard(BATCH)
         out, norm = step(block, mesh, x[rows.start : rows.stop], target[rows.start : rows.stop])
-        found[f"ep{ep}"] = {**differences(block, reference, out, full_out[rows.start : rows.stop]), "norm": norm}
+        at = (slice(rows.start, rows.stop), slice(None))
+        found[f"ep{ep}"] = {**differences(block, reference, out, full_out.detach(), at), "norm": norm}
         found[f"ep{ep}_groups"] = {name: dist.get_process_group_ranks(mesh.group(name)) for name in ("ep", "ep_dp")}
         if ep == 2:
             found["broken"] = broken_output(mesh, x, full_out)
@@ -136,7 +158,7 @@ def sharded_over_ep_dp(reference: nn.Module, x: torch.Tensor, target: torch.Tens
             [str(p) for p in param.placements],
             list(param.to_local().shape),
         ]
-    found = differences(block, reference, out, full_out[rows.start : rows.stop])
+    found = differences(block, reference, out, full_out.detach(), (slice(rows.start, rows.stop), slice(None)))
     return {**found, "norm": norm, "layouts": layouts, "fp16_scales": fp16_scales(block)}
 
 
@@ -158,14 +180,15 @@ def over_tp(x: torch.Tensor, target: torch.Tensor, variant: str) -> dict[str, fl
     if variant != "tokens_not_split" and (style := TP_STYLES["moe_block"].form(sequence, experts_over_tp=True).make):
         parallelize_module(block, mesh.view("tp"), style())
     rows = mesh.data_shard(BATCH)
-    mine = slice(tp_rank * 2, tp_rank * 2 + 2) if sequence else slice(None)
+    mine = slice(tp_rank * 2, tp_rank * 2 + 2) if sequence else slice(None)  # what it takes and hands on
     ours = x[rows.start : rows.stop, mine].clone().requires_grad_()
     gradients = experts.ExpertGradients([block], mesh)
     if variant == "router_not_summed":
         gradients.tp_group = None
     out, norm = step(block, mesh, ours, target[rows.start : rows.stop, mine], gradients=gradients)
     assert whole.grad is not None and ours.grad is not None
-    found = differences(block, reference, out, full_out.detach()[rows.start : rows.stop, mine])
+    samples, positions = slice(rows.start, rows.stop), slice(tp_rank * 2, tp_rank * 2 + 2)
+    found = differences(block, reference, out, full_out.detach(), (samples, mine), (samples, positions))
     input_grad = (ours.grad / mesh.size("dp") - whole.grad[rows.start : rows.stop, mine]).abs().max().item()
     reference_norm = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
     return {**found, "input_grad": input_grad, "norm": norm, "reference_norm": reference_norm}

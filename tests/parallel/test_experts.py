@@ -51,9 +51,10 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_split_experts_equal_one_process(measured: list[dict], ep: str) -> None:
     """Outputs and gradients (router: dense, DDP's mean; experts: summed over ep_dp, over dp; under
     fsdp reduce-scattered over ep_dp) equal the whole block's on the whole batch, and so does the
-    global gradient norm."""
+    global gradient norm; every token chose the experts it chose in the whole block."""
     for found in measured:
         diffs = found[ep]
+        assert diffs["misrouted"] == 0, diffs  # token by token: the same experts as the whole block chose
         assert diffs["output"] < TOLERANCE and diffs["router_grad"] < TOLERANCE * found["reference_norm"], diffs
         assert max(diffs["gate_up_proj_grad"], diffs["down_proj_grad"]) < TOLERANCE * found["reference_norm"], diffs
         assert diffs["norm"] == pytest.approx(found["reference_norm"], rel=TOLERANCE)
@@ -68,6 +69,7 @@ def test_experts_split_over_tp_equal_one_process(measured: list[dict], variant: 
     for found in measured:
         diffs = found[f"over_tp_{variant}"]
         scale = TOLERANCE * diffs["reference_norm"]
+        assert diffs["misrouted"] == 0, diffs  # each tp rank's tokens reach the experts the whole block chose
         assert diffs["output"] < TOLERANCE and diffs["input_grad"] < scale and diffs["router_grad"] < scale, diffs
         assert max(diffs["gate_up_proj_grad"], diffs["down_proj_grad"]) < scale, diffs
         assert diffs["norm"] == pytest.approx(diffs["reference_norm"], rel=TOLERANCE)
