@@ -22,7 +22,7 @@ equal and are reduced over dp alone, and the norm counts them once per tp group.
 
 Where ep spans tp (ep = tp x a divisor of dp: `Layout.experts_over_tp`) each tp rank routes its own
 share of the tokens: under sequence parallel the positions it already holds (nothing gathered),
-without it its 1/tp of the replicated positions (`TokenShare`: its backward all-gathers the input's
+without it its 1/tp of the replicated positions (tp_styles.py's `TokenShare`: its backward all-gathers the input's
 gradient), the block's output all-gathered back over tp so the rest of the layer sees replicated
 activations (its backward keeps this rank's positions' gradient). The ep group is whole tp groups, so
 the same all-to-alls carry the tokens. The per-sequence balance loss sums its expert counts over tp
@@ -46,15 +46,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshrun.errors import ConfigError
 from meshrun.models.moe import HeldExperts, held_experts, hold_experts
@@ -133,58 +131,6 @@ def routed_forward(
     back = all_to_all_single_autograd(done, sends, gets, group)
     weighted = back * top_k_weights.reshape(-1)[order, None]
     return torch.zeros_like(hidden).index_add(0, token, weighted.to(hidden.dtype))
-
-
-class TokenShare(ParallelStyle):
-    """tp style `moe_block` where ep spans tp, without sequence parallel: the block computes on this tp
-    rank's 1/tp of its replicated input's positions, and its output is gathered back whole over tp
-    (Megatron's scatter-to and gather-from the tp region: each backward the other's forward)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        group = device_mesh.get_group()
-        module.register_forward_pre_hook(lambda _m, args: (_OwnPositions.apply(args[0], group), *args[1:]))
-        module.register_forward_hook(lambda _m, _args, out: _AllPositions.apply(out, group))
-        return module
-
-
-def _positions_gathered(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every tp rank's positions (dim 1) of `x`, in rank order (equal shares: check_tensor_split)."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
-
-
-def _own_positions(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """This tp rank's share of `x`'s positions (dim 1)."""
-    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
-
-
-class _OwnPositions(torch.autograd.Function):
-    """Forward: this rank's positions of a replicated tensor; backward: the gradient all-gathered (each
-    tp rank's positions reached the loss through their own rank only)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _own_positions(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _positions_gathered(grad, ctx.group), None
-
-
-class _AllPositions(torch.autograd.Function):
-    """Forward: every rank's positions gathered; backward: this rank's positions' gradient (every tp
-    rank holds the same whole gradient of a replicated tensor: summing them would count it tp times)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _positions_gathered(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _own_positions(grad, ctx.group), None
 
 
 class ExpertGradients:
