@@ -143,10 +143,25 @@ def test_ep_borrows_the_innermost_dp_ranks() -> None:
     assert layout.group_ranks(5, "ep") == [4, 5] and layout.group_ranks(5, "ep_dp") == [5, 7]
 
 
+def test_ep_larger_than_dp_takes_whole_tp_groups() -> None:
+    """One rule: ep divides dp (dp ranks only, as before), or is tp times a divisor of dp (whole tp
+    groups too: the dp x tp ranks split as ep_dp * ep + ep)."""
+    within = Layout(dp_replicate=2, tp=2, ep=2)
+    assert not within.experts_over_tp and within.group_ranks(0, "ep") == [0, 2] and within.routing_copies == 2
+    over = Layout(dp_replicate=2, tp=2, ep=4)
+    assert over.text() == "dp 2 (ddp, experts over ep 4 spanning tp) x tp 2 x pp 1"
+    assert [over.coordinates(r).ep for r in range(4)] == [0, 1, 2, 3] and over.routing_copies == 1
+    assert over.group_ranks(3, "ep") == [0, 1, 2, 3] and over.group_ranks(3, "ep_dp") == [3]
+    odd = Layout(pp=2, dp_replicate=3, tp=2, ep=2)  # 3 dp ranks: each tp group an ep group, ep_dp 3
+    assert (odd.size("ep"), odd.size("ep_dp")) == (2, 3)
+    assert odd.group_ranks(9, "ep") == [8, 9] and odd.group_ranks(9, "ep_dp") == [7, 9, 11]
+
+
 @pytest.mark.parametrize(
     ("parallel", "message"),
     [
         ({"dp": 4, "ep": 3}, "parallel.ep (3) must divide parallel.dp (4)"),
+        ({"dp": 2, "tp": 2, "ep": 8}, "parallel.ep (8) must divide parallel.dp (2), or be parallel.tp (2) times"),
         ({"dp": 2, "ep": 2, "cp": 2}, "parallel.ep and parallel.cp cannot both split yet: set one of them to 1"),
     ],
 )
