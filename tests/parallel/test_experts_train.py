@@ -88,6 +88,30 @@ def test_expert_parallel_training_equals_one_process(runs: dict[str, Path], name
     assert max_weight_diff(final_weights(runs[name]), final_weights(reference)) < 1e-5
 
 
+def chosen_experts(run_dir: Path) -> torch.Tensor:
+    """Every MoE layer's top-k experts, sorted, for each token of a fixed batch, by the run's final
+    weights as one whole model: [layers, tokens, k]."""
+    from meshrun.cli.use_checkpoint import load_full_model
+    from meshrun.models.moe import sparse_mlps
+
+    model = load_full_model(run_dir)[0].eval()
+    kept: list[torch.Tensor] = []
+    for mlp in sparse_mlps(model.blocks).values():  # ours and transformers' routers return the experts last
+        mlp.gate.register_forward_hook(lambda _m, _args, out: kept.append(out[-1].sort(-1).values))
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)))
+    return torch.stack(kept)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", ROWS)
+def test_the_same_tokens_reach_the_same_experts(runs: dict[str, Path], name: str) -> None:
+    """Token by token: after 10 steps in each layout, every token of a fixed batch chooses the experts
+    it chooses in the one-process run's model (during the split forward itself, tests/parallel/test_experts.py)."""
+    reference = runs["hf_one" if name.startswith("hf") else "one"]
+    assert torch.equal(chosen_experts(runs[name]), chosen_experts(reference))
+
+
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("name", ["tp2_ep2", "hf_tp2_sp_ep2", "tp2_sp_ep4"])
 def test_planned_state_under_tp_equals_the_measured(runs: dict[str, Path], name: str) -> None:
