@@ -726,6 +726,18 @@ CASES = [
         ("model.seq_len (15) must be divisible by parallel.tp (2) under parallel.sequence_parallel",),
         torch_free=True,
     ),
+    Case(  # ep spanning tp: each tp rank routes seq_len / tp positions
+        "ep-over-tp-seq-len-does-not-divide",
+        lambda c: ["train", *c.set(parallel__tp=2, parallel__ep=2, model__moe__num_experts=4, model__seq_len=15)],
+        ("model.seq_len (15) must be divisible by parallel.tp (2) under parallel.ep 2 spanning tp", "parallel.dp (1)"),
+        torch_free=True,
+    ),
+    Case(  # ep divides dp, or is tp times a divisor of dp: nothing else
+        "ep-neither-within-dp-nor-over-tp",
+        lambda c: ["train", *c.set(parallel__dp=2, parallel__tp=2, parallel__ep=3, model__moe__num_experts=6)],
+        ("parallel.ep (3) must divide parallel.dp (2), or be parallel.tp (2) times a divisor of it",),
+        torch_free=True,
+    ),
     Case(  # Hugging Face sizes come from config.json: kv heads split whole (grouped-query attention)
         "tp-does-not-divide-hf-kv-heads",
         lambda c: [

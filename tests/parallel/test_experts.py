@@ -51,12 +51,39 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_split_experts_equal_one_process(measured: list[dict], ep: str) -> None:
     """Outputs and gradients (router: dense, DDP's mean; experts: summed over ep_dp, over dp; under
     fsdp reduce-scattered over ep_dp) equal the whole block's on the whole batch, and so does the
-    global gradient norm."""
+    global gradient norm; every token chose the experts it chose in the whole block."""
     for found in measured:
         diffs = found[ep]
+        assert diffs["misrouted"] == 0, diffs  # token by token: the same experts as the whole block chose
         assert diffs["output"] < TOLERANCE and diffs["router_grad"] < TOLERANCE * found["reference_norm"], diffs
         assert max(diffs["gate_up_proj_grad"], diffs["down_proj_grad"]) < TOLERANCE * found["reference_norm"], diffs
         assert diffs["norm"] == pytest.approx(found["reference_norm"], rel=TOLERANCE)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", ["plain", "sequence"])
+def test_experts_split_over_tp_equal_one_process(measured: list[dict], variant: str) -> None:
+    """dp 2 x tp 2 with ep 4 spanning tp (Layout.experts_over_tp), without and with sequence parallel:
+    each tp rank routes its own positions, so its output rows, the input's gradient, the router's (summed
+    over tp) and its experts' gradients and the global norm equal the whole block's on the whole batch."""
+    for found in measured:
+        diffs = found[f"over_tp_{variant}"]
+        scale = TOLERANCE * diffs["reference_norm"]
+        assert diffs["misrouted"] == 0, diffs  # each tp rank's tokens reach the experts the whole block chose
+        assert diffs["output"] < TOLERANCE and diffs["input_grad"] < scale and diffs["router_grad"] < scale, diffs
+        assert max(diffs["gate_up_proj_grad"], diffs["down_proj_grad"]) < scale, diffs
+        assert diffs["norm"] == pytest.approx(diffs["reference_norm"], rel=TOLERANCE)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", ["router_not_summed", "tokens_not_split"])
+def test_experts_split_over_tp_broken_are_seen(measured: list[dict], variant: str) -> None:
+    """The router's gradient left unsummed over tp (each tp rank's from its own positions), or every tp
+    rank routing all positions (the experts' and router's gradients counted tp times): the router's
+    gradient differs on every rank, far beyond the tolerance."""
+    for found in measured:
+        diffs = found[f"over_tp_{variant}"]
+        assert diffs["router_grad"] > 1e3 * TOLERANCE * diffs["reference_norm"], diffs
 
 
 @pytest.mark.timeout(300)
@@ -116,10 +143,25 @@ def test_ep_borrows_the_innermost_dp_ranks() -> None:
     assert layout.group_ranks(5, "ep") == [4, 5] and layout.group_ranks(5, "ep_dp") == [5, 7]
 
 
+def test_ep_larger_than_dp_takes_whole_tp_groups() -> None:
+    """One rule: ep divides dp (dp ranks only, as before), or is tp times a divisor of dp (whole tp
+    groups too: the dp x tp ranks split as ep_dp * ep + ep)."""
+    within = Layout(dp_replicate=2, tp=2, ep=2)
+    assert not within.experts_over_tp and within.group_ranks(0, "ep") == [0, 2] and within.routing_copies == 2
+    over = Layout(dp_replicate=2, tp=2, ep=4)
+    assert over.text() == "dp 2 (ddp, experts over ep 4 spanning tp) x tp 2 x pp 1"
+    assert [over.coordinates(r).ep for r in range(4)] == [0, 1, 2, 3] and over.routing_copies == 1
+    assert over.group_ranks(3, "ep") == [0, 1, 2, 3] and over.group_ranks(3, "ep_dp") == [3]
+    odd = Layout(pp=2, dp_replicate=3, tp=2, ep=2)  # 3 dp ranks: each tp group an ep group, ep_dp 3
+    assert (odd.size("ep"), odd.size("ep_dp")) == (2, 3)
+    assert odd.group_ranks(9, "ep") == [8, 9] and odd.group_ranks(9, "ep_dp") == [7, 9, 11]
+
+
 @pytest.mark.parametrize(
     ("parallel", "message"),
     [
         ({"dp": 4, "ep": 3}, "parallel.ep (3) must divide parallel.dp (4)"),
+        ({"dp": 2, "tp": 2, "ep": 8}, "parallel.ep (8) must divide parallel.dp (2), or be parallel.tp (2) times"),
         ({"dp": 2, "ep": 2, "cp": 2}, "parallel.ep and parallel.cp cannot both split yet: set one of them to 1"),
     ],
 )

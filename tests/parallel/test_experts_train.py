@@ -3,7 +3,8 @@ gradient norms, routing (tokens per expert, the balance loss) and final weights.
 Qwen3-MoE at dp2 x ep2 under DDP and at dp2 x tp2 (sequence parallel) x ep2; the built-in MoE gpt at
 dp2 x pp2 x ep2 (fsdp, 1F1B, recompute; ep_dp 1: experts all-reduced), at dp2 x tp2 x ep2 (ddp: FSDP2
 keeps the dense replicas, the MoE blocks whole on each tp rank) and dp2 x tp2 (sequence parallel) x
-ep2 (fsdp) and, in the one 8-rank launch, dp4 x pp2 x ep2 (fsdp, interleaved 1F1B: experts sharded
+ep2 (fsdp), at dp2 x tp2 (sequence parallel) x ep4 (ddp: ep spanning tp, each tp rank routing its
+own positions) and, in the one 8-rank launch, dp4 x pp2 x ep2 (fsdp, interleaved 1F1B: experts sharded
 over ep_dp 2); step-5 checkpoints resumed as one process (ep2 x pp2 -> ep1 x pp1, tp2 x ep2 -> 1)
 and at dp4 (ep1, ddp)."""
 
@@ -34,6 +35,7 @@ LAYOUTS = {
     "dp4_pp2_ep2": {**BUILT_IN, **DP4, **PP2_FSDP, "parallel.ep": 2, "parallel.schedule": "interleaved-1f1b"},
     "tp2_ep2": {**BUILT_IN, **EP2, "parallel.tp": 2},
     "tp2_sp_ep2": {**BUILT_IN, **EP2, **TP2_SP, "parallel.dp_mode": "fsdp"},
+    "tp2_sp_ep4": {**BUILT_IN, **TP2_SP, "parallel.dp": 2, "parallel.ep": 4},  # each tp rank a share of the experts
     "hf_one": {},
     "hf_ddp_ep2": EP2,
     "hf_tp2_sp_ep2": {**EP2, **TP2_SP},
@@ -43,7 +45,7 @@ RESUMED = {
     "resumed_dp4": ("dp4_pp2_ep2", {**BUILT_IN, **DP4}),
     "resumed_tp_one": ("tp2_ep2", BUILT_IN),
 }
-ROWS = ["hf_ddp_ep2", "hf_tp2_sp_ep2", "pp2_ep2", "dp4_pp2_ep2", "tp2_ep2", "tp2_sp_ep2", *RESUMED]
+ROWS = ["hf_ddp_ep2", "hf_tp2_sp_ep2", "pp2_ep2", "dp4_pp2_ep2", "tp2_ep2", "tp2_sp_ep2", "tp2_sp_ep4", *RESUMED]
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +88,35 @@ def test_expert_parallel_training_equals_one_process(runs: dict[str, Path], name
     assert max_weight_diff(final_weights(runs[name]), final_weights(reference)) < 1e-5
 
 
+def chosen_experts(run_dir: Path) -> torch.Tensor:
+    """Every MoE layer's top-k experts, sorted, for each token of a fixed batch, by the run's final
+    weights as one whole model: [layers, tokens, k]."""
+    from meshrun.cli.use_checkpoint import load_full_model
+    from meshrun.models.moe import sparse_mlps
+
+    model = load_full_model(run_dir)[0].eval()
+    kept: list[torch.Tensor] = []
+    for mlp in sparse_mlps(model.blocks).values():  # ours and transformers' routers return the experts last
+        mlp.gate.register_forward_hook(lambda _m, _args, out: kept.append(out[-1].sort(-1).values))
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)))
+    return torch.stack(kept)
+
+
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("name", ["tp2_ep2", "hf_tp2_sp_ep2"])
+@pytest.mark.parametrize("name", ROWS)
+def test_the_same_tokens_reach_the_same_experts(runs: dict[str, Path], name: str) -> None:
+    """Token by token: after 10 steps in each layout, every token of a fixed batch chooses the experts
+    it chooses in the one-process run's model (during the split forward itself, tests/parallel/test_experts.py)."""
+    reference = runs["hf_one" if name.startswith("hf") else "one"]
+    assert torch.equal(chosen_experts(runs[name]), chosen_experts(reference))
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", ["tp2_ep2", "hf_tp2_sp_ep2", "tp2_sp_ep4"])
 def test_planned_state_under_tp_equals_the_measured(runs: dict[str, Path], name: str) -> None:
     """--dry-run's and `meshrun plan`'s state per rank (planner/layout_memory.rank_state_bytes: the MoE
-    blocks whole on each tp rank, their experts split over ep) is the largest rank's measured params,
+    blocks whole on each tp rank, their experts split over ep, a quarter of them where ep 4 spans tp) is the largest rank's measured params,
     gradients and optimizer state after its first step (ddp rows: under fsdp the plan divides AdamW's
     4-byte step counts by the shard degree too, planner/memory.py)."""
     from meshrun.config.schema import Config

@@ -38,6 +38,7 @@ def test_plan_enumerates_ep_and_says_it_assumes_balanced_routing(data_dir: Path,
     rows = [line.split() for line in done.stdout.splitlines() if line[:3].strip().isdigit()]
     assert {"ddp", "ddp+ep2", "ddp+ep4", "fsdp+ep4"} <= {row[3] for row in rows}, rows
     assert {("2", "ddp+ep2"), ("2", "fsdp+ep2")} <= {(row[1], row[3]) for row in rows}  # tp x ep (dp 2 x tp 2)
+    assert {("2", "2", "ddp+ep4"), ("2", "1", "ddp+ep2")} <= {(row[1], row[2], row[3]) for row in rows}  # ep over tp
 
 
 def test_experts_state_is_split_and_all_to_alls_priced() -> None:
@@ -128,3 +129,29 @@ def test_tp_prices_a_moe_block_without_the_mlps_collectives(sequence_parallel: b
             for s in (stage, dense)
         ]
         assert priced[0] == pytest.approx(priced[1] * (0.75 if sequence_parallel else 0.5), rel=1e-12)
+
+
+def test_ep_spanning_tp_splits_the_experts_over_every_rank_of_the_group() -> None:
+    """ep 4 at dp 2 x tp 2 (ep spanning tp: parallel/layout.py) holds a quarter of the experts per rank
+    where ep 2 within dp holds half (the state against real dp2 x tp2 x ep4 steps:
+    tests/parallel/test_experts_train.py); --dry-run names each ep rank's expert, the groups in ep rank
+    order and how each tp rank routes; a degree neither rule takes is refused in one line."""
+    from meshrun.planner.dry_run import describe_job
+
+    params = {ep: layout_memory(_cfg(dp=2, tp=2, ep=ep), "fp32").ranks[0].params for ep in (2, 4)}
+    experts = 4 * (4 * (2 * 64 * 32 + 32 * 64)) * 4  # 4 layers of 4 experts, fp32
+    assert params[2] - params[4] == experts // 2 - experts // 4
+    cfg = _cfg(dp=2, tp=2, ep=4, sequence_parallel=True)
+    text = describe_job(cfg, build_model(cfg.model))
+    assert "dp 2 (ddp, experts over ep 4 spanning tp) x tp 2" in text
+    assert "ep group ([0, 1, 2, 3] on pipeline rank 0, in ep rank order" in text
+    assert "ep rank 0: expert 0; ep rank 1: expert 1; ep rank 2: expert 2; ep rank 3: expert 3" in text
+    assert (
+        "tp 2: ep spans the tp ranks (ep 4 = tp 2 x 2 dp ranks); each tp rank holds its ep rank's experts and routes the positions it holds"
+        in text
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape("parallel.ep (3) must divide parallel.dp (2), or be parallel.tp (2) times a divisor of it"),
+    ):
+        _cfg(dp=2, tp=2, ep=3)

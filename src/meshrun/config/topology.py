@@ -17,7 +17,7 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 from meshrun.config.address import host_problem, port_problem, split_endpoint
 from meshrun.config.fields import Int, Section, lowercase
 from meshrun.errors import ConfigError
-from meshrun.parallel.layout import Layout
+from meshrun.parallel.layout import Layout, ep_spans_tp, expert_degree_error
 
 Schedule = Annotated[
     Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"], BeforeValidator(lowercase)
@@ -58,7 +58,7 @@ class ParallelConfig(Section):
     fsdp_reduce_dtype: ShardDtype = "fp32"
     """fsdp/hsdp: dtype gradients are reduce-scattered in (fp32 sums exactly as ddp's all-reduce does)."""
     ep: Int = Field(default=1, ge=1)
-    """Expert parallelism: each MoE layer's experts split over this many of a stage's dp ranks (a divisor of dp; tokens travel to their experts' ranks and back by all-to-all); the dp / ep ranks holding the same experts average their gradients."""
+    """Expert parallelism: each MoE layer's experts split over this many of a stage's ranks (tokens travel to their experts' ranks and back by all-to-all): a divisor of dp borrows dp ranks (under tp each MoE block whole on every tp rank); otherwise tp times a divisor of dp, which borrows whole tp groups too (each tp rank routes its own share of the tokens). The ranks holding the same experts average their gradients."""
 
     @model_validator(mode="after")
     def _shard_divides_dp(self) -> ParallelConfig:
@@ -78,12 +78,10 @@ class ParallelConfig(Section):
 
     @model_validator(mode="after")
     def _ep_borrows_dp(self) -> ParallelConfig:
-        """parallel.ep divides parallel.dp (the ranks it borrows; under tp > 1 the MoE blocks stay whole on every tp rank)."""
-        if self.dp % self.ep:
-            raise ValueError(
-                f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp}): the experts are split over dp ranks; "
-                f"set parallel.ep to a divisor of {self.dp}"
-            )
+        """parallel.ep divides parallel.dp (the dp ranks it borrows; under tp > 1 each MoE block stays whole
+        on every tp rank), or is parallel.tp times a divisor of dp (it borrows whole tp groups too)."""
+        if self.dp % self.ep and not ep_spans_tp(self.ep, self.dp, self.tp):
+            raise ValueError(expert_degree_error(self.ep, self.dp, self.tp))
         return self
 
     @model_validator(mode="after")
@@ -187,15 +185,22 @@ def check_layout(
 
 def check_tensor_split(par: ParallelConfig, splits: Mapping[str, int], *, sequences: Mapping[str, int]) -> None:
     """Each size a tp shard holds a part of (whole heads; the sequences, by the key that sets each,
-    under sequence parallel) divides by parallel.tp."""
+    under sequence parallel or where parallel.ep spans tp: each tp rank routes its positions) divides by
+    parallel.tp."""
     for key, size in splits.items():
         if size % par.tp:
             raise ConfigError(f"{key} ({size}) must be divisible by parallel.tp ({par.tp}); change one of these keys")
-    for key, length in sequences.items() if par.sequence_parallel else ():
+    over_tp = Layout.of(par).experts_over_tp
+    for key, length in sequences.items() if par.sequence_parallel or over_tp else ():
         if length % par.tp:
+            why, fix = (
+                ("parallel.sequence_parallel", "set parallel.sequence_parallel=false")
+                if par.sequence_parallel
+                else (f"parallel.ep {par.ep} spanning tp", f"set parallel.ep to a divisor of parallel.dp ({par.dp})")
+            )
             raise ConfigError(
-                f"{key} ({length}) must be divisible by parallel.tp ({par.tp}) under parallel.sequence_parallel; "
-                "change one of these keys or set parallel.sequence_parallel=false"
+                f"{key} ({length}) must be divisible by parallel.tp ({par.tp}) under {why}; "
+                f"change one of these keys or {fix}"
             )
 
 

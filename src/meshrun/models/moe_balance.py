@@ -20,6 +20,10 @@ language loss: the MoE layer's output passes through `_AddAuxGradient` (Megatron
 MoEAuxLossAutoScaler), whose backward hands the aux loss its gradient, d(step loss)/d(aux), from
 the step's `aux_gradient` scale. The same backward records the layer's routing (tokens per expert,
 the loss's value) in its `RouterMeter`: once per microbatch, also under activation recompute.
+
+Where parallel.ep spans tp, each tp rank routes its own positions of every sequence (`split_over`):
+the expert counts the loss needs are summed over those ranks (the one collective here besides the
+window's), each rank's loss is its share, and the meters count each rank's own tokens.
 """
 
 from __future__ import annotations
@@ -135,29 +139,41 @@ def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     )
 
 
-def sequence_balance(probs: torch.Tensor, chosen: torch.Tensor, batch: int) -> torch.Tensor:
+def sequence_balance(
+    probs: torch.Tensor, chosen: torch.Tensor, batch: int, split_over: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Per-sequence balance loss L(s) = E x sum_e f(s, e) P(s, e), (B,). `probs` (B*T, E) the router's
-    probabilities, `chosen` (B*T, k) the experts each token chose."""
+    probabilities, `chosen` (B*T, k) the experts each token chose. `split_over`: the ranks that hold the
+    sequences' other positions (Balance.split_over); f is counted over all of them, P summed over this
+    rank's, so this rank's share of L, whose sum over them is L and whose gradient is this rank's part."""
     num_experts = probs.shape[-1]
     p = probs.float().reshape(batch, -1, num_experts)  # (B, T, E)
     picks = chosen.reshape(batch, -1)  # (B, T*k)
-    f = (
-        torch.zeros(batch, num_experts, device=p.device).scatter_add_(
-            1, picks, torch.ones_like(picks, dtype=torch.float32)
-        )
-        / p.shape[1]
-    )  # (B, E): sums to k
-    return num_experts * (f * p.mean(dim=1)).sum(dim=1)
+    counts = torch.zeros(batch, num_experts, device=p.device).scatter_add_(
+        1, picks, torch.ones_like(picks, dtype=torch.float32)
+    )
+    if split_over is None:
+        return num_experts * (counts / p.shape[1] * p.mean(dim=1)).sum(dim=1)  # f (B, E) sums to k
+    dist.all_reduce(counts, group=split_over)
+    length = p.shape[1] * dist.get_world_size(split_over)
+    return num_experts * (counts / length * (p.sum(dim=1) / length)).sum(dim=1)
 
 
-def microbatch_balance(probs: list[torch.Tensor], chosen: list[torch.Tensor]) -> torch.Tensor:
+def microbatch_balance(
+    probs: list[torch.Tensor], chosen: list[torch.Tensor], split_over: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """transformers' load_balancing_loss_func (no attention mask) over every MoE layer of one
-    microbatch: fractions and probabilities pooled over the layers' tokens, sum(f x P) x E."""
+    microbatch: fractions and probabilities pooled over the layers' tokens, sum(f x P) x E (this
+    rank's share under `split_over`, as `sequence_balance`)."""
     num_experts = probs[0].shape[-1]
     counts = sum(expert_counts(c, num_experts) for c in chosen)
     prob_sum = sum(p.float().sum(dim=0) for p in probs)
-    rows = sum(p.shape[0] for p in probs)
+    rows = torch.tensor(float(sum(p.shape[0] for p in probs)), device=probs[0].device)
     assert isinstance(counts, torch.Tensor) and isinstance(prob_sum, torch.Tensor)
+    if split_over is not None:
+        pooled = torch.cat([counts, rows.reshape(1)])
+        dist.all_reduce(pooled, group=split_over)
+        counts, rows = pooled[:-1], pooled[-1]
     return (counts / rows * (prob_sum / rows)).sum() * num_experts
 
 
@@ -170,6 +186,14 @@ class Balance:
     coef: float
     num_moe_layers: int
     pending: list[tuple[RouterMeter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # the ranks a layer's sequences are split over by position (parallel.ep spanning tp: each tp rank routes
+    # its own positions; parallel/experts.py sets it): the counts the loss needs are summed over them
+    split_over: dist.ProcessGroup | None = None
+
+    @property
+    def _shares(self) -> int:
+        """Ranks holding a part of each sequence: each records that share of the sequences it counts."""
+        return 1 if self.split_over is None else dist.get_world_size(self.split_over)
 
     def layer_output(
         self, out: torch.Tensor, meter: RouterMeter, probs: torch.Tensor, chosen: torch.Tensor, *, batch: int
@@ -182,10 +206,10 @@ class Balance:
         counts = expert_counts(chosen.detach(), meter.num_experts)
         if self.form != "sequence" or not torch.is_grad_enabled():
             return _AddAuxGradient.apply(out, torch.zeros(()), "none", [(meter, counts, None, 0.0)], 1.0)
-        losses = sequence_balance(probs, chosen, batch)  # (B,)
+        losses = sequence_balance(probs, chosen, batch, self.split_over)  # (B,)
         total = losses.sum()
         aux = total * (self.coef / self.num_moe_layers)
-        records = [(meter, counts, total.detach(), float(batch))]
+        records = [(meter, counts, total.detach(), batch / self._shares)]
         return _AddAuxGradient.apply(out, aux, "sequence", records, float(batch))
 
     def finish(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -195,11 +219,11 @@ class Balance:
             return hidden
         meters, probs, chosen = zip(*self.pending, strict=True)
         self.pending = []
-        value = microbatch_balance(list(probs), list(chosen))
+        value = microbatch_balance(list(probs), list(chosen), self.split_over)
         records: list[tuple[RouterMeter, torch.Tensor, torch.Tensor | None, float]] = [
             (m, expert_counts(c.detach(), m.num_experts), None, 0.0) for m, c in zip(meters, chosen, strict=True)
         ]
-        records[-1] = (*records[-1][:2], value.detach(), 1.0)
+        records[-1] = (*records[-1][:2], value.detach(), 1.0 / self._shares)
         return _AddAuxGradient.apply(hidden, value * self.coef, "microbatch", records, 1.0)
 
 

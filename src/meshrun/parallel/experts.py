@@ -14,11 +14,20 @@ consecutive experts (ep rank e: experts e E/ep .. (e + 1) E/ep - 1) and the modu
 Both all-to-alls are differentiable (torch's functional collectives: the backward sends gradients
 the opposite way). The router's weights multiply where they were computed: its gradient stays local.
 
-Under tp (`parallel.tp`) each MoE block stays whole on every tp rank, as plain tensors (tp style
-`moe_block`, parallel/tp_styles.py): the ranks of a tp group route the same tokens (under sequence
-parallel the block gathers the whole sequence: the per-sequence balance loss needs it) through the ep
-groups of their own tp coordinate, so their router and expert gradients are equal and are reduced
-over dp alone, and the norm counts them once per tp group.
+Under tp (`parallel.tp`) with an ep that divides dp, each MoE block stays whole on every tp rank, as
+plain tensors (tp style `moe_block`, parallel/tp_styles.py): the ranks of a tp group route the same
+tokens (under sequence parallel the block gathers the whole sequence: the per-sequence balance loss
+needs it) through the ep groups of their own tp coordinate, so their router and expert gradients are
+equal and are reduced over dp alone, and the norm counts them once per tp group.
+
+Where ep spans tp (ep = tp x a divisor of dp: `Layout.experts_over_tp`) each tp rank routes its own
+share of the tokens: under sequence parallel the positions it already holds (nothing gathered),
+without it its 1/tp of the replicated positions (tp_styles.py's `TokenShare`: its backward all-gathers the input's
+gradient), the block's output all-gathered back over tp so the rest of the layer sees replicated
+activations (its backward keeps this rank's positions' gradient). The ep group is whole tp groups, so
+the same all-to-alls carry the tokens. The per-sequence balance loss sums its expert counts over tp
+(models/moe_balance.py's `split_over`), and the router's (and a shared expert's) gradients, each from
+this rank's tokens only, are summed over tp (`ExpertGradients`) before the dense reduction over dp.
 
 Gradients. Dense weights reduce over dp as before (DDP or FSDP: the mean of the dp ranks'
 gradients). An expert's gradient on its rank already sums every ep rank's contributions (the
@@ -47,6 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrun.errors import ConfigError
 from meshrun.models.moe import HeldExperts, held_experts, hold_experts
+from meshrun.models.moe_balance import Balance
 from meshrun.parallel.expert_shards import EXPERT_WEIGHTS, ExpertShard, experts_modules
 
 if TYPE_CHECKING:
@@ -80,6 +90,9 @@ def shard_experts(part: nn.Module, mesh: Mesh) -> None:
     ep = mesh.size("ep")
     if ep == 1:
         return
+    balance = getattr(part, "balance", None)
+    if mesh.layout.experts_over_tp and isinstance(balance, Balance):  # each tp rank routes its own positions
+        balance.split_over = mesh.group("tp")
     for _, module in experts_modules(part):
         held = held_experts(module)
         if held.count == held.total:
@@ -130,23 +143,27 @@ class ExpertGradients:
         self.ep_group = mesh.group("ep") if self.params else None
         self.dp = mesh.size("dp")
         self.reduced_by_fsdp = any(isinstance(p, DTensor) for p in self.params)  # fsdp.wrap_experts: over ep_dp
+        # ep spanning tp: each tp rank's router (and shared expert) saw its own tokens only
+        over_tp = mesh.layout.experts_over_tp and bool(self.params)
+        self.routers = [p for part in parts for p in router_params(part) if p.requires_grad] if over_tp else []
+        self.tp_group = mesh.group("tp") if self.routers else None
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Sum over ep_dp and divide by dp (call after the backward, before unscale and clip); FSDP2's
-        reduce-scatter did it for experts it shards."""
+        """The routers' gradients summed over tp where ep spans it; the experts' summed over ep_dp and
+        divided by dp (call after the backward, before unscale and clip; FSDP2's reduce-scatter did
+        that for experts it shards)."""
+        if self.tp_group is not None:  # linear: before or after dp's mean (DDP, FSDP) alike
+            _all_reduce([p.grad for p in self.routers if p.grad is not None], self.tp_group)
         if not self.params or self.reduced_by_fsdp:
             return
         for param in self.params:  # a rank no token reached has no gradient: its peers still sum with it
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         grads = [p.grad for p in self.params if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
         if self.ep_dp_group is not None:
-            dist.all_reduce(flat, group=self.ep_dp_group)
-        flat /= self.dp
-        for grad, synced in zip(grads, flat.split([g.numel() for g in grads])):
-            grad.copy_(synced.view_as(grad))
+            _all_reduce(grads, self.ep_dp_group)
+        torch._foreach_div_(grads, self.dp)
 
     def dense(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """`params` without the expert weights: the part of the gradient norm every dp rank agrees on."""
@@ -161,6 +178,29 @@ class ExpertGradients:
         squared = (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(torch.float32) ** 2  # fsdp: over ep_dp
         dist.all_reduce(squared, group=self.ep_group)
         return squared
+
+
+def _all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum `grads` (this rank's shards of DTensors) over `group`, in place, in one message."""
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if not local:
+        return
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, group=group)
+    for grad, summed in zip(local, flat.split([g.numel() for g in local])):
+        grad.copy_(summed.view_as(grad))
+
+
+def router_params(part: nn.Module) -> list[nn.Parameter]:
+    """The weights of `part`'s split MoE blocks other than their experts: the router, a shared expert
+    (each experts module's parent holds them)."""
+    found = []
+    for name, module in experts_modules(part):
+        if hasattr(module, "expert_shard"):
+            block = part.get_submodule(name.rsplit(".", 1)[0]) if "." in name else part
+            held = {id(p) for p in module.parameters()}
+            found += [p for p in block.parameters() if id(p) not in held]
+    return found
 
 
 def split_experts(part: nn.Module) -> list[nn.Module]:
@@ -186,16 +226,29 @@ def describe_expert_parallel(layout: Layout, model: nn.Module) -> list[str]:
     total = experts_modules(model)[0][1].get_parameter("gate_up_proj").shape[0]
     count = total // layout.ep
     groups = sorted({tuple(layout.group_ranks(r, "ep")) for r in layout.ranks_of_pp_rank(0)})
-    held = "; ".join(f"ep rank {e}: experts {e * count}-{(e + 1) * count - 1}" for e in range(layout.ep))
+    held = "; ".join(
+        f"ep rank {e}: " + (f"expert {e}" if count == 1 else f"experts {e * count}-{(e + 1) * count - 1}")
+        for e in range(layout.ep)
+    )
     lines = [
         "expert parallel:",
         (
             f"  ep {layout.ep} x ep_dp {layout.size('ep_dp')}: each MoE layer's {total} experts split over the ranks "
-            f"of each ep group ({', '.join(str(list(g)) for g in groups)} on pipeline rank 0; the other stages alike)"
+            f"of each ep group ({', '.join(str(list(g)) for g in groups)} on pipeline rank 0, in ep rank order; the other stages alike)"
         ),
         f"  {held}; tokens reach them by two all-to-alls per MoE layer forward, two backward",
     ]
-    if layout.tp > 1:  # parallel/tp_styles.py's moe_block
+    if layout.experts_over_tp:  # parallel/tp_styles.py's moe_block, its over_tp forms
+        own = (
+            "the positions it holds"
+            if layout.sequence_parallel
+            else "its 1/tp of the positions, the output gathered back"
+        )
+        lines.append(
+            f"  tp {layout.tp}: ep spans the tp ranks (ep {layout.ep} = tp {layout.tp} x {layout.ep // layout.tp} dp ranks); "
+            f"each tp rank holds its ep rank's experts and routes {own}"
+        )
+    elif layout.tp > 1:
         whole = "the whole sequence gathered first" if layout.sequence_parallel else "the same tokens"
         lines.append(
             f"  tp {layout.tp}: each MoE block whole on every rank of a tp group ({whole}); each tp rank routes through its own ep groups"

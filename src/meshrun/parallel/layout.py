@@ -18,8 +18,12 @@ from others is a view too, not a new factor of the world size. Expert parallelis
 the `dp` view in two (`EXPERT_VIEWS`): a dp coordinate is `ep_dp * ep + ep`, so `ep` is the innermost
 `ep` data-parallel ranks (they split each MoE layer's experts: within `dp_shard` when it is at least
 `ep`, as torchtitan borrows them) and `ep_dp` the ranks that hold the same experts (their gradients are
-averaged over it). tp ranks are not borrowed: under tp a MoE block is whole on every tp rank of a group,
-each tp coordinate has its own ep groups (parallel/experts.py). The world size stays
+averaged over it). Under tp, an ep that divides dp borrows no tp rank: each MoE block is whole on every
+tp rank of a group, each tp coordinate with its own ep groups. An ep that does not divide dp takes whole
+tp groups as well (`experts_over_tp`: ep = tp x a divisor of dp): it splits the stage's ranks flattened
+as `dp x tp` (a coordinate `dp * tp + tp`, the rank order) into `ep_dp * ep + ep`, so an ep group is
+ep / tp neighbouring dp ranks with all their tp ranks, and each tp rank routes its own share of the
+tokens (parallel/experts.py). The world size stays
 the product of `AXES`; `parallel.mesh` builds every view as a group of the one world mesh.
 
 Torch-free (the config's own rules ask it for the world size); `parallel.mesh` builds the device mesh.
@@ -62,8 +66,8 @@ class Coordinates(Mapping[str, int]):
     dp: int  # the view over both data axes: this rank's index among the data-parallel ranks
     dp_cp: int  # the view over the data axes and cp: the ranks that hold the same weights
     dp_shard_cp: int  # the view FSDP shards over when cp > 1
-    ep_dp: int  # which copy of the experts this rank's dp rank holds (dp // ep)
-    ep: int  # which share of each MoE layer's experts it holds (dp % ep)
+    ep_dp: int  # which copy of the experts this rank holds (dp // ep; (dp * tp + tp) // ep when ep spans tp)
+    ep: int  # which share of each MoE layer's experts it holds (dp % ep; (dp * tp + tp) % ep when ep spans tp)
 
     def __getitem__(self, name: str) -> int:
         if name not in self.__dataclass_fields__:
@@ -127,14 +131,14 @@ class Layout:
     schedule: str = "1f1b"
     per_rank: int = 1  # pipeline stages each pp rank holds
     sequence_parallel: bool = False  # tp ranks also split norms' and dropout's activations by position
-    ep: int = 1  # expert parallelism: the dp ranks each MoE layer's experts are split over (EXPERT_VIEWS)
+    ep: int = 1  # expert parallelism: the dp (and tp) ranks each MoE layer's experts are split over (EXPERT_VIEWS)
 
     def __post_init__(self) -> None:
         for name, degree in {**self.degrees, "per_rank": self.per_rank, "ep": self.ep}.items():
             if not isinstance(degree, int) or degree < 1:
                 raise ConfigError(f"the {name} degree of a layout must be a whole number >= 1, got {degree!r}")
-        if self.dp % self.ep:
-            raise ConfigError(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp}): it borrows dp ranks")
+        if self.dp % self.ep and not self.experts_over_tp:
+            raise ConfigError(expert_degree_error(self.ep, self.dp, self.tp))
         if self.ep > 1 and self.cp > 1:
             raise ConfigError("parallel.ep and parallel.cp cannot both split yet: set one of them to 1")
         if self.pp > 1:
@@ -166,11 +170,28 @@ class Layout:
         """Data-parallel degree: replicas x shards."""
         return self.size("dp")
 
+    @property
+    def experts_over_tp(self) -> bool:
+        """Whether parallel.ep takes whole tp groups beside dp ranks: an ep that does not divide dp but is
+        tp times a divisor of dp (module docstring); each tp rank then routes its own share of the tokens."""
+        return ep_spans_tp(self.ep, self.dp, self.tp)
+
+    @property
+    def routing_copies(self) -> int:
+        """The ranks that route each token alike, whose routing figures count once: a tp group's, where
+        each MoE block is whole on every tp rank; 1 where ep spans tp (each rank routes its own tokens)."""
+        return 1 if self.experts_over_tp else self.tp
+
     def size(self, name: str) -> int:
         """The degree of an axis, or of a view (the product of its axes')."""
         if name in EXPERT_VIEWS:
-            return self.ep if name == "ep" else self.dp // self.ep
+            return self.ep if name == "ep" else self.dp * self._ep_tp // self.ep
         return math.prod(getattr(self, axis) for axis in VIEWS.get(name, (name,)))
+
+    @property
+    def _ep_tp(self) -> int:
+        """The tp ranks an ep group takes (all of a tp group's where ep spans tp, else none: 1)."""
+        return self.tp if self.experts_over_tp else 1
 
     @property
     def world_size(self) -> int:
@@ -212,10 +233,10 @@ class Layout:
         an axis of degree 1 is named bare, so a layout never reads as if an axis were absent (cp is named
         only when it splits, so that every record of a layout without it reads as before)."""
         dp = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": f"hsdp, shard {self.dp_shard}"}[self.dp_mode]
-        dp += f", experts over ep {self.ep}" if self.ep > 1 else ""
+        dp += f", experts over ep {self.ep}" + (" spanning tp" if self.experts_over_tp else "") if self.ep > 1 else ""
         pp = self.schedule + (f", {self.per_rank} stages per rank" if self.per_rank > 1 else "")
         parts = (
-            ("dp", self.dp, dp if self.dp > 1 else None),
+            ("dp", self.dp, dp if self.dp > 1 or self.ep > 1 else None),
             ("tp", self.tp, "sequence parallel" if self.sequence_parallel else None),
             ("pp", self.pp, pp if self.pp > 1 else None),
         )
@@ -249,7 +270,7 @@ class Layout:
         """`rank`'s coordinate on every axis and view: the inverse of `rank_at`."""
         coords = self._digits(rank, AXES)
         views = {name: self._number(coords, axes) for name, axes in VIEWS.items()}
-        ep_dp, ep = divmod(views["dp"], self.ep)
+        ep_dp, ep = divmod(views["dp"] * self._ep_tp + (coords["tp"] if self.experts_over_tp else 0), self.ep)
         return Coordinates(**coords, **views, ep_dp=ep_dp, ep=ep)
 
     def rank_at(self, **coords: int) -> int:
@@ -276,10 +297,15 @@ class Layout:
     def group_ranks(self, rank: int, name: str) -> list[int]:
         """The ranks of `rank`'s group on axis or view `name` (those at its place on every other axis),
         in the order of their coordinate on `name`: the group torch builds for it (parallel.mesh)."""
-        if name in EXPERT_VIEWS:  # the dp ranks of this rank's place that differ only on `name`
-            c = self.coordinates(rank)
-            dps = (c.ep_dp * self.ep + e for e in range(self.ep)) if name == "ep" else range(c.ep, self.dp, self.ep)
-            return [self.rank_at(pp=c.pp, tp=c.tp, dp=dp) for dp in dps]
+        if name in EXPERT_VIEWS:  # the dp (x tp) ranks of this rank's place that differ only on `name`
+            c, over = self.coordinates(rank), self._ep_tp
+            flat = (
+                (c.ep_dp * self.ep + e for e in range(self.ep))
+                if name == "ep"
+                else range(c.ep, self.dp * over, self.ep)
+            )
+            places = (divmod(f, over) if over > 1 else (f, c.tp) for f in flat)
+            return [self.rank_at(pp=c.pp, dp=dp, tp=tp) for dp, tp in places]
         spans = VIEWS.get(name, (name,))
         here = {axis: c for axis, c in self.coordinates(rank).items() if axis in AXES and axis not in spans}
         ranges = (range(getattr(self, axis)) for axis in spans)
@@ -355,6 +381,25 @@ class Layout:
             return ()
         shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
         return (shard,) if self.dp_replicate == 1 else ("dp_replicate", shard)
+
+
+def ep_spans_tp(ep: int, dp: int, tp: int) -> bool:
+    """parallel.ep's one rule, the tp half: an ep that does not divide dp takes whole tp groups when it is
+    tp times a divisor of dp (Layout.experts_over_tp); any other ep that does not divide dp is refused."""
+    return dp % ep != 0 and ep % tp == 0 and dp % (ep // tp) == 0
+
+
+def expert_degree_error(ep: int, dp: int, tp: int) -> str:
+    """The one line refusing an ep degree that neither divides dp nor is tp times a divisor of dp."""
+    if tp == 1:
+        return (
+            f"parallel.ep ({ep}) must divide parallel.dp ({dp}): the experts are split over dp ranks; "
+            f"set parallel.ep to a divisor of {dp}"
+        )
+    return (
+        f"parallel.ep ({ep}) must divide parallel.dp ({dp}), or be parallel.tp ({tp}) times a divisor of it "
+        "(whole tp groups borrowed with dp ranks); change parallel.ep"
+    )
 
 
 def place_text(coords: Mapping[str, float]) -> str:

@@ -92,6 +92,11 @@ def materialise_part(
     if tp_mesh is not None and tp_mesh.size() > 1:
         from meshrun.parallel.tensor import apply_tensor_parallel  # torch's tensor.parallel: only when used
 
-        apply_tensor_parallel(part, tp_mesh, sequence_parallel=cfg.parallel.sequence_parallel)
+        apply_tensor_parallel(
+            part,
+            tp_mesh,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            experts_over_tp=cfg.layout.experts_over_tp,
+        )
     apply_recompute(part.blocks, cfg.recompute)
     return part

@@ -23,7 +23,7 @@ from meshrun.files.console import say
 from meshrun.hardware.device import pick_device
 from meshrun.launcher.rendezvous import probe
 from meshrun.launcher.torchrun import in_launched_worker
-from meshrun.parallel.layout import AXES, EXPERT_VIEWS, VIEWS, Coordinates, Layout
+from meshrun.parallel.layout import AXES, DATA_AXES, EXPERT_VIEWS, VIEWS, Coordinates, Layout
 
 WAIT_NOTICE_S = 10  # a wait for the job's other workers is said once it lasts this long (or half its bound)
 PROBE_SECONDS = 0.5
@@ -151,8 +151,9 @@ def mesh_on(layout: Layout, device: torch.device) -> Mesh:
     world = init_device_mesh(device.type, tuple(layout.degrees.values()), mesh_dim_names=tuple(layout.degrees))
     views = {name: flatten(world, axes, name) for name, axes in VIEWS.items()}
     split = None
-    if layout.ep > 1:  # the dp view split into (ep_dp, ep): one root, as FSDP2 needs of meshes it composes
-        split = views["dp"]._unflatten(0, (layout.size("ep_dp"), layout.ep), EXPERT_VIEWS)
+    if layout.ep > 1:  # the dp view (x tp where ep spans it) split into (ep_dp, ep): one root, as FSDP2 needs
+        borrowed = flatten(world, (*DATA_AXES, "tp"), "dp_tp") if layout.experts_over_tp else views["dp"]
+        split = borrowed._unflatten(0, (layout.size("ep_dp"), layout.ep), EXPERT_VIEWS)
         views.update({name: split[name] for name in EXPERT_VIEWS})
     mesh = Mesh(layout=layout, device=device, world=world, views=views, expert_grid=split)
     check_groups(mesh)

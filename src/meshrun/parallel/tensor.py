@@ -69,12 +69,12 @@ def _param_split(module: nn.Module, style: TPStyle) -> dict[str, int]:
     return {name: dim for pattern, dim in style.adapted.split.items() for name in names if fnmatch(name, pattern)}
 
 
-def _applied(module: nn.Module, style: TPStyle, sequence_parallel: bool) -> ParallelStyle | None:
+def _applied(module: nn.Module, style: TPStyle, sequence_parallel: bool, experts_over_tp: bool) -> ParallelStyle | None:
     """The DTensor style applied to `module` (None: nothing): a LoRA-wrapped Linear gets its
     style's `adapted` split (check_adapters_split refused styles without one)."""
     if style.adapted is not None and is_lora_layer(module):
         return AdaptedLinear(style.adapted, sequence_parallel=sequence_parallel)
-    make = style.form(sequence_parallel).make
+    make = style.form(sequence_parallel, experts_over_tp=experts_over_tp).make
     return None if make is None else make()
 
 
@@ -128,10 +128,13 @@ def check_adapters_split(model: nn.Module) -> None:
             )
 
 
-def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+def apply_tensor_parallel(
+    part: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False, experts_over_tp: bool = False
+) -> None:
     """Split this stage's modules over the tp mesh as the model's plan says (patterns matching
     nothing here belong to other pipeline stages). Every tp rank holds the same initialised
-    values: each keeps its slice, so a shard equals that slice of what one process draws."""
+    values: each keeps its slice, so a shard equals that slice of what one process draws.
+    `experts_over_tp`: parallel.ep spans the tp ranks (a MoE block on each rank's own tokens)."""
     plan = tp_plan(part)
     assert plan is not None  # check_plan refused tp > 1 without one
     tp_local(part, tp_mesh.size())
@@ -140,7 +143,8 @@ def apply_tensor_parallel(part: nn.Module, tp_mesh: DeviceMesh, *, sequence_para
         name: applied
         for pattern, style in plan.items()
         for name, module in modules.items()
-        if fnmatch(name, pattern) and (applied := _applied(module, TP_STYLES[style], sequence_parallel)) is not None
+        if fnmatch(name, pattern)
+        and (applied := _applied(module, TP_STYLES[style], sequence_parallel, experts_over_tp)) is not None
     }
     frozen = {name for name, param in part.named_parameters() if not param.requires_grad}  # model.lora's base
     parallelize_module(part, tp_mesh, concrete)

@@ -24,8 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
@@ -103,8 +105,13 @@ class TPStyle:
     # its parameters (and its submodules') stay plain tensors, the same on every tp rank, and it computes
     # on plain tensors: tensor.py makes none of them DTensors (a MoE block: routing and all-to-alls)
     keeps_plain: bool = False
+    # where parallel.ep spans the tp ranks (Layout.experts_over_tp): its forms without and with sequence
+    # parallel (a MoE block on this rank's share of the tokens); None: as without it
+    over_tp: tuple[Form, Form] | None = None
 
-    def form(self, sequence_parallel: bool) -> Form:
+    def form(self, sequence_parallel: bool, *, experts_over_tp: bool = False) -> Form:
+        if experts_over_tp and self.over_tp is not None:
+            return self.over_tp[sequence_parallel]
         return self.sequence if sequence_parallel and self.sequence is not None else self.plain
 
 
@@ -121,6 +128,58 @@ class StateNorm(ParallelStyle):
             input_fn=_sequence_inputs,  # pyright: ignore[reportArgumentType]
             output_fn=local_outputs,  # pyright: ignore[reportArgumentType]
         )
+
+
+class TokenShare(ParallelStyle):
+    """tp style `moe_block` where ep spans tp, without sequence parallel: the block computes on this tp
+    rank's 1/tp of its replicated input's positions, and its output is gathered back whole over tp
+    (Megatron's scatter-to and gather-from the tp region: each backward the other's forward)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        module.register_forward_pre_hook(lambda _m, args: (_OwnPositions.apply(args[0], group), *args[1:]))
+        module.register_forward_hook(lambda _m, _args, out: _AllPositions.apply(out, group))
+        return module
+
+
+def _positions_gathered(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every tp rank's positions (dim 1) of `x`, in rank order (equal shares: check_tensor_split)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _own_positions(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This tp rank's share of `x`'s positions (dim 1)."""
+    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+class _OwnPositions(torch.autograd.Function):
+    """Forward: this rank's positions of a replicated tensor; backward: the gradient all-gathered (each
+    tp rank's positions reached the loss through their own rank only)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _own_positions(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _positions_gathered(grad, ctx.group), None
+
+
+class _AllPositions(torch.autograd.Function):
+    """Forward: every rank's positions gathered; backward: this rank's positions' gradient (every tp
+    rank holds the same whole gradient of a replicated tensor: summing them would count it tp times)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _positions_gathered(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _own_positions(grad, ctx.group), None
 
 
 def _sequence_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -348,6 +407,7 @@ _RECORDS = (
     # need no reduction over tp (parallel/experts.py). Under sequence parallel its input is gathered
     # to the whole sequence (the per-sequence balance loss needs whole sequences) and its output cut to
     # this rank's positions, whose backward all-gathers the gradient: every tp rank still computes the same.
+    # Where parallel.ep spans tp (`over_tp`) each tp rank computes on its own positions instead.
     TPStyle(
         "moe_block",
         LEFT_WHOLE,
@@ -363,6 +423,9 @@ _RECORDS = (
             hands_on=POSITIONS_CUT,
         ),
         keeps_plain=True,
+        # ep spanning tp: each tp rank routes its own positions (under sequence parallel those it holds),
+        # its router's gradients summed over tp by parallel/experts.py's ExpertGradients
+        over_tp=(Form(TokenShare, takes=POSITIONS_CUT, hands_on=POSITIONS_GATHERED), LEFT_WHOLE),
     ),
 )
 TP_STYLES: dict[str, TPStyle] = {style.name: style for style in _RECORDS}

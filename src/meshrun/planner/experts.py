@@ -20,7 +20,10 @@ stage holds its router and experts whole and computes it over the whole sequence
 parallel too), so its state, FLOPs and the all-to-alls' rows (the whole hidden state) are priced
 undivided by tp, and each tp rank's ep group spans ep x tp neighbouring ranks; cost.py's tp
 collectives count attention's alone for a MoE block (its MLP runs none; under sequence parallel one
-all-gather each way).
+all-gather each way). Where ep spans tp (ep = tp x a divisor of dp: each tp rank routes its own
+positions) the experts' state is split over ep as always, the ep group is ep neighbouring ranks and
+each rank's all-to-alls carry 1/tp of the rows; the block's FLOPs and activations are still priced
+whole (an overestimate by up to tp for the MoE MLPs) and its output's all-gather over tp is not priced.
 
 Memory: the experts are kept out of the dense weights' DDP / FSDP (no buckets or shards of theirs), so
 a rank holds the dense state as dp_mode says and 1 / `expert_split` of the experts' (ep, or dp where
@@ -38,6 +41,7 @@ from meshrun.models.moe import sparse_mlps
 from meshrun.models.protocol import ProtocolModule
 from meshrun.parallel.expert_shards import EXPERT_WEIGHTS
 from meshrun.parallel.fsdp import reshard_after_forward
+from meshrun.parallel.layout import ep_spans_tp
 from meshrun.parallel.materialise import build_stage
 from meshrun.parallel.recompute import wants_recompute
 from meshrun.planner.cost import DataParallel, Efficiency, Hardware, data_parallel, ring_s
@@ -90,27 +94,28 @@ def moe_layers(cfg: Config) -> dict[int, MoELayer]:
     return _moe_layers(_model_json(cfg))
 
 
-def expert_degrees(cfg: Config, dp: int) -> list[int]:
-    """The ep degrees a layout with `dp` data-parallel ranks may take: divisors of dp that divide every
-    MoE layer's experts (1 alone for a dense model); within a node or across nodes alike."""
+def expert_degrees(cfg: Config, dp: int, tp: int = 1) -> list[int]:
+    """The ep degrees a layout with `dp` data-parallel and `tp` tensor-parallel ranks may take: divisors
+    of dp, and tp times a divisor of dp (ep spanning tp: parallel/layout.py), that divide every MoE
+    layer's experts (1 alone for a dense model); within a node or across nodes alike."""
     counts = {layer.num_experts for layer in moe_layers(cfg).values()}
     if not counts:
         return [1]
-    return [ep for ep in range(1, dp + 1) if dp % ep == 0 and all(n % ep == 0 for n in counts)]
+    fits = (ep for ep in range(1, dp * tp + 1) if dp % ep == 0 or ep_spans_tp(ep, dp, tp))
+    return [ep for ep in fits if all(n % ep == 0 for n in counts)]
 
 
 def experts_sharded(cfg: Config) -> bool:
     """Whether each ep rank's experts are FSDP-sharded over ep_dp as well: under dp_mode fsdp / hsdp with
     ep_dp > 1 (parallel/fsdp.py's wrap_experts: over the whole ep_dp, hsdp too); else replicated there,
     their gradients all-reduced (parallel/experts.py's ExpertGradients)."""
-    par = cfg.parallel
-    return par.dp_mode != "ddp" and par.dp > par.ep
+    return cfg.parallel.dp_mode != "ddp" and cfg.layout.size("ep_dp") > 1
 
 
 def expert_split(cfg: Config) -> int:
     """Ranks each MoE layer's expert state is split over: ep, times ep_dp where they are sharded there
     (experts_sharded): the one place the memory model asks how the experts are kept."""
-    return cfg.parallel.dp if experts_sharded(cfg) else cfg.parallel.ep
+    return cfg.parallel.ep * (cfg.layout.size("ep_dp") if experts_sharded(cfg) else 1)
 
 
 def _held(cfg: Config, blocks: list[int]) -> list[MoELayer]:
@@ -152,7 +157,7 @@ def with_experts(cfg: Config, memory: RankMemory, held: list[tuple[StageProfile,
     returned = max(sum(layer.top_k * stage.hidden_bytes for layer in _kept(cfg, blocks)) for stage, blocks in held)
     buffers = 0
     if experts_sharded(cfg):  # FSDP's gathered expert weights and unsharded gradients, over ep_dp
-        ep, ep_dp = cfg.parallel.ep, cfg.parallel.dp // cfg.parallel.ep
+        ep, ep_dp = cfg.parallel.ep, cfg.layout.size("ep_dp")
         params, ep_grads = (sum(getattr(x, f) for x in layers) // ep for f in ("param_bytes", "grad_bytes"))
         owned = StageProfile(params, ep_grads, 0, 0, 0.0, 0.0, 0, blocks=len(layers))  # an ep rank's, whole
         regather = reshard_after_forward(cfg.parallel)
@@ -180,7 +185,8 @@ def expert_parallel_s(
     par, layout = cfg.parallel, cfg.layout
     if par.ep == 1:
         return 0.0
-    span = par.ep * par.cp * par.tp  # the ep group: ep neighbouring dp ranks
+    over_tp = layout.experts_over_tp  # the ep group: ep neighbouring ranks (whole tp groups), else ep dp ranks apart
+    span = par.ep if over_tp else par.ep * par.cp * par.tp
     gbs = hw.link_gbs(span) if hw.gpus_per_node % span == 0 else hw.inter_gbs
     dp_gbs = hw.link_gbs(par.dp * par.cp * par.tp)
     layers = moe_layers(cfg)
@@ -194,6 +200,7 @@ def expert_parallel_s(
                     continue
                 forwards = 1 + wants_recompute(cfg.recompute, block)
                 rows = layer.top_k * stages[s].hidden_bytes  # top_k x tokens x hidden, per microbatch
+                rows //= par.tp if over_tp else 1  # each tp rank routes its own positions
                 seconds += (2 * forwards + 2) * (ring_s(rows, par.ep, gbs, 1.0) + eff.p2p_s) + forwards * eff.p2p_s
         held = [layer for s in layout.stages_of(r) for layer in _held(cfg, split[s])]
         per_rank.append(cfg.accumulation_steps * seconds + _expert_sync_s(cfg, held, dp_gbs, eff))
@@ -205,7 +212,7 @@ def _expert_sync_s(cfg: Config, held: list[MoELayer], gbs: float, eff: Efficienc
     all-reduced at once; sharded ones (experts_sharded) gathered per forward and backward (once a step
     when FSDP keeps them gathered) and reduce-scattered, per layer, as the dense FSDP collectives are
     priced (planner/cost.py's data_parallel)."""
-    ep, ep_dp = cfg.parallel.ep, cfg.parallel.dp // cfg.parallel.ep
+    ep, ep_dp = cfg.parallel.ep, cfg.layout.size("ep_dp")
     params, grads = (sum(getattr(layer, f) for layer in held) / ep for f in ("param_bytes", "grad_bytes"))
     if not experts_sharded(cfg):
         return ring_s(grads, ep_dp, gbs, 2.0) + eff.p2p_s
@@ -225,5 +232,6 @@ def routing_note(cfg: Config) -> str | None:
         "(each expert gets top_k x tokens / E rows: a real router's busiest ep rank computes, saves and receives "
         "more); ep: 2 all-to-alls per MoE layer forward and 2 backward, experts split over ep (and over dp / ep "
         "under fsdp / hsdp), computed at active parameters; under tp each MoE block is whole on every tp rank (its "
-        "compute, state and all-to-alls not divided by tp)"
+        "compute, state and all-to-alls not divided by tp) unless ep spans tp (each tp rank then routes 1/tp of the rows to its ep group; the MoE compute still "
+        "priced whole)"
     )

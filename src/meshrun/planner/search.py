@@ -48,7 +48,7 @@ class Prediction:
             "dp": par.dp,
             "ep": par.ep,
             "dp_mode": (par.dp_mode if par.dp_mode != "hsdp" else f"hsdp/{self.cfg.layout.dp_shard}")
-            + (f"+ep{par.ep}" if par.ep > 1 else ""),  # experts split over ep of the dp ranks
+            + (f"+ep{par.ep}" if par.ep > 1 else ""),  # experts split over ep of the dp (and tp) ranks
             "pp": par.pp,
             "schedule": (par.schedule + (f"/v{v}" if v > 1 else "")) if par.pp > 1 else "-",
             "micro_batch": self.cfg.train.micro_batch,
@@ -117,7 +117,7 @@ def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
     has a tp plan and its heads (kv heads, MLP width) divide by tp; cp where training would run it
     (config/context.py's checks: family, heads and seq_len divisible) and within a node beside tp
     (tp x cp <= per_node: the all-to-alls on every attention stay on the node's links); ep (a MoE model's) any divisor
-    of dp that divides its experts, within or across nodes (planner/experts.py)."""
+    of dp, or tp times one (ep spanning tp), that divides its experts, within or across nodes (planner/experts.py)."""
     found = []
     tps = [t for t in _divisors(min(num_devices, per_node)) if num_devices % t == 0] if has_tp_plan(cfg) else [1]
     for tp, cp in ((t, c) for t in tps for c in _divisors(num_devices // t) if t * c <= per_node):
@@ -125,7 +125,7 @@ def meshes(cfg: Config, num_devices: int, per_node: int) -> list[Config]:
             pp = num_devices // tp // cp // dp
             if cfg.train.global_batch % dp:
                 continue
-            modes = itertools.product(data_modes(dp), SCHEDULES if pp > 1 else ("1f1b",), expert_degrees(cfg, dp))
+            modes = itertools.product(data_modes(dp), SCHEDULES if pp > 1 else ("1f1b",), expert_degrees(cfg, dp, tp))
             for (dp_mode, shard), schedule, ep in modes:
                 try:
                     layout = with_layout(

@@ -426,8 +426,8 @@ class Trainer:
             },
         }
         row.update(time_split.split_row(ranks.extra, wall_s=train_s + window.paused))
-        # MoE: aux loss, tokens per expert (each tp rank routes its group's tokens: parallel/tp_styles.py's moe_block)
-        row.update(window_row(self.model.parts, self.moe_layers, self.device, copies=self.mesh.size("tp")))
+        # MoE: aux loss, tokens per expert (the ranks routing each token alike count once: Layout.routing_copies)
+        row.update(window_row(self.model.parts, self.moe_layers, self.device, copies=self.mesh.layout.routing_copies))
         straggler, warning = self.stragglers.row(ranks.extra, layout=self.mesh.layout)
         row.update(straggler)
         if warning:
