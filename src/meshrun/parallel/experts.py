@@ -22,7 +22,7 @@ equal and are reduced over dp alone, and the norm counts them once per tp group.
 
 Where ep spans tp (ep = tp x a divisor of dp: `Layout.experts_over_tp`) each tp rank routes its own
 share of the tokens: under sequence parallel the positions it already holds (nothing gathered),
-without it its 1/tp of the replicated positions (tp_styles.py's `TokenShare`: its backward all-gathers the input's
+without it its 1/tp of the replicated positions (token_share.py's `TokenShare`: its backward all-gathers the input's
 gradient), the block's output all-gathered back over tp so the rest of the layer sees replicated
 activations (its backward keeps this rank's positions' gradient). The ep group is whole tp groups, so
 the same all-to-alls carry the tokens. The per-sequence balance loss sums its expert counts over tp

@@ -24,10 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
@@ -41,6 +39,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from meshrun.parallel.token_share import TokenShare
 
 
 @dataclass(frozen=True)
@@ -128,58 +128,6 @@ class StateNorm(ParallelStyle):
             input_fn=_sequence_inputs,  # pyright: ignore[reportArgumentType]
             output_fn=local_outputs,  # pyright: ignore[reportArgumentType]
         )
-
-
-class TokenShare(ParallelStyle):
-    """tp style `moe_block` where ep spans tp, without sequence parallel: the block computes on this tp
-    rank's 1/tp of its replicated input's positions, and its output is gathered back whole over tp
-    (Megatron's scatter-to and gather-from the tp region: each backward the other's forward)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        group = device_mesh.get_group()
-        module.register_forward_pre_hook(lambda _m, args: (_OwnPositions.apply(args[0], group), *args[1:]))
-        module.register_forward_hook(lambda _m, _args, out: _AllPositions.apply(out, group))
-        return module
-
-
-def _positions_gathered(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every tp rank's positions (dim 1) of `x`, in rank order (equal shares: check_tensor_split)."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
-
-
-def _own_positions(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """This tp rank's share of `x`'s positions (dim 1)."""
-    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
-
-
-class _OwnPositions(torch.autograd.Function):
-    """Forward: this rank's positions of a replicated tensor; backward: the gradient all-gathered (each
-    tp rank's positions reached the loss through their own rank only)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _own_positions(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _positions_gathered(grad, ctx.group), None
-
-
-class _AllPositions(torch.autograd.Function):
-    """Forward: every rank's positions gathered; backward: this rank's positions' gradient (every tp
-    rank holds the same whole gradient of a replicated tensor: summing them would count it tp times)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _positions_gathered(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _own_positions(grad, ctx.group), None
 
 
 def _sequence_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
