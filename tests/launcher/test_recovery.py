@@ -39,15 +39,23 @@ def launch(
     data_dir: Path, tmp: Path, job: dict[str, object], kill: dict[str, str]
 ) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """`job` uninterrupted, and under launch.recovery peer with a warm spare and `kill` (on cue)."""
-    done = {}
-    for name, settings, env in (
-        ("uninterrupted", {}, {}),
-        ("killed", {"launch.recovery": "peer", "launch.warm_spare": True}, kill),
-    ):
-        run = tmp / name
-        args = ["train", *tiny(data_dir, run, **job, **settings)]
-        done[name] = run, run_meshrun(args, tmp_path=tmp, env=meshrun_env(tmp, PYTHONPATH=HERE, **env), timeout=300)
-    return done
+    return {"uninterrupted": train(data_dir, tmp / "uninterrupted", job), "killed": killed(data_dir, tmp, job, kill)}
+
+
+def killed(
+    data_dir: Path, tmp: Path, job: dict[str, object], kill: dict[str, str]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """`job` under launch.recovery peer with a warm spare and `kill` (on cue)."""
+    return train(data_dir, tmp / "killed", {**job, "launch.recovery": "peer", "launch.warm_spare": True}, kill)
+
+
+def train(
+    data_dir: Path, run: Path, job: dict[str, object], env: dict[str, str] | None = None
+) -> tuple[Path, subprocess.CompletedProcess]:
+    args = ["train", *tiny(data_dir, run, **job)]
+    return run, run_meshrun(
+        args, tmp_path=run.parent, env=meshrun_env(run.parent, PYTHONPATH=HERE, **(env or {})), timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +69,24 @@ def runs(
 
 @pytest.mark.timeout(700)  # the fixture's two launches, on loaded cores
 def test_a_killed_rank_is_replaced_from_its_peer_and_no_step_is_lost(runs, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert_recovered(runs, monkeypatch, event=(2, "0", 1, 0))
+    assert_recovered(runs, monkeypatch, events=[(2, "0", 1, 0)])
+
+
+@pytest.mark.timeout(400)
+def test_ranks_lost_between_steps_and_in_the_commit_are_replaced_and_no_step_is_lost(
+    runs, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 (the recorder) killed as it enters step 2's log row (its peer waits in the row's
+    gather): the replacement takes the state after step 2, the window's losses (gathered by every
+    commit) and writes step 2's row. Then rank 1 killed as step 4's commit returns, before its
+    optimizer steps: its peer either fails in the commit (not stepped: step 4 trained again) or
+    steps and fails after it (the state after step 4): each the uninterrupted run's weights."""
+    kill = {"MESHRUN_TEST_KILL_IN": "0:log:2", "MESHRUN_TEST_KILL_AFTER_COMMIT": "1:4"}
+    run = killed(data_dir, tmp_path, {**JOB, "launch.max_restarts": 2}, kill)
+    events = assert_recovered({**runs, "killed": run}, monkeypatch)
+    assert events[0] == (2, "0", 1, 0) and events[1] in ((3, "1", 0, 0), (4, "1", 0, 0)), events
+    said = [line for line in run[1].stderr.splitlines() if line.startswith("[meshrun] recovered")]
+    assert said[0].startswith("[meshrun] recovered after step 2 (in the log row's gathers) in "), said
 
 
 @pytest.mark.timeout(900)  # two launches of 4 ranks (keepers and spares beside), on loaded cores
@@ -72,14 +97,15 @@ def test_a_killed_pipeline_rank_is_replaced_from_its_stage_replica(
     which hold none of its state, regroup and train the step again with ranks 0 and 1."""
     job = {**JOB, "parallel.pp": 2}
     runs = launch(data_dir, tmp_path, job, {"MESHRUN_TEST_KILL_AT": "7", "MESHRUN_TEST_ON_RANK": "1"})
-    assert_recovered(runs, monkeypatch, event=(2, "1", 0, 0))
+    assert_recovered(runs, monkeypatch, events=[(2, "1", 0, 0)])
     plain, killed = (runs[name][1].stderr.splitlines() for name in ("uninterrupted", "killed"))
     assert len([line for line in killed if "straggler" not in line]) <= len(plain) + 2, killed
 
 
-def assert_recovered(runs: dict, monkeypatch: pytest.MonkeyPatch, *, event: tuple) -> None:
+def assert_recovered(runs: dict, monkeypatch: pytest.MonkeyPatch, *, events: list[tuple] | None = None) -> list[tuple]:
     """The killed run's weights are the uninterrupted run's, each step trained once, no checkpoint
-    read (checkpoint.interval 0: none was written before the end), one recovery recorded: `event`."""
+    read (checkpoint.interval 0: none was written before the end), the recoveries recorded: `events`
+    (returned: step, ranks, source, steps lost)."""
     (plain, _), (run, done) = runs["uninterrupted"], runs["killed"]
     assert done.returncode == 0, done.stderr[-3000:]
     monkeypatch.syspath_prepend(HERE)  # the checkpoints' model.factory
@@ -88,9 +114,12 @@ def assert_recovered(runs: dict, monkeypatch: pytest.MonkeyPatch, *, event: tupl
     rows = read_metrics(run)
     assert [row["step"] for row in rows if "loss" in row] == list(range(1, STEPS + 1))  # each step once
     assert losses(run) == losses(plain)  # a row per step (log_interval 1): the replacement's window is whole
-    events = [row for row in rows if "recovered_ranks" in row]
-    assert [(e["step"], e["recovered_ranks"], e["recovered_from"], e["steps_lost"]) for e in events] == [event]
+    recorded = [
+        (e["step"], e["recovered_ranks"], e["recovered_from"], e["steps_lost"]) for e in rows if "recovered_ranks" in e
+    ]
+    assert events is None or recorded == events, recorded
     assert "resumed from" not in done.stderr and "Traceback" not in done.stderr
+    return recorded
 
 
 def test_a_recovered_failure_is_two_lines(runs) -> None:

@@ -7,6 +7,10 @@ not a replacement under launch.recovery peer, unless MESHRUN_TEST_KILL_EVERY is 
 (1-based, counted per process); MESHRUN_TEST_ON_RANK=r limits it to one rank (RANK, as torchrun sets
 it; a lone process is rank 0). MESHRUN_TEST_KILL_SENDING=r: rank r's first worker is SIGKILLed when
 its state is asked for while it recovers (a survivor about to send a replacement its state).
+Outside the step, a rank's first worker: MESHRUN_TEST_KILL_IN=RANK:PHASE:STEP SIGKILLs it as it
+enters PHASE (launcher/progress.py's: log, eval, checkpoint) after step STEP, and
+MESHRUN_TEST_KILL_AFTER_COMMIT=RANK:STEP as step STEP's commit returns (launch.recovery peer: every
+rank's gradients final, no optimizer stepped here yet).
 """
 
 from __future__ import annotations
@@ -19,8 +23,40 @@ import torch
 from meshrun.config.schema import ModelConfig
 from meshrun.launcher import progress
 from meshrun.models.gpt import GPT, Embedding
+from meshrun.training import recovery
 
 _calls = {"forward": 0}
+
+
+def _kill_at(variable: str, *where: object) -> None:
+    """SIGKILL this process if it is the first worker of the rank that `variable` names at `where`."""
+    first = os.environ.get("MESHRUN_WORKER_ROLE", "first") == "first"
+    here = ":".join(map(str, (os.environ.get("RANK", "0"), *where)))
+    if first and os.environ.get(variable) == here:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killing_mark(mark):
+    def marked(phase: str, *args, **kwargs) -> None:
+        _kill_at("MESHRUN_TEST_KILL_IN", phase, progress.current().step)
+        mark(phase, *args, **kwargs)
+
+    return marked
+
+
+def _killing_commit(commit):
+    def committed(self, *loss: torch.Tensor) -> torch.Tensor:
+        losses = commit(self, *loss)
+        _kill_at("MESHRUN_TEST_KILL_AFTER_COMMIT", progress.current().step)
+        return losses
+
+    return committed
+
+
+if "MESHRUN_TEST_KILL_IN" in os.environ:
+    progress.mark = _killing_mark(progress.mark)
+if "MESHRUN_TEST_KILL_AFTER_COMMIT" in os.environ:
+    recovery.PeerRecovery.commit = _killing_commit(recovery.PeerRecovery.commit)
 
 
 class InterruptingEmbedding(Embedding):

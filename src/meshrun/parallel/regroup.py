@@ -126,18 +126,30 @@ def copy_from_replica(
     return sources
 
 
-def agreed_step(step: int, *, holds: bool) -> None:
-    """Collective: every rank that `holds` its state recovers at the same `step` (a replacement knows
-    none). They differ only where a peer was lost inside a step's commit (training/recovery.py), after
-    some ranks had stepped their optimizers: that is said in one line (RunError) on every rank."""
-    bounds = torch.tensor([step, -step] if holds else [-(2**62), -(2**62)], dtype=torch.int64)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    latest, earliest = int(bounds[0]), -int(bounds[1])
+def agreed_step(step: int, *, holds: bool, part: int, flags: Sequence[bool]) -> tuple[int, list[bool]]:
+    """Collective: every rank that `holds` its state recovers at the same `step`, and at the same
+    `part` of what follows it (training/step_records.py's Following; a replacement knows neither);
+    returns that part and `flags` set where any holder's is. Steps differ only where a peer was lost
+    inside a step's commit (training/recovery.py), after some ranks had stepped their optimizers;
+    parts only where a collective between steps returned on some ranks and broke on others: each is
+    said in one line (RunError) on every rank."""
+    low = -(2**62)
+    mine = [step, -step, part, -part, *map(int, flags)] if holds else [low] * 4 + [0] * len(flags)
+    agreed = torch.tensor(mine, dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    latest, earliest, last_part, first_part = int(agreed[0]), -int(agreed[1]), int(agreed[2]), -int(agreed[3])
     if latest != earliest:
         raise RunError(
             f"a peer was lost while step {earliest + 1} was being committed, after some ranks had applied it and "
             "before others did; rerun the same command to resume from the newest checkpoint"
         )
+    if last_part != first_part:
+        raise RunError(
+            f"a peer was lost after step {latest} while the other ranks were at different points of what follows a "
+            "step (the stop poll, the log row, an evaluation, a checkpoint); rerun the same command to resume from "
+            "the newest checkpoint"
+        )
+    return first_part, [bool(flag) for flag in agreed[4:].tolist()]
 
 
 def recover(

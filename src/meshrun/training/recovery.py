@@ -12,7 +12,11 @@ replacement joins at a step's start: a loss noticed inside a step (a pipeline tr
 all-reduce, the norm over the stages) is recovered there. No rank steps its optimizer before every
 rank's gradients are final (`commit`, the step's last collective), so a step broken before it was
 applied nowhere. Dropout draws from a stream seeded per step and rank, so the step trained again
-draws the same masks.
+draws the same masks. A loss noticed in what follows a step (the stop poll, the log row's gathers,
+an evaluation, a checkpoint: Trainer.follow) is recovered there: every rank has applied the step
+(each passed its commit), the replacement takes the state after it, and every rank takes up what
+follows it again from the part that broke; the commit gathers every rank's loss, so that the log
+row's loss counts the lost rank's (its replacement gets it with the window).
 """
 
 from __future__ import annotations
@@ -40,11 +44,11 @@ from meshrun.parallel.mesh import Mesh, join_store, mesh_on
 from meshrun.parallel.parallelize import LocalModel, wrap_data_parallel
 from meshrun.parallel.tied import TiedEmbeddings
 from meshrun.training.state import TrainState
+from meshrun.training.step_records import AfterStep, Following, StepResult, Window
 
 if TYPE_CHECKING:
     from meshrun.metrics.report import RunReport
     from meshrun.parallel.pipeline import PipelineModel
-    from meshrun.training.step_records import StepResult
     from meshrun.training.trainer import Trainer
 
 # How long a hung peer's collective takes to fail (torch's default; a killed one fails at once).
@@ -81,19 +85,52 @@ class PeerRecovery:
             trainer.optimizers.zero_grad()
             self.rejoin(trainer, step, cause=lost)
 
-    def commit(self) -> None:
+    def follow(self, trainer: Trainer, after: AfterStep) -> None:
+        """`trainer.follow(after)`, taken up again at the part a lost peer broke once it is replaced
+        (every rank applied step `after.done`: each passed its commit); any other error is raised as it is."""
+        while True:
+            try:
+                return trainer.follow(after)
+            except RuntimeError as broken:
+                if not regroup.lost_peer(broken):
+                    raise
+                lost = " ".join(str(broken).split())[:200]
+            self.rejoin(trainer, after.done, cause=lost, after=after)
+
+    def pending(self, trainer: Trainer) -> AfterStep | None:
+        """A replacement's: what follows the step it joined after, from the part the survivors take
+        up again, with their log window (its own loss in it: the commits gathered it); None when
+        it joined at a step's start."""
+        if self.received is None or self.received.part == Following.DONE:
+            return None
+        copy, rank = self.received, dist.get_rank()
+        assert copy.window is not None
+        steps, tokens, trained, padding, flops, start, paused, lr, grad_norm = copy.window[:WINDOW_FIELDS].tolist()
+        losses = copy.window[WINDOW_FIELDS:].float()  # float32 on every rank: exact through float64
+        window = Window(int(steps), int(tokens), int(trained), None if padding < 0 else int(padding), flops)
+        window.loss, window.start, window.paused = losses[rank].clone(), start, paused
+        window.rank_losses = losses if steps else None
+        last = StepResult(torch.zeros(()), torch.tensor(grad_norm, dtype=torch.float32), lr, 0, 0, False)
+        done = trainer.start_step
+        return AfterStep(done, last, window, {}, copy.part, requested=copy.requested, stop=copy.stop)
+
+    def commit(self, loss: torch.Tensor) -> torch.Tensor:
         """Collective over every rank, the step's last (its optimizer steps after it): once it
         returns on any rank, every rank's gradients are final. A peer lost before it fails it on
         every rank, and nobody has stepped; one lost inside it may have let some ranks step
-        (`regroup.agreed_step` then stops the run in one line)."""
+        (`regroup.agreed_step` then stops the run in one line). Returns every rank's `loss` (by rank)."""
         progress.mark("optimizer", "every rank's gradients final before any optimizer steps (launch.recovery peer)")
-        dist.all_reduce(torch.zeros(1))
+        losses = [torch.zeros_like(loss) for _ in range(dist.get_world_size())]
+        dist.all_gather(losses, loss.detach())
+        return torch.stack(losses)
 
-    def rejoin(self, trainer: Trainer, step: int, *, cause: str) -> None:
-        """A survivor's recovery at `step`: the group rebuilt with the replacement, which gets its
+    def rejoin(self, trainer: Trainer, step: int, *, cause: str, after: AfterStep | None = None) -> None:
+        """A survivor's recovery at `step` (`after`: in what follows it, whose part, stop flags and
+        window the replacement gets too): the group rebuilt with the replacement, which gets its
         replica's state; the trainer continues on the new meshes."""
         noticed = time.time()
-        progress.mark("recovering", f"a peer was lost at step {step + 1}: {cause}")
+        where = f"at step {step + 1}" if after is None else f"after step {step} ({FOLLOWING_WORDS[after.part]})"
+        progress.mark("recovering", f"a peer was lost {where}: {cause}")
         model, rank, world = trainer.state.model, trainer.mesh.rank, trainer.cfg.world_size
         unwrap(model)
         trainer.requests.leave()
@@ -106,7 +143,9 @@ class PeerRecovery:
         mesh = mesh_on(trainer.mesh.layout, trainer.device)
         rewrap(model, mesh, trainer.cfg)
         trainer.mesh = mesh
-        copy = share_state(trainer.state, mesh, step, holds=True)
+        copy = share_state(trainer.state, mesh, step, holds=True, after=after)
+        if after is not None:
+            after.part, after.requested, after.stop = copy.part, copy.requested, copy.stop
         trainer.requests.regroup()  # after the state, where the replacement makes its own (Run)
         regroup.recovered(self.store, self.number)
         announce(trainer.report, copy, noticed=noticed, joined=joined)
@@ -124,6 +163,11 @@ class PeerRecovery:
                 "copied; rerun the same command to resume from the newest checkpoint (from the start if none)"
             ) from None
         return self.received.step
+
+    @property
+    def joined_after_step(self) -> bool:
+        """A replacement's: it joined in what follows a step (it takes that up before the next step)."""
+        return self.received is not None and self.received.part != Following.DONE
 
     def announce_received(self, report: RunReport) -> None:
         """The replacement on rank 0 records its own recovery (its run record opened after it)."""
@@ -152,14 +196,30 @@ def resolved_alone(cfg: Config, device: torch.device) -> Config:
     return cfg.model_copy(update={"precision": resolve_precision(cfg.precision, device).precision})
 
 
+# What follows a step, as a recovery line says where a peer was lost in it.
+FOLLOWING_WORDS = {
+    Following.POLL: "the stop poll",
+    Following.LOG: "the log row's gathers",
+    Following.EVAL: "an evaluation",
+    Following.SAVE: "a checkpoint save",
+}
+WINDOW_FIELDS = 9  # steps, tokens, trained, padding, flops, start, paused, lr, grad_norm; then each rank's loss
+
+
 @dataclass(frozen=True)
 class Copy:
     """A state copied from replicas: to each `fresh` rank from its source (`sources`, in that order),
-    at `step`, for a rank lost at `lost_at` (time.time(), its keeper's; 0: not known)."""
+    at `step`, for a rank lost at `lost_at` (time.time(), its keeper's; 0: not known); `part` of what
+    follows the step every rank takes up again (DONE: none, the next step is trained), the stop
+    poll's answer and the log window (`window_tensor`) with it."""
 
     sources: dict[int, int]
     step: int
     lost_at: float
+    part: Following = Following.DONE
+    requested: bool = False
+    stop: bool = False
+    window: torch.Tensor | None = None
     done: float = field(default_factory=time.time)
 
     @property
@@ -167,15 +227,18 @@ class Copy:
         return list(self.sources)
 
 
-def share_state(state: TrainState, mesh: Mesh, step: int, *, holds: bool) -> Copy:
+def share_state(state: TrainState, mesh: Mesh, step: int, *, holds: bool, after: AfterStep | None = None) -> Copy:
     """Collective: every tensor of `state` at `step` (a checkpoint's, RNG left out: dropout is
     seeded per step) from the lowest rank of each dp group that `holds` it to the others (under pp,
-    each stage's replicas)."""
-    regroup.agreed_step(step, holds=holds)
+    each stage's replicas); under a loss in what follows the step (`after`), its part and log window."""
+    part = Following.DONE if after is None else after.part
+    flags = (False, False) if after is None else (after.requested, after.stop)
+    part, (requested, stop) = regroup.agreed_step(step, holds=holds, part=part, flags=flags)
     named = state.state_dict(step, rng=False)
     layout = mesh.layout
+    window = None if part == Following.DONE else window_tensor(after, mesh.layout.world_size)
     sources = regroup.copy_from_replica(
-        [named[key] for key in sorted(named)],
+        [named[key] for key in sorted(named)] + ([] if window is None else [window]),
         holds=holds,
         group=mesh.group("dp"),
         replicas=lambda rank: layout.group_ranks(rank, "dp"),
@@ -188,7 +251,22 @@ def share_state(state: TrainState, mesh: Mesh, step: int, *, holds: bool) -> Cop
     if not holds:
         state.load_state_dict(named)
     copied = {rank: source for rank, source in sources.items() if source is not None}
-    return Copy(copied, int(named["progress.step"]), regroup.lost_at(holds=holds))
+    when = regroup.lost_at(holds=holds)
+    return Copy(copied, int(named["progress.step"]), when, Following(part), requested, stop, window)
+
+
+def window_tensor(after: AfterStep | None, world: int) -> torch.Tensor:
+    """The log window and the step's lr and norm as one float64 tensor (a replacement's: zeros, the
+    shape filled by its replica's copy): each rank's loss in it (float32, exact)."""
+    window = torch.zeros(WINDOW_FIELDS + world, dtype=torch.float64)
+    if after is not None:
+        w, last = after.window, after.last
+        padding = -1 if w.padding is None else w.padding
+        head = [w.steps, w.tokens, w.trained, padding, w.flops, w.start, w.paused, last.lr, last.grad_norm.item()]
+        window[:WINDOW_FIELDS] = torch.tensor(head, dtype=torch.float64)
+        if w.rank_losses is not None:
+            window[WINDOW_FIELDS:] = w.rank_losses.double()
+    return window
 
 
 def unwrap(model: LocalModel | PipelineModel) -> None:
@@ -232,8 +310,11 @@ def announce(report: RunReport, copy: Copy, *, noticed: float, joined: float) ->
     copied = ", ".join(
         f"rank {rank}'s state copied from rank {source}'s memory" for rank, source in copy.sources.items()
     )
+    where = f"at step {copy.step + 1}" if copy.part == Following.DONE else f"after step {copy.step}"
+    if copy.part != Following.DONE:
+        where += f" (in {FOLLOWING_WORDS[copy.part]})"
     report.note(
-        f"recovered at step {copy.step + 1} in {figures['recovery_s']:.1f} s ({figures['rejoin_s']:.1f} s until "
+        f"recovered {where} in {figures['recovery_s']:.1f} s ({figures['rejoin_s']:.1f} s until "
         f"the replacement joined, {figures['state_s']:.1f} s building its model and copying the state): "
         f"{copied}; no step lost"
     )
