@@ -20,6 +20,7 @@ from conftest import final_weights, losses, meshrun_env, meshrun_in_process, rea
 
 from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError
+from meshrun.launcher.failures import read_losses
 from meshrun.launcher.slurm import render_sbatch
 from meshrun.launcher.torchrun import KEEPER, torchrun_argv, worker_env
 
@@ -72,19 +73,28 @@ def test_a_killed_rank_is_replaced_from_its_peer_and_no_step_is_lost(runs, monke
     assert_recovered(runs, monkeypatch, events=[(2, "0", 1, 0)])
 
 
+@pytest.mark.parametrize("attempt", range(5))
 @pytest.mark.timeout(400)
-def test_ranks_lost_between_steps_and_in_the_commit_are_replaced_and_no_step_is_lost(
-    runs, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_ranks_lost_between_steps_in_the_commit_and_while_recovering_are_replaced_and_no_step_is_lost(
+    attempt, runs, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 0 (the recorder) killed as it enters step 2's log row (its peer waits in the row's
-    gather): the replacement takes the state after step 2, the window's losses (gathered by every
+    gather): the replacement takes the state after step 2 and the window's losses (gathered by every
     commit) and writes step 2's row. Then rank 1 killed as step 4's commit returns, before its
-    optimizer steps: its peer either fails in the commit (not stepped: step 4 trained again) or
-    steps and fails after it (the state after step 4): each the uninterrupted run's weights."""
-    kill = {"MESHRUN_TEST_KILL_IN": "0:log:2", "MESHRUN_TEST_KILL_AFTER_COMMIT": "1:4"}
+    optimizer steps: its peer either fails in the commit (not stepped: step 4 trained again) or steps
+    and fails after it (the state after step 4); and rank 1's replacement killed as it takes its
+    state: rank 0 recovers again with the next one. Each the uninterrupted run's weights."""
+    receiving = tmp_path / "killed-receiving"
+    kill = {
+        "MESHRUN_TEST_KILL_IN": "0:log:2",
+        "MESHRUN_TEST_KILL_AFTER_COMMIT": "1:4",
+        "MESHRUN_TEST_KILL_RECEIVING": f"1:{receiving}",
+    }
     run = killed(data_dir, tmp_path, {**JOB, "launch.max_restarts": 2}, kill)
     events = assert_recovered({**runs, "killed": run}, monkeypatch)
     assert events[0] == (2, "0", 1, 0) and events[1] in ((3, "1", 0, 0), (4, "1", 0, 0)), events
+    assert receiving.exists() and len(events) == 2  # rank 1's replacement lost: one recovery, two losses
+    assert [loss.rank for loss in read_losses(run[0])] == [0, 1, 1]
     said = [line for line in run[1].stderr.splitlines() if line.startswith("[meshrun] recovered")]
     assert said[0].startswith("[meshrun] recovered after step 2 (in the log row's gathers) in "), said
 

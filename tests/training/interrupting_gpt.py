@@ -7,6 +7,8 @@ not a replacement under launch.recovery peer, unless MESHRUN_TEST_KILL_EVERY is 
 (1-based, counted per process); MESHRUN_TEST_ON_RANK=r limits it to one rank (RANK, as torchrun sets
 it; a lone process is rank 0). MESHRUN_TEST_KILL_SENDING=r: rank r's first worker is SIGKILLed when
 its state is asked for while it recovers (a survivor about to send a replacement its state).
+MESHRUN_TEST_KILL_RECEIVING=RANK:FILE: that rank's replacement is SIGKILLed as it takes its state
+(once: FILE is made first).
 Outside the step, a rank's first worker: MESHRUN_TEST_KILL_IN=RANK:PHASE:STEP SIGKILLs it as it
 enters PHASE (launcher/progress.py's: log, eval, checkpoint) after step STEP, and
 MESHRUN_TEST_KILL_AFTER_COMMIT=RANK:STEP as step STEP's commit returns (launch.recovery peer: every
@@ -80,6 +82,10 @@ class InterruptingGPT(GPT):
         first = os.environ.get("MESHRUN_WORKER_ROLE", "first") == "first"
         sending = os.environ.get("MESHRUN_TEST_KILL_SENDING") == os.environ.get("RANK", "0")
         if first and sending and progress.current().phase == "recovering":
+            os.kill(os.getpid(), signal.SIGKILL)
+        rank, _, once = os.environ.get("MESHRUN_TEST_KILL_RECEIVING", "::").partition(":")
+        if not first and rank == os.environ.get("RANK") and not os.path.exists(once):
+            open(once, "x").close()
             os.kill(os.getpid(), signal.SIGKILL)
         return super().state_dict(*args, **kwargs)
 

@@ -13,10 +13,12 @@ need `distributed_c10d._abort_process_group` (or `ProcessGroup.abort()`), which 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -50,15 +52,28 @@ def next_generation(store: dist.Store, *, lost: int) -> int:
     return lost + 1
 
 
-def awaited_generation(store: dist.Store, *, timeout: timedelta) -> int:
+def awaited_generation(store: dist.Store, *, timeout: timedelta, rank: int | None = None) -> int:
     """A replacement's: the generation the survivors move to, once they have noticed the loss (the
-    next one written is newer than the one recovered last). Raises TimeoutError after `timeout`."""
+    next one written is newer than the one recovered last), and not one that `rank` has joined
+    already (`joined`: a replacement lost while it took its state leaves the survivors to move
+    on, and its own replacement must not join the generation it broke). Raises TimeoutError after `timeout`."""
     deadline = time.monotonic() + timeout.total_seconds()
-    while (number := _number(store, NEXT_KEY)) <= _number(store, CURRENT_KEY):
+    while (number := _number(store, NEXT_KEY)) <= _number(store, CURRENT_KEY) or (
+        rank is not None and store.check([_joined_key(number, rank)])
+    ):
         if time.monotonic() > deadline:
             raise TimeoutError(f"no survivor moved to a new generation of the process group within {timeout}")
         time.sleep(POLL_SECONDS)
     return number
+
+
+def joined(store: dist.Store, number: int, rank: int) -> None:
+    """A replacement's, once it is in generation `number`: a later replacement of `rank` waits for a newer one."""
+    store.set(_joined_key(number, rank), "1")
+
+
+def _joined_key(number: int, rank: int) -> str:
+    return f"generation/{number}/joined/{rank}"
 
 
 def _number(store: dist.Store, key: str) -> int:
@@ -75,6 +90,19 @@ def join(store: dist.Store, *, number: int, rank: int, world: int, timeout: time
     """Join generation `number` of the default process group (gloo) as `rank` of `world`, over `store`.
     `timeout` bounds every later collective: it is how long a hung peer takes to be noticed."""
     dist.init_process_group("gloo", store=generation_store(store, number), rank=rank, world_size=world, timeout=timeout)
+
+
+@contextlib.contextmanager
+def ended_by_sigterm() -> Iterator[None]:
+    """While a survivor waits for its replacement (`join`, in C++, where Python's signal handlers do
+    not run): SIGTERM ends it at once, the signal's default. It comes when the replacement's keeper
+    gave up (the agent stops every worker) or the job is stopped; no checkpoint can be written before
+    the group is whole again. Without it the survivor waited for the agent's SIGKILL, ~30 s later."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def release(meshes: Iterable[DeviceMesh | None]) -> None:

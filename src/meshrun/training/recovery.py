@@ -127,29 +127,48 @@ class PeerRecovery:
     def rejoin(self, trainer: Trainer, step: int, *, cause: str, after: AfterStep | None = None) -> None:
         """A survivor's recovery at `step` (`after`: in what follows it, whose part, stop flags and
         window the replacement gets too): the group rebuilt with the replacement, which gets its
-        replica's state; the trainer continues on the new meshes."""
-        noticed = time.time()
+        replica's state; the trainer continues on the new meshes. A rank lost meanwhile (the
+        replacement as it takes its state) makes it start again with the next generation."""
+        noticed, rank = time.time(), trainer.mesh.rank
         where = f"at step {step + 1}" if after is None else f"after step {step} ({FOLLOWING_WORDS[after.part]})"
-        progress.mark("recovering", f"a peer was lost {where}: {cause}")
-        model, rank, world = trainer.state.model, trainer.mesh.rank, trainer.cfg.world_size
-        unwrap(model)
+        while True:
+            progress.mark("recovering", f"a peer was lost {where}: {cause}")
+            self.leave(trainer)
+            try:
+                joined, copy = self.rebuild(trainer, step, rank, after)
+                break
+            except RuntimeError as broken:
+                if not regroup.lost_peer(broken):
+                    raise
+                cause = "another rank lost while recovering: " + " ".join(str(broken).split())[:200]
+        if after is not None:
+            after.part, after.requested, after.stop = copy.part, copy.requested, copy.stop
+        regroup.recovered(self.store, self.number)
+        announce(trainer.report, copy, noticed=noticed, joined=joined)
+        trainer.stragglers.excuse()
+
+    def leave(self, trainer: Trainer) -> None:
+        """A survivor's: out of the broken group, every group and wrapper cut from it dropped first."""
+        unwrap(trainer.state.model)
         trainer.requests.leave()
         regroup.release([trainer.mesh.world, *trainer.mesh.views.values(), trainer.mesh.expert_grid])
         gc.collect()  # the broken DDP freed before its group is destroyed (freed after, it hung a process)
         self.number = regroup.next_generation(self.store, lost=self.number)
         regroup.tear_down()
-        regroup.join(self.store, number=self.number, rank=rank, world=world, timeout=COLLECTIVE_TIMEOUT)
+
+    def rebuild(self, trainer: Trainer, step: int, rank: int, after: AfterStep | None) -> tuple[float, Copy]:
+        """A survivor's (`rank`): the next generation joined with the replacement, the model wrapped
+        over its meshes, the state shared; when the replacement joined and what it was sent."""
+        world = trainer.cfg.world_size
+        with regroup.ended_by_sigterm():
+            regroup.join(self.store, number=self.number, rank=rank, world=world, timeout=COLLECTIVE_TIMEOUT)
         joined = time.time()  # the replacement is there
         mesh = mesh_on(trainer.mesh.layout, trainer.device)
-        rewrap(model, mesh, trainer.cfg)
+        rewrap(trainer.state.model, mesh, trainer.cfg)
         trainer.mesh = mesh
         copy = share_state(trainer.state, mesh, step, holds=True, after=after)
-        if after is not None:
-            after.part, after.requested, after.stop = copy.part, copy.requested, copy.stop
         trainer.requests.regroup()  # after the state, where the replacement makes its own (Run)
-        regroup.recovered(self.store, self.number)
-        announce(trainer.report, copy, noticed=noticed, joined=joined)
-        trainer.stragglers.excuse()
+        return joined, copy
 
     def receive(self, state: TrainState, mesh: Mesh) -> int:
         """A replacement's: the state of a surviving replica, at the step that was in flight; returns it."""
@@ -185,8 +204,10 @@ def join(layout: Layout, *, join_timeout: int, replacement: bool) -> tuple[Mesh,
         )
     store, rank, world = join_store(join_timeout)
     timeout = timedelta(seconds=join_timeout)
-    number = regroup.awaited_generation(store, timeout=timeout) if replacement else 0
+    number = regroup.awaited_generation(store, timeout=timeout, rank=rank) if replacement else 0
     regroup.join(store, number=number, rank=rank, world=world, timeout=COLLECTIVE_TIMEOUT)
+    if replacement:
+        regroup.joined(store, number, rank)
     return mesh_on(layout, device), PeerRecovery(store, number, replacement, time.time())
 
 
@@ -278,7 +299,8 @@ def unwrap(model: LocalModel | PipelineModel) -> None:
         model.wrapped = model.parts[0]
     else:
         model.wrapped, model.schedules = list[nn.Module](model.parts), {}
-        del model.pp_group
+        if hasattr(model, "pp_group"):  # dropped already, where a rank was lost while recovering
+            del model.pp_group
 
 
 def rewrap(model: LocalModel | PipelineModel, mesh: Mesh, cfg: Config) -> None:
@@ -302,10 +324,10 @@ def seed_step(cfg: Config, mesh: Mesh, step: int) -> None:
 
 def announce(report: RunReport, copy: Copy, *, noticed: float, joined: float) -> None:
     """The recovery as one console line and a metrics.jsonl event (rank 0's record): from the loss
-    (its keeper's clock; else when this rank noticed it) to the copy done, split at the replacement's
+    (the earlier of its keeper's clock and when this rank noticed it) to the copy done, split at the replacement's
     joining the group (before: its start; after: its model built and the state copied)."""
     lost = ", ".join(map(str, copy.fresh))
-    since = copy.lost_at or noticed
+    since = min(copy.lost_at, noticed) if copy.lost_at else noticed  # a rank lost while recovering: the first loss
     figures = {"recovery_s": copy.done - since, "rejoin_s": joined - since, "state_s": copy.done - joined}
     copied = ", ".join(
         f"rank {rank}'s state copied from rank {source}'s memory" for rank, source in copy.sources.items()
