@@ -9,6 +9,7 @@ whose restart is bit-identical (tests/training/test_preemption.py::test_killed_r
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -76,27 +77,40 @@ def test_a_killed_rank_is_replaced_from_its_peer_and_no_step_is_lost(runs, monke
 @pytest.mark.parametrize("attempt", range(5))
 @pytest.mark.timeout(400)
 def test_ranks_lost_between_steps_in_the_commit_and_while_recovering_are_replaced_and_no_step_is_lost(
-    attempt, runs, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    runs, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 0 (the recorder) killed as it enters step 2's log row (its peer waits in the row's
-    gather): the replacement takes the state after step 2 and the window's losses (gathered by every
-    commit) and writes step 2's row. Then rank 1 killed as step 4's commit returns, before its
-    optimizer steps: its peer either fails in the commit (not stepped: step 4 trained again) or steps
-    and fails after it (the state after step 4); and rank 1's replacement killed as it takes its
-    state: rank 0 recovers again with the next one. Each the uninterrupted run's weights."""
-    receiving = tmp_path / "killed-receiving"
+    gather): its replacement takes the state after step 2 and the window's losses (gathered by every
+    commit) and writes step 2's row; that one killed as it enters step 3's evaluation, and the next as
+    it enters the run's last checkpoint (after the last step: its replacement saves it and writes the
+    summary). Rank 1 killed as step 4's commit returns, before its optimizer steps: its peer either
+    fails in the commit (not stepped: step 4 trained again) or steps and fails after it (the state
+    after step 4); and rank 1's replacement killed as it takes its state: rank 0 recovers again with
+    the next one. Each step once, the uninterrupted run's weights."""
     kill = {
-        "MESHRUN_TEST_KILL_IN": "0:log:2",
+        "MESHRUN_TEST_KILL_IN": "0:log:2,0:eval:3,0:checkpoint:6",
         "MESHRUN_TEST_KILL_AFTER_COMMIT": "1:4",
-        "MESHRUN_TEST_KILL_RECEIVING": f"1:{receiving}",
+        "MESHRUN_TEST_KILL_RECEIVING": "1",
+        "MESHRUN_TEST_ONCE_DIR": str(tmp_path),
     }
-    run = killed(data_dir, tmp_path, {**JOB, "launch.max_restarts": 2}, kill)
+    job = {**JOB, "launch.max_restarts": 3, "train.eval_interval": 3}
+    run = killed(data_dir, tmp_path, job, kill)
     events = assert_recovered({**runs, "killed": run}, monkeypatch)
-    assert events[0] == (2, "0", 1, 0) and events[1] in ((3, "1", 0, 0), (4, "1", 0, 0)), events
-    assert receiving.exists() and len(events) == 2  # rank 1's replacement lost: one recovery, two losses
-    assert [loss.rank for loss in read_losses(run[0])] == [0, 1, 1]
+    assert events[:2] == [(2, "0", 1, 0), (3, "0", 1, 0)] and events[3] == (6, "0", 1, 0), events
+    assert events[2] in ((3, "1", 0, 0), (4, "1", 0, 0)), events  # one recovery for rank 1's two losses
+    assert [loss.rank for loss in read_losses(run[0])] == [0, 0, 1, 1, 0]
     said = [line for line in run[1].stderr.splitlines() if line.startswith("[meshrun] recovered")]
-    assert said[0].startswith("[meshrun] recovered after step 2 (in the log row's gathers) in "), said
+    assert [line.split(" in ")[0] for line in said[:2] + said[3:]] == [
+        "[meshrun] recovered after step 2 (in the log row's gathers)",
+        "[meshrun] recovered after step 3 (in an evaluation)",
+        "[meshrun] recovered after step 6 (in a checkpoint save)",
+    ], said
+    assert said[2].startswith(
+        "[meshrun] recovered at step 4" if events[2][0] == 3 else "[meshrun] recovered after step 4"
+    )
+    rows = read_metrics(run[0])
+    assert [row["step"] for row in rows if "val_loss" in row] == [3, 6]
+    assert json.loads((run[0] / "summary.json").read_text())["final_loss"] == losses(run[0])[-1]
 
 
 @pytest.mark.timeout(900)  # two launches of 4 ranks (keepers and spares beside), on loaded cores

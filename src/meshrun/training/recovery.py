@@ -112,7 +112,8 @@ class PeerRecovery:
         window.rank_losses = losses if steps else None
         last = StepResult(torch.zeros(()), torch.tensor(grad_norm, dtype=torch.float32), lr, 0, 0, False)
         done = trainer.start_step
-        return AfterStep(done, last, window, {}, copy.part, requested=copy.requested, stop=copy.stop)
+        row, pauses = copy.figures.get("row", {}), copy.figures.get("pauses", {})
+        return AfterStep(done, last, window, row, copy.part, copy.requested, copy.stop, pauses)
 
     def commit(self, loss: torch.Tensor) -> torch.Tensor:
         """Collective over every rank, the step's last (its optimizer steps after it): once it
@@ -241,6 +242,7 @@ class Copy:
     requested: bool = False
     stop: bool = False
     window: torch.Tensor | None = None
+    figures: dict[str, dict] = field(default_factory=dict)  # the source's last log row and evaluation (figures_of)
     done: float = field(default_factory=time.time)
 
     @property
@@ -273,7 +275,16 @@ def share_state(state: TrainState, mesh: Mesh, step: int, *, holds: bool, after:
         state.load_state_dict(named)
     copied = {rank: source for rank, source in sources.items() if source is not None}
     when = regroup.lost_at(holds=holds)
-    return Copy(copied, int(named["progress.step"]), when, Following(part), requested, stop, window)
+    kept = {} if part == Following.DONE else figures_of(after, copied.get(dist.get_rank()))
+    return Copy(copied, int(named["progress.step"]), when, Following(part), requested, stop, window, kept)
+
+
+def figures_of(after: AfterStep | None, source: int | None) -> dict[str, dict]:
+    """Collective: the last log row and the evaluation's figures (`AfterStep.row`, `.pauses`) of the
+    rank a replacement's state came from (`source`; the others: {}), for its own record (rank 0's)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, None if after is None else {"row": after.row, "pauses": after.pauses})
+    return gathered[source] if source is not None else {}
 
 
 def window_tensor(after: AfterStep | None, world: int) -> torch.Tensor:
