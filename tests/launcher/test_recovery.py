@@ -74,7 +74,6 @@ def test_a_killed_rank_is_replaced_from_its_peer_and_no_step_is_lost(runs, monke
     assert_recovered(runs, monkeypatch, events=[(2, "0", 1, 0)])
 
 
-@pytest.mark.parametrize("attempt", range(5))
 @pytest.mark.timeout(400)
 def test_ranks_lost_between_steps_in_the_commit_and_while_recovering_are_replaced_and_no_step_is_lost(
     runs, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
