@@ -131,7 +131,7 @@ class PeerRecovery:
         replica's state; the trainer continues on the new meshes. A rank lost meanwhile (the
         replacement as it takes its state) makes it start again with the next generation."""
         noticed, rank = time.time(), trainer.mesh.rank
-        where = f"at step {step + 1}" if after is None else f"after step {step} ({FOLLOWING_WORDS[after.part]})"
+        where = lost_where(step, Following.DONE if after is None else after.part)
         while True:
             progress.mark("recovering", f"a peer was lost {where}: {cause}")
             self.leave(trainer)
@@ -225,6 +225,13 @@ FOLLOWING_WORDS = {
     Following.EVAL: "an evaluation",
     Following.SAVE: "a checkpoint save",
 }
+
+
+def lost_where(step: int, part: Following) -> str:
+    """Where a loss was noticed, in words: in the step after `step` steps, or in `part` of what follows it."""
+    return f"at step {step + 1}" if part == Following.DONE else f"after step {step} (in {FOLLOWING_WORDS[part]})"
+
+
 WINDOW_FIELDS = 9  # steps, tokens, trained, padding, flops, start, paused, lr, grad_norm; then each rank's loss
 
 
@@ -335,19 +342,16 @@ def seed_step(cfg: Config, mesh: Mesh, step: int) -> None:
 
 def announce(report: RunReport, copy: Copy, *, noticed: float, joined: float) -> None:
     """The recovery as one console line and a metrics.jsonl event (rank 0's record): from the loss
-    (the earlier of its keeper's clock and when this rank noticed it) to the copy done, split at the replacement's
-    joining the group (before: its start; after: its model built and the state copied)."""
+    (the earlier of its keeper's clock and when this rank noticed it) to the copy done, split at the
+    replacement's joining the group (before: its start; after: its model built and the state copied)."""
     lost = ", ".join(map(str, copy.fresh))
     since = min(copy.lost_at, noticed) if copy.lost_at else noticed  # a rank lost while recovering: the first loss
     figures = {"recovery_s": copy.done - since, "rejoin_s": joined - since, "state_s": copy.done - joined}
     copied = ", ".join(
         f"rank {rank}'s state copied from rank {source}'s memory" for rank, source in copy.sources.items()
     )
-    where = f"at step {copy.step + 1}" if copy.part == Following.DONE else f"after step {copy.step}"
-    if copy.part != Following.DONE:
-        where += f" (in {FOLLOWING_WORDS[copy.part]})"
     report.note(
-        f"recovered {where} in {figures['recovery_s']:.1f} s ({figures['rejoin_s']:.1f} s until "
+        f"recovered {lost_where(copy.step, copy.part)} in {figures['recovery_s']:.1f} s ({figures['rejoin_s']:.1f} s until "
         f"the replacement joined, {figures['state_s']:.1f} s building its model and copying the state): "
         f"{copied}; no step lost"
     )
