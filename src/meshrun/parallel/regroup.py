@@ -159,10 +159,12 @@ def agreed_step(step: int, *, holds: bool, part: int, flags: Sequence[bool]) -> 
     `part` of what follows it (training/step_records.py's Following; a replacement knows neither);
     returns that part and `flags` set where any holder's is. Steps differ only where a peer was lost
     inside a step's commit (training/recovery.py), after some ranks had stepped their optimizers;
-    parts only where a collective between steps returned on some ranks and broke on others: each is
-    said in one line (RunError) on every rank."""
+    parts where a collective between steps returned on some ranks and broke on others: when rank 0
+    (which writes every row) holds its state and is furthest, the others move on to its part (they
+    left to rank 0 what they had not finished); else, as for steps, said in one line (RunError) on every rank."""
     low = -(2**62)
     mine = [step, -step, part, -part, *map(int, flags)] if holds else [low] * 4 + [0] * len(flags)
+    mine.append(part if holds and dist.get_rank() == 0 else low)
     agreed = torch.tensor(mine, dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     latest, earliest, last_part, first_part = int(agreed[0]), -int(agreed[1]), int(agreed[2]), -int(agreed[3])
@@ -171,13 +173,13 @@ def agreed_step(step: int, *, holds: bool, part: int, flags: Sequence[bool]) -> 
             f"a peer was lost while step {earliest + 1} was being committed, after some ranks had applied it and "
             "before others did; rerun the same command to resume from the newest checkpoint"
         )
-    if last_part != first_part:
+    if last_part != first_part and int(agreed[-1]) != last_part:
         raise RunError(
             f"a peer was lost after step {latest} while the other ranks were at different points of what follows a "
-            "step (the stop poll, the log row, an evaluation, a checkpoint); rerun the same command to resume from "
-            "the newest checkpoint"
+            "step (the stop poll, the log row, an evaluation, a checkpoint) and rank 0 was not furthest; rerun the "
+            "same command to resume from the newest checkpoint"
         )
-    return first_part, [bool(flag) for flag in agreed[4:].tolist()]
+    return last_part, [bool(flag) for flag in agreed[4:-1].tolist()]
 
 
 def recover(

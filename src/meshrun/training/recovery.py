@@ -113,7 +113,9 @@ class PeerRecovery:
         last = StepResult(torch.zeros(()), torch.tensor(grad_norm, dtype=torch.float32), lr, 0, 0, False)
         done = trainer.start_step
         row, pauses = copy.figures.get("row", {}), copy.figures.get("pauses", {})
-        return AfterStep(done, last, window, row, copy.part, copy.requested, copy.stop, pauses)
+        return AfterStep(
+            done, last, window, row, copy.part, copy.requested, copy.stop, pauses, log_due=trainer.log_due(done)
+        )
 
     def commit(self, loss: torch.Tensor) -> torch.Tensor:
         """Collective over every rank, the step's last (its optimizer steps after it): once it
@@ -264,6 +266,8 @@ def share_state(state: TrainState, mesh: Mesh, step: int, *, holds: bool, after:
     part = Following.DONE if after is None else after.part
     flags = (False, False) if after is None else (after.requested, after.stop)
     part, (requested, stop) = regroup.agreed_step(step, holds=holds, part=part, flags=flags)
+    if after is not None and after.part < part:  # rank 0 finished what this rank had not
+        after.catch_up(Following(part))
     named = state.state_dict(step, rng=False)
     layout = mesh.layout
     window = None if part == Following.DONE else window_tensor(after, mesh.layout.world_size)

@@ -81,6 +81,14 @@ class AfterStep:
     requested: bool = False  # a checkpoint asked for (the stop poll's answer)
     stop: bool = False  # and a stop after it
     pauses: dict[str, float] = field(default_factory=dict)  # validation and checkpoint: their own row at `done`
+    log_due: bool = True  # a log row is due at `done`
+
+    def catch_up(self, part: Following) -> None:
+        """Move on to `part`, the parts before it left to the ranks that finished them (rank 0 wrote their
+        rows; launch.recovery peer): a log row not closed here starts this rank's next window anyway."""
+        if self.part <= Following.LOG < part and self.log_due:
+            self.window = Window(start=time.perf_counter())
+        self.part = part
 
 
 @dataclass(frozen=True)

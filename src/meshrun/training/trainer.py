@@ -147,10 +147,10 @@ class Trainer:
                 return self._stopped(joined.done)
         for step in range(self.start_step, cfg.steps):
             done = step + 1
-            log_due = done % cfg.log_interval == 0 or done == cfg.steps
+            log_due = self.log_due(done)
             timeline = self.mesh.size("pp") > 1 and log_due  # the timeline of a logged step
             result = self._step(step, window, measure=timeline)
-            after = AfterStep(done, result, window, row)
+            after = AfterStep(done, result, window, row, log_due=log_due)
             row, window = self._follow(after)
             if after.stop and done < cfg.steps:
                 return self._stopped(done)
@@ -175,7 +175,7 @@ class Trainer:
         cfg, done = self.cfg.train, after.done
         if after.part <= Following.POLL:
             after.requested, after.stop = self._poll()  # asked for before this step: every rank acts now
-        log_due = done % cfg.log_interval == 0 or done == cfg.steps
+        log_due = after.log_due
         eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
         save_due = after.requested or self._checkpoint_due(done)
         if (log_due or eval_due or save_due) and after.part <= Following.LOG:
@@ -194,6 +194,9 @@ class Trainer:
         if after.pauses:
             after.window.paused += after.pauses.get("eval_s", 0.0) + after.pauses.get("checkpoint_s", 0.0)
             self.report.log(done, after.pauses)
+
+    def log_due(self, done: int) -> bool:
+        return done % self.cfg.train.log_interval == 0 or done == self.cfg.train.steps
 
     def _stopped(self, done: int) -> Outcome:
         progress.mark("finishing")
