@@ -10,6 +10,7 @@ whose restart is bit-identical (tests/training/test_preemption.py::test_killed_r
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from nodes import free_port, run_nodes
 from meshrun.config.schema import load_config
 from meshrun.config.topology import no_replica
 from meshrun.errors import ConfigError
+from meshrun.launcher.failures import read_losses
 from meshrun.launcher.k8s import PodOptions, check_options
 from meshrun.launcher.torchrun import KEEPER, torchrun_argv, worker_env
 from meshrun.training.recovery import share_state
@@ -52,15 +54,23 @@ def launch(
     data_dir: Path, tmp: Path, job: dict[str, object], kill: dict[str, str]
 ) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """`job` uninterrupted, and under launch.recovery peer with a warm spare and `kill` (on cue)."""
-    done = {}
-    for name, settings, env in (
-        ("uninterrupted", {}, {}),
-        ("killed", {"launch.recovery": "peer", "launch.warm_spare": True}, kill),
-    ):
-        run = tmp / name
-        args = ["train", *tiny(data_dir, run, **job, **settings)]
-        done[name] = run, run_meshrun(args, tmp_path=tmp, env=meshrun_env(tmp, PYTHONPATH=HERE, **env), timeout=300)
-    return done
+    return {"uninterrupted": train(data_dir, tmp / "uninterrupted", job), "killed": killed(data_dir, tmp, job, kill)}
+
+
+def killed(
+    data_dir: Path, tmp: Path, job: dict[str, object], kill: dict[str, str]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """`job` under launch.recovery peer with a warm spare and `kill` (on cue)."""
+    return train(data_dir, tmp / "killed", {**job, "launch.recovery": "peer", "launch.warm_spare": True}, kill)
+
+
+def train(
+    data_dir: Path, run: Path, job: dict[str, object], env: dict[str, str] | None = None
+) -> tuple[Path, subprocess.CompletedProcess]:
+    args = ["train", *tiny(data_dir, run, **job)]
+    return run, run_meshrun(
+        args, tmp_path=run.parent, env=meshrun_env(run.parent, PYTHONPATH=HERE, **(env or {})), timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +84,45 @@ def runs(
 
 @pytest.mark.timeout(700)  # the fixture's two launches, on loaded cores
 def test_a_killed_rank_is_replaced_from_its_peer_and_no_step_is_lost(runs, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert_recovered(runs, monkeypatch, event=(2, "0", 1, 0))
+    assert_recovered(runs, monkeypatch, events=[(2, "0", 1, 0)])
+
+
+@pytest.mark.timeout(400)
+def test_ranks_lost_between_steps_in_the_commit_and_while_recovering_are_replaced_and_no_step_is_lost(
+    runs, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 (the recorder) killed as it enters step 2's log row (its peer waits in the row's
+    gather): its replacement takes the state after step 2 and the window's losses (gathered by every
+    commit) and writes step 2's row; that one killed as it enters step 3's evaluation, and the next as
+    it enters the run's last checkpoint (after the last step: its replacement saves it and writes the
+    summary). Rank 1 killed as step 4's commit returns, before its optimizer steps: its peer either
+    fails in the commit (not stepped: step 4 trained again) or steps and fails after it (the state
+    after step 4); and rank 1's replacement killed as it takes its state: rank 0 recovers again with
+    the next one. Each step once, the uninterrupted run's weights."""
+    kill = {
+        "MESHRUN_TEST_KILL_IN": "0:log:2,0:eval:3,0:checkpoint:6",
+        "MESHRUN_TEST_KILL_AFTER_COMMIT": "1:4",
+        "MESHRUN_TEST_KILL_RECEIVING": "1",
+        "MESHRUN_TEST_ONCE_DIR": str(tmp_path),
+    }
+    job = {**JOB, "launch.max_restarts": 3, "train.eval_interval": 3}
+    run = killed(data_dir, tmp_path, job, kill)
+    events = assert_recovered({**runs, "killed": run}, monkeypatch)
+    assert events[:2] == [(2, "0", 1, 0), (3, "0", 1, 0)] and events[3] == (6, "0", 1, 0), events
+    assert events[2] in ((3, "1", 0, 0), (4, "1", 0, 0)), events  # one recovery for rank 1's two losses
+    assert [loss.rank for loss in read_losses(run[0])] == [0, 0, 1, 1, 0]
+    said = [line for line in run[1].stderr.splitlines() if line.startswith("[meshrun] recovered")]
+    assert [line.split(" in ")[0] for line in said[:2] + said[3:]] == [
+        "[meshrun] recovered after step 2 (in the log row's gathers)",
+        "[meshrun] recovered after step 3 (in an evaluation)",
+        "[meshrun] recovered after step 6 (in a checkpoint save)",
+    ], said
+    assert said[2].startswith(
+        "[meshrun] recovered at step 4" if events[2][0] == 3 else "[meshrun] recovered after step 4"
+    )
+    rows = read_metrics(run[0])
+    assert [row["step"] for row in rows if "val_loss" in row] == [3, 6]
+    assert json.loads((run[0] / "summary.json").read_text())["final_loss"] == losses(run[0])[-1]
 
 
 @pytest.mark.timeout(900)  # two launches of 4 ranks (keepers and spares beside), on loaded cores
@@ -85,7 +133,7 @@ def test_a_killed_pipeline_rank_is_replaced_from_its_stage_replica(
     which hold none of its state, regroup and train the step again with ranks 0 and 1."""
     job = {**JOB, "parallel.pp": 2}
     runs = launch(data_dir, tmp_path, job, {"MESHRUN_TEST_KILL_AT": "7", "MESHRUN_TEST_ON_RANK": "1"})
-    assert_recovered(runs, monkeypatch, event=(2, "1", 0, 0))
+    assert_recovered(runs, monkeypatch, events=[(2, "1", 0, 0)])
     plain, killed = (runs[name][1].stderr.splitlines() for name in ("uninterrupted", "killed"))
     assert len([line for line in killed if "straggler" not in line]) <= len(plain) + 2, killed
 
@@ -104,7 +152,7 @@ def test_a_killed_rank_on_another_node_is_replaced_from_its_peer(
     node = ([sys.executable, "-m", "meshrun", *args, "--rdzv-id=peer"], env)
     said = run_nodes([node, node], cwd=tmp_path, timeout=300)
     two_nodes = {**runs, "killed": (tmp_path / "run", subprocess.CompletedProcess([], 0, "", "\n".join(said)))}
-    assert_recovered(two_nodes, monkeypatch, event=(2, "1", 0, 0))
+    assert_recovered(two_nodes, monkeypatch, events=[(2, "1", 0, 0)])
     assert sum("rank 1 was killed by SIGKILL" in out for out in said) == 1, said
 
 
@@ -117,13 +165,14 @@ def test_a_killed_hsdp_rank_takes_its_shard_from_the_other_replica(
     meshes with its own shards, and the replacement takes shard 1 from rank 3, the other replica's."""
     job = {**JOB, "parallel.dp": 4, "parallel.dp_mode": "hsdp", "parallel.dp_shard": 2, "train.global_batch": 16}
     runs = launch(data_dir, tmp_path, job, {"MESHRUN_TEST_KILL_AT": "5", "MESHRUN_TEST_ON_RANK": "1"})
-    assert_recovered(runs, monkeypatch, event=(2, "1", 3, 0))
+    assert_recovered(runs, monkeypatch, events=[(2, "1", 3, 0)])
     assert "rank 1's state copied from rank 3's memory; no step lost" in runs["killed"][1].stderr
 
 
-def assert_recovered(runs: dict, monkeypatch: pytest.MonkeyPatch, *, event: tuple) -> None:
+def assert_recovered(runs: dict, monkeypatch: pytest.MonkeyPatch, *, events: list[tuple] | None = None) -> list[tuple]:
     """The killed run's weights are the uninterrupted run's, each step trained once, no checkpoint
-    read (checkpoint.interval 0: none was written before the end), one recovery recorded: `event`."""
+    read (checkpoint.interval 0: none was written before the end), the recoveries recorded: `events`
+    (returned: step, ranks, source, steps lost)."""
     (plain, _), (run, done) = runs["uninterrupted"], runs["killed"]
     assert done.returncode == 0, done.stderr[-3000:]
     monkeypatch.syspath_prepend(HERE)  # the checkpoints' model.factory
@@ -132,9 +181,12 @@ def assert_recovered(runs: dict, monkeypatch: pytest.MonkeyPatch, *, event: tupl
     rows = read_metrics(run)
     assert [row["step"] for row in rows if "loss" in row] == list(range(1, STEPS + 1))  # each step once
     assert losses(run) == losses(plain)  # a row per step (log_interval 1): the replacement's window is whole
-    events = [row for row in rows if "recovered_ranks" in row]
-    assert [(e["step"], e["recovered_ranks"], e["recovered_from"], e["steps_lost"]) for e in events] == [event]
+    recorded = [
+        (e["step"], e["recovered_ranks"], e["recovered_from"], e["steps_lost"]) for e in rows if "recovered_ranks" in e
+    ]
+    assert events is None or recorded == events, recorded
     assert "resumed from" not in done.stderr and "Traceback" not in done.stderr
+    return recorded
 
 
 def test_a_recovered_failure_is_two_lines(runs) -> None:

@@ -249,4 +249,4 @@ def test_a_killed_rank_under_slurm_is_replaced_from_its_peer(
     assert done.returncode == 0, f"job failed: {done.stderr}\n{log}\n{slurm_cluster.log_tails()}"
     assert "rank 1 was killed by SIGKILL" in log, log
     runs = {"uninterrupted": (plain, None), "killed": (run, subprocess.CompletedProcess([], 0, "", log))}
-    assert_recovered(runs, monkeypatch, event=(2, "1", 0, 0))
+    assert_recovered(runs, monkeypatch, events=[(2, "1", 0, 0)])

@@ -7,20 +7,64 @@ not a replacement under launch.recovery peer, unless MESHRUN_TEST_KILL_EVERY is 
 (1-based, counted per process); MESHRUN_TEST_ON_RANK=r limits it to one rank (RANK, as torchrun sets
 it; a lone process is rank 0). MESHRUN_TEST_KILL_SENDING=r: rank r's first worker is SIGKILLed when
 its state is asked for while it recovers (a survivor about to send a replacement its state).
+MESHRUN_TEST_KILL_RECEIVING=RANK:FILE: that rank's replacement is SIGKILLed as it takes its state
+(once: FILE is made first).
+Outside the step, each once in a run (a marker file in MESHRUN_TEST_ONCE_DIR remembers it), on
+whichever worker holds the rank then: MESHRUN_TEST_KILL_IN=RANK:PHASE:STEP[,...] SIGKILLs it as it
+enters PHASE (launcher/progress.py's: log, eval, checkpoint) after step STEP;
+MESHRUN_TEST_KILL_AFTER_COMMIT=RANK:STEP[,...] as step STEP's commit returns (launch.recovery peer:
+every rank's gradients final, no optimizer stepped there yet); MESHRUN_TEST_KILL_RECEIVING=RANK as a
+replacement takes its state.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import torch
 
 from meshrun.config.schema import ModelConfig
 from meshrun.launcher import progress
 from meshrun.models.gpt import GPT, Embedding
+from meshrun.training import recovery
 
 _calls = {"forward": 0}
+
+
+def _kill_once(variable: str, *where: object) -> None:
+    """SIGKILL this process if `variable` names its rank at `where`, the first time in the run."""
+    here = ":".join(map(str, (os.environ.get("RANK", "0"), *where)))
+    if here in os.environ.get(variable, "").split(","):
+        try:
+            (Path(os.environ["MESHRUN_TEST_ONCE_DIR"]) / f"{variable}-{here.replace(':', '-')}").touch(exist_ok=False)
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killing_mark(mark):
+    def marked(phase: str, *args, **kwargs) -> None:
+        _kill_once("MESHRUN_TEST_KILL_IN", phase, progress.current().step)
+        mark(phase, *args, **kwargs)
+
+    return marked
+
+
+def _killing_commit(commit):
+    def committed(self, *loss: torch.Tensor) -> torch.Tensor:
+        losses = commit(self, *loss)
+        _kill_once("MESHRUN_TEST_KILL_AFTER_COMMIT", progress.current().step)
+        return losses
+
+    return committed
+
+
+if "MESHRUN_TEST_KILL_IN" in os.environ:
+    progress.mark = _killing_mark(progress.mark)
+if "MESHRUN_TEST_KILL_AFTER_COMMIT" in os.environ:
+    recovery.PeerRecovery.commit = _killing_commit(recovery.PeerRecovery.commit)
 
 
 class InterruptingEmbedding(Embedding):
@@ -45,6 +89,8 @@ class InterruptingGPT(GPT):
         sending = os.environ.get("MESHRUN_TEST_KILL_SENDING") == os.environ.get("RANK", "0")
         if first and sending and progress.current().phase == "recovering":
             os.kill(os.getpid(), signal.SIGKILL)
+        if not first:  # a replacement, taking its state
+            _kill_once("MESHRUN_TEST_KILL_RECEIVING")
         return super().state_dict(*args, **kwargs)
 
 

@@ -13,10 +13,12 @@ need `distributed_c10d._abort_process_group` (or `ProcessGroup.abort()`), which 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -50,15 +52,28 @@ def next_generation(store: dist.Store, *, lost: int) -> int:
     return lost + 1
 
 
-def awaited_generation(store: dist.Store, *, timeout: timedelta) -> int:
+def awaited_generation(store: dist.Store, *, timeout: timedelta, rank: int | None = None) -> int:
     """A replacement's: the generation the survivors move to, once they have noticed the loss (the
-    next one written is newer than the one recovered last). Raises TimeoutError after `timeout`."""
+    next one written is newer than the one recovered last), and not one that `rank` has joined
+    already (`joined`: a replacement lost while it took its state leaves the survivors to move
+    on, and its own replacement must not join the generation it broke). Raises TimeoutError after `timeout`."""
     deadline = time.monotonic() + timeout.total_seconds()
-    while (number := _number(store, NEXT_KEY)) <= _number(store, CURRENT_KEY):
+    while (number := _number(store, NEXT_KEY)) <= _number(store, CURRENT_KEY) or (
+        rank is not None and store.check([_joined_key(number, rank)])
+    ):
         if time.monotonic() > deadline:
             raise TimeoutError(f"no survivor moved to a new generation of the process group within {timeout}")
         time.sleep(POLL_SECONDS)
     return number
+
+
+def joined(store: dist.Store, number: int, rank: int) -> None:
+    """A replacement's, once it is in generation `number`: a later replacement of `rank` waits for a newer one."""
+    store.set(_joined_key(number, rank), "1")
+
+
+def _joined_key(number: int, rank: int) -> str:
+    return f"generation/{number}/joined/{rank}"
 
 
 def _number(store: dist.Store, key: str) -> int:
@@ -75,6 +90,19 @@ def join(store: dist.Store, *, number: int, rank: int, world: int, timeout: time
     """Join generation `number` of the default process group (gloo) as `rank` of `world`, over `store`.
     `timeout` bounds every later collective: it is how long a hung peer takes to be noticed."""
     dist.init_process_group("gloo", store=generation_store(store, number), rank=rank, world_size=world, timeout=timeout)
+
+
+@contextlib.contextmanager
+def ended_by_sigterm() -> Iterator[None]:
+    """While a survivor waits for its replacement (`join`, in C++, where Python's signal handlers do
+    not run): SIGTERM ends it at once, the signal's default. It comes when the replacement's keeper
+    gave up (the agent stops every worker) or the job is stopped; no checkpoint can be written before
+    the group is whole again. Without it the survivor waited for the agent's SIGKILL, ~30 s later."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def release(meshes: Iterable[DeviceMesh | None]) -> None:
@@ -126,18 +154,32 @@ def copy_from_replica(
     return sources
 
 
-def agreed_step(step: int, *, holds: bool) -> None:
-    """Collective: every rank that `holds` its state recovers at the same `step` (a replacement knows
-    none). They differ only where a peer was lost inside a step's commit (training/recovery.py), after
-    some ranks had stepped their optimizers: that is said in one line (RunError) on every rank."""
-    bounds = torch.tensor([step, -step] if holds else [-(2**62), -(2**62)], dtype=torch.int64)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    latest, earliest = int(bounds[0]), -int(bounds[1])
+def agreed_step(step: int, *, holds: bool, part: int, flags: Sequence[bool]) -> tuple[int, list[bool]]:
+    """Collective: every rank that `holds` its state recovers at the same `step`, and at the same
+    `part` of what follows it (training/step_records.py's Following; a replacement knows neither);
+    returns that part and `flags` set where any holder's is. Steps differ only where a peer was lost
+    inside a step's commit (training/recovery.py), after some ranks had stepped their optimizers;
+    parts where a collective between steps returned on some ranks and broke on others: when rank 0
+    (which writes every row) holds its state and is furthest, the others move on to its part (they
+    left to rank 0 what they had not finished); else, as for steps, said in one line (RunError) on every rank."""
+    low = -(2**62)
+    mine = [step, -step, part, -part, *map(int, flags)] if holds else [low] * 4 + [0] * len(flags)
+    mine.append(part if holds and dist.get_rank() == 0 else low)
+    agreed = torch.tensor(mine, dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    latest, earliest, last_part, first_part = int(agreed[0]), -int(agreed[1]), int(agreed[2]), -int(agreed[3])
     if latest != earliest:
         raise RunError(
             f"a peer was lost while step {earliest + 1} was being committed, after some ranks had applied it and "
             "before others did; rerun the same command to resume from the newest checkpoint"
         )
+    if last_part != first_part and int(agreed[-1]) != last_part:
+        raise RunError(
+            f"a peer was lost after step {latest} while the other ranks were at different points of what follows a "
+            "step (the stop poll, the log row, an evaluation, a checkpoint) and rank 0 was not furthest; rerun the "
+            "same command to resume from the newest checkpoint"
+        )
+    return last_part, [bool(flag) for flag in agreed[4:-1].tolist()]
 
 
 def recover(

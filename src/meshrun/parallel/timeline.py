@@ -128,11 +128,15 @@ def last_measured() -> StepTimeline:
 
 def gather_timelines(layout: Layout) -> tuple[float, dict[int, StepTimeline]]:
     """Every rank's last measured step (a collective: every rank calls it): the mean bubble
-    fraction and each pipeline stage's timeline on one clock."""
-    timelines: list = [None] * dist.get_world_size()
-    dist.all_gather_object(timelines, last_measured())
-    bubble = sum(t.bubble for t in timelines) / len(timelines)
-    return bubble, on_one_clock({s: timelines[layout.rank_at(pp=s)] for s in range(layout.pp)})
+    fraction and each pipeline stage's timeline on one clock. A rank that measured none (a
+    replacement that joined after the step, launch.recovery peer) is left out: a replica of its
+    stage measured it."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, last_measured())
+    timelines = {rank: t for rank, t in enumerate(gathered) if t.wall} or dict(enumerate(gathered))
+    bubble = sum(t.bubble for t in timelines.values()) / len(timelines)
+    by_stage = {s: next(timelines[r] for r in layout.ranks_of_pp_rank(s) if r in timelines) for s in range(layout.pp)}
+    return bubble, on_one_clock(by_stage)
 
 
 def on_one_clock(by_rank: dict[int, StepTimeline]) -> dict[int, StepTimeline]:

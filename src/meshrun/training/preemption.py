@@ -33,12 +33,15 @@ class Requests:
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo") if distributed else None
         self.pending: tuple[dist.Work, torch.Tensor] | None = None
+        self.carried = torch.zeros(2, dtype=torch.int32)  # flags a lost peer broke in flight: sent again
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signalled = True
 
     def _local_flags(self) -> torch.Tensor:
-        return torch.tensor([self.is_rank0 and self._save_requested(), self.signalled], dtype=torch.int32)
+        flags = torch.tensor([self.is_rank0 and self._save_requested(), self.signalled], dtype=torch.int32)
+        flags, self.carried = torch.maximum(flags, self.carried), torch.zeros_like(self.carried)
+        return flags
 
     def _save_requested(self) -> bool:
         """The SAVE file was there: it is removed, so the request counts once (the flag carries it)."""
@@ -73,13 +76,15 @@ class Requests:
     def leave(self) -> None:
         """Before a broken process group is destroyed (training/recovery.py): the flags' group and
         the all-reduce in flight on it dropped, so that its connections close (a peer blocked on
-        them then notices the loss too); `regroup` makes them again."""
+        them then notices the loss too); `regroup` makes them again. The flags in flight are sent
+        again at the next poll (a SAVE file's request was taken when they were sent)."""
+        if self.pending is not None:
+            self.carried = torch.maximum(self.carried, self.pending[1])
         self.group, self.pending = None, None
 
     def regroup(self) -> None:
         """Collective, after a lost peer was replaced (training/recovery.py): the flags' group made
-        again over the new process group. Flags in flight on the broken one are dropped; a signal's
-        stays set and is sent again at the next poll."""
+        again over the new process group; the flags in flight on the broken one go with the next poll."""
         self.group, self.pending = dist.new_group(backend="gloo"), None
 
     def close(self) -> None:

@@ -43,7 +43,8 @@ class Run:
         start_step, newer_checkpoints = (
             (replacement.receive(state, mesh), ()) if replacement is not None else resume_state(cfg, mesh, state)
         )
-        records = mesh.rank == 0 and start_step < cfg.train.steps  # rank 0 records the run
+        follows = replacement is not None and replacement.joined_after_step  # after the last step too
+        records = mesh.rank == 0 and (start_step < cfg.train.steps or follows)  # rank 0 records the run
         self.report = RunReport(
             run_dir,
             steps=cfg.train.steps,

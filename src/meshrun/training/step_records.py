@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import torch
 
@@ -24,6 +25,7 @@ class StepResult:
     # this rank, all and the trainable parameters' only (fsdp.measured_state_bytes)
     padding: int | None = None  # packed documents: positions holding no document token (None: not known)
     attention_length: int | None = None  # packed documents: the length whose attention costs what theirs does
+    rank_losses: torch.Tensor | None = None  # launch.recovery peer: every rank's loss (by rank), gathered by its commit
 
 
 @dataclass
@@ -38,6 +40,9 @@ class Window:
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     start: float = field(default_factory=time.perf_counter)
     paused: float = 0.0  # seconds of validation and checkpoints inside the window: not training time
+    rank_losses: torch.Tensor | None = (
+        None  # launch.recovery peer: every rank's `loss`, summed as each rank sums its own
+    )
 
     def add(self, step: StepResult, *, flops_per_token: float) -> None:
         self.steps += 1
@@ -47,6 +52,43 @@ class Window:
             self.padding = (self.padding or 0) + step.padding
         self.flops += step.tokens * flops_per_token
         self.loss = self.loss + step.loss
+        if step.rank_losses is not None:
+            before = torch.zeros_like(step.rank_losses) if self.rank_losses is None else self.rank_losses
+            self.rank_losses = before + step.rank_losses
+
+
+class Following(IntEnum):
+    """What follows a step, in this order, decided alike on every rank (Trainer.follow): the stop
+    poll, the log window's row, an evaluation, a checkpoint; DONE: nothing left."""
+
+    POLL = 0
+    LOG = 1
+    EVAL = 2
+    SAVE = 3
+    DONE = 4
+
+
+@dataclass
+class AfterStep:
+    """What follows step `done`, as far as it got (`part`: the one under way; those before it are
+    done on this rank): launch.recovery peer takes it up again at the part a lost peer broke."""
+
+    done: int
+    last: StepResult
+    window: Window
+    row: dict
+    part: Following = Following.POLL
+    requested: bool = False  # a checkpoint asked for (the stop poll's answer)
+    stop: bool = False  # and a stop after it
+    pauses: dict[str, float] = field(default_factory=dict)  # validation and checkpoint: their own row at `done`
+    log_due: bool = True  # a log row is due at `done`
+
+    def catch_up(self, part: Following) -> None:
+        """Move on to `part`, the parts before it left to the ranks that finished them (rank 0 wrote their
+        rows; launch.recovery peer): a log row not closed here starts this rank's next window anyway."""
+        if self.part <= Following.LOG < part and self.log_due:
+            self.window = Window(start=time.perf_counter())
+        self.part = part
 
 
 @dataclass(frozen=True)

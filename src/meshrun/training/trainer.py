@@ -39,7 +39,7 @@ from meshrun.training.nonfinite import NonFiniteSteps
 from meshrun.training.optim import clip_global_norm
 from meshrun.training.preemption import Requests
 from meshrun.training.state import TrainState
-from meshrun.training.step_records import AcrossRanks, StepResult, Window
+from meshrun.training.step_records import AcrossRanks, AfterStep, Following, StepResult, Window
 
 T = TypeVar("T")
 
@@ -49,7 +49,11 @@ class StepRecovery(Protocol):
 
     def step(self, trainer: Trainer, step: int) -> StepResult: ...
 
-    def commit(self) -> None: ...
+    def commit(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def follow(self, trainer: Trainer, after: AfterStep) -> None: ...
+
+    def pending(self, trainer: Trainer) -> AfterStep | None: ...
 
 
 @dataclass(frozen=True)
@@ -140,43 +144,74 @@ class Trainer:
         cfg = self.cfg.train
         window, row = Window(start=self.clock()), {}
         time_split.start(self.device, at=window.start)
-        if self.start_step >= cfg.steps:  # no tracker was opened (the record stays as it is): say it here
+        joined = None if self.recovery is None else self.recovery.pending(self)  # a replacement's, after a step
+        if self.start_step >= cfg.steps and joined is None:  # no tracker was opened (the record stays): say it here
             if self.mesh.rank == 0:
                 say(f"run already complete at step {self.start_step}; nothing to do")
             return Outcome.COMPLETED
         if note := mfu_note(self.device, self.peak):
             self.report.note(note)
+        if joined is not None:  # it takes up what follows that step where the survivors left it
+            row, window = self._follow(joined)
+            if joined.stop and joined.done < cfg.steps:
+                return self._stopped(joined.done)
         for step in range(self.start_step, cfg.steps):
             done = step + 1
-            log_due = done % cfg.log_interval == 0 or done == cfg.steps
+            log_due = self.log_due(done)
             timeline = self.mesh.size("pp") > 1 and log_due  # the timeline of a logged step
             result = self._step(step, window, measure=timeline)
-            # What follows a step, decided alike on every rank: log, evaluate, checkpoint, stop.
-            requested, stop = self._poll()  # asked for before this step: every rank acts now
-            eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
-            save_due = requested or self._checkpoint_due(done)
-            if log_due or eval_due or save_due:
-                self.nonfinite.raise_if_any()  # before anything reads or saves these weights
-            if log_due:
-                row, window = self._log(window, result, done)
-            pauses: dict[str, float] = {}  # validation and checkpoint: timed apart, their own row at this step
-            if eval_due:
-                pauses |= self._evaluate_timed()
-                row.update((key, value) for key, value in pauses.items() if key.startswith("val_"))
-            if save_due:  # preemption and the end of the run save synchronously
-                pauses |= self._checkpoint_timed(done, background=not stop and done < cfg.steps)
-            if pauses:
-                window.paused += pauses.get("eval_s", 0.0) + pauses.get("checkpoint_s", 0.0)
-                self.report.log(done, pauses)
-            if stop and done < cfg.steps:
-                progress.mark("finishing")
-                self.report.note(f"stop requested: checkpoint at step {done} written; rerun the same command to resume")
-                return Outcome.STOPPED
+            after = AfterStep(done, result, window, row, log_due=log_due)
+            row, window = self._follow(after)
+            if after.stop and done < cfg.steps:
+                return self._stopped(done)
         progress.mark("checkpoint")
         self.finish_background()  # checkpoint.at_end false: the last interval save
         progress.mark("finishing")  # the summary and pictures: no longer watched
         self._summary(row)
         return Outcome.COMPLETED
+
+    def _follow(self, after: AfterStep) -> tuple[dict, Window]:
+        """What follows a step (`follow`; launch.recovery peer: taken up again after a lost peer is
+        replaced); the last log row and the window now open."""
+        if self.recovery is None:
+            self.follow(after)
+        else:
+            self.recovery.follow(self, after)
+        return after.row, after.window
+
+    def follow(self, after: AfterStep) -> None:
+        """What follows step `after.done`, decided alike on every rank, from `after.part` on: the stop
+        poll, the log row, an evaluation, a checkpoint (each part marked in `after` as it starts)."""
+        cfg, done = self.cfg.train, after.done
+        if after.part <= Following.POLL:
+            after.requested, after.stop = self._poll()  # asked for before this step: every rank acts now
+        log_due = after.log_due
+        eval_due = cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.steps)
+        save_due = after.requested or self._checkpoint_due(done)
+        if (log_due or eval_due or save_due) and after.part <= Following.LOG:
+            self.nonfinite.raise_if_any()  # before anything reads or saves these weights
+        if log_due and after.part <= Following.LOG:
+            after.part = Following.LOG
+            after.row, after.window = self._log(after.window, after.last, done)
+        if eval_due and after.part <= Following.EVAL:  # validation and checkpoint: timed apart, their own row
+            after.part = Following.EVAL
+            after.pauses |= self._evaluate_timed()
+            after.row.update((key, value) for key, value in after.pauses.items() if key.startswith("val_"))
+        if save_due and after.part <= Following.SAVE:  # preemption and the end of the run save synchronously
+            after.part = Following.SAVE
+            after.pauses |= self._checkpoint_timed(done, background=not after.stop and done < cfg.steps)
+        after.part = Following.DONE
+        if after.pauses:
+            after.window.paused += after.pauses.get("eval_s", 0.0) + after.pauses.get("checkpoint_s", 0.0)
+            self.report.log(done, after.pauses)
+
+    def log_due(self, done: int) -> bool:
+        return done % self.cfg.train.log_interval == 0 or done == self.cfg.train.steps
+
+    def _stopped(self, done: int) -> Outcome:
+        progress.mark("finishing")
+        self.report.note(f"stop requested: checkpoint at step {done} written; rerun the same command to resume")
+        return Outcome.STOPPED
 
     def _step(self, step: int, window: Window, *, measure: bool) -> StepResult:
         """`train_step` (profiled when profile.steps names it), counted into the log `window`."""
@@ -306,8 +341,9 @@ class Trainer:
         if self.scaler is not None:
             self.optimizers.unscale_(self.scaler)
         grad_norm = self.clip_gradients()  # the global norm, over every stage
-        if self.recovery is not None:  # launch.recovery peer: no rank steps before every rank's gradients are final
-            self.recovery.commit()
+        rank_losses = None  # launch.recovery peer: no rank steps before every rank's gradients are final
+        if self.recovery is not None:
+            rank_losses = self.recovery.commit(loss)
         # Apply the step unless it is non-finite, decided on the device.
         skipped = False
         if self.scaler is not None:
@@ -333,6 +369,7 @@ class Trainer:
             state_bytes=held,
             padding=None if rows is None else rows.padding,
             attention_length=None if rows is None else rows.attention_length,
+            rank_losses=rank_losses,
         )
 
     def clip_gradients(self) -> torch.Tensor:
