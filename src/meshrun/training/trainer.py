@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.amp import GradScaler
 
 from meshrun.checkpoint import dcp as checkpoint
@@ -20,26 +19,26 @@ from meshrun.files.console import say
 from meshrun.launcher import progress
 from meshrun.launcher.outcome import Outcome
 from meshrun.metrics import time_split
-from meshrun.metrics.meters import device_utilisation, mfu_note, peak_memory_gb, peak_tflops, throughput
+from meshrun.metrics.meters import mfu_note, peak_tflops
 from meshrun.metrics.profiler import StepProfiler
-from meshrun.metrics.report import RunReport, run_facts
+from meshrun.metrics.report import RunReport
 from meshrun.models.families import flops_at
-from meshrun.models.lora import lora_row, parameter_counts
+from meshrun.models.lora import parameter_counts
 from meshrun.models.moe import moe_layers
-from meshrun.models.moe_balance import aux_gradient, window_row
+from meshrun.models.moe_balance import aux_gradient
 from meshrun.models.protocol import ProtocolModule
-from meshrun.parallel import timeline
 from meshrun.parallel.compile import is_compiled
 from meshrun.parallel.context import shard_batch
 from meshrun.parallel.fsdp import measured_state_bytes
 from meshrun.parallel.mesh import Mesh
 from meshrun.tasks import Batches, SummedLoss, Task, occupancy, positions_per_sample
+from meshrun.training.log_row import across_ranks, log_row, write_summary
 from meshrun.training.loss import MicrobatchLoss
 from meshrun.training.nonfinite import NonFiniteSteps
 from meshrun.training.optim import clip_global_norm
 from meshrun.training.preemption import Requests
 from meshrun.training.state import TrainState
-from meshrun.training.step_records import AcrossRanks, AfterStep, Following, StepResult, Window
+from meshrun.training.step_records import AfterStep, Following, StepResult, Window
 
 T = TypeVar("T")
 
@@ -167,7 +166,7 @@ class Trainer:
         progress.mark("checkpoint")
         self.finish_background()  # checkpoint.at_end false: the last interval save
         progress.mark("finishing")  # the summary and pictures: no longer watched
-        self._summary(row)
+        write_summary(self, row)
         return Outcome.COMPLETED
 
     def _follow(self, after: AfterStep) -> tuple[dict, Window]:
@@ -242,7 +241,7 @@ class Trainer:
         progress.mark("log")
         end = self.clock()
         split = time_split.close(at=end)
-        row = self._log_window(window, last, done, train_s=end - window.start - window.paused, split=split)
+        row = log_row(self, window, last, done, train_s=end - window.start - window.paused, split=split)
         return row, Window(start=end)
 
     def _evaluate_timed(self) -> dict[str, float]:
@@ -400,101 +399,14 @@ class Trainer:
             loss_fn = self.batch_loss(weight, scaler=None, summed=meter.summed)
             total += weight * self.model.evaluate(*self.local_batch(self.val_data, position), loss=loss_fn)
             tokens += weight
-        ranks = self._across_ranks(total / tokens, tuple(meter.counts()))
+        ranks = across_ranks(self, total / tokens, tuple(meter.counts()))
         layout = self.mesh.layout
         counted = [r for r in layout.loss_ranks() if layout.coordinates(r).tp == 0]  # tp ranks: copies
         counts = [sum(ranks.extra[r][k] for r in counted) for k in range(len(ranks.extra[0]))]
         return {"val_loss": ranks.loss, **{f"val_{name}": v for name, v in meter.figures(counts).items()}}
-
-    def _across_ranks(self, loss: torch.Tensor, extra: tuple[float, ...] = ()) -> AcrossRanks:
-        """`loss` averaged over the ranks that hold it (Layout.loss_ranks: the last stage's), with every
-        rank's peak memory, training-state bytes and `extra`."""
-        own = [peak_memory_gb(self.device), *self.state_bytes, *extra]
-        mine = torch.cat([loss.double().reshape(1), torch.tensor(own, dtype=torch.float64, device=self.device)])
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        with time_split.section("wait"):  # at a log step (inside an evaluation: its time)
-            dist.all_gather(gathered, mine)
-        counted = self.mesh.layout.loss_ranks()
-        return AcrossRanks(
-            loss=sum(gathered[r][0].item() for r in counted) / len(counted),
-            memory_gb=[g[1].item() for g in gathered],
-            state_bytes=int(max(g[2].item() for g in gathered)),
-            trainable_state_bytes=int(max(g[3].item() for g in gathered)),
-            extra=[g[4:].tolist() for g in gathered],
-        )
 
     def flops_per_token(self, length: int) -> float:
         """Training FLOPs per token of `length`-token samples (a length bucket is shorter), per length."""
         if length not in self.flops_by_length:
             self.flops_by_length[length] = flops_at(self.flops_model, length)
         return self.flops_by_length[length]
-
-    def _log_window(
-        self, window: Window, last: StepResult, done: int, *, train_s: float, split: dict[str, float]
-    ) -> dict:
-        """The row of a window ending with step `last`: `train_s` are its steps' seconds, validation
-        and checkpoints left out; `split`: this rank's seconds per part of the whole window."""
-        utilisation = device_utilisation(self.device)
-        figures = (*split.values(), float("nan") if utilisation is None else utilisation)
-        ranks = self._across_ranks(window.loss / window.steps, figures)
-        memory = ranks.memory_gb
-        row = {
-            "loss": ranks.loss,
-            "lr": last.lr,
-            "grad_norm": last.grad_norm.item(),
-            **throughput(
-                tokens=window.tokens,
-                seconds=train_s,
-                flops=window.flops,
-                world_size=self.cfg.world_size,
-                peak=self.peak,
-            ),
-            "trained_tokens_per_s": window.trained / train_s,
-            **({} if window.padding is None else {"padding": window.padding / window.tokens}),
-            "step_time_s": train_s / window.steps,
-            "train_s": train_s,
-            **{f"samples/{name}": n for name, n in self.train_data.source_counts(0, self.state.samples_seen).items()},
-            "memory_gb": max(memory),
-            "state_bytes": ranks.state_bytes,
-            **({} if self.lora_params is None else lora_row(self.lora_params, ranks.trainable_state_bytes)),
-            **{
-                f"memory_gb/stage{s}": max(memory[r] for r in self.mesh.layout.ranks_of_pp_rank(s))
-                for s in range(self.mesh.size("pp"))
-            },
-        }
-        row.update(time_split.split_row(ranks.extra, wall_s=train_s + window.paused))
-        # MoE: aux loss, tokens per expert (the ranks routing each token alike count once: Layout.routing_copies)
-        row.update(window_row(self.model.parts, self.moe_layers, self.device, copies=self.mesh.layout.routing_copies))
-        straggler, warning = self.stragglers.row(ranks.extra, layout=self.mesh.layout)
-        row.update(straggler)
-        if warning:
-            self.report.note(warning)
-        if self.scaler is not None:
-            row.update(loss_scale=self.scaler.get_scale(), skipped_steps=self.state.skipped_steps)
-        if self.mesh.size("pp") > 1:
-            row["bubble"] = self._gather_timeline(done)
-        self.report.log(done, row)
-        return row
-
-    def _gather_timeline(self, done: int) -> float:
-        """Every rank's measured step to rank 0 (kept for the timeline picture); mean bubble fraction."""
-        bubble, by_stage = timeline.gather_timelines(self.mesh.layout)
-        self.report.keep_timeline(done, by_stage, bubble=bubble)
-        return bubble
-
-    def _summary(self, row: dict) -> None:
-        """summary.json: the last row's losses and layout, the whole run's throughput and time."""
-        if not self.report.active:
-            return  # only the logging rank holds the rows
-        summary = {
-            "steps": self.cfg.train.steps,
-            "final_loss": row.get("loss"),
-            "final_val_loss": row.get("val_loss"),
-            **{f"final_{key}": value for key, value in row.items() if key.startswith("val_") and key != "val_loss"},
-            **self.report.run_totals(),
-            **run_facts(self.cfg, row),
-            "run_dir": str(self.run_dir.resolve()),
-        }
-        if self.scaler is not None:
-            summary["skipped_steps"] = self.state.skipped_steps
-        self.report.finish(summary)
