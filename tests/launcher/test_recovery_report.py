@@ -109,8 +109,8 @@ def test_a_rank_lost_while_sending_its_state_stops_the_run_in_one_line(runs) -> 
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert re.fullmatch(
-        r"meshrun: error: no surviving replica holds rank [01]'s state: a rank was lost while the state was copied; "
-        r"rerun the same command to resume from the newest checkpoint \(from the start if none\)",
+        r"meshrun: error: rank [01]'s state was not copied: a rank was lost while it was copied \(the replica sending "
+        r"it, or another\); rerun the same command to resume from the newest checkpoint \(from the start if none\)",
         lines[-1],
     ), lines[-1]
     assert "Traceback" not in done.stderr

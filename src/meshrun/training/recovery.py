@@ -200,8 +200,9 @@ class PeerRecovery:
             if not regroup.lost_peer(broken):
                 raise
             raise RunError(  # the replica sending it, or the replacement of a rank lost since, is gone
-                f"no surviving replica holds rank {dist.get_rank()}'s state: a rank was lost while the state was "
-                "copied; rerun the same command to resume from the newest checkpoint (from the start if none)"
+                f"rank {dist.get_rank()}'s state was not copied: a rank was lost while it was copied (the replica "
+                "sending it, or another); rerun the same command to resume from the newest checkpoint (from the start "
+                "if none)"
             ) from None
         return self.received.step
 
