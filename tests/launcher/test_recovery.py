@@ -17,18 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import (
-    final_weights,
     in_process_trainer,
     losses,
     meshrun_env,
     meshrun_in_process,
     read_metrics,
-    run_meshrun,
     tiny,
 )
 from nodes import free_port, run_nodes
+from peer_runs import HERE, JOB, assert_recovered, train
 
 from meshrun.config.schema import load_config
 from meshrun.config.topology import no_replica
@@ -37,17 +35,6 @@ from meshrun.launcher.failures import read_losses
 from meshrun.launcher.k8s import PodOptions, check_options
 from meshrun.launcher.torchrun import KEEPER, torchrun_argv, worker_env
 from meshrun.training.recovery import share_state
-
-HERE = str(Path(__file__).parents[1] / "training")  # interrupting_gpt: SIGKILL at a forward, on cue
-STEPS = 6
-# 2 microbatches a step on each rank: forward 5 is step 3's first, mid-step (its peer waits in DDP's all-reduce)
-JOB = {
-    "model.factory": "interrupting_gpt:build",
-    "parallel.dp": 2,
-    "train.steps": STEPS,
-    "checkpoint.interval": 0,  # the only checkpoint is the run's last: none could have been read
-    "launch.max_restarts": 1,
-}
 
 
 def launch(
@@ -62,15 +49,6 @@ def killed(
 ) -> tuple[Path, subprocess.CompletedProcess]:
     """`job` under launch.recovery peer with a warm spare and `kill` (on cue)."""
     return train(data_dir, tmp / "killed", {**job, "launch.recovery": "peer", "launch.warm_spare": True}, kill)
-
-
-def train(
-    data_dir: Path, run: Path, job: dict[str, object], env: dict[str, str] | None = None
-) -> tuple[Path, subprocess.CompletedProcess]:
-    args = ["train", *tiny(data_dir, run, **job)]
-    return run, run_meshrun(
-        args, tmp_path=run.parent, env=meshrun_env(run.parent, PYTHONPATH=HERE, **(env or {})), timeout=300
-    )
 
 
 @pytest.fixture(scope="module")
@@ -167,26 +145,6 @@ def test_a_killed_hsdp_rank_takes_its_shard_from_the_other_replica(
     runs = launch(data_dir, tmp_path, job, {"MESHRUN_TEST_KILL_AT": "5", "MESHRUN_TEST_ON_RANK": "1"})
     assert_recovered(runs, monkeypatch, events=[(2, "1", 3, 0)])
     assert "rank 1's state copied from rank 3's memory; no step lost" in runs["killed"][1].stderr
-
-
-def assert_recovered(runs: dict, monkeypatch: pytest.MonkeyPatch, *, events: list[tuple] | None = None) -> list[tuple]:
-    """The killed run's weights are the uninterrupted run's, each step trained once, no checkpoint
-    read (checkpoint.interval 0: none was written before the end), the recoveries recorded: `events`
-    (returned: step, ranks, source, steps lost)."""
-    (plain, _), (run, done) = runs["uninterrupted"], runs["killed"]
-    assert done.returncode == 0, done.stderr[-3000:]
-    monkeypatch.syspath_prepend(HERE)  # the checkpoints' model.factory
-    reference, recovered = final_weights(plain), final_weights(run)
-    assert all(torch.equal(recovered[name], reference[name]) for name in reference)
-    rows = read_metrics(run)
-    assert [row["step"] for row in rows if "loss" in row] == list(range(1, STEPS + 1))  # each step once
-    assert losses(run) == losses(plain)  # a row per step (log_interval 1): the replacement's window is whole
-    recorded = [
-        (e["step"], e["recovered_ranks"], e["recovered_from"], e["steps_lost"]) for e in rows if "recovered_ranks" in e
-    ]
-    assert events is None or recorded == events, recorded
-    assert "resumed from" not in done.stderr and "Traceback" not in done.stderr
-    return recorded
 
 
 def test_a_recovered_failure_is_two_lines(runs) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, final_weights, meshrun_env, read_metrics, run_meshrun, tiny
+from peer_runs import HERE, JOB, assert_recovered, train
 from slurm_cluster import SlurmCluster, free_port, slurm_cluster_fixture, wait_until  # noqa: F401 (registers the slurm_cluster fixture)
-from test_recovery import HERE, JOB, assert_recovered
 
 from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError
@@ -235,9 +235,8 @@ def test_a_killed_rank_under_slurm_is_replaced_from_its_peer(
     """launch.recovery peer under `meshrun slurm` (issue 46): dp2, a worker on each of two nodes, rank
     1 SIGKILLed mid-step; its node's keeper replaces it, and the job ends with the weights of the same
     job run uninterrupted on one node, each step once, no checkpoint read."""
-    plain = tmp_path / "uninterrupted"
+    plain, _ = train(data_dir, tmp_path / "uninterrupted", JOB)
     factory = meshrun_env(tmp_path, PYTHONPATH=HERE)  # finds the model.factory
-    run_meshrun(["train", *tiny(data_dir, plain, **JOB)], tmp_path=tmp_path, env=factory)
     run = tmp_path / "killed"
     settings = {**JOB, "launch.recovery": "peer", "launch.warm_spare": True}
     argv = ["slurm", *tiny(data_dir, run, **settings), "--nodes=2", "--gpus-per-node=0"]

@@ -83,7 +83,7 @@ class PeerRecovery:
             except RuntimeError as broken:
                 if not regroup.lost_peer(broken):
                     raise
-                lost = " ".join(str(broken).split())[:200]
+                lost = said(broken)
             # out of the except block: its traceback holds the broken DDP's frames (freed before its group)
             trainer.state.samples_seen = position
             trainer.optimizers.zero_grad()
@@ -98,7 +98,7 @@ class PeerRecovery:
             except RuntimeError as broken:
                 if not regroup.lost_peer(broken):
                     raise
-                lost = " ".join(str(broken).split())[:200]
+                lost = said(broken)
             self.rejoin(trainer, after.done, cause=lost, after=after)
 
     def pending(self, trainer: Trainer) -> AfterStep | None:
@@ -147,7 +147,7 @@ class PeerRecovery:
             except RuntimeError as broken:
                 if not regroup.lost_peer(broken):
                     raise
-                cause = "another rank lost while recovering: " + " ".join(str(broken).split())[:200]
+                cause = "another rank lost while recovering: " + said(broken)
         if after is not None:
             after.part, after.requested, after.stop = copy.part, copy.requested, copy.stop
         regroup.recovered(self.store, self.number)
@@ -247,6 +247,11 @@ FOLLOWING_WORDS = {
     Following.EVAL: "an evaluation",
     Following.SAVE: "a checkpoint save",
 }
+
+
+def said(broken: RuntimeError) -> str:
+    """A broken collective's message on one line, cut to 200 characters (for the recovery's progress mark)."""
+    return " ".join(str(broken).split())[:200]
 
 
 def lost_where(step: int, part: Following) -> str:
