@@ -15,7 +15,7 @@ What it runs, all in this one process on a one-process mesh (meshrun's real Trai
    for compiled (torchtitan reports 33-39% for Llama 8B with FSDP); the same model with LoRA (r=16 on
    q/k/v/o, eager and compiled: its MFU counts the frozen weights at 4 FLOPs per token, not 6);
 4. `meshrun plan`'s predicted peak memory vs torch.cuda.max_memory_allocated for every trained
-   configuration (target: within 10%);
+   configuration, less what earlier runs left allocated (target: within 10%);
 5. the peak table's entry for this device (meshrun.hardware.peaks);
 6. Mixture of Experts (one process, bf16, eager, seq 2048): the built-in MoE GPT (12 layers, dim 1024,
    16 experts, top 2) and a Qwen3-MoE-shaped model (hidden 1024, 16 layers, 64 experts of width 256,
@@ -30,6 +30,7 @@ Exit status 1 when a check fails; the targets are reported, not enforced.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -85,7 +86,7 @@ class Trained:
     mfu: float | None  # median over the steps after the warm-up
     tokens_per_s: float
     first_step_s: float
-    measured_peak_gb: float  # CUDA: max_memory_allocated; CPU: the process's peak RSS
+    measured_peak_gb: float  # CUDA: max_memory_allocated less what was allocated before the run; CPU: peak RSS
     predicted_peak_gb: float
 
 
@@ -122,8 +123,11 @@ def train(kit: Kit, cfg: Config, *, warmup: int) -> Trained:
     predicted = layout_memory(cfg, cfg.precision).peak / 1e9
     mesh = init_mesh(Layout())
     run = None
+    left = 0.0  # GB an earlier run left allocated: not this run's (it inflated every later row by 3.9 GB)
     try:
         if kit.device.type == "cuda":
+            gc.collect()
+            left = torch.cuda.memory_allocated(kit.device) / 1e9
             torch.cuda.reset_peak_memory_stats()
         run = Run(cfg, mesh, kit.data_dir)
         run.trainer.train()
@@ -131,7 +135,7 @@ def train(kit: Kit, cfg: Config, *, warmup: int) -> Trained:
         rows = [row for row in rows if "loss" in row]
         later = rows[warmup:] or rows[-1:]
         weights = {k: v.detach().float().cpu().clone() for k, v in run.trainer.model.parts[0].state_dict().items()}
-        measured = trainer_peak_gb(kit.device)
+        measured = trainer_peak_gb(kit.device) - left
     finally:
         if run is not None:
             run.close()
