@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,3 +141,30 @@ def test_workers_end_with_their_agent(data_dir: Path, tmp_path: Path) -> None:
         "meshrun: error: torchrun's agent was killed by SIGKILL and its workers ended with it; "
         "no checkpoint is complete yet: rerunning the same command starts afresh"
     ), said[-5:]
+
+
+# A worker's CLI ending: `meshrun train` of a missing config (exit 2), with a finalizer that speaks.
+ENDING = """
+import atexit, sys
+atexit.register(lambda: print("finalized"))
+print("said", end="")
+sys.argv = ["meshrun", "train", "/nonexistent/meshrun.yaml"]
+from meshrun.cli import run
+run()
+"""
+
+
+@pytest.mark.parametrize("launched", [False, True])
+def test_a_worker_ends_without_interpreter_finalization(launched: bool) -> None:
+    """A launched worker ends as a forked one does (launcher/lifetime.end_worker): its console
+    flushed, its status kept, no finalization (where gloo can abort a finished worker); the
+    launcher's own process still finalizes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    if launched:
+        env |= {"RANK": "0", "WORLD_SIZE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", ENDING], check=False, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "cannot read config file" in done.stderr
+    assert done.stdout == ("said" if launched else "saidfinalized\n")

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from meshrun.config.schema import load_config
 from meshrun.data.locations import data_dir
 from meshrun.hardware.precision import with_resolved_precision
+from meshrun.launcher.lifetime import end_worker
 from meshrun.models.lora import is_adapter
 from meshrun.parallel.mesh import init_mesh, shutdown
 from meshrun.training.run import Run
@@ -60,3 +61,4 @@ def main(out: Path, settings: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
+    end_worker(0)  # as meshrun's workers end: gloo can abort a finished process at finalization

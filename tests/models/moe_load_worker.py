@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from meshrun.config.schema import validate
+from meshrun.launcher.lifetime import end_worker
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import mesh_on
 from meshrun.parallel.parallelize import local_part
@@ -99,3 +100,4 @@ def main(out: Path, folders: list[Path]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
+    end_worker(0)  # as meshrun's workers end: gloo can abort a finished process at finalization

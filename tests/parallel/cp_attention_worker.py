@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 from meshrun.config.model_sections import GPTSection
 from meshrun.config.schema import validate
+from meshrun.launcher.lifetime import end_worker
 from meshrun.models.gpt import GPT
 from meshrun.parallel import context
 from meshrun.parallel.layout import Layout
@@ -137,11 +137,7 @@ def main(out: str) -> None:
         with open(out, "w") as f:
             json.dump(found, f)
     shutdown()
-    # End as meshrun's own forked workers do (multiprocessing ends them with os._exit): process groups
-    # a DeviceMesh still references are freed at interpreter finalization, where gloo can abort
-    # (pytorch #179291); CI once saw rank 1 end with SIGABRT after every row was computed.
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker(0)  # as meshrun's workers end: gloo can abort a finished process at finalization
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from meshrun.config.schema import TrainConfig
+from meshrun.launcher.lifetime import end_worker
 from meshrun.parallel import expert_shards, experts, fsdp
 from meshrun.parallel.layout import Layout
 from meshrun.parallel.mesh import Mesh, mesh_on
@@ -262,3 +263,4 @@ def resumed(path: Path, reference: nn.Module, cpu: torch.device) -> dict[str, fl
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_worker(0)  # as meshrun's workers end: gloo can abort a finished process at finalization

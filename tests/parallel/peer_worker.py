@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.launcher.keeper import FIRST, ROLE_ENV
+from meshrun.launcher.lifetime import end_worker
 from meshrun.parallel import regroup
 
 STEPS = 6
@@ -118,3 +119,4 @@ def train_step(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, r
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_worker(0)  # as meshrun's workers end: gloo can abort a finished process at finalization

@@ -18,6 +18,7 @@ from meshrun.cli.arguments import (
 from meshrun.cli.parser import build_parser
 from meshrun.config.schema import load_config
 from meshrun.errors import ConfigError, RunError
+from meshrun.launcher.lifetime import end_worker, ends_itself
 from meshrun.launcher.outcome import Interrupted, StoppedBeforeTraining, stops_end_the_launcher
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.preflight import check_rendezvous, preflight
@@ -303,7 +304,10 @@ def _refuse(exc: ConfigError | RunError) -> int:
 def run() -> NoReturn:
     """The process entry (the `meshrun` script, `python -m meshrun`, every worker): `main`, then
     an exit that skips the interpreter's last cyclic collection, which walks every object torch,
-    sympy and matplotlib created (~1 s per process, paid by every worker of every launch)."""
+    sympy and matplotlib created (~1 s per process, paid by every worker of every launch). A worker
+    started as a process (where it cannot be forked) ends as a forked one does: end_worker."""
     code = main()
+    if in_launched_worker() and ends_itself():
+        end_worker(code)
     gc.freeze()  # the objects stay uncollected; the process is ending and every file is closed
     raise SystemExit(code)

@@ -10,12 +10,14 @@ for SIGKILL: its agent is gone, nobody would restart or report it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 PARENT_PID = "MESHRUN_PARENT_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -43,6 +45,33 @@ def name_worker(rank: int) -> None:
     worker's command line is its fork server's (meshrun.launcher.forked)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(PR_SET_NAME, f"{WORKER_NAME}{rank}".encode()[:15], 0, 0, 0)
+
+
+_FORKED = []  # holds True in a worker forked by torchrun's multiprocessing start (launcher/forked.py)
+
+
+def mark_forked() -> None:
+    """This process is a forked worker: its parent's wrapper sends torchrun's agent the worker's
+    return value and then ends it with os._exit, so it must not end itself (end_worker): the agent
+    would wait for a value never sent."""
+    _FORKED.append(True)
+
+
+def ends_itself() -> bool:
+    """Whether this worker ends itself (started as a process of its own), not its forking parent."""
+    return not _FORKED
+
+
+def end_worker(code: int) -> NoReturn:
+    """End a worker as multiprocessing ends a forked one: flush the console, then exit without
+    interpreter finalization. There, process groups a DeviceMesh still references are freed and
+    gloo can abort the process (SIGABRT, "terminate called without an active exception") after a
+    run that finished: its agent then reports a failure (pytorch #179291). Every file is closed and
+    the process group destroyed before this is called."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken console: nothing to say there
+            stream.flush()
+    os._exit(code)
 
 
 def wait_for_session(session: int, timeout: float = 30.0) -> None:

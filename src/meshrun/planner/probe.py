@@ -32,6 +32,7 @@ from meshrun.config.schema import Config
 from meshrun.errors import RunError
 from meshrun.hardware.device import peak_rss_bytes
 from meshrun.hardware.precision import autocast
+from meshrun.launcher.lifetime import end_worker
 from meshrun.launcher.torchrun import WORKER_ENV
 from meshrun.models.task_io import task_io
 from meshrun.parallel import timeline
@@ -248,3 +249,4 @@ def probe_worker(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     probe_worker(sys.argv[1:])
+    end_worker(0)
