@@ -131,6 +131,43 @@ def test_tp_prices_a_moe_block_without_the_mlps_collectives(sequence_parallel: b
         assert priced[0] == pytest.approx(priced[1] * (0.75 if sequence_parallel else 0.5), rel=1e-12)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp_prices_a_moe_block_on_its_own_positions_where_ep_spans_tp(sequence_parallel: bool) -> None:
+    """Where ep spans tp a MoE block runs on the rank's own positions (parallel/token_share.py): its
+    MLP runs one all-gather each way, half a dense MLP's all-reduces (under sequence parallel none):
+    its tp time is 3/4 a dense block's (1/2 under sequence parallel), a recomputed block's forward
+    alike; each tp rank computes 1/tp of the MoE FLOPs, where a block whole on every tp rank computes
+    them all (the (tp - 1) / tp repeated, not counted as model FLOPs)."""
+    import dataclasses
+
+    from meshrun.planner.cost import tensor_parallel_s
+    from meshrun.planner.stage_cost import profile_stages
+
+    for recompute in ("none", "full"):
+        spans, within = (
+            _cfg(dp=2, tp=2, ep=ep, sequence_parallel=sequence_parallel).model_copy(update={"recompute": recompute})
+            for ep in (4, 2)
+        )
+        (stage,) = profile_stages(spans, [[0, 1, 2, 3]], 2, "fp32")
+        (whole,) = profile_stages(within, [[0, 1, 2, 3]], 2, "fp32")
+        dense = dataclasses.replace(stage, moe_blocks=0, recomputed_moe_blocks=0)
+        priced = [
+            tensor_parallel_s(
+                [s], 2, gbs=100.0, eff=Efficiency(p2p_s=1e-5), sequence_parallel=sequence_parallel, experts_over_tp=True
+            )
+            for s in (stage, dense)
+        ]
+        assert priced[0] == pytest.approx(priced[1] * (0.5 if sequence_parallel else 0.75), rel=1e-12)
+        assert stage.replicated_flops_per_token == 0
+        assert stage.model_flops_per_token == whole.model_flops_per_token
+        experts = 4 * 4 * (2 * 64 * 32 + 32 * 64) * 2 / 4  # 4 layers of 4 experts: a token runs through 2
+        router = 4 * 32 * 4  # 4 layers of a 32 x 4 router
+        per_weight = 6 + 2 * (recompute == "full")  # trained: forward and backward, plus recompute's forward
+        assert whole.replicated_flops_per_token == pytest.approx(per_weight * (experts + router) / 2, rel=1e-12)
+        if recompute == "none":  # (full keeps each block's input alone, the same either way)
+            assert whole.activation_bytes > stage.activation_bytes  # every position saved, not the rank's own half
+
+
 def test_ep_spanning_tp_splits_the_experts_over_every_rank_of_the_group() -> None:
     """ep 4 at dp 2 x tp 2 (ep spanning tp: parallel/layout.py) holds a quarter of the experts per rank
     where ep 2 within dp holds half (the state against real dp2 x tp2 x ep4 steps:

@@ -109,7 +109,18 @@ EXPERT_PARALLEL = {
         "parallel.ep=2",
         "train.global_batch=4",
         "train.micro_batch=2",
-    ]
+    ],
+    # ep spanning tp: each tp rank routes its own half of the positions (parallel/token_share.py)
+    "moe-tp2-ep2": [
+        "model.moe.num_experts=4",
+        "model.moe.top_k=2",
+        "model.moe.expert_dim=64",
+        "parallel.dp=1",
+        "parallel.tp=2",
+        "parallel.ep=2",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+    ],
 }
 # offload: the real step's hooks see only what stays on the device (test_offload_matches_a_real_step)
 OFFLOADED = {"single-mb2-m2-offload": ["train.global_batch=4", "train.micro_batch=2", "train.offload_activations=true"]}
@@ -162,15 +173,19 @@ def test_predicted_memory_matches_a_real_step(name: str, measured: Callable[[str
 
 
 @pytest.mark.timeout(480)
-def test_expert_parallel_memory_matches_a_real_step(measured: Callable[[str], dict[str, list[dict]]]) -> None:
+@pytest.mark.parametrize("name", EXPERT_PARALLEL)
+def test_expert_parallel_memory_matches_a_real_step(
+    name: str, measured: Callable[[str], dict[str, list[dict]]]
+) -> None:
     """ep2 of a MoE GPT whose experts are most of its weights: each rank's state exactly (its half of
     the experts, the dense weights whole; the old plan counted every expert on every rank), and its
     memory (state + saved activations) within 10%; the activations, planned with balanced routing, are
     the ep group's mean within 10% (one rank's own follow the rows its peers' routers sent it: here
-    -5% and +6%)."""
-    cfg = layout_config(EXPERT_PARALLEL["moe-dp2-ep2"])
+    -5% and +6%). Where ep spans tp a rank's MoE blocks save its own half of the positions' (the plan
+    once traced them whole: its memory 15% high here)."""
+    cfg = layout_config(EXPERT_PARALLEL[name])
     model = layout_memory(cfg, cfg.precision).ranks[0]
-    ranks = measured("two-ranks")["moe-dp2-ep2"]
+    ranks = measured("two-ranks")[name]
     for rank in ranks:
         assert (model.params, model.grads, model.optimizer) == (rank["params"], rank["grads"], rank["optimizer"])
         state = rank["params"] + rank["grads"] + rank["optimizer"]

@@ -177,17 +177,26 @@ def data_parallel(
 
 
 def tensor_parallel_s(
-    held: list[StageProfile], tp: int, *, gbs: float, eff: Efficiency, sequence_parallel: bool = False
+    held: list[StageProfile],
+    tp: int,
+    *,
+    gbs: float,
+    eff: Efficiency,
+    sequence_parallel: bool = False,
+    experts_over_tp: bool = False,
 ) -> float:
     """Seconds of one microbatch's tp all-reduces on a rank: two per block forward and two backward
     (a recomputed block's forward twice), each of the whole hidden state; under sequence parallel
     each is a reduce-scatter and an all-gather, each moving half an all-reduce's bytes. A MoE block's
     MLP is whole on every tp rank (parallel/tp_styles.py's moe_block): it runs none of the MLP's
-    (under sequence parallel: one all-gather forward, one backward, half of them)."""
+    (under sequence parallel: one all-gather forward, one backward, half of them). Where parallel.ep
+    spans tp (`experts_over_tp`) it runs on the rank's own positions: none under sequence parallel,
+    else one all-gather forward (its output) and one backward (the input's gradient)."""
     if tp == 1:
         return 0.0
     messages = sum(4 * s.blocks + 2 * s.recomputed_blocks for s in held)
-    messages -= (1 if sequence_parallel else 2) * sum(s.moe_blocks + s.recomputed_moe_blocks / 2 for s in held)
+    saved = (2 if sequence_parallel else 1) if experts_over_tp else (1 if sequence_parallel else 2)
+    messages -= saved * sum(s.moe_blocks + s.recomputed_moe_blocks / 2 for s in held)
     hidden = max(s.hidden_bytes for s in held)
     if sequence_parallel:
         return 2 * messages * (ring_s(hidden, tp, gbs, 1.0) + eff.p2p_s)
@@ -203,7 +212,9 @@ def rank_compute_s(
     half the kernels, whatever their FLOPs."""
     return sum(
         max(
-            (s.model_flops_per_token + eff.recompute_cost * s.recompute_flops_per_token) * tokens / flops_per_s,
+            (s.model_flops_per_token + eff.recompute_cost * s.recompute_flops_per_token + s.replicated_flops_per_token)
+            * tokens
+            / flops_per_s,
             eff.kernel_floor_s * (s.units + s.recomputed_blocks / 3),  # recompute launches a forward again
         )
         + 2 * eff.action_s * s.units / total_units
@@ -219,6 +230,7 @@ def step_time(
     dp: DataParallel,
     tp: int = 1,
     sequence_parallel: bool = False,
+    experts_over_tp: bool = False,
     m: int,
     tokens_per_microbatch: int,
     hw: Hardware,
@@ -239,7 +251,14 @@ def step_time(
     factor = eff.compute_factor(compiled)
     per_rank = [
         factor * rank_compute_s([stages[i] for i in held], total_units, tokens_per_microbatch, flops_per_s, eff)
-        + tensor_parallel_s([stages[i] for i in held], tp, gbs=tp_gbs, eff=eff, sequence_parallel=sequence_parallel)
+        + tensor_parallel_s(
+            [stages[i] for i in held],
+            tp,
+            gbs=tp_gbs,
+            eff=eff,
+            sequence_parallel=sequence_parallel,
+            experts_over_tp=experts_over_tp,
+        )
         + (extra[r] if extra else 0.0)
         for r, held in enumerate(local)
     ]

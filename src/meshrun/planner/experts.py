@@ -17,13 +17,15 @@ priced as the dense FSDP collectives are.
 
 Under tp a MoE block is whole on every tp rank (parallel/tp_styles.py's `moe_block`): the traced tp
 stage holds its router and experts whole and computes it over the whole sequence (under sequence
-parallel too), so its state, FLOPs and the all-to-alls' rows (the whole hidden state) are priced
-undivided by tp, and each tp rank's ep group spans ep x tp neighbouring ranks; cost.py's tp
-collectives count attention's alone for a MoE block (its MLP runs none; under sequence parallel one
-all-gather each way). Where ep spans tp (ep = tp x a divisor of dp: each tp rank routes its own
-positions) the experts' state is split over ep as always, the ep group is ep neighbouring ranks and
-each rank's all-to-alls carry 1/tp of the rows; the block's FLOPs and activations are still priced
-whole (an overestimate by up to tp for the MoE MLPs) and its output's all-gather over tp is not priced.
+parallel too), so its state, saved bytes, FLOPs (the (tp - 1) / tp every tp rank repeats are
+StageProfile.replicated_flops_per_token: computed, not model FLOPs) and the all-to-alls' rows (the
+whole hidden state) are priced undivided by tp, and each tp rank's ep group spans ep x tp neighbouring
+ranks; cost.py's tp collectives count attention's alone for a MoE block (its MLP runs none; under
+sequence parallel one all-gather each way). Where ep spans tp (ep = tp x a divisor of dp: each tp
+rank routes its own positions) the experts' state is split over ep as always, the ep group is ep
+neighbouring ranks, each rank's all-to-alls carry 1/tp of the rows, the traced block runs on the
+rank's own positions (tp_shapes.py, the `moe_block` style's over-tp forms: its saved bytes and FLOPs
+1/tp) and its MLP's tp collectives are one all-gather each way (none under sequence parallel).
 
 Memory: the experts are kept out of the dense weights' DDP / FSDP (no buckets or shards of theirs), so
 a rank holds the dense state as dp_mode says and 1 / `expert_split` of the experts' (ep, or dp where
@@ -232,6 +234,6 @@ def routing_note(cfg: Config) -> str | None:
         "(each expert gets top_k x tokens / E rows: a real router's busiest ep rank computes, saves and receives "
         "more); ep: 2 all-to-alls per MoE layer forward and 2 backward, experts split over ep (and over dp / ep "
         "under fsdp / hsdp), computed at active parameters; under tp each MoE block is whole on every tp rank (its "
-        "compute, state and all-to-alls not divided by tp) unless ep spans tp (each tp rank then routes 1/tp of the rows to its ep group; the MoE compute still "
-        "priced whole)"
+        "compute, state and all-to-alls not divided by tp) unless ep spans tp (each tp rank then computes and routes "
+        "its own 1/tp of the rows)"
     )

@@ -272,6 +272,7 @@ def predict(
         dp=DataParallel(dp=par.dp * par.cp, shard=shard, regather=regathers(cfg)),
         tp=par.tp,
         sequence_parallel=par.sequence_parallel,
+        experts_over_tp=cfg.layout.experts_over_tp,
         m=m,
         tokens_per_microbatch=cfg.train.micro_batch * cfg.model.seq_len // par.cp,
         hw=hw,

@@ -111,6 +111,28 @@ def stage_flops_per_token(cfg: Config, part: ProtocolModule, attention: float) -
     return useful + extra, useful
 
 
+def tp_rank_flops(
+    cfg: Config, part: ProtocolModule, attention: float, tp: int, *, experts_over_tp: bool
+) -> dict[str, float]:
+    """One tp rank's FLOPs per token of the stage (StageProfile's fields): 1/tp of the model's work,
+    plus, where a MoE block's MLP is whole on every tp rank (parallel.ep not spanning tp), the
+    (tp - 1)/tp of that MLP each rank computes again. Where ep spans tp each rank routes its own
+    1/tp of the positions: nothing is repeated."""
+    flops, useful = stage_flops_per_token(cfg, part, attention)
+    shares = {"flops_per_token": flops / tp, "model_flops_per_token": useful / tp}
+    if tp == 1 or experts_over_tp:
+        return shares
+    active = expert_shares(part.blocks)
+    repeated = sum(
+        ((6.0 if p.requires_grad else 4.0) + 2.0 * wants_recompute(cfg.recompute, index))
+        * p.numel()
+        * active.get(id(p), 1.0)
+        for index, mlp in sparse_mlps(part.blocks).items()
+        for p in mlp.parameters()
+    )
+    return {**shares, "replicated_flops_per_token": repeated * (tp - 1) / tp}
+
+
 def priced_at_length(cfg: Config, stages: list[StageProfile], length: int) -> list[StageProfile]:
     """`stages` with attention priced at `length` instead of model.seq_len: packed documents'
     rows cost the attention of each document alone (data/packed.py's `attention_length`, the
@@ -174,6 +196,7 @@ def _piece(
     precision: str,
     tp: int,
     sp: bool,
+    over_tp: bool,
     layers: tuple[int, ...],
     first: bool,
     last: bool,
@@ -185,7 +208,18 @@ def _piece(
     in its size (test_stage_pieces checks)."""
     if micro_batch > 2:
         (one, out), (two, _) = (
-            _piece(model_json, b, precision, tp, sp, layers, first, last, _with_batch(hidden, b) if hidden else None)
+            _piece(
+                model_json,
+                b,
+                precision,
+                tp,
+                sp,
+                over_tp,
+                layers,
+                first,
+                last,
+                _with_batch(hidden, b) if hidden else None,
+            )
             for b in (1, 2)
         )
         grown = dataclasses.replace(
@@ -200,10 +234,10 @@ def _piece(
     cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": tp, "sequence_parallel": sp})})
     build = _build_key(model_json)
     part = _stage_copy(build, layers, first, last)
-    flops, useful = stage_flops_per_token(cfg, part, _model_facts(build)[2])
+    flops = tp_rank_flops(cfg, part, _model_facts(build)[2], tp, experts_over_tp=over_tp)
     shrink_to_tp_shard(part, tp)
-    profile, out = _trace(cfg, part, micro_batch, precision, first=first, last=last, hidden=hidden)
-    return dataclasses.replace(profile, flops_per_token=flops / tp, model_flops_per_token=useful / tp), out
+    profile, out = _trace(cfg, part, micro_batch, precision, first=first, last=last, hidden=hidden, over_tp=over_tp)
+    return dataclasses.replace(profile, **flops), out
 
 
 def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precision: str) -> list[StageProfile]:
@@ -218,6 +252,7 @@ def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precis
         return _trace_stages(cfg, split, micro_batch, precision)
     flags = [wants_recompute(cfg.recompute, i) for i in range(num_layers)]
     tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
+    over_tp = cfg.layout.experts_over_tp
 
     def piece(wanted: tuple, first: bool, last: bool) -> tuple[StageProfile, Spec]:
         policy, layers = _shared_piece(cfg.recompute, wanted, num_layers)
@@ -225,7 +260,7 @@ def profile_stages(cfg: Config, split: list[list[int]], micro_batch: int, precis
             policy, layers = cfg.recompute, tuple(consecutive(flags, wanted))
         # a later stage receives what the first stage hands on (blocks of one kind: any stage's output)
         hidden = None if first else piece((flags[0],), True, False)[1]
-        return _piece(configs[policy], micro_batch, precision, tp, sp, layers, first, last, hidden)
+        return _piece(configs[policy], micro_batch, precision, tp, sp, over_tp, layers, first, last, hidden)
 
     n = len(split)
     return [
@@ -260,7 +295,7 @@ def _trace_stages(cfg: Config, split: list[list[int]], micro_batch: int, precisi
     whole = build_stage(cfg, layers=None, first=True, last=True)
     kinds = {key: _block_kind(block) for key, block in whole.blocks.items()}
     attention = attention_per_block(cfg, whole)
-    num_stages, tp = len(split), cfg.parallel.tp
+    num_stages, tp, over_tp = len(split), cfg.parallel.tp, cfg.layout.experts_over_tp
     keys = [
         (i == 0, i == num_stages - 1, tuple((kinds[str(b)], wants_recompute(cfg.recompute, b)) for b in layers))
         for i, layers in enumerate(split)
@@ -271,10 +306,12 @@ def _trace_stages(cfg: Config, split: list[list[int]], micro_batch: int, precisi
         if key in traced and (key[0] or hidden is not None):
             continue
         part = build_stage(cfg, layers=layers if num_stages > 1 else None, first=key[0], last=key[1])
-        flops, useful = stage_flops_per_token(cfg, part, attention)
+        flops = tp_rank_flops(cfg, part, attention, tp, experts_over_tp=over_tp)
         shrink_to_tp_shard(part, tp)
-        profile, out = _trace(cfg, part, micro_batch, precision, first=key[0], last=key[1], hidden=hidden)
-        traced[key] = dataclasses.replace(profile, flops_per_token=flops / tp, model_flops_per_token=useful / tp)
+        profile, out = _trace(
+            cfg, part, micro_batch, precision, first=key[0], last=key[1], hidden=hidden, over_tp=over_tp
+        )
+        traced[key] = dataclasses.replace(profile, **flops)
         hidden = out if not key[1] else hidden
     return [traced[key] for key in keys]
 
@@ -288,11 +325,13 @@ def _trace(
     first: bool,
     last: bool,
     hidden: Spec | None,
+    over_tp: bool = False,
 ) -> tuple[StageProfile, Spec]:
     """One forward of the stage (and the loss, on the last) under fake tensors: the bytes kept for
     backward, the state bytes and the output's shape and dtype (the next stage's input). Under
     sequence parallel a block's output holds 1/tp of the positions (so does what the stage hands
-    on); `hidden_bytes` stays the whole hidden state, the size of the collectives tp runs."""
+    on); `hidden_bytes` stays the whole hidden state, the size of the collectives tp runs.
+    `over_tp`: parallel.ep spans tp, so a MoE block runs on the rank's own positions."""
     param_bytes, grad_bytes, optimizer_bytes = state_bytes(part, cfg.train)  # already shrunk to one tp rank's shards
     blocks = list(part.blocks.keys())
     recomputed = sum(wants_recompute(cfg.recompute, int(b)) for b in blocks)
@@ -310,7 +349,7 @@ def _trace(
         counter = SavedBytes(exclude=list(part.parameters()))
         if tp > 1:  # before recompute wraps the blocks: the hooks sit on the modules themselves
             kept = counter.hold_cached if cfg.recompute == "selective" else None
-            emulate_tp_shapes(part, tp, sequence_parallel=sp, on_saved=kept)
+            emulate_tp_shapes(part, tp, sequence_parallel=sp, experts_over_tp=over_tp, on_saved=kept)
         shards = tp if sp else 1
         apply_recompute(part.blocks, cfg.recompute, on_saved=counter.hold_cached)
         first_block = next(iter(part.blocks.values()))

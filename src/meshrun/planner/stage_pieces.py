@@ -23,7 +23,15 @@ from collections.abc import Callable
 
 from meshrun.planner.stage_profile import StageProfile
 
-ADDED = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "flops_per_token", "model_flops_per_token")
+ADDED = (
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
+    "activation_bytes",
+    "flops_per_token",
+    "model_flops_per_token",
+    "replicated_flops_per_token",
+)
 
 
 def compose(

@@ -49,18 +49,25 @@ def shrink_to_tp_shard(part: nn.Module, tp: int) -> None:
 
 
 def emulate_tp_shapes(
-    part: nn.Module, tp: int, *, sequence_parallel: bool, on_saved: Callable[[object], None] | None = None
+    part: nn.Module,
+    tp: int,
+    *,
+    sequence_parallel: bool,
+    experts_over_tp: bool = False,
+    on_saved: Callable[[object], None] | None = None,
 ) -> None:
     """Hooks on `part`'s modules that give its forward the shapes one of `tp` ranks computes on
     (under sequence parallel the stage is told the split, as apply_tensor_parallel tells it:
-    rotary tables cover the whole sequence attention gathers). `on_saved` (selective recompute)
-    is handed the output of each style whose sum over tp the policy keeps (parallel/recompute.py)."""
+    rotary tables cover the whole sequence attention gathers; where parallel.ep spans tp a MoE block
+    takes the rank's own positions, as apply_tensor_parallel's `experts_over_tp`). `on_saved`
+    (selective recompute) is handed the output of each style whose sum over tp the policy keeps
+    (parallel/recompute.py)."""
     plan = tp_plan(part) or {}
     if sequence_parallel:
         setattr(part, "sequence_shards", tp)  # noqa: B010 (nn.Module types its attributes as tensors or modules)
     for name, module in part.named_modules():
         for style in (style for pattern, style in plan.items() if fnmatch(name, pattern)):
-            form = TP_STYLES[style].form(sequence_parallel)
+            form = TP_STYLES[style].form(sequence_parallel, experts_over_tp=experts_over_tp)
             if (takes := form.takes) is not None and takes.keyword is not None:
                 module.register_forward_pre_hook(_resize_keyword(takes, tp), with_kwargs=True)
             elif takes is not None:
