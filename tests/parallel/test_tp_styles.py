@@ -169,20 +169,24 @@ def _record(model: nn.Module, *, values: bool) -> dict[str, dict]:
     return seen
 
 
-def _planned(meta_model: nn.Module, *, sequence_parallel: bool) -> tuple[dict[str, dict], dict[str, tuple]]:
+def _planned(
+    meta_model: nn.Module, *, sequence_parallel: bool, experts_over_tp: bool = False
+) -> tuple[dict[str, dict], dict[str, tuple]]:
     """The planner's trace of one tp rank: what each planned module takes and hands on, and the parameters' shapes."""
     model = copy.deepcopy(meta_model)
     shrink_to_tp_shard(model, TP)
     fake = fake_cpu()
     with fake.mode:
         fake.to_empty(model)
-        emulate_tp_shapes(model, TP, sequence_parallel=sequence_parallel)
+        emulate_tp_shapes(model, TP, sequence_parallel=sequence_parallel, experts_over_tp=experts_over_tp)
         seen = _record(model, values=False)
         model(torch.zeros(BATCH, LEN, dtype=torch.long))
     return seen, {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def _applied(meta_model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool) -> tuple[dict, dict, int]:
+def _applied(
+    meta_model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool, experts_over_tp: bool = False
+) -> tuple[dict, dict, int]:
     """The same on this rank of the model split by its DTensor forms, with values, and the
     collectives its forward runs."""
     model = copy.deepcopy(meta_model)
@@ -193,7 +197,7 @@ def _applied(meta_model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool
     for module in model.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
-    apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+    apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel, experts_over_tp=experts_over_tp)
     seen = _record(model, values=True)
     ids = torch.arange(BATCH * LEN).reshape(BATCH, LEN) % TINY["vocab_size"]
     with torch.no_grad(), Collectives() as comms:
@@ -244,6 +248,12 @@ def _check_rank(rank: int, store: str) -> None:
                     assert planned[name] == shapes, (probe, sp, name)
                 if not sp:
                     _check_rank_streams(probe, meta_model, applied)
+        for sp in (False, True):  # parallel.ep spanning tp: the MoE block on each rank's own positions (TokenShare)
+            meta_model = probes()["moe-gpt"]
+            planned, _ = _planned(meta_model, sequence_parallel=sp, experts_over_tp=True)
+            applied, _, _ = _applied(meta_model, mesh, sequence_parallel=sp, experts_over_tp=True)
+            for name, seen in applied.items():
+                assert planned[name] == {k: v for k, v in seen.items() if not k.endswith("_values")}, (sp, name)
         for sp in (False, True):  # an adapter's output joins its layer's: no collective of its own
             assert collectives["keyword-lora", sp] == collectives["keyword", sp], (sp, collectives)
     finally:
