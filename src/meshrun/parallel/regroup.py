@@ -86,6 +86,28 @@ def generation_store(store: dist.Store, number: int) -> dist.Store:
     return dist.PrefixStore(f"generation-{number}", store)
 
 
+def arrive(store: dist.Store, number: int, rank: int) -> None:
+    """This rank is about to join generation `number` (`await_world` counts it)."""
+    store.set(f"generation/{number}/arrived/{rank}", "1")
+    store.add(f"generation/{number}/arrived", 1)
+
+
+def await_world(store: dist.Store, *, number: int, world: int, within: float) -> None:
+    """A survivor's, before it joins generation `number`: every rank arrived (the replacements
+    too), waiting at most `within` seconds (launch.rdzv_timeout: a lost node's command may have to be
+    run again by its scheduler first); then the ranks that never came, in one line (RunError)."""
+    deadline = time.monotonic() + within
+    while int(store.add(f"generation/{number}/arrived", 0)) < world:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world) if not store.check([f"generation/{number}/arrived/{r}"])]
+            raise RunError(
+                f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} lost and not replaced within {within:g} s "
+                "(launch.rdzv_timeout): no replacement came (a node lost whole comes back when its `meshrun train` runs "
+                "again there); rerun the same command on every node to resume from the newest checkpoint"
+            )
+        time.sleep(POLL_SECONDS * 10)
+
+
 def join(store: dist.Store, *, number: int, rank: int, world: int, timeout: timedelta) -> None:
     """Join generation `number` of the default process group (gloo) as `rank` of `world`, over `store`.
     `timeout` bounds every later collective: it is how long a hung peer takes to be noticed."""

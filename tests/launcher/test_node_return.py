@@ -1,0 +1,131 @@
+"""A node lost whole under launch.recovery peer (issue 46): dp2 over two network namespaces, a worker
+each, the host node `a` holding rank 0 and the job's store; every process in namespace `b` is
+SIGKILLed mid-step (its launcher, agent, keeper and worker: nothing is left there to replace
+anything). The same `meshrun train` run again in `b` (what a scheduler's requeue or a pod's
+restart does) starts its worker as a replacement, which takes rank 1's state from rank 0's memory:
+the run equals the one-node uninterrupted run. A node that never comes back ends the run in one
+line at launch.rdzv_timeout. Real torchrun, keepers, gloo over a veth pair."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import netns
+import pytest
+from conftest import kill_tree, meshrun_env, read_metrics, tiny
+from peer_runs import HERE, JOB, assert_recovered, train
+
+from meshrun.launcher.failures import read_losses
+
+PAUSE_AT = "5"  # rank 1's forward 5: step 3's first microbatch, rank 0 waiting for it in DDP's all-reduce
+
+
+@pytest.fixture
+def two_hosts():
+    yield from netns.two_hosts()
+
+
+def node_command(hosts, i: int, data_dir: Path, tmp: Path, rdzv_timeout: int) -> tuple[list[str], dict[str, str]]:
+    """Node `i`'s `meshrun train` of the dp2 job under peer recovery, in its namespace."""
+    (ns, veth, addr), host = hosts[i], hosts[0][2]
+    args = ["train", *tiny(data_dir, tmp / "run", **{**JOB, "launch.recovery": "peer"}), "--nnodes=2"]
+    args += [f"--rdzv-endpoint={host}:29400", "--rdzv-id=lost-node", f"--rdzv-timeout={rdzv_timeout}"]
+    args += [f"--local-addr={addr}", "--host-node" if i == 0 else "--no-host-node"]
+    env = meshrun_env(
+        tmp,
+        PYTHONPATH=HERE,
+        GLOO_SOCKET_IFNAME=veth,
+        MESHRUN_TEST_PAUSE_AT=PAUSE_AT,
+        MESHRUN_TEST_ON_RANK="1",
+        MESHRUN_TEST_PAUSED=str(tmp / "paused"),
+    )
+    return ["ip", "netns", "exec", ns, sys.executable, "-m", "meshrun", *args], env
+
+
+def start(command: tuple[list[str], dict[str, str]], cwd: Path) -> subprocess.Popen:
+    argv, env = command
+    return subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def kill_namespace(ns: str, paused: Path, procs: list[subprocess.Popen], timeout: float = 240) -> None:
+    """Once rank 1 waits at its cue (`paused` made), SIGKILL every process in namespace `ns`, until none is left."""
+    deadline = time.monotonic() + timeout
+    while not paused.exists():
+        assert time.monotonic() < deadline, "rank 1 never reached its cue"
+        assert all(proc.poll() is None for proc in procs), [proc.communicate()[0][-3000:] for proc in procs]
+        time.sleep(0.1)
+    while pids := subprocess.run(
+        ["ip", "netns", "pids", ns], capture_output=True, text=True, check=True
+    ).stdout.split():
+        assert time.monotonic() < deadline, f"processes left in {ns}: {pids}"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        time.sleep(0.1)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each process's output once it ends; all killed (their sessions' workers too) past `timeout`."""
+    outputs = []
+    try:
+        for proc in procs:
+            try:
+                outputs.append(proc.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{proc.args} did not end within {timeout} s")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+                proc.wait()
+    return outputs
+
+
+@pytest.mark.timeout(600)  # a one-node run and a two-node run with a node started twice, on loaded cores
+def test_a_node_lost_whole_comes_back_as_replacements_and_no_step_is_lost(
+    two_hosts, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = train(data_dir, tmp_path / "plain", JOB)
+    tmp = tmp_path / "nodes"
+    tmp.mkdir()
+    commands = [node_command(two_hosts, i, data_dir, tmp, rdzv_timeout=180) for i in (0, 1)]
+    procs = [start(command, tmp) for command in commands]
+    kill_namespace(two_hosts[1][0], tmp / "paused", procs[:1])
+    lost = finish(procs[1:], timeout=30)  # node b's first launcher, killed
+    assert procs[1].returncode == -signal.SIGKILL
+    back = start(commands[1], tmp)
+    said = finish([procs[0], back], timeout=300)
+    assert [procs[0].returncode, back.returncode] == [0, 0], said
+    assert "was lost from the running job" in said[1], said[1]
+    killed = subprocess.CompletedProcess([], 0, "", "\n".join([*said, *lost]))
+    assert_recovered({"uninterrupted": plain, "killed": (tmp / "run", killed)}, monkeypatch, events=[(2, "1", 0, 0)])
+    assert [(loss.rank, loss.how, loss.replaced) for loss in read_losses(tmp / "run")] == [
+        (1, "lost with its node", True)
+    ]
+
+
+@pytest.mark.timeout(400)
+def test_a_node_that_never_comes_back_ends_the_run_in_one_line_at_its_bound(
+    two_hosts, data_dir: Path, tmp_path: Path
+) -> None:
+    bound = 30
+    commands = [node_command(two_hosts, i, data_dir, tmp_path, rdzv_timeout=bound) for i in (0, 1)]
+    procs = [start(command, tmp_path) for command in commands]
+    kill_namespace(two_hosts[1][0], tmp_path / "paused", procs[:1])
+    killed_at = time.monotonic()
+    said = finish(procs, timeout=bound + 120)
+    took = time.monotonic() - killed_at
+    assert procs[0].returncode == 1, said[0]
+    last = said[0].strip().splitlines()[-1]
+    assert f"rank 1 lost and not replaced within {bound} s (launch.rdzv_timeout)" in last, said[0]
+    assert bound <= took < bound + 90, took
+    assert "Traceback" not in said[0]
+    assert [row["step"] for row in read_metrics(tmp_path / "run") if "loss" in row] == [1, 2]  # nothing lost
