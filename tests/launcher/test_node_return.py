@@ -9,6 +9,7 @@ line at launch.rdzv_timeout. Real torchrun, keepers, gloo over a veth pair."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import subprocess
@@ -129,3 +130,29 @@ def test_a_node_that_never_comes_back_ends_the_run_in_one_line_at_its_bound(
     assert bound <= took < bound + 90, took
     assert "Traceback" not in said[0]
     assert [row["step"] for row in read_metrics(tmp_path / "run") if "loss" in row] == [1, 2]  # nothing lost
+
+
+def test_a_returned_node_checks_in_at_the_agents_exit_barrier_for_its_lost_agent() -> None:
+    """The private pieces of torchrun's exit barrier that stand_in_at_exit uses (its key, its
+    non-blocking half, the rendezvous round's prefix): with the stand-in's check-in, an agent's own
+    barrier of two nodes returns at once. Fails by name if a torch upgrade moves them."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    from torch.distributed.elastic.utils.store import barrier
+
+    from meshrun.config.schema import load_config
+    from meshrun.launcher.returning import stand_in_at_exit
+
+    assert "torch.rendezvous.{self._settings.run_id}.{self._state_holder.state.round}" in inspect.getsource(
+        DynamicRendezvousHandler._wrap_store
+    )
+    cfg = load_config(
+        None, ["parallel.dp=2", "launch.nnodes=2", "launch.rdzv_endpoint=127.0.0.1:1", "launch.rdzv_id=j"]
+    )
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    stand_in_at_exit(store, cfg)
+    agents = dist.PrefixStore("torch.rendezvous.j.0", store)
+    barrier(agents, world_size=2, key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=5)  # the host agent's
