@@ -32,8 +32,11 @@ def two_hosts():
     yield from netns.two_hosts()
 
 
-def node_command(hosts, i: int, data_dir: Path, tmp: Path, rdzv_timeout: int) -> tuple[list[str], dict[str, str]]:
-    """Node `i`'s `meshrun train` of the dp2 job under peer recovery, in its namespace."""
+def node_command(
+    hosts, i: int, data_dir: Path, tmp: Path, rdzv_timeout: int, on_rank: str = "1"
+) -> tuple[list[str], dict[str, str]]:
+    """Node `i`'s `meshrun train` of the dp2 job under peer recovery, in its namespace; `on_rank`
+    waits at the cue for its node to be killed."""
     (ns, veth, addr), host = hosts[i], hosts[0][2]
     args = ["train", *tiny(data_dir, tmp / "run", **{**JOB, "launch.recovery": "peer"}), "--nnodes=2"]
     args += [f"--rdzv-endpoint={host}:29400", "--rdzv-id=lost-node", f"--rdzv-timeout={rdzv_timeout}"]
@@ -43,7 +46,7 @@ def node_command(hosts, i: int, data_dir: Path, tmp: Path, rdzv_timeout: int) ->
         PYTHONPATH=HERE,
         GLOO_SOCKET_IFNAME=veth,
         MESHRUN_TEST_PAUSE_AT=PAUSE_AT,
-        MESHRUN_TEST_ON_RANK="1",
+        MESHRUN_TEST_ON_RANK=on_rank,
         MESHRUN_TEST_PAUSED=str(tmp / "paused"),
     )
     return ["ip", "netns", "exec", ns, sys.executable, "-m", "meshrun", *args], env
@@ -57,10 +60,10 @@ def start(command: tuple[list[str], dict[str, str]], cwd: Path) -> subprocess.Po
 
 
 def kill_namespace(ns: str, paused: Path, procs: list[subprocess.Popen], timeout: float = 240) -> None:
-    """Once rank 1 waits at its cue (`paused` made), SIGKILL every process in namespace `ns`, until none is left."""
+    """Once the cue's rank waits there (`paused` made), SIGKILL every process in namespace `ns`, until none is left."""
     deadline = time.monotonic() + timeout
     while not paused.exists():
-        assert time.monotonic() < deadline, "rank 1 never reached its cue"
+        assert time.monotonic() < deadline, "no rank reached the cue"
         assert all(proc.poll() is None for proc in procs), [proc.communicate()[0][-3000:] for proc in procs]
         time.sleep(0.1)
     while pids := subprocess.run(
@@ -156,3 +159,17 @@ def test_a_returned_node_checks_in_at_the_agents_exit_barrier_for_its_lost_agent
     stand_in_at_exit(store, cfg)
     agents = dist.PrefixStore("torch.rendezvous.j.0", store)
     barrier(agents, world_size=2, key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=5)  # the host agent's
+
+
+@pytest.mark.timeout(400)
+def test_the_host_node_lost_ends_the_run_in_one_line(two_hosts, data_dir: Path, tmp_path: Path) -> None:
+    """Node `a` (the rendezvous store, torchrun's group rank 0, rank 0) killed whole: the survivor on
+    `b` cannot regroup and says why in one line, at once (not at launch.rdzv_timeout)."""
+    commands = [node_command(two_hosts, i, data_dir, tmp_path, rdzv_timeout=300, on_rank="0") for i in (0, 1)]
+    procs = [start(command, tmp_path) for command in commands]
+    kill_namespace(two_hosts[0][0], tmp_path / "paused", procs[1:])
+    said = finish(procs, timeout=200)
+    assert procs[1].returncode != 0, said[1]
+    last = said[1].strip().splitlines()[-1]
+    assert "the job's store went with the node that served it (the host node" in last, said[1]
+    assert "Traceback" not in said[1]

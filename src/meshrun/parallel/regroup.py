@@ -52,6 +52,17 @@ def next_generation(store: dist.Store, *, lost: int) -> int:
     return lost + 1
 
 
+def store_gone(error: BaseException) -> RunError | None:
+    """The one line for a survivor whose store request failed on the network (`error`: the store's
+    node is gone, the host's or torchrun's group rank 0's, which no peer can recover); None for any other error."""
+    if not isinstance(error, dist.DistNetworkError | dist.DistStoreError) or lost_peer(error):
+        return None
+    return RunError(
+        "the job's store went with the node that served it (the host node, or torchrun's group rank 0's): peers "
+        "cannot recover that node; rerun the same command on every node to resume from the newest checkpoint"
+    )
+
+
 def awaited_generation(store: dist.Store, *, timeout: timedelta, rank: int | None = None) -> int:
     """A replacement's: the generation the survivors move to, once they have noticed the loss (the
     next one written is newer than the one recovered last), and not one that `rank` has joined

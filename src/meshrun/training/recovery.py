@@ -140,11 +140,13 @@ class PeerRecovery:
         where = lost_where(step, Following.DONE if after is None else after.part)
         while True:
             progress.mark("recovering", f"a peer was lost {where}: {cause}")
-            kept = self.leave(trainer, step, kept)
             try:
+                kept = self.leave(trainer, step, kept)
                 joined, copy = self.rebuild(trainer, step, rank, after, kept)
                 break
             except RuntimeError as broken:
+                if (gone := regroup.store_gone(broken)) is not None:
+                    raise gone from None
                 if not regroup.lost_peer(broken):
                     raise
                 cause = "another rank lost while recovering: " + said(broken)
