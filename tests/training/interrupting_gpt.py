@@ -4,7 +4,8 @@ ways a run ends, on cue.
 Used through `model.factory: interrupting_gpt:build`. MESHRUN_TEST_SIGNAL_AT=k,
 MESHRUN_TEST_RAISE_AT=k or MESHRUN_TEST_KILL_AT=k (SIGKILL, mid-step: only the rank's first worker,
 not a replacement under launch.recovery peer, unless MESHRUN_TEST_KILL_EVERY is set: each of them)
-(1-based, counted per process); MESHRUN_TEST_ON_RANK=r limits it to one rank (RANK, as torchrun sets
+(1-based, counted per process); MESHRUN_TEST_PAUSE_AT=k: the first worker makes the file
+MESHRUN_TEST_PAUSED and waits there (for its node to be killed); MESHRUN_TEST_ON_RANK=r limits it to one rank (RANK, as torchrun sets
 it; a lone process is rank 0). MESHRUN_TEST_KILL_SENDING=r: rank r's first worker is SIGKILLed when
 its state is asked for while it recovers (a survivor about to send a replacement its state).
 MESHRUN_TEST_KILL_RECEIVING=RANK:FILE: that rank's replacement is SIGKILLed as it takes its state
@@ -80,6 +81,9 @@ class InterruptingEmbedding(Embedding):
         first = os.environ.get("MESHRUN_WORKER_ROLE", "first") == "first" or "MESHRUN_TEST_KILL_EVERY" in os.environ
         if on_this_rank and first and _calls["forward"] == int(os.environ.get("MESHRUN_TEST_KILL_AT", "0")):
             os.kill(os.getpid(), signal.SIGKILL)
+        if on_this_rank and first and _calls["forward"] == int(os.environ.get("MESHRUN_TEST_PAUSE_AT", "0")):
+            Path(os.environ["MESHRUN_TEST_PAUSED"]).touch()  # the test kills this worker's whole node now
+            signal.pause()
         return super().forward(idx)
 
 

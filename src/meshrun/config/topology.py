@@ -123,11 +123,11 @@ class LaunchConfig(Section):
     host_node: bool | None = None
     """Whether this node hosts the rendezvous store (c10d is_host); None = torchrun guesses from rdzv_endpoint."""
     rdzv_timeout: Int = Field(default=600, ge=1)
-    """Seconds a node waits at the rendezvous for all `nnodes` nodes before it gives up (torchrun join_timeout)."""
+    """Seconds a node waits at the rendezvous for all `nnodes` nodes before it gives up (torchrun join_timeout); under recovery peer also how long the survivors wait for a lost rank's replacement (a lost node's command run again)."""
     hang_timeout: Int = Field(default=600, ge=0)
     """Seconds a worker may make no progress before the job is ended with a hang report (x3 while it initialises, in its first step, evaluation and checkpoints); 0 = never."""
     recovery: Recovery = "checkpoint"
-    """How a lost worker is recovered: checkpoint (torchrun restarts every worker from the newest checkpoint), or peer (only the lost worker is replaced, up to max_restarts times per rank, and takes its state from a surviving dp replica's memory: no step lost; ddp with pipelines of schedule 1f1b, hsdp without, one node or several (a lost worker, not a lost node), CPU/gloo so far; dp 1 and fsdp, where no rank holds another's state, fall back to checkpoint)."""
+    """How a lost worker is recovered: checkpoint (torchrun restarts every worker from the newest checkpoint), or peer (only the lost worker is replaced, up to max_restarts times per rank, and takes its state from a surviving dp replica's memory: no step lost; ddp with pipelines of schedule 1f1b, hsdp without, one node or several (a node lost whole comes back as replacements when its `meshrun train` runs again, within rdzv_timeout; not the host node), CPU/gloo so far; dp 1 and fsdp, where no rank holds another's state, fall back to checkpoint)."""
     warm_spare: bool = False
     """recovery peer: keep each rank's next replacement started ahead, its imports done, waiting (a replacement takes ~0.1 s instead of a process start; an idle process per rank)."""
 

@@ -40,17 +40,20 @@ SPARE = "spare"  # started ahead: it waits, on its stdin, for its turn to be a r
 RELAYED = (*STOP_SIGNALS, signal.SIGINT)  # what the agent sends a worker reaches the training worker
 
 
-def keep(argv: Sequence[str], *, env: Mapping[str, str], replacements: int, spare: bool = False) -> int:
+def keep(
+    argv: Sequence[str], *, env: Mapping[str, str], replacements: int, spare: bool = False, replacing: bool = False
+) -> int:
     """Run `argv` as this rank's worker; each time it is killed by a signal (a crash, the OOM killer,
     `kill -9`) or ended by its hang watchdog, start it again with the next generation, at most
     `replacements` times, each loss recorded in the run's failures (launcher/failures.py). `spare`: keep
     the next replacement started ahead, waiting (meshrun.parallel.regroup.generation), so that a
     replacement costs no process start. A worker that exits by itself (done, stopped, or failed in
     its own words) ends the keeper with its status; the last one's death too, as the shell would
-    say it (128 + the signal), and a death after a stop this keeper passed on (the job is ending)."""
+    say it (128 + the signal), and a death after a stop this keeper passed on (the job is ending).
+    `replacing`: the first worker is itself a replacement (its node was lost: launcher/returning.py)."""
     rank, run_dir = env.get("RANK", "?"), (Path(env[RUN_DIR_ENV]) if RUN_DIR_ENV in env else None)
     standby = start(argv, env=env, role=SPARE) if spare and replacements else None
-    worker, number, relayed = start(argv, env=env, role=FIRST), 0, []
+    worker, number, relayed = start(argv, env=env, role=REPLACEMENT if replacing else FIRST), 0, []
     while lost(code := wait_relaying(worker, relayed)) and not relayed:
         how = note_loss(run_dir, env, code, number=number, replaced=number < replacements)
         if number == replacements:
@@ -133,11 +136,14 @@ def main(args: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshrun.launcher.keeper", description=__doc__)
     parser.add_argument("--replacements", type=int, required=True, help="replacements at most for this rank")
     parser.add_argument("--spare", action="store_true", help="keep the next replacement started ahead, waiting")
+    parser.add_argument("--replacing", action="store_true", help="the first worker replaces one lost with its node")
     parser.add_argument("worker", nargs=argparse.REMAINDER, help="the worker's command line, after --")
     parsed = parser.parse_args(args)
     die_with_parent(signal.SIGTERM)  # the agent gone: the worker stops as on any stop request, then dies with this
     worker = parsed.worker[1:] if parsed.worker[:1] == ["--"] else parsed.worker
-    return keep(worker, env=os.environ, replacements=parsed.replacements, spare=parsed.spare)
+    return keep(
+        worker, env=os.environ, replacements=parsed.replacements, spare=parsed.spare, replacing=parsed.replacing
+    )
 
 
 if __name__ == "__main__":

@@ -28,10 +28,12 @@ from meshrun.launcher.outcome import (
     read_record,
 )
 from meshrun.launcher.rendezvous import RendezvousWatch
+from meshrun.launcher.returning import NODE_KEY_ENV, lost_node, node_key, run_returned
 from meshrun.launcher.run_lock import HELD_ENV, RunDirLock
 from meshrun.launcher.torchrun import (
     RDZV_TIMEOUT_EXIT,
     check_torchrun_ending,
+    keeper_argv,
     run_tmpdir,
     run_torchrun,
     timeout_message,
@@ -76,6 +78,14 @@ def launch(cfg: Config, worker_args: list[str], *, lock: RunDirLock) -> int:
     """torchrun with this node's workers, under the held `lock`; returns the exit code for how the
     run ended (see meshrun.launcher.outcome), or raises the workers' one-line reason."""
     run_dir = Path(cfg.run_dir)
+    env = {**worker_env(cfg), PARENT_PID: str(os.getpid()), HELD_ENV: lock.job, LOGS_ENV: str(log_dir(run_dir))}
+    env[RUN_DIR_ENV] = str(run_dir)  # the keepers' failure records (launch.recovery peer)
+    if (key := node_key(cfg)) is not None:
+        env[NODE_KEY_ENV] = key
+        if (recorded := lost_node(cfg, key)) is not None:  # this node is back in a running job
+            with run_tmpdir(env):
+                code = run_returned(cfg, recorded, keeper_argv(cfg, worker_args, replacing=True), env=env, lock=lock)
+            return returned_ending(run_dir, code)
     argv = torchrun_argv(cfg, worker_args)
     say(f"starting {cfg.world_size} workers: {' '.join(argv[1:])}")
     if cfg.launch.recovery == "peer" and not peer_recovery(cfg.parallel, cfg.launch):
@@ -88,8 +98,6 @@ def launch(cfg: Config, worker_args: list[str], *, lock: RunDirLock) -> int:
         say(waiting_line(cfg))
         watch.start()
     clear_record(run_dir)  # an earlier launch's outcome must not be read as this one's
-    env = {**worker_env(cfg), PARENT_PID: str(os.getpid()), HELD_ENV: lock.job, LOGS_ENV: str(log_dir(run_dir))}
-    env[RUN_DIR_ENV] = str(run_dir)  # the keepers' failure records (launch.recovery peer)
     try:
         with run_tmpdir(env):
             code, relayed = run_torchrun(argv, env=env, lock=lock)
@@ -111,6 +119,14 @@ def launch(cfg: Config, worker_args: list[str], *, lock: RunDirLock) -> int:
     if outcome is Outcome.FAILED and (error := read_error(run_dir)):
         raise error  # the workers' reason, as the last line (their lines may interleave above)
     return launcher_exit_code(outcome, code, stop_relayed=stop is not None)
+
+
+def returned_ending(run_dir: Path, code: int) -> int:
+    """A returned node's exit code: its workers' (each ends 0 when it completed or stopped, as under
+    torchrun); a failure with the reason rank 0 recorded, if it did (it may still be writing it)."""
+    if code and read_record(run_dir) is Outcome.FAILED and (error := read_error(run_dir)):
+        raise error
+    return code
 
 
 def completed_steps(run_dir: Path) -> int | None:

@@ -73,10 +73,17 @@ def torchrun_argv(cfg: Config, worker_args: list[str]) -> list[str]:
             argv.append(f"--local-addr={launch.local_addr}")
     argv.append(f"--nproc-per-node={cfg.nproc_per_node}")
     if peer_recovery(cfg.parallel, launch):  # each worker under its keeper, which replaces it alone
-        keeper = ["-m", KEEPER, f"--replacements={launch.max_restarts}", *["--spare"] * launch.warm_spare]
-        keeper += ["--", sys.executable, "-P"]
-        return [*argv, "--max-restarts=0", *keeper, "-m", "meshrun", *worker_args]
+        return [*argv, "--max-restarts=0", *keeper_argv(cfg, worker_args)[2:]]  # torchrun runs its python
     return [*argv, f"--max-restarts={launch.max_restarts}", "-m", "meshrun", *worker_args]
+
+
+def keeper_argv(cfg: Config, worker_args: list[str], *, replacing: bool = False) -> list[str]:
+    """A keeper's command (launch.recovery peer) for a worker running `meshrun` with `worker_args`;
+    `replacing`: its first worker replaces one lost with its node (launcher/returning.py)."""
+    launch = cfg.launch
+    keeper = [sys.executable, "-P", "-m", KEEPER, f"--replacements={launch.max_restarts}"]
+    keeper += ["--spare"] * launch.warm_spare + ["--replacing"] * replacing
+    return [*keeper, "--", sys.executable, "-P", "-m", "meshrun", *worker_args]
 
 
 def worker_env(cfg: Config) -> dict[str, str]:

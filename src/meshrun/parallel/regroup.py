@@ -52,6 +52,17 @@ def next_generation(store: dist.Store, *, lost: int) -> int:
     return lost + 1
 
 
+def store_gone(error: BaseException) -> RunError | None:
+    """The one line for a survivor whose store request failed on the network (`error`: the store's
+    node is gone, the host's or torchrun's group rank 0's, which no peer can recover); None for any other error."""
+    if not isinstance(error, dist.DistNetworkError | dist.DistStoreError) or lost_peer(error):
+        return None
+    return RunError(
+        "the job's store went with the node that served it (the host node, or torchrun's group rank 0's): peers "
+        "cannot recover that node; rerun the same command on every node to resume from the newest checkpoint"
+    )
+
+
 def awaited_generation(store: dist.Store, *, timeout: timedelta, rank: int | None = None) -> int:
     """A replacement's: the generation the survivors move to, once they have noticed the loss (the
     next one written is newer than the one recovered last), and not one that `rank` has joined
@@ -84,6 +95,28 @@ def generation_store(store: dist.Store, number: int) -> dist.Store:
     """The keys of generation `number` of the group: a prefix of their own, so that a new group never
     reads a key an earlier one left (init_process_group numbers its groups from 0 again)."""
     return dist.PrefixStore(f"generation-{number}", store)
+
+
+def arrive(store: dist.Store, number: int, rank: int) -> None:
+    """This rank is about to join generation `number` (`await_world` counts it)."""
+    store.set(f"generation/{number}/arrived/{rank}", "1")
+    store.add(f"generation/{number}/arrived", 1)
+
+
+def await_world(store: dist.Store, *, number: int, world: int, within: float) -> None:
+    """A survivor's, before it joins generation `number`: every rank arrived (the replacements
+    too), waiting at most `within` seconds (launch.rdzv_timeout: a lost node's command may have to be
+    run again by its scheduler first); then the ranks that never came, in one line (RunError)."""
+    deadline = time.monotonic() + within
+    while int(store.add(f"generation/{number}/arrived", 0)) < world:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world) if not store.check([f"generation/{number}/arrived/{r}"])]
+            raise RunError(
+                f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} lost and not replaced within {within:g} s "
+                "(launch.rdzv_timeout): no replacement came (a node lost whole comes back when its `meshrun train` runs "
+                "again there); rerun the same command on every node to resume from the newest checkpoint"
+            )
+        time.sleep(POLL_SECONDS * 10)
 
 
 def join(store: dist.Store, *, number: int, rank: int, world: int, timeout: timedelta) -> None:

@@ -140,11 +140,13 @@ class PeerRecovery:
         where = lost_where(step, Following.DONE if after is None else after.part)
         while True:
             progress.mark("recovering", f"a peer was lost {where}: {cause}")
-            kept = self.leave(trainer, step, kept)
             try:
+                kept = self.leave(trainer, step, kept)
                 joined, copy = self.rebuild(trainer, step, rank, after, kept)
                 break
             except RuntimeError as broken:
+                if (gone := regroup.store_gone(broken)) is not None:
+                    raise gone from None
                 if not regroup.lost_peer(broken):
                     raise
                 cause = "another rank lost while recovering: " + said(broken)
@@ -179,7 +181,9 @@ class PeerRecovery:
         over its meshes (or, under HSDP, its state built again around the `kept` shards), the state
         shared; when the replacement joined and what it was sent."""
         world = trainer.cfg.world_size
+        regroup.arrive(self.store, self.number, rank)
         with regroup.ended_by_sigterm():
+            regroup.await_world(self.store, number=self.number, world=world, within=trainer.cfg.launch.rdzv_timeout)
             regroup.join(self.store, number=self.number, rank=rank, world=world, timeout=COLLECTIVE_TIMEOUT)
         joined = time.time()  # the replacement is there
         mesh = mesh_on(trainer.mesh.layout, trainer.device)
@@ -228,6 +232,8 @@ def join(layout: Layout, *, join_timeout: int, replacement: bool) -> tuple[Mesh,
     store, rank, world = join_store(join_timeout)
     timeout = timedelta(seconds=join_timeout)
     number = regroup.awaited_generation(store, timeout=timeout, rank=rank) if replacement else 0
+    if replacement:
+        regroup.arrive(store, number, rank)
     regroup.join(store, number=number, rank=rank, world=world, timeout=COLLECTIVE_TIMEOUT)
     if replacement:
         regroup.joined(store, number, rank)

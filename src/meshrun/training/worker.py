@@ -24,6 +24,7 @@ from meshrun.launcher.hang import HangWatchdog, Place
 from meshrun.launcher.keeper import ROLE_ENV
 from meshrun.launcher.logs import divert_worker_notes, log_failure
 from meshrun.launcher.outcome import Outcome, failed_in, write_record
+from meshrun.launcher.returning import record_node
 from meshrun.launcher.run_lock import HELD_ENV
 from meshrun.launcher.torchrun import in_launched_worker
 from meshrun.models.families import init_line
@@ -90,6 +91,7 @@ def join_job(cfg: Config, *, replacement: bool) -> tuple[Mesh, Config, PeerRecov
         mesh, recovery = join_recoverable(cfg.layout, join_timeout=cfg.launch.rdzv_timeout, replacement=replacement)
         if replacement:
             return mesh, resolved_alone(cfg, mesh.device), recovery
+        record_node(os.environ, cfg.launch.rdzv_endpoint)  # a node lost whole can come back (launcher/returning.py)
     else:
         mesh = init_mesh(cfg.layout, join_timeout=cfg.launch.rdzv_timeout)
     progress.mark_init("the first collective: every node's data prepared")
