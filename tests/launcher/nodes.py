@@ -27,18 +27,26 @@ def run_nodes(nodes: list[tuple[list[str], dict[str, str]]], *, cwd: Path, timeo
         )
         for argv, env in nodes
     ]
-    outputs: list[str] = []
+    outputs = finish(procs, timeout)
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, f"node command {proc.args} exited {proc.returncode}\n{out[-6000:]}"
+    return outputs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each process's output once it ends; past `timeout` the test fails, and every process still
+    running is killed with its sessions' workers (they live in sessions of their own: a group kill
+    misses them)."""
+    outputs = []
     try:
         for proc in procs:
             try:
                 outputs.append(proc.communicate(timeout=timeout)[0])
             except subprocess.TimeoutExpired:
-                pytest.fail(f"node command {proc.args} timed out after {timeout}s")
+                pytest.fail(f"{proc.args} did not end within {timeout} s")
     finally:
         for proc in procs:
             if proc.poll() is None:
-                kill_tree(proc.pid)  # workers live in sessions of their own: a group kill misses them
+                kill_tree(proc.pid)
                 proc.wait()
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, f"node command {proc.args} exited {proc.returncode}\n{out[-6000:]}"
     return outputs

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import netns
 import pytest
-from conftest import kill_tree, meshrun_env, read_metrics, tiny
+from conftest import meshrun_env, read_metrics, tiny
+from nodes import finish
 from peer_runs import HERE, JOB, assert_recovered, train
 
 from meshrun.launcher.failures import read_losses
@@ -74,23 +75,6 @@ def kill_namespace(ns: str, paused: Path, procs: list[subprocess.Popen], timeout
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
         time.sleep(0.1)
-
-
-def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    """Each process's output once it ends; all killed (their sessions' workers too) past `timeout`."""
-    outputs = []
-    try:
-        for proc in procs:
-            try:
-                outputs.append(proc.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{proc.args} did not end within {timeout} s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-                proc.wait()
-    return outputs
 
 
 @pytest.mark.timeout(600)  # a one-node run and a two-node run with a node started twice, on loaded cores
