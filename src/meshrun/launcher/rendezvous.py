@@ -24,6 +24,13 @@ if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
 POLL_SECONDS = 1.0
+DEFAULT_PORT = 29400  # torchrun's c10d rendezvous port where the endpoint names none
+
+
+def store_address(endpoint: str) -> tuple[str, int]:
+    """The host and port of the rendezvous store at `endpoint` (HOST[:PORT], an IPv6 host in brackets)."""
+    host, port = split_endpoint(endpoint)
+    return host.strip("[]"), int(port or DEFAULT_PORT)
 
 
 def probe(host: str, port: int) -> str | None:
@@ -47,8 +54,7 @@ class RendezvousWatch:
     def __init__(self, cfg: Config) -> None:
         launch = cfg.launch
         assert launch.rdzv_endpoint is not None  # nnodes > 1 needs it (config/topology.py)
-        host, port = split_endpoint(launch.rdzv_endpoint)
-        self.host, self.port = host.strip("[]"), int(port or 29400)
+        self.host, self.port = store_address(launch.rdzv_endpoint)
         self.endpoint, self.nnodes, self.key = launch.rdzv_endpoint, launch.nnodes, f"meshrun/nodes/{launch.rdzv_id}"
         self.timeout = launch.rdzv_timeout
         self.started = time.monotonic()

@@ -23,13 +23,12 @@ from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
-from meshrun.config.address import split_endpoint
 from meshrun.config.schema import Config
 from meshrun.config.topology import peer_recovery
 from meshrun.files.console import say
 from meshrun.launcher.failures import new_loss, record
 from meshrun.launcher.lifetime import wait_for_session
-from meshrun.launcher.rendezvous import probe
+from meshrun.launcher.rendezvous import probe, store_address
 from meshrun.launcher.run_lock import HELD_ENV, RunDirLock
 
 NODE_KEY_ENV = "MESHRUN_NODE_KEY"  # where a node's first workers record it in the job's store
@@ -68,12 +67,6 @@ def record_node(env: Mapping[str, str], endpoint: str | None) -> None:
         return
     store = dist.TCPStore(*store_address(endpoint), is_master=False, timeout=timedelta(seconds=30))
     store.set(key, json.dumps({name: env[name] for name in RECORDED if name in env}))
-
-
-def store_address(endpoint: str) -> tuple[str, int]:
-    """The host and port of the rendezvous store at `endpoint` (torchrun's default port where none is given)."""
-    host, port = split_endpoint(endpoint)
-    return host.strip("[]"), int(port or 29400)
 
 
 def lost_node(cfg: Config, key: str) -> dict[str, str] | None:
