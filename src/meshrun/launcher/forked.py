@@ -24,8 +24,6 @@ from typing import Any
 import torch.distributed.run as torchrun_module
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshrun.launcher.lifetime import mark_forked
-
 MESHRUN_WORKER = ("-u", "-m", "meshrun")  # how torchrun's `-m meshrun ARGS` reaches elastic_launch
 # The server listens on a Unix socket in the temporary folder: TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX
 # must fit a socket's 107 characters; a longer TMPDIR (a scheduler's per-job folder) starts workers
@@ -48,7 +46,6 @@ def worker(*argv: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(write_through=True)  # type: ignore[attr-defined]  # python -u
     sys.argv = ["meshrun", *argv]
-    mark_forked()
     runpy.run_module("meshrun", run_name="__main__", alter_sys=True)
 
 

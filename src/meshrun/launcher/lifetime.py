@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -47,19 +48,12 @@ def name_worker(rank: int) -> None:
         ctypes.CDLL(None).prctl(PR_SET_NAME, f"{WORKER_NAME}{rank}".encode()[:15], 0, 0, 0)
 
 
-_FORKED = []  # holds True in a worker forked by torchrun's multiprocessing start (launcher/forked.py)
-
-
-def mark_forked() -> None:
-    """This process is a forked worker: its parent's wrapper sends torchrun's agent the worker's
-    return value and then ends it with os._exit, so it must not end itself (end_worker): the agent
-    would wait for a value never sent."""
-    _FORKED.append(True)
-
-
 def ends_itself() -> bool:
-    """Whether this worker ends itself (started as a process of its own), not its forking parent."""
-    return not _FORKED
+    """Whether this worker ends itself: started as a process of its own, not forked by a
+    multiprocessing start (launcher/forked.py), whose wrapper sends torchrun's agent the worker's
+    return value and then ends it with os._exit (ending it first, the agent would wait for a value
+    never sent)."""
+    return multiprocessing.parent_process() is None
 
 
 def end_worker(code: int) -> NoReturn:
