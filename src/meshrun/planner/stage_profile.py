@@ -24,9 +24,8 @@ class StageProfile:
     recomputed_moe_blocks: int = 0
     hidden_bytes: int = 0  # one block's whole output per microbatch (all positions): what a tp all-reduce moves
     backward_bytes: int = 0  # what backward allocates at once beyond the kept activations (the loss's gradient)
-    replicated_flops_per_token: float = (
-        0.0  # computed again by every tp rank, not useful work: a MoE block's MLP whole on each
-    )
+    # computed again by every tp rank, not useful work: a MoE block's MLP whole on each (ep within dp)
+    replicated_flops_per_token: float = 0.0
 
     @property
     def recompute_flops_per_token(self) -> float:
