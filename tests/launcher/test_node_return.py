@@ -145,6 +145,41 @@ def test_a_returned_node_checks_in_at_the_agents_exit_barrier_for_its_lost_agent
     barrier(agents, world_size=2, key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=5)  # the host agent's
 
 
+def test_a_record_read_from_the_store_names_only_the_jobs_environment() -> None:
+    """The store a returning node reads is on the network: only torchrun's job variables reach its
+    workers (a name like LD_PRELOAD is dropped), and a record whose numbers are not this node's
+    (a group rank past nnodes, another local world size) is no job of ours: a launch like any other."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshrun.config.schema import load_config
+    from meshrun.launcher.returning import lost_node
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    cfg = load_config(
+        None,
+        [
+            "parallel.dp=2",
+            "parallel.pp=1",
+            "launch.nnodes=2",
+            "launch.recovery=peer",
+            "launch.max_restarts=1",
+            f"launch.rdzv_endpoint=127.0.0.1:{store.port}",
+            "launch.host_node=false",
+        ],
+    )
+    job = {"GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}
+    store.set("node", json.dumps({**job, "LD_PRELOAD": "/tmp/hostile.so", "PYTHONPATH": "/tmp/hostile"}))
+    assert lost_node(cfg, "node") == job
+    for wrong in ({"GROUP_RANK": "2"}, {"GROUP_RANK": "-1"}, {"LOCAL_WORLD_SIZE": "64"}, {"GROUP_RANK": None}):
+        store.set("node", json.dumps({**job, **wrong}))
+        assert lost_node(cfg, "node") is None, wrong
+    store.set("node", "[1, 2]")
+    assert lost_node(cfg, "node") is None
+
+
 @pytest.mark.timeout(400)
 def test_the_host_node_lost_ends_the_run_in_one_line(two_hosts, data_dir: Path, tmp_path: Path) -> None:
     """Node `a` (the rendezvous store, torchrun's group rank 0, rank 0) killed whole: the survivor on

@@ -85,10 +85,20 @@ def lost_node(cfg: Config, key: str) -> dict[str, str] | None:
         recorded = json.loads(store.get(key))
     except (RuntimeError, OSError, ValueError):  # not a store, or not one that ran this job
         return None
-    if not isinstance(recorded, dict) or "GROUP_RANK" not in recorded:
+    if not ours(recorded, cfg):
         return None
     stand_in_at_exit(store, cfg)
-    return {str(name): str(value) for name, value in recorded.items()}
+    return {name: str(recorded[name]) for name in RECORDED if name in recorded}
+
+
+def ours(recorded: object, cfg: Config) -> bool:
+    """Whether a record read from the network is one this job's workers wrote: only the RECORDED names
+    reach a worker's environment (a store any host can write to names no LD_PRELOAD or PYTHONPATH),
+    and its group rank and local world size are this node's numbers, not a count to start."""
+    if not isinstance(recorded, dict):
+        return False
+    group, local = str(recorded.get("GROUP_RANK", "")), str(recorded.get("LOCAL_WORLD_SIZE", ""))
+    return group.isdigit() and int(group) < cfg.launch.nnodes and local == str(cfg.nproc_per_node)
 
 
 def stand_in_at_exit(store: object, cfg: Config) -> None:
